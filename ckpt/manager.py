@@ -1,0 +1,248 @@
+"""CheckpointManager: the policy — when a save runs, which step a restore takes, what is kept."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, ContextManager, Mapping, Protocol, Sequence
+
+from . import catalog
+from .checkpointer import SaveJob, plan_local, read_manifest, restore_into
+from .errors import CheckpointWriteError, CorruptCheckpointError
+from .format import MANIFEST, step_dir
+from .retention import Retention
+from .staging import StagingArena
+from .storage import Storage, context, open_storage
+
+log = logging.getLogger("ckpt")
+
+
+class CheckpointObserver(Protocol):
+    """What the manager tells a goodput tracker (e.g. `ettr.GoodputTracker`); every method must be thread-safe."""
+
+    def span(self, category: str, **attrs: Any) -> ContextManager[Any]: ...
+    def checkpoint_committed(self, step: int, background_seconds: float) -> None: ...
+    def checkpoint_restored(self, step: int | None) -> None: ...
+    def checkpoint_failed(self, step: int, error: BaseException) -> None: ...
+
+
+class _NoTracker:
+    def span(self, category: str, **attrs: Any) -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def checkpoint_committed(self, step: int, background_seconds: float) -> None:
+        pass
+
+    def checkpoint_restored(self, step: int | None) -> None:
+        pass
+
+    def checkpoint_failed(self, step: int, error: BaseException) -> None:
+        pass
+
+
+class SaveHandle:
+    """A save in flight: `done()` polls, `wait()` blocks until committed and raises its error, if any."""
+
+    def __init__(self, step: int, future: Future, manager: "CheckpointManager"):
+        self.step, self._future, self._manager = step, future, manager
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        try:
+            self._future.result(timeout)
+        except CheckpointWriteError as e:
+            self._manager._consume(e)
+            raise
+
+
+class CheckpointManager:
+    """Saves training state asynchronously to `root` and restores the newest intact step.
+
+    Args:
+        root: local directory or URL (``file://``, ``memory://``, or any tensorstore kvstore URL).
+        keep_last, keep_every, keep_best, best_metric, best_mode: retention (see `Retention`).
+        max_staging_bytes: cap on the host snapshot buffer; larger states are snapshotted in waves.
+        chunk_bytes: target size of one chunk file (one chunk per tensor up to this size).
+        tracker: a `CheckpointObserver` (such as `ettr.GoodputTracker`) told about saves and restores.
+        io_threads: concurrent chunk reads on restore.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None, keep_every: int | None = None,
+                 keep_best: int | None = None, best_metric: str | None = None, best_mode: str = "min",
+                 max_staging_bytes: int | None = None, chunk_bytes: int = 64 << 20,
+                 tracker: CheckpointObserver | None = None, io_threads: int = 8):
+        self.storage: Storage = open_storage(root)
+        self.retention = Retention(keep_last, keep_every, keep_best, best_metric, best_mode)
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
+        self.tracker: CheckpointObserver = tracker if tracker is not None else _NoTracker()
+        self._arena = StagingArena(max_staging_bytes)
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer")
+        self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-reader")
+        self._inflight: SaveHandle | None = None
+        self._error: CheckpointWriteError | None = None
+        self._lock = threading.Lock()
+        self._metadata: dict[int, dict[str, Any]] = {}
+        self._closed = False
+
+    # -- saving -------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None) -> SaveHandle:
+        """Snapshot `state` into host memory and write it in the background; returns once the snapshot is taken.
+
+        A save still writing is waited for first (never two interleaved). An error of an earlier
+        background write is raised here, before anything new is written.
+        """
+        self._check_open()
+        self._raise_error()
+        with self.tracker.span("checkpoint_save", step=step):
+            self._drain()
+            if self.storage.read(f"{step_dir(step)}/{MANIFEST}") is not None:
+                raise ValueError(f"step {step} is already committed in {self.storage.url}; "
+                                 f"a committed checkpoint is never overwritten")
+            t0 = time.perf_counter()
+            job = SaveJob(self.storage, plan_local(step, state, metadata, self.chunk_bytes), self._arena, context())
+            stall = time.perf_counter() - t0
+        future = self._writer.submit(self._background, job, stall)
+        self._inflight = SaveHandle(step, future, self)
+        return self._inflight
+
+    def _background(self, job: SaveJob, stall: float) -> None:
+        step, t0 = job.plan.step, time.perf_counter()
+        try:
+            job.write_arrays()
+            job.commit()
+        except BaseException as e:
+            err = CheckpointWriteError(step, e)
+            with self._lock:
+                self._error = err
+            log.error("checkpoint step %d failed: %s", step, e)
+            self.tracker.checkpoint_failed(step, err)
+            raise err from e
+        seconds = time.perf_counter() - t0
+        nbytes = sum(info.nbytes for info in job.plan.arrays.values())
+        self._metadata[step] = job.plan.metadata
+        log.info("committed step %d: %.1f MB, stall %.3fs, background %.3fs (%.2f GB/s)", step, nbytes / 1e6,
+                 stall, seconds, nbytes / max(seconds, 1e-9) / 1e9)
+        self.tracker.checkpoint_committed(step, seconds)
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        if not self.retention.active:
+            return
+        steps = catalog.committed_steps(self.storage)
+        if self.retention.keep_best:
+            for s in steps:
+                if s not in self._metadata:
+                    try:
+                        self._metadata[s] = read_manifest(self.storage, s).metadata
+                    except (CorruptCheckpointError, FileNotFoundError):
+                        self._metadata[s] = {}
+        for s in self.retention.to_delete(steps, self._metadata):
+            catalog.delete_step(self.storage, s)
+            self._metadata.pop(s, None)
+            log.info("retention removed step %d", s)
+
+    def _drain(self) -> None:
+        handle, self._inflight = self._inflight, None
+        if handle is not None:
+            handle.wait()
+
+    def _consume(self, err: CheckpointWriteError) -> None:
+        with self._lock:
+            if self._error is err:
+                self._error = None
+
+    def _raise_error(self) -> None:
+        with self._lock:
+            err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"CheckpointManager({self.storage.url!r}) is closed")
+
+    def wait(self) -> None:
+        """Block until every save in flight is committed; raises a background write error, if any."""
+        self._drain()
+        self._raise_error()
+
+    # -- restoring ----------------------------------------------------------------------------------
+
+    def restore(self, state: dict[str, Any], *, step: int | None = None, keys: Sequence[str] | None = None) -> int | None:
+        """Load the newest intact committed step (or `step`) into `state` in place; returns the step or None.
+
+        Without `step`, a damaged checkpoint is reported (warning) and the previous one is tried.
+        `keys` restricts the restore to some top-level entries of the state (e.g. ``["model"]``).
+        """
+        self._check_open()
+        self.wait()
+        restored: int | None = None
+        with self.tracker.span("checkpoint_restore"):
+            candidates = [step] if step is not None else sorted(catalog.committed_steps(self.storage), reverse=True)
+            failures: list[CorruptCheckpointError] = []
+            for s in candidates:
+                try:
+                    restore_into(self.storage, read_manifest(self.storage, s), state, keys, context(), self._readers)
+                except CorruptCheckpointError as e:
+                    if step is not None:
+                        raise
+                    failures.append(e)
+                    msg = f"checkpoint step {s} is damaged: {e}; falling back to the previous committed step"
+                    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+                    log.warning(msg)
+                    continue
+                restored = s
+                break
+            if restored is None and failures:
+                raise CorruptCheckpointError(f"no intact checkpoint in {self.storage.url}: {len(failures)} damaged "
+                                             f"(newest error: {failures[0]})")
+        if failures and restored is not None:
+            log.warning("restored step %d after skipping %d damaged step(s)", restored, len(failures))
+        self.tracker.checkpoint_restored(restored)
+        return restored
+
+    # -- queries and lifetime -----------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return catalog.committed_steps(self.storage)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def metadata(self, step: int) -> dict[str, Any]:
+        """The user metadata saved with a committed step."""
+        return read_manifest(self.storage, step).metadata
+
+    def close(self) -> None:
+        """Drain writes (raising a background error, if any) and release threads."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._writer.shutdown(wait=True)
+            self._readers.shutdown(wait=True)
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not mask the loop's exception with a write error; still drain
+            with contextlib.suppress(Exception):
+                self.close()

@@ -1,0 +1,107 @@
+"""Host snapshot of tensors into one reusable, pre-touched buffer (pinned when CUDA is present).
+
+Copying into memory touched before runs ~5x faster than into fresh pages, so the arena is allocated
+once (huge pages advised on Linux), kept across saves, and only grown when the state grows. An optional
+cap bounds it: a snapshot larger than the cap is taken in waves (the save then blocks longer instead of
+allocating past the cap).
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_ALIGN = 4096
+
+
+def _round_up(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _allocate(nbytes: int) -> torch.Tensor:
+    """A uint8 host tensor of `nbytes`, pinned when CUDA is available, else anonymous memory with THP advised."""
+    if torch.cuda.is_available():
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+@dataclass
+class Staged:
+    """One tensor (or a row range of it) copied into the arena."""
+
+    name: str
+    rows: tuple[int, int] | None  # row range of the source's first dim, None = whole tensor
+    host: np.ndarray  # uint8 view into the arena
+
+
+class StagingArena:
+    """One host buffer reused by every snapshot; `plan` splits tensors into waves that fit."""
+
+    def __init__(self, max_bytes: int | None = None):
+        if max_bytes is not None and max_bytes < _ALIGN:
+            raise ValueError(f"max_staging_bytes must be at least {_ALIGN}, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._buf = _allocate(0)
+        self._np = self._buf.numpy()
+        self.lock = threading.Lock()  # held from snapshot until the background write of it is done
+
+    @property
+    def capacity(self) -> int:
+        return self._buf.numel()
+
+    def plan(self, tensors: dict[str, torch.Tensor]) -> list[list[tuple[str, tuple[int, int] | None, int]]]:
+        """Waves of (name, row range, nbytes); each wave fits the cap; oversize tensors are cut by rows."""
+        cap = self.max_bytes
+        waves: list[list[tuple[str, tuple[int, int] | None, int]]] = [[]]
+        used = 0
+        for name, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            pieces: list[tuple[tuple[int, int] | None, int]] = [(None, nbytes)]
+            if cap is not None and _round_up(nbytes) > cap and t.dim() > 0 and t.shape[0] > 1:
+                row = nbytes // t.shape[0]
+                per = max(1, cap // max(1, _round_up(row)) - 1)
+                if row * per + _ALIGN > cap:
+                    raise ValueError(f"tensor {name!r} has rows of {row} bytes, more than max_staging_bytes={cap}")
+                pieces = [((a, min(a + per, t.shape[0])), (min(a + per, t.shape[0]) - a) * row)
+                          for a in range(0, t.shape[0], per)]
+            elif cap is not None and _round_up(nbytes) > cap:
+                raise ValueError(f"tensor {name!r} ({nbytes} bytes) does not fit max_staging_bytes={cap}")
+            for rows, n in pieces:
+                if cap is not None and used + _round_up(n) > cap and waves[-1]:
+                    waves.append([])
+                    used = 0
+                waves[-1].append((name, rows, n))
+                used += _round_up(n)
+        return waves
+
+    def stage(self, tensors: dict[str, torch.Tensor], wave: list[tuple[str, tuple[int, int] | None, int]]) -> list[Staged]:
+        """Copy one wave into the arena (growing it once if needed); returns views valid until the next stage."""
+        need = sum(_round_up(n) for _, _, n in wave)
+        if need > self.capacity:
+            self._buf = _allocate(need)
+            self._np = self._buf.numpy()
+        out, off = [], 0
+        copies = []
+        for name, rows, n in wave:
+            src = tensors[name]
+            if rows is not None:
+                src = src[rows[0]:rows[1]]
+            dst = self._buf[off:off + n]
+            if n:
+                copies.append((dst, src))
+            out.append(Staged(name, rows, self._np[off:off + n]))
+            off += _round_up(n)
+        for dst, src in copies:
+            dst.view(src.dtype).view(src.shape).copy_(src, non_blocking=src.is_cuda)
+        if any(src.is_cuda for _, src in copies):
+            torch.cuda.synchronize()
+        return out

@@ -1,0 +1,165 @@
+"""Where a checkpoint root lives: small files, listing and deletion, and the tensorstore kvstore spec.
+
+One root is always accessed through one store: a local directory through the OS (atomic rename +
+fsync for the commit), anything else (``memory://``, ``gs://``, ``s3://`` ...) through tensorstore's own
+kvstore, which also writes the arrays — so a root is never read through one store and written through
+another (fsspec's ``memory://`` and tensorstore's ``memory`` are different stores). On object stores a
+single PUT of the manifest is the atomic commit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any, Protocol
+
+import fsspec
+import tensorstore as ts
+
+from .format import validate_array_name
+
+
+class Storage(Protocol):
+    """The operations the checkpointer needs from a root."""
+
+    url: str
+
+    def kvstore_spec(self, path: str) -> dict[str, Any]: ...
+    def local_path(self, path: str) -> str | None: ...
+    def list_dirs(self) -> list[str]: ...
+    def list_files(self, path: str) -> list[str]: ...
+    def read(self, path: str) -> bytes | None: ...
+    def write_atomic(self, path: str, data: bytes) -> None: ...
+    def delete_tree(self, path: str) -> None: ...
+    def delete_file(self, path: str) -> None: ...
+    def size(self, path: str) -> int: ...
+
+
+def _check(path: str) -> str:
+    validate_array_name(path)
+    return path
+
+
+class LocalStorage:
+    """A root on a local (POSIX) filesystem."""
+
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+        self.url = self.root
+        os.makedirs(self.root, exist_ok=True)
+
+    def _p(self, path: str) -> str:
+        return os.path.join(self.root, _check(path)) if path else self.root
+
+    def kvstore_spec(self, path: str) -> dict[str, Any]:
+        return {"driver": "file", "path": self._p(path).rstrip("/") + "/"}
+
+    def local_path(self, path: str) -> str | None:
+        return self._p(path)
+
+    def list_dirs(self) -> list[str]:
+        return sorted(e.name for e in os.scandir(self.root) if e.is_dir())
+
+    def list_files(self, path: str) -> list[str]:
+        base = self._p(path)
+        return sorted(os.path.relpath(os.path.join(d, f), base) for d, _, fs in os.walk(base) for f in fs)
+
+    def read(self, path: str) -> bytes | None:
+        try:
+            with open(self._p(path), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        """temp file + fsync + rename + fsync of the directory: the file is either whole or absent."""
+        final = self._p(path)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = f"{final}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        fd = os.open(os.path.dirname(final), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def delete_tree(self, path: str) -> None:
+        shutil.rmtree(self._p(path), ignore_errors=True)
+
+    def delete_file(self, path: str) -> None:
+        try:
+            os.remove(self._p(path))
+        except FileNotFoundError:
+            pass
+
+    def size(self, path: str) -> int:
+        base = self._p(path)
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(base) for f in fs)
+
+
+class KvStorage:
+    """A root in any tensorstore kvstore (memory, GCS, S3, HTTP...), addressed by URL."""
+
+    def __init__(self, url: str, context: ts.Context):
+        self.url = url.rstrip("/") + "/"
+        self._context = context
+        self._kv = ts.KvStore.open(self.url, context=context).result()
+        self._base = self._kv.spec().to_json()
+
+    def kvstore_spec(self, path: str) -> dict[str, Any]:
+        spec = dict(self._base)
+        spec["path"] = spec.get("path", "") + (_check(path).rstrip("/") + "/" if path else "")
+        return spec
+
+    def local_path(self, path: str) -> str | None:
+        return None
+
+    def _keys(self, prefix: str) -> list[str]:
+        rng = ts.KvStore.KeyRange(prefix, prefix + "\xff") if prefix else ts.KvStore.KeyRange()
+        return sorted(k.decode() for k in self._kv.list(rng).result())
+
+    def list_dirs(self) -> list[str]:
+        return sorted({k.split("/", 1)[0] for k in self._keys("") if "/" in k})
+
+    def list_files(self, path: str) -> list[str]:
+        prefix = _check(path).rstrip("/") + "/"
+        return [k[len(prefix):] for k in self._keys(prefix)]
+
+    def read(self, path: str) -> bytes | None:
+        r = self._kv.read(_check(path)).result()
+        return r.value if r.state == "value" else None
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        self._kv.write(_check(path), data).result()
+
+    def delete_tree(self, path: str) -> None:
+        prefix = _check(path).rstrip("/") + "/"
+        self._kv.delete_range(ts.KvStore.KeyRange(prefix, prefix + "\xff")).result()
+
+    def delete_file(self, path: str) -> None:
+        self._kv.delete_range(ts.KvStore.KeyRange(_check(path), _check(path) + "\x00")).result()
+
+    def size(self, path: str) -> int:
+        prefix = _check(path).rstrip("/") + "/"
+        return sum(len(self._kv.read(prefix + k).result().value) for k in self.list_files(path))
+
+
+_CONTEXT = ts.Context()  # one per process, so that every handle of a memory:// root sees the same store
+
+
+def open_storage(root: str | os.PathLike) -> Storage:
+    """The storage of a root given as a local path, ``file://`` URL, or any URL tensorstore has a kvstore for."""
+    root = os.fspath(root)
+    protocol, path = fsspec.core.split_protocol(root)
+    if protocol in (None, "file", "local"):
+        return LocalStorage(path)
+    return KvStorage(root, _CONTEXT)
+
+
+def context() -> ts.Context:
+    """The tensorstore context shared by all roots of this process."""
+    return _CONTEXT

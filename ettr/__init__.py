@@ -1,0 +1,1 @@
+"""ettr: attribute a training job's wall time across restarts and export its goodput (ETTR)."""

@@ -1,0 +1,1 @@
+"""Thin adapters of ckpt + ettr for trainers: a plain loop, PyTorch Lightning, Hugging Face Transformers."""
