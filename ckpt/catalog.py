@@ -62,7 +62,7 @@ def verify(storage: Storage, step: int, on_bytes: Callable[[int], None] | None =
             yield e
 
 
-def _alive(marker: dict) -> bool:
+def alive(marker: dict) -> bool:
     """A save marker belongs to a live process on this host, or is too young to judge."""
     if marker.get("host") != socket.gethostname():
         return time.time() - float(marker.get("time", 0)) < 24 * 3600
@@ -77,7 +77,7 @@ def _alive(marker: dict) -> bool:
 
 def garbage(storage: Storage, *, force: bool = False) -> list[StepEntry]:
     """Uncommitted step directories that no live save owns (all of them with `force`)."""
-    return [e for e in entries(storage) if not e.committed and (force or not (e.in_progress and _alive(e.in_progress)))]
+    return [e for e in entries(storage) if not e.committed and (force or not (e.in_progress and alive(e.in_progress)))]
 
 
 def collect_garbage(storage: Storage, *, force: bool = False) -> list[int]:

@@ -197,9 +197,8 @@ class CheckpointManager:
                     if step is not None:
                         raise
                     failures.append(e)
-                    msg = f"checkpoint step {s} is damaged: {e}; falling back to the previous committed step"
-                    warnings.warn(msg, RuntimeWarning, stacklevel=2)
-                    log.warning(msg)
+                    warnings.warn(f"checkpoint step {s} is damaged: {e}; falling back to the previous committed step",
+                                  RuntimeWarning, stacklevel=2)
                     continue
                 restored = s
                 break

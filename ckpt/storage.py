@@ -46,7 +46,6 @@ class LocalStorage:
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
         self.url = self.root
-        os.makedirs(self.root, exist_ok=True)
 
     def _p(self, path: str) -> str:
         return os.path.join(self.root, _check(path)) if path else self.root
@@ -58,6 +57,8 @@ class LocalStorage:
         return self._p(path)
 
     def list_dirs(self) -> list[str]:
+        if not os.path.isdir(self.root):
+            return []
         return sorted(e.name for e in os.scandir(self.root) if e.is_dir())
 
     def list_files(self, path: str) -> list[str]:

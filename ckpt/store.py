@@ -58,7 +58,7 @@ def read_into(kvstore: dict[str, Any], info: ArrayInfo, dest: torch.Tensor, box:
             raise CorruptCheckpointError(f"array has shape {arr.shape}, manifest says {info.shape}",
                                          step=step, key=info.name, file=file_hint)
         out = typed(as_bytes(dest), info.dtype, tuple(b - a for a, b in box))
-        arr[tuple(slice(a, b) for a, b in box)].read(out=out).result()
+        ts.array(out, copy=False, write=True, context=context).write(arr[tuple(slice(a, b) for a, b in box)]).result()
     except (ValueError, RuntimeError) as e:  # tensorstore reports DATA_LOSS / NOT_FOUND as ValueError
         if isinstance(e, CorruptCheckpointError):
             raise

@@ -1,0 +1,157 @@
+"""`python -m ckpt ls|inspect|verify|gc ROOT`: look at a checkpoint root without writing Python."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from typing import Any
+
+from tqdm import tqdm
+
+from . import catalog
+from .checkpointer import read_manifest
+from .errors import CheckpointError
+from .format import step_dir
+from .storage import Storage, open_storage
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
+    rows = catalog.entries(storage)
+    if not rows:
+        print(f"no checkpoints in {storage.url}")
+        return 0
+    print(f"{'step':>10}  {'state':<12} {'size':>10}  time")
+    for e in rows:
+        when = ""
+        if e.committed:
+            try:
+                when = datetime.datetime.fromtimestamp(read_manifest(storage, e.step).time).isoformat(" ", "seconds")
+            except CheckpointError as err:
+                when = f"DAMAGED: {err}"
+        state = "committed" if e.committed else ("in progress" if e.in_progress and catalog.alive(e.in_progress) else "incomplete")
+        print(f"{e.step:>10}  {state:<12} {_human(storage.size(step_dir(e.step))):>10}  {when}")
+    return 0
+
+
+def _pick_step(storage: Storage, step: int | None) -> int:
+    if step is not None:
+        return step
+    steps = catalog.committed_steps(storage)
+    if not steps:
+        raise SystemExit(f"no committed checkpoint in {storage.url}")
+    return steps[-1]
+
+
+def _tree_lines(node: Any, arrays: dict, indent: str = "") -> list[str]:
+    out = []
+    if isinstance(node, dict) and not any(k.startswith("$") for k in node):
+        for k, v in node.items():
+            out += _leaf_or_branch(k, v, arrays, indent)
+    elif isinstance(node, dict) and "$dict" in node:
+        for k, v in node["$dict"]:
+            out += _leaf_or_branch(repr(k), v, arrays, indent)
+    elif isinstance(node, dict) and "$state" in node:
+        out += _tree_lines(node["v"], arrays, indent)
+    return out
+
+
+def _leaf_or_branch(k: str, v: Any, arrays: dict, indent: str) -> list[str]:
+    ref = v.get("$tensor", v.get("$ndarray")) if isinstance(v, dict) else None
+    if ref is not None:
+        a = arrays[ref]
+        return [f"{indent}{k}: {a.dtype}{list(a.shape)}  ({_human(a.nbytes)}, array {ref})"]
+    if isinstance(v, dict) and ("$state" in v or "$dict" in v or not any(x.startswith("$") for x in v)):
+        label = f" <{v['$state']}>" if "$state" in v else ""
+        return [f"{indent}{k}:{label}"] + _tree_lines(v, arrays, indent + "  ")
+    text = json.dumps(v)
+    return [f"{indent}{k}: {text if len(text) < 100 else text[:97] + '...'}"]
+
+
+def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
+    m = read_manifest(storage, _pick_step(storage, args.step))
+    if args.json:
+        print(json.dumps({"step": m.step, "time": m.time, "world_size": m.world_size, "versions": m.versions,
+                          "metadata": m.metadata, "tree": m.tree,
+                          "arrays": {k: v.to_json() for k, v in m.arrays.items()}}, indent=1))
+        return 0
+    total = sum(a.nbytes for a in m.arrays.values())
+    print(f"step {m.step}  world_size {m.world_size}  {len(m.arrays)} arrays, {_human(total)}  versions {m.versions}")
+    if m.metadata:
+        print(f"metadata: {json.dumps(m.metadata)}")
+    print("\n".join(_tree_lines(m.tree, m.arrays)))
+    return 0
+
+
+def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
+    steps = [args.step] if args.step is not None else catalog.committed_steps(storage)
+    if not steps:
+        print(f"no committed checkpoint in {storage.url}")
+        return 0
+    bad = 0
+    for step in steps:
+        try:
+            total = sum(a.nbytes for a in read_manifest(storage, step).arrays.values())
+        except (CheckpointError, FileNotFoundError) as e:
+            print(f"step {step}: DAMAGED: {e}")
+            bad += 1
+            continue
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"verify step {step}", disable=args.quiet or None,
+                  file=sys.stderr) as bar:
+            problems = list(catalog.verify(storage, step, on_bytes=bar.update))
+        for p in problems:
+            print(f"step {step}: DAMAGED: {p}")
+        if problems:
+            bad += 1
+        else:
+            print(f"step {step}: ok ({_human(total)})")
+    return 1 if bad else 0
+
+
+def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
+    victims = catalog.garbage(storage, force=args.force)
+    if args.dry_run:
+        for e in victims:
+            print(f"would remove incomplete step {e.step}")
+        return 0
+    for step in catalog.collect_garbage(storage, force=args.force):
+        print(f"removed incomplete step {step}")
+    if not victims:
+        print("nothing to remove")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ckpt", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("ls", help="steps, sizes, committed or not, time")
+    s.add_argument("root")
+    s = sub.add_parser("inspect", help="the state tree with dtypes and shapes")
+    s.add_argument("root")
+    s.add_argument("--step", type=int)
+    s.add_argument("--json", action="store_true", help="the whole manifest as JSON")
+    s = sub.add_parser("verify", help="read every chunk and check every checksum; exit 1 on damage")
+    s.add_argument("root")
+    s.add_argument("--step", type=int)
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    s = sub.add_parser("gc", help="remove incomplete steps left by crashed saves")
+    s.add_argument("root")
+    s.add_argument("--force", action="store_true", help="also remove steps that look in progress")
+    s.add_argument("--dry-run", action="store_true")
+    args = p.parse_args(argv)
+    storage = open_storage(args.root)
+    handler = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "gc": cmd_gc}[args.cmd]
+    try:
+        return handler(storage, args)
+    except (CheckpointError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
