@@ -1,0 +1,411 @@
+"""Checkpointable data order: one global sample counter is the whole pipeline position, a batch a pure function of it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ckpt.permutation import epoch_permutation
+from ckpt.seeding import sample_rng, torch_generator
+
+T = TypeVar("T")
+FINGERPRINT_BLOCK = 1 << 16
+
+
+class DataMismatchError(ValueError):
+    """A sampler state saved for other data or another configuration is being resumed."""
+
+
+def data_fingerprint(path: str | os.PathLike[str], block: int = FINGERPRINT_BLOCK) -> str:
+    """Hash of a file's size and its first and last `block` bytes: cheap, and catches a swapped or grown file."""
+    size = os.path.getsize(path)
+    digest = hashlib.sha256(f"size={size};block={block};".encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(block))
+        f.seek(max(0, size - block))
+        digest.update(f.read(block))
+    return digest.hexdigest()[:16]
+
+
+def hash_batch(counters: Iterable[int], values: Iterable[int]) -> str:
+    """Hash of a global batch as (sample counter, yielded value) pairs; training logs it, `explain` recomputes it."""
+    pairs = np.stack([np.asarray(list(counters), dtype="<i8"), np.asarray(list(values), dtype="<i8")])
+    return hashlib.sha256(pairs.tobytes()).hexdigest()[:16]
+
+
+def _default_topology(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world size), from torch.distributed when initialized and not given."""
+    if rank is None or world_size is None:
+        initialized = dist.is_available() and dist.is_initialized()
+        rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
+        world_size = world_size if world_size is not None else (dist.get_world_size() if initialized else 1)
+    return rank, world_size
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What one step's global batch was: sample counters, epochs, item indices, token offsets, batch hash."""
+
+    step: int
+    counters: list[int]
+    epochs: list[int]
+    indices: list[int]
+    starts: list[int] | None
+    window: int | None
+    batch_hash: str
+
+
+class _CounterSampler(Sampler[list[Any]]):
+    """Batch sampler over a keyed per-epoch permutation of `num_items`; position = (global counter t, step)."""
+
+    kind: ClassVar[str]
+
+    def __init__(
+        self,
+        num_items: int,
+        global_batch_size: int,
+        seed: int,
+        *,
+        rank: int | None,
+        world_size: int | None,
+        fingerprint: str | None,
+        allow_data_change: bool,
+    ) -> None:
+        rank, world_size = _default_topology(rank, world_size)
+        if global_batch_size < 1 or global_batch_size % world_size:
+            raise ValueError(f"global_batch_size {global_batch_size} must be a positive multiple of world_size {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} not in [0, {world_size})")
+        if seed < 0:
+            raise ValueError(f"seed must be non-negative, got {seed}")
+        self.num_items = num_items
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.fingerprint = fingerprint
+        self.allow_data_change = allow_data_change
+        self._t = 0
+        self._step = 0
+        self._skip: list[int] = []
+        self._generation = 0
+
+    # ----- position -------------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Number of global batches consumed (the step of the next batch, counting from 0)."""
+        return self._step
+
+    def counter(self, step: int) -> int:
+        """Global sample counter of the first sample of `step`'s global batch."""
+        t = self._t + (step - self._step) * self.global_batch_size
+        if t < 0:
+            raise ValueError(f"step {step} precedes the sampler's origin (t={self._t} at step {self._step})")
+        return t
+
+    def advance(self, batches: int = 1) -> None:
+        """Mark `batches` global batches as consumed by training (call after each step, or use `track`)."""
+        self._t = self.counter(self._step + batches)
+        self._step += batches
+
+    def track(self, batches: Iterable[T]) -> Iterator[T]:
+        """Yield the loader's batches, counting each as consumed when training receives it (prefetch-proof)."""
+        generation = self._generation
+        for batch in batches:
+            self._check_generation(generation)
+            self.advance()
+            yield batch
+
+    def skip(self, indices: Iterable[int]) -> None:
+        """Never yield these items again (each becomes the next unskipped item of its epoch order); call before iter()."""
+        new = sorted(set(self._skip) | {int(i) for i in indices})
+        if new and (new[0] < 0 or new[-1] >= self.num_items):
+            raise ValueError(f"skip indices must be in [0, {self.num_items}), got {new[0]}..{new[-1]}")
+        if len(new) >= self.num_items:
+            raise ValueError(f"cannot skip all {self.num_items} items")
+        self._skip = new
+        self._generation += 1
+
+    # ----- the pure function counter -> item ------------------------------------------------------------
+    def indices(self, counters: np.ndarray) -> np.ndarray:
+        """Item index for each global sample counter: perm_epoch(t mod N), skipped items replaced."""
+        counters = np.asarray(counters, dtype=np.int64)
+        epochs, positions = np.divmod(counters, self.num_items)
+        out = np.empty_like(counters)
+        for epoch in np.unique(epochs):
+            sel = epochs == epoch
+            perm = epoch_permutation(self.num_items, self.seed, int(epoch))
+            got = perm(positions[sel])
+            if self._skip:
+                skip = np.asarray(self._skip, dtype=np.int64)
+                for k in np.flatnonzero(np.isin(got, skip)):
+                    pos = int(positions[sel][k])
+                    while got[k] in skip:
+                        pos = (pos + 1) % self.num_items
+                        got[k] = perm(pos)
+            out[sel] = got
+        return out
+
+    def global_batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(counters, item indices) of `step`'s global batch, identical on every rank and world size."""
+        counters = self.counter(step) + np.arange(self.global_batch_size, dtype=np.int64)
+        return counters, self.indices(counters)
+
+    def local_batch(self, step: int) -> list[Any]:
+        """This rank's contiguous slice of `step`'s global batch, as the values the DataLoader receives."""
+        local = self.global_batch_size // self.world_size
+        counters, indices = self.global_batch(step)
+        sl = slice(self.rank * local, (self.rank + 1) * local)
+        return self._yielded(counters[sl], indices[sl])
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        """Endless local batches from the current step; fails loudly if state is loaded while iterating."""
+        generation, step = self._generation, self._step
+        while True:
+            self._check_generation(generation)
+            yield self.local_batch(step)
+            step += 1
+
+    def _check_generation(self, generation: int) -> None:
+        """Refuse to continue an iterator created before `load_state_dict` (it would silently ignore the state)."""
+        if generation != self._generation:
+            raise RuntimeError("sampler state was loaded (or skips added) after iter(); create a new DataLoader iterator")
+
+    # ----- state ----------------------------------------------------------------------------------------
+    def _config(self) -> dict[str, Any]:
+        """Settings that must match for a resume to continue the same stream."""
+        return {"seed": self.seed, "batch": self.global_batch_size, "fingerprint": self.fingerprint}
+
+    def state_dict(self) -> dict[str, Any]:
+        """About a hundred bytes of JSON: kind, config, fingerprint, counter t, step and skip list."""
+        return {"kind": self.kind, **self._config(), "t": self._t, "step": self._step, "skip": list(self._skip)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at the saved position; a different kind, config or data fingerprint raises unless allowed."""
+        if state.get("kind") != self.kind:
+            raise DataMismatchError(f"sampler state key 'kind': expected {self.kind!r}, got {state.get('kind')!r}")
+        mismatches = [
+            f"{key}: checkpoint has {state.get(key)!r}, this run has {value!r}"
+            for key, value in self._config().items()
+            if state.get(key) != value
+        ]
+        if mismatches and not self.allow_data_change:
+            raise DataMismatchError(
+                "resuming on different data or sampler settings ("
+                + "; ".join(mismatches)
+                + "); pass allow_data_change=True to force it"
+            )
+        self._t, self._step = int(state["t"]), int(state["step"])
+        self._skip = [int(i) for i in state["skip"] if int(i) < self.num_items]
+        self._generation += 1
+
+    def explain(self, step: int) -> Explanation:
+        """The global batch of `step` without touching data: counters, epochs, items, offsets, hash."""
+        counters, indices = self.global_batch(step)
+        values = self._values(indices)
+        return Explanation(
+            step=step,
+            counters=counters.tolist(),
+            epochs=(counters // self.num_items).tolist(),
+            indices=indices.tolist(),
+            starts=self._starts(indices),
+            window=self._window(),
+            batch_hash=hash_batch(counters, values),
+        )
+
+    # ----- per-kind hooks -------------------------------------------------------------------------------
+    def _values(self, indices: np.ndarray) -> np.ndarray:
+        """The value the DataLoader receives per sample (and the batch hash covers)."""
+        return indices
+
+    def _yielded(self, counters: np.ndarray, indices: np.ndarray) -> list[Any]:
+        """Per-sample values handed to the dataset."""
+        return self._values(indices).tolist()
+
+    def _starts(self, indices: np.ndarray) -> list[int] | None:
+        """Token offsets of the samples, when the items are windows."""
+        return None
+
+    def _window(self) -> int | None:
+        """Window length in tokens, when the items are windows."""
+        return None
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> _CounterSampler:
+        """A rank-0, world-size-1 sampler positioned at a saved state (for `explain`)."""
+        raise NotImplementedError
+
+
+class RandomWindowSampler(_CounterSampler):
+    """Windows of L tokens at stride c over n tokens, in a keyed pseudo-random order per epoch; yields (t, start)."""
+
+    kind = "ckpt.RandomWindowSampler/1"
+
+    def __init__(
+        self,
+        n_tokens: int,
+        window: int,
+        stride: int,
+        global_batch_size: int,
+        seed: int,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        fingerprint: str | None = None,
+        allow_data_change: bool = False,
+    ) -> None:
+        if window < 1 or stride < 1 or n_tokens < window:
+            raise ValueError(f"need window >= 1, stride >= 1, n_tokens >= window; got n={n_tokens} L={window} c={stride}")
+        self.n_tokens, self.window, self.stride = n_tokens, window, stride
+        super().__init__(
+            (n_tokens - window) // stride + 1,
+            global_batch_size,
+            seed,
+            rank=rank,
+            world_size=world_size,
+            fingerprint=fingerprint,
+            allow_data_change=allow_data_change,
+        )
+
+    def _config(self) -> dict[str, Any]:
+        return {**super()._config(), "n": self.n_tokens, "L": self.window, "c": self.stride}
+
+    def _values(self, indices: np.ndarray) -> np.ndarray:
+        return indices * self.stride
+
+    def _yielded(self, counters: np.ndarray, indices: np.ndarray) -> list[Any]:
+        return list(zip(counters.tolist(), self._values(indices).tolist()))
+
+    def _starts(self, indices: np.ndarray) -> list[int] | None:
+        return self._values(indices).tolist()
+
+    def _window(self) -> int | None:
+        return self.window
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> RandomWindowSampler:
+        sampler = cls(
+            state["n"], state["L"], state["c"], state["batch"], state["seed"],
+            rank=0, world_size=1, fingerprint=state["fingerprint"],
+        )  # fmt: skip
+        sampler.load_state_dict(state)
+        return sampler
+
+
+class ShuffledSampler(_CounterSampler):
+    """Stateful shuffled batches of indices for an ordinary map-style dataset, from the same keyed permutation."""
+
+    kind = "ckpt.ShuffledSampler/1"
+
+    def __init__(
+        self,
+        num_items: int,
+        global_batch_size: int,
+        seed: int,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        fingerprint: str | None = None,
+        allow_data_change: bool = False,
+    ) -> None:
+        if num_items < 1:
+            raise ValueError(f"num_items must be >= 1, got {num_items}")
+        super().__init__(
+            num_items,
+            global_batch_size,
+            seed,
+            rank=rank,
+            world_size=world_size,
+            fingerprint=fingerprint,
+            allow_data_change=allow_data_change,
+        )
+
+    def _config(self) -> dict[str, Any]:
+        return {**super()._config(), "n": self.num_items}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> ShuffledSampler:
+        sampler = cls(state["n"], state["batch"], state["seed"], rank=0, world_size=1, fingerprint=state["fingerprint"])
+        sampler.load_state_dict(state)
+        return sampler
+
+
+SAMPLER_KINDS: dict[str, type[_CounterSampler]] = {cls.kind: cls for cls in (RandomWindowSampler, ShuffledSampler)}
+
+
+def is_sampler_state(tree: Any) -> bool:
+    """True for a dict saved by one of these samplers (its 'kind' tag), so a CLI can find it in a checkpoint tree."""
+    return isinstance(tree, Mapping) and tree.get("kind") in SAMPLER_KINDS
+
+
+def explain(state: Mapping[str, Any], step: int) -> Explanation:
+    """The global batch of `step` from a saved sampler state, without data or training."""
+    if not is_sampler_state(state):
+        raise ValueError(f"not a sampler state: key 'kind' is {state.get('kind')!r}, expected one of {list(SAMPLER_KINDS)}")
+    return SAMPLER_KINDS[state["kind"]].from_state(state).explain(step)
+
+
+def format_explanation(explanation: Explanation) -> str:
+    """Human-readable table of one step's global batch, headed by its hash."""
+    e = explanation
+    lines = [
+        f"step {e.step}: global samples t={e.counters[0]}..{e.counters[-1]}, "
+        f"epoch {e.epochs[0]}{'' if e.epochs[0] == e.epochs[-1] else f'..{e.epochs[-1]}'}, batch hash {e.batch_hash}"
+    ]
+    for i, (t, epoch, index) in enumerate(zip(e.counters, e.epochs, e.indices)):
+        tokens = f" tokens [{e.starts[i]}, {e.starts[i] + e.window})" if e.starts is not None and e.window else ""
+        lines.append(f"  t={t} epoch={epoch} index={index}{tokens}")
+    return "\n".join(lines)
+
+
+class TokenWindowDataset(Dataset[dict[str, Any]]):
+    """Windows of a memory-mapped token file, keyed by (t, start); augmentation draws from the per-sample RNG."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        dtype: np.dtype | str,
+        window: int,
+        seed: int,
+        transform: Callable[[np.ndarray, np.random.Generator], Any] | None = None,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.dtype = np.dtype(dtype)
+        size = os.path.getsize(self.path)
+        if size % self.dtype.itemsize:
+            raise ValueError(f"{self.path}: size {size} is not a multiple of {self.dtype} itemsize {self.dtype.itemsize}")
+        self.n_tokens = size // self.dtype.itemsize
+        self.window, self.seed, self.transform = window, seed, transform
+        self._tokens: np.memmap | None = None
+
+    def fingerprint(self) -> str:
+        """The data fingerprint a sampler over this file should record."""
+        return data_fingerprint(self.path)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Send workers the path, not the mapped array (pickling a memmap copies the whole file)."""
+        return {**self.__dict__, "_tokens": None}
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
+        t, start = key
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
+        tokens = np.array(self._tokens[start : start + self.window])
+        if len(tokens) != self.window:
+            raise IndexError(f"window [{start}, {start + self.window}) exceeds {self.n_tokens} tokens in {self.path}")
+        out = self.transform(tokens, sample_rng(self.seed, t)) if self.transform else torch.from_numpy(tokens.astype(np.int64))
+        return {"t": t, "start": start, "tokens": out}
+
+
+def make_loader(dataset: Dataset[Any], sampler: _CounterSampler, **kwargs: Any) -> DataLoader[Any]:
+    """A DataLoader over the sampler's batches whose iter() does not draw from the global torch RNG."""
+    kwargs.setdefault("generator", torch_generator(sampler.seed, "loader"))
+    return DataLoader(dataset, batch_sampler=sampler, **kwargs)

@@ -1,0 +1,144 @@
+"""Capture and restore of every RNG a training process draws from, as tensors, numpy arrays and JSON (no pickle)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+Generator = Union[random.Random, np.random.Generator, torch.Generator]
+SOURCES = ("python", "numpy", "torch", "cuda")
+
+
+def _topology() -> tuple[int, int]:
+    """(rank, world size) of this process; (0, 1) without torch.distributed."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _python_capture(rng: Any) -> dict[str, Any]:
+    """A `random.Random` (or the `random` module) state as JSON: version, 625 ints, cached gauss."""
+    version, internal, gauss_next = rng.getstate()
+    return {"version": version, "state": list(internal), "gauss_next": gauss_next}
+
+
+def _python_restore(rng: Any, state: Mapping[str, Any]) -> None:
+    """Inverse of `_python_capture`."""
+    rng.setstate((state["version"], tuple(int(x) for x in state["state"]), state["gauss_next"]))
+
+
+def _numpy_capture(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A numpy bit-generator state dict with its arrays copied (ints, strings and uint arrays only)."""
+    return {k: _numpy_capture(v) if isinstance(v, Mapping) else (v.copy() if isinstance(v, np.ndarray) else v) for k, v in state.items()}
+
+
+def _byte_tensor(value: Any, key: str) -> torch.Tensor:
+    """A torch RNG state as the CPU uint8 tensor torch expects, or a TypeError naming the key."""
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8:
+        raise TypeError(f"RNG state {key!r}: expected a uint8 tensor, got {type(value).__name__} {getattr(value, 'dtype', '')}")
+    return value.to("cpu").contiguous()
+
+
+def _kind(generator: Any) -> str:
+    """'python', 'numpy' or 'torch' for a registrable generator; TypeError otherwise."""
+    for kind, cls in (("python", random.Random), ("numpy", np.random.Generator), ("torch", torch.Generator)):
+        if isinstance(generator, cls):
+            return kind
+    raise TypeError(f"cannot capture a {type(generator).__name__}: expected random.Random, numpy.random.Generator or torch.Generator")
+
+
+def _capture(generator: Generator) -> dict[str, Any]:
+    """State of one registered generator, tagged with its kind."""
+    kind = _kind(generator)
+    if isinstance(generator, random.Random):
+        return {"kind": kind, "state": _python_capture(generator)}
+    if isinstance(generator, np.random.Generator):
+        return {"kind": kind, "state": _numpy_capture(generator.bit_generator.state)}
+    return {"kind": kind, "state": generator.get_state()}
+
+
+def _restore(name: str, generator: Generator, saved: Mapping[str, Any]) -> None:
+    """Put a registered generator back to its saved state; the saved kind must match."""
+    kind = _kind(generator)
+    if saved["kind"] != kind:
+        raise TypeError(f"RNG generator {name!r}: checkpoint has a {saved['kind']} generator, this run registered a {kind} one")
+    if isinstance(generator, random.Random):
+        _python_restore(generator, saved["state"])
+    elif isinstance(generator, np.random.Generator):
+        generator.bit_generator.state = saved["state"]
+    else:
+        generator.set_state(_byte_tensor(saved["state"], f"generators.{name}"))
+
+
+class RNGState:
+    """Stateful entry for `CheckpointManager` state: python, numpy legacy, torch CPU, all CUDA devices, registered generators."""
+
+    def __init__(
+        self,
+        generators: Mapping[str, Generator] | None = None,
+        *,
+        python: bool = True,
+        numpy: bool = True,
+        torch: bool = True,
+        cuda: bool = True,
+    ) -> None:
+        self.sources = {"python": python, "numpy": numpy, "torch": torch, "cuda": cuda}
+        self.generators: dict[str, Generator] = {}
+        for name, generator in (generators or {}).items():
+            self.register(name, generator)
+
+    def register(self, name: str, generator: Generator) -> None:
+        """Include a generator (sampler, dropout or augmentation generator) under a stable name."""
+        _kind(generator)
+        self.generators[name] = generator
+
+    def state_dict(self) -> dict[str, Any]:
+        """Snapshot of every enabled source, this rank's only (RNG streams differ per rank)."""
+        rank, world_size = _topology()
+        state: dict[str, Any] = {"rank": rank, "world_size": world_size}
+        if self.sources["python"]:
+            state["python"] = _python_capture(random)
+        if self.sources["numpy"]:
+            state["numpy"] = _numpy_capture(np.random.get_state(legacy=False))
+        if self.sources["torch"]:
+            state["torch"] = torch.get_rng_state()
+        if self.sources["cuda"]:
+            cuda = torch.cuda
+            state["cuda"] = list(cuda.get_rng_state_all()) if cuda.is_available() else []
+        state["generators"] = {name: _capture(g) for name, g in self.generators.items()}
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore every enabled source exactly; a missing entry, another rank or another device count raises."""
+        rank, world_size = _topology()
+        if (state["rank"], state["world_size"]) != (rank, world_size):
+            raise ValueError(
+                f"RNG state was saved by rank {state['rank']} of {state['world_size']}, this is rank {rank} of "
+                f"{world_size}; RNG streams are per rank: for an elastic resume restore without the RNG entry"
+            )
+        wanted = [s for s, on in self.sources.items() if on] + ["generators"]
+        missing = [key for key in wanted if key not in state]
+        if missing:
+            raise KeyError(f"RNG state lacks {missing}: it was saved with those sources disabled")
+        unknown = sorted(set(self.generators) - set(state["generators"]))
+        if unknown:
+            raise KeyError(f"RNG state has no generator {unknown}; saved generators: {sorted(state['generators'])}")
+        if self.sources["cuda"]:
+            devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if len(state["cuda"]) != devices:
+                raise ValueError(f"RNG state 'cuda': checkpoint has {len(state['cuda'])} CUDA devices, this process sees {devices}")
+            if devices:
+                torch.cuda.set_rng_state_all([_byte_tensor(s, f"cuda.{i}") for i, s in enumerate(state["cuda"])])
+        if self.sources["python"]:
+            _python_restore(random, state["python"])
+        if self.sources["numpy"]:
+            np.random.set_state(state["numpy"])
+        if self.sources["torch"]:
+            torch.set_rng_state(_byte_tensor(state["torch"], "torch"))
+        for name, generator in self.generators.items():
+            _restore(name, generator, state["generators"][name])

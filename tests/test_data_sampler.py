@@ -1,0 +1,198 @@
+"""Samplers with real token files and real DataLoader workers: state, fingerprint, traps, skip list, explain, elastic."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from ckpt.data import (
+    DataMismatchError,
+    RandomWindowSampler,
+    ShuffledSampler,
+    TokenWindowDataset,
+    data_fingerprint,
+    explain,
+    format_explanation,
+    hash_batch,
+    is_sampler_state,
+    make_loader,
+)
+
+SEED = 11
+
+
+def write_tokens(path: Path, n: int, vocab: int = 50_000) -> Path:
+    """A token file of n uint16 tokens from a fixed generator."""
+    np.random.default_rng(0).integers(vocab, size=n, dtype=np.uint16).tofile(path)
+    return path
+
+
+def noisy(tokens: np.ndarray, rng: np.random.Generator) -> torch.Tensor:
+    """Augmentation: replace ~10% of tokens, drawing only from the per-sample generator."""
+    out = tokens.astype(np.int64)
+    mask = rng.random(len(out)) < 0.1
+    out[mask] = rng.integers(0, 64, size=int(mask.sum()))
+    return torch.from_numpy(out)
+
+
+@pytest.fixture
+def dataset(tmp_path) -> TokenWindowDataset:
+    return TokenWindowDataset(write_tokens(tmp_path / "tokens.bin", 5000), np.uint16, 16, SEED, transform=noisy)
+
+
+def _sampler(ds: TokenWindowDataset, **kw) -> RandomWindowSampler:
+    kw = {"global_batch_size": 8, "stride": 7, **kw}
+    return RandomWindowSampler(ds.n_tokens, ds.window, kw.pop("stride"), kw.pop("global_batch_size"), SEED, fingerprint=ds.fingerprint(), **kw)
+
+
+def _run(loader: DataLoader, sampler, steps: int) -> list[dict]:
+    it = sampler.track(loader)
+    return [next(it) for _ in range(steps)]
+
+
+def _same(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(all(torch.equal(torch.as_tensor(x[k]), torch.as_tensor(y[k])) for k in x) for x, y in zip(a, b))
+
+
+def test_state_is_small_json_and_resumes(dataset):
+    s = _sampler(dataset)
+    ref = _run(make_loader(dataset, s), s, 6)
+    s2 = _sampler(dataset)
+    _run(make_loader(dataset, s2), s2, 3)
+    text = json.dumps(s2.state_dict())
+    assert len(text) < 200 and s2.state_dict()["t"] == 24 and s2.step == 3
+    s3 = _sampler(dataset)
+    s3.load_state_dict(json.loads(text))
+    assert _same(_run(make_loader(dataset, s3), s3, 3), ref[3:])
+
+
+def test_batches_independent_of_workers_and_worker_seeds(dataset):
+    """Trap: worker global RNGs are never captured; batches (augmentation included) must not depend on them."""
+    runs = []
+    for workers, gen_seed in [(0, 1), (2, 2), (2, 3)]:
+        s = _sampler(dataset)
+        loader = DataLoader(dataset, batch_sampler=s, num_workers=workers, prefetch_factor=4 if workers else None,
+                            generator=torch.Generator().manual_seed(gen_seed))
+        runs.append(_run(loader, s, 5))
+    assert _same(runs[0], runs[1]) and _same(runs[0], runs[2])
+
+
+def test_trap_iter_dataloader_does_not_touch_global_torch_rng(dataset):
+    s = _sampler(dataset)
+    before = torch.get_rng_state()
+    iter(make_loader(dataset, s))
+    assert torch.equal(torch.get_rng_state(), before)
+    iter(DataLoader(dataset, batch_sampler=s))  # without a generator, torch draws a base seed globally
+    assert not torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_trap_state_loaded_after_iter_is_refused(dataset, workers):
+    s = _sampler(dataset)
+    state = s.state_dict()
+    it = s.track(make_loader(dataset, s, num_workers=workers))
+    next(it)
+    s.load_state_dict(state)
+    with pytest.raises(RuntimeError, match="after iter"):
+        next(it)
+
+
+def test_prefetch_does_not_move_the_position(dataset):
+    s = _sampler(dataset)
+    it = s.track(make_loader(dataset, s, num_workers=2, prefetch_factor=8))
+    next(it)
+    next(it)
+    assert (s.step, s.state_dict()["t"]) == (2, 16)
+
+
+def test_fingerprint_detects_other_data(tmp_path, dataset):
+    s = _sampler(dataset)
+    state = s.state_dict()
+    copy = shutil.copy(dataset.path, tmp_path / "copy.bin")
+    assert data_fingerprint(copy) == data_fingerprint(dataset.path)
+    other = TokenWindowDataset(write_tokens(tmp_path / "other.bin", 5000, vocab=7), np.uint16, 16, SEED)
+    with pytest.raises(DataMismatchError, match=r"fingerprint: checkpoint has '\w+', this run has '\w+'.*allow_data_change"):
+        _sampler(other).load_state_dict(state)
+    _sampler(other, allow_data_change=True).load_state_dict(state)
+    with pytest.raises(DataMismatchError, match="c: checkpoint has 7, this run has 5"):
+        _sampler(dataset, stride=5).load_state_dict(state)
+    with pytest.raises(DataMismatchError, match="kind"):
+        ShuffledSampler(10, 2, SEED).load_state_dict(state)
+
+
+def test_explain_matches_the_hash_of_what_training_received(dataset):
+    s = _sampler(dataset)
+    batches = _run(make_loader(dataset, s, num_workers=2), s, 4)
+    state = json.loads(json.dumps(s.state_dict()))
+    assert is_sampler_state(state)
+    for step, batch in enumerate(batches):
+        e = explain(state, step)
+        assert e.batch_hash == hash_batch(batch["t"].tolist(), batch["start"].tolist())
+        assert e.starts == batch["start"].tolist() and e.counters == batch["t"].tolist()
+        raw = np.fromfile(dataset.path, dtype=np.uint16)
+        assert [raw[a : a + e.window].tolist() for a in e.starts] == [raw[a : a + 16].tolist() for a in batch["start"]]
+    text = format_explanation(explain(state, 1))
+    assert text.splitlines()[0].startswith("step 1: global samples t=8..15, epoch 0, batch hash ")
+    assert f"tokens [{e.starts[0]}, {e.starts[0] + 16})" in format_explanation(e)
+
+
+def test_skip_list_removes_windows_for_every_later_resume(dataset):
+    s = _sampler(dataset)
+    epoch_len = s.num_items
+    bad = s.explain(2).indices[:3]
+    s.skip(bad)
+    assert not set(bad) & set(s.explain(2).indices)
+    resumed = _sampler(dataset)
+    resumed.load_state_dict(json.loads(json.dumps(s.state_dict())))
+    seen = np.concatenate([resumed.global_batch(k)[1] for k in range(3 * epoch_len // 8 + 2)])
+    assert not set(bad) & set(seen.tolist())
+    clean = _sampler(dataset)
+    changed = [k for k in range(epoch_len // 8) if clean.explain(k).indices != resumed.explain(k).indices]
+    assert changed == [2]  # only the batch that held the bad windows differs in epoch 0
+    with pytest.raises(ValueError, match="all"):
+        ShuffledSampler(3, 1, SEED).skip([0, 1, 2])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_elastic_same_global_batches_for_every_world_size(dataset, world_size):
+    reference = _sampler(dataset)
+    ranks = [_sampler(dataset, rank=r, world_size=world_size) for r in range(world_size)]
+    for step in range(60):  # crosses an epoch boundary (101 windows / 8)
+        local = [pair for s in ranks for pair in s.local_batch(step)]
+        assert local == reference.local_batch(step)
+
+
+def test_elastic_resume_at_world_size_2_from_world_size_4(dataset):
+    four = [_sampler(dataset, rank=r, world_size=4) for r in range(4)]
+    for s in four:
+        s.advance(13)
+    states = [json.loads(json.dumps(s.state_dict())) for s in four]
+    assert all(state == states[0] for state in states)
+    two = [_sampler(dataset, rank=r, world_size=2) for r in range(2)]
+    for s in two:
+        s.load_state_dict(states[0])
+    reference = _sampler(dataset)
+    for step in range(13, 40):
+        assert [p for s in two for p in s.local_batch(step)] == reference.local_batch(step)
+    assert next(iter(two[1])) == reference.local_batch(13)[4:]
+
+
+def test_shuffled_sampler_covers_each_epoch_once_and_resumes():
+    data = list(range(100, 160))
+    s = ShuffledSampler(len(data), 6, SEED)
+    loader = make_loader(data, s, num_workers=2)
+    batches = [b.tolist() for b in _run(loader, s, 20)]
+    assert sorted(sum(batches[:10], [])) == data and sorted(sum(batches[10:], [])) == data
+    assert batches[:10] != batches[10:]
+    resumed = ShuffledSampler(len(data), 6, SEED)
+    cut = ShuffledSampler(len(data), 6, SEED)
+    _run(make_loader(data, cut), cut, 7)
+    resumed.load_state_dict(json.loads(json.dumps(cut.state_dict())))
+    assert [b.tolist() for b in _run(make_loader(data, resumed), resumed, 13)] == batches[7:]
+    assert explain(resumed.state_dict(), 3).indices == [x - 100 for x in batches[3]]
