@@ -1,1 +1,27 @@
 """ettr: attribute a training job's wall time across restarts and export its goodput (ETTR)."""
+from .attribution import CATEGORIES, AttemptSummary, Attribution, Segment, attribute, attribute_root
+from .clock import Clock, FakeClock, SystemClock
+from .ledger import Ledger, LedgerError, committed_steps, read_ledgers
+from .model import (
+    Advice,
+    SimResult,
+    advise,
+    cluster_ettr,
+    daly_interval,
+    expected_ettr,
+    mttf_from_rate,
+    seed_ettr,
+    simulate,
+    young_interval,
+)
+from .report import plot_timeline, report_json, report_text
+from .telemetry import GoodputMetrics, configure_metrics, metric_totals
+from .tracker import GoodputTracker
+
+__all__ = [
+    "CATEGORIES", "Advice", "AttemptSummary", "Attribution", "Clock", "FakeClock", "GoodputMetrics", "GoodputTracker",
+    "Ledger", "LedgerError", "Segment", "SimResult", "SystemClock", "advise", "attribute", "attribute_root",
+    "cluster_ettr", "committed_steps", "configure_metrics", "daly_interval", "expected_ettr", "metric_totals",
+    "mttf_from_rate", "plot_timeline", "read_ledgers", "report_json", "report_text", "seed_ettr", "simulate",
+    "young_interval",
+]

@@ -1,0 +1,307 @@
+"""Pure attribution: ledger records + committed steps -> microseconds per category, summing to the job's wall time."""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from .ledger import Ledger, committed_steps, read_ledgers
+
+CATEGORIES = ("productive", "checkpoint_save", "checkpoint_restore", "startup", "lost", "downtime", "data_wait", "other")
+DOWNTIME = -1  # attempt index of a downtime segment
+_INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of the job's timeline [begin_us, end_us) spent in one category by one attempt (DOWNTIME between)."""
+
+    begin_us: int
+    end_us: int
+    category: str
+    attempt: int
+
+
+@dataclass(frozen=True)
+class AttemptSummary:
+    """One process attempt: where it sits on the timeline, how it ended, where it resumed, what it cost."""
+
+    attempt: str
+    rank: int
+    source: str
+    start_us: int
+    end_us: int
+    status: str  # "ok" (clean end), "error" (ended by an exception), "failed" (vanished, a later attempt exists), "running"
+    restored_step: int | None
+    first_step: int | None
+    last_step: int | None
+    steps: int
+    lost_steps: int
+    micros: dict[str, int]
+    torn: bool
+
+    @property
+    def failed(self) -> bool:
+        """True if this attempt ended in a failure."""
+        return self.status in ("failed", "error")
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Where a job's wall time went. `micros` sums exactly to `wall_us`; background checkpoint time is beside it."""
+
+    start_us: int
+    end_us: int
+    micros: dict[str, int]
+    attempts: tuple[AttemptSummary, ...]
+    segments: tuple[Segment, ...]
+    background_us: int
+    committed_steps: tuple[int, ...]
+    save_us: tuple[int, ...] = field(repr=False)
+    restore_us: tuple[int, ...] = field(repr=False)
+    window_s: float = 3600.0
+
+    @property
+    def wall_us(self) -> int:
+        """First attempt's start to the last attempt's last sign of life."""
+        return self.end_us - self.start_us
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Seconds per category."""
+        return {k: v / 1e6 for k, v in self.micros.items()}
+
+    @property
+    def failures(self) -> int:
+        """Attempts that ended in a failure."""
+        return sum(a.failed for a in self.attempts)
+
+    @property
+    def ettr(self) -> float:
+        """Cumulative effective training time ratio: productive / wall."""
+        return self.micros["productive"] / self.wall_us if self.wall_us else 0.0
+
+    def ettr_window(self, window_s: float | None = None) -> float:
+        """ETTR over the last `window_s` seconds of the job (default: self.window_s)."""
+        w = round((window_s or self.window_s) * 1e6)
+        begin = max(self.start_us, self.end_us - w)
+        return self.productive_us_between(begin, self.end_us) / (self.end_us - begin) if self.end_us > begin else 0.0
+
+    def productive_us_between(self, begin_us: int, end_us: int) -> int:
+        """Productive microseconds within [begin_us, end_us)."""
+        return sum(
+            max(0, min(s.end_us, end_us) - max(s.begin_us, begin_us))
+            for s in self.segments
+            if s.category == "productive"
+        )
+
+    def ettr_curve(self) -> list[tuple[int, float]]:
+        """(time, cumulative ETTR up to then) at the end of every segment, for plotting."""
+        points, productive = [], 0
+        for s in self.segments:
+            productive += (s.end_us - s.begin_us) if s.category == "productive" else 0
+            if s.end_us > self.start_us:
+                points.append((s.end_us, productive / (s.end_us - self.start_us)))
+        return points
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary (no segments)."""
+        return {
+            "wall_seconds": self.wall_us / 1e6,
+            "seconds": self.seconds,
+            "background_checkpoint_seconds": self.background_us / 1e6,
+            "ettr": self.ettr,
+            "ettr_window": self.ettr_window(),
+            "window_seconds": self.window_s,
+            "failures": self.failures,
+            "committed_steps": list(self.committed_steps),
+            "attempts": [
+                {
+                    "attempt": a.attempt, "rank": a.rank, "status": a.status, "start_us": a.start_us,
+                    "end_us": a.end_us, "restored_step": a.restored_step, "first_step": a.first_step,
+                    "last_step": a.last_step, "steps": a.steps, "lost_steps": a.lost_steps, "torn": a.torn,
+                    "seconds": {k: v / 1e6 for k, v in a.micros.items()},
+                }
+                for a in self.attempts
+            ],
+        }
+
+
+@dataclass
+class _Attempt:
+    """What attribution needs from one ledger, gathered in one pass."""
+
+    ledger: Ledger
+    start: int
+    last: int
+    intervals: list[tuple[int, int, int, str, int | None]]  # begin, end, order, category or "step", step
+    restored: tuple[bool, int | None]  # (had a restore record, step)
+    commits: list[tuple[int, int]]  # (step, background microseconds)
+    status: str | None
+    save_us: list[int]
+    restore_us: list[int]
+
+    @property
+    def first_step(self) -> tuple[int, int] | None:
+        """(begin, step) of the earliest step."""
+        steps = [(b, s) for b, _, _, c, s in self.intervals if c == "step"]
+        return min(steps) if steps else None
+
+
+def _gather(ledger: Ledger) -> _Attempt:
+    """Collect intervals (closed, and open ones from the last heartbeat) and events of one ledger."""
+    closed: dict[int, tuple[int, int, int, str, int | None]] = {}
+    open_: dict[int, tuple[str, Any, int]] = {}
+    start = ledger.records[0]["t"]
+    last = start
+    restored: tuple[bool, int | None] = (False, None)
+    commits, save_us, restore_us, status = [], [], [], None
+    for r in ledger.records:
+        k = r["k"]
+        last = max(last, r.get("e", r.get("t", last)))
+        if k == "step":
+            closed[r["o"]] = (r["b"], r["e"], r["o"], "step", r["s"])
+        elif k == "span":
+            closed[r["o"]] = (r["b"], r["e"], r["o"], r["c"], None)
+            (save_us if r["c"] == "checkpoint_save" else restore_us if r["c"] == "checkpoint_restore" else []).append(
+                r["e"] - r["b"]
+            )
+        elif k == "alive":
+            open_ = {o: (kind, name, b) for kind, name, b, o in r["open"]}
+        elif k == "commit":
+            commits.append((r["s"], round(r["bg"] * 1e6)))
+        elif k == "restore":
+            restored = (True, r["s"])
+        elif k == "end":
+            status = r["status"]
+    intervals = list(closed.values())
+    for o, (kind, name, b) in open_.items():
+        if o not in closed:
+            intervals.append((b, last, o, "step" if kind == "step" else name, name if kind == "step" else None))
+    return _Attempt(ledger, start, last, intervals, restored, commits, status, save_us, restore_us)
+
+
+def _resume_point(a: _Attempt, committed: Sequence[int]) -> float:
+    """The step an attempt resumed from: its restore record, else the newest commit before its first step.
+
+    -inf means it started from scratch (everything before is thrown away); +inf means it threw nothing away.
+    """
+    had_restore, step = a.restored
+    if had_restore:
+        return -_INF if step is None else step
+    first = a.first_step
+    if first is None:
+        return _INF
+    earlier = [c for c in committed if c < first[1]]
+    return max(earlier) if earlier else -_INF
+
+
+def _sweep(a: _Attempt, end: int, lost_after: float) -> tuple[list[tuple[int, int, str]], int]:
+    """Label every microsecond of [start, end): the latest-begun covering interval wins; gaps are startup/other."""
+    first = a.first_step
+    first_b = first[0] if first else _INF
+    items = []
+    lost_steps = 0
+    for b, e, o, cat, step in a.intervals:
+        b, e = max(b, a.start), min(e, end)
+        if cat == "step":
+            lost = step > lost_after
+            lost_steps += lost
+            cat = "lost" if lost else "productive"
+        if e > b:
+            items.append((b, e, o, cat))
+    items.sort()
+    points = sorted({a.start, end, *(x for it in items for x in it[:2])})
+    heap: list[tuple[int, int, str]] = []
+    out: list[tuple[int, int, str]] = []
+    i = 0
+    for x, nxt in zip(points, points[1:]):
+        while i < len(items) and items[i][0] <= x:
+            b, e, o, cat = items[i]
+            heapq.heappush(heap, (-o, e, cat))
+            i += 1
+        while heap and heap[0][1] <= x:
+            heapq.heappop(heap)
+        if heap:
+            label = heap[0][2]
+        else:
+            label = "startup" if x < first_b else "other"
+        if out and out[-1][2] == label and out[-1][1] == x:
+            out[-1] = (out[-1][0], nxt, label)
+        else:
+            out.append((x, nxt, label))
+    return out, lost_steps
+
+
+def attribute(
+    ledgers: Iterable[Ledger],
+    committed: Iterable[int] = (),
+    *,
+    rank: int | None = None,
+    window_s: float = 3600.0,
+) -> Attribution:
+    """Attribute a job's wall time from its attempts' ledgers (one rank: `rank`, default the lowest) and committed steps.
+
+    A step of attempt k is `lost` if a later attempt resumed from an earlier step; the time after an attempt's
+    last record until the next attempt starts is `downtime`. Pure: same inputs, same answer.
+    """
+    ledgers = list(ledgers)
+    if not ledgers:
+        raise ValueError("no ledgers to attribute (is ROOT/ettr/ empty?)")
+    rank = min(l.rank for l in ledgers) if rank is None else rank
+    attempts = sorted((_gather(l) for l in ledgers if l.rank == rank), key=lambda a: (a.start, a.ledger.attempt))
+    if not attempts:
+        raise ValueError(f"no ledger for rank {rank}")
+    commits = [c for a in attempts for c in a.commits]
+    all_committed = tuple(sorted({*committed, *(s for s, _ in commits)}))
+    resume = [_resume_point(a, all_committed) for a in attempts]
+    totals = {c: 0 for c in CATEGORIES}
+    segments: list[Segment] = []
+    summaries = []
+    for k, a in enumerate(attempts):
+        end = min(a.last, attempts[k + 1].start) if k + 1 < len(attempts) else a.last
+        lost_after = min(resume[k + 1 :], default=_INF)
+        labelled, lost_steps = _sweep(a, end, lost_after)
+        micros: dict[str, int] = {}
+        for b, e, cat in labelled:
+            micros[cat] = micros.get(cat, 0) + e - b
+            segments.append(Segment(b, e, cat, k))
+        if k + 1 < len(attempts) and attempts[k + 1].start > end:
+            segments.append(Segment(end, attempts[k + 1].start, "downtime", DOWNTIME))
+            totals["downtime"] += attempts[k + 1].start - end
+        for cat, us in micros.items():
+            totals[cat] = totals.get(cat, 0) + us
+        steps = [s for *_, c, s in a.intervals if c == "step"]
+        last = k + 1 == len(attempts)
+        status = a.status or ("running" if last else "failed")
+        summaries.append(
+            AttemptSummary(
+                a.ledger.attempt, a.ledger.rank, a.ledger.source, a.start, end, status,
+                a.restored[1] if a.restored[0] else None, min(steps, default=None), max(steps, default=None),
+                len(steps), lost_steps, micros, a.ledger.torn,
+            )
+        )
+    return Attribution(
+        start_us=attempts[0].start,
+        end_us=summaries[-1].end_us,
+        micros=totals,
+        attempts=tuple(summaries),
+        segments=tuple(segments),
+        background_us=sum(bg for _, bg in commits),
+        committed_steps=all_committed,
+        save_us=tuple(x for a in attempts for x in a.save_us),
+        restore_us=tuple(x for a in attempts for x in a.restore_us),
+        window_s=window_s,
+    )
+
+
+def attribute_root(
+    root: str, *, rank: int | None = None, window_s: float = 3600.0, storage_options: dict[str, Any] | None = None
+) -> Attribution:
+    """Attribute from a checkpoint root alone: its ledgers and its committed step directories."""
+    return attribute(
+        read_ledgers(root, storage_options),
+        committed_steps(root, storage_options),
+        rank=rank,
+        window_s=window_s,
+    )

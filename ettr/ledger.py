@@ -1,0 +1,149 @@
+"""Append-only JSON-lines ledger per process attempt under ROOT/ettr/, readable after a SIGKILL."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+LEDGER_DIR = "ettr"
+FORMAT_VERSION = 1
+_NAME = re.compile(r"^ledger-(?P<attempt>.+)-rank(?P<rank>\d+)(?:\.(?P<seg>\d{6}))?\.jsonl$")
+# Fields every record of a kind must carry; unknown kinds are skipped so newer writers stay readable.
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "start": ("t", "job", "attempt", "rank"),
+    "step": ("s", "b", "e", "o"),
+    "span": ("c", "b", "e", "o"),
+    "alive": ("t", "open"),
+    "commit": ("s", "t", "bg"),
+    "restore": ("s", "t"),
+    "ckpt_failed": ("s", "t", "err"),
+    "end": ("t", "status"),
+}
+
+
+class LedgerError(ValueError):
+    """A ledger that cannot be read; the message names the file and line."""
+
+
+def ledger_dir(root: str) -> str:
+    """The folder holding the ledgers of a checkpoint root."""
+    return root.rstrip("/") + "/" + LEDGER_DIR
+
+
+class LedgerWriter:
+    """Appends lines durably: plain append+fsync on local disks, one numbered segment per flush elsewhere.
+
+    Object stores cannot append, so each flush there is a single PUT of a new segment (atomic, never torn).
+    """
+
+    def __init__(self, root: str, attempt: str, rank: int, storage_options: dict[str, Any] | None = None) -> None:
+        self._fs, base = fsspec.core.url_to_fs(ledger_dir(root), **(storage_options or {}))
+        self._fs.makedirs(base, exist_ok=True)
+        self._stem = f"{base}/ledger-{attempt}-rank{rank}"
+        self._local = isinstance(self._fs, LocalFileSystem)
+        self._segment = 0
+        self._file = open(self._stem + ".jsonl", "ab") if self._local else None
+
+    def write(self, text: str) -> None:
+        """Make `text` (whole lines) durable before returning."""
+        if not text:
+            return
+        data = text.encode()
+        if self._file is not None:
+            self._file.write(data)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        else:
+            self._fs.pipe_file(f"{self._stem}.{self._segment:06d}.jsonl", data)
+            self._segment += 1
+
+    def close(self) -> None:
+        """Release the local file handle (segments need nothing)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """One attempt's records as read back; `torn` says a partial last line (a crash mid-write) was dropped."""
+
+    source: str
+    attempt: str
+    rank: int
+    records: tuple[dict[str, Any], ...]
+    torn: bool
+
+
+def parse_lines(text: str, source: str) -> tuple[list[dict[str, Any]], bool]:
+    """Parse JSON lines; a bad last line is a torn write and is dropped, a bad line elsewhere is an error."""
+    lines = text.split("\n")
+    complete = text.endswith("\n") or not text
+    if complete:
+        lines = lines[:-1]
+    records: list[dict[str, Any]] = []
+    torn = False
+    for i, line in enumerate(lines, start=1):
+        last = i == len(lines)
+        try:
+            rec = json.loads(line)
+            _check(rec, source, i)
+        except (json.JSONDecodeError, LedgerError) as err:
+            if last and (not complete or isinstance(err, json.JSONDecodeError)):
+                torn = True
+                break
+            raise LedgerError(f"{source}:{i}: {err}") from None
+        records.append(rec)
+    return records, torn
+
+
+def _check(rec: Any, source: str, line: int) -> None:
+    """Reject records whose shape the attribution cannot trust."""
+    if not isinstance(rec, dict) or "k" not in rec:
+        raise LedgerError(f"{source}:{line}: expected an object with a 'k' field, got {str(rec)[:80]!r}")
+    missing = [f for f in REQUIRED.get(rec["k"], ()) if f not in rec]
+    if missing:
+        raise LedgerError(f"{source}:{line}: {rec['k']!r} record lacks {missing}")
+    if "b" in rec and "e" in rec and rec["e"] < rec["b"]:
+        raise LedgerError(f"{source}:{line}: interval ends before it begins ({rec['b']} > {rec['e']})")
+
+
+def read_ledgers(root: str, storage_options: dict[str, Any] | None = None) -> list[Ledger]:
+    """Read every attempt's ledger under ROOT/ettr/, segments joined in order."""
+    fs, base = fsspec.core.url_to_fs(ledger_dir(root), **(storage_options or {}))
+    if not fs.exists(base):
+        return []
+    groups: dict[tuple[str, int], list[tuple[int, str]]] = {}
+    for path in fs.ls(base, detail=False):
+        m = _NAME.match(path.rsplit("/", 1)[-1])
+        if m:
+            seg = int(m["seg"]) if m["seg"] else -1
+            groups.setdefault((m["attempt"], int(m["rank"])), []).append((seg, path))
+    ledgers = []
+    for (attempt, rank), parts in sorted(groups.items()):
+        records: list[dict[str, Any]] = []
+        torn = False
+        for _, path in sorted(parts):
+            part, part_torn = parse_lines(fs.cat_file(path).decode("utf-8", errors="replace"), path)
+            records.extend(part)
+            torn = torn or part_torn
+        if not records or records[0]["k"] != "start":
+            raise LedgerError(f"{parts[0][1]}:1: a ledger must begin with a 'start' record")
+        ledgers.append(Ledger(parts[0][1], attempt, rank, tuple(records), torn))
+    return ledgers
+
+
+def committed_steps(root: str, storage_options: dict[str, Any] | None = None) -> list[int]:
+    """Steps with a committed checkpoint, i.e. ROOT/step_XXXXXXXX/manifest.json exists (read without importing ckpt)."""
+    fs, base = fsspec.core.url_to_fs(root, **(storage_options or {}))
+    steps = []
+    for path in fs.glob(base.rstrip("/") + "/step_*/manifest.json"):
+        name = path.rstrip("/").split("/")[-2]
+        if name[5:].isdigit():
+            steps.append(int(name[5:]))
+    return sorted(steps)

@@ -1,0 +1,104 @@
+"""Text/JSON report of an attribution, and a Gantt-style timeline plot (matplotlib imported lazily, Agg backend)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .attribution import CATEGORIES, DOWNTIME, Attribution
+from .model import Advice
+
+COLORS = {
+    "productive": "#2ca02c", "checkpoint_save": "#1f77b4", "checkpoint_restore": "#9467bd", "startup": "#ff7f0e",
+    "lost": "#d62728", "downtime": "#7f7f7f", "data_wait": "#bcbd22", "other": "#c7c7c7",
+}
+
+
+def _ordered(micros: dict[str, int]) -> list[str]:
+    """The fixed categories first, then custom span categories alphabetically."""
+    return [c for c in CATEGORIES if c in micros] + sorted(c for c in micros if c not in CATEGORIES)
+
+
+def report_text(a: Attribution, advice: Advice | None = None) -> str:
+    """A table per category, one line per attempt, ETTR, and the advice."""
+    wall = a.wall_us
+    lines = [f"{'category':<20}{'seconds':>14}{'share':>9}"]
+    for cat in _ordered(a.micros):
+        lines.append(f"{cat:<20}{a.micros[cat] / 1e6:>14.6f}{a.micros[cat] / wall if wall else 0:>9.2%}")
+    lines += [
+        f"{'wall time':<20}{wall / 1e6:>14.6f}{1:>9.2%}",
+        f"{'background ckpt':<20}{a.background_us / 1e6:>14.6f}   (beside the sum: overlaps training)",
+        "",
+        f"ETTR {a.ettr:.4f} cumulative, {a.ettr_window():.4f} over the last {a.window_s:g} s; "
+        f"{a.failures} failure(s); committed steps: {_steps(a.committed_steps)}",
+        "",
+        f"{'attempt':<32}{'status':<9}{'restored':>9}{'steps':>12}{'lost':>6}{'productive s':>14}{'lost s':>10}",
+    ]
+    for at in a.attempts:
+        span = f"{at.first_step}-{at.last_step}" if at.steps else "-"
+        lines.append(
+            f"{at.attempt[:31]:<32}{at.status:<9}{str(at.restored_step):>9}{span:>12}{at.lost_steps:>6}"
+            f"{at.micros.get('productive', 0) / 1e6:>14.3f}{at.micros.get('lost', 0) / 1e6:>10.3f}"
+            + ("  (torn last line dropped)" if at.torn else "")
+        )
+    if advice is not None:
+        lines += ["", advice.text()]
+    return "\n".join(lines)
+
+
+def _steps(steps: tuple[int, ...]) -> str:
+    """A short list of steps."""
+    return ", ".join(map(str, steps)) if len(steps) <= 8 else f"{steps[0]} ... {steps[-1]} ({len(steps)})"
+
+
+def report_json(a: Attribution, advice: Advice | None = None) -> str:
+    """The attribution (and advice) as JSON."""
+    out: dict[str, Any] = a.to_dict()
+    if advice is not None:
+        out["advice"] = {**advice.__dict__, "gain": advice.gain}
+    return json.dumps(out, indent=2)
+
+
+def plot_timeline(a: Attribution, path: str, *, title: str | None = None) -> None:
+    """Draw attempts as rows of colored category bars over time, failures marked, cumulative ETTR on a second axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    scale, unit = _time_unit(a.wall_us / 1e6)
+    t0 = a.start_us
+    n = len(a.attempts)
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.6 * (n + 1)))
+    for s in a.segments:
+        row = n - s.attempt - 1 if s.attempt != DOWNTIME else -1
+        ax.broken_barh([((s.begin_us - t0) / 1e6 / scale, (s.end_us - s.begin_us) / 1e6 / scale)], (row - 0.35, 0.7),
+                       facecolors=COLORS.get(s.category, "#17becf"), linewidth=0)
+    for k, at in enumerate(a.attempts):
+        if at.failed:
+            ax.plot((at.end_us - t0) / 1e6 / scale, n - k - 1, marker="X", color="black", markersize=11, zorder=3)
+    ax.set_yticks(range(-1, n), ["downtime"] + [f"attempt {k + 1}" for k in reversed(range(n))])
+    ax.set_xlabel(f"time since job start ({unit})")
+    ax.set_xlim(0, a.wall_us / 1e6 / scale)
+    curve = a.ettr_curve()
+    ettr_ax = ax.twinx()
+    ettr_ax.plot([(t - t0) / 1e6 / scale for t, _ in curve], [e for _, e in curve], color="black", lw=1.2)
+    ettr_ax.set_ylim(0, 1.05)
+    ettr_ax.set_ylabel("cumulative ETTR")
+    present = _ordered({s.category: 0 for s in a.segments})
+    handles = [Patch(color=COLORS.get(c, "#17becf"), label=c) for c in present]
+    handles.append(plt.Line2D([], [], marker="X", color="black", ls="", label="failure"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 - 0.1 / max(n, 1)), ncol=5, fontsize=8)
+    ax.set_title(title or f"ETTR {a.ettr:.3f} over {a.wall_us / 1e6 / scale:.2f} {unit}, {a.failures} failure(s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _time_unit(seconds: float) -> tuple[float, str]:
+    """A readable unit for the x axis."""
+    if seconds >= 7200:
+        return 3600.0, "h"
+    if seconds >= 120:
+        return 60.0, "min"
+    return 1.0, "s"

@@ -1,0 +1,298 @@
+"""GoodputTracker: records steps and spans of one process attempt into its ledger, with live per-category totals."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+from .attribution import Attribution, attribute
+from .clock import Clock, SystemClock
+from .ledger import FORMAT_VERSION, LedgerWriter, committed_steps, read_ledgers
+from .telemetry import GoodputMetrics
+
+FLUSHED_SPANS = frozenset({"checkpoint_save", "checkpoint_restore"})
+
+
+def _env_rank() -> int:
+    """This process's rank from the usual launcher variables, 0 alone."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def _env_job(root: str) -> str:
+    """A job id from the launcher, else the checkpoint root (one root, one job)."""
+    for var in ("ETTR_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        if os.environ.get(var):
+            return os.environ[var]
+    return root
+
+
+def _new_attempt_id(wall_us: int) -> str:
+    """A unique attempt id that sorts by start time."""
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime(wall_us / 1e6)) + f"{wall_us % 1_000_000:06d}-{uuid.uuid4().hex[:6]}"
+
+
+class _Span:
+    """Context manager for one span; a class rather than a generator to keep the step path lean."""
+
+    __slots__ = ("_tracker", "_category", "_attrs", "_entry")
+
+    def __init__(self, tracker: GoodputTracker, category: str, attrs: dict[str, Any]) -> None:
+        self._tracker, self._category, self._attrs = tracker, category, attrs
+
+    def __enter__(self) -> _Span:
+        self._entry = self._tracker._open(self._category, None, self._attrs)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._tracker._close(self._entry)
+
+
+class _Step:
+    """Context manager form of step_begin/step_end."""
+
+    __slots__ = ("_tracker", "_step")
+
+    def __init__(self, tracker: GoodputTracker, step: int) -> None:
+        self._tracker, self._step = tracker, step
+
+    def __enter__(self) -> None:
+        self._tracker.step_begin(self._step)
+
+    def __exit__(self, *exc: object) -> None:
+        self._tracker.step_end(self._step)
+
+
+class GoodputTracker:
+    """Measures one process attempt of a training job and appends it to ROOT/ettr/ledger-<attempt>-rank<r>.jsonl.
+
+    The step path only reads the clock and appends to an in-memory buffer; the buffer is written (append + fsync)
+    every `flush_interval` seconds, at every checkpoint save/restore, and at end(). Also the duck-typed tracker
+    that ckpt.CheckpointManager reports to (span, checkpoint_committed/restored/failed); those may come from
+    the manager's writer thread.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        job_id: str | None = None,
+        attempt_id: str | None = None,
+        rank: int | None = None,
+        clock: Clock | None = None,
+        flush_interval: float = 5.0,
+        window_s: float = 3600.0,
+        metrics: GoodputMetrics | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.root = root
+        self.clock = clock or SystemClock()
+        self.rank = _env_rank() if rank is None else rank
+        self.job_id = job_id or _env_job(root)
+        self.attempt_id = attempt_id
+        self.window_s = window_s
+        self.metrics = metrics if metrics is not None else GoodputMetrics()
+        self._flush_us = round(flush_interval * 1e6)
+        self._storage_options = storage_options
+        self._buf: deque[Any] = deque()
+        self._stack: list[list[Any]] = []  # open intervals, oldest first: [order, category, step, begin, attrs]
+        self._acc: dict[str, int] = {}
+        self._lock = threading.RLock()
+        self._writer: LedgerWriter | None = None
+        self._prior: Attribution | None = None
+        self._earlier: dict[str, int] = {}  # microseconds per category of the earlier attempts
+        self._prior_done = False
+        self._resume_known = False  # a restore, a first step or the end tells where this attempt resumed
+        self._history: deque[tuple[int, int]] = deque()  # (time, own productive us) at exports, for the window
+        self._exported: dict[str, int] = {}
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    def start(self) -> GoodputTracker:
+        """Mark the process start (call first thing); opens the ledger."""
+        if self._writer is not None:
+            raise RuntimeError("GoodputTracker.start() called twice")
+        wall = self.clock.wall_us()
+        self._mono = self.clock.monotonic_us
+        self._offset = wall - self._mono()
+        self.attempt_id = self.attempt_id or _new_attempt_id(wall)
+        self._writer = LedgerWriter(self.root, self.attempt_id, self.rank, self._storage_options)
+        self._start = self._last = self._last_flush = wall
+        self._order = 0
+        self._gap = "startup"
+        self._buf.append({
+            "k": "start", "t": wall, "job": self.job_id, "attempt": self.attempt_id, "rank": self.rank,
+            "pid": os.getpid(), "host": socket.gethostname(), "v": FORMAT_VERSION,
+        })
+        self.flush()
+        return self
+
+    def end(self, status: str = "ok") -> None:
+        """Mark a clean end (or status="error"), flush and close the ledger."""
+        self._buf.append({"k": "end", "t": self._now(), "status": status})
+        self._resume_known = True
+        self.flush()
+        with self._lock:
+            self._writer.close()
+
+    def __enter__(self) -> GoodputTracker:
+        return self.start()
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.end("ok" if exc_type is None else "error")
+
+    # -- the step path ---------------------------------------------------------------------------------------
+    def _now(self) -> int:
+        """Microseconds on the job timeline: this attempt's wall start plus monotonic time since."""
+        return self._mono() + self._offset
+
+    def _credit(self, t: int) -> None:
+        """Give the time since the last event to the innermost open interval (or the gap category)."""
+        top = self._stack[-1][1] if self._stack else self._gap
+        self._acc[top] = self._acc.get(top, 0) + t - self._last
+        self._last = t
+
+    def step_begin(self, step: int) -> None:
+        """A training step starts."""
+        t = self._now()
+        self._credit(t)
+        self._gap = "other"
+        self._order += 1
+        self._stack.append([self._order, "productive", step, t, None])
+
+    def step_end(self, step: int) -> None:
+        """A training step ends; flushes if the last flush is older than flush_interval."""
+        t = self._now()
+        self._credit(t)
+        entry = self._pop("productive", step)
+        self._buf.append((step, entry[3], t, entry[0]))
+        if t - self._last_flush >= self._flush_us:
+            self.flush()
+
+    def step(self, step: int) -> _Step:
+        """`with tracker.step(i):` around one training step."""
+        return _Step(self, step)
+
+    def span(self, category: str, **attrs: Any) -> _Span:
+        """`with tracker.span("data_wait"):` time a category; checkpoint_save/restore flush at both ends."""
+        if category in ("productive", "lost", "downtime", "startup"):
+            raise ValueError(f"{category!r} is derived by attribution, not a span category")
+        return _Span(self, category, attrs)
+
+    def _open(self, category: str, step: int | None, attrs: dict[str, Any]) -> list[Any]:
+        """Push a span onto the open stack."""
+        t = self._now()
+        self._credit(t)
+        self._order += 1
+        entry = [self._order, category, step, t, attrs]
+        self._stack.append(entry)
+        if category in FLUSHED_SPANS:
+            self.flush()
+        return entry
+
+    def _close(self, entry: list[Any]) -> None:
+        """Pop a span, buffer its record, feed the duration histograms."""
+        t = self._now()
+        self._credit(t)
+        self._stack.remove(entry)
+        order, category, _, begin, attrs = entry
+        rec = {"k": "span", "c": category, "b": begin, "e": t, "o": order}
+        if attrs:
+            rec["a"] = attrs
+        self._buf.append(rec)
+        if category in FLUSHED_SPANS:
+            self.metrics.record_duration(category, (t - begin) / 1e6)
+            self.flush()
+
+    def _pop(self, category: str, step: int) -> list[Any]:
+        """Remove the open step `step` from the stack (normally the top)."""
+        for i in range(len(self._stack) - 1, -1, -1):
+            entry = self._stack[i]
+            if entry[1] == category and entry[2] == step:
+                return self._stack.pop(i)
+        raise ValueError(f"step_end({step}) without a matching step_begin({step})")
+
+    # -- the checkpoint manager's hooks (may run on its writer thread) ----------------------------------------
+    def checkpoint_committed(self, step: int, background_seconds: float) -> None:
+        """The manager made the checkpoint of `step` durable after `background_seconds` of background work."""
+        self._buf.append({"k": "commit", "s": step, "t": self._now(), "bg": background_seconds})
+        self.flush()
+
+    def checkpoint_restored(self, step: int | None) -> None:
+        """The manager restored `step` (None: no checkpoint, a fresh start)."""
+        self._buf.append({"k": "restore", "s": step, "t": self._now()})
+        self._resume_known = True
+        self.flush()
+
+    def checkpoint_failed(self, step: int, error: BaseException) -> None:
+        """A background checkpoint write failed; it will not count as committed."""
+        self._buf.append({"k": "ckpt_failed", "s": step, "t": self._now(), "err": f"{type(error).__name__}: {error}"})
+        self.flush()
+
+    # -- flushing and live totals ---------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Write buffered records plus a heartbeat listing open intervals; export live totals to OpenTelemetry."""
+        with self._lock:
+            t = self._now()
+            lines = []
+            buf = self._buf
+            while buf:
+                rec = buf.popleft()
+                if type(rec) is tuple:
+                    lines.append('{"k":"step","s":%d,"b":%d,"e":%d,"o":%d}\n' % rec)
+                else:
+                    lines.append(json.dumps(rec, separators=(",", ":")) + "\n")
+            stack = [(("step", e[2]) if e[1] == "productive" else ("span", e[1])) + (e[3], e[0]) for e in list(self._stack)]
+            lines.append(json.dumps({"k": "alive", "t": t, "open": stack}, separators=(",", ":")) + "\n")
+            self._writer.write("".join(lines))
+            self._last_flush = t
+            if self._prior_done or self._load_prior():
+                self._export(t)
+
+    def _load_prior(self) -> bool:
+        """Once this attempt's resume point is on disk, attribute the earlier attempts (for job-level telemetry)."""
+        if not (self._resume_known or self._gap == "other"):
+            return False
+        self._prior_done = True
+        ledgers = [l for l in read_ledgers(self.root, self._storage_options) if l.rank == self.rank]
+        if len(ledgers) > 1:
+            self._prior = attribute(ledgers, committed_steps(self.root, self._storage_options), rank=self.rank)
+            mine = self._prior.attempts[-1].micros
+            self._earlier = {cat: us - mine.get(cat, 0) for cat, us in self._prior.micros.items()}
+            self.metrics.add_failures(sum(a.failed for a in self._prior.attempts[:-1]))
+        return True
+
+    def totals_us(self, at_us: int | None = None) -> dict[str, int]:
+        """Job-level microseconds per category as this process sees them: earlier attempts plus this one live."""
+        t = self._now() if at_us is None else at_us
+        acc = dict(self._acc)
+        top = self._stack[-1][1] if self._stack else self._gap
+        acc[top] = acc.get(top, 0) + t - self._last
+        for cat, us in self._earlier.items():
+            acc[cat] = acc.get(cat, 0) + us
+        return acc
+
+    def _export(self, t: int) -> None:
+        """Add what grew since the last export to the seconds counter and set the ETTR gauges."""
+        totals = self.totals_us(t)
+        for cat, us in totals.items():
+            delta = us - self._exported.get(cat, 0)
+            if delta > 0:
+                self.metrics.add_seconds(cat, delta / 1e6)
+                self._exported[cat] = us
+        job_start = self._prior.start_us if self._prior is not None else self._start
+        begin = max(job_start, t - round(self.window_s * 1e6))
+        own = totals.get("productive", 0) - self._earlier.get("productive", 0)
+        self._history.append((t, own))
+        while len(self._history) > 1 and self._history[1][0] <= begin:
+            self._history.popleft()  # keep the newest snapshot at or before the window's start
+        since, own_before = self._history[0] if self._history[0][0] <= begin else (self._start, 0)
+        earlier = self._prior.productive_us_between(begin, self._start) if self._prior is not None else 0
+        self.metrics.set_ettr(
+            totals.get("productive", 0) / (t - job_start) if t > job_start else 0.0,
+            (earlier + own - own_before) / (t - begin) if t > begin else 0.0,
+            self.window_s,
+        )

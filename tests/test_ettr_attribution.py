@@ -1,0 +1,240 @@
+"""Scripted timelines on a fake clock: seconds per category computed by hand, exact to the microsecond."""
+from __future__ import annotations
+
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from ettr import CATEGORIES, FakeClock, GoodputMetrics, GoodputTracker, LedgerError, attribute_root, metric_totals
+from ettr.clock import to_us
+from ettr.ledger import read_ledgers
+
+
+def expected(**seconds: float) -> dict[str, int]:
+    """Every category in microseconds, zero unless given."""
+    return {c: to_us(seconds.get(c, 0.0)) for c in CATEGORIES}
+
+
+def attempt(root, clock, name, at=None, metrics=None) -> GoodputTracker:
+    """Start one process attempt (flush at every step, so a 'crash' loses nothing recorded)."""
+    if at is not None:
+        clock.set(at)
+    return GoodputTracker(str(root), attempt_id=name, rank=0, job_id="job", clock=clock, flush_interval=0,
+                          metrics=metrics).start()
+
+
+def steps(tr, clock, first, last, seconds):
+    for s in range(first, last + 1):
+        tr.step_begin(s)
+        clock.advance(seconds)
+        tr.step_end(s)
+
+
+def save(tr, clock, step, seconds, bg=None):
+    with tr.span("checkpoint_save", step=step):
+        clock.advance(seconds)
+    if bg is not None:
+        tr.checkpoint_committed(step, bg)
+
+
+def restore(tr, clock, step, seconds):
+    with tr.span("checkpoint_restore"):
+        clock.advance(seconds)
+    tr.checkpoint_restored(step)
+
+
+def check_sum(a):
+    assert sum(a.micros.values()) == a.wall_us
+    for at in a.attempts:
+        assert sum(at.micros.values()) == at.end_us - at.start_us
+
+
+def test_no_failure(tmp_path):
+    clock = FakeClock(1000.0)
+    tr = attempt(tmp_path, clock, "a1")
+    clock.advance(2.0)
+    restore(tr, clock, None, 3.0)
+    for s in range(1, 5):
+        tr.step_begin(s)
+        with tr.span("data_wait"):
+            clock.advance(0.250001)
+        clock.advance(1.249999)
+        tr.step_end(s)
+        if s % 2 == 0:
+            save(tr, clock, s, 0.5, bg=0.75)
+    clock.advance(0.1)
+    tr.end()
+    a = attribute_root(str(tmp_path))
+    assert a.micros == expected(startup=2.0, checkpoint_restore=3.0, data_wait=1.000004, productive=4.999996,
+                                checkpoint_save=1.0, other=0.1)
+    assert a.wall_us == to_us(12.1)
+    assert a.background_us == to_us(1.5)
+    assert a.failures == 0 and a.attempts[0].status == "ok"
+    assert a.committed_steps == (2, 4)
+    assert tr.totals_us(a.end_us) == {k: v for k, v in a.micros.items() if v}  # live totals agree with the ledger
+    check_sum(a)
+
+
+def two_attempts(root, metrics=None):
+    """Checkpoints at steps 2 and 4, a crash after step 7, a resume from 4 to step 8."""
+    clock = FakeClock(1000.0)
+    tr = attempt(root, clock, "a1")
+    clock.advance(1.0)
+    restore(tr, clock, None, 0.5)
+    steps(tr, clock, 1, 2, 1.0)
+    save(tr, clock, 2, 0.5, bg=1.0)
+    steps(tr, clock, 3, 4, 1.0)
+    save(tr, clock, 4, 0.5, bg=1.0)
+    steps(tr, clock, 5, 7, 1.0)  # then SIGKILL: no end()
+    tr = attempt(root, clock, "a2", at=1100.0, metrics=metrics)
+    clock.advance(2.0)
+    restore(tr, clock, 4, 1.0)
+    steps(tr, clock, 5, 6, 1.0)
+    save(tr, clock, 6, 0.5, bg=1.0)
+    steps(tr, clock, 7, 8, 1.0)
+    save(tr, clock, 8, 0.5, bg=1.0)
+    tr.end()
+    return tr
+
+
+TWO_ATTEMPTS = expected(startup=3.0, checkpoint_restore=1.5, checkpoint_save=2.0, productive=8.0, lost=3.0,
+                        downtime=90.5)
+
+
+def test_one_crash_after_two_checkpoints(tmp_path):
+    reader = InMemoryMetricReader()
+    metrics = GoodputMetrics(MeterProvider(metric_readers=[reader]).get_meter("test"))
+    two_attempts(tmp_path, metrics)
+    a = attribute_root(str(tmp_path))
+    assert a.micros == TWO_ATTEMPTS
+    assert a.wall_us == to_us(108.0)
+    assert [at.status for at in a.attempts] == ["failed", "ok"]
+    assert [at.lost_steps for at in a.attempts] == [3, 0]
+    assert a.attempts[1].restored_step == 4
+    assert a.background_us == to_us(4.0)
+    check_sum(a)
+    # The second process's OpenTelemetry counter carries the whole job: earlier attempt from its ledger + itself live.
+    seen = metric_totals(reader)
+    assert seen["seconds"] == pytest.approx({k: v / 1e6 for k, v in a.micros.items() if v}, abs=1e-6)
+    assert seen["failures"] == 1
+    assert seen["ettr"]["cumulative"] == pytest.approx(a.ettr)
+    assert seen["ettr.checkpoint_save.duration"]["count"] == 2
+
+
+def test_crash_during_blocking_save(tmp_path):
+    clock = FakeClock(1000.0)
+    tr = attempt(tmp_path, clock, "a1")
+    restore(tr, clock, None, 0.5)
+    steps(tr, clock, 1, 2, 1.0)
+    save(tr, clock, 2, 0.5, bg=0.3)
+    steps(tr, clock, 3, 4, 1.0)
+    tr.span("checkpoint_save", step=4).__enter__()  # the save's begin is flushed, then SIGKILL 0.4 s into it
+    clock.advance(0.4)
+    tr = attempt(tmp_path, clock, "a2", at=1010.0)
+    restore(tr, clock, 2, 1.0)
+    steps(tr, clock, 3, 5, 1.0)
+    tr.end()
+    a = attribute_root(str(tmp_path))
+    # the unfinished save ends at the last sign of life (its own begin); the 0.4 s after it are downtime
+    assert a.micros == expected(checkpoint_restore=1.5, productive=5.0, lost=2.0, checkpoint_save=0.5, downtime=5.0)
+    check_sum(a)
+
+
+def test_crash_during_background_write_infers_resume_from_commits(tmp_path):
+    clock = FakeClock(1000.0)
+    tr = attempt(tmp_path, clock, "a1")
+    restore(tr, clock, None, 0.5)
+    steps(tr, clock, 1, 2, 1.0)
+    save(tr, clock, 2, 0.5, bg=0.3)
+    steps(tr, clock, 3, 4, 1.0)
+    save(tr, clock, 4, 0.5)  # blocking part done, killed before the background write committed
+    steps(tr, clock, 5, 5, 1.0)
+    tr = attempt(tmp_path, clock, "a2", at=1020.0)  # no manager: no restore record, resumes at step 3
+    clock.advance(1.0)
+    steps(tr, clock, 3, 6, 1.0)
+    tr.end()
+    a = attribute_root(str(tmp_path))
+    assert a.micros == expected(checkpoint_restore=0.5, checkpoint_save=1.0, productive=6.0, lost=3.0,
+                                downtime=13.5, startup=1.0)
+    assert a.committed_steps == (2,)
+    check_sum(a)
+
+
+def test_two_crashes_before_a_new_checkpoint(tmp_path):
+    clock = FakeClock(1000.0)
+    tr = attempt(tmp_path, clock, "a1")
+    restore(tr, clock, None, 0.5)
+    steps(tr, clock, 1, 3, 1.0)
+    save(tr, clock, 3, 0.5, bg=0.2)
+    steps(tr, clock, 4, 6, 1.0)
+    tr = attempt(tmp_path, clock, "a2", at=1010.0)
+    restore(tr, clock, 3, 1.0)
+    steps(tr, clock, 4, 5, 1.0)
+    tr = attempt(tmp_path, clock, "a3", at=1020.0)
+    restore(tr, clock, 3, 1.0)
+    steps(tr, clock, 4, 7, 1.0)
+    tr.end()
+    a = attribute_root(str(tmp_path))
+    assert a.micros == expected(checkpoint_restore=2.5, checkpoint_save=0.5, productive=7.0, lost=5.0,
+                                downtime=10.0)
+    assert [at.lost_steps for at in a.attempts] == [3, 2, 0]
+    assert a.failures == 2
+    check_sum(a)
+
+
+def test_crash_before_first_checkpoint(tmp_path):
+    clock = FakeClock(1000.0)
+    tr = attempt(tmp_path, clock, "a1")
+    clock.advance(3.0)
+    restore(tr, clock, None, 0.5)
+    steps(tr, clock, 1, 4, 1.0)
+    tr = attempt(tmp_path, clock, "a2", at=1010.0)
+    clock.advance(3.0)
+    restore(tr, clock, None, 0.5)
+    steps(tr, clock, 1, 4, 1.0)
+    tr.end()
+    a = attribute_root(str(tmp_path))
+    assert a.micros == expected(startup=6.0, checkpoint_restore=1.0, lost=4.0, productive=4.0, downtime=2.5)
+    check_sum(a)
+
+
+def test_torn_last_line_is_dropped(tmp_path):
+    two_attempts(tmp_path)
+    [first] = [l for l in read_ledgers(str(tmp_path)) if l.attempt == "a1"]
+    with open(first.source, "a") as f:
+        f.write('{"k":"step","s":8,"b":10095')  # SIGKILL in the middle of a write
+    a = attribute_root(str(tmp_path))
+    assert a.micros == TWO_ATTEMPTS
+    assert [at.torn for at in a.attempts] == [True, False]
+
+
+def test_bad_line_in_the_middle_names_file_and_line(tmp_path):
+    two_attempts(tmp_path)
+    [first] = [l for l in read_ledgers(str(tmp_path)) if l.attempt == "a1"]
+    lines = open(first.source).read().splitlines(keepends=True)
+    lines[3] = "not json\n"
+    open(first.source, "w").write("".join(lines))
+    with pytest.raises(LedgerError, match=r"ledger-a1-rank0\.jsonl:4:"):
+        attribute_root(str(tmp_path))
+
+
+def test_object_store_ledger_in_segments():
+    root = "memory://ettr-segments"
+    two_attempts(root)
+    ledgers = read_ledgers(root)
+    assert len(ledgers) == 2 and all(".000000.jsonl" in l.source for l in ledgers)
+    assert attribute_root(root).micros == TWO_ATTEMPTS
+
+
+def test_windowed_ettr(tmp_path):
+    two_attempts(tmp_path)
+    a = attribute_root(str(tmp_path), window_s=10.0)
+    # last 10 s (1098..1108): downtime to 1100, startup 2, restore 1, steps 5-6, save, steps 7-8, save
+    assert a.ettr_window() == pytest.approx(4.0 / 10.0)
+    assert a.ettr == pytest.approx(8.0 / 108.0)
+
+
+def test_step_end_without_begin_is_an_error(tmp_path):
+    tr = attempt(tmp_path, FakeClock(), "a1")
+    with pytest.raises(ValueError, match=r"step_end\(3\)"):
+        tr.step_end(3)
