@@ -130,6 +130,11 @@ class SaveJob:
         return Manifest(step=p.step, tree=p.tree, arrays=p.arrays, metadata=p.metadata, time=time.time(),
                         world_size=p.world_size, versions=versions())
 
+    def abandon(self) -> None:
+        """After a failed write: remove what this save left, unless it got as far as committing."""
+        if self._prepared and self.storage.read(f"{self.dir}/{MANIFEST}") is None:
+            self.storage.delete_tree(self.dir)
+
     def commit(self) -> None:
         """Write the manifest last (atomically): from now on the step exists."""
         self.storage.write_atomic(f"{self.dir}/{MANIFEST}", self.manifest().to_bytes())

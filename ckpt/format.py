@@ -190,16 +190,16 @@ class Manifest:
         body = {"format": FORMAT, "step": self.step, "time": self.time, "world_size": self.world_size,
                 "versions": self.versions or {}, "metadata": self.metadata, "tree": self.tree,
                 "arrays": {k: v.to_json() for k, v in self.arrays.items()}}
-        text = json.dumps(body, sort_keys=True, allow_nan=False, separators=(",", ":"))
+        text = json.dumps(body, allow_nan=False, separators=(",", ":"))  # key order is part of the state
         return json.dumps({"sha256": hashlib.sha256(text.encode()).hexdigest(), "body": body},
-                          sort_keys=True, allow_nan=False, indent=None, separators=(",", ":")).encode()
+                          allow_nan=False, separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, *, file: str) -> "Manifest":
         try:
             outer = json.loads(data)
             body = outer["body"]
-            text = json.dumps(body, sort_keys=True, allow_nan=False, separators=(",", ":"))
+            text = json.dumps(body, allow_nan=False, separators=(",", ":"))  # key order is part of the state
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptCheckpointError(f"manifest is not valid JSON: {e}", file=file) from None
         if hashlib.sha256(text.encode()).hexdigest() != outer.get("sha256"):

@@ -9,6 +9,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any, ContextManager, Mapping, Protocol, Sequence
 
 from . import catalog
@@ -125,6 +126,8 @@ class CheckpointManager:
             with self._lock:
                 self._error = err
             log.error("checkpoint step %d failed: %s", step, e)
+            with contextlib.suppress(Exception):
+                job.abandon()
             self.tracker.checkpoint_failed(step, err)
             raise err from e
         seconds = time.perf_counter() - t0
@@ -152,9 +155,11 @@ class CheckpointManager:
             log.info("retention removed step %d", s)
 
     def _drain(self) -> None:
+        """Wait for the save in flight; its error is raised here unless a handle already reported it."""
         handle, self._inflight = self._inflight, None
         if handle is not None:
-            handle.wait()
+            futures_wait([handle._future])
+        self._raise_error()
 
     def _consume(self, err: CheckpointWriteError) -> None:
         with self._lock:
@@ -174,7 +179,6 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until every save in flight is committed; raises a background write error, if any."""
         self._drain()
-        self._raise_error()
 
     # -- restoring ----------------------------------------------------------------------------------
 

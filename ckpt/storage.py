@@ -69,7 +69,7 @@ class LocalStorage:
         try:
             with open(self._p(path), "rb") as f:
                 return f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
 
     def write_atomic(self, path: str, data: bytes) -> None:

@@ -1,0 +1,213 @@
+"""Everything a training state holds comes back bit-exactly, in place, from local and memory:// roots."""
+
+import json
+import math
+import os
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+import ckpt
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16, torch.int32,
+          torch.int64, torch.uint8, torch.bool, torch.complex64]
+
+
+def _random(shape, dtype, gen):
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) if not dtype.is_complex else \
+            torch.randn(shape, generator=gen, dtype=dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, shape, generator=gen, dtype=torch.int64).to(dtype)
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+@pytest.fixture(params=["local", "memory"])
+def root(request, tmp_path):
+    return str(tmp_path / "ck") if request.param == "local" else f"memory://{uuid.uuid4().hex}"
+
+
+def test_every_dtype_and_shape_round_trips_bit_exactly(root):
+    gen = torch.Generator().manual_seed(0)
+    state = {}
+    for dt in DTYPES:
+        name = str(dt).removeprefix("torch.")
+        state[name] = _random((7, 5), dt, gen)
+        state[name + "_0d"] = _random((), dt, gen)
+        state[name + "_empty"] = _random((0, 3), dt, gen)
+    state["noncontig"] = torch.randn(6, 4, generator=gen).t()[1:, ::2]
+    state["nan_payload"] = torch.tensor([float("nan"), -0.0, float("inf")])
+    with ckpt.CheckpointManager(root) as m:
+        m.save(1, state).wait()
+    target = {k: torch.zeros_like(v) if v.is_contiguous() else torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}
+    with ckpt.CheckpointManager(root) as m:
+        assert m.restore(target) == 1
+    for k, v in state.items():
+        assert _bits_equal(target[k], v), k
+
+
+def test_json_leaves_keep_their_types(root):
+    state = {"meta": {"ints": {1: "a", 2: (3, 4.5)}, "floats": [float("nan"), float("inf"), -float("inf"), 0.1],
+                      "none": None, "flag": True, "text": "é/..\\", "nested": [[1, [2, (3,)]]], "$weird": 1,
+                      "bytes": b"\x00\xff", "np": np.int64(7), "npf": np.float32(0.5), "dtype": torch.bfloat16},
+             "arr": np.arange(6, dtype=np.int16).reshape(2, 3)}
+    with ckpt.CheckpointManager(root) as m:
+        m.save(3, state).wait()
+    out = {"meta": None, "arr": None}
+    with ckpt.CheckpointManager(root) as m:
+        m.restore(out)
+    meta = out["meta"]
+    assert meta["ints"] == {1: "a", 2: (3, 4.5)} and isinstance(meta["ints"][2], tuple)
+    assert math.isnan(meta["floats"][0]) and meta["floats"][1:] == [float("inf"), -float("inf"), 0.1]
+    assert meta["none"] is None and meta["flag"] is True and meta["text"] == "é/..\\"
+    assert meta["nested"] == [[1, [2, (3,)]]] and meta["$weird"] == 1 and meta["bytes"] == b"\x00\xff"
+    assert type(meta["np"]) is np.int64 and meta["np"] == 7 and type(meta["npf"]) is np.float32
+    assert meta["dtype"] is torch.bfloat16
+    assert isinstance(out["arr"], np.ndarray) and out["arr"].dtype == np.int16 and (out["arr"] == np.arange(6).reshape(2, 3)).all()
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+
+
+def _train(model, opt, sched, scaler, steps):
+    for _ in range(steps):
+        loss = model(torch.randn(5, 8)).pow(2).mean()
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+
+
+def test_module_optimizer_scheduler_scaler_restore_in_place(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    _train(model, opt, sched, scaler, 3)
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(3, {"model": model, "opt": opt, "sched": sched, "scaler": scaler}).wait()
+
+    model2 = _model()
+    for p in model2.parameters():
+        p.data.zero_()
+    weight_ptr = model2[0].weight.data_ptr()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1.0)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, 2, gamma=0.5)
+    scaler2 = torch.amp.GradScaler("cpu")
+    with ckpt.CheckpointManager(tmp_path) as m:
+        assert m.restore({"model": model2, "opt": opt2, "sched": sched2, "scaler": scaler2}) == 3
+    assert model2[0].weight.data_ptr() == weight_ptr, "parameters must be restored in place"
+    for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert _bits_equal(a, b), k
+    assert sched2.state_dict() == sched.state_dict() and scaler2.state_dict() == scaler.state_dict()
+    assert json.dumps(opt2.state_dict()["param_groups"]) == json.dumps(opt.state_dict()["param_groups"])
+    # the restored run continues exactly like the original
+    torch.manual_seed(1)
+    _train(model, opt, sched, scaler, 2)
+    torch.manual_seed(1)
+    _train(model2, opt2, sched2, scaler2, 2)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert _bits_equal(a.detach(), b.detach())
+
+
+def test_tied_tensors_are_stored_once_and_stay_tied(tmp_path):
+    emb = torch.nn.Embedding(50, 8)
+    head = torch.nn.Linear(8, 50, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(0, {"model": model}).wait()
+        manifest = json.loads((tmp_path / "step_00000000" / "manifest.json").read_bytes())["body"]
+    assert len(manifest["arrays"]) == 1
+    model2 = torch.nn.ModuleDict({"emb": torch.nn.Embedding(50, 8), "head": torch.nn.Linear(8, 50, bias=False)})
+    model2["head"].weight = model2["emb"].weight
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.restore({"model": model2})
+    assert torch.equal(model2["emb"].weight, emb.weight) and model2["head"].weight is model2["emb"].weight
+
+
+def test_partial_restore_by_keys(tmp_path):
+    model = _model()
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(5, {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1), "step": 5}).wait()
+        model2 = _model()
+        for p in model2.parameters():
+            p.data.fill_(7)
+        target = {"model": model2, "opt": "untouched", "step": -1}
+        assert m.restore(target, keys=["model"]) == 5
+    assert target["opt"] == "untouched" and target["step"] == -1
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+
+
+def test_restore_returns_none_without_checkpoints_and_picks_explicit_step(tmp_path):
+    with ckpt.CheckpointManager(tmp_path) as m:
+        assert m.restore({"x": torch.zeros(2)}) is None and m.latest_step() is None
+        for s in (10, 20, 30):
+            m.save(s, {"x": torch.full((2,), float(s))})
+        m.wait()
+        assert m.steps() == [10, 20, 30] and m.latest_step() == 30
+        t = {"x": torch.zeros(2)}
+        assert m.restore(t, step=20) == 20 and t["x"].tolist() == [20.0, 20.0]
+
+
+def test_saves_are_async_and_snapshotted(tmp_path):
+    x = torch.arange(1000.0)
+    with ckpt.CheckpointManager(tmp_path) as m:
+        h = m.save(1, {"x": x})
+        x.add_(1)  # mutate right after save returns: the checkpoint must hold the snapshot
+        h.wait()
+        assert h.done()
+        out = {"x": torch.zeros(1000)}
+        m.restore(out)
+    assert torch.equal(out["x"], torch.arange(1000.0))
+
+
+def test_staging_cap_snapshots_in_waves(tmp_path):
+    state = {f"t{i}": torch.randn(300, 100) for i in range(5)}  # 120 KB each
+    state["big"] = torch.randn(2000, 100)  # larger than the cap: cut by rows
+    with ckpt.CheckpointManager(tmp_path, max_staging_bytes=256 * 1024, chunk_bytes=64 * 1024) as m:
+        m.save(1, state).wait()
+        assert m._arena.capacity <= 256 * 1024
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        m.restore(out)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+def test_chunking_keeps_file_count_sane_and_reads_back(tmp_path):
+    x = torch.randn(1000, 300)  # 1.2 MB
+    with ckpt.CheckpointManager(tmp_path, chunk_bytes=256 * 1024) as m:
+        m.save(0, {"x": x}).wait()
+        chunks = os.listdir(tmp_path / "step_00000000" / "arrays" / "x" / "c")
+        assert 4 <= len(chunks) <= 6
+        out = {"x": torch.zeros(1000, 300)}
+        m.restore(out)
+    assert torch.equal(out["x"], x)
+
+
+def test_tensor_larger_than_2gib_round_trips(tmp_path):
+    n = (2 << 30) + 4096 * 3
+    x = torch.empty(n, dtype=torch.uint8)
+    x[: 1 << 20] = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    x[-(1 << 20):] = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(0, {"x": x}).wait()
+    head, tail = x[: 1 << 20].clone(), x[-(1 << 20):].clone()
+    del x
+    out = {"x": torch.zeros(n, dtype=torch.uint8)}
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.restore(out)
+    assert torch.equal(out["x"][: 1 << 20], head) and torch.equal(out["x"][-(1 << 20):], tail)

@@ -1,0 +1,176 @@
+"""A checkpoint is complete and verified or invisible: corruption, bad input, failed writes, retention."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.errors import CheckpointWriteError, CorruptCheckpointError
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(300, 200, generator=g), "b": torch.randn(7, generator=g), "step": step}
+
+
+def _save_steps(root, steps, **kw):
+    with ckpt.CheckpointManager(root, **kw) as m:
+        for s in steps:
+            m.save(s, _state(s), metadata={"loss": 1.0 / (s + 1)})
+
+
+def _chunk(root, step, key="w"):
+    d = os.path.join(root, f"step_{step:08d}", "arrays", key, "c")
+    return os.path.join(d, *["0"] * (2 if key == "w" else 1))
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "ckpt", *args], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_damaged_chunk_is_named_and_restore_falls_back(tmp_path, damage):
+    root = str(tmp_path)
+    _save_steps(root, [1, 2])
+    path = _chunk(root, 2)
+    if damage == "flip":
+        with open(path, "r+b") as f:
+            f.seek(1234)
+            b = f.read(1)
+            f.seek(1234)
+            f.write(bytes([b[0] ^ 0x01]))
+    elif damage == "truncate":
+        os.truncate(path, os.path.getsize(path) - 100)
+    else:
+        os.remove(path)
+    res = _cli("verify", root, "-q")
+    assert res.returncode == 1
+    assert "step 2: DAMAGED" in res.stdout and path in res.stdout and "step 1: ok" in res.stdout
+    target = {"w": torch.zeros(300, 200), "b": torch.zeros(7), "step": None}
+    with pytest.warns(RuntimeWarning, match=r"step 2 is damaged.*key=w.*falling back"):
+        with ckpt.CheckpointManager(root) as m:
+            assert m.restore(target) == 1
+    assert torch.equal(target["w"], _state(1)["w"]) and target["step"] == 1
+    with ckpt.CheckpointManager(root) as m, pytest.raises(CorruptCheckpointError, match="key=w"):
+        m.restore(target, step=2)  # an explicit step never silently falls back
+
+
+def test_damaged_manifest_is_detected(tmp_path):
+    _save_steps(str(tmp_path), [1, 2])
+    p = tmp_path / "step_00000002" / "manifest.json"
+    p.write_bytes(p.read_bytes().replace(b'"step":2', b'"step":3'))
+    with pytest.warns(RuntimeWarning, match="manifest checksum mismatch"):
+        with ckpt.CheckpointManager(tmp_path) as m:
+            assert m.restore(_state(0)) == 1
+    assert _cli("verify", str(tmp_path), "-q").returncode == 1
+
+
+def test_manifest_paths_leaving_the_root_are_rejected(tmp_path):
+    _save_steps(str(tmp_path), [1])
+    p = tmp_path / "step_00000001" / "manifest.json"
+    body = json.loads(p.read_bytes())["body"]
+    body["arrays"]["../../../etc/passwd"] = body["arrays"].pop("w")
+    body["tree"]["w"] = {"$tensor": "../../../etc/passwd"}
+    text = json.dumps(body, separators=(",", ":"))
+    p.write_text(json.dumps({"sha256": hashlib.sha256(text.encode()).hexdigest(), "body": body}, separators=(",", ":")))
+    with ckpt.CheckpointManager(tmp_path) as m, pytest.raises(CorruptCheckpointError, match="unsafe array path"):
+        m.restore({"w": torch.zeros(300, 200)}, step=1)
+
+
+def test_bad_input_errors_name_the_key(tmp_path):
+    with ckpt.CheckpointManager(tmp_path) as m:
+        with pytest.raises(TypeError, match=r"key 'cfg.fn'.*function"):
+            m.save(0, {"cfg": {"fn": lambda: 0}})
+        with pytest.raises(TypeError, match=r"key 'opt'.*only str and int keys"):
+            m.save(0, {"opt": {(1, 2): 3}})
+        m.save(1, {"w": torch.zeros(3, 4), "x": torch.zeros(2, dtype=torch.int64)}).wait()
+        with pytest.raises(ValueError, match=r"key 'w'.*shape \[3, 4\].*shape \[4, 3\]"):
+            m.restore({"w": torch.zeros(4, 3)})
+        with pytest.raises(ValueError, match=r"key 'x'.*dtype int64.*dtype float32"):
+            m.restore({"x": torch.zeros(2)})
+        with pytest.raises(KeyError, match=r"\['nope'\] not in checkpoint step 1"):
+            m.restore({"nope": torch.zeros(1)})
+        with pytest.raises(ValueError, match="already committed"):
+            m.save(1, {"w": torch.ones(3, 4)})
+        with pytest.raises(ValueError, match="non-negative int"):
+            m.save(-1, {})
+
+
+def test_background_write_error_surfaces_at_next_call_and_keeps_earlier_steps(tmp_path):
+    root = str(tmp_path)
+    _save_steps(root, [1])
+    (tmp_path / "step_00000002").write_text("a file where the step directory should go")
+    with ckpt.CheckpointManager(root) as m:
+        h = m.save(2, _state(2))  # returns after the snapshot; the write fails in the background
+        with pytest.raises(CheckpointWriteError, match="saving step 2 failed"):
+            m.save(3, _state(3))
+        assert not h.done() or h._future.exception() is not None
+        m.wait()  # reported once; the loop decided to go on
+        assert m.steps() == [1]
+        t = _state(0)
+        assert m.restore(t) == 1 and torch.equal(t["w"], _state(1)["w"])
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a size-limited tmpfs here (needs root)")
+    yield str(mnt)
+    subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_full_disk_surfaces_enospc_and_keeps_previous_checkpoint(tiny_fs):
+    small = {"w": torch.randn(100, 100)}  # 40 KB
+    big = {"w": torch.randn(100, 100), "huge": torch.randn(1000, 1000)}  # 4 MB > 3 MB filesystem
+    with ckpt.CheckpointManager(tiny_fs) as m:
+        m.save(1, small).wait()
+        h = m.save(2, big)
+        with pytest.raises(CheckpointWriteError, match="step 2") as info:
+            h.wait()
+        assert "No space left" in str(info.value) or "RESOURCE_EXHAUSTED" in str(info.value) or "ENOSPC" in str(info.value)
+        assert m.steps() == [1]
+        t = {"w": torch.zeros(100, 100)}
+        assert m.restore(t) == 1 and torch.equal(t["w"], small["w"])
+    assert not os.path.exists(os.path.join(tiny_fs, "step_00000002")), "a failed save cleans up after itself"
+    assert _cli("verify", tiny_fs, "-q").returncode == 0
+
+
+def test_retention_keep_last_every_and_best(tmp_path):
+    _save_steps(str(tmp_path / "last"), range(1, 7), keep_last=2)
+    assert ckpt.CheckpointManager(tmp_path / "last").steps() == [5, 6]
+    _save_steps(str(tmp_path / "every"), range(1, 8), keep_last=1, keep_every=3)
+    assert ckpt.CheckpointManager(tmp_path / "every").steps() == [3, 6, 7]
+    # loss = 1/(s+1) falls with s: best by "max" keeps the earliest steps, and always the newest
+    _save_steps(str(tmp_path / "best"), range(1, 6), keep_best=2, best_metric="loss", best_mode="max")
+    assert ckpt.CheckpointManager(tmp_path / "best").steps() == [1, 2, 5]
+    with pytest.raises(ValueError, match="keep_best needs best_metric"):
+        ckpt.CheckpointManager(tmp_path, keep_best=1)
+
+
+def test_memory_root_is_one_store(tmp_path):
+    root = f"memory://{uuid.uuid4().hex}/run"
+    _save_steps(root, [1, 2], keep_last=1)
+    with ckpt.CheckpointManager(root) as m:
+        assert m.steps() == [2]
+        t = _state(0)
+        assert m.restore(t) == 2 and torch.equal(t["w"], _state(2)["w"])
+
+
+def test_cli_ls_inspect_gc(tmp_path):
+    root = str(tmp_path)
+    _save_steps(root, [4])
+    (tmp_path / "step_00000009" / "arrays").mkdir(parents=True)
+    ls = _cli("ls", root).stdout
+    assert "4  committed" in ls and "9  incomplete" in ls
+    ins = _cli("inspect", root).stdout
+    assert "w: float32[300, 200]" in ins and "step: 4" in ins and '"loss": 0.2' in ins
+    assert "removed incomplete step 9" in _cli("gc", root).stdout
+    assert not (tmp_path / "step_00000009").exists() and (tmp_path / "step_00000004").exists()
