@@ -69,7 +69,7 @@ def plot_timeline(a: Attribution, path: str, *, title: str | None = None) -> Non
     scale, unit = _time_unit(a.wall_us / 1e6)
     t0 = a.start_us
     n = len(a.attempts)
-    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.6 * (n + 1)))
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.55 * (n + 1)))
     for s in a.segments:
         row = n - s.attempt - 1 if s.attempt != DOWNTIME else -1
         ax.broken_barh([((s.begin_us - t0) / 1e6 / scale, (s.end_us - s.begin_us) / 1e6 / scale)], (row - 0.35, 0.7),
@@ -88,7 +88,7 @@ def plot_timeline(a: Attribution, path: str, *, title: str | None = None) -> Non
     present = _ordered({s.category: 0 for s in a.segments})
     handles = [Patch(color=COLORS.get(c, "#17becf"), label=c) for c in present]
     handles.append(plt.Line2D([], [], marker="X", color="black", ls="", label="failure"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 - 0.1 / max(n, 1)), ncol=5, fontsize=8)
+    ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.08, 0.5), fontsize=8, frameon=False)
     ax.set_title(title or f"ETTR {a.ettr:.3f} over {a.wall_us / 1e6 / scale:.2f} {unit}, {a.failures} failure(s)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

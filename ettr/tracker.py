@@ -112,12 +112,12 @@ class GoodputTracker:
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> GoodputTracker:
-        """Mark the process start (call first thing); opens the ledger."""
+        """Open the ledger; the attempt is dated from the process's start (imports count as startup)."""
         if self._writer is not None:
             raise RuntimeError("GoodputTracker.start() called twice")
-        wall = self.clock.wall_us()
+        wall = self.clock.wall_us() - self.clock.process_age_us()  # the attempt starts when the process did
         self._mono = self.clock.monotonic_us
-        self._offset = wall - self._mono()
+        self._offset = self.clock.wall_us() - self._mono()
         self.attempt_id = self.attempt_id or _new_attempt_id(wall)
         self._writer = LedgerWriter(self.root, self.attempt_id, self.rank, self._storage_options)
         self._start = self._last = self._last_flush = wall
