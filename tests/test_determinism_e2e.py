@@ -1,0 +1,190 @@
+"""End to end: train, SIGKILL at a random step (or mid background write), resume, and match a straight run bitwise.
+
+Run as a script this file is the training child; as a test module it drives children through subprocess.
+Negative controls leave one RNG source (or the sampler, or the loader generator) out and must see a divergence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from ckpt import CheckpointManager
+from ckpt.data import RandomWindowSampler, TokenWindowDataset, explain, hash_batch, make_loader
+from ckpt.rng import RNGState
+from test_data_sampler import noisy, write_tokens
+
+STEPS, EVERY, VOCAB, DIM, WINDOW, STRIDE, BATCH, SEED = 30, 3, 64, 16, 17, 5, 8, 5
+OMIT = ("torch", "numpy", "python", "generators", "sampler", "loader_generator")
+KILL_SEED = int(os.environ.get("CKPT_KILL_SEED", random.SystemRandom().randrange(1 << 30)))
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding, dropout, linear: enough to make every RNG source change the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, DIM)
+        self.drop = torch.nn.Dropout(0.2)
+        self.out = torch.nn.Linear(DIM, VOCAB)
+
+
+def small_tokens(tokens: np.ndarray, rng: np.random.Generator) -> torch.Tensor:
+    """Fold tokens into the tiny vocabulary, then add per-sample augmentation noise."""
+    return noisy(tokens % VOCAB, rng)
+
+
+def train(root: str, tokens: str, log_path: str, final_path: str, omit: str | None) -> None:
+    """The child: resume from the newest checkpoint if any, train to STEPS, log losses and batch hashes."""
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    model = TinyLM()
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    dataset = TokenWindowDataset(tokens, np.uint16, WINDOW, SEED, transform=small_tokens)
+    sampler = RandomWindowSampler(dataset.n_tokens, WINDOW, STRIDE, BATCH, SEED, fingerprint=dataset.fingerprint())
+    noise_gen, smooth_rng = torch.Generator().manual_seed(1), np.random.default_rng(2)
+    generators = {} if omit == "generators" else {"noise": noise_gen, "smooth": smooth_rng}
+    rng = RNGState(generators, torch=omit != "torch", numpy=omit != "numpy", python=omit != "python")
+    state = {"model": model, "optim": optim, "rng": rng, **({} if omit == "sampler" else {"sampler": sampler})}
+    with CheckpointManager(root) as manager, open(log_path, "a") as log:
+        start = manager.restore(state) or 0
+        print(f"restored {start}", flush=True)
+        if omit == "loader_generator":
+            loader = DataLoader(dataset, batch_sampler=sampler, num_workers=2)
+        else:
+            loader = make_loader(dataset, sampler, num_workers=2, prefetch_factor=3)
+        for step, batch in zip(range(start, STEPS), sampler.track(loader)):
+            x = batch["tokens"]
+            h = model.emb(x[:, :-1]) * float(np.random.uniform(0.9, 1.1))
+            h = model.drop(h + 0.01 * torch.randn(h.shape, generator=noise_gen))
+            logits = model.out(h).reshape(-1, VOCAB)
+            loss = F.cross_entropy(logits, x[:, 1:].reshape(-1), label_smoothing=float(smooth_rng.uniform(0, 0.1)))
+            loss = loss * (1 + 0.1 * random.random())
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+            record = {"step": step, "loss": loss.item().hex(), "hash": hash_batch(batch["t"].tolist(), batch["start"].tolist())}
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            print(f"step {step}", flush=True)
+            if (step + 1) % EVERY == 0:
+                manager.save(step + 1, state)
+                print(f"saving {step + 1}", flush=True)
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    Path(final_path).write_bytes(weights.numpy().tobytes())
+
+
+def _child(run: Path, tokens: Path, omit: str | None) -> list[str]:
+    args = [sys.executable, __file__, "--root", str(run / "ckpt"), "--tokens", str(tokens), "--log", str(run / "log.jsonl"),
+            "--final", str(run / "final.bin")]  # fmt: skip
+    return args + (["--omit", omit] if omit else [])
+
+
+def _run(run: Path, tokens: Path, omit: str | None = None, kill_on: str | None = None) -> list[str]:
+    """Run the child to the end, or SIGKILL it when it prints `kill_on`; return the lines it printed."""
+    run.mkdir(exist_ok=True)
+    proc = subprocess.Popen(_child(run, tokens, omit), stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line.strip())
+        if line.strip() == kill_on:
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+    proc.stdout.close()
+    code = proc.wait(timeout=120)
+    assert code == (-signal.SIGKILL if kill_on else 0), (kill_on, lines[-5:])
+    return lines
+
+
+def _outcome(run: Path) -> tuple[dict[int, set[str]], bytes]:
+    """Every loss logged per step (killed and resumed attempts together) and the final weights."""
+    losses: dict[int, set[str]] = {}
+    for line in (run / "log.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        losses.setdefault(record["step"], set()).add(record["loss"])
+    return losses, (run / "final.bin").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory) -> Path:
+    return write_tokens(tmp_path_factory.mktemp("data") / "tokens.bin", 3000)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tokens) -> Path:
+    run = tmp_path_factory.mktemp("reference")
+    _run(run, tokens)
+    return run
+
+
+def _killed_and_resumed(run: Path, tokens: Path, kill_on: str, omit: str | None = None) -> int:
+    """Kill a run at `kill_on`, restart it to the end; return the step the restart resumed from."""
+    _run(run, tokens, omit, kill_on)
+    return int(_run(run, tokens, omit)[0].split()[1])
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_resume_after_sigkill_is_bitwise_identical(tmp_path, tokens, reference, case):
+    rnd = random.Random(KILL_SEED + case)
+    kill_on = f"saving {EVERY * rnd.randrange(1, STEPS // EVERY)}" if case == 1 else f"step {rnd.randrange(1, STEPS - 1)}"
+    resumed_from = _killed_and_resumed(tmp_path, tokens, kill_on)
+    ref_losses, ref_weights = _outcome(reference)
+    losses, weights = _outcome(tmp_path)
+    context = f"CKPT_KILL_SEED={KILL_SEED} killed on {kill_on!r}, resumed from {resumed_from}"
+    assert sorted(losses) == list(range(STEPS)), context
+    assert {s: v for s, v in losses.items() if v != ref_losses[s]} == {}, context
+    assert weights == ref_weights, context
+
+
+def test_explain_from_checkpoint_matches_logged_hashes(reference):
+    """The sampler state stored in a checkpoint explains every step's batch, past and future, with the logged hash."""
+
+    class Captured:
+        tree: dict = {}
+
+        def state_dict(self) -> dict:
+            return self.tree
+
+        def load_state_dict(self, tree: dict) -> None:
+            self.tree = tree
+
+    captured = Captured()
+    with CheckpointManager(reference / "ckpt") as manager:
+        assert manager.restore({"sampler": captured}, step=15, keys=["sampler"]) == 15
+    assert captured.tree["step"] == 15 and captured.tree["t"] == 15 * BATCH
+    logged = [json.loads(line)["hash"] for line in (reference / "log.jsonl").read_text().splitlines()]
+    assert [explain(captured.tree, step).batch_hash for step in range(STEPS)] == logged
+
+
+@pytest.mark.parametrize("omit", OMIT)
+def test_negative_control_leaving_a_source_out_diverges(tmp_path, tokens, reference, omit):
+    resumed_from = _killed_and_resumed(tmp_path, tokens, "step 13", omit)
+    assert resumed_from > 0
+    ref_losses, ref_weights = _outcome(reference)
+    losses, weights = _outcome(tmp_path)
+    diverged = [s for s in range(resumed_from, STEPS) if losses[s] - ref_losses[s]]
+    assert diverged and weights != ref_weights, f"leaving out {omit} went unnoticed"
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="training child of the determinism kill test")
+    for flag in ("--root", "--tokens", "--log", "--final"):
+        parser.add_argument(flag, required=True)
+    parser.add_argument("--omit", choices=OMIT)
+    a = parser.parse_args()
+    train(a.root, a.tokens, a.log, a.final, a.omit)
