@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 import uuid
-from collections import deque
+from collections import defaultdict, deque
 from typing import Any
 
 from .attribution import Attribution, attribute
@@ -34,6 +34,16 @@ def _env_job(root: str) -> str:
 def _new_attempt_id(wall_us: int) -> str:
     """A unique attempt id that sorts by start time."""
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime(wall_us / 1e6)) + f"{wall_us % 1_000_000:06d}-{uuid.uuid4().hex[:6]}"
+
+
+def _encode(rec: tuple | dict[str, Any]) -> str:
+    """One ledger line from a buffered record: (step, b, e, order), (category, b, e, order, attrs) or a dict."""
+    if type(rec) is tuple and len(rec) == 4:
+        return '{"k":"step","s":%d,"b":%d,"e":%d,"o":%d}\n' % rec
+    if type(rec) is tuple:
+        category, begin, end, order, attrs = rec
+        rec = {"k": "span", "c": category, "b": begin, "e": end, "o": order, **({"a": attrs} if attrs else {})}
+    return json.dumps(rec, separators=(",", ":")) + "\n"
 
 
 class _Span:
@@ -100,7 +110,7 @@ class GoodputTracker:
         self._storage_options = storage_options
         self._buf: deque[Any] = deque()
         self._stack: list[list[Any]] = []  # open intervals, oldest first: [order, category, step, begin, attrs]
-        self._acc: dict[str, int] = {}
+        self._acc: defaultdict[str, int] = defaultdict(int)
         self._lock = threading.RLock()
         self._writer: LedgerWriter | None = None
         self._prior: Attribution | None = None
@@ -149,25 +159,26 @@ class GoodputTracker:
         """Microseconds on the job timeline: this attempt's wall start plus monotonic time since."""
         return self._mono() + self._offset
 
-    def _credit(self, t: int) -> None:
-        """Give the time since the last event to the innermost open interval (or the gap category)."""
-        top = self._stack[-1][1] if self._stack else self._gap
-        self._acc[top] = self._acc.get(top, 0) + t - self._last
+    def _credit(self) -> int:
+        """Give the time since the last event to the innermost open interval (or the gap category); returns now."""
+        t = self._mono() + self._offset
+        self._acc[self._stack[-1][1] if self._stack else self._gap] += t - self._last
         self._last = t
+        return t
 
     def step_begin(self, step: int) -> None:
         """A training step starts."""
-        t = self._now()
-        self._credit(t)
+        t = self._credit()
         self._gap = "other"
         self._order += 1
         self._stack.append([self._order, "productive", step, t, None])
 
     def step_end(self, step: int) -> None:
         """A training step ends; flushes if the last flush is older than flush_interval."""
-        t = self._now()
-        self._credit(t)
-        entry = self._pop("productive", step)
+        t = self._credit()
+        stack = self._stack
+        top = stack[-1] if stack else None
+        entry = stack.pop() if top is not None and top[2] == step and top[1] == "productive" else self._pop(step)
         self._buf.append((step, entry[3], t, entry[0]))
         if t - self._last_flush >= self._flush_us:
             self.flush()
@@ -184,8 +195,7 @@ class GoodputTracker:
 
     def _open(self, category: str, step: int | None, attrs: dict[str, Any]) -> list[Any]:
         """Push a span onto the open stack."""
-        t = self._now()
-        self._credit(t)
+        t = self._credit()
         self._order += 1
         entry = [self._order, category, step, t, attrs]
         self._stack.append(entry)
@@ -195,23 +205,22 @@ class GoodputTracker:
 
     def _close(self, entry: list[Any]) -> None:
         """Pop a span, buffer its record, feed the duration histograms."""
-        t = self._now()
-        self._credit(t)
-        self._stack.remove(entry)
+        t = self._credit()
+        if self._stack[-1] is entry:
+            self._stack.pop()
+        else:
+            self._stack.remove(entry)
         order, category, _, begin, attrs = entry
-        rec = {"k": "span", "c": category, "b": begin, "e": t, "o": order}
-        if attrs:
-            rec["a"] = attrs
-        self._buf.append(rec)
+        self._buf.append((category, begin, t, order, attrs))
         if category in FLUSHED_SPANS:
             self.metrics.record_duration(category, (t - begin) / 1e6)
             self.flush()
 
-    def _pop(self, category: str, step: int) -> list[Any]:
-        """Remove the open step `step` from the stack (normally the top)."""
+    def _pop(self, step: int) -> list[Any]:
+        """Remove the open step `step` from the stack when it is not on top (a span left open inside it)."""
         for i in range(len(self._stack) - 1, -1, -1):
             entry = self._stack[i]
-            if entry[1] == category and entry[2] == step:
+            if entry[1] == "productive" and entry[2] == step:
                 return self._stack.pop(i)
         raise ValueError(f"step_end({step}) without a matching step_begin({step})")
 
@@ -239,14 +248,10 @@ class GoodputTracker:
             t = self._now()
             lines = []
             buf = self._buf
-            while buf:
-                rec = buf.popleft()
-                if type(rec) is tuple:
-                    lines.append('{"k":"step","s":%d,"b":%d,"e":%d,"o":%d}\n' % rec)
-                else:
-                    lines.append(json.dumps(rec, separators=(",", ":")) + "\n")
+            while buf:  # popleft: records appended meanwhile by another thread stay for the next flush
+                lines.append(_encode(buf.popleft()))
             stack = [(("step", e[2]) if e[1] == "productive" else ("span", e[1])) + (e[3], e[0]) for e in list(self._stack)]
-            lines.append(json.dumps({"k": "alive", "t": t, "open": stack}, separators=(",", ":")) + "\n")
+            lines.append(_encode({"k": "alive", "t": t, "open": stack}))
             self._writer.write("".join(lines))
             self._last_flush = t
             if self._prior_done or self._load_prior():

@@ -19,7 +19,7 @@ def scripted_job(root: str) -> None:
     plan = [(0.0, 180.0, None, 1, 410), (9_000.0, 240.0, 405, 406, 800), (19_500.0, 200.0, 765, 766, 1290)]
     for k, (at, startup, resume, first, last) in enumerate(plan):
         clock.set(1_700_000_000.0 + at)
-        tr = GoodputTracker(root, attempt_id=f"a{k}", rank=0, clock=clock, flush_interval=5.0).start()
+        tr = GoodputTracker(root, attempt_id=f"a{k}", rank=0, clock=clock, flush_interval=600.0).start()
         clock.advance(startup)
         with tr.span("checkpoint_restore"):
             clock.advance(60.0 if resume else 2.0)
