@@ -12,7 +12,7 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import tensorstore as ts
@@ -22,6 +22,7 @@ from . import state as state_mod
 from . import store
 from .errors import CorruptCheckpointError
 from .format import ARRAYS, IN_PROGRESS, MANIFEST, ArrayInfo, Manifest, chunk_shape, dtype_name, step_dir, torch_dtype
+from .distributed import Ranks, plan_arrays, read_region
 from .staging import Staged, StagingArena
 from .storage import Storage
 
@@ -54,18 +55,28 @@ class WritePlan:
     world_size: int = 1
 
 
-def plan_local(step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, chunk_bytes: int) -> WritePlan:
-    """The write plan of a single process: every tensor is its own whole global array."""
-    flat = state_mod.flatten(state)
-    arrays, boxes = {}, {}
-    for name, t in flat.tensors.items():
-        dt = dtype_name(t.dtype, key=name)
-        shape = tuple(t.shape)
-        arrays[name] = ArrayInfo(name, dt, shape, tuple(chunk_shape(shape, t.element_size(), [(0,) * len(shape)], chunk_bytes)),
-                                 (tuple((0, n) for n in shape),))
-        boxes[name] = arrays[name].boxes[0]
+def plan(step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, chunk_bytes: int,
+         ranks: Ranks | None) -> WritePlan:
+    """What this process writes for `step`: alone, every tensor is a whole array; among ranks, its slices."""
+    flat = state_mod.flatten(state, rank=ranks.rank if ranks else 0)
     meta = _json_metadata(metadata)
-    return WritePlan(step, flat.tree, arrays, flat.tensors, boxes, meta)
+    if ranks is None:
+        arrays, boxes = {}, {}
+        for name, t in flat.tensors.items():
+            shape = tuple(t.shape)
+            chunk = chunk_shape(shape, t.element_size(), [(0,) * len(shape)], chunk_bytes)
+            arrays[name] = ArrayInfo(name, dtype_name(t.dtype, key=name), shape, tuple(chunk), (tuple((0, n) for n in shape),))
+            boxes[name] = arrays[name].boxes[0]
+        return WritePlan(step, flat.tree, arrays, flat.tensors, boxes, meta)
+    arrays, writes, boxes = plan_arrays(ranks, flat.tensors, chunk_bytes)
+    per_rank = {k: v["$per_rank"] for k, v in flat.tree.items() if isinstance(v, dict) and "$per_rank" in v}
+    tree = flat.tree
+    if per_rank:
+        gathered = ranks.all_gather_json(per_rank)
+        tree = dict(flat.tree)
+        for k in per_rank:
+            tree[k] = {"$per_rank": [entry for g in gathered for entry in g[k]]}
+    return WritePlan(step, tree, arrays, writes, boxes, meta, world_size=ranks.world_size)
 
 
 def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -80,8 +91,10 @@ def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
 class SaveJob:
     """One save in flight: the snapshot is taken in the constructor, `write()` runs in the background."""
 
-    def __init__(self, storage: Storage, plan: WritePlan, arena: StagingArena, context: ts.Context):
-        self.storage, self.plan, self.arena, self.context = storage, plan, arena, context
+    def __init__(self, storage: Storage, plan: WritePlan, arena: StagingArena, context: ts.Context,
+                 ranks: Ranks | None = None):
+        self.storage, self.plan, self.arena, self.context, self.ranks = storage, plan, arena, context, ranks
+        self.leader = ranks is None or ranks.rank == 0
         self.dir = step_dir(plan.step)
         self._arrays: dict[str, ts.TensorStore] | None = None
         self._prepared = False
@@ -91,14 +104,18 @@ class SaveJob:
         self.staged = arena.stage(plan.tensors, waves[-1])
 
     def _prepare(self) -> None:
+        """Once per save, before any array write: the leader clears leftovers and marks the save in flight."""
         if self._prepared:
             return
-        if self.storage.read(f"{self.dir}/{MANIFEST}") is not None:
-            raise FileExistsError(f"step {self.plan.step} is already committed in {self.storage.url}")
-        self.storage.delete_tree(self.dir)  # leftovers of a crashed earlier attempt at this step
-        marker = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
-        self.storage.write_atomic(f"{self.dir}/{IN_PROGRESS}", json.dumps(marker).encode())
         self._prepared = True
+        if self.leader:
+            if self.storage.read(f"{self.dir}/{MANIFEST}") is not None:
+                raise FileExistsError(f"step {self.plan.step} is already committed in {self.storage.url}")
+            self.storage.delete_tree(self.dir)  # leftovers of a crashed earlier attempt at this step
+            marker = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
+            self.storage.write_atomic(f"{self.dir}/{IN_PROGRESS}", json.dumps(marker).encode())
+        if self.ranks is not None:
+            self.ranks.barrier()
 
     def _open_arrays(self) -> dict[str, ts.TensorStore]:
         if self._arrays is None:
@@ -121,9 +138,35 @@ class SaveJob:
         for f in futures:
             f.result()  # resolves once the chunk is written (and fsync'd by the file kvstore)
 
-    def write_arrays(self) -> None:
-        """Background part before the commit: write the last wave and wait until durable."""
-        self._write_staged(self.staged)
+    def run(self) -> None:
+        """Background part: write the last wave, wait until durable, then commit — once, for all ranks.
+
+        Among ranks, every rank reports its outcome; the leader commits only if all succeeded, and
+        every rank learns the result, so a failure anywhere leaves no committed step and reaches all.
+        """
+        error: BaseException | None = None
+        try:
+            self._write_staged(self.staged)
+        except BaseException as e:
+            error = e
+        if self.ranks is None:
+            if error is not None:
+                raise error
+            self.commit()
+            return
+        rank = self.ranks.rank
+        failures = [f for f in self.ranks.all_gather_json(None if error is None else f"rank {rank}: {type(error).__name__}: {error}") if f]
+        commit_error = None
+        if not failures and self.leader:
+            try:
+                self.commit()
+            except Exception as e:
+                commit_error = f"rank 0 could not commit: {type(e).__name__}: {e}"
+        verdict = self.ranks.all_gather_json(commit_error)[0]
+        if error is not None:
+            raise error
+        if failures or verdict:
+            raise RuntimeError("; ".join(failures) or verdict)
 
     def manifest(self) -> Manifest:
         p = self.plan
@@ -132,7 +175,7 @@ class SaveJob:
 
     def abandon(self) -> None:
         """After a failed write: remove what this save left, unless it got as far as committing."""
-        if self._prepared and self.storage.read(f"{self.dir}/{MANIFEST}") is None:
+        if self.leader and self._prepared and self.storage.read(f"{self.dir}/{MANIFEST}") is None:
             self.storage.delete_tree(self.dir)
 
     def commit(self) -> None:
@@ -166,12 +209,12 @@ class _Read:
 
 
 def restore_into(storage: Storage, manifest: Manifest, target: dict[str, Any], keys: Sequence[str] | None,
-                 context: ts.Context, pool: ThreadPoolExecutor,
-                 region: Callable[[ArrayInfo, Any], tuple[Any, tuple[tuple[int, int], ...]] | None] | None = None) -> None:
+                 context: ts.Context, pool: ThreadPoolExecutor, *, rank: int = 0, world_size: int = 1,
+                 rank_map: str = "modulo") -> list[str]:
     """Load the selected keys of a manifest into `target` in place; nothing is applied unless every read verified.
 
-    `region(info, template)` lets a distributed caller choose the part of a global array a rank reads
-    (returning the local destination and its box); by default the whole array is read.
+    DTensor targets read only their own shard's region of each global array (any world size); other
+    tensors read whole arrays. Per-rank entries follow `select_rank`. Returns the keys restored.
     """
     tree = manifest.tree
     if not isinstance(tree, dict):
@@ -183,6 +226,14 @@ def restore_into(storage: Storage, manifest: Manifest, target: dict[str, Any], k
     absent = [k for k in selected if k not in target]
     if absent:
         raise KeyError(f"keys {absent} are not in the state passed to restore (it has {sorted(target)})")
+    nodes = {}
+    for k in selected:
+        node = tree[k]
+        if isinstance(node, dict) and "$per_rank" in node:
+            node = state_mod.select_rank(node, rank, manifest.world_size, world_size, rank_map)
+            if node is None:
+                continue
+        nodes[k] = node
     reads: dict[str, _Read] = {}
     post: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -191,17 +242,15 @@ def restore_into(storage: Storage, manifest: Manifest, target: dict[str, Any], k
         if info is None:
             raise CorruptCheckpointError("tree refers to an array the manifest does not list", step=manifest.step, key=name)
         tmpl = torch.from_numpy(template) if isinstance(template, np.ndarray) and template.flags.writeable else template
-        if region is not None:
-            custom = region(info, tmpl)
-            if custom is not None:
-                value, box = custom
-                _check_match(info, value if isinstance(value, torch.Tensor) else None, manifest.step, box)
-                local = _local_of(value)
-                reads.setdefault(name, _Read(info, _contiguous_dest(local, box, info, post), box))
-                return value
+        shard = read_region(info, tmpl)
+        if shard is not None:
+            dtensor, box = shard
+            _check_match(info, dtensor, manifest.step)
+            reads.setdefault(name, _Read(info, _contiguous_dest(dtensor.to_local(), box, info, post), box))
+            return dtensor
         whole = tuple((0, n) for n in info.shape)
         if isinstance(tmpl, torch.Tensor):
-            _check_match(info, tmpl, manifest.step, whole)
+            _check_match(info, tmpl, manifest.step)
         if name in reads:
             r = reads[name]
             if isinstance(tmpl, torch.Tensor) and tmpl.data_ptr() != r.dest.data_ptr():
@@ -216,26 +265,19 @@ def restore_into(storage: Storage, manifest: Manifest, target: dict[str, Any], k
         reads[name] = _Read(info, dest, whole)
         return dest
 
-    values = {k: state_mod.decode(tree[k], load, target[k], k) for k in selected}
+    values = {k: state_mod.decode(node, load, target[k], k) for k, node in nodes.items()}
     _run_reads(storage, manifest, reads, context, pool)
     for r in reads.values():
         for t in r.after:
             t.copy_(r.dest)
     for dst, src in post:
         dst.copy_(src)
-    for k in selected:
+    for k in values:
         state_mod.apply(target, k, values[k])
+    return list(values)
 
 
-def _local_of(value: Any) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
-def _check_match(info: ArrayInfo, tmpl: torch.Tensor | None, step: int, box: tuple[tuple[int, int], ...]) -> None:
-    if tmpl is None:
-        return
+def _check_match(info: ArrayInfo, tmpl: torch.Tensor, step: int) -> None:
     if tuple(tmpl.shape) != info.shape:
         raise ValueError(f"restore of key {info.name!r} (step {step}): checkpoint has shape {list(info.shape)}, "
                          f"the target tensor has shape {list(tmpl.shape)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from datetime import timedelta
 import os
 import threading
 import time
@@ -12,8 +13,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any, ContextManager, Mapping, Protocol, Sequence
 
+import torch.distributed as dist
+
 from . import catalog
-from .checkpointer import SaveJob, plan_local, read_manifest, restore_into
+from .checkpointer import SaveJob, plan, read_manifest, restore_into
+from .distributed import Ranks, prepare_optimizers
 from .errors import CheckpointWriteError, CorruptCheckpointError
 from .format import MANIFEST, step_dir
 from .retention import Retention
@@ -73,12 +77,16 @@ class CheckpointManager:
         chunk_bytes: target size of one chunk file (one chunk per tensor up to this size).
         tracker: a `CheckpointObserver` (such as `ettr.GoodputTracker`) told about saves and restores.
         io_threads: concurrent chunk reads on restore.
+        collective_timeout: seconds a rank waits for the others during a save or restore before failing.
+
+    With torch.distributed initialized, every rank creates the manager (it makes a gloo group for its
+    own collectives) and calls `save`/`restore` with the same step: each rank writes only its slices.
     """
 
     def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None, keep_every: int | None = None,
                  keep_best: int | None = None, best_metric: str | None = None, best_mode: str = "min",
                  max_staging_bytes: int | None = None, chunk_bytes: int = 64 << 20,
-                 tracker: CheckpointObserver | None = None, io_threads: int = 8):
+                 tracker: CheckpointObserver | None = None, io_threads: int = 8, collective_timeout: float = 600.0):
         self.storage: Storage = open_storage(root)
         self.retention = Retention(keep_last, keep_every, keep_best, best_metric, best_mode)
         if chunk_bytes < 1:
@@ -86,6 +94,8 @@ class CheckpointManager:
         self.chunk_bytes = chunk_bytes
         self.tracker: CheckpointObserver = tracker if tracker is not None else _NoTracker()
         self._arena = StagingArena(max_staging_bytes)
+        distributed = dist.is_available() and dist.is_initialized()
+        self.ranks: Ranks | None = Ranks(timedelta(seconds=collective_timeout)) if distributed else None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer")
         self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-reader")
         self._inflight: SaveHandle | None = None
@@ -110,7 +120,8 @@ class CheckpointManager:
                 raise ValueError(f"step {step} is already committed in {self.storage.url}; "
                                  f"a committed checkpoint is never overwritten")
             t0 = time.perf_counter()
-            job = SaveJob(self.storage, plan_local(step, state, metadata, self.chunk_bytes), self._arena, context())
+            job = SaveJob(self.storage, plan(step, state, metadata, self.chunk_bytes, self.ranks), self._arena,
+                          context(), self.ranks)
             stall = time.perf_counter() - t0
         future = self._writer.submit(self._background, job, stall)
         self._inflight = SaveHandle(step, future, self)
@@ -119,8 +130,7 @@ class CheckpointManager:
     def _background(self, job: SaveJob, stall: float) -> None:
         step, t0 = job.plan.step, time.perf_counter()
         try:
-            job.write_arrays()
-            job.commit()
+            job.run()
         except BaseException as e:
             err = CheckpointWriteError(step, e)
             with self._lock:
@@ -139,7 +149,7 @@ class CheckpointManager:
         self._apply_retention()
 
     def _apply_retention(self) -> None:
-        if not self.retention.active:
+        if not self.retention.active or (self.ranks is not None and self.ranks.rank != 0):
             return
         steps = catalog.committed_steps(self.storage)
         if self.retention.keep_best:
@@ -182,26 +192,42 @@ class CheckpointManager:
 
     # -- restoring ----------------------------------------------------------------------------------
 
-    def restore(self, state: dict[str, Any], *, step: int | None = None, keys: Sequence[str] | None = None) -> int | None:
+    def restore(self, state: dict[str, Any], *, step: int | None = None, keys: Sequence[str] | None = None,
+                rank_map: str = "modulo") -> int | None:
         """Load the newest intact committed step (or `step`) into `state` in place; returns the step or None.
 
-        Without `step`, a damaged checkpoint is reported (warning) and the previous one is tried.
-        `keys` restricts the restore to some top-level entries of the state (e.g. ``["model"]``).
+        Without `step`, a damaged checkpoint is reported (warning) and the previous one is tried (all
+        ranks agree on the step). `keys` restricts the restore to some top-level entries of the state
+        (e.g. ``["model"]``). Per-rank entries (RNG) saved at another world size go to rank i from rank
+        ``i % saved_world_size`` (``rank_map="modulo"``, the default) or are left as they are
+        (``"skip"``: the caller reseeds).
         """
+        if rank_map not in ("modulo", "skip"):
+            raise ValueError(f"rank_map must be 'modulo' or 'skip', got {rank_map!r}")
         self._check_open()
         self.wait()
         restored: int | None = None
         with self.tracker.span("checkpoint_restore"):
             candidates = [step] if step is not None else sorted(catalog.committed_steps(self.storage), reverse=True)
             failures: list[CorruptCheckpointError] = []
+            prepare_optimizers(state, keys)
+            rank, world = (self.ranks.rank, self.ranks.world_size) if self.ranks else (0, 1)
             for s in candidates:
+                error: CorruptCheckpointError | None = None
                 try:
-                    restore_into(self.storage, read_manifest(self.storage, s), state, keys, context(), self._readers)
+                    restore_into(self.storage, read_manifest(self.storage, s), state, keys, context(), self._readers,
+                                 rank=rank, world_size=world, rank_map=rank_map)
                 except CorruptCheckpointError as e:
+                    error = e
+                if self.ranks is not None:  # every rank takes the same step
+                    bad = [m for m in self.ranks.all_gather_json(None if error is None else str(error)) if m]
+                    if bad and error is None:
+                        error = CorruptCheckpointError(f"another rank found damage: {bad[0]}", step=s)
+                if error is not None:
                     if step is not None:
-                        raise
-                    failures.append(e)
-                    warnings.warn(f"checkpoint step {s} is damaged: {e}; falling back to the previous committed step",
+                        raise error
+                    failures.append(error)
+                    warnings.warn(f"checkpoint step {s} is damaged: {error}; falling back to the previous committed step",
                                   RuntimeWarning, stacklevel=2)
                     continue
                 restored = s

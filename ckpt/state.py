@@ -15,11 +15,12 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from .errors import CorruptCheckpointError
 from .format import escape_segment, validate_array_name
 
-_TAGS = ("$tensor", "$ndarray", "$float", "$tuple", "$dict", "$bytes", "$np", "$dtype", "$state")
+_TAGS = ("$tensor", "$ndarray", "$float", "$tuple", "$dict", "$bytes", "$np", "$dtype", "$state", "$per_rank")
 
 
 @runtime_checkable
@@ -29,6 +30,11 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+def is_per_rank(x: Any) -> bool:
+    """Stateful objects whose state differs per rank (RNG streams) declare `per_rank = True`."""
+    return is_stateful(x) and bool(getattr(x, "per_rank", False))
 
 
 def is_stateful(x: Any) -> bool:
@@ -45,15 +51,20 @@ class Flat:
     numpy_names: set[str] = field(default_factory=set)
 
 
-def flatten(state: Mapping[str, Any], *, prefix: str = "") -> Flat:
-    """Encode a state; calls `state_dict()` on Stateful leaves; tied tensors are stored once."""
+def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
+    """Encode a state; calls `state_dict()` on Stateful leaves; tied tensors are stored once.
+
+    A top-level per-rank entry becomes ``{"$per_rank": [[rank, tree]]}`` with its arrays under
+    ``<key>/rank_<rank>/``, so every rank's copy can live side by side in one checkpoint.
+    """
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict of named entries, got {type(state).__name__}")
     flat = Flat(tree=None)
     seen: dict[tuple, str] = {}
 
     def tensor_ref(t: torch.Tensor, path: list[str], tag: str) -> dict[str, str]:
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+        local = t.to_local() if isinstance(t, DTensor) else t
+        ident = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape), local.stride(), t.dtype, t.device)
         if t.numel() and ident in seen:
             return {tag: seen[ident]}
         name = "/".join(path) or "%00"
@@ -107,9 +118,27 @@ def flatten(state: Mapping[str, Any], *, prefix: str = "") -> Flat:
                         f"saved: use tensors, JSON values (None/bool/int/float/str/list/tuple/dict), numpy arrays, "
                         f"or an object with state_dict()/load_state_dict()")
 
-    base = [escape_segment(s) for s in prefix.split("/") if s] if prefix else []
-    flat.tree = enc(dict(state), base, "")
+    tree = {}
+    for k, v in state.items():
+        if not isinstance(k, str) or k.startswith("$"):
+            raise TypeError(f"top-level state keys must be str not starting with '$', got {k!r}")
+        if is_per_rank(v):
+            tree[k] = {"$per_rank": [[rank, enc(v, [escape_segment(k), f"rank_{rank:05d}"], k)]]}
+        else:
+            tree[k] = enc(v, [escape_segment(k)], k)
+    flat.tree = tree
     return flat
+
+
+def select_rank(node: Any, rank: int, saved_world: int, world: int, rank_map: str) -> Any | None:
+    """The entry of a per-rank node this rank restores: its own on the same world size; on another,
+    rank ``rank % saved_world`` ("modulo") or nothing ("skip", the caller keeps its current state)."""
+    entries = {int(r): tree for r, tree in node["$per_rank"]}
+    if world == saved_world:
+        return entries.get(rank)
+    if rank_map == "skip":
+        return None
+    return entries.get(rank % saved_world)
 
 
 def tensor_refs(tree: Any) -> list[str]:
@@ -179,6 +208,8 @@ def decode(node: Any, load: Callable[[str, Any], torch.Tensor], template: Any = 
         if not isinstance(dt, torch.dtype):
             raise CorruptCheckpointError(f"unknown dtype {v!r}", key=key)
         return dt
+    if tag == "$per_rank":
+        raise CorruptCheckpointError("per-rank entry below the top level of the state", key=key)
     return decode(node["v"], load, template, key)  # "$state": a Stateful object's state_dict
 
 

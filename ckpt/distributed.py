@@ -1,0 +1,119 @@
+"""Ranks: who writes which slice of each global array, the single commit, and what a rank reads back.
+
+Every collective runs on a dedicated gloo group (created with the manager, with a timeout), never on
+the training group, so background saves do not interleave with training collectives (NCCL or gloo)
+and a dead rank turns into an error after the timeout instead of a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections import defaultdict
+from datetime import timedelta
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from .format import ArrayInfo, chunk_shape, dtype_name, torch_dtype
+
+Box = tuple[tuple[int, int], ...]
+
+
+class Ranks:
+    """This process's place among the ranks and the gloo group used for checkpoint collectives."""
+
+    def __init__(self, timeout: timedelta):
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        """Every rank's JSON value, in rank order (bytes over gloo, no pickle)."""
+        data = torch.frombuffer(bytearray(json.dumps(obj, allow_nan=False).encode()), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self.group)
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: data.numel()] = data
+        out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(out, padded, group=self.group)
+        return [json.loads(bytes(o[: int(s.item())].tolist())) for o, s in zip(out, sizes)]
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+
+def local_box(t: torch.Tensor) -> tuple[torch.Tensor, Box]:
+    """The local data of a (D)Tensor and the box of the global array it covers."""
+    if isinstance(t, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return t.to_local(), tuple((o, o + s) for o, s in zip(offset, shape))
+    return t, tuple((0, n) for n in t.shape)
+
+
+def plan_arrays(ranks: Ranks, tensors: Mapping[str, torch.Tensor], chunk_bytes: int
+                ) -> tuple[dict[str, ArrayInfo], dict[str, torch.Tensor], dict[str, Box]]:
+    """Agree with every rank on the global arrays; returns (arrays, what this rank writes, its boxes).
+
+    A box held by several ranks (replicated tensors, DTensor Replicate) is written by one of them,
+    chosen by a hash of the array name so that the writing is spread over the ranks.
+    """
+    mine = {name: local_box(t) for name, t in tensors.items()}
+    described = {name: [dtype_name(t.dtype, key=name), list(t.shape), [list(b) for b in mine[name][1]]]
+                 for name, t in tensors.items()}
+    gathered = ranks.all_gather_json(described)
+    holders: dict[str, dict[Box, list[int]]] = defaultdict(lambda: defaultdict(list))
+    meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for rank, arrays in enumerate(gathered):
+        for name, (dt, shape, box) in arrays.items():
+            if name in meta and meta[name] != (dt, tuple(shape)):
+                raise ValueError(f"ranks disagree on tensor {name!r}: {meta[name]} vs {(dt, tuple(shape))} on rank {rank}")
+            meta[name] = (dt, tuple(shape))
+            holders[name][tuple(tuple(r) for r in box)].append(rank)
+    arrays, writes, boxes = {}, {}, {}
+    for name, by_box in holders.items():
+        dt, shape = meta[name]
+        ordered = sorted(by_box)
+        volume = sum(_volume(b) for b in ordered)
+        if volume != _volume(tuple((0, n) for n in shape)):
+            raise ValueError(f"the ranks' pieces of tensor {name!r} do not tile its global shape {list(shape)} "
+                             f"(boxes {ordered}); is it a plain tensor that differs across ranks?")
+        itemsize = torch.empty(0, dtype=torch_dtype(dt)).element_size()
+        chunk = chunk_shape(shape, itemsize, [tuple(a for a, _ in b) for b in ordered], chunk_bytes)
+        arrays[name] = ArrayInfo(name, dt, shape, tuple(chunk), tuple(ordered))
+        for box, rks in by_box.items():
+            writer = rks[zlib.crc32(name.encode()) % len(rks)]
+            if writer == ranks.rank:
+                writes[name], boxes[name] = mine[name][0], box
+    return arrays, writes, boxes
+
+
+def _volume(box: Box) -> int:
+    v = 1
+    for a, b in box:
+        v *= b - a
+    return v
+
+
+def read_region(info: ArrayInfo, template: Any) -> tuple[Any, Box] | None:
+    """For a DTensor target, the local shard and the box of the global array it holds; else None (read whole)."""
+    if not isinstance(template, DTensor):
+        return None
+    if tuple(template.shape) != info.shape:
+        raise ValueError(f"restore of key {info.name!r}: checkpoint has global shape {list(info.shape)}, "
+                         f"the target DTensor has {list(template.shape)}")
+    return template, local_box(template)[1]
+
+
+def prepare_optimizers(state: Mapping[str, Any], keys: Any) -> None:
+    """Give optimizers of sharded (DTensor) parameters their state tensors, so a restore can fill them in place."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    for k, v in state.items():
+        if (keys is None or k in keys) and isinstance(v, torch.optim.Optimizer) and not v.state and any(
+                isinstance(p, DTensor) for g in v.param_groups for p in g["params"]):
+            _init_optim_state(v)

@@ -1,0 +1,116 @@
+"""One rank of the distributed tests (gloo on 127.0.0.1, FSDP2 on a CPU mesh).
+
+Modes: "save" trains 2 steps sharded at world size W, saves step 2 and dumps a full reference;
+"restore" rebuilds at W (1 = no process group), restores and compares bitwise; "kill" saves step 1,
+then rank 1 dies during the save of step 2. Run as a script (RANK/WORLD_SIZE/MASTER_* in the
+environment) or through `run(...)` from a forkserver that has torch preloaded.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import ckpt
+from ckpt.rng import RNGState
+
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def run(mode: str, root: str, rank: int, world: int, port: int, log: str) -> None:
+    """Entry point for one rank started from a forkserver: environment, output to `log`, then main."""
+    global WORLD
+    WORLD = world
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    main(mode, root)
+
+
+def build():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.GELU(), torch.nn.Linear(96, 40), torch.nn.Linear(40, 8))
+    if WORLD > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def flat_reference(model, opt):
+    ref = {f"model.{k}": full(v).clone() for k, v in model.state_dict().items()}
+    for pid, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            ref[f"opt.{pid}.{k}"] = full(v).clone()
+    return ref
+
+
+def state_of(model, opt):
+    # 1 MiB replicated on every rank: must be stored once
+    return {"model": model, "opt": opt, "rng": RNGState(), "table": torch.arange(1 << 18, dtype=torch.float32)}
+
+
+def main(mode: str, root: str) -> None:
+    if WORLD > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if WORLD > 1 else 0
+    model, opt = build()
+    if mode in ("save", "kill"):
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            x = torch.randn(16, 32, generator=g)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        with ckpt.CheckpointManager(root, collective_timeout=20) as m:
+            if mode == "save":
+                m.save(2, state_of(model, opt)).wait()
+                ref = flat_reference(model, opt)
+                if rank == 0:
+                    torch.save(ref, os.path.join(root, "..", "reference.pt"))
+            else:
+                m.save(1, state_of(model, opt)).wait()
+                h = m.save(2, state_of(model, opt))
+                if rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                t0 = time.monotonic()
+                try:
+                    h.wait()
+                    print("NO ERROR", flush=True)
+                except ckpt.CheckpointWriteError as e:
+                    print(f"error after {time.monotonic() - t0:.1f}s: {e}", flush=True)
+                print(f"latest {m.latest_step()}", flush=True)
+                os._exit(0)  # the dead peer would make process-group teardown hang
+    else:
+        with ckpt.CheckpointManager(root) as m:
+            step = m.restore(state_of(model, opt))
+        ref = torch.load(os.path.join(root, "..", "reference.pt"))
+        got = flat_reference(model, opt)
+        bad = [k for k in ref if k not in got or not torch.equal(ref[k], got[k])]
+        missing = sorted(set(got) ^ set(ref))
+        print(f"rank {rank} restored {step}: {len(ref)} tensors, mismatched {bad}, missing {missing}", flush=True)
+        if bad or missing:
+            sys.exit(1)
+    if WORLD > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
