@@ -13,6 +13,7 @@ import random
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -125,33 +126,45 @@ def tokens(tmp_path_factory) -> Path:
     return write_tokens(tmp_path_factory.mktemp("data") / "tokens.bin", 3000)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, tokens) -> Path:
-    run = tmp_path_factory.mktemp("reference")
-    _run(run, tokens)
-    return run
+def _kill_point(case: int) -> str:
+    """Case 1 dies right after a save returned (its write still in the background), the others at a random step."""
+    rnd = random.Random(KILL_SEED + case)
+    return f"saving {EVERY * rnd.randrange(1, STEPS // EVERY)}" if case == 1 else f"step {rnd.randrange(1, STEPS - 1)}"
 
 
-def _killed_and_resumed(run: Path, tokens: Path, kill_on: str, omit: str | None = None) -> int:
-    """Kill a run at `kill_on`, restart it to the end; return the step the restart resumed from."""
+def _scenario(run: Path, tokens: Path, kill_on: str | None, omit: str | None) -> int | None:
+    """A straight run (kill_on None), or a run killed at `kill_on` and restarted; returns the step resumed from."""
+    if kill_on is None:
+        _run(run, tokens, omit)
+        return None
     _run(run, tokens, omit, kill_on)
     return int(_run(run, tokens, omit)[0].split()[1])
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tokens) -> dict[str, tuple[Path, int | None, str | None]]:
+    """Every child run of this module, two at a time (the children are independent; the test process only waits)."""
+    jobs = {"reference": (None, None), **{f"kill{c}": (_kill_point(c), None) for c in range(3)},
+            **{f"omit-{o}": ("step 13", o) for o in OMIT}}  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: (tmp_path_factory.mktemp(name), kill_on, omit) for name, (kill_on, omit) in jobs.items()}
+        futures = {name: (run, kill_on, pool.submit(_scenario, run, tokens, kill_on, omit))
+                   for name, (run, kill_on, omit) in futures.items()}  # fmt: skip
+    return {name: (run, future.result(), kill_on) for name, (run, kill_on, future) in futures.items()}
+
+
 @pytest.mark.parametrize("case", range(3))
-def test_resume_after_sigkill_is_bitwise_identical(tmp_path, tokens, reference, case):
-    rnd = random.Random(KILL_SEED + case)
-    kill_on = f"saving {EVERY * rnd.randrange(1, STEPS // EVERY)}" if case == 1 else f"step {rnd.randrange(1, STEPS - 1)}"
-    resumed_from = _killed_and_resumed(tmp_path, tokens, kill_on)
-    ref_losses, ref_weights = _outcome(reference)
-    losses, weights = _outcome(tmp_path)
+def test_resume_after_sigkill_is_bitwise_identical(runs, case):
+    run, resumed_from, kill_on = runs[f"kill{case}"]
+    ref_losses, ref_weights = _outcome(runs["reference"][0])
+    losses, weights = _outcome(run)
     context = f"CKPT_KILL_SEED={KILL_SEED} killed on {kill_on!r}, resumed from {resumed_from}"
     assert sorted(losses) == list(range(STEPS)), context
     assert {s: v for s, v in losses.items() if v != ref_losses[s]} == {}, context
     assert weights == ref_weights, context
 
 
-def test_explain_from_checkpoint_matches_logged_hashes(reference):
+def test_explain_from_checkpoint_matches_logged_hashes(runs):
     """The sampler state stored in a checkpoint explains every step's batch, past and future, with the logged hash."""
 
     class Captured:
@@ -163,7 +176,7 @@ def test_explain_from_checkpoint_matches_logged_hashes(reference):
         def load_state_dict(self, tree: dict) -> None:
             self.tree = tree
 
-    captured = Captured()
+    captured, reference = Captured(), runs["reference"][0]
     with CheckpointManager(reference / "ckpt") as manager:
         assert manager.restore({"sampler": captured}, step=15, keys=["sampler"]) == 15
     assert captured.tree["step"] == 15 and captured.tree["t"] == 15 * BATCH
@@ -172,11 +185,11 @@ def test_explain_from_checkpoint_matches_logged_hashes(reference):
 
 
 @pytest.mark.parametrize("omit", OMIT)
-def test_negative_control_leaving_a_source_out_diverges(tmp_path, tokens, reference, omit):
-    resumed_from = _killed_and_resumed(tmp_path, tokens, "step 13", omit)
+def test_negative_control_leaving_a_source_out_diverges(runs, omit):
+    run, resumed_from, _ = runs[f"omit-{omit}"]
     assert resumed_from > 0
-    ref_losses, ref_weights = _outcome(reference)
-    losses, weights = _outcome(tmp_path)
+    ref_losses, ref_weights = _outcome(runs["reference"][0])
+    losses, weights = _outcome(run)
     diverged = [s for s in range(resumed_from, STEPS) if losses[s] - ref_losses[s]]
     assert diverged and weights != ref_weights, f"leaving out {omit} went unnoticed"
 
