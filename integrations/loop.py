@@ -1,0 +1,282 @@
+"""A plain PyTorch loop wired to ckpt + ettr: restore on entry, interval and just-in-time saves, goodput tracking.
+
+Policy stays in `ckpt` (what a save is, what a restore finds) and `ettr` (what time counts as, which interval
+pays); this object only decides *when* to call them and owns the signal handlers. Steps are counted 1-based:
+``on_step_end(s)`` means s steps are done, a checkpoint of it is ``step_<s>``, and a restore of it resumes at s + 1.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import FrameType
+from typing import Any, ContextManager
+
+import ettr
+from ckpt import CheckpointManager, Stateful
+from ckpt.rng import RNGState
+from ettr import GoodputTracker
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(SystemExit):
+    """Raised by `on_step_end` once the just-in-time checkpoint a SIGTERM/SIGUSR1 asked for is committed."""
+
+    def __init__(self, signum: int, step: int) -> None:
+        super().__init__(128 + signum)  # the exit status a shell reports for death by that signal
+        self.signum, self.step = signum, step
+
+
+class _Snapshot:
+    """A Stateful frozen at capture time, so an overlapped save writes the RNG/sampler state of its own step."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self._state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise TypeError("a snapshot is write-only")
+
+
+class _SerializedSpan:
+    """A tracker span whose enter/exit hold the loop's lock (the span may open on the staging thread)."""
+
+    def __init__(self, lock: threading.Lock, span: ContextManager[Any]) -> None:
+        self._lock, self._span = lock, span
+
+    def __enter__(self) -> Any:
+        with self._lock:
+            return self._span.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._lock:
+            self._span.__exit__(*exc)
+
+
+class _SerializedObserver:
+    """The manager's view of the tracker: spans serialized with the loop's step calls (tracker state is shared)."""
+
+    def __init__(self, tracker: GoodputTracker, lock: threading.Lock) -> None:
+        self.tracker, self._lock = tracker, lock
+
+    def span(self, category: str, **attrs: Any) -> _SerializedSpan:
+        return _SerializedSpan(self._lock, self.tracker.span(category, **attrs))
+
+    def checkpoint_committed(self, step: int, background_seconds: float) -> None:
+        self.tracker.checkpoint_committed(step, background_seconds)
+
+    def checkpoint_restored(self, step: int | None) -> None:
+        self.tracker.checkpoint_restored(step)
+
+    def checkpoint_failed(self, step: int, error: BaseException) -> None:
+        self.tracker.checkpoint_failed(step, error)
+
+
+class TrainLoop:
+    """Owns a CheckpointManager, a GoodputTracker and the RNG/data state of one training process.
+
+    Usage::
+
+        with TrainLoop(root, {"model": model, "optim": optim}, sampler=sampler, every_steps=100) as loop:
+            for step in loop.steps(total_steps):        # resumes after loop.start_step
+                ...forward, backward...
+                loop.wait_for_staging()                 # only needed with overlap=True
+                optim.step()
+                loop.on_step_end(step, {"loss": loss.item()})
+
+    Args:
+        root: checkpoint root (path or URL); the goodput ledgers live in ROOT/ettr/.
+        state: the user's entries (modules, optimizers, schedulers, tensors, JSON values).
+        sampler: a checkpointable sampler, saved as ``state["sampler"]``.
+        rng: True for a default `RNGState` (every global RNG), an `RNGState` with registered generators, or False;
+            saved as ``state["rng"]``.
+        every_steps, every_seconds: save when either many steps or seconds have passed since the last save.
+        advise: after each save, replace the interval by the one `ettr.advise` fits to this job's ledgers
+            (seconds; `mttf_s` overrides the fitted MTTF). The intervals above are its starting point.
+        signals: preemption signals; one sets a flag, the next `on_step_end` saves that step and raises `Preempted`.
+        overlap: run the snapshot on a thread so it overlaps the next forward/backward; call `wait_for_staging()`
+            before anything that mutates the saved state (``optimizer.step()``).
+        tracker: an unstarted GoodputTracker (e.g. with OpenTelemetry metrics); default ``GoodputTracker(root)``.
+        manager_options: passed to `CheckpointManager` (retention, staging cap, chunk size).
+    """
+
+    def __init__(
+        self,
+        root: str,
+        state: Mapping[str, Any],
+        *,
+        sampler: Stateful | None = None,
+        rng: RNGState | bool = True,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        advise: bool = False,
+        mttf_s: float | None = None,
+        signals: Sequence[int] = PREEMPTION_SIGNALS,
+        overlap: bool = False,
+        tracker: GoodputTracker | None = None,
+        **manager_options: Any,
+    ) -> None:
+        reserved = [k for k, on in (("rng", rng is not False), ("sampler", sampler is not None)) if on and k in state]
+        if reserved:
+            raise ValueError(f"state keys {reserved} are reserved for the loop's own entries; rename them")
+        if every_steps is None and every_seconds is None:
+            raise ValueError("give every_steps or every_seconds (with advise=True: the interval it starts from)")
+        if (every_steps is not None and every_steps < 1) or (every_seconds is not None and every_seconds <= 0):
+            raise ValueError(f"intervals must be positive, got every_steps={every_steps} every_seconds={every_seconds}")
+        self.root = str(root)
+        self.rng = RNGState() if rng is True else (rng or None)
+        self.sampler = sampler
+        self.state: dict[str, Any] = {**state, **({"rng": self.rng} if self.rng else {}),
+                                      **({"sampler": sampler} if sampler is not None else {})}
+        self.every_steps, self.every_seconds = every_steps, every_seconds
+        self.advise, self.mttf_s = advise, mttf_s
+        self.signals = tuple(signals)
+        self.tracker = tracker if tracker is not None else GoodputTracker(self.root)
+        self._manager_options = manager_options
+        self._lock = threading.Lock()
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix="loop-staging") if overlap else None
+        self._staging: Future[Any] | None = None
+        self._previous: dict[int, Any] = {}
+        self._signal: int | None = None
+        self._open_step: int | None = None
+        self.manager: CheckpointManager | None = None
+        self.start_step = self.step = self.last_saved = 0
+        self._last_save_time = 0.0
+
+    # -- lifetime ------------------------------------------------------------------------------------------
+    def __enter__(self) -> TrainLoop:
+        """Start the ledger, install the signal handlers, restore the newest checkpoint (sets `start_step`)."""
+        self.tracker.start()
+        try:
+            for signum in self.signals:
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+            self.manager = CheckpointManager(self.root, tracker=_SerializedObserver(self.tracker, self._lock),
+                                             **self._manager_options)
+            self.start_step = self.step = self.last_saved = self.manager.restore(self.state) or 0
+            self._last_save_time = time.monotonic()
+            if self.advise:
+                self._apply_advice()
+        except BaseException as e:
+            self.__exit__(type(e), e, e.__traceback__)
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        """Finish staging, drain writes, restore the previous signal handlers, end the ledger."""
+        try:
+            if exc_type is None:
+                self.wait_for_staging()
+                self.manager.close()
+            elif self.manager is not None:  # keep the loop's exception; still drain what can be drained
+                self._drain_quietly()
+        finally:
+            for signum, handler in self._previous.items():
+                signal.signal(signum, handler)
+            self._previous.clear()
+            if self._stager is not None:
+                self._stager.shutdown(wait=True)
+            status = "ok" if exc_type is None else "preempted" if isinstance(exc, Preempted) else "error"
+            self.tracker.end(status)
+
+    def _drain_quietly(self) -> None:
+        """Wait for staging and writes after a failure without masking it."""
+        for finish in (self.wait_for_staging, self.manager.close):
+            try:
+                finish()
+            except Exception:  # noqa: BLE001 - the loop's own exception is the one to report
+                pass
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """Only remember the signal: the save happens at the next step boundary."""
+        self._signal = signum
+
+    @property
+    def preempted(self) -> bool:
+        """True once a preemption signal arrived (the next `on_step_end` saves and raises `Preempted`)."""
+        return self._signal is not None
+
+    # -- the step path ------------------------------------------------------------------------------------
+    def steps(self, total: int) -> Iterator[int]:
+        """Step numbers start_step + 1 .. total, each timed as productive until its `on_step_end`."""
+        for step in range(self.start_step + 1, total + 1):
+            self.step_begin(step)
+            yield step
+
+    def step_begin(self, step: int) -> None:
+        """Start timing step `step` (what `steps()` does for you)."""
+        if self._open_step is not None:
+            raise RuntimeError(f"step {self._open_step} was never ended: call loop.on_step_end({self._open_step})")
+        with self._lock:
+            self.tracker.step_begin(step)
+        self._open_step = step
+
+    def on_step_end(self, step: int, metrics: Mapping[str, Any] | None = None) -> bool:
+        """End step `step`; save if the interval is due; after a preemption signal save it and raise `Preempted`.
+
+        Returns True when a checkpoint of `step` was started. `metrics` go into the checkpoint's metadata
+        (for keep_best retention).
+        """
+        if self._open_step != step:
+            raise RuntimeError(f"on_step_end({step}) without step_begin({step}): iterate loop.steps(total) "
+                               f"or call loop.step_begin(step) first")
+        with self._lock:
+            self.tracker.step_end(step)
+        self._open_step = None
+        self.step = step
+        if self._signal is not None:
+            self.save(step, metrics)
+            self.wait_for_staging()
+            self.manager.wait()
+            raise Preempted(self._signal, step)
+        if self._due(step):
+            return self.save(step, metrics)
+        return False
+
+    def _due(self, step: int) -> bool:
+        """Whether the step or time interval since the last save has passed."""
+        by_steps = self.every_steps is not None and step - self.last_saved >= self.every_steps
+        by_time = self.every_seconds is not None and time.monotonic() - self._last_save_time >= self.every_seconds
+        return by_steps or by_time
+
+    def save(self, step: int, metrics: Mapping[str, Any] | None = None) -> bool:
+        """Checkpoint `step` now unless it is already saved (restored or saved by this loop); True if started."""
+        if step == self.last_saved:
+            return False
+        self.wait_for_staging()
+        if self._stager is None:
+            self.manager.save(step, self.state, metadata=metrics)
+        else:  # RNG and sampler positions are captured now; tensors are copied on the staging thread
+            frozen = {k: _Snapshot(self.state[k].state_dict()) for k in ("rng", "sampler") if k in self.state}
+            self._staging = self._stager.submit(self.manager.save, step, {**self.state, **frozen}, metadata=metrics)
+        self.last_saved, self._last_save_time = step, time.monotonic()
+        if self.advise:
+            self._apply_advice()
+        return True
+
+    def wait_for_staging(self) -> None:
+        """Block until the snapshot of an overlapped save is taken (call before optimizer.step()); raises its error."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.result()
+
+    def _apply_advice(self) -> None:
+        """Replace the interval by the advisor's, once the ledgers hold a save to fit T_write from."""
+        self.wait_for_staging()
+        attribution = ettr.attribute_root(self.root)
+        if attribution.save_us:
+            self.every_steps = None
+            self.every_seconds = ettr.advise(attribution, mttf_s=self.mttf_s).recommended_interval_s
+
+    # -- live goodput ----------------------------------------------------------------------------------------
+    def ettr(self) -> float:
+        """Cumulative ETTR of the whole job so far, earlier attempts included (as this process sees it)."""
+        with self._lock:
+            totals = self.tracker.totals_us()
+        wall = sum(totals.values())
+        return totals.get("productive", 0) / wall if wall else 0.0

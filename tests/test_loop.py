@@ -1,0 +1,170 @@
+"""integrations.TrainLoop with real files, real signals and real child processes (this file is also the child).
+
+The child trains a tiny model with dropout on a RandomWindowSampler over a token file, RNG state on by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ckpt.data import RandomWindowSampler, TokenWindowDataset, make_loader
+from ettr import attribute_root, read_ledgers
+from integrations import Preempted, TrainLoop
+
+TOTAL, EVERY, WINDOW, BATCH, VOCAB = 24, 4, 9, 4, 64
+
+
+def tiny_model() -> torch.nn.Module:
+    """Embedding, dropout, linear: dropout makes the global torch RNG matter."""
+    return torch.nn.Sequential(torch.nn.Embedding(VOCAB, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, VOCAB))
+
+
+def train(root: str, tokens: str, every: int, overlap: bool) -> None:
+    """The child: resume, train to TOTAL printing each step, write the final weights to ROOT/final.bin."""
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = tiny_model()
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    dataset = TokenWindowDataset(tokens, np.uint16, WINDOW, seed=3)
+    sampler = RandomWindowSampler(dataset.n_tokens, WINDOW, 3, BATCH, seed=3, fingerprint=dataset.fingerprint())
+    try:
+        with TrainLoop(root, {"model": model, "optim": optim}, sampler=sampler, every_steps=every, overlap=overlap) as loop:
+            print(f"restored {loop.start_step}", flush=True)
+            for step, batch in zip(loop.steps(TOTAL), sampler.track(make_loader(dataset, sampler))):
+                x = batch["tokens"] % VOCAB
+                loss = F.cross_entropy(model(x[:, :-1]).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+                optim.zero_grad()
+                loss.backward()
+                loop.wait_for_staging()
+                optim.step()
+                loop.on_step_end(step, {"loss": loss.item()})
+                print(f"step {step}", flush=True)
+    except Preempted as e:
+        print(f"preempted {e.step}", flush=True)
+        raise
+    Path(root, "final.bin").write_bytes(b"".join(t.numpy().tobytes() for t in model.state_dict().values()))
+
+
+def run_child(root: Path, tokens: Path, *, every: int = EVERY, overlap: bool = False,
+              signal_on: tuple[str, int] | None = None) -> tuple[int, list[str]]:
+    """Run the child; send `signal_on[1]` when it prints `signal_on[0]`. Returns its exit status and lines."""
+    cmd = [sys.executable, __file__, str(root), str(tokens), str(every)] + (["--overlap"] if overlap else [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line.strip())
+        if signal_on and line.strip() == signal_on[0]:
+            os.kill(proc.pid, signal_on[1])
+    return proc.wait(timeout=120), lines
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "tokens.bin"
+    np.random.default_rng(0).integers(50_000, size=2000, dtype=np.uint16).tofile(path)
+    return path
+
+
+def test_sigterm_saves_the_current_step_and_restart_loses_nothing(tmp_path, tokens):
+    root = tmp_path / "run"
+    code, lines = run_child(root, tokens, every=1000, signal_on=("step 7", signal.SIGTERM))
+    assert code == 128 + signal.SIGTERM, lines[-3:]
+    saved = int(lines[-1].split()[1])  # "preempted <step>": the step in progress when SIGTERM came
+    assert lines[-1].startswith("preempted") and saved > 7
+    code, resumed = run_child(root, tokens, every=1000)
+    assert code == 0 and resumed[0] == f"restored {saved}" and resumed[1] == f"step {saved + 1}"
+    a = attribute_root(str(root))
+    assert [at.status for at in a.attempts] == ["preempted", "ok"]
+    assert [at.lost_steps for at in a.attempts] == [0, 0] and a.micros["lost"] == 0
+    assert [at.restored_step for at in a.attempts] == [None, saved]
+    assert a.committed_steps == (saved,)
+
+
+def test_sigkill_resume_is_bitwise_identical_and_the_report_shows_it(tmp_path, tokens):
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    assert run_child(reference, tokens)[0] == 0
+    code, killed = run_child(run, tokens, overlap=True, signal_on=("step 10", signal.SIGKILL))
+    assert code == -signal.SIGKILL
+    code, resumed = run_child(run, tokens, overlap=True)
+    restored = int(resumed[0].split()[1])
+    assert code == 0 and restored > 0 and restored % EVERY == 0  # 8, or 4 while 8 was still being written
+    assert (run / "final.bin").read_bytes() == (reference / "final.bin").read_bytes()
+
+    a = attribute_root(str(run))
+    first, second = a.attempts
+    assert (first.status, second.status, a.failures) == ("failed", "ok", 1)
+    assert second.restored_step == restored and first.last_step >= 10
+    assert first.lost_steps == first.last_step - restored > 0 and a.micros["lost"] > 0
+    assert a.micros["checkpoint_restore"] > 0 and a.micros["downtime"] > 0
+    assert sum(a.micros.values()) == a.wall_us
+
+
+def test_preemption_right_after_an_interval_save_does_not_save_twice(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(Preempted) as raised:
+        with TrainLoop(str(tmp_path), {"model": model}, every_steps=2, rng=False) as loop:
+            for step in loop.steps(10):
+                if step == 4:
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                loop.on_step_end(step)
+    assert (raised.value.code, raised.value.step) == (128 + signal.SIGUSR1, 4)
+    assert loop.manager.steps() == [2, 4]
+    (ledger,) = read_ledgers(str(tmp_path))
+    assert [r["status"] for r in ledger.records if r["k"] == "end"] == ["preempted"]
+
+
+def test_signal_handlers_are_restored_and_a_restart_resumes(tmp_path):
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
+    state = {"model": torch.nn.Linear(2, 2)}
+    with TrainLoop(str(tmp_path), state, every_steps=3) as loop:
+        assert signal.getsignal(signal.SIGTERM) == loop._on_signal
+        for step in loop.steps(7):
+            assert loop.on_step_end(step) == (step % 3 == 0)
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before
+    with TrainLoop(str(tmp_path), state, every_steps=3) as loop:
+        assert loop.start_step == 6
+        for step in loop.steps(7):
+            assert step == 7 and not loop.on_step_end(step)
+        assert 0 < loop.ettr() < 1
+
+
+def test_advise_replaces_the_interval_after_the_first_save(tmp_path):
+    with TrainLoop(str(tmp_path), {"w": torch.zeros(3)}, every_steps=2, advise=True, mttf_s=3600.0) as loop:
+        for step in loop.steps(2):
+            loop.on_step_end(step)
+        assert loop.every_steps is None and loop.every_seconds > 0
+
+
+def test_misuse_fails_loudly(tmp_path):
+    with pytest.raises(ValueError, match="reserved"):
+        TrainLoop(str(tmp_path), {"rng": 1}, every_steps=1)
+    with pytest.raises(ValueError, match="every_steps or every_seconds"):
+        TrainLoop(str(tmp_path), {})
+    with TrainLoop(str(tmp_path), {"w": torch.zeros(1)}, every_steps=1) as loop:
+        with pytest.raises(RuntimeError, match="without step_begin"):
+            loop.on_step_end(1)
+        loop.step_begin(1)
+        with pytest.raises(RuntimeError, match="never ended"):
+            loop.step_begin(2)
+        loop.on_step_end(1)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="training child of the plain-loop tests")
+    parser.add_argument("root")
+    parser.add_argument("tokens")
+    parser.add_argument("every", type=int)
+    parser.add_argument("--overlap", action="store_true")
+    args = parser.parse_args()
+    train(args.root, args.tokens, args.every, args.overlap)
