@@ -62,6 +62,9 @@ def _tree_lines(node: Any, arrays: dict, indent: str = "") -> list[str]:
             out += _leaf_or_branch(repr(k), v, arrays, indent)
     elif isinstance(node, dict) and "$state" in node:
         out += _tree_lines(node["v"], arrays, indent)
+    elif isinstance(node, dict) and "$per_rank" in node:
+        for rank, tree in node["$per_rank"]:
+            out += _leaf_or_branch(f"rank {rank}", tree, arrays, indent)
     return out
 
 
@@ -70,7 +73,7 @@ def _leaf_or_branch(k: str, v: Any, arrays: dict, indent: str) -> list[str]:
     if ref is not None:
         a = arrays[ref]
         return [f"{indent}{k}: {a.dtype}{list(a.shape)}  ({_human(a.nbytes)}, array {ref})"]
-    if isinstance(v, dict) and ("$state" in v or "$dict" in v or not any(x.startswith("$") for x in v)):
+    if isinstance(v, dict) and ("$state" in v or "$dict" in v or "$per_rank" in v or not any(x.startswith("$") for x in v)):
         label = f" <{v['$state']}>" if "$state" in v else ""
         return [f"{indent}{k}:{label}"] + _tree_lines(v, arrays, indent + "  ")
     text = json.dumps(v)

@@ -81,7 +81,9 @@ def main(mode: str, root: str) -> None:
             opt.zero_grad()
         with ckpt.CheckpointManager(root, collective_timeout=20) as m:
             if mode == "save":
+                torch.manual_seed(1000 + rank)  # a distinct RNG stream per rank
                 m.save(2, state_of(model, opt)).wait()
+                torch.save(torch.get_rng_state(), os.path.join(root, "..", f"rng{rank}.pt"))
                 ref = flat_reference(model, opt)
                 if rank == 0:
                     torch.save(ref, os.path.join(root, "..", "reference.pt"))
@@ -103,6 +105,9 @@ def main(mode: str, root: str) -> None:
             step = m.restore(state_of(model, opt))
         ref = torch.load(os.path.join(root, "..", "reference.pt"))
         got = flat_reference(model, opt)
+        saved_world = len([f for f in os.listdir(os.path.join(root, "..")) if f.startswith("rng")])
+        expected_rng = torch.load(os.path.join(root, "..", f"rng{rank % saved_world}.pt"))
+        got["rng"], ref["rng"] = torch.get_rng_state(), expected_rng  # rank i resumes rank i % saved_world's stream
         bad = [k for k in ref if k not in got or not torch.equal(ref[k], got[k])]
         missing = sorted(set(got) ^ set(ref))
         print(f"rank {rank} restored {step}: {len(ref)} tensors, mismatched {bad}, missing {missing}", flush=True)
