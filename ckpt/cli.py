@@ -1,4 +1,4 @@
-"""`python -m ckpt ls|inspect|verify|gc ROOT`: look at a checkpoint root without writing Python."""
+"""`python -m ckpt ls|inspect|verify|gc|explain ROOT`: look at a checkpoint root without writing Python."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from . import catalog
+from . import catalog, data
+from . import state as state_mod
 from .checkpointer import read_manifest
 from .errors import CheckpointError
 from .format import step_dir
@@ -120,6 +121,37 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _sampler_states(node: Any, path: str = "") -> list[tuple[str, Any]]:
+    """(key path, decoded state) of every sampler state saved in a checkpoint tree (JSON-only subtrees)."""
+    found = []
+    if isinstance(node, dict) and ("$state" in node or "$per_rank" in node):
+        inner = [node["v"]] if "$state" in node else [tree for _, tree in node["$per_rank"][:1]]
+        return [f for n in inner for f in _sampler_states(n, path)]
+    if isinstance(node, dict) and not any(k.startswith("$") for k in node):
+        if not state_mod.tensor_refs(node):
+            decoded = state_mod.decode(node, lambda name, _: None)
+            if data.is_sampler_state(decoded):
+                return [(path, decoded)]
+        for k, v in node.items():
+            found += _sampler_states(v, f"{path}.{k}" if path else k)
+    return found
+
+
+def cmd_explain(storage: Storage, args: argparse.Namespace) -> int:
+    m = read_manifest(storage, _pick_step(storage, args.checkpoint))
+    found = [(k, v) for k, v in _sampler_states(m.tree) if args.key is None or k == args.key]
+    if not found:
+        print(f"error: no sampler state{f' at key {args.key!r}' if args.key else ''} in step {m.step}", file=sys.stderr)
+        return 1
+    if len(found) > 1:
+        print(f"error: several sampler states ({', '.join(k for k, _ in found)}): choose one with --key", file=sys.stderr)
+        return 1
+    key, saved = found[0]
+    print(f"sampler {key!r} from checkpoint step {m.step}")
+    print(data.format_explanation(data.explain(saved, args.step)))
+    return 0
+
+
 def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
     victims = catalog.garbage(storage, force=args.force)
     if args.dry_run:
@@ -150,9 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("root")
     s.add_argument("--force", action="store_true", help="also remove steps that look in progress")
     s.add_argument("--dry-run", action="store_true")
+    s = sub.add_parser("explain", help="the samples that formed a step's global batch, from a saved sampler state")
+    s.add_argument("root")
+    s.add_argument("--step", type=int, required=True, help="the training step to explain")
+    s.add_argument("--checkpoint", type=int, help="checkpoint to read the sampler state from (default: newest)")
+    s.add_argument("--key", help="key path of the sampler in the state, when there are several")
     args = p.parse_args(argv)
     storage = open_storage(args.root)
-    handler = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "gc": cmd_gc}[args.cmd]
+    handler = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "gc": cmd_gc, "explain": cmd_explain}[args.cmd]
     try:
         return handler(storage, args)
     except (CheckpointError, FileNotFoundError) as e:

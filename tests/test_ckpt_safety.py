@@ -174,3 +174,20 @@ def test_cli_ls_inspect_gc(tmp_path):
     assert "w: float32[300, 200]" in ins and "step: 4" in ins and '"loss": 0.2' in ins
     assert "removed incomplete step 9" in _cli("gc", root).stdout
     assert not (tmp_path / "step_00000009").exists() and (tmp_path / "step_00000004").exists()
+
+
+def test_cli_explain_prints_the_batch_of_a_step(tmp_path):
+    from ckpt.data import RandomWindowSampler
+
+    sampler = RandomWindowSampler(10_000, 16, 8, global_batch_size=4, seed=3, rank=0, world_size=1)
+    it = iter(sampler)
+    for _ in range(5):
+        next(it)
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(5, {"data": {"sampler": sampler}, "w": torch.zeros(2)})
+    out = _cli("explain", str(tmp_path), "--step", "7")
+    assert out.returncode == 0, out.stderr
+    expected = sampler.explain(7)
+    assert "sampler 'data.sampler' from checkpoint step 5" in out.stdout
+    assert expected.batch_hash in out.stdout and f"tokens [{expected.starts[0]}, {expected.starts[0] + 16})" in out.stdout
+    assert _cli("explain", str(tmp_path), "--step", "7", "--key", "nope").returncode == 1
