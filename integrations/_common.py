@@ -1,0 +1,89 @@
+"""Helpers shared by the trainer adapters: tracker ownership, step resolution, save-once, read-all, delete."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ckpt import CheckpointManager, catalog
+from ettr import GoodputTracker
+
+KEYS = "keys"  # metadata entry listing a checkpoint's top-level keys, so it can be read without a template
+
+
+class TrackerLease:
+    """The GoodputTracker of one training call: the caller's (they start/end it) or one made here for `root`."""
+
+    def __init__(self, root: str | None, tracker: GoodputTracker | None) -> None:
+        self.root, self.given = root, tracker
+        self.tracker: GoodputTracker | None = tracker
+        self._open = False
+
+    def start(self, root: str | None = None) -> GoodputTracker:
+        """Return the tracker to report to; an owned one is new per call (one ledger per attempt) and started."""
+        if self.given is not None:
+            return self.given
+        root = root or self.root
+        if root is None:
+            raise ValueError("no root for the goodput ledger: pass root= or tracker=")
+        if not self._open:
+            self.tracker = GoodputTracker(root).start()
+            self._open = True
+        return self.tracker
+
+    def end(self, status: str) -> None:
+        """End an owned tracker once ("ok", or "error" for a disruption); the caller's is left to the caller."""
+        if self._open:
+            self._open = False
+            self.tracker.end(status)
+
+
+def resolve_step(manager: CheckpointManager, step: int) -> int:
+    """`step` if committed, else the newest committed step before it (with a warning): a save that died unfinished."""
+    committed = manager.steps()
+    if step in committed:
+        return step
+    earlier = [s for s in committed if s < step]
+    if not earlier:
+        raise FileNotFoundError(f"step {step} is not committed in {manager.storage.url} and no earlier step is "
+                                f"(committed: {committed})")
+    warnings.warn(f"checkpoint step {step} was never committed in {manager.storage.url} (the process died while "
+                  f"writing it); resuming from step {earlier[-1]} instead", RuntimeWarning, stacklevel=3)
+    return earlier[-1]
+
+
+def save_once(manager: CheckpointManager, step: int, state: Mapping[str, Any], *, skip: Sequence[int | None] = (),
+              metadata: Mapping[str, Any] | None = None) -> bool:
+    """Start an async save of `step` unless it is in `skip` (saved or restored by this process); True if started.
+
+    A trainer may ask twice for one step (a batch-end and an epoch-end save, `last` and a named copy); the
+    training state is the same, so the first write stands.
+    """
+    if step in skip:
+        return False
+    if step in manager.steps():
+        raise FileExistsError(f"step {step} is already committed in {manager.storage.url} by another run; resume "
+                              f"from the newest step or use a fresh root")
+    manager.save(step, state, metadata={**(metadata or {}), KEYS: sorted(state)})
+    return True
+
+
+def read_step(manager: CheckpointManager, step: int, keys: Sequence[str] | None = None) -> dict[str, Any]:
+    """Restore a committed step into fresh values (tensors on CPU, state dicts as plain dicts), all keys or `keys`."""
+    saved = manager.metadata(step).get(KEYS)
+    if saved is None:
+        raise ValueError(f"step {step} of {manager.storage.url} was not written by a trainer integration "
+                         f"(its metadata lists no '{KEYS}')")
+    target: dict[str, Any] = dict.fromkeys(keys if keys is not None else saved)
+    manager.restore(target, step=step, keys=list(target))
+    return target
+
+
+def delete_step(manager: CheckpointManager, step: int) -> bool:
+    """Delete a committed step that is not the newest committed one (the one a resume needs); True if deleted."""
+    committed = manager.steps()
+    if step not in committed or step == committed[-1]:
+        return False
+    catalog.delete_step(manager.storage, step)
+    return True

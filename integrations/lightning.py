@@ -1,0 +1,348 @@
+"""PyTorch Lightning adapters: a CheckpointIO plugin writing through ckpt asynchronously, and a goodput Callback.
+
+`CkptCheckpointIO` turns every ``*.ckpt`` path Lightning asks for into a tiny JSON pointer to a step of one
+`CheckpointManager` root; the checkpoint dict itself is written asynchronously (no pickle). `GoodputCallback`
+times each training batch as a goodput step, marks an exception as a disruption, and carries the RNG state and
+the positions of `ckpt.data` samplers in its own ``state_dict``, which is what makes a resume bitwise exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import fsspec
+import numpy as np
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.plugins.io import CheckpointIO
+
+from ckpt import CheckpointManager
+from ckpt.data import RandomWindowSampler, ShuffledSampler
+from ckpt.rng import RNGState
+from ettr import GoodputTracker
+
+from ._common import TrackerLease, delete_step, read_step, resolve_step, save_once
+
+POINTER_FORMAT = "ckpt-lightning-pointer/1"
+POINTERS = "lightning_pointers"  # metadata: the folder whose pointer files name a step
+_DROP = object()
+
+
+def _abs_root(root: str | os.PathLike[str]) -> str:
+    """A root that still means the same place from another working directory (URLs are kept as they are)."""
+    root = os.fspath(root)
+    return root if "://" in root else os.path.abspath(root)
+
+
+def saveable(tree: Any, key: str = "") -> tuple[Any, list[str]]:
+    """The checkpoint dict without values the library cannot store without pickle; returns (clean, dropped keys).
+
+    Tensors, numpy arrays, JSON scalars, bytes, torch dtypes, lists/tuples and dicts with str/int keys are kept;
+    path-like values become str; any other object (e.g. an arbitrary hyper-parameter) is dropped with its dict entry.
+    """
+    dropped: list[str] = []
+
+    def walk(x: Any, k: str) -> Any:
+        if x is None or isinstance(x, (bool, int, float, str, bytes, torch.Tensor, torch.dtype)):
+            return x
+        if isinstance(x, np.ndarray):
+            return x if x.dtype != object else _DROP
+        if isinstance(x, np.generic):
+            return x if not isinstance(x, (np.object_, np.void)) else _DROP
+        if isinstance(x, os.PathLike):
+            return os.fspath(x)
+        if isinstance(x, (list, tuple)):
+            items = [walk(v, f"{k}.{i}") for i, v in enumerate(x)]
+            if any(v is _DROP for v in items):
+                return _DROP
+            return tuple(items) if isinstance(x, tuple) else items
+        if isinstance(x, Mapping):
+            out = {}
+            for name, v in x.items():
+                sub = f"{k}.{name}" if k else str(name)
+                value = walk(v, sub) if isinstance(name, (str, int)) and not isinstance(name, bool) else _DROP
+                if value is _DROP:
+                    dropped.append(sub)
+                else:
+                    out[name] = value
+            return out
+        return _DROP
+
+    clean = walk(tree, key)
+    return clean, dropped
+
+
+def _folder(path: str) -> str:
+    """The absolute folder of a pointer path (URLs keep their protocol)."""
+    return os.path.dirname(path if "://" in path else os.path.abspath(path))
+
+
+def _write_pointer(path: str, root: str, step: int) -> None:
+    """Write the small JSON file Lightning sees as the checkpoint (atomically where the filesystem allows)."""
+    fs, p = fsspec.core.url_to_fs(path)
+    fs.makedirs(posixpath.dirname(p), exist_ok=True)
+    data = json.dumps({"format": POINTER_FORMAT, "root": root, "step": step}).encode()
+    tmp = f"{p}.tmp-{os.getpid()}"
+    fs.pipe_file(tmp, data)
+    fs.mv(tmp, p)
+
+
+def _read_pointer(path: str) -> dict[str, Any] | None:
+    """The pointer at `path`, or None if the file is something else (e.g. a torch.save checkpoint)."""
+    fs, p = fsspec.core.url_to_fs(path)
+    data = fs.cat_file(p)
+    try:
+        pointer = json.loads(data)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return pointer if isinstance(pointer, dict) and pointer.get("format") == POINTER_FORMAT else None
+
+
+class CkptCheckpointIO(CheckpointIO):
+    """Lightning `CheckpointIO` that saves through one `CheckpointManager` root, asynchronously and without pickle.
+
+    ``save_checkpoint(ckpt, "dir/epoch=0-step=10.ckpt")`` starts an async save of step ``ckpt["global_step"]`` and
+    writes that path as a JSON pointer to it; ``load_checkpoint`` follows the pointer (falling back to the newest
+    committed step before it if the process died while writing it); ``remove_checkpoint`` deletes the pointer and,
+    once no other pointer beside it names the step and a newer step is committed, the step itself;
+    ``teardown()`` drains the writes. A `GoodputCallback` in the same Trainer reports saves and restores to its tracker.
+    Values that cannot be stored without pickle (arbitrary hyper-parameters) are dropped with a warning.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, tracker: GoodputTracker | None = None,
+                 **manager_options: Any) -> None:
+        self.root = _abs_root(root)
+        self.tracker = tracker
+        self._options = manager_options
+        self._manager: CheckpointManager | None = None
+        self._done: set[int] = set()  # steps saved or restored by this process: a repeated request is a no-op
+        self._orphans: dict[int, str] = {}  # step -> folder of its removed pointer, for steps not deletable yet
+        self._adopted: set[str] = set()
+
+    @property
+    def manager(self) -> CheckpointManager:
+        """The manager of `root`, opened on first use (again after `teardown`)."""
+        if self._manager is None:
+            self._manager = CheckpointManager(self.root, tracker=self.tracker, **self._options)
+        return self._manager
+
+    def use_tracker(self, tracker: GoodputTracker) -> None:
+        """Report saves and restores to `tracker` from now on."""
+        self.tracker = tracker
+        if self._manager is not None:
+            self._manager.tracker = tracker
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
+                        storage_options: Any | None = None) -> None:
+        """Start an async save of the checkpoint's global step and point `path` at it."""
+        if storage_options is not None:
+            raise TypeError("CkptCheckpointIO takes no storage_options; configure the manager through its constructor")
+        step = int(checkpoint["global_step"])
+        clean, dropped = saveable(checkpoint)
+        if dropped:
+            warnings.warn(f"checkpoint entries {dropped} cannot be saved without pickle and were dropped "
+                          f"(hyper-parameters of arbitrary types are not restored)", UserWarning, stacklevel=2)
+        folder = _folder(os.fspath(path))
+        self._adopt(folder)
+        if save_once(self.manager, step, clean, skip=tuple(self._done), metadata={POINTERS: folder}):
+            self._done.add(step)
+        self._forget(os.fspath(path))  # an overwritten pointer (e.g. last.ckpt) no longer names its old step
+        _write_pointer(os.fspath(path), self.root, step)
+        self._collect()
+
+    def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint dict of the step `path` points to; tensors are on CPU (Lightning moves them when loading)."""
+        step = resolve_step(self.manager, self._pointed_step(os.fspath(path)))
+        checkpoint = read_step(self.manager, step)
+        self._done.add(step)
+        return checkpoint
+
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Delete the pointer, and its step once no other pointer in that folder names it and it is not the newest."""
+        fs, p = fsspec.core.url_to_fs(os.fspath(path))
+        if fs.exists(p):
+            self._adopt(_folder(os.fspath(path)))
+            self._forget(os.fspath(path))
+            fs.rm(p)
+            self._collect()
+
+    def _adopt(self, folder: str) -> None:
+        """Once per process and folder: earlier attempts' steps saved for it are candidates too (their removals died)."""
+        if folder not in self._adopted:
+            self._adopted.add(folder)
+            for step in self.manager.steps():
+                if self.manager.metadata(step).get(POINTERS) == folder:
+                    self._orphans.setdefault(step, folder)
+
+    def _forget(self, path: str) -> None:
+        """Remember the step an existing pointer at `path` names as a candidate for deletion."""
+        fs, p = fsspec.core.url_to_fs(path)
+        pointer = _read_pointer(path) if fs.exists(p) else None
+        if pointer is not None and pointer["root"] == self.root:
+            self._orphans[int(pointer["step"])] = _folder(path)
+
+    def _collect(self) -> None:
+        """Delete the candidate steps that no pointer in their folder names and that a newer committed step covers."""
+        for step, folder in list(self._orphans.items()):
+            if not self._named(step, folder) and delete_step(self.manager, step):
+                del self._orphans[step]
+
+    def _named(self, step: int, folder: str) -> bool:
+        """Whether a pointer file in `folder` names `step` of this root."""
+        fs, p = fsspec.core.url_to_fs(folder)
+        for other in fs.glob(f"{p.rstrip('/')}/*.ckpt"):
+            pointer = _read_pointer(fs.unstrip_protocol(other))
+            if pointer is not None and pointer["root"] == self.root and pointer["step"] == step:
+                return True
+        return False
+
+    def _pointed_step(self, path: str) -> int:
+        """The step a pointer file names; clear errors for foreign files and other roots."""
+        pointer = _read_pointer(path)
+        if pointer is None:
+            raise ValueError(f"{path} is not a checkpoint written by CkptCheckpointIO (no {POINTER_FORMAT} pointer); "
+                             f"load it with Lightning's default TorchCheckpointIO")
+        if pointer["root"] != self.root:
+            raise ValueError(f"{path} points into {pointer['root']}, but this CkptCheckpointIO uses {self.root}")
+        return int(pointer["step"])
+
+    def wait(self) -> None:
+        """Block until every started save is committed (raises a background write error)."""
+        if self._manager is not None:
+            self._manager.wait()
+
+    def teardown(self) -> None:
+        """Drain the writes and release the manager (reopened on next use)."""
+        if self._manager is not None:
+            self._manager.wait()
+            self._collect()
+            manager, self._manager = self._manager, None
+            manager.close()
+
+
+Sampler = ShuffledSampler | RandomWindowSampler
+
+
+class GoodputCallback(Callback):
+    """Times batches as goodput steps, marks exceptions as disruptions, and saves RNG and sampler positions.
+
+    Args:
+        root: goodput ledger root; default: the root of the Trainer's `CkptCheckpointIO`.
+        tracker: a started GoodputTracker managed by the caller, instead of one this callback starts and ends.
+        samplers: `ckpt.data` samplers feeding the training DataLoaders (batch_sampler=), advanced by one batch
+            after each training batch; their positions are saved here and restored before the loaders iterate.
+        rng: an `RNGState` (with registered generators), True for every global RNG, False for none. It is
+            restored lazily at the first training batch after a resume, so no draw in Lightning's setup shifts it.
+    """
+
+    def __init__(self, root: str | os.PathLike[str] | None = None, *, tracker: GoodputTracker | None = None,
+                 samplers: Mapping[str, Sampler] | None = None, rng: RNGState | bool = True) -> None:
+        self._lease = TrackerLease(_abs_root(root) if root is not None else None, tracker)
+        self.samplers = dict(samplers or {})
+        self.rng = RNGState() if rng is True else (rng or None)
+        self._pending_rng: dict[str, Any] | None = None
+        self._attempts: list[str] = []
+        self._open: int | None = None
+
+    @property
+    def tracker(self) -> GoodputTracker | None:
+        """The tracker of the current fit (None before the first one)."""
+        return self._lease.tracker
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Refuse strategies that bypass CheckpointIO, start the tracker and attach it to a `CkptCheckpointIO`."""
+        if stage != "fit":
+            return
+        io = _ckpt_io(trainer)
+        if io is not None:
+            _check_strategy(trainer)
+        tracker = self._lease.start(io.root if io is not None else None)
+        if io is not None:
+            io.use_tracker(tracker)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        """Apply a restored RNG state (once), then open the goodput step that this batch's optimizer step completes."""
+        if self._pending_rng is not None:
+            state, self._pending_rng = self._pending_rng, None
+            self._load_rng(state)
+        self._open = trainer.global_step + 1
+        self.tracker.step_begin(self._open)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """Close the step and count the batch as consumed by every sampler (before ModelCheckpoint saves)."""
+        self.tracker.step_end(self._open)
+        self._open = None
+        for sampler in self.samplers.values():
+            sampler.advance()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """Drain what can be drained and end the attempt as a failure."""
+        io = _ckpt_io(trainer)
+        try:
+            if io is not None:
+                io.wait()
+        except Exception as e:  # noqa: BLE001 - the training exception is the one Lightning re-raises
+            warnings.warn(f"checkpoint write failed while handling {type(exception).__name__}: {e}", RuntimeWarning)
+        finally:
+            self._lease.end("error")
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """After a successful fit: wait for the last saves to commit, then end the attempt."""
+        if stage != "fit":
+            return
+        io = _ckpt_io(trainer)
+        try:
+            if io is not None:
+                io.wait()
+        finally:
+            self._lease.end("ok")
+
+    def state_dict(self) -> dict[str, Any]:
+        """RNG state, sampler positions and the goodput attempts that produced this training state."""
+        tracker = self.tracker
+        attempts = self._attempts + ([tracker.attempt_id] if tracker is not None and tracker.attempt_id else [])
+        return {
+            "rng": self.rng.state_dict() if self.rng is not None else None,
+            "samplers": {name: s.state_dict() for name, s in self.samplers.items()},
+            "attempts": attempts,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Position the samplers now (before the loaders iterate); keep the RNG state for the first batch."""
+        missing = sorted(set(self.samplers) - set(state_dict["samplers"]))
+        if missing:
+            raise KeyError(f"checkpoint has no state for samplers {missing}; saved: {sorted(state_dict['samplers'])}")
+        for name, sampler in self.samplers.items():
+            sampler.load_state_dict(state_dict["samplers"][name])
+        self._pending_rng = state_dict["rng"] if self.rng is not None else None
+        self._attempts = list(state_dict["attempts"])
+
+    def _load_rng(self, state: dict[str, Any]) -> None:
+        """Restore the RNGs; another rank's or topology's state is skipped with a warning (streams are per rank)."""
+        try:
+            self.rng.load_state_dict(state)
+        except ValueError as e:
+            warnings.warn(f"RNG state not restored: {e}", RuntimeWarning)
+
+
+def _ckpt_io(trainer: Trainer) -> CkptCheckpointIO | None:
+    """The Trainer's CkptCheckpointIO, if it uses one."""
+    io = trainer.strategy.checkpoint_io
+    return io if isinstance(io, CkptCheckpointIO) else None
+
+
+def _check_strategy(trainer: Trainer) -> None:
+    """FSDP, ModelParallel and DeepSpeed save (or load) without CheckpointIO: fail loudly instead of half-working."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+    if isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy, DeepSpeedStrategy)):
+        raise RuntimeError(f"{type(trainer.strategy).__name__} bypasses CheckpointIO (it writes or reads its own "
+                           f"torch.distributed.checkpoint / torch.save files), so CkptCheckpointIO cannot checkpoint "
+                           f"it; use the plain CheckpointManager with DTensor state instead (see docs/integrations.md)")
