@@ -1,0 +1,85 @@
+"""The training worker torchrun starts (and restarts): resume, train, checkpoint, maybe get killed by chaos."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ckpt.data import RandomWindowSampler, TokenWindowDataset, make_loader
+from ettr import GoodputTracker
+from integrations import TrainLoop
+
+from .chaos import Chaos
+from .config import add_training_args
+from .model import TinyCausalLM
+
+
+def weights_sha256(model: torch.nn.Module) -> str:
+    """Hash of every parameter and buffer's name, dtype, shape and bytes, in state_dict order."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(tensor.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def train(args: argparse.Namespace) -> None:
+    """One attempt: restore the newest checkpoint under ROOT, train to --steps, write final.json with the weights' hash."""
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    tag = f"[{args.name} attempt {attempt + 1}]"
+    dataset = TokenWindowDataset(args.corpus, np.uint8, args.context + 1, args.seed)
+    sampler = RandomWindowSampler(dataset.n_tokens, args.context + 1, args.context // 2, args.batch, args.seed,
+                                  fingerprint=dataset.fingerprint())
+    model = TinyCausalLM(args.context, args.d_model, args.layers)
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    tracker = GoodputTracker(args.root, flush_interval=1.0)  # a SIGKILL loses at most 1 s of the ledger
+    with TrainLoop(args.root, {"model": model, "optim": optim}, sampler=sampler, every_steps=args.every,
+                   advise=args.advise, tracker=tracker) as loop:
+        print(f"{tag} resumed from step {loop.start_step}" if loop.start_step else f"{tag} fresh start", flush=True)
+        chaos = Chaos.for_attempt(args.chaos, args.seed, attempt, loop.start_step, args.steps)
+        batches = sampler.track(make_loader(dataset, sampler, num_workers=args.workers))
+        for step, batch in zip(loop.steps(args.steps), batches):
+            tokens = batch["tokens"]
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            loop.wait_for_staging()
+            optim.step()
+            saved = loop.on_step_end(step, {"loss": loss.item()})
+            if step % args.log_every == 0 or step == args.steps:
+                print(f"{tag} step {step:>5}/{args.steps}  loss {loss.item():.4f}  ETTR so far {loop.ettr():.3f}"
+                      f"  last checkpoint {loop.last_saved}", flush=True)
+            if chaos is not None:
+                chaos.after_step(step, saved)
+    final = {"steps": loop.step, "sha256": weights_sha256(model)}
+    Path(args.root, "final.json").write_text(json.dumps(final))
+    print(f"{tag} done: {loop.step} steps, weights sha256 {final['sha256'][:16]}...", flush=True)
+
+
+def main() -> None:
+    """Parse the worker's flags (the driver passes them) and train."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--root", required=True, help="checkpoint root of this run")
+    parser.add_argument("--corpus", required=True, help="token file (uint8 bytes)")
+    parser.add_argument("--name", default="run", help="label of progress lines")
+    parser.add_argument("--chaos", type=int, default=0, help="SIGKILL the first this many attempts")
+    add_training_args(parser)
+    train(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()
