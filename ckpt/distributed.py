@@ -15,10 +15,9 @@ from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .format import ArrayInfo, chunk_shape, dtype_name, torch_dtype
+from .state import is_dtensor
 
 Box = tuple[tuple[int, int], ...]
 
@@ -49,7 +48,9 @@ class Ranks:
 
 def local_box(t: torch.Tensor) -> tuple[torch.Tensor, Box]:
     """The local data of a (D)Tensor and the box of the global array it covers."""
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         return t.to_local(), tuple((o, o + s) for o, s in zip(offset, shape))
     return t, tuple((0, n) for n in t.shape)
@@ -101,7 +102,7 @@ def _volume(box: Box) -> int:
 
 def read_region(info: ArrayInfo, template: Any) -> tuple[Any, Box] | None:
     """For a DTensor target, the local shard and the box of the global array it holds; else None (read whole)."""
-    if not isinstance(template, DTensor):
+    if not is_dtensor(template):
         return None
     if tuple(template.shape) != info.shape:
         raise ValueError(f"restore of key {info.name!r}: checkpoint has global shape {list(info.shape)}, "
@@ -111,9 +112,9 @@ def read_region(info: ArrayInfo, template: Any) -> tuple[Any, Box] | None:
 
 def prepare_optimizers(state: Mapping[str, Any], keys: Any) -> None:
     """Give optimizers of sharded (DTensor) parameters their state tensors, so a restore can fill them in place."""
-    from torch.distributed.checkpoint.state_dict import _init_optim_state
-
     for k, v in state.items():
         if (keys is None or k in keys) and isinstance(v, torch.optim.Optimizer) and not v.state and any(
-                isinstance(p, DTensor) for g in v.param_groups for p in g["params"]):
+                is_dtensor(p) for g in v.param_groups for p in g["params"]):
+            from torch.distributed.checkpoint.state_dict import _init_optim_state
+
             _init_optim_state(v)

@@ -13,9 +13,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
+import sys
+
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
 from .errors import CorruptCheckpointError
 from .format import escape_segment, validate_array_name
@@ -30,6 +31,12 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+def is_dtensor(t: Any) -> bool:
+    """True for a DTensor; never imports torch.distributed.tensor (~1 s) when nothing made one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def is_per_rank(x: Any) -> bool:
@@ -63,7 +70,7 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
     seen: dict[tuple, str] = {}
 
     def tensor_ref(t: torch.Tensor, path: list[str], tag: str) -> dict[str, str]:
-        local = t.to_local() if isinstance(t, DTensor) else t
+        local = t.to_local() if is_dtensor(t) else t
         ident = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape), local.stride(), t.dtype, t.device)
         if t.numel() and ident in seen:
             return {tag: seen[ident]}
