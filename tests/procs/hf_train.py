@@ -1,0 +1,65 @@
+"""Child process: a tiny GPT-2 trained by CkptTrainer, resumed from the manager's newest step when there is one.
+
+Usage: hf_train.py OUTPUT_DIR OUT.npz MAX_STEPS [HANG_AT]
+Prints "loss STEP HEX" per step; with HANG_AT it drains the saves after that step, prints "hanging" and sleeps
+(the test SIGKILLs it). Otherwise it writes the final weights to OUT.npz and prints "done".
+"""
+
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments  # noqa: E402
+
+import ettr  # noqa: E402
+from integrations.hf import CkptTrainer  # noqa: E402
+
+
+class LossPrinter(CkptTrainer):
+    """Prints every micro-batch loss exactly (float hex) under the step it belongs to."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        print(f"loss {self.state.global_step + 1} {loss.item().hex()}", flush=True)
+        return loss
+
+
+class HangAt(TrainerCallback):
+    """After step `at`: make the saves durable and the ledger current, then wait to be killed."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.trainer = at, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            self.trainer.ckpt_manager.wait()
+            self.trainer._goodput.tracker.flush()
+            print("hanging", flush=True)
+            time.sleep(600)
+
+
+def main(output_dir: str, out: str, max_steps: int, hang_at: int | None) -> None:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(7)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (40, 16), generator=g)]
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+    args = TrainingArguments(output_dir=output_dir, max_steps=max_steps, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=1, learning_rate=1e-3, warmup_steps=2, save_steps=4,
+                             save_total_limit=2, logging_steps=1, seed=0, use_cpu=True, report_to=[],
+                             dataloader_num_workers=0, disable_tqdm=True)
+    callbacks = [HangAt(hang_at)] if hang_at is not None else []
+    trainer = LossPrinter(model=model, args=args, train_dataset=data, callbacks=callbacks)
+    for cb in callbacks:
+        cb.trainer = trainer
+    root = trainer.ckpt_root
+    trainer.train(resume_from_checkpoint=bool(os.path.isdir(root) and ettr.committed_steps(root)))
+    np.savez(out, **{k: v.detach().numpy() for k, v in trainer.model.state_dict().items()})
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else None)

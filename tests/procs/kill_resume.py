@@ -1,0 +1,94 @@
+"""Test driver shared by the trainer integration tests: run a training child straight, killed, and resumed.
+
+A child script takes ROOT OUT.npz MAX_STEPS [HANG_AT], prints "loss STEP HEX" lines, prints "hanging" once its
+saves are durable at HANG_AT (then it is SIGKILLed here), and otherwise writes its final weights and prints "done".
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def start(child: Path, root: Path, out: Path, steps: int, hang_at: int | None = None) -> subprocess.Popen:
+    """Start one training attempt as a child process."""
+    args = [sys.executable, str(child), str(root), str(out), str(steps)] + ([str(hang_at)] if hang_at else [])
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"})
+
+
+def finish(proc: subprocess.Popen) -> list[list[str]]:
+    """Read a child's lines, SIGKILL it when it says it is hanging; returns the split lines."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line.split())
+        if line.startswith("hanging"):
+            os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=120)
+    return lines
+
+
+def losses(lines: list[list[str]]) -> dict[int, list[str]]:
+    """Step -> the losses (float hex) a child printed for it."""
+    out: dict[int, list[str]] = {}
+    for line in lines:
+        if line and line[0] == "loss":
+            out.setdefault(int(line[1]), []).append(line[2])
+    return out
+
+
+@dataclass
+class Runs:
+    """Lines of the uninterrupted, the killed and the resumed attempt, and the two final weight files."""
+
+    straight: list[list[str]]
+    killed: list[list[str]]
+    resumed: list[list[str]]
+    straight_npz: Path
+    resumed_npz: Path
+
+
+def straight_killed_resumed(child: Path, tmp: Path, steps: int, kill_at: int) -> Runs:
+    """An uninterrupted run (beside the first attempt, 2 cores) and a job killed at `kill_at` then resumed."""
+    straight = start(child, tmp / "straight", tmp / "straight.npz", steps)
+    killed = start(child, tmp / "job", tmp / "unused.npz", steps, hang_at=kill_at)
+    straight_lines, killed_lines = finish(straight), finish(killed)
+    assert straight.returncode == 0 and ["done"] in straight_lines, straight_lines[-5:]
+    assert killed.returncode == -signal.SIGKILL and ["hanging"] in killed_lines, killed_lines[-5:]
+    resumed = start(child, tmp / "job", tmp / "resumed.npz", steps)
+    resumed_lines = finish(resumed)
+    assert resumed.returncode == 0 and ["done"] in resumed_lines, resumed_lines[-5:]
+    return Runs(straight_lines, killed_lines, resumed_lines, tmp / "straight.npz", tmp / "resumed.npz")
+
+
+def assert_same_bits(a_path: Path, b_path: Path) -> None:
+    """Two weight files hold the same tensors, byte for byte."""
+    a, b = np.load(a_path), np.load(b_path)
+    assert sorted(a.files) == sorted(b.files)
+    for key in a.files:
+        assert a[key].dtype == b[key].dtype and a[key].tobytes() == b[key].tobytes(), key
+
+
+def assert_reported(root: Path, restored: int, lost_steps: int) -> str:
+    """The job's goodput report shows one failure, the lost steps, the restore and a save; returns its text."""
+    from ettr import attribute_root, report_text
+
+    report = attribute_root(str(root))
+    assert [at.status for at in report.attempts] == ["failed", "ok"]
+    assert [at.restored_step for at in report.attempts] == [None, restored]
+    assert [at.lost_steps for at in report.attempts] == [lost_steps, 0]
+    assert report.failures == 1
+    assert report.micros["lost"] > 0 and report.micros["checkpoint_restore"] > 0
+    assert report.micros["checkpoint_save"] > 0 and report.micros["downtime"] > 0
+    assert sum(report.micros.values()) == report.wall_us
+    text = report_text(report)
+    assert "failed" in text and "1 failure(s)" in text
+    return text
