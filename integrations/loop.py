@@ -266,8 +266,10 @@ class TrainLoop:
             staging.result()
 
     def _apply_advice(self) -> None:
-        """Replace the interval by the advisor's, once the ledgers hold a save to fit T_write from."""
-        self.wait_for_staging()
+        """Replace the interval by the advisor's, once the ledgers hold a save to fit T_write from.
+
+        With overlap the save just started may not be in the ledger yet; the next save's advice includes it.
+        """
         attribution = ettr.attribute_root(self.root)
         if attribution.save_us:
             self.every_steps = None

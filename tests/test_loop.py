@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ckpt.data import RandomWindowSampler, TokenWindowDataset, make_loader
-from ettr import attribute_root, read_ledgers
+from ettr import GoodputTracker, attribute_root, read_ledgers
 from integrations import Preempted, TrainLoop
 
 TOTAL, EVERY, WINDOW, BATCH, VOCAB = 24, 4, 9, 4, 64
@@ -39,7 +39,9 @@ def train(root: str, tokens: str, every: int, overlap: bool) -> None:
     dataset = TokenWindowDataset(tokens, np.uint16, WINDOW, seed=3)
     sampler = RandomWindowSampler(dataset.n_tokens, WINDOW, 3, BATCH, seed=3, fingerprint=dataset.fingerprint())
     try:
-        with TrainLoop(root, {"model": model, "optim": optim}, sampler=sampler, every_steps=every, overlap=overlap) as loop:
+        tracker = GoodputTracker(root, flush_interval=0)  # every step reaches the ledger before its "step" line
+        with TrainLoop(root, {"model": model, "optim": optim}, sampler=sampler, every_steps=every, overlap=overlap,
+                       tracker=tracker) as loop:
             print(f"restored {loop.start_step}", flush=True)
             for step, batch in zip(loop.steps(TOTAL), sampler.track(make_loader(dataset, sampler))):
                 x = batch["tokens"] % VOCAB
