@@ -7,6 +7,7 @@ pays); this object only decides *when* to call them and owns the signal handlers
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -187,10 +188,8 @@ class TrainLoop:
     def _drain_quietly(self) -> None:
         """Wait for staging and writes after a failure without masking it."""
         for finish in (self.wait_for_staging, self.manager.close):
-            try:
+            with contextlib.suppress(Exception):  # the loop's own exception is the one to report
                 finish()
-            except Exception:  # noqa: BLE001 - the loop's own exception is the one to report
-                pass
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         """Only remember the signal: the save happens at the next step boundary."""
