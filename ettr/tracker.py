@@ -82,8 +82,8 @@ class GoodputTracker:
 
     The step path only reads the clock and appends to an in-memory buffer; the buffer is written (append + fsync)
     every `flush_interval` seconds, at every checkpoint save/restore, and at end(). Also the duck-typed tracker
-    that ckpt.CheckpointManager reports to (span, checkpoint_committed/restored/failed); those may come from
-    the manager's writer thread.
+    that ckpt.CheckpointManager reports to (span, checkpoint_committed/restored/failed); every method is
+    thread-safe, since those may come from the manager's writer thread.
     """
 
     def __init__(
@@ -94,7 +94,7 @@ class GoodputTracker:
         attempt_id: str | None = None,
         rank: int | None = None,
         clock: Clock | None = None,
-        flush_interval: float = 5.0,
+        flush_interval: float = 1.0,
         window_s: float = 3600.0,
         metrics: GoodputMetrics | None = None,
         storage_options: dict[str, Any] | None = None,
@@ -168,20 +168,22 @@ class GoodputTracker:
 
     def step_begin(self, step: int) -> None:
         """A training step starts."""
-        t = self._credit()
-        self._gap = "other"
-        self._order += 1
-        self._stack.append([self._order, "productive", step, t, None])
+        with self._lock:  # the manager's hooks may open spans from another thread
+            t = self._credit()
+            self._gap = "other"
+            self._order += 1
+            self._stack.append([self._order, "productive", step, t, None])
 
     def step_end(self, step: int) -> None:
         """A training step ends; flushes if the last flush is older than flush_interval."""
-        t = self._credit()
-        stack = self._stack
-        top = stack[-1] if stack else None
-        entry = stack.pop() if top is not None and top[2] == step and top[1] == "productive" else self._pop(step)
-        self._buf.append((step, entry[3], t, entry[0]))
-        if t - self._last_flush >= self._flush_us:
-            self.flush()
+        with self._lock:
+            t = self._credit()
+            stack = self._stack
+            top = stack[-1] if stack else None
+            entry = stack.pop() if top is not None and top[2] == step and top[1] == "productive" else self._pop(step)
+            self._buf.append((step, entry[3], t, entry[0]))
+            if t - self._last_flush >= self._flush_us:
+                self.flush()
 
     def step(self, step: int) -> _Step:
         """`with tracker.step(i):` around one training step."""
@@ -195,26 +197,28 @@ class GoodputTracker:
 
     def _open(self, category: str, step: int | None, attrs: dict[str, Any]) -> list[Any]:
         """Push a span onto the open stack."""
-        t = self._credit()
-        self._order += 1
-        entry = [self._order, category, step, t, attrs]
-        self._stack.append(entry)
-        if category in FLUSHED_SPANS:
-            self.flush()
-        return entry
+        with self._lock:
+            t = self._credit()
+            self._order += 1
+            entry = [self._order, category, step, t, attrs]
+            self._stack.append(entry)
+            if category in FLUSHED_SPANS:
+                self.flush()
+            return entry
 
     def _close(self, entry: list[Any]) -> None:
         """Pop a span, buffer its record, feed the duration histograms."""
-        t = self._credit()
-        if self._stack[-1] is entry:
-            self._stack.pop()
-        else:
-            self._stack.remove(entry)
-        order, category, _, begin, attrs = entry
-        self._buf.append((category, begin, t, order, attrs))
-        if category in FLUSHED_SPANS:
-            self.metrics.record_duration(category, (t - begin) / 1e6)
-            self.flush()
+        with self._lock:
+            t = self._credit()
+            if self._stack[-1] is entry:
+                self._stack.pop()
+            else:
+                self._stack.remove(entry)
+            order, category, _, begin, attrs = entry
+            self._buf.append((category, begin, t, order, attrs))
+            if category in FLUSHED_SPANS:
+                self.metrics.record_duration(category, (t - begin) / 1e6)
+                self.flush()
 
     def _pop(self, step: int) -> list[Any]:
         """Remove the open step `step` from the stack when it is not on top (a span left open inside it)."""
@@ -272,10 +276,11 @@ class GoodputTracker:
 
     def totals_us(self, at_us: int | None = None) -> dict[str, int]:
         """Job-level microseconds per category as this process sees them: earlier attempts plus this one live."""
-        t = self._now() if at_us is None else at_us
-        acc = dict(self._acc)
-        top = self._stack[-1][1] if self._stack else self._gap
-        acc[top] = acc.get(top, 0) + t - self._last
+        with self._lock:
+            t = self._now() if at_us is None else at_us
+            acc = dict(self._acc)
+            top = self._stack[-1][1] if self._stack else self._gap
+            acc[top] = acc.get(top, 0) + t - self._last
         for cat, us in self._earlier.items():
             acc[cat] = acc.get(cat, 0) + us
         return acc

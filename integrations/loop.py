@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import FrameType
-from typing import Any, ContextManager
+from typing import Any
 
 import ettr
 from ckpt import CheckpointManager, Stateful
@@ -43,40 +42,6 @@ class _Snapshot:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         raise TypeError("a snapshot is write-only")
-
-
-class _SerializedSpan:
-    """A tracker span whose enter/exit hold the loop's lock (the span may open on the staging thread)."""
-
-    def __init__(self, lock: threading.Lock, span: ContextManager[Any]) -> None:
-        self._lock, self._span = lock, span
-
-    def __enter__(self) -> Any:
-        with self._lock:
-            return self._span.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        with self._lock:
-            self._span.__exit__(*exc)
-
-
-class _SerializedObserver:
-    """The manager's view of the tracker: spans serialized with the loop's step calls (tracker state is shared)."""
-
-    def __init__(self, tracker: GoodputTracker, lock: threading.Lock) -> None:
-        self.tracker, self._lock = tracker, lock
-
-    def span(self, category: str, **attrs: Any) -> _SerializedSpan:
-        return _SerializedSpan(self._lock, self.tracker.span(category, **attrs))
-
-    def checkpoint_committed(self, step: int, background_seconds: float) -> None:
-        self.tracker.checkpoint_committed(step, background_seconds)
-
-    def checkpoint_restored(self, step: int | None) -> None:
-        self.tracker.checkpoint_restored(step)
-
-    def checkpoint_failed(self, step: int, error: BaseException) -> None:
-        self.tracker.checkpoint_failed(step, error)
 
 
 class TrainLoop:
@@ -140,7 +105,6 @@ class TrainLoop:
         self.signals = tuple(signals)
         self.tracker = tracker if tracker is not None else GoodputTracker(self.root)
         self._manager_options = manager_options
-        self._lock = threading.Lock()
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="loop-staging") if overlap else None
         self._staging: Future[Any] | None = None
         self._previous: dict[int, Any] = {}
@@ -157,7 +121,7 @@ class TrainLoop:
         try:
             for signum in self.signals:
                 self._previous[signum] = signal.signal(signum, self._on_signal)
-            self.manager = CheckpointManager(self.root, tracker=_SerializedObserver(self.tracker, self._lock),
+            self.manager = CheckpointManager(self.root, tracker=self.tracker,
                                              **self._manager_options)
             self.start_step = self.step = self.last_saved = self.manager.restore(self.state) or 0
             self._last_save_time = time.monotonic()
@@ -211,8 +175,7 @@ class TrainLoop:
         """Start timing step `step` (what `steps()` does for you)."""
         if self._open_step is not None:
             raise RuntimeError(f"step {self._open_step} was never ended: call loop.on_step_end({self._open_step})")
-        with self._lock:
-            self.tracker.step_begin(step)
+        self.tracker.step_begin(step)
         self._open_step = step
 
     def on_step_end(self, step: int, metrics: Mapping[str, Any] | None = None) -> bool:
@@ -224,8 +187,7 @@ class TrainLoop:
         if self._open_step != step:
             raise RuntimeError(f"on_step_end({step}) without step_begin({step}): iterate loop.steps(total) "
                                f"or call loop.step_begin(step) first")
-        with self._lock:
-            self.tracker.step_end(step)
+        self.tracker.step_end(step)
         self._open_step = None
         self.step = step
         if self._signal is not None:
@@ -277,7 +239,6 @@ class TrainLoop:
     # -- live goodput ----------------------------------------------------------------------------------------
     def ettr(self) -> float:
         """Cumulative ETTR of the whole job so far, earlier attempts included (as this process sees it)."""
-        with self._lock:
-            totals = self.tracker.totals_us()
+        totals = self.tracker.totals_us()
         wall = sum(totals.values())
         return totals.get("productive", 0) / wall if wall else 0.0
