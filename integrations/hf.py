@@ -77,7 +77,7 @@ class CkptTrainerMixin:
                  tracker: GoodputTracker | None = None, manager_options: dict[str, Any] | None = None,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        trainer: Trainer = self  # type: ignore[assignment]
+        trainer: Trainer = self
         unsupported = [name for name, on in (
             ("DeepSpeed", trainer.is_deepspeed_enabled), ("FSDP", trainer.is_fsdp_enabled),
             (f"world_size={trainer.args.world_size}", trainer.args.world_size > 1),
@@ -85,7 +85,8 @@ class CkptTrainerMixin:
         if unsupported:
             raise NotImplementedError(f"CkptTrainerMixin supports single-process training without {unsupported}; "
                                       f"those paths save through HF's own files")
-        self.ckpt_root = os.fspath(ckpt_root) if ckpt_root is not None else os.path.join(trainer.args.output_dir, "ckpt")
+        default_root = os.path.join(trainer.args.output_dir, "ckpt")
+        self.ckpt_root = os.fspath(ckpt_root) if ckpt_root is not None else default_root
         self.ckpt_manager: CheckpointManager | None = None
         self._ckpt_options = dict(manager_options or {})
         self._lease = TrackerLease(self.ckpt_root, tracker)
@@ -103,7 +104,7 @@ class CkptTrainerMixin:
         self.ckpt_manager = CheckpointManager(self.ckpt_root, tracker=tracker, **self._ckpt_options)
         try:
             path = self._resolve_resume(resume_from_checkpoint, trial)
-            output = super().train(resume_from_checkpoint=path, trial=trial, **kwargs)  # type: ignore[misc]
+            output = super().train(resume_from_checkpoint=path, trial=trial, **kwargs)
             self.ckpt_manager.close()
         except BaseException:
             try:
@@ -129,7 +130,7 @@ class CkptTrainerMixin:
         else:
             step = resolve_step(manager, checkpoint_step(resume))
         staged = read_step(manager, step)
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{step}")  # type: ignore[attr-defined]
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{step}")
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, TRAINER_STATE), "w", encoding="utf-8") as f:
             f.write(staged["trainer_state"])
@@ -150,7 +151,7 @@ class CkptTrainerMixin:
     # -- loading: HF's hooks, fed from the restored state -------------------------------------------------------
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """Model weights from the manager instead of model.safetensors."""
-        (model if model is not None else self.model).load_state_dict(self._staged_for(resume_from_checkpoint)["model"])  # type: ignore[attr-defined]
+        (model if model is not None else self.model).load_state_dict(self._staged_for(resume_from_checkpoint)["model"])
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Optimizer and LR scheduler from the manager (absent when saved with save_only_model)."""
@@ -158,12 +159,12 @@ class CkptTrainerMixin:
             return
         staged = self._staged_for(checkpoint)
         if "optimizer" in staged:
-            self.optimizer.load_state_dict(staged["optimizer"])  # type: ignore[attr-defined]
-            self.lr_scheduler.load_state_dict(staged["lr_scheduler"])  # type: ignore[attr-defined]
+            self.optimizer.load_state_dict(staged["optimizer"])
+            self.lr_scheduler.load_state_dict(staged["lr_scheduler"])
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         """The AMP grad scaler, when there is one."""
-        scaler = getattr(self.accelerator, "scaler", None)  # type: ignore[attr-defined]
+        scaler = getattr(self.accelerator, "scaler", None)
         if checkpoint is not None and scaler is not None and "scaler" in self._staged_for(checkpoint):
             scaler.load_state_dict(self._staged_for(checkpoint)["scaler"])
 
@@ -178,16 +179,16 @@ class CkptTrainerMixin:
         async save of step N to the manager and the deletion of steps whose folders HF rotated away."""
         self._saving = True
         try:
-            super()._save_checkpoint(model, trial)  # type: ignore[misc]
+            super()._save_checkpoint(model, trial)
         finally:
             self._saving = False
-        step = self.state.global_step  # type: ignore[attr-defined]
-        run_dir = self._get_output_dir(trial=trial)  # type: ignore[attr-defined]
+        step = self.state.global_step
+        run_dir = self._get_output_dir(trial=trial)
         with open(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}", TRAINER_STATE), encoding="utf-8") as f:
-            state: dict[str, Any] = {"model": self.model, "trainer_state": f.read(), "rng": RNGState()}  # type: ignore[attr-defined]
-        if not self.args.save_only_model:  # type: ignore[attr-defined]
-            state.update(optimizer=self.optimizer, lr_scheduler=self.lr_scheduler)  # type: ignore[attr-defined]
-            scaler = getattr(self.accelerator, "scaler", None)  # type: ignore[attr-defined]
+            state: dict[str, Any] = {"model": self.model, "trainer_state": f.read(), "rng": RNGState()}
+        if not self.args.save_only_model:
+            state.update(optimizer=self.optimizer, lr_scheduler=self.lr_scheduler)
+            scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None:
                 state["scaler"] = scaler
         if save_once(self.ckpt_manager, step, state, skip=tuple(self._done)):
@@ -198,11 +199,11 @@ class CkptTrainerMixin:
                 delete_step(self.ckpt_manager, old)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """HF's save_model (an export for from_pretrained); inside a checkpoint only the folder: the manager has the weights."""
+        """HF's save_model (a from_pretrained export); in a checkpoint only the folder: the manager has the weights."""
         if self._saving and output_dir is not None:
             os.makedirs(output_dir, exist_ok=True)
         else:
-            super().save_model(output_dir, _internal_call)  # type: ignore[misc]
+            super().save_model(output_dir, _internal_call)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Nothing: the optimizer and scheduler are in the manager's step."""

@@ -173,7 +173,7 @@ class CkptCheckpointIO(CheckpointIO):
             self._collect()
 
     def _adopt(self, folder: str) -> None:
-        """Once per process and folder: earlier attempts' steps saved for it are candidates too (their removals died)."""
+        """Once per process and folder: earlier attempts' steps for it are candidates (their removals may have died)."""
         if folder not in self._adopted:
             self._adopted.add(folder)
             for step in self.manager.steps():

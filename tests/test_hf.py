@@ -37,3 +37,19 @@ def test_sigkill_resume_is_bitwise_and_reported(tmp_path):
     assert not list(job.rglob("*.pth")) and not list(job.rglob("*.bin"))
 
     assert_reported(job / "ckpt", restored=8, lost_steps=KILL_AT - 8)
+
+
+def test_unsupported_configurations_fail_loudly(tmp_path):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from integrations.hf import CkptTrainer, checkpoint_step
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=1, vocab_size=16, n_positions=8))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], load_best_model_at_end=True,
+                             eval_strategy="steps", save_strategy="steps")
+    with pytest.raises(NotImplementedError, match="load_best_model_at_end"):
+        CkptTrainer(model=model, args=args, eval_dataset=[{"input_ids": torch.zeros(8, dtype=torch.long)}])
+    assert checkpoint_step(tmp_path / "checkpoint-12") == 12
+    with pytest.raises(ValueError, match="not a checkpoint-N folder"):
+        checkpoint_step(tmp_path / "step_12")

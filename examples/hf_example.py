@@ -1,0 +1,54 @@
+"""Transformers with ckpt + ettr: a tiny local GPT-2 whose training fails at step 10, a restarted process that
+resumes from step 8, and the goodput report.
+
+Run: python examples/hf_example.py [OUTPUT_DIR]   (offline, nothing downloaded, seconds on a CPU; a process per attempt)
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments  # noqa: E402
+
+import ettr  # noqa: E402
+from integrations.hf import CkptTrainer  # noqa: E402
+
+
+class FailAt(TrainerCallback):
+    """Simulates a crash (a bad node, an OOM) after some step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise RuntimeError(f"simulated failure after step {self.step}")
+
+
+def train(output_dir: str, max_steps: int, fail_at: int | None) -> None:
+    """One process attempt: resume from the manager's newest step (if any) and train up to `max_steps`."""
+    ids = torch.randint(0, 64, (32, 16), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+    args = TrainingArguments(output_dir=output_dir, max_steps=max_steps, per_device_train_batch_size=4,
+                             save_steps=4, save_total_limit=2, use_cpu=True, report_to=[], disable_tqdm=True,
+                             dataloader_num_workers=0, logging_steps=4)
+    trainer = CkptTrainer(model=model, args=args, train_dataset=data,  # ckpt root: OUTPUT_DIR/ckpt
+                          callbacks=[FailAt(fail_at)] if fail_at else [])
+    resume = os.path.isdir(trainer.ckpt_root) and bool(ettr.committed_steps(trainer.ckpt_root))
+    trainer.train(resume_from_checkpoint=resume)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--attempt"]:
+        train(sys.argv[2], 16, int(sys.argv[3]) or None)
+        sys.exit()
+    output_dir = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="hf-example-")
+    for fail_at in (10, 0):  # the first attempt fails after step 10 (checkpoint at 8), the restart finishes
+        subprocess.run([sys.executable, __file__, "--attempt", output_dir, str(fail_at)], capture_output=True)
+    print(sorted(d for d in os.listdir(output_dir) if d.startswith("checkpoint-")))
+    print(ettr.report_text(ettr.attribute_root(os.path.join(output_dir, "ckpt"))))
