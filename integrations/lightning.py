@@ -131,8 +131,8 @@ class CkptCheckpointIO(CheckpointIO):
             self._manager = CheckpointManager(self.root, tracker=self.tracker, **self._options)
         return self._manager
 
-    def use_tracker(self, tracker: GoodputTracker) -> None:
-        """Report saves and restores to `tracker` from now on."""
+    def use_tracker(self, tracker: GoodputTracker | None) -> None:
+        """Report saves and restores to `tracker` from now on (None: to nobody)."""
         self.tracker = tracker
         if self._manager is not None:
             self._manager.tracker = tracker
@@ -291,7 +291,7 @@ class GoodputCallback(Callback):
         except Exception as e:  # noqa: BLE001 - the training exception is the one Lightning re-raises
             warnings.warn(f"checkpoint write failed while handling {type(exception).__name__}: {e}", RuntimeWarning)
         finally:
-            self._lease.end("error")
+            self._release(io, "error")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """After a successful fit: wait for the last saves to commit, then end the attempt."""
@@ -302,7 +302,13 @@ class GoodputCallback(Callback):
             if io is not None:
                 io.wait()
         finally:
-            self._lease.end("ok")
+            self._release(io, "ok")
+
+    def _release(self, io: CkptCheckpointIO | None, status: str) -> None:
+        """End the attempt's tracker; the IO stops reporting to it (a later test/validate load is not timed)."""
+        if io is not None:
+            io.use_tracker(None)
+        self._lease.end(status)
 
     def state_dict(self) -> dict[str, Any]:
         """RNG state, sampler positions and the goodput attempts that produced this training state."""
