@@ -251,6 +251,19 @@ class CheckpointManager:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    def delete(self, step: int) -> None:
+        """Delete a committed step (manifest first); never the newest committed one, nor one still being written."""
+        self._check_open()
+        if self._inflight is not None and self._inflight.step == step and not self._inflight.done():
+            raise ValueError(f"step {step} is still being written")
+        committed = self.steps()
+        if step not in committed:
+            raise ValueError(f"step {step} is not a committed step of {self.storage.url} (committed: {committed})")
+        if step == committed[-1]:
+            raise ValueError(f"step {step} is the newest committed step; it is never deleted")
+        catalog.delete_step(self.storage, step)
+        self._metadata.pop(step, None)
+
     def metadata(self, step: int) -> dict[str, Any]:
         """The user metadata saved with a committed step."""
         return read_manifest(self.storage, step).metadata

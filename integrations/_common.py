@@ -6,7 +6,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ckpt import CheckpointManager, catalog
+from ckpt import CheckpointManager
 from ettr import GoodputTracker
 
 KEYS = "keys"  # metadata entry listing a checkpoint's top-level keys, so it can be read without a template
@@ -85,5 +85,5 @@ def delete_step(manager: CheckpointManager, step: int) -> bool:
     committed = manager.steps()
     if step not in committed or step == committed[-1]:
         return False
-    catalog.delete_step(manager.storage, step)
+    manager.delete(step)
     return True

@@ -153,6 +153,13 @@ def test_retention_keep_last_every_and_best(tmp_path):
     assert ckpt.CheckpointManager(tmp_path / "best").steps() == [1, 2, 5]
     with pytest.raises(ValueError, match="keep_best needs best_metric"):
         ckpt.CheckpointManager(tmp_path, keep_best=1)
+    with ckpt.CheckpointManager(tmp_path / "last") as m:
+        with pytest.raises(ValueError, match="newest committed step; it is never deleted"):
+            m.delete(6)
+        with pytest.raises(ValueError, match="not a committed step"):
+            m.delete(1)
+        m.delete(5)
+        assert m.steps() == [6]
 
 
 def test_memory_root_is_one_store(tmp_path):
