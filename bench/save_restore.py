@@ -1,0 +1,510 @@
+"""Save/restore benchmark: torch.save+fsync, DCP save, DCP async_save and ckpt, side by side.
+
+One driver invocation runs every method in a fresh child process (so that each method's peak RSS is its
+own) on identical state: a synthetic transformer-like model plus its Adam state, generated from a seed.
+For each method it reports the training stall (time until control returns), the time until the save is
+durable (fsync'd and committed), the restore time from a dropped page cache, and the peak extra RSS
+(VmHWM, reset through /proc/self/clear_refs, minus the RSS right after the state was generated) during
+saves and during restores. Figures are medians of `--repeats` runs. Two floors are measured first: the
+copy bandwidth into warm (pre-touched) buffers of the state's size, and the fsync'd sequential write
+bandwidth of the same bytes into one file (plus, for reference, the cold sequential read of that file).
+
+    .venv/bin/python bench/save_restore.py                       # 2 GiB, 3 repeats, everything
+    .venv/bin/python bench/save_restore.py --quick               # smoke run (small state, 1 repeat)
+    .venv/bin/python bench/save_restore.py --only ckpt --chunk-mb 16,64,256,tensor
+
+Restores need root (`echo 3 > /proc/sys/vm/drop_caches`); without it they are marked "warm cache".
+
+Chunk size (measured on the 2-core / ~0.4 GB/s VM of docs/benchmarks.md, 2 GiB, 3 repeats):
+16 MiB, 64 MiB, 256 MiB and one chunk per tensor all save and restore within run-to-run noise of each
+other; the disk dominates. 64 MiB stays the default (see docs/benchmarks.md for the numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+
+GIB = 1 << 30
+METHODS = ("torch_save", "dcp_save", "dcp_async", "ckpt")
+LABELS = {"torch_save": "torch.save+fsync", "dcp_save": "dcp.save", "dcp_async": "dcp.async_save", "ckpt": "ckpt"}
+
+
+# -- state ----------------------------------------------------------------------------------------------
+
+def build_state(size_gb: float, seed: int):
+    """A transformer-like model (embedding, N blocks, untied head) + Adam after one step: ~size_gb in all."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    target_params = size_gb * GIB / 4 / 3  # fp32 params + exp_avg + exp_avg_sq
+    d = 1024 if size_gb >= 1 else 512 if size_gb >= 0.25 else 256
+    vocab = 32 * d
+    layers = max(1, round((target_params - 2 * vocab * d) / (12 * d * d + 13 * d)))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln_f = nn.LayerNorm(d)
+            self.head = nn.Linear(d, vocab, bias=False)
+
+    with torch.no_grad():
+        model = Model()
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return model, optim
+
+
+def state_tensors(model, optim):
+    """Every tensor of the state (model params + optimizer state), in a fixed order."""
+    import torch
+
+    out = list(model.state_dict().values())
+    for _, st in sorted(optim.state_dict()["state"].items()):
+        out.extend(v for _, v in sorted(st.items()) if isinstance(v, torch.Tensor))
+    return out
+
+
+def fingerprint(model, optim) -> list[float]:
+    import torch
+
+    return [float(torch.sum(t, dtype=torch.float64)) for t in state_tensors(model, optim)]
+
+
+def scramble(model, optim) -> None:
+    import torch
+
+    with torch.no_grad():
+        for t in state_tensors(model, optim):
+            t.zero_()
+
+
+# -- measurement helpers --------------------------------------------------------------------------------
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+class PeakRSS:
+    """Peak RSS over a block: VmHWM after resetting it through clear_refs, plus a 2 ms sampler as fallback."""
+
+    def __enter__(self):
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self._hwm = True
+        except OSError:
+            self._hwm = False
+        self.peak = _status("VmRSS")
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._sample, daemon=True)
+        self._t.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _status("VmRSS"))
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _status("VmRSS"), _status("VmHWM") if self._hwm else 0)
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return True
+    except OSError:
+        return False
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- methods (each runs in its own child process) -------------------------------------------------------
+
+class TorchSave:
+    def __init__(self, workdir, model, optim, args):
+        self.dir, self.model, self.optim = workdir, model, optim
+
+    def path(self, step):
+        return os.path.join(self.dir, f"step{step}.pt")
+
+    def save(self, step):
+        import torch
+
+        t0 = time.perf_counter()
+        p = self.path(step)
+        torch.save({"model": self.model.state_dict(), "optim": self.optim.state_dict()}, p)
+        fsync_path(p)
+        fsync_path(self.dir)
+        t = time.perf_counter() - t0
+        return t, t
+
+    def delete(self, step):
+        os.remove(self.path(step))
+
+    def restore(self, step):
+        import torch
+
+        sd = torch.load(self.path(step), map_location="cpu", weights_only=True)
+        self.model.load_state_dict(sd["model"])
+        self.optim.load_state_dict(sd["optim"])
+
+
+class DcpSave:
+    asynchronous = False
+
+    def __init__(self, workdir, model, optim, args):
+        self.dir, self.model, self.optim = workdir, model, optim
+
+    def path(self, step):
+        return os.path.join(self.dir, f"step{step}")
+
+    def sd(self):
+        return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
+
+    def save(self, step):
+        import torch.distributed.checkpoint as dcp
+
+        # FileSystemWriter defaults: sync_files=True (every file and .metadata fsync'd), thread_count=1.
+        t0 = time.perf_counter()
+        if self.asynchronous:
+            fut = dcp.async_save(self.sd(), checkpoint_id=self.path(step))
+            stall = time.perf_counter() - t0
+            fut.result()
+        else:
+            dcp.save(self.sd(), checkpoint_id=self.path(step))
+            stall = None
+        fsync_path(self.dir)
+        durable = time.perf_counter() - t0
+        return (stall if stall is not None else durable), durable
+
+    def delete(self, step):
+        shutil.rmtree(self.path(step))
+
+    def restore(self, step):
+        import torch.distributed.checkpoint as dcp
+
+        sd = self.sd()
+        dcp.load(sd, checkpoint_id=self.path(step))  # in place into the live parameter/optimizer tensors
+        self.optim.load_state_dict(sd["optim"])
+
+
+class DcpAsync(DcpSave):
+    asynchronous = True
+
+
+class Ckpt:
+    def __init__(self, workdir, model, optim, args):
+        import ckpt
+
+        self.ckpt, self.dir, self.model, self.optim = ckpt, workdir, model, optim
+        self.chunk_bytes = args.chunk_bytes
+        self.m = ckpt.CheckpointManager(workdir, chunk_bytes=self.chunk_bytes)
+
+    def state(self):
+        return {"model": self.model, "optim": self.optim}
+
+    def save(self, step):
+        t0 = time.perf_counter()
+        h = self.m.save(step, self.state())
+        stall = time.perf_counter() - t0
+        h.wait()
+        return stall, time.perf_counter() - t0
+
+    def delete(self, step):
+        from ckpt import catalog
+
+        catalog.delete_step(self.m.storage, step)
+
+    def end_saves(self):
+        self.m.close()
+        self.m = None  # the staging arena goes with it: a restore happens in a fresh process
+        gc.collect()
+
+    def restore(self, step):
+        m = self.ckpt.CheckpointManager(self.dir, chunk_bytes=self.chunk_bytes)
+        try:
+            got = m.restore(self.state())
+        finally:
+            m.close()
+        assert got == step, (got, step)
+
+
+CLASSES = {"torch_save": TorchSave, "dcp_save": DcpSave, "dcp_async": DcpAsync, "ckpt": Ckpt}
+
+
+def run_method(args) -> dict:
+    import torch
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(os.cpu_count() or 1)
+    model, optim = build_state(args.size_gb, args.seed)
+    nbytes = sum(t.numel() * t.element_size() for t in state_tensors(model, optim))
+    ntensors = len(state_tensors(model, optim))
+    expect = fingerprint(model, optim)
+    gc.collect()
+    workdir = os.path.join(args.dir, args.method + (f"-{args.chunk_label}" if args.method == "ckpt" else ""))
+    os.makedirs(workdir, exist_ok=True)
+    impl = CLASSES[args.method](workdir, model, optim, args)
+    base = _status("VmRSS")
+    res = {"method": args.method, "bytes": nbytes, "tensors": ntensors, "stall": [], "durable": [], "restore": [],
+           "load": [os.getloadavg()[0]]}
+    save_peak = restore_peak = 0
+    # One untimed-for-the-median first save per method: ckpt allocates its staging arena there (later saves
+    # reuse it), and on this VM every method's first save in a fresh process is 2-3x slower (fresh page
+    # cache / guest memory), so the steady figures of all methods are taken from the saves after it.
+    step = 0
+    with PeakRSS() as pk:
+        res["first_stall"], res["first_durable"] = impl.save(step)
+    save_peak = pk.peak
+    for _ in range(args.repeats):
+        impl.delete(step)  # keep one checkpoint on disk; deleting is not timed
+        step += 1
+        os.sync()
+        with PeakRSS() as pk:
+            stall, durable = impl.save(step)
+        save_peak = max(save_peak, pk.peak)
+        res["stall"].append(stall)
+        res["durable"].append(durable)
+    if hasattr(impl, "end_saves"):
+        impl.end_saves()
+    cold = True
+    for _ in range(args.repeats):
+        scramble(model, optim)
+        gc.collect()
+        cold = drop_caches() and cold
+        with PeakRSS() as pk:
+            t0 = time.perf_counter()
+            impl.restore(step)
+            res["restore"].append(time.perf_counter() - t0)
+        restore_peak = max(restore_peak, pk.peak)
+        got = fingerprint(model, optim)
+        if got != expect:
+            raise SystemExit(f"{args.method}: restored state differs from the saved state")
+    res["load"].append(os.getloadavg()[0])
+    res.update(save_peak_extra=save_peak - base, restore_peak_extra=restore_peak - base, cold=cold)
+    return res
+
+
+def run_floors(args) -> dict:
+    """Warm-buffer copy bandwidth and fsync'd sequential write bandwidth of the state's bytes."""
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model, optim = build_state(args.size_gb, args.seed)
+    tensors = state_tensors(model, optim)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    dst.fill_(1)  # pre-touch
+
+    def copy_all():
+        off = 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            dst[off:off + n].view(t.dtype).view(t.shape).copy_(t)
+            off += n
+
+    copy_all()
+    copies = []
+    for _ in range(max(3, args.repeats)):
+        t0 = time.perf_counter()
+        copy_all()
+        copies.append(time.perf_counter() - t0)
+    path = os.path.join(args.dir, "floor.bin")
+    writes, reads = [], []
+    for _ in range(args.repeats):
+        os.sync()
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for t in tensors:
+                mv = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                while mv:
+                    mv = mv[os.write(fd, mv):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_path(args.dir)
+        writes.append(time.perf_counter() - t0)
+        drop_caches()
+        t0 = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            mv = memoryview(dst.numpy())
+            while mv:
+                mv = mv[f.readinto(mv):]
+        reads.append(time.perf_counter() - t0)
+        os.remove(path)
+    med = statistics.median
+    return {"bytes": nbytes, "copy_s": med(copies), "write_s": med(writes), "read_s": med(reads)}
+
+
+# -- driver ---------------------------------------------------------------------------------------------
+
+def chunk_spec(text: str) -> tuple[str, int]:
+    if text in ("tensor", "0"):
+        return "tensor", 1 << 62
+    mb = float(text)
+    return f"{text}MiB", int(mb * (1 << 20))
+
+
+def child(args, kind: str, extra: list[str]) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--_child", kind, "--size-gb", str(args.size_gb),
+           "--repeats", str(args.repeats), "--seed", str(args.seed), "--dir", args.dir, *extra]
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    if out.returncode:
+        raise SystemExit(f"child {kind} {' '.join(extra)} failed with exit code {out.returncode}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fmt_gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def report(floors: dict | None, rows: list[dict], args) -> str:
+    med = statistics.median
+    lines = []
+    nbytes = rows[0]["bytes"] if rows else floors["bytes"]
+    lines.append(f"state: {nbytes / GIB:.2f} GiB in {rows[0]['tensors'] if rows else '?'} tensors, "
+                 f"medians of {args.repeats} run(s)")
+    if floors:
+        gb = floors["bytes"] / 1e9
+        lines.append(f"floor  copy into warm buffers : {gb / floors['copy_s']:6.2f} GB/s -> {floors['copy_s']:.3f} s")
+        lines.append(f"floor  fsync'd write        : {gb / floors['write_s']:6.2f} GB/s -> {floors['write_s']:.3f} s")
+        lines.append(f"(ref)  cold sequential read : {gb / floors['read_s']:6.2f} GB/s -> {floors['read_s']:.3f} s")
+    ref = next((r for r in rows if r["method"] == "ckpt"), None)
+    head = (f"{'method':<22}{'stall s':>9}{'durable s':>11}{'restore s':>11}{'save RSS+':>11}{'rest RSS+':>11}"
+            f"{'stall/ck':>10}{'dur/ck':>8}{'rest/ck':>9}{'load':>6}")
+    lines += ["", head, "-" * len(head)]
+    for r in rows:
+        s, d, rs = med(r["stall"]), med(r["durable"]), med(r["restore"])
+        ratio = ""
+        if ref:
+            ratio = (f"{s / med(ref['stall']):>10.2f}{d / med(ref['durable']):>8.2f}"
+                     f"{rs / med(ref['restore']):>9.2f}")
+        lines.append(f"{r['label']:<22}{s:>9.3f}{d:>11.3f}{rs:>11.3f}{fmt_gib(r['save_peak_extra']):>11}"
+                     f"{fmt_gib(r['restore_peak_extra']):>11}{ratio}{max(r['load']):>6.1f}"
+                     + ("" if r["cold"] else "  (warm cache!)"))
+    lines.append("RSS+ in GiB; x/ck = the method's figure divided by ckpt's (first ckpt row); "
+                 "load = 1-min load average (max of start/end) on this machine while the method ran")
+    lines.append("first save in a fresh process (not in the medians; ckpt allocates its staging arena there):")
+    for r in rows:
+        lines.append(f"  {r['label']:<20} stall {r['first_stall']:7.3f} s  durable {r['first_durable']:7.3f} s   "
+                     f"runs: stall {' '.join(f'{x:.2f}' for x in r['stall'])} | durable "
+                     f"{' '.join(f'{x:.2f}' for x in r['durable'])} | restore {' '.join(f'{x:.2f}' for x in r['restore'])}")
+    peers = [r for r in rows if r["method"] != "ckpt"]
+    if ref and floors and len(peers) == 3:
+        s, d, rs = med(ref["stall"]), med(ref["durable"]), med(ref["restore"])
+        dcp_async = med(next(r for r in peers if r["method"] == "dcp_async")["stall"])
+        best_d = min(med(r["durable"]) for r in peers)
+        best_r = min(med(r["restore"]) for r in peers)
+        checks = [
+            (f"stall {s:.3f} s <= 1.3 x copy floor {floors['copy_s']:.3f} s = {1.3 * floors['copy_s']:.3f} s",
+             s <= 1.3 * floors["copy_s"]),
+            (f"stall {s:.3f} s <= 0.3 x dcp.async_save stall {dcp_async:.3f} s = {0.3 * dcp_async:.3f} s",
+             s <= 0.3 * dcp_async),
+            (f"durable {d:.3f} s <= 1.2 x best peer {best_d:.3f} s = {1.2 * best_d:.3f} s", d <= 1.2 * best_d),
+            (f"restore {rs:.3f} s <= best peer {best_r:.3f} s", rs <= best_r),
+        ]
+        lines.append("")
+        lines.append("acceptance (ckpt = first ckpt row):")
+        lines += [f"  [{'PASS' if ok else 'FAIL'}] {text}" for text, ok in checks]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-gb", type=float, default=2.0, help="state size in GiB (params + Adam moments)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per figure (the median is reported)")
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp, deleted after)")
+    ap.add_argument("--only", default=None, help=f"comma list from {','.join(METHODS)},floors")
+    ap.add_argument("--chunk-mb", default="64", help="ckpt chunk size(s), comma list of MiB or 'tensor' "
+                                                     "(one chunk per tensor); one ckpt row per value")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 0.25 GiB, 1 repeat")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="also write the raw results to this file")
+    ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args._child:
+        if args._child == "floors":
+            print(json.dumps(run_floors(args)))
+        else:
+            args.method = args._child
+            args.chunk_label, args.chunk_bytes = chunk_spec(args.chunk_mb)
+            print(json.dumps(run_method(args)))
+        return
+    if args.quick:
+        args.size_gb, args.repeats = min(args.size_gb, 0.25), 1
+    only = set(args.only.split(",")) if args.only else set(METHODS) | {"floors"}
+    bad = only - set(METHODS) - {"floors"}
+    if bad:
+        ap.error(f"unknown --only entries {sorted(bad)}")
+    made = args.dir is None
+    args.dir = tempfile.mkdtemp(prefix="ckpt-bench-", dir="/tmp") if made else os.path.abspath(args.dir)
+    os.makedirs(args.dir, exist_ok=True)
+    try:
+        floors = child(args, "floors", []) if "floors" in only else None
+        rows = []
+        for method in METHODS:
+            if method not in only:
+                continue
+            for chunk in (args.chunk_mb.split(",") if method == "ckpt" else ["64"]):
+                print(f"... {method} {chunk if method == 'ckpt' else ''}", file=sys.stderr, flush=True)
+                r = child(args, method, ["--chunk-mb", chunk])
+                label, _ = chunk_spec(chunk)
+                r["label"] = LABELS[method] + (f" ({label})" if method == "ckpt" else "")
+                rows.append(r)
+        # ckpt rows last in the table, the default chunk first among them
+        rows.sort(key=lambda r: r["method"] == "ckpt")
+        print(report(floors, rows, args))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"floors": floors, "rows": rows, "args": vars(args)}, f, indent=1)
+    finally:
+        if made:
+            shutil.rmtree(args.dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
