@@ -96,7 +96,7 @@ class SaveJob:
         self.storage, self.plan, self.arena, self.context, self.ranks = storage, plan, arena, context, ranks
         self.leader = ranks is None or ranks.rank == 0
         self.dir = step_dir(plan.step)
-        self._arrays: dict[str, ts.TensorStore] | None = None
+        self._arrays: dict[str, ts.Future] | None = None
         self._prepared = False
         waves = arena.plan(plan.tensors)
         for wave in waves[:-1]:  # beyond the staging cap: write earlier waves before returning
@@ -117,13 +117,16 @@ class SaveJob:
         if self.ranks is not None:
             self.ranks.barrier()
 
-    def _open_arrays(self) -> dict[str, ts.TensorStore]:
+    def _open_arrays(self) -> dict[str, ts.Future]:
+        """Start creating the arrays this rank writes (once); writes chain on each array as it opens."""
         if self._arrays is None:
             self._prepare()
-            futures = {name: store.create(self.storage.kvstore_spec(f"{self.dir}/{ARRAYS}/{name}"), info, self.context)
-                       for name, info in self.plan.arrays.items() if name in self.plan.boxes}
-            self._arrays = {name: f.result() for name, f in futures.items()}
+            self._arrays = {name: store.create(self.storage.kvstore_spec(self._array_path(name)), info, self.context)
+                            for name, info in self.plan.arrays.items() if name in self.plan.boxes}
         return self._arrays
+
+    def _array_path(self, name: str) -> str:
+        return f"{self.dir}/{ARRAYS}/{name}"
 
     def _write_staged(self, staged: Sequence[Staged]) -> None:
         arrays = self._open_arrays()
@@ -134,9 +137,9 @@ class SaveJob:
                 box = ((box[0][0] + s.rows[0], box[0][0] + s.rows[1]),) + box[1:]
             if any(b == a for a, b in box):
                 continue
-            futures.append(store.write(arrays[s.name], box, store.typed(s.host, info.dtype, tuple(b - a for a, b in box))))
+            futures.append(store.write(arrays[s.name].result(), box, store.typed(s.host, info.dtype, tuple(b - a for a, b in box))))
         for f in futures:
-            f.result()  # resolves once the chunk is written (and fsync'd by the file kvstore)
+            f.result()  # resolves once the chunk is written and fsync'd (file kvstore's file_io_sync)
 
     def run(self) -> None:
         """Background part: write the last wave, wait until durable, then commit — once, for all ranks.

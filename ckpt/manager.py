@@ -123,11 +123,13 @@ class CheckpointManager:
             job = SaveJob(self.storage, plan(step, state, metadata, self.chunk_bytes, self.ranks), self._arena,
                           context(), self.ranks)
             stall = time.perf_counter() - t0
-        future = self._writer.submit(self._background, job, stall)
-        self._inflight = SaveHandle(step, future, self)
+        committed: Future = Future()
+        self._writer.submit(self._background, job, stall, committed)
+        self._inflight = SaveHandle(step, committed, self)
         return self._inflight
 
-    def _background(self, job: SaveJob, stall: float) -> None:
+    def _background(self, job: SaveJob, stall: float, committed: Future) -> None:
+        """Write and commit (resolving `committed`), then apply retention before the next save may start."""
         step, t0 = job.plan.step, time.perf_counter()
         try:
             job.run()
@@ -139,14 +141,19 @@ class CheckpointManager:
             with contextlib.suppress(Exception):
                 job.abandon()
             self.tracker.checkpoint_failed(step, err)
-            raise err from e
+            committed.set_exception(err)
+            return
         seconds = time.perf_counter() - t0
         nbytes = sum(info.nbytes for info in job.plan.arrays.values())
         self._metadata[step] = job.plan.metadata
         log.info("committed step %d: %.1f MB, stall %.3fs, background %.3fs (%.2f GB/s)", step, nbytes / 1e6,
                  stall, seconds, nbytes / max(seconds, 1e-9) / 1e9)
         self.tracker.checkpoint_committed(step, seconds)
-        self._apply_retention()
+        committed.set_result(step)
+        try:
+            self._apply_retention()
+        except Exception as e:  # a checkpoint left behind is no data loss: report, go on
+            log.warning("retention after step %d failed: %s", step, e)
 
     def _apply_retention(self) -> None:
         if not self.retention.active or (self.ranks is not None and self.ranks.rank != 0):
@@ -169,6 +176,7 @@ class CheckpointManager:
         handle, self._inflight = self._inflight, None
         if handle is not None:
             futures_wait([handle._future])
+            self._writer.submit(lambda: None).result()  # retention of that step is done too
         self._raise_error()
 
     def _consume(self, err: CheckpointWriteError) -> None:
