@@ -213,11 +213,11 @@ class _Read:
 
 def restore_into(storage: Storage, manifest: Manifest, target: dict[str, Any], keys: Sequence[str] | None,
                  context: ts.Context, pool: ThreadPoolExecutor, *, rank: int = 0, world_size: int = 1,
-                 rank_map: str = "modulo") -> list[str]:
+                 rank_map: str = "modulo") -> list[int]:
     """Load the selected keys of a manifest into `target` in place; nothing is applied unless every read verified.
 
     DTensor targets read only their own shard's region of each global array (any world size); other
-    tensors read whole arrays. Per-rank entries follow `select_rank`. Returns the keys restored.
+    tensors read whole arrays. Per-rank entries follow `select_rank`. Returns the byte sizes of the tensors read.
     """
     tree = manifest.tree
     if not isinstance(tree, dict):
@@ -277,7 +277,7 @@ def restore_into(storage: Storage, manifest: Manifest, target: dict[str, Any], k
         dst.copy_(src)
     for k in values:
         state_mod.apply(target, k, values[k])
-    return list(values)
+    return [r.dest.numel() * r.dest.element_size() for r in reads.values()]
 
 
 def _check_match(info: ArrayInfo, tmpl: torch.Tensor, step: int) -> None:

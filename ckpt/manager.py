@@ -223,8 +223,8 @@ class CheckpointManager:
             for s in candidates:
                 error: CorruptCheckpointError | None = None
                 try:
-                    restore_into(self.storage, read_manifest(self.storage, s), state, keys, context(), self._readers,
-                                 rank=rank, world_size=world, rank_map=rank_map)
+                    sizes = restore_into(self.storage, read_manifest(self.storage, s), state, keys, context(),
+                                          self._readers, rank=rank, world_size=world, rank_map=rank_map)
                 except CorruptCheckpointError as e:
                     error = e
                 if self.ranks is not None:  # every rank takes the same step
@@ -239,6 +239,8 @@ class CheckpointManager:
                                   RuntimeWarning, stacklevel=2)
                     continue
                 restored = s
+                if keys is None:  # warm the snapshot buffer now, so the first save copies into touched memory
+                    self._writer.submit(self._arena.reserve, sizes)
                 break
             if restored is None and failures:
                 raise CorruptCheckpointError(f"no intact checkpoint in {self.storage.url}: {len(failures)} damaged "
