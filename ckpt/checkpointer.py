@@ -64,8 +64,8 @@ def plan(step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None
         arrays, boxes = {}, {}
         for name, t in flat.tensors.items():
             shape = tuple(t.shape)
-            chunk = chunk_shape(shape, t.element_size(), [(0,) * len(shape)], chunk_bytes)
-            arrays[name] = ArrayInfo(name, dtype_name(t.dtype, key=name), shape, tuple(chunk), (tuple((0, n) for n in shape),))
+            chunk = chunk_shape(shape, t.element_size(), ((0,) * len(shape),), chunk_bytes)
+            arrays[name] = ArrayInfo(name, dtype_name(t.dtype, key=name), shape, chunk, (tuple((0, n) for n in shape),))
             boxes[name] = arrays[name].boxes[0]
         return WritePlan(step, flat.tree, arrays, flat.tensors, boxes, meta)
     arrays, writes, boxes = plan_arrays(ranks, flat.tensors, chunk_bytes)

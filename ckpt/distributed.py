@@ -84,8 +84,8 @@ def plan_arrays(ranks: Ranks, tensors: Mapping[str, torch.Tensor], chunk_bytes: 
             raise ValueError(f"the ranks' pieces of tensor {name!r} do not tile its global shape {list(shape)} "
                              f"(boxes {ordered}); is it a plain tensor that differs across ranks?")
         itemsize = torch.empty(0, dtype=torch_dtype(dt)).element_size()
-        chunk = chunk_shape(shape, itemsize, [tuple(a for a, _ in b) for b in ordered], chunk_bytes)
-        arrays[name] = ArrayInfo(name, dt, shape, tuple(chunk), tuple(ordered))
+        chunk = chunk_shape(shape, itemsize, tuple(tuple(a for a, _ in b) for b in ordered), chunk_bytes)
+        arrays[name] = ArrayInfo(name, dt, shape, chunk, tuple(ordered))
         for box, rks in by_box.items():
             writer = rks[zlib.crc32(name.encode()) % len(rks)]
             if writer == ranks.rank:

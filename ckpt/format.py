@@ -9,12 +9,13 @@ Layout of a root::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import tensorstore as ts
@@ -78,6 +79,7 @@ def parse_step_dir(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the same keys come back every save; this is on the stall path
 def escape_segment(key: str | int) -> str:
     """A dict key as one path segment: percent-escapes anything unsafe, never '.', '..' or empty."""
     s = str(key)
@@ -97,16 +99,16 @@ def validate_array_name(name: str) -> str:
     return name
 
 
-def chunk_shape(shape: Sequence[int], itemsize: int, starts: Iterable[Sequence[int]], target_bytes: int) -> list[int]:
+@functools.lru_cache(maxsize=1 << 16)
+def chunk_shape(shape: tuple[int, ...], itemsize: int, starts: tuple[tuple[int, ...], ...], target_bytes: int) -> tuple[int, ...]:
     """A regular chunk grid for a global array written as boxes starting at `starts`.
 
     Each box start must fall on a chunk boundary so that no two writers share a chunk; within that
     constraint the first splittable dimension is cut so that a chunk holds at most about `target_bytes`.
     A single writer gets an even split (little padding); otherwise the chunk divides every box start.
     """
-    shape = list(shape)
     if not shape:
-        return []
+        return ()
     align = [0] * len(shape)
     for start in starts:
         for d, s in enumerate(start):
@@ -123,7 +125,7 @@ def chunk_shape(shape: Sequence[int], itemsize: int, starts: Iterable[Sequence[i
             pieces = math.ceil(chunk[d] / max_rows)
             chunk[d] = math.ceil(chunk[d] / pieces)
         break
-    return chunk
+    return tuple(chunk)
 
 
 def _divisors(n: int) -> list[int]:
