@@ -12,6 +12,14 @@ bandwidth of the same bytes into one file (plus, for reference, the cold sequent
     .venv/bin/python bench/save_restore.py                       # 2 GiB, 3 repeats, everything
     .venv/bin/python bench/save_restore.py --quick               # smoke run (small state, 1 repeat)
     .venv/bin/python bench/save_restore.py --only ckpt --chunk-mb 16,64,256,tensor
+    .venv/bin/python bench/save_restore.py --ranks 2             # distributed: 1 GiB, FSDP2, 2 gloo ranks
+
+Distributed mode (`--ranks N`): every method runs as N processes (gloo on 127.0.0.1), the same state
+sharded with FSDP2 (`fully_shard` on each block and the root, CPU mesh); dcp.save / dcp.async_save go
+through get_state_dict / set_state_dict, ckpt through `CheckpointManager.save/restore` on every rank. A
+restore goes into a freshly built sharded model and a stateless Adam. Each figure is the slowest rank's
+(per run, then the median); rank 0 drops the page cache between restores; every restored tensor's
+full_tensor() checksum is compared with the saved one.
 
 Restores need root (`echo 3 > /proc/sys/vm/drop_caches`); without it they are marked "warm cache".
 
@@ -25,7 +33,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import shutil
 import statistics
@@ -43,8 +50,8 @@ LABELS = {"torch_save": "torch.save+fsync", "dcp_save": "dcp.save", "dcp_async":
 
 # -- state ----------------------------------------------------------------------------------------------
 
-def build_state(size_gb: float, seed: int):
-    """A transformer-like model (embedding, N blocks, untied head) + Adam after one step: ~size_gb in all."""
+def build_model(size_gb: float, seed: int):
+    """A transformer-like model (embedding, N blocks, untied head) sized so that it plus Adam is ~size_gb."""
     import torch
     from torch import nn
 
@@ -70,13 +77,35 @@ def build_state(size_gb: float, seed: int):
             self.head = nn.Linear(d, vocab, bias=False)
 
     with torch.no_grad():
-        model = Model()
+        return Model()
+
+
+def build_state(size_gb: float, seed: int, shard=None):
+    """build_model + Adam after one step: ~size_gb in all.
+
+    `shard(model)` (FSDP2 in the distributed mode) runs before the optimizer is made. Gradients are drawn
+    whole and then sliced, so a sharded state holds exactly the values of the single-process one.
+    """
+    import torch
+
+    model = build_model(size_gb, seed)
+    if shard is not None:
+        shard(model)
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)
     for p in model.parameters():
-        p.grad = torch.randn_like(p)
+        g = torch.randn(p.shape, dtype=p.dtype)
+        if is_dtensor(p):
+            from torch.distributed.tensor import distribute_tensor
+
+            g = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)  # local slice, no comms
+        p.grad = g
     optim.step()
     optim.zero_grad(set_to_none=True)
     return model, optim
+
+
+def is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor"
 
 
 def state_tensors(model, optim):
@@ -90,9 +119,16 @@ def state_tensors(model, optim):
 
 
 def fingerprint(model, optim) -> list[float]:
+    """A float64 sum of every tensor of the state; of the whole tensor for a DTensor (collective: all ranks call it)."""
     import torch
 
-    return [float(torch.sum(t, dtype=torch.float64)) for t in state_tensors(model, optim)]
+    return [float(torch.sum(t.full_tensor() if is_dtensor(t) else t, dtype=torch.float64))
+            for t in state_tensors(model, optim)]
+
+
+def state_bytes(model, optim) -> int:
+    """Bytes of the (global) state."""
+    return sum(t.numel() * t.dtype.itemsize for t in state_tensors(model, optim))
 
 
 def scramble(model, optim) -> None:
@@ -190,6 +226,7 @@ class TorchSave:
 
 class DcpSave:
     asynchronous = False
+    group = None  # process group of the saves (None: the default one, or none at all in a single process)
 
     def __init__(self, workdir, model, optim, args):
         self.dir, self.model, self.optim = workdir, model, optim
@@ -206,11 +243,11 @@ class DcpSave:
         # FileSystemWriter defaults: sync_files=True (every file and .metadata fsync'd), thread_count=1.
         t0 = time.perf_counter()
         if self.asynchronous:
-            fut = dcp.async_save(self.sd(), checkpoint_id=self.path(step))
+            fut = dcp.async_save(self.sd(), checkpoint_id=self.path(step), process_group=self.group)
             stall = time.perf_counter() - t0
             fut.result()
         else:
-            dcp.save(self.sd(), checkpoint_id=self.path(step))
+            dcp.save(self.sd(), checkpoint_id=self.path(step), process_group=self.group)
             stall = None
         fsync_path(self.dir)
         durable = time.perf_counter() - t0
@@ -229,6 +266,36 @@ class DcpSave:
 
 class DcpAsync(DcpSave):
     asynchronous = True
+
+
+class DcpSaveFsdp(DcpSave):
+    """DCP on an FSDP2 state, the standard way: get_state_dict -> dcp.save; dcp.load -> set_state_dict."""
+
+    def sd(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optim)  # fresh optimizer: state initialised here
+        return {"model": model_sd, "optim": optim_sd}
+
+    def restore(self, step):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        sd = self.sd()
+        dcp.load(sd, checkpoint_id=self.path(step))
+        set_state_dict(self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+class DcpAsyncFsdp(DcpSaveFsdp):
+    """async_save on a gloo group of its own (as recommended: its collectives run in a background thread)."""
+
+    asynchronous = True
+
+    def __init__(self, workdir, model, optim, args):
+        import torch.distributed as dist
+
+        super().__init__(workdir, model, optim, args)
+        self.group = dist.new_group(backend="gloo")
 
 
 class Ckpt:
@@ -260,30 +327,129 @@ class Ckpt:
         gc.collect()
 
     def restore(self, step):
-        m = self.ckpt.CheckpointManager(self.dir, chunk_bytes=self.chunk_bytes)
-        try:
-            got = m.restore(self.state())
-        finally:
-            m.close()
+        self.m = self.ckpt.CheckpointManager(self.dir, chunk_bytes=self.chunk_bytes)
+        got = self.m.restore(self.state())
         assert got == step, (got, step)
+
+    def end_restore(self):
+        """Untimed: close the restore's manager. After a restore it reserves (pre-faults) its staging arena in
+        the background, off the training path; closing waits for that, which is no part of the restore."""
+        self.end_saves()
 
 
 CLASSES = {"torch_save": TorchSave, "dcp_save": DcpSave, "dcp_async": DcpAsync, "ckpt": Ckpt}
+# distributed mode: the same ckpt calls on every rank (each writes its shards); DCP through get/set_state_dict
+DIST_CLASSES = {"dcp_save": DcpSaveFsdp, "dcp_async": DcpAsyncFsdp, "ckpt": Ckpt}
+DIST_METHODS = tuple(DIST_CLASSES)
 
 
-def run_method(args) -> dict:
+class Solo:
+    """The single-process setting: one rank, the state is scrambled in place before each restore."""
+
+    rank, world = 0, 1
+    shard = None
+    classes = CLASSES
+
+    def barrier(self) -> None:
+        pass
+
+    def drop_caches(self) -> bool:
+        return drop_caches()
+
+    def fresh(self, impl, args) -> None:
+        scramble(impl.model, impl.optim)
+
+    def combine(self, res: dict) -> dict | None:
+        return res
+
+    def close(self) -> None:
+        pass
+
+
+class Group(Solo):
+    """One rank of the distributed mode: gloo on 127.0.0.1 (RANK/WORLD_SIZE/MASTER_* set by the driver),
+    FSDP2 on a CPU mesh; a restore goes into a freshly built sharded model and a stateless optimizer."""
+
+    classes = DIST_CLASSES
+
+    def __init__(self):
+        from datetime import timedelta
+
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+        self.dist = dist
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.mesh = init_device_mesh("cpu", (self.world,))
+
+    def shard(self, model) -> None:
+        """fully_shard every block, then the root (embedding, final norm and head)."""
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block, mesh=self.mesh)
+        fully_shard(model, mesh=self.mesh)
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def drop_caches(self) -> bool:
+        """Rank 0 drops the page cache (every rank has synced and arrived); all ranks learn whether it could."""
+        os.sync()
+        self.barrier()
+        ok = [drop_caches() if self.rank == 0 else None]
+        self.dist.broadcast_object_list(ok, src=0)
+        return bool(ok[0])
+
+    def fresh(self, impl, args) -> None:
+        """Replace the benchmark's state by a newly built sharded model (zeroed) and an Adam without state."""
+        import torch
+
+        impl.model = impl.optim = None
+        gc.collect()
+        model = build_model(args.size_gb, args.seed + 1)
+        self.shard(model)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        impl.model, impl.optim = model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def combine(self, res: dict) -> dict | None:
+        """Rank 0 gets one row: per run the slowest rank's figure (and the largest RSS); the others get None."""
+        rows = [None] * self.world
+        self.dist.all_gather_object(rows, res)
+        if self.rank:
+            return None
+        out = dict(rows[0], ranks=self.world, per_rank={k: [r[k] for r in rows] for k in ("stall", "durable", "restore")})
+        for k in ("stall", "durable", "restore", "load"):
+            out[k] = [max(vals) for vals in zip(*(r[k] for r in rows))]
+        for k in ("first_stall", "first_durable", "save_peak_extra", "restore_peak_extra"):
+            out[k] = max(r[k] for r in rows)
+        out["cold"] = all(r["cold"] for r in rows)
+        return out
+
+    def close(self) -> None:
+        """Leave together: a rank exiting while a peer is still in a gloo call makes the peer abort."""
+        self.barrier()
+        self.dist.destroy_process_group()
+
+
+def run_method(args) -> dict | None:
+    """One method in this process (one rank of it in the distributed mode); rank 0 returns the row."""
     import torch
 
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(os.cpu_count() or 1)
-    model, optim = build_state(args.size_gb, args.seed)
-    nbytes = sum(t.numel() * t.element_size() for t in state_tensors(model, optim))
-    ntensors = len(state_tensors(model, optim))
+    env = Group() if args.ranks > 1 else Solo()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world))
+    model, optim = build_state(args.size_gb, args.seed, env.shard)
+    nbytes, ntensors = state_bytes(model, optim), len(state_tensors(model, optim))
     expect = fingerprint(model, optim)
     gc.collect()
     workdir = os.path.join(args.dir, args.method + (f"-{args.chunk_label}" if args.method == "ckpt" else ""))
     os.makedirs(workdir, exist_ok=True)
-    impl = CLASSES[args.method](workdir, model, optim, args)
+    impl = env.classes[args.method](workdir, model, optim, args)
+    del model, optim  # from here on the state is impl.model / impl.optim (a restore may replace them)
     base = _status("VmRSS")
     res = {"method": args.method, "bytes": nbytes, "tensors": ntensors, "stall": [], "durable": [], "restore": [],
            "load": [os.getloadavg()[0]]}
@@ -292,13 +458,17 @@ def run_method(args) -> dict:
     # reuse it), and on this VM every method's first save in a fresh process is 2-3x slower (fresh page
     # cache / guest memory), so the steady figures of all methods are taken from the saves after it.
     step = 0
+    env.barrier()
     with PeakRSS() as pk:
         res["first_stall"], res["first_durable"] = impl.save(step)
     save_peak = pk.peak
     for _ in range(args.repeats):
-        impl.delete(step)  # keep one checkpoint on disk; deleting is not timed
+        env.barrier()  # every rank's save is durable before rank 0 deletes it
+        if env.rank == 0:
+            impl.delete(step)  # keep one checkpoint on disk; deleting is not timed
         step += 1
         os.sync()
+        env.barrier()  # the ranks start each timed save together
         with PeakRSS() as pk:
             stall, durable = impl.save(step)
         save_peak = max(save_peak, pk.peak)
@@ -308,20 +478,25 @@ def run_method(args) -> dict:
         impl.end_saves()
     cold = True
     for _ in range(args.repeats):
-        scramble(model, optim)
+        env.fresh(impl, args)
         gc.collect()
-        cold = drop_caches() and cold
+        cold = env.drop_caches() and cold
+        env.barrier()
         with PeakRSS() as pk:
             t0 = time.perf_counter()
             impl.restore(step)
             res["restore"].append(time.perf_counter() - t0)
         restore_peak = max(restore_peak, pk.peak)
-        got = fingerprint(model, optim)
+        if hasattr(impl, "end_restore"):
+            impl.end_restore()
+        got = fingerprint(impl.model, impl.optim)
         if got != expect:
             raise SystemExit(f"{args.method}: restored state differs from the saved state")
     res["load"].append(os.getloadavg()[0])
     res.update(save_peak_extra=save_peak - base, restore_peak_extra=restore_peak - base, cold=cold)
-    return res
+    row = env.combine(res)
+    env.close()
+    return row
 
 
 def run_floors(args) -> dict:
@@ -386,13 +561,35 @@ def chunk_spec(text: str) -> tuple[str, int]:
 
 
 def child(args, kind: str, extra: list[str]) -> dict:
+    """Run `kind` (a method or "floors") in fresh process(es): one, or one per rank; the JSON row of rank 0."""
     cmd = [sys.executable, os.path.abspath(__file__), "--_child", kind, "--size-gb", str(args.size_gb),
            "--repeats", str(args.repeats), "--seed", str(args.seed), "--dir", args.dir, *extra]
-    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
-    if out.returncode:
-        raise SystemExit(f"child {kind} {' '.join(extra)} failed with exit code {out.returncode}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    ranks = 1 if kind == "floors" else args.ranks
+    if ranks > 1:
+        cmd += ["--ranks", str(ranks)]
+        env.update(WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, text=True, cwd=ROOT,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(ranks)]
+    while None in (codes := [p.poll() for p in procs]) and not any(codes):
+        time.sleep(0.2)
+    for p in procs:  # a failed rank leaves its peers waiting in a collective: end them
+        if p.poll() is None:
+            p.kill()
+    codes = [p.wait() for p in procs]
+    out = procs[0].stdout.read()  # one short JSON line: it fits the pipe's buffer
+    if any(codes):
+        raise SystemExit(f"child {kind} {' '.join(extra)} failed with exit codes {codes}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (for the ranks' rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -407,7 +604,9 @@ def report(floors: dict | None, rows: list[dict], args) -> str:
     lines = []
     nbytes = rows[0]["bytes"] if rows else floors["bytes"]
     lines.append(f"state: {nbytes / GIB:.2f} GiB in {rows[0]['tensors'] if rows else '?'} tensors, "
-                 f"medians of {args.repeats} run(s)")
+                 f"medians of {args.repeats} run(s)"
+                 + (f"; {args.ranks} ranks (gloo, FSDP2 on a CPU mesh), every figure the slowest rank's, "
+                    f"RSS+ the largest rank's" if args.ranks > 1 else ""))
     if floors:
         gb = floors["bytes"] / 1e9
         lines.append(f"floor  copy into warm buffers : {gb / floors['copy_s']:6.2f} GB/s -> {floors['copy_s']:.3f} s")
@@ -455,10 +654,15 @@ def report(floors: dict | None, rows: list[dict], args) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size-gb", type=float, default=2.0, help="state size in GiB (params + Adam moments)")
+    ap.add_argument("--size-gb", type=float, default=None,
+                    help="state size in GiB (params + Adam moments); default 2, or 1 with --ranks > 1")
+    ap.add_argument("--ranks", type=int, default=1,
+                    help="distributed mode: this many ranks (gloo on 127.0.0.1, FSDP2), methods dcp_save, "
+                         "dcp_async, ckpt (floors: single process)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per figure (the median is reported)")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp, deleted after)")
-    ap.add_argument("--only", default=None, help=f"comma list from {','.join(METHODS)},floors")
+    ap.add_argument("--only", default=None, help=f"comma list from {','.join(METHODS)},floors "
+                                                 f"(--ranks > 1: {','.join(DIST_METHODS)},floors)")
     ap.add_argument("--chunk-mb", default="64", help="ckpt chunk size(s), comma list of MiB or 'tensor' "
                                                      "(one chunk per tensor); one ckpt row per value")
     ap.add_argument("--quick", action="store_true", help="smoke run: 0.25 GiB, 1 repeat")
@@ -466,18 +670,23 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default=None, help="also write the raw results to this file")
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.size_gb is None:
+        args.size_gb = 2.0 if args.ranks == 1 else 1.0
     if args._child:
         if args._child == "floors":
             print(json.dumps(run_floors(args)))
         else:
             args.method = args._child
             args.chunk_label, args.chunk_bytes = chunk_spec(args.chunk_mb)
-            print(json.dumps(run_method(args)))
+            row = run_method(args)
+            if row is not None:  # rank 0
+                print(json.dumps(row))
         return
     if args.quick:
         args.size_gb, args.repeats = min(args.size_gb, 0.25), 1
-    only = set(args.only.split(",")) if args.only else set(METHODS) | {"floors"}
-    bad = only - set(METHODS) - {"floors"}
+    methods = METHODS if args.ranks == 1 else DIST_METHODS
+    only = set(args.only.split(",")) if args.only else set(methods) | {"floors"}
+    bad = only - set(methods) - {"floors"}
     if bad:
         ap.error(f"unknown --only entries {sorted(bad)}")
     made = args.dir is None
@@ -486,7 +695,7 @@ def main(argv=None) -> None:
     try:
         floors = child(args, "floors", []) if "floors" in only else None
         rows = []
-        for method in METHODS:
+        for method in methods:
             if method not in only:
                 continue
             for chunk in (args.chunk_mb.split(",") if method == "ckpt" else ["64"]):
