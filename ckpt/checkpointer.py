@@ -307,8 +307,9 @@ def _run_reads(storage: Storage, manifest: Manifest, reads: Mapping[str, _Read],
     for name, r in reads.items():
         path = f"{base}/{ARRAYS}/{name}"
         local = storage.local_path(path)
-        if local is not None and store.fast_path_ok(r.info, r.box):
-            direct.extend(store.read_direct(local, r.info, r.dest, pool, step=manifest.step))
+        rows = store.direct_rows(r.info, r.box) if local is not None else None
+        if rows is not None:
+            direct.extend(store.read_direct(local, r.info, r.dest, rows, pool, step=manifest.step))
         elif r.dest.numel():
             futures.append(pool.submit(store.read_into, storage.kvstore_spec(path), r.info, r.dest, r.box, context,
                                        step=manifest.step, file_hint=_where(storage, path)))

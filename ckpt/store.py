@@ -75,24 +75,39 @@ def _chunk_of(e: Exception, fallback: str) -> str:
     return fallback
 
 
-def fast_path_ok(info: ArrayInfo, box: tuple[tuple[int, int], ...]) -> bool:
-    """Row-chunked arrays read whole can be read directly from their chunk files."""
-    whole = all(a == 0 and b == n for (a, b), n in zip(box, info.shape))
-    return whole and info.chunk[1:] == info.shape[1:] and math.prod(info.shape) > 0
+def direct_rows(info: ArrayInfo, box: tuple[tuple[int, int], ...]) -> tuple[int, int] | None:
+    """The row range of `box` when it can be read straight from chunk files (whole rows, chunk-aligned).
+
+    True of whole arrays and of the row shards of FSDP2, whose boundaries the writer put on chunk
+    boundaries; other regions go through tensorstore.
+    """
+    if math.prod(info.shape) == 0 or info.chunk[1:] != info.shape[1:]:
+        return None
+    if not info.shape:
+        return (0, 1)
+    if any(a != 0 or b != n for (a, b), n in zip(box[1:], info.shape[1:])):
+        return None
+    a, b = box[0]
+    rows = info.chunk[0]
+    if a >= b or a % rows or (b % rows and b != info.shape[0]):
+        return None
+    return a, b
 
 
-def read_direct(array_dir: str, info: ArrayInfo, dest: torch.Tensor, pool: ThreadPoolExecutor,
+def read_direct(array_dir: str, info: ArrayInfo, dest: torch.Tensor, rows: tuple[int, int], pool: ThreadPoolExecutor,
                 *, step: int | None) -> list:
-    """Submit reads of every chunk file straight into `dest`; each checks size and crc32c. Returns futures."""
+    """Submit reads of the chunk files of rows [a, b) straight into `dest`; each checks size and crc32c."""
     raw = as_bytes(dest)
     itemsize = numpy_dtype(info.dtype).itemsize
     row = itemsize * math.prod(info.shape[1:])
-    rows = info.chunk[0] if info.shape else 1
+    per_chunk = info.chunk[0] if info.shape else 1
     n_rows = info.shape[0] if info.shape else 1
+    a, b = rows
     futures = []
-    for i in range(max(1, math.ceil(n_rows / rows))):
-        valid = memoryview(raw[i * rows * row: min((i + 1) * rows, n_rows) * row])
-        pad = rows * row - len(valid)
+    for i in range(a // per_chunk, math.ceil(b / per_chunk)):
+        first, last = i * per_chunk, min((i + 1) * per_chunk, n_rows)
+        valid = memoryview(raw[(first - a) * row:(last - a) * row])
+        pad = per_chunk * row - len(valid)
         key = "c" if not info.shape else "c/" + "/".join([str(i)] + ["0"] * (len(info.shape) - 1))
         futures.append(pool.submit(_read_chunk, os.path.join(array_dir, key), valid, pad, info.name, step))
     return futures
