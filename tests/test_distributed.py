@@ -78,4 +78,8 @@ def test_rank_killed_during_save_fails_the_others_and_keeps_previous_step(tmp_pa
     assert "error after" in results[0].stdout and "latest 1" in results[0].stdout, results[0].stdout
     from ckpt import CheckpointManager
 
-    assert CheckpointManager(root).steps() == [1]
+    with CheckpointManager(root) as m:  # the previous step is still the newest and restores (here at world size 1)
+        assert m.steps() == [1]
+        model, opt = dist_worker.build()
+        assert m.restore(dist_worker.state_of(model, opt)) == 1
+    assert opt.state and all(p.abs().sum() > 0 for p in model.parameters())
