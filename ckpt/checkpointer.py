@@ -89,7 +89,7 @@ def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 class SaveJob:
-    """One save in flight: the snapshot is taken in the constructor, `write()` runs in the background."""
+    """One save in flight: the snapshot is taken in the constructor, `run()` writes and commits in the background."""
 
     def __init__(self, storage: Storage, plan: WritePlan, arena: StagingArena, context: ts.Context,
                  ranks: Ranks | None = None):
