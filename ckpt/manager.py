@@ -201,21 +201,23 @@ class CheckpointManager:
     # -- restoring ----------------------------------------------------------------------------------
 
     def restore(self, state: dict[str, Any], *, step: int | None = None, keys: Sequence[str] | None = None,
-                rank_map: str = "modulo") -> int | None:
+                rank_map: str = "modulo", track: bool = True) -> int | None:
         """Load the newest intact committed step (or `step`) into `state` in place; returns the step or None.
 
         Without `step`, a damaged checkpoint is reported (warning) and the previous one is tried (all
         ranks agree on the step). `keys` restricts the restore to some top-level entries of the state
         (e.g. ``["model"]``). Per-rank entries (RNG) saved at another world size go to rank i from rank
         ``i % saved_world_size`` (``rank_map="modulo"``, the default) or are left as they are
-        (``"skip"``: the caller reseeds).
+        (``"skip"``: the caller reseeds). `track=False` keeps the restore from the tracker: a load for
+        evaluation (best model, weights only) is not where the job resumed.
         """
         if rank_map not in ("modulo", "skip"):
             raise ValueError(f"rank_map must be 'modulo' or 'skip', got {rank_map!r}")
         self._check_open()
         self.wait()
         restored: int | None = None
-        with self.tracker.span("checkpoint_restore"):
+        tracker = self.tracker if track else _NoTracker()
+        with tracker.span("checkpoint_restore"):
             candidates = [step] if step is not None else sorted(catalog.committed_steps(self.storage), reverse=True)
             failures: list[CorruptCheckpointError] = []
             prepare_optimizers(state, keys)
@@ -247,7 +249,7 @@ class CheckpointManager:
                                              f"(newest error: {failures[0]})")
         if failures and restored is not None:
             log.warning("restored step %d after skipping %d damaged step(s)", restored, len(failures))
-        self.tracker.checkpoint_restored(restored)
+        tracker.checkpoint_restored(restored)
         return restored
 
     # -- queries and lifetime -----------------------------------------------------------------------

@@ -1,0 +1,41 @@
+"""What the manager tells a goodput tracker lands in the ledger: saves, commits, restores, failures."""
+
+import pytest
+import torch
+
+import ckpt
+import ettr
+
+
+def _records(root):
+    return [r for ledger in ettr.read_ledgers(str(root)) for r in ledger.records]
+
+
+def test_manager_reports_saves_commits_and_restores(tmp_path):
+    tracker = ettr.GoodputTracker(str(tmp_path)).start()
+    state = {"w": torch.randn(100, 100)}
+    with ckpt.CheckpointManager(tmp_path, tracker=tracker) as m:
+        assert m.restore(state) is None
+        tracker.step_begin(1)
+        tracker.step_end(1)
+        m.save(1, state).wait()
+        m.restore(state, keys=["w"], track=False)  # an evaluation load is not a resume point
+    tracker.end()
+    recs = _records(tmp_path)
+    assert [r["s"] for r in recs if r.get("k") == "restore"] == [None]
+    commits = [r for r in recs if r.get("k") == "commit"]
+    assert [c["s"] for c in commits] == [1] and commits[0]["bg"] > 0
+    attribution = ettr.attribute_root(str(tmp_path))
+    assert attribution.micros["checkpoint_save"] > 0 and attribution.micros["checkpoint_restore"] > 0
+    assert attribution.committed_steps == (1,)
+
+
+def test_manager_reports_a_failed_background_write(tmp_path):
+    tracker = ettr.GoodputTracker(str(tmp_path)).start()
+    (tmp_path / "step_00000002").write_text("a file where the step directory should go")
+    with ckpt.CheckpointManager(tmp_path, tracker=tracker) as m:
+        with pytest.raises(ckpt.CheckpointWriteError):
+            m.save(2, {"w": torch.zeros(3)}).wait()
+    tracker.end()
+    failed = [r for r in _records(tmp_path) if r.get("k") == "ckpt_failed"]
+    assert [r["s"] for r in failed] == [2] and "step 2" in failed[0]["err"]
