@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 Generator = Union[random.Random, np.random.Generator, torch.Generator]
-SOURCES = ("python", "numpy", "torch", "cuda")
 
 
 def _topology() -> tuple[int, int]:

@@ -107,7 +107,6 @@ class KvStorage:
 
     def __init__(self, url: str, context: ts.Context):
         self.url = url.rstrip("/") + "/"
-        self._context = context
         self._kv = ts.KvStore.open(self.url, context=context).result()
         self._base = self._kv.spec().to_json()
 

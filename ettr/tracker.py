@@ -299,7 +299,7 @@ class GoodputTracker:
         self._history.append((t, own))
         while len(self._history) > 1 and self._history[1][0] <= begin:
             self._history.popleft()  # keep the newest snapshot at or before the window's start
-        since, own_before = self._history[0] if self._history[0][0] <= begin else (self._start, 0)
+        own_before = self._history[0][1] if self._history[0][0] <= begin else 0
         earlier = self._prior.productive_us_between(begin, self._start) if self._prior is not None else 0
         self.metrics.set_ettr(
             totals.get("productive", 0) / (t - job_start) if t > job_start else 0.0,
