@@ -221,6 +221,7 @@ class CheckpointManager:
             candidates = [step] if step is not None else sorted(catalog.committed_steps(self.storage), reverse=True)
             failures: list[CorruptCheckpointError] = []
             prepare_optimizers(state, keys)
+            t0 = time.perf_counter()
             rank, world = (self.ranks.rank, self.ranks.world_size) if self.ranks else (0, 1)
             for s in candidates:
                 error: CorruptCheckpointError | None = None
@@ -241,6 +242,8 @@ class CheckpointManager:
                                   RuntimeWarning, stacklevel=2)
                     continue
                 restored = s
+                log.info("restored step %d from %s: %.1f MB in %.2fs", s, self.storage.url, sum(sizes) / 1e6,
+                         time.perf_counter() - t0)
                 if keys is None:  # warm the snapshot buffer now, so the first save copies into touched memory
                     self._writer.submit(self._arena.reserve, sizes)
                 break
