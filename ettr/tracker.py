@@ -1,6 +1,7 @@
 """GoodputTracker: records steps and spans of one process attempt into its ledger, with live per-category totals."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -36,13 +37,24 @@ def _new_attempt_id(wall_us: int) -> str:
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime(wall_us / 1e6)) + f"{wall_us % 1_000_000:06d}-{uuid.uuid4().hex[:6]}"
 
 
+_STEP = '{"k":"step","s":%d,"b":%d,"e":%d,"o":%d}\n'
+
+
+@functools.lru_cache(maxsize=256)
+def _quoted(name: str) -> str:
+    """A span category as a JSON string (cached: the step path encodes the same few names over and over)."""
+    return json.dumps(name)
+
+
 def _encode(rec: tuple | dict[str, Any]) -> str:
     """One ledger line from a buffered record: (step, b, e, order), (category, b, e, order, attrs) or a dict."""
     if type(rec) is tuple and len(rec) == 4:
-        return '{"k":"step","s":%d,"b":%d,"e":%d,"o":%d}\n' % rec
+        return _STEP % rec
     if type(rec) is tuple:
         category, begin, end, order, attrs = rec
-        rec = {"k": "span", "c": category, "b": begin, "e": end, "o": order, **({"a": attrs} if attrs else {})}
+        if not attrs:
+            return '{"k":"span","c":%s,"b":%d,"e":%d,"o":%d}\n' % (_quoted(category), begin, end, order)
+        rec = {"k": "span", "c": category, "b": begin, "e": end, "o": order, "a": attrs}
     return json.dumps(rec, separators=(",", ":")) + "\n"
 
 
@@ -80,8 +92,9 @@ class _Step:
 class GoodputTracker:
     """Measures one process attempt of a training job and appends it to ROOT/ettr/ledger-<attempt>-rank<r>.jsonl.
 
-    The step path only reads the clock and appends to an in-memory buffer; the buffer is written (append + fsync)
-    every `flush_interval` seconds, at every checkpoint save/restore, and at end(). Also the duck-typed tracker
+    The step path reads the clock and hands the step's ledger line to the OS with one write(2), so the steps before
+    a SIGKILL count as lost work, not downtime; every `flush_interval` seconds, at every checkpoint save/restore
+    and at end() a heartbeat is added and the ledger fsynced (object stores: one segment). Also the duck-typed tracker
     that ckpt.CheckpointManager reports to (span, checkpoint_committed/restored/failed); every method is
     thread-safe, since those may come from the manager's writer thread.
     """
@@ -175,15 +188,22 @@ class GoodputTracker:
             self._stack.append([self._order, "productive", step, t, None])
 
     def step_end(self, step: int) -> None:
-        """A training step ends; flushes if the last flush is older than flush_interval."""
+        """A training step ends: its record goes to the OS now; flushes if the last flush is older than flush_interval."""
         with self._lock:
             t = self._credit()
             stack = self._stack
             top = stack[-1] if stack else None
             entry = stack.pop() if top is not None and top[2] == step and top[1] == "productive" else self._pop(step)
-            self._buf.append((step, entry[3], t, entry[0]))
-            if t - self._last_flush >= self._flush_us:
+            record = (step, entry[3], t, entry[0])
+            due = t - self._last_flush >= self._flush_us
+            if not (due or self._buf):  # the common case: nothing buffered to go before it
+                self._writer.append(_STEP % record)
+                return
+            self._buf.append(record)
+            if due:
                 self.flush()
+            else:
+                self._hand_off()
 
     def step(self, step: int) -> _Step:
         """`with tracker.step(i):` around one training step."""
@@ -246,17 +266,19 @@ class GoodputTracker:
         self.flush()
 
     # -- flushing and live totals ---------------------------------------------------------------------------
+    def _hand_off(self, *extra: str) -> None:
+        """Hand the buffered records (and `extra` lines) to the ledger writer; call with the lock held."""
+        buf = self._buf
+        # popleft only what is there now: a record another thread appends meanwhile goes with the next hand-off
+        self._writer.append("".join([_encode(buf.popleft()) for _ in range(len(buf))] + list(extra)))
+
     def flush(self) -> None:
-        """Write buffered records plus a heartbeat listing open intervals; export live totals to OpenTelemetry."""
+        """Write buffered records plus a heartbeat listing open intervals, fsync; export live totals to OpenTelemetry."""
         with self._lock:
             t = self._now()
-            lines = []
-            buf = self._buf
-            while buf:  # popleft: records appended meanwhile by another thread stay for the next flush
-                lines.append(_encode(buf.popleft()))
             stack = [(("step", e[2]) if e[1] == "productive" else ("span", e[1])) + (e[3], e[0]) for e in list(self._stack)]
-            lines.append(_encode({"k": "alive", "t": t, "open": stack}))
-            self._writer.write("".join(lines))
+            self._hand_off(_encode({"k": "alive", "t": t, "open": stack}))
+            self._writer.sync()
             self._last_flush = t
             if self._prior_done or self._load_prior():
                 self._export(t)
