@@ -165,6 +165,14 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
     return 0
 
 
+def _training_step(text: str) -> int:
+    """A step number as training logs it and checkpoints name it: an integer from 1."""
+    step = int(text)
+    if step < 1:
+        raise argparse.ArgumentTypeError(f"steps count from 1 (step N trains on the N-th global batch), got {step}")
+    return step
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ckpt", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -184,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--dry-run", action="store_true")
     s = sub.add_parser("explain", help="the samples that formed a step's global batch, from a saved sampler state")
     s.add_argument("root")
-    s.add_argument("--step", type=int, required=True, help="the training step to explain")
+    s.add_argument("--step", type=_training_step, required=True,
+                   help="the training step to explain, numbered from 1 as in training logs and checkpoint names "
+                        "(the checkpoint of step N holds the state after step N's batch)")
     s.add_argument("--checkpoint", type=int, help="checkpoint to read the sampler state from (default: newest)")
     s.add_argument("--key", help="key path of the sampler in the state, when there are several")
     args = p.parse_args(argv)

@@ -1,4 +1,8 @@
-"""Checkpointable data order: one global sample counter is the whole pipeline position, a batch a pure function of it."""
+"""Checkpointable data order: one global sample counter is the whole pipeline position, a batch a pure function of it.
+
+Steps count from 1, as in `TrainLoop`, Lightning's and HF's checkpoint names and the goodput ledger: step s trains
+on the s-th global batch, and a checkpoint of step s holds a sampler whose `step` is s (s batches consumed).
+"""
 
 from __future__ import annotations
 
@@ -52,7 +56,7 @@ def _default_topology(rank: int | None, world_size: int | None) -> tuple[int, in
 
 @dataclass(frozen=True)
 class Explanation:
-    """What one step's global batch was: sample counters, epochs, item indices, token offsets, batch hash."""
+    """What one step's global batch was (step s >= 1: the s-th batch): sample counters, epochs, items, offsets, hash."""
 
     step: int
     counters: list[int]
@@ -64,7 +68,7 @@ class Explanation:
 
 
 class _CounterSampler(Sampler[list[Any]]):
-    """Batch sampler over a keyed per-epoch permutation of `num_items`; position = (global counter t, step)."""
+    """Batch sampler over a keyed per-epoch permutation of `num_items`; position = (global counter t, steps done)."""
 
     kind: ClassVar[str]
 
@@ -101,19 +105,21 @@ class _CounterSampler(Sampler[list[Any]]):
     # ----- position -------------------------------------------------------------------------------
     @property
     def step(self) -> int:
-        """Number of global batches consumed (the step of the next batch, counting from 0)."""
+        """Global batches consumed: the last step trained (0 before the first); the next batch is step + 1."""
         return self._step
 
     def counter(self, step: int) -> int:
-        """Global sample counter of the first sample of `step`'s global batch."""
-        t = self._t + (step - self._step) * self.global_batch_size
+        """Global sample counter of the first sample of step `step`'s global batch (steps count from 1)."""
+        if step < 1:
+            raise ValueError(f"steps count from 1 (step s trains on the s-th global batch), got step {step}")
+        t = self._t + (step - 1 - self._step) * self.global_batch_size
         if t < 0:
-            raise ValueError(f"step {step} precedes the sampler's origin (t={self._t} at step {self._step})")
+            raise ValueError(f"step {step} precedes the sampler's origin (t={self._t} after step {self._step})")
         return t
 
     def advance(self, batches: int = 1) -> None:
         """Mark `batches` global batches as consumed by training (call after each step, or use `track`)."""
-        self._t = self.counter(self._step + batches)
+        self._t = self.counter(self._step + batches + 1)
         self._step += batches
 
     def track(self, batches: Iterable[T]) -> Iterator[T]:
@@ -167,8 +173,8 @@ class _CounterSampler(Sampler[list[Any]]):
         return self._yielded(counters[sl], indices[sl])
 
     def __iter__(self) -> Iterator[list[Any]]:
-        """Endless local batches from the current step; fails loudly if state is loaded while iterating."""
-        generation, step = self._generation, self._step
+        """Endless local batches from the next step on; fails loudly if state is loaded while iterating."""
+        generation, step = self._generation, self._step + 1
         while True:
             self._check_generation(generation)
             yield self.local_batch(step)
@@ -185,7 +191,7 @@ class _CounterSampler(Sampler[list[Any]]):
         return {"seed": self.seed, "batch": self.global_batch_size, "fingerprint": self.fingerprint}
 
     def state_dict(self) -> dict[str, Any]:
-        """About a hundred bytes of JSON: kind, config, fingerprint, counter t, step and skip list."""
+        """About a hundred bytes of JSON: kind, config, fingerprint, counter t, steps done and skip list."""
         return {"kind": self.kind, **self._config(), "t": self._t, "step": self._step, "skip": list(self._skip)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -208,7 +214,7 @@ class _CounterSampler(Sampler[list[Any]]):
         self._generation += 1
 
     def explain(self, step: int) -> Explanation:
-        """The global batch of `step` without touching data: counters, epochs, items, offsets, hash."""
+        """The global batch of step `step` (from 1) without touching data: counters, epochs, items, offsets, hash."""
         counters, indices = self.global_batch(step)
         values = self._values(indices)
         return Explanation(
@@ -347,7 +353,7 @@ def is_sampler_state(tree: Any) -> bool:
 
 
 def explain(state: Mapping[str, Any], step: int) -> Explanation:
-    """The global batch of `step` from a saved sampler state, without data or training."""
+    """The global batch of step `step` (from 1, as in logs and checkpoint names) from a saved sampler state."""
     if not is_sampler_state(state):
         raise ValueError(f"not a sampler state: key 'kind' is {state.get('kind')!r}, expected one of {list(SAMPLER_KINDS)}")
     return SAMPLER_KINDS[state["kind"]].from_state(state).explain(step)

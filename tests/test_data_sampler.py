@@ -131,30 +131,32 @@ def test_explain_matches_the_hash_of_what_training_received(dataset):
     batches = _run(make_loader(dataset, s, num_workers=2), s, 4)
     state = json.loads(json.dumps(s.state_dict()))
     assert is_sampler_state(state)
-    for step, batch in enumerate(batches):
+    for step, batch in enumerate(batches, start=1):  # steps count from 1, as in logs and checkpoint names
         e = explain(state, step)
         assert e.batch_hash == hash_batch(batch["t"].tolist(), batch["start"].tolist())
         assert e.starts == batch["start"].tolist() and e.counters == batch["t"].tolist()
         raw = np.fromfile(dataset.path, dtype=np.uint16)
         assert [raw[a : a + e.window].tolist() for a in e.starts] == [raw[a : a + 16].tolist() for a in batch["start"]]
-    text = format_explanation(explain(state, 1))
-    assert text.splitlines()[0].startswith("step 1: global samples t=8..15, epoch 0, batch hash ")
+    text = format_explanation(explain(state, 2))
+    assert text.splitlines()[0].startswith("step 2: global samples t=8..15, epoch 0, batch hash ")
+    with pytest.raises(ValueError, match="steps count from 1"):
+        explain(state, 0)
     assert f"tokens [{e.starts[0]}, {e.starts[0] + 16})" in format_explanation(e)
 
 
 def test_skip_list_removes_windows_for_every_later_resume(dataset):
     s = _sampler(dataset)
     epoch_len = s.num_items
-    bad = s.explain(2).indices[:3]
+    bad = s.explain(3).indices[:3]
     s.skip(bad)
-    assert not set(bad) & set(s.explain(2).indices)
+    assert not set(bad) & set(s.explain(3).indices)
     resumed = _sampler(dataset)
     resumed.load_state_dict(json.loads(json.dumps(s.state_dict())))
-    seen = np.concatenate([resumed.global_batch(k)[1] for k in range(3 * epoch_len // 8 + 2)])
+    seen = np.concatenate([resumed.global_batch(k)[1] for k in range(1, 3 * epoch_len // 8 + 3)])
     assert not set(bad) & set(seen.tolist())
     clean = _sampler(dataset)
-    changed = [k for k in range(epoch_len // 8) if clean.explain(k).indices != resumed.explain(k).indices]
-    assert changed == [2]  # only the batch that held the bad windows differs in epoch 0
+    changed = [k for k in range(1, epoch_len // 8 + 1) if clean.explain(k).indices != resumed.explain(k).indices]
+    assert changed == [3]  # only the batch that held the bad windows differs in epoch 0
     with pytest.raises(ValueError, match="all"):
         ShuffledSampler(3, 1, SEED).skip([0, 1, 2])
 
@@ -163,7 +165,7 @@ def test_skip_list_removes_windows_for_every_later_resume(dataset):
 def test_elastic_same_global_batches_for_every_world_size(dataset, world_size):
     reference = _sampler(dataset)
     ranks = [_sampler(dataset, rank=r, world_size=world_size) for r in range(world_size)]
-    for step in range(60):  # crosses an epoch boundary (101 windows / 8)
+    for step in range(1, 61):  # crosses an epoch boundary (101 windows / 8)
         local = [pair for s in ranks for pair in s.local_batch(step)]
         assert local == reference.local_batch(step)
 
@@ -178,9 +180,9 @@ def test_elastic_resume_at_world_size_2_from_world_size_4(dataset):
     for s in two:
         s.load_state_dict(states[0])
     reference = _sampler(dataset)
-    for step in range(13, 40):
+    for step in range(14, 41):
         assert [p for s in two for p in s.local_batch(step)] == reference.local_batch(step)
-    assert next(iter(two[1])) == reference.local_batch(13)[4:]
+    assert next(iter(two[1])) == reference.local_batch(14)[4:]
 
 
 def test_shuffled_sampler_covers_each_epoch_once_and_resumes():
@@ -195,4 +197,4 @@ def test_shuffled_sampler_covers_each_epoch_once_and_resumes():
     _run(make_loader(data, cut), cut, 7)
     resumed.load_state_dict(json.loads(json.dumps(cut.state_dict())))
     assert [b.tolist() for b in _run(make_loader(data, resumed), resumed, 13)] == batches[7:]
-    assert explain(resumed.state_dict(), 3).indices == [x - 100 for x in batches[3]]
+    assert explain(resumed.state_dict(), 4).indices == [x - 100 for x in batches[3]]  # the 4th batch is step 4

@@ -69,7 +69,7 @@ def train(root: str, tokens: str, log_path: str, final_path: str, omit: str | No
             loader = DataLoader(dataset, batch_sampler=sampler, num_workers=2)
         else:
             loader = make_loader(dataset, sampler, num_workers=2, prefetch_factor=3)
-        for step, batch in zip(range(start, STEPS), sampler.track(loader)):
+        for step, batch in zip(range(start + 1, STEPS + 1), sampler.track(loader)):  # steps count from 1
             x = batch["tokens"]
             h = model.emb(x[:, :-1]) * float(np.random.uniform(0.9, 1.1))
             h = model.drop(h + 0.01 * torch.randn(h.shape, generator=noise_gen))
@@ -83,9 +83,9 @@ def train(root: str, tokens: str, log_path: str, final_path: str, omit: str | No
             log.write(json.dumps(record) + "\n")
             log.flush()
             print(f"step {step}", flush=True)
-            if (step + 1) % EVERY == 0:
-                manager.save(step + 1, state)
-                print(f"saving {step + 1}", flush=True)
+            if step % EVERY == 0:
+                manager.save(step, state)
+                print(f"saving {step}", flush=True)
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     Path(final_path).write_bytes(weights.numpy().tobytes())
 
@@ -159,7 +159,7 @@ def test_resume_after_sigkill_is_bitwise_identical(runs, case):
     ref_losses, ref_weights = _outcome(runs["reference"][0])
     losses, weights = _outcome(run)
     context = f"CKPT_KILL_SEED={KILL_SEED} killed on {kill_on!r}, resumed from {resumed_from}"
-    assert sorted(losses) == list(range(STEPS)), context
+    assert sorted(losses) == list(range(1, STEPS + 1)), context
     assert {s: v for s, v in losses.items() if v != ref_losses[s]} == {}, context
     assert weights == ref_weights, context
 
@@ -181,7 +181,7 @@ def test_explain_from_checkpoint_matches_logged_hashes(runs):
         assert manager.restore({"sampler": captured}, step=15, keys=["sampler"]) == 15
     assert captured.tree["step"] == 15 and captured.tree["t"] == 15 * BATCH
     logged = [json.loads(line)["hash"] for line in (reference / "log.jsonl").read_text().splitlines()]
-    assert [explain(captured.tree, step).batch_hash for step in range(STEPS)] == logged
+    assert [explain(captured.tree, step).batch_hash for step in range(1, STEPS + 1)] == logged
 
 
 @pytest.mark.parametrize("omit", OMIT)
@@ -190,7 +190,7 @@ def test_negative_control_leaving_a_source_out_diverges(runs, omit):
     assert resumed_from > 0
     ref_losses, ref_weights = _outcome(runs["reference"][0])
     losses, weights = _outcome(run)
-    diverged = [s for s in range(resumed_from, STEPS) if losses[s] - ref_losses[s]]
+    diverged = [s for s in range(resumed_from + 1, STEPS + 1) if losses[s] - ref_losses[s]]
     assert diverged and weights != ref_weights, f"leaving out {omit} went unnoticed"
 
 

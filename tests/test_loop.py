@@ -17,11 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ckpt.data import RandomWindowSampler, TokenWindowDataset, make_loader
-from ettr import GoodputTracker, attribute_root, read_ledgers
+from ckpt.data import RandomWindowSampler, TokenWindowDataset, hash_batch, make_loader
+from ettr import GoodputTracker, attribute_root, committed_steps, read_ledgers
 from integrations import Preempted, TrainLoop
 
 TOTAL, EVERY, WINDOW, BATCH, VOCAB = 24, 4, 9, 4, 64
+REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_model() -> torch.nn.Module:
@@ -52,6 +53,7 @@ def train(root: str, tokens: str, every: int, overlap: bool) -> None:
                 optim.step()
                 loop.on_step_end(step, {"loss": loss.item()})
                 print(f"step {step}", flush=True)
+                print(f"batch {step} {hash_batch(batch['t'].tolist(), batch['start'].tolist())}", flush=True)
     except Preempted as e:
         print(f"preempted {e.step}", flush=True)
         raise
@@ -78,6 +80,37 @@ def tokens(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tokens) -> tuple[Path, list[str]]:
+    """An uninterrupted run to TOTAL: its root and printed lines."""
+    root = tmp_path_factory.mktemp("reference") / "run"
+    code, lines = run_child(root, tokens)
+    assert code == 0, lines[-3:]
+    return root, lines
+
+
+def test_explain_shows_the_batch_of_the_step_training_logged(reference):
+    """One step numbering: the step a loop logs, its checkpoint's name and `ckpt explain --step` agree."""
+    root, lines = reference
+    logged = {int(step): digest for kind, step, digest in (l.split() for l in lines if l.startswith("batch"))}
+    assert sorted(logged) == list(range(1, TOTAL + 1))
+    assert ettr_steps(root) == (1, TOTAL) and committed_steps(str(root)) == list(range(EVERY, TOTAL + 1, EVERY))
+    for step, checkpoint in ((1, []), (TOTAL, []), (13, ["--checkpoint", "8"])):  # past, last, and after a checkpoint
+        out = subprocess.run([sys.executable, "-m", "ckpt", "explain", str(root), "--step", str(step), *checkpoint],
+                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert out.returncode == 0, out.stderr
+        assert f"\nstep {step}: " in out.stdout and f"batch hash {logged[step]}\n" in out.stdout, out.stdout
+    out = subprocess.run([sys.executable, "-m", "ckpt", "explain", str(root), "--step", "0"], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 2 and "steps count from 1" in out.stderr
+
+
+def ettr_steps(root: Path) -> tuple[int, int]:
+    """(first, last) step number in the goodput ledger of a one-attempt run."""
+    (attempt,) = attribute_root(str(root)).attempts
+    return attempt.first_step, attempt.last_step
+
+
 def test_sigterm_saves_the_current_step_and_restart_loses_nothing(tmp_path, tokens):
     root = tmp_path / "run"
     code, lines = run_child(root, tokens, every=1000, signal_on=("step 7", signal.SIGTERM))
@@ -93,9 +126,8 @@ def test_sigterm_saves_the_current_step_and_restart_loses_nothing(tmp_path, toke
     assert a.committed_steps == (saved,)
 
 
-def test_sigkill_resume_is_bitwise_identical_and_the_report_shows_it(tmp_path, tokens):
-    reference, run = tmp_path / "reference", tmp_path / "run"
-    assert run_child(reference, tokens)[0] == 0
+def test_sigkill_resume_is_bitwise_identical_and_the_report_shows_it(tmp_path, tokens, reference):
+    reference, run = reference[0], tmp_path / "run"
     code, killed = run_child(run, tokens, overlap=True, signal_on=("step 10", signal.SIGKILL))
     assert code == -signal.SIGKILL
     code, resumed = run_child(run, tokens, overlap=True)
