@@ -49,8 +49,9 @@ class LedgerWriter:
         self._stem = f"{base}/ledger-{attempt}-rank{rank}"
         self._segment = 0
         self._pending: list[str] = []
-        local = isinstance(self._fs, LocalFileSystem)
-        self._fd: int | None = os.open(self._stem + ".jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if local else None
+        self._fd: int | None = None
+        if isinstance(self._fs, LocalFileSystem):
+            self._fd = os.open(self._stem + ".jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def append(self, text: str) -> None:
         """Hand whole lines to the OS now (local) or keep them for the next `sync` (object stores)."""

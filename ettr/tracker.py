@@ -188,7 +188,7 @@ class GoodputTracker:
             self._stack.append([self._order, "productive", step, t, None])
 
     def step_end(self, step: int) -> None:
-        """A training step ends: its record goes to the OS now; flushes if the last flush is older than flush_interval."""
+        """A training step ends: its record goes to the OS now; flushes once the last flush is flush_interval old."""
         with self._lock:
             t = self._credit()
             stack = self._stack
@@ -273,7 +273,7 @@ class GoodputTracker:
         self._writer.append("".join([_encode(buf.popleft()) for _ in range(len(buf))] + list(extra)))
 
     def flush(self) -> None:
-        """Write buffered records plus a heartbeat listing open intervals, fsync; export live totals to OpenTelemetry."""
+        """Write buffered records and a heartbeat listing open intervals, fsync; export live totals to OpenTelemetry."""
         with self._lock:
             t = self._now()
             stack = [(("step", e[2]) if e[1] == "productive" else ("span", e[1])) + (e[3], e[0]) for e in list(self._stack)]

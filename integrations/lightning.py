@@ -29,7 +29,8 @@ from ettr import GoodputTracker
 from ._common import TrackerLease, delete_step, read_step, resolve_step, save_once
 
 POINTER_FORMAT = "ckpt-lightning-pointer/1"
-POINTERS = "lightning_pointers"  # metadata: the folder whose pointer files name a step
+POINTERS = "lightning_pointers"  # metadata: the folder whose pointer files name a step, relative to the root
+WRITTEN_AT = "lightning_root"  # metadata: where the root was when the step was written, to rebase its paths
 _DROP = object()
 
 
@@ -37,6 +38,49 @@ def _abs_root(root: str | os.PathLike[str]) -> str:
     """A root that still means the same place from another working directory (URLs are kept as they are)."""
     root = os.fspath(root)
     return root if "://" in root else os.path.abspath(root)
+
+
+def _real(path: str) -> str:
+    """A local path with symlinks resolved, as Lightning spells its checkpoint folders (URLs as they are)."""
+    return path.rstrip("/") if "://" in path else os.path.realpath(path)
+
+
+def _relative(target: str, base: str) -> str:
+    """`target` relative to the folder `base`, so both can move together; as it is when they differ in protocol."""
+    if "://" not in target and "://" not in base:
+        return os.path.relpath(_real(target), _real(base))
+    (tp, tpath), (bp, bpath) = (x.split("://", 1) if "://" in x else ("file", x) for x in (target, base))
+    return posixpath.relpath(tpath, bpath) if tp == bp else target
+
+
+def _resolve(path: str, base: str) -> str:
+    """A path stored by `_relative` against the folder `base`; absolute paths and URLs (old pointers) pass."""
+    if "://" in path or os.path.isabs(path):
+        return path
+    if "://" in base:
+        protocol, rest = base.split("://", 1)
+        return f"{protocol}://{posixpath.normpath(posixpath.join(rest, path))}"
+    return os.path.normpath(os.path.join(base, path))
+
+
+def _path_fields(callbacks: Any) -> dict[str, dict[str, str | None]]:
+    """The str/None entries of each callback state (ModelCheckpoint's paths), as saved for one pointer."""
+    if not isinstance(callbacks, Mapping):
+        return {}
+    return {key: {f: v for f, v in state.items() if v is None or isinstance(v, str)}
+            for key, state in callbacks.items() if isinstance(state, Mapping)}
+
+
+def _rebase(tree: Any, old: str, new: str) -> Any:
+    """`tree` with every string (value or key) at or below the folder `old` moved below `new`."""
+    def move(x: Any) -> Any:
+        return new + x[len(old):] if isinstance(x, str) and (x == old or x.startswith(old + "/")) else x
+
+    if isinstance(tree, dict):
+        return {move(k): _rebase(v, old, new) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_rebase(v, old, new) for v in tree)
+    return move(tree)
 
 
 def saveable(tree: Any, key: str = "") -> tuple[Any, list[str]]:
@@ -78,29 +122,36 @@ def saveable(tree: Any, key: str = "") -> tuple[Any, list[str]]:
 
 
 def _folder(path: str) -> str:
-    """The absolute folder of a pointer path (URLs keep their protocol)."""
-    return os.path.dirname(path if "://" in path else os.path.abspath(path))
+    """The absolute, symlink-free folder of a pointer path (URLs keep their protocol)."""
+    return os.path.dirname(path) if "://" in path else _real(os.path.dirname(os.path.abspath(path)))
 
 
-def _write_pointer(path: str, root: str, step: int) -> None:
-    """Write the small JSON file Lightning sees as the checkpoint (atomically where the filesystem allows)."""
+def _write_pointer(path: str, root: str, step: int, callbacks: dict[str, dict[str, str | None]]) -> None:
+    """Write the small JSON file Lightning sees as the checkpoint (atomically where the filesystem allows).
+
+    The root is stored relative to the pointer's folder, so a run directory can be moved or copied; `callbacks`
+    are the path entries in which this pointer's checkpoint dict differs from the one stored for the step.
+    """
     fs, p = fsspec.core.url_to_fs(path)
     fs.makedirs(posixpath.dirname(p), exist_ok=True)
-    data = json.dumps({"format": POINTER_FORMAT, "root": root, "step": step}).encode()
+    pointer = {"format": POINTER_FORMAT, "root": _relative(root, _folder(path)), "step": step}
+    data = json.dumps({**pointer, **({"callbacks": callbacks} if callbacks else {})}).encode()
     tmp = f"{p}.tmp-{os.getpid()}"
     fs.pipe_file(tmp, data)
     fs.mv(tmp, p)
 
 
 def _read_pointer(path: str) -> dict[str, Any] | None:
-    """The pointer at `path`, or None if the file is something else (e.g. a torch.save checkpoint)."""
+    """The pointer at `path` with its root made absolute, or None if the file is something else (a torch.save)."""
     fs, p = fsspec.core.url_to_fs(path)
     data = fs.cat_file(p)
     try:
         pointer = json.loads(data)
     except (UnicodeDecodeError, ValueError):
         return None
-    return pointer if isinstance(pointer, dict) and pointer.get("format") == POINTER_FORMAT else None
+    if not (isinstance(pointer, dict) and pointer.get("format") == POINTER_FORMAT):
+        return None
+    return {**pointer, "root": _resolve(pointer["root"], _folder(path))}
 
 
 class CkptCheckpointIO(CheckpointIO):
@@ -112,6 +163,8 @@ class CkptCheckpointIO(CheckpointIO):
     once no other pointer beside it names the step and a newer step is committed, the step itself;
     ``teardown()`` drains the writes. A `GoodputCallback` in the same Trainer reports saves and restores to its tracker.
     Values that cannot be stored without pickle (arbitrary hyper-parameters) are dropped with a warning.
+    Pointers and step metadata hold paths relative to the root, and callback paths under the root are rebased on
+    load, so a run directory (root and pointer folders inside it) can be moved or copied and resumed there.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, tracker: GoodputTracker | None = None,
@@ -121,6 +174,7 @@ class CkptCheckpointIO(CheckpointIO):
         self._options = manager_options
         self._manager: CheckpointManager | None = None
         self._done: set[int] = set()  # steps saved or restored by this process: a repeated request is a no-op
+        self._stored: tuple[int, dict[str, dict[str, str | None]]] | None = None  # last step, its dict's paths
         self._orphans: dict[int, str] = {}  # step -> folder of its removed pointer, for steps not deletable yet
         self._adopted: set[str] = set()
 
@@ -149,17 +203,35 @@ class CkptCheckpointIO(CheckpointIO):
                           f"(hyper-parameters of arbitrary types are not restored)", UserWarning, stacklevel=2)
         folder = _folder(os.fspath(path))
         self._adopt(folder)
-        if save_once(self.manager, step, clean, skip=tuple(self._done), metadata={POINTERS: folder}):
+        metadata = {POINTERS: _relative(folder, self.root), WRITTEN_AT: _real(self.root)}
+        fields = _path_fields(clean.get("callbacks"))
+        if save_once(self.manager, step, clean, skip=tuple(self._done), metadata=metadata):
             self._done.add(step)
+            self._stored = step, fields
+        stored = self._stored[1] if self._stored is not None and self._stored[0] == step else {}
         self._forget(os.fspath(path))  # an overwritten pointer (e.g. last.ckpt) no longer names its old step
-        _write_pointer(os.fspath(path), self.root, step)
+        _write_pointer(os.fspath(path), self.root, step, _changed(stored, fields))
         self._collect()
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """The checkpoint dict of the step `path` points to; tensors are on CPU (Lightning moves them when loading)."""
-        step = resolve_step(self.manager, self._pointed_step(os.fspath(path)))
+        """The checkpoint dict `path` was saved with; tensors are on CPU (Lightning moves them when loading).
+
+        That is the step's stored dict with the pointer's own callback paths (e.g. ModelCheckpoint's
+        ``last_model_path`` of ``last.ckpt``) and, for a moved root, every callback path under it rebased.
+        """
+        pointer = self._pointer(os.fspath(path))
+        step = resolve_step(self.manager, int(pointer["step"]))
         checkpoint = read_step(self.manager, step)
+        callbacks = checkpoint.get("callbacks")
+        self._stored = step, _path_fields(callbacks)
+        if isinstance(callbacks, dict) and step == pointer["step"]:
+            for key, fields in pointer.get("callbacks", {}).items():
+                if isinstance(callbacks.get(key), dict):
+                    callbacks[key].update(fields)
+        written_at = self.manager.metadata(step).get(WRITTEN_AT)
+        if isinstance(callbacks, dict) and written_at is not None and written_at != _real(self.root):
+            checkpoint["callbacks"] = _rebase(callbacks, written_at, _real(self.root))
         self._done.add(step)
         return checkpoint
 
@@ -173,18 +245,45 @@ class CkptCheckpointIO(CheckpointIO):
             self._collect()
 
     def _adopt(self, folder: str) -> None:
-        """Once per process and folder: earlier attempts' steps for it are candidates (their removals may have died)."""
-        if folder not in self._adopted:
-            self._adopted.add(folder)
-            for step in self.manager.steps():
-                if self.manager.metadata(step).get(POINTERS) == folder:
-                    self._orphans.setdefault(step, folder)
+        """Once per process and folder, before writing there: drop pointers to steps that are not committed (left
+        by a process that died while saving; this process is the root's writer now), and make earlier attempts'
+        steps of the folder candidates for deletion (their removals may have died)."""
+        if folder in self._adopted:
+            return
+        self._adopted.add(folder)
+        committed = self.manager.steps()
+        for path, pointer in self._pointers(folder):
+            if pointer["step"] not in committed and pointer["step"] not in self._done:
+                warnings.warn(f"removing {path}: it names step {pointer['step']} of {self.root}, which is not "
+                              f"committed (its save died with its process, or the step was deleted)",
+                              RuntimeWarning, stacklevel=3)
+                fs, p = fsspec.core.url_to_fs(path)
+                fs.rm(p)
+        for step in committed:
+            saved = self.manager.metadata(step).get(POINTERS)
+            if saved is not None and _real(_resolve(saved, _real(self.root))) == folder:
+                self._orphans.setdefault(step, folder)
+
+    def _pointers(self, folder: str) -> list[tuple[str, dict[str, Any]]]:
+        """(path, pointer) of every pointer file in `folder` that names a step of this root."""
+        fs, p = fsspec.core.url_to_fs(folder)
+        found = []
+        for name in fs.glob(f"{p.rstrip('/')}/*.ckpt"):
+            path = fs.unstrip_protocol(name) if "://" in folder else name
+            pointer = _read_pointer(path)
+            if pointer is not None and self._ours(pointer):
+                found.append((path, pointer))
+        return found
+
+    def _ours(self, pointer: dict[str, Any]) -> bool:
+        """Whether a pointer names a step of this root (wherever the root was when it was written)."""
+        return _real(pointer["root"]) == _real(self.root)
 
     def _forget(self, path: str) -> None:
         """Remember the step an existing pointer at `path` names as a candidate for deletion."""
         fs, p = fsspec.core.url_to_fs(path)
         pointer = _read_pointer(path) if fs.exists(p) else None
-        if pointer is not None and pointer["root"] == self.root:
+        if pointer is not None and self._ours(pointer):
             self._orphans[int(pointer["step"])] = _folder(path)
 
     def _collect(self) -> None:
@@ -195,22 +294,17 @@ class CkptCheckpointIO(CheckpointIO):
 
     def _named(self, step: int, folder: str) -> bool:
         """Whether a pointer file in `folder` names `step` of this root."""
-        fs, p = fsspec.core.url_to_fs(folder)
-        for other in fs.glob(f"{p.rstrip('/')}/*.ckpt"):
-            pointer = _read_pointer(fs.unstrip_protocol(other))
-            if pointer is not None and pointer["root"] == self.root and pointer["step"] == step:
-                return True
-        return False
+        return any(pointer["step"] == step for _, pointer in self._pointers(folder))
 
-    def _pointed_step(self, path: str) -> int:
-        """The step a pointer file names; clear errors for foreign files and other roots."""
+    def _pointer(self, path: str) -> dict[str, Any]:
+        """The pointer file at `path`; clear errors for foreign files and other roots."""
         pointer = _read_pointer(path)
         if pointer is None:
             raise ValueError(f"{path} is not a checkpoint written by CkptCheckpointIO (no {POINTER_FORMAT} pointer); "
                              f"load it with Lightning's default TorchCheckpointIO")
-        if pointer["root"] != self.root:
+        if not self._ours(pointer):
             raise ValueError(f"{path} points into {pointer['root']}, but this CkptCheckpointIO uses {self.root}")
-        return int(pointer["step"])
+        return pointer
 
     def wait(self) -> None:
         """Block until every started save is committed (raises a background write error)."""
@@ -224,6 +318,14 @@ class CkptCheckpointIO(CheckpointIO):
             self._collect()
             manager, self._manager = self._manager, None
             manager.close()
+
+
+def _changed(stored: dict[str, dict[str, str | None]], fields: dict[str, dict[str, str | None]]
+             ) -> dict[str, dict[str, str | None]]:
+    """The callback path entries of `fields` that differ from the step's `stored` ones (empty callbacks dropped)."""
+    diff = {key: {f: v for f, v in entries.items() if stored.get(key, {}).get(f, _DROP) != v}
+            for key, entries in fields.items()}
+    return {key: entries for key, entries in diff.items() if entries}
 
 
 Sampler = ShuffledSampler | RandomWindowSampler

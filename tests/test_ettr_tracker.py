@@ -53,7 +53,8 @@ def test_steps_before_a_sigkill_are_lost_work_not_downtime(tmp_path):
     tracker.end()
 
     a = attribute_root(str(root))
-    assert [(at.status, at.last_step, at.lost_steps) for at in a.attempts] == [("failed", steps, steps), ("ok", steps, 0)]
+    summary = [(at.status, at.last_step, at.lost_steps) for at in a.attempts]
+    assert summary == [("failed", steps, steps), ("ok", steps, 0)]
     want = {"checkpoint_restore": 1.0, "lost": steps * 0.1, "downtime": 10.0 - 0.5 - steps * 0.1,
             "productive": steps * 0.1}
     assert a.micros == {c: to_us(want.get(c, 0.0)) for c in CATEGORIES}

@@ -3,7 +3,9 @@ bitwise equal to an uninterrupted fit; the goodput report shows the failure, the
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -13,7 +15,10 @@ import torch
 pytest.importorskip("lightning")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 
-from kill_resume import assert_reported, assert_same_bits, losses, straight_killed_resumed  # noqa: E402
+from kill_resume import (  # noqa: E402
+    assert_reported, assert_same_bits, finish, losses, start, straight_killed_resumed)
+from ckpt.data import explain  # noqa: E402
+from ettr import committed_steps  # noqa: E402
 from integrations.lightning import CkptCheckpointIO, saveable  # noqa: E402
 
 CHILD = Path(__file__).parent / "procs" / "lightning_train.py"
@@ -34,6 +39,40 @@ def test_sigkill_resume_is_bitwise_and_reported(tmp_path):
     assert [p.name for p in (tmp_path / "job").glob("step_*")] == ["step_00000016"]
 
     assert_reported(tmp_path / "job", restored=8, lost_steps=KILL_AT - 8)
+
+
+def pointers(root: Path) -> dict[str, int]:
+    """Pointer file name -> the step it names, in ROOT/pointers."""
+    return {p.name: json.loads(p.read_text())["step"] for p in sorted((root / "pointers").iterdir())}
+
+
+def test_copied_run_resumes_twice_bitwise_without_duplicate_or_stale_pointers(tmp_path):
+    """Killed at 6 (checkpoint 4), resumed and killed at 10 (checkpoint 8), copied, resumed from the copy to 16."""
+    job, copy = tmp_path / "job", tmp_path / "copy"
+    straight = start(CHILD, tmp_path / "straight", tmp_path / "straight.npz", STEPS)
+    first = start(CHILD, job, tmp_path / "x.npz", STEPS, 6)
+    reference, _ = losses(finish(straight)), finish(first)
+    assert pointers(job) == {"epoch=0-step=4.ckpt": 4, "last.ckpt": 4} and committed_steps(str(job))[-1] == 4
+    finish(start(CHILD, job, tmp_path / "x.npz", STEPS, 10))  # resumes from 4: its dict predates last.ckpt
+    assert pointers(job) == {"epoch=0-step=8.ckpt": 8, "last.ckpt": 8} and committed_steps(str(job))[-1] == 8
+
+    shutil.copytree(job, copy)
+    before = sorted((p.relative_to(job), p.stat().st_mtime_ns) for p in job.rglob("*"))
+    lines = finish(start(CHILD, copy, tmp_path / "resumed.npz", STEPS))
+    assert ["done"] in lines, lines[-5:]
+    assert losses(lines) == {s: reference[s] for s in range(9, STEPS + 1)}
+    assert_same_bits(tmp_path / "straight.npz", tmp_path / "resumed.npz")
+    assert sorted((p.relative_to(job), p.stat().st_mtime_ns) for p in job.rglob("*")) == before  # original untouched
+    assert pointers(copy) == {f"epoch=0-step={STEPS}.ckpt": STEPS, "last.ckpt": STEPS}  # no -v1, last is newest
+    assert committed_steps(str(copy)) == [STEPS]
+
+    # one step numbering: the checkpoint named step=16 explains each step's batch as the fit logged it
+    io = CkptCheckpointIO(copy)
+    saved = io.load_checkpoint(copy / "pointers" / "last.ckpt")
+    io.teardown()
+    (sampler,) = [state["samplers"]["train"] for state in saved["callbacks"].values() if "samplers" in state]
+    batches = {int(w[1]): [int(i) for i in w[2].split(",")] for w in lines if w[0] == "batch"}
+    assert sampler["step"] == STEPS and all(explain(sampler, s).indices == batches[s] for s in range(9, STEPS + 1))
 
 
 def test_saveable_drops_what_needs_pickle():
@@ -60,3 +99,25 @@ def test_pointer_of_a_step_that_never_committed_falls_back(tmp_path):
     with pytest.raises(ValueError, match="not a checkpoint written by CkptCheckpointIO"):
         io.load_checkpoint(tmp_path / "p" / "c.ckpt")
     io.teardown()
+
+
+def test_pointers_are_relative_and_the_next_writer_drops_those_of_steps_that_never_committed(tmp_path):
+    root, folder = tmp_path / "root", tmp_path / "root" / "p"
+    io = CkptCheckpointIO(root)
+    io.save_checkpoint({"global_step": 4, "w": torch.arange(3.0)}, folder / "a.ckpt")
+    io.teardown()
+    assert json.loads((folder / "a.ckpt").read_text())["root"] == ".."
+    for name in ("b.ckpt", "last.ckpt"):  # as if killed while step 8 was written
+        (folder / name).write_text(json.dumps({"format": "ckpt-lightning-pointer/1", "root": "..", "step": 8}))
+    (folder / "old.ckpt").write_text(json.dumps({"format": "ckpt-lightning-pointer/1", "root": str(root), "step": 4}))
+
+    io = CkptCheckpointIO(root)  # the restarted writer
+    assert io.load_checkpoint(folder / "old.ckpt")["global_step"] == 4  # absolute roots of older pointers still load
+    with pytest.warns(RuntimeWarning, match="step 8 was never committed"):
+        assert io.load_checkpoint(folder / "last.ckpt")["global_step"] == 4
+    with pytest.warns(RuntimeWarning, match="not committed") as removed:
+        io.save_checkpoint({"global_step": 5, "w": torch.zeros(3)}, folder / "c.ckpt")
+    io.teardown()
+    assert sorted(str(w.message).split(":")[0] for w in removed) == [f"removing {folder / n}"
+                                                                      for n in ("b.ckpt", "last.ckpt")]
+    assert sorted(p.name for p in folder.iterdir()) == ["a.ckpt", "c.ckpt", "old.ckpt"]

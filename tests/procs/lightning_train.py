@@ -1,7 +1,7 @@
 """Child process: a tiny Lightning fit through CkptCheckpointIO + GoodputCallback, resumed from "last".
 
 Usage: lightning_train.py ROOT OUT.npz MAX_STEPS [HANG_AT]
-Prints "loss STEP HEX" per step; with HANG_AT it drains the saves after that step, prints "hanging" and sleeps
+Prints "loss STEP HEX" and "batch STEP I,J,..." (the dataset indices) per step; with HANG_AT it drains the saves after that step, prints "hanging" and sleeps
 (the test SIGKILLs it). Otherwise it writes the final weights to OUT.npz and prints "done".
 """
 
@@ -30,7 +30,7 @@ class Points(Dataset):
         return 64
 
     def __getitem__(self, i: int):
-        return self.x[i], self.y[i]
+        return self.x[i], self.y[i], i
 
 
 class Net(LightningModule):
@@ -43,9 +43,10 @@ class Net(LightningModule):
                                        torch.nn.Linear(32, 1))
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
+        x, y, index = batch
         loss = torch.nn.functional.mse_loss(self.net(x + 0.01 * torch.randn_like(x)), y)
         print(f"loss {self.global_step + 1} {loss.item().hex()}", flush=True)
+        print(f"batch {self.global_step + 1} {','.join(map(str, index.tolist()))}", flush=True)
         return loss
 
     def configure_optimizers(self):
