@@ -31,7 +31,7 @@ class CheckpointObserver(Protocol):
     """What the manager tells a goodput tracker (e.g. `ettr.GoodputTracker`); every method must be thread-safe."""
 
     def span(self, category: str, **attrs: Any) -> ContextManager[Any]: ...
-    def checkpoint_committed(self, step: int, background_seconds: float) -> None: ...
+    def checkpoint_committed(self, step: int, background_seconds: float, nbytes: int) -> None: ...
     def checkpoint_restored(self, step: int | None) -> None: ...
     def checkpoint_failed(self, step: int, error: BaseException) -> None: ...
 
@@ -40,7 +40,7 @@ class _NoTracker:
     def span(self, category: str, **attrs: Any) -> ContextManager[Any]:
         return contextlib.nullcontext()
 
-    def checkpoint_committed(self, step: int, background_seconds: float) -> None:
+    def checkpoint_committed(self, step: int, background_seconds: float, nbytes: int) -> None:
         pass
 
     def checkpoint_restored(self, step: int | None) -> None:
@@ -148,7 +148,7 @@ class CheckpointManager:
         self._metadata[step] = job.plan.metadata
         log.info("committed step %d: %.1f MB, stall %.3fs, background %.3fs (%.2f GB/s)", step, nbytes / 1e6,
                  stall, seconds, nbytes / max(seconds, 1e-9) / 1e9)
-        self.tracker.checkpoint_committed(step, seconds)
+        self.tracker.checkpoint_committed(step, seconds, nbytes)
         committed.set_result(step)
         try:
             self._apply_retention()

@@ -15,13 +15,14 @@ from .model import (
     young_interval,
 )
 from .report import plot_timeline, report_json, report_text
-from .telemetry import GoodputMetrics, configure_metrics, metric_totals
+from .telemetry import GoodputMetrics, configure_metrics, goodput_resource, metric_totals
 from .tracker import GoodputTracker
 
 __all__ = [
     "CATEGORIES", "Advice", "AttemptSummary", "Attribution", "Clock", "FakeClock", "GoodputMetrics", "GoodputTracker",
     "Ledger", "LedgerError", "Segment", "SimResult", "SystemClock", "advise", "attribute", "attribute_root",
-    "cluster_ettr", "committed_steps", "configure_metrics", "daly_interval", "expected_ettr", "metric_totals",
+    "cluster_ettr", "committed_steps", "configure_metrics", "daly_interval", "expected_ettr", "goodput_resource",
+    "metric_totals",
     "mttf_from_rate", "plot_timeline", "read_ledgers", "report_json", "report_text", "seed_ettr", "simulate",
     "young_interval",
 ]

@@ -1,55 +1,140 @@
-"""OpenTelemetry instruments for goodput (API only), and a helper for applications to configure the SDK."""
+"""OpenTelemetry instruments for goodput (API only), and helpers for applications to configure the SDK.
+
+Every point carries the job and rank (`ettr.job`, `ettr.rank`). Per-attempt instruments (a counter and histograms)
+also carry `ettr.attempt` and start from zero in each process, so `rate()`/`increase()` see a new series at a
+restart instead of a jump; the job's running totals are gauges, which a restarted process simply sets again.
+"""
 from __future__ import annotations
 
-from typing import Any
+import os
+import socket
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import metrics
 
+if TYPE_CHECKING:
+    from opentelemetry.sdk.resources import Resource
+
+    from .tracker import GoodputTracker
+
+SERVICE_NAME = "ckpt-goodput"  # service.name unless configured (argument, OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES)
 # Second-scale buckets: checkpoint saves/restores take from tens of milliseconds to many minutes.
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+# Byte buckets in powers of 4 from 64 KiB to 1 TiB: a checkpoint is a few MB (tests) to terabytes (large models).
+SIZE_BUCKETS = tuple(float(4**k) for k in range(8, 21))
+DURATIONS = {"checkpoint_save": "Blocking duration of each checkpoint save (snapshot to host memory)",
+             "checkpoint_restore": "Blocking duration of each checkpoint restore",
+             "checkpoint_write": "Background duration of each checkpoint write, from snapshot to commit"}
 
 
 class GoodputMetrics:
     """The instruments a GoodputTracker feeds; created from a Meter (default: the global provider's, a no-op until
-    an application configures the SDK)."""
+    an application configures the SDK). The tracker calls `bind` at start with its identity and clock."""
 
     def __init__(self, meter: metrics.Meter | None = None) -> None:
         meter = meter or metrics.get_meter("ettr")
-        self._seconds = meter.create_counter(
-            "ettr.time", unit="s", description="Job wall time attributed to a goodput category")
-        self._ettr = meter.create_gauge(
+        self._job: dict[str, Any] = {}  # ettr.job, ettr.rank
+        self._attempt: dict[str, Any] = {}  # and ettr.attempt
+        self._now_us: Callable[[], int] | None = None
+        self._last_commit: tuple[int, int] | None = None  # (step, commit time in microseconds)
+        self._attempt_time = meter.create_counter(
+            "ettr.attempt.time", unit="s",
+            description="Wall time of this process attempt per goodput category, from 0 at its start")
+        self._job_time = meter.create_gauge(
+            "ettr.job.time", unit="s",
+            description="Wall time of the whole job per goodput category, earlier attempts included")
+        self._ratio = meter.create_gauge(
             "ettr.ratio", unit="1", description="Effective training time ratio, cumulative and over a sliding window")
-        self._failures = meter.create_counter(
-            "ettr.failures", unit="{failure}", description="Attempts of the job that ended in a failure (restarts)")
+        self._failures = meter.create_gauge(
+            "ettr.job.failures", unit="{failure}", description="Attempts of the job that ended in a failure so far")
         self._durations = {
-            cat: meter.create_histogram(
-                f"ettr.{cat}.duration", unit="s", description=f"Blocking duration of each {cat.replace('_', ' ')}",
-                explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
-            for cat in ("checkpoint_save", "checkpoint_restore")
+            cat: meter.create_histogram(f"ettr.{cat}.duration", unit="s", description=text,
+                                        explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
+            for cat, text in DURATIONS.items()
         }
+        self._size = meter.create_histogram(
+            "ettr.checkpoint.size", unit="By", description="Bytes of tensor data in each committed checkpoint",
+            explicit_bucket_boundaries_advisory=SIZE_BUCKETS)
+        meter.create_observable_gauge(
+            "ettr.checkpoint.last_step", unit="{step}", callbacks=[self._observe_last_step],
+            description="Newest committed checkpoint step of the job")
+        meter.create_observable_gauge(
+            "ettr.checkpoint.age", unit="s", callbacks=[self._observe_age],
+            description="Seconds since the newest committed checkpoint was committed, as of the collection")
 
-    def add_seconds(self, category: str, seconds: float) -> None:
-        """Count `seconds` more of wall time in `category`."""
-        self._seconds.add(seconds, {"ettr.category": category})
+    def bind(self, *, job: str, attempt: str, rank: int, now_us: Callable[[], int]) -> None:
+        """Label every point with the job, rank (and attempt) and read the checkpoint age from `now_us`."""
+        self._job = {"ettr.job": job, "ettr.rank": rank}
+        self._attempt = {**self._job, "ettr.attempt": attempt}
+        self._now_us = now_us
+
+    def add_attempt_seconds(self, category: str, seconds: float) -> None:
+        """Count `seconds` more of this attempt's wall time in `category`."""
+        self._attempt_time.add(seconds, {**self._attempt, "ettr.category": category})
+
+    def set_job_seconds(self, seconds: dict[str, float]) -> None:
+        """Set the job's total seconds per category."""
+        for category, value in seconds.items():
+            self._job_time.set(value, {**self._job, "ettr.category": category})
 
     def set_ettr(self, cumulative: float, windowed: float, window_s: float) -> None:
         """Set the ETTR gauges (attribute ettr.window = "cumulative" or "<seconds>s")."""
-        self._ettr.set(cumulative, {"ettr.window": "cumulative"})
-        self._ettr.set(windowed, {"ettr.window": f"{window_s:g}s"})
+        self._ratio.set(cumulative, {**self._job, "ettr.window": "cumulative"})
+        self._ratio.set(windowed, {**self._job, "ettr.window": f"{window_s:g}s"})
 
-    def add_failures(self, count: int) -> None:
-        """Count failed attempts (each is one restart)."""
-        if count:
-            self._failures.add(count)
+    def set_failures(self, count: int) -> None:
+        """Set the number of failed attempts of the job (each is one restart)."""
+        self._failures.set(count, self._job)
 
     def record_duration(self, category: str, seconds: float) -> None:
-        """Record one checkpoint save/restore blocking duration."""
-        self._durations[category].record(seconds)
+        """Record one checkpoint save/restore blocking duration or one background write duration."""
+        self._durations[category].record(seconds, self._attempt)
+
+    def committed(self, step: int, at_us: int, background_seconds: float | None = None,
+                  nbytes: int | None = None) -> None:
+        """A checkpoint of `step` committed at `at_us` (job timeline); this attempt's own commits give the write
+        time and size, an earlier attempt's (read from its ledger) only the step and time."""
+        if self._last_commit is None or step >= self._last_commit[0]:
+            self._last_commit = step, at_us
+        if background_seconds is not None:
+            self.record_duration("checkpoint_write", background_seconds)
+        if nbytes is not None:
+            self._size.record(nbytes, self._attempt)
+
+    def _observe_last_step(self, options: Any) -> Iterable[metrics.Observation]:
+        last = self._last_commit
+        return [metrics.Observation(last[0], self._job)] if last is not None else []
+
+    def _observe_age(self, options: Any) -> Iterable[metrics.Observation]:
+        last, now = self._last_commit, self._now_us
+        return [metrics.Observation((now() - last[1]) / 1e6, self._job)] if last is not None and now else []
+
+
+def goodput_resource(tracker: GoodputTracker | None = None, service_name: str | None = None) -> Resource:
+    """An OpenTelemetry Resource naming the service and, given a tracker, this process of the job.
+
+    service.name: `service_name`, else OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES, else "ckpt-goodput".
+    With a tracker: service.instance.id "<attempt>-rank<r>", host.name, process.pid, ettr.job, ettr.attempt, ettr.rank.
+    """
+    from opentelemetry.sdk.resources import SERVICE_NAME as NAME, Resource
+
+    attributes: dict[str, Any] = {}
+    if tracker is not None:
+        attributes = {"service.instance.id": f"{tracker.attempt_id}-rank{tracker.rank}", "host.name": socket.gethostname(),
+                      "process.pid": os.getpid(), "ettr.job": tracker.job_id, "ettr.attempt": tracker.attempt_id,
+                      "ettr.rank": tracker.rank}
+    resource = Resource.create(attributes)
+    if service_name or str(resource.attributes.get(NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({NAME: service_name or SERVICE_NAME}))
+    return resource
 
 
 def configure_metrics(
     exporter: str = "console",
     *,
+    tracker: GoodputTracker | None = None,
+    service_name: str | None = None,
     interval_s: float = 10.0,
     endpoint: str | None = None,
     prometheus_port: int | None = None,
@@ -59,6 +144,7 @@ def configure_metrics(
 
     exporter: "console" (periodic, stdout), "otlp" (opentelemetry-exporter-otlp), "prometheus"
     (opentelemetry-exporter-prometheus; serves /metrics on `prometheus_port` if given) or "memory" (tests).
+    The provider's resource is `goodput_resource(tracker, service_name)`; a given (unstarted) tracker reports to it.
     """
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, InMemoryMetricReader, PeriodicExportingMetricReader
@@ -85,27 +171,36 @@ def configure_metrics(
             start_http_server(prometheus_port)
     else:
         raise ValueError(f"unknown exporter {exporter!r}: use console, otlp, prometheus or memory")
-    provider = MeterProvider(metric_readers=[reader])
+    provider = MeterProvider(resource=goodput_resource(tracker, service_name), metric_readers=[reader])
     if set_global:
         metrics.set_meter_provider(provider)
+    if tracker is not None:
+        tracker.use_metrics(GoodputMetrics(provider.get_meter("ettr")))
     return provider, reader
 
 
 def metric_totals(reader: Any) -> dict[str, Any]:
-    """Read an InMemoryMetricReader into {"seconds": {category: s}, "failures": n, "ettr": {window: v},
-    "<histogram>": count} — the numbers a report should agree with."""
-    out: dict[str, Any] = {"seconds": {}, "failures": 0, "ettr": {}}
+    """Read an InMemoryMetricReader into the numbers a report should agree with: {"seconds": {category: s} (job),
+    "attempt_seconds": {category: s}, "failures": n, "ettr": {window: v}, "last_step": s, "age": s,
+    "<histogram>": {"count", "sum"}}."""
+    out: dict[str, Any] = {"seconds": {}, "attempt_seconds": {}, "failures": 0, "ettr": {}}
     data = reader.get_metrics_data()
     for rm in data.resource_metrics if data else ():
         for sm in rm.scope_metrics:
             for m in sm.metrics:
                 for p in m.data.data_points:
-                    if m.name == "ettr.time":
+                    if m.name == "ettr.job.time":
                         out["seconds"][p.attributes["ettr.category"]] = p.value
-                    elif m.name == "ettr.failures":
-                        out["failures"] += p.value
+                    elif m.name == "ettr.attempt.time":
+                        out["attempt_seconds"][p.attributes["ettr.category"]] = p.value
+                    elif m.name == "ettr.job.failures":
+                        out["failures"] = p.value
                     elif m.name == "ettr.ratio":
                         out["ettr"][p.attributes["ettr.window"]] = p.value
+                    elif m.name == "ettr.checkpoint.last_step":
+                        out["last_step"] = p.value
+                    elif m.name == "ettr.checkpoint.age":
+                        out["age"] = p.value
                     else:
                         out[m.name] = {"count": p.count, "sum": p.sum}
     return out

@@ -116,7 +116,7 @@ class GoodputTracker:
         self.clock = clock or SystemClock()
         self.rank = _env_rank() if rank is None else rank
         self.job_id = job_id or _env_job(root)
-        self.attempt_id = attempt_id
+        self.attempt_id = attempt_id or _new_attempt_id(self.clock.wall_us() - self.clock.process_age_us())
         self.window_s = window_s
         self.metrics = metrics if metrics is not None else GoodputMetrics()
         self._flush_us = round(flush_interval * 1e6)
@@ -131,7 +131,7 @@ class GoodputTracker:
         self._prior_done = False
         self._resume_known = False  # a restore, a first step or the end tells where this attempt resumed
         self._history: deque[tuple[int, int]] = deque()  # (time, own productive us) at exports, for the window
-        self._exported: dict[str, int] = {}
+        self._exported: dict[str, int] = {}  # this attempt's microseconds per category already counted
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> GoodputTracker:
@@ -141,17 +141,23 @@ class GoodputTracker:
         wall = self.clock.wall_us() - self.clock.process_age_us()  # the attempt starts when the process did
         self._mono = self.clock.monotonic_us
         self._offset = self.clock.wall_us() - self._mono()
-        self.attempt_id = self.attempt_id or _new_attempt_id(wall)
         self._writer = LedgerWriter(self.root, self.attempt_id, self.rank, self._storage_options)
         self._start = self._last = self._last_flush = wall
         self._order = 0
         self._gap = "startup"
+        self.metrics.bind(job=self.job_id, attempt=self.attempt_id, rank=self.rank, now_us=self._now)
         self._buf.append({
             "k": "start", "t": wall, "job": self.job_id, "attempt": self.attempt_id, "rank": self.rank,
             "pid": os.getpid(), "host": socket.gethostname(), "v": FORMAT_VERSION,
         })
         self.flush()
         return self
+
+    def use_metrics(self, metrics: GoodputMetrics) -> None:
+        """Report to `metrics` from now on (e.g. instruments of a provider configured after the tracker was made)."""
+        if self._writer is not None:
+            metrics.bind(job=self.job_id, attempt=self.attempt_id, rank=self.rank, now_us=self._now)
+        self.metrics = metrics
 
     def end(self, status: str = "ok") -> None:
         """Mark a clean end (or status="error"), flush and close the ledger."""
@@ -249,9 +255,12 @@ class GoodputTracker:
         raise ValueError(f"step_end({step}) without a matching step_begin({step})")
 
     # -- the checkpoint manager's hooks (may run on its writer thread) ----------------------------------------
-    def checkpoint_committed(self, step: int, background_seconds: float) -> None:
-        """The manager made the checkpoint of `step` durable after `background_seconds` of background work."""
-        self._buf.append({"k": "commit", "s": step, "t": self._now(), "bg": background_seconds})
+    def checkpoint_committed(self, step: int, background_seconds: float, nbytes: int | None = None) -> None:
+        """The manager made the checkpoint of `step` (`nbytes` of tensor data) durable after `background_seconds`
+        of background work."""
+        t = self._now()
+        self._buf.append({"k": "commit", "s": step, "t": t, "bg": background_seconds})
+        self.metrics.committed(step, t, background_seconds, nbytes)
         self.flush()
 
     def checkpoint_restored(self, step: int | None) -> None:
@@ -289,11 +298,16 @@ class GoodputTracker:
             return False
         self._prior_done = True
         ledgers = [l for l in read_ledgers(self.root, self._storage_options) if l.rank == self.rank]
+        commits = [(r["s"], r["t"]) for l in ledgers for r in l.records if r["k"] == "commit"]
+        if commits:  # the job's newest checkpoint so far, for the last-step and age gauges
+            self.metrics.committed(*max(commits))
+        failures = 0
         if len(ledgers) > 1:
             self._prior = attribute(ledgers, committed_steps(self.root, self._storage_options), rank=self.rank)
             mine = self._prior.attempts[-1].micros
             self._earlier = {cat: us - mine.get(cat, 0) for cat, us in self._prior.micros.items()}
-            self.metrics.add_failures(sum(a.failed for a in self._prior.attempts[:-1]))
+            failures = sum(a.failed for a in self._prior.attempts[:-1])
+        self.metrics.set_failures(failures)
         return True
 
     def totals_us(self, at_us: int | None = None) -> dict[str, int]:
@@ -308,13 +322,14 @@ class GoodputTracker:
         return acc
 
     def _export(self, t: int) -> None:
-        """Add what grew since the last export to the seconds counter and set the ETTR gauges."""
+        """Count what this attempt's own time grew by since the last export, set the job totals and ETTR gauges."""
         totals = self.totals_us(t)
         for cat, us in totals.items():
-            delta = us - self._exported.get(cat, 0)
-            if delta > 0:
-                self.metrics.add_seconds(cat, delta / 1e6)
-                self._exported[cat] = us
+            mine = us - self._earlier.get(cat, 0)
+            if mine > self._exported.get(cat, 0):
+                self.metrics.add_attempt_seconds(cat, (mine - self._exported.get(cat, 0)) / 1e6)
+                self._exported[cat] = mine
+        self.metrics.set_job_seconds({cat: us / 1e6 for cat, us in totals.items() if us})
         job_start = self._prior.start_us if self._prior is not None else self._start
         begin = max(job_start, t - round(self.window_s * 1e6))
         own = totals.get("productive", 0) - self._earlier.get("productive", 0)

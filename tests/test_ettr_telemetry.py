@@ -1,0 +1,148 @@
+"""OpenTelemetry export across a restart: identity, per-attempt counters, job gauges, checkpoint metrics.
+
+Read back twice: through the SDK's InMemoryMetricReader, and as a real Prometheus scrape over HTTP.
+"""
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+import pytest
+
+from ettr import FakeClock, GoodputTracker, attribute_root, configure_metrics, metric_totals
+
+pytest.importorskip("opentelemetry.exporter.prometheus")
+from prometheus_client import start_http_server  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+JOB = "job-7"
+
+
+def crashed_attempt(root: str) -> None:
+    """a1 on [1000, 1006): restore of nothing 0.5 s, steps 1-2, save of 2 (0.5 s, committed at 1003), steps 3-5,
+    then it dies without an end record."""
+    clock = FakeClock(1000.0)
+    tr = GoodputTracker(root, job_id=JOB, attempt_id="a1", rank=0, clock=clock, flush_interval=0).start()
+    with tr.span("checkpoint_restore"):
+        clock.advance(0.5)
+    tr.checkpoint_restored(None)
+    steps(tr, clock, 1, 2)
+    with tr.span("checkpoint_save", step=2):
+        clock.advance(0.5)
+    tr.checkpoint_committed(2, 1.0, 4096)
+    steps(tr, clock, 3, 5)
+
+
+def steps(tr: GoodputTracker, clock: FakeClock, first: int, last: int) -> None:
+    for s in range(first, last + 1):
+        tr.step_begin(s)
+        clock.advance(1.0)
+        tr.step_end(s)
+
+
+def restarted_attempt(root: str, exporter: str, **options) -> tuple[GoodputTracker, FakeClock, object, object]:
+    """a2 from 1100: 2 s of startup, restore of step 2 (1 s) reported to a freshly configured provider."""
+    clock = FakeClock(1100.0)
+    tr = GoodputTracker(root, job_id=JOB, attempt_id="a2", rank=0, clock=clock, flush_interval=0)
+    provider, reader = configure_metrics(exporter, tracker=tr, set_global=False, **options)
+    tr.start()
+    clock.advance(2.0)
+    with tr.span("checkpoint_restore"):
+        clock.advance(1.0)
+    tr.checkpoint_restored(2)
+    return tr, clock, provider, reader
+
+
+def go_on(tr: GoodputTracker, clock: FakeClock) -> None:
+    """a2 continues: steps 3-4, a save of 4 (0.5 s blocking, 2 s in the background, 8 KiB), then 5 s idle."""
+    steps(tr, clock, 3, 4)
+    with tr.span("checkpoint_save", step=4):
+        clock.advance(0.5)
+    tr.checkpoint_committed(4, 2.0, 8192)
+    clock.advance(5.0)
+
+
+def test_in_memory_reader_sees_identity_attempt_counters_and_job_gauges(tmp_path):
+    root = str(tmp_path)
+    crashed_attempt(root)
+    tr, clock, provider, reader = restarted_attempt(root, "memory")
+
+    seen = metric_totals(reader)  # right after the restore: the job's newest checkpoint is a1's step 2
+    assert (seen["last_step"], seen["age"]) == (2, 100.0)  # committed at 1003, now 1103
+    assert seen["failures"] == 1
+    assert seen["attempt_seconds"] == pytest.approx({"startup": 2.0, "checkpoint_restore": 1.0})
+
+    go_on(tr, clock)
+    seen = metric_totals(reader)
+    assert (seen["last_step"], seen["age"]) == (4, 5.0)
+    assert seen["ettr.checkpoint_write.duration"] == {"count": 1, "sum": 2.0}
+    assert seen["ettr.checkpoint.size"] == {"count": 1, "sum": 8192}
+    tr.end()
+    seen = metric_totals(reader)
+    # the counter starts from 0 in this process: only a2's own time, nothing of a1 added back at the restart
+    assert seen["attempt_seconds"] == pytest.approx(
+        {"startup": 2.0, "checkpoint_restore": 1.0, "productive": 2.0, "checkpoint_save": 0.5, "other": 5.0})
+    report = attribute_root(root)  # the gauges carry the whole job, as the report does
+    assert seen["seconds"] == pytest.approx({k: v / 1e6 for k, v in report.micros.items() if v})
+    assert seen["seconds"]["lost"] == pytest.approx(3.0) and seen["seconds"]["productive"] == pytest.approx(4.0)
+    assert seen["ettr"]["cumulative"] == pytest.approx(report.ettr)
+
+    (resource_metrics,) = reader.get_metrics_data().resource_metrics
+    resource = resource_metrics.resource.attributes
+    assert resource["service.name"] == "ckpt-goodput" and resource["service.instance.id"] == "a2-rank0"
+    assert (resource["ettr.job"], resource["ettr.attempt"], resource["ettr.rank"]) == (JOB, "a2", 0)
+    assert resource["host.name"] == socket.gethostname()
+    labels = {m.name: {tuple(sorted(p.attributes)) for p in m.data.data_points}
+              for sm in resource_metrics.scope_metrics for m in sm.metrics}
+    job, attempt = ("ettr.job", "ettr.rank"), ("ettr.attempt", "ettr.job", "ettr.rank")
+    assert labels["ettr.attempt.time"] == {("ettr.attempt", "ettr.category", "ettr.job", "ettr.rank")}
+    assert labels["ettr.job.time"] == {("ettr.category", "ettr.job", "ettr.rank")}
+    assert labels["ettr.ratio"] == {("ettr.job", "ettr.rank", "ettr.window")}
+    assert labels["ettr.checkpoint.age"] == labels["ettr.job.failures"] == {job}
+    assert labels["ettr.checkpoint.size"] == labels["ettr.checkpoint_save.duration"] == {attempt}
+    provider.shutdown()
+
+
+def test_prometheus_scrape_over_http(tmp_path):
+    root = str(tmp_path)
+    crashed_attempt(root)
+    tr, clock, provider, _ = restarted_attempt(root, "prometheus", service_name="llm-pretrain")
+    server, thread = start_http_server(0, addr="127.0.0.1")
+    try:
+        go_on(tr, clock)
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+    finally:
+        server.shutdown()
+        thread.join(timeout=10)
+        tr.end()
+        provider.shutdown()
+
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((s.labels, s.value))
+
+    def value(name: str, **labels: str) -> float:
+        (match,) = [v for got, v in samples[name] if labels.items() <= got.items()]
+        return match
+
+    (info,) = samples["target_info"]
+    assert {k: info[0][k] for k in ("service_name", "service_instance_id", "ettr_job", "ettr_attempt", "ettr_rank")} \
+        == {"service_name": "llm-pretrain", "service_instance_id": "a2-rank0", "ettr_job": JOB, "ettr_attempt": "a2",
+            "ettr_rank": "0"}
+    me = {"ettr_job": JOB, "ettr_rank": "0"}
+    assert value("ettr_attempt_time_seconds_total", ettr_category="productive", ettr_attempt="a2", **me) == 2.0
+    assert value("ettr_attempt_time_seconds_total", ettr_category="startup", ettr_attempt="a2", **me) == 2.0
+    assert value("ettr_job_time_seconds", ettr_category="productive", **me) == 4.0
+    assert value("ettr_job_time_seconds", ettr_category="lost", **me) == 3.0
+    assert value("ettr_job_time_seconds", ettr_category="downtime", **me) == 94.0  # a1 last record 1006 -> 1100
+    assert value("ettr_job_failures", **me) == 1
+    assert value("ettr_ratio", ettr_window="cumulative", **me) == pytest.approx(4.0 / 105.5)  # at the last flush
+    assert value("ettr_checkpoint_last_step", **me) == 4
+    assert value("ettr_checkpoint_age_seconds", **me) == 5.0
+    assert value("ettr_checkpoint_size_bytes_sum", ettr_attempt="a2", **me) == 8192
+    assert value("ettr_checkpoint_size_bytes_count", ettr_attempt="a2", **me) == 1
+    assert value("ettr_checkpoint_write_duration_seconds_sum", ettr_attempt="a2", **me) == 2.0
+    assert value("ettr_checkpoint_save_duration_seconds_count", ettr_attempt="a2", **me) == 1
