@@ -145,7 +145,7 @@ class GoodputTracker:
         self._start = self._last = self._last_flush = wall
         self._order = 0
         self._gap = "startup"
-        self.metrics.bind(job=self.job_id, attempt=self.attempt_id, rank=self.rank, now_us=self._now)
+        self.use_metrics(self.metrics)  # label them with this attempt now that its clock runs
         self._buf.append({
             "k": "start", "t": wall, "job": self.job_id, "attempt": self.attempt_id, "rank": self.rank,
             "pid": os.getpid(), "host": socket.gethostname(), "v": FORMAT_VERSION,
