@@ -7,19 +7,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ettr import CATEGORIES, FakeClock, GoodputTracker, attribute_root
+from ettr import CATEGORIES, attribute_root
 from ettr.clock import to_us
 
 REPO = Path(__file__).resolve().parents[1]
 
-# One attempt on a fake clock that starts at 1000 s: a 0.5 s restore of nothing, then STEPS steps of 0.1 s each,
-# all within one flush interval (1 s), then it waits to be SIGKILLed.
+# One attempt on a fake clock starting at START s: a 0.5 s restore of nothing, then STEPS steps of 0.1 s each, all
+# within one flush interval (1 s); then it ends cleanly, or waits to be SIGKILLed.
 CHILD = r'''
 import sys, time
 from ettr import FakeClock, GoodputTracker
-root, steps = sys.argv[1], int(sys.argv[2])
-clock = FakeClock(1000.0)
-tracker = GoodputTracker(root, attempt_id="a1", rank=0, job_id="job", clock=clock).start()
+root, attempt, start, steps, then = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+clock = FakeClock(start)
+tracker = GoodputTracker(root, attempt_id=attempt, rank=0, job_id="job", clock=clock).start()
 with tracker.span("checkpoint_restore"):
     clock.advance(0.5)
 tracker.checkpoint_restored(None)
@@ -27,30 +27,29 @@ for step in range(1, steps + 1):
     tracker.step_begin(step)
     clock.advance(0.1)
     tracker.step_end(step)
+if then == "end":
+    tracker.end()
+    sys.exit()
 print("hanging", flush=True)
 time.sleep(600)
 '''
 
 
+def attempt(script, root, name: str, start: float, steps: int, then: str) -> subprocess.Popen:
+    """Run one attempt of the child."""
+    return subprocess.Popen([sys.executable, str(script), str(root), name, str(start), str(steps), then],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
 def test_steps_before_a_sigkill_are_lost_work_not_downtime(tmp_path):
     script, root, steps = tmp_path / "child.py", tmp_path / "run", 6
     script.write_text(CHILD)
-    proc = subprocess.Popen([sys.executable, str(script), str(root), str(steps)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = attempt(script, root, "a1", 1000.0, steps, "hang")
     assert proc.stdout.readline() == "hanging\n"
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL
-
-    clock = FakeClock(1010.0)  # the restart, 9.1 s after the last step ended, resumes from scratch
-    tracker = GoodputTracker(str(root), attempt_id="a2", rank=0, job_id="job", clock=clock).start()
-    with tracker.span("checkpoint_restore"):
-        clock.advance(0.5)
-    tracker.checkpoint_restored(None)
-    for step in range(1, steps + 1):
-        tracker.step_begin(step)
-        clock.advance(0.1)
-        tracker.step_end(step)
-    tracker.end()
+    # the restart, 9.1 s after the last step ended, resumes from scratch
+    assert attempt(script, root, "a2", 1010.0, steps, "end").wait(timeout=60) == 0
 
     a = attribute_root(str(root))
     summary = [(at.status, at.last_step, at.lost_steps) for at in a.attempts]
