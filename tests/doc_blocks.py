@@ -8,6 +8,8 @@ A directive is an HTML comment (invisible when rendered) on the line right befor
                                                the block sees the objects it made, not what it imported
     <!-- doc-test: needs=PATH[,PATH] -->       PATH, written by an earlier block of the same file, must exist
     <!-- doc-test: replace=OLD -> NEW -->      run with OLD replaced by NEW (a 10,000-step run shortened)
+    <!-- doc-test: requires=MODULE[,MODULE] -->  an optional extra the block needs (skipped, saying so, when the
+                                               module is not installed, like the extra's own tests)
 
 Items are separated by `;` (a skip's reason is the rest of the comment). Every block is either run or marked
 skip with a reason. Run as `python doc_blocks.py FILE.md` in an empty directory: python blocks are exec'd in
@@ -17,6 +19,7 @@ line with bash in the same directory, so a later block sees the files an earlier
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -44,6 +47,7 @@ class Block:
     skip: str | None = None  # the reason, when marked skip ("" when marked without one)
     preludes: list[str] = field(default_factory=list)
     needs: list[str] = field(default_factory=list)
+    requires: list[str] = field(default_factory=list)
     replace: list[tuple[str, str]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -74,6 +78,8 @@ def _apply_directive(block: Block, text: str) -> None:
             block.preludes += [v.strip() for v in value.split(",")]
         elif key == "needs":
             block.needs += [v.strip() for v in value.split(",")]
+        elif key == "requires":
+            block.requires += [v.strip() for v in value.split(",")]
         elif key == "replace":
             old, arrow, new = value.partition(" -> ")
             if not arrow or not old:
@@ -81,7 +87,7 @@ def _apply_directive(block: Block, text: str) -> None:
             else:
                 block.replace.append((old, new))
         else:
-            block.errors.append(f"unknown directive {key!r} (skip, prelude, needs, replace)")
+            block.errors.append(f"unknown directive {key!r} (skip, prelude, needs, replace, requires)")
 
 
 def parse(path: Path, text: str | None = None) -> list[Block]:
@@ -206,6 +212,10 @@ def run(path: Path) -> int:
     for block in blocks:
         if block.skip is not None:
             print(f"skip {block.where}: {block.skip}", flush=True)
+            continue
+        absent = [m for m in block.requires if importlib.util.find_spec(m) is None]
+        if absent:
+            print(f"skip {block.where}: {', '.join(absent)} not installed", flush=True)
             continue
         t0 = time.monotonic()
         try:

@@ -75,12 +75,23 @@ def test_console_and_bash_commands_are_split_per_line():
 
 def test_a_failing_block_fails_the_file_and_names_its_line(tmp_path):
     md = tmp_path / "x.md"
-    md.write_text("<!-- doc-test: skip: output -->\n```\n1\n```\n\n```python\nimport os\n```\n\n"
+    md.write_text("<!-- doc-test: skip: output -->\n```\n1\n```\n\n"
+                  "<!-- doc-test: requires=no_such_module_here -->\n```python\n1 / 0\n```\n\n"
+                  "```python\nimport os\n```\n\n"
                   "```bash\ntrue\nfalse  # fails\n```\n\n```python\nos.getcwd()\n```\n")
     proc = run_doc(md, tmp_path)
     assert proc.returncode == 1
-    assert "ok x.md:6" in proc.stdout and "FAILED x.md:10 (bash block)" in proc.stdout
+    assert "skip x.md:7: no_such_module_here not installed" in proc.stdout
+    assert "ok x.md:11" in proc.stdout and "FAILED x.md:15 (bash block)" in proc.stdout
     assert "`false  # fails` exited with status 1" in proc.stdout
     md.write_text("```python\nimport os\n```\n\n```python\nos.getcwd()  # each block imports what it uses\n```\n")
     proc = run_doc(md, tmp_path)
-    assert proc.returncode == 1 and "FAILED x.md:5" in proc.stdout and "NameError" in proc.stdout
+    assert proc.returncode == 1 and "FAILED x.md:5" in proc.stdout and "NameError: name 'os'" in proc.stdout
+
+
+def test_a_prelude_gives_its_objects_not_its_imports(tmp_path):
+    md = tmp_path / "x.md"
+    md.write_text("<!-- doc-test: prelude=goodput_training -->\n```python\ntrain(next(loader))\nprint(total)\n"
+                  "torch.zeros(1)\n```\n")
+    proc = run_doc(md, tmp_path)
+    assert proc.returncode == 1 and proc.stdout.startswith("1000\n") and "NameError: name 'torch'" in proc.stdout
