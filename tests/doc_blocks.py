@@ -2,14 +2,14 @@
 
 A directive is an HTML comment (invisible when rendered) on the line right before a fence:
 
-    <!-- doc-test: skip: REASON -->             not runnable as is (a signature, an output sample, a long command)
-    <!-- doc-test: prelude=NAME[,NAME] -->     run tests/doc_preludes/NAME.py first: it defines what a fragment
-                                               takes from the reader's own program (a model, a dataset, a loss);
-                                               the block sees the objects it made, not what it imported
-    <!-- doc-test: needs=PATH[,PATH] -->       PATH, written by an earlier block of the same file, must exist
-    <!-- doc-test: replace=OLD -> NEW -->      run with OLD replaced by NEW (a 10,000-step run shortened)
-    <!-- doc-test: requires=MODULE[,MODULE] -->  an optional extra the block needs (skipped, saying so, when the
-                                               module is not installed, like the extra's own tests)
+    <!-- doc-test: skip: REASON -->          not runnable as is (a signature, an output sample, a long command)
+    <!-- doc-test: prelude=NAME[,NAME] -->  python: run tests/doc_preludes/NAME.py first; it defines what a
+                                            fragment takes from the reader's own program (a model, a dataset);
+                                            the block sees the objects it made, not the modules it imported
+    <!-- doc-test: needs=PATH[,PATH] -->    PATH, written by an earlier block of the same file, must exist
+    <!-- doc-test: replace=OLD -> NEW -->   run with OLD replaced by NEW (a 10,000-step run shortened)
+    <!-- doc-test: requires=MODULE -->      an optional extra the block needs: skipped, saying so, when the
+                                            module is not installed (as the extra's own tests are)
 
 Items are separated by `;` (a skip's reason is the rest of the comment). Every block is either run or marked
 skip with a reason. Run as `python doc_blocks.py FILE.md` in an empty directory: python blocks are exec'd in
@@ -139,6 +139,9 @@ def problems(blocks: list[Block]) -> list[str]:
             out.append(f"{b.where}: a ```{b.lang} block cannot run: mark it <!-- doc-test: skip: WHY --> "
                        f"(a signature, an output sample) or tag it python/bash")
             continue
+        if b.preludes and RUNNABLE[b.lang] != "python":
+            out.append(f"{b.where}: a prelude is for python blocks; a command block uses needs= on what an earlier "
+                       f"block of the file wrote")
         for name in b.preludes:
             if not (PRELUDES / f"{name}.py").is_file():
                 out.append(f"{b.where}: prelude {name!r} not found in {PRELUDES}")
@@ -193,8 +196,6 @@ def _run_python(block: Block) -> None:
 
 
 def _run_bash(block: Block) -> None:
-    for name in block.preludes:
-        subprocess.run([sys.executable, str(PRELUDES / f"{name}.py")], check=True, timeout=COMMAND_TIMEOUT_S)
     for command in commands(block):
         proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
         if proc.returncode != 0:
