@@ -57,7 +57,7 @@ def test_fsdp2_save_then_restore_at_1_2_4_ranks(tmp_path, save_world):
         _ok(results)
         assert all("mismatched []" in r.stdout for r in results)
     # replicated tensors are written once: bytes on disk within 5% of the unique bytes
-    import ckpt.checkpointer as cp
+    import ckpt.restore as cp
     from ckpt.storage import open_storage
 
     storage = open_storage(root)
