@@ -419,6 +419,22 @@ def test_crafted_manifests_and_files_are_damage_and_fall_back(tmp_path, two_step
     assert torch.equal(target["a"], _state(1)["a"]) and torch.equal(target["c"], _state(1)["c"])
 
 
+def test_format_1_steps_without_digests_are_still_read(tmp_path):
+    _save(tmp_path, [1])
+
+    def downgrade(body):
+        body["format"] = "ckpt/1"
+        for info in body["arrays"].values():
+            del info["digests"]
+
+    _resign(tmp_path, 1, downgrade)
+    assert not list(catalog.verify(open_storage(str(tmp_path)), 1))
+    target = _target()
+    with ckpt.CheckpointManager(tmp_path) as m:
+        assert m.restore(target) == 1
+    assert torch.equal(target["b"], _state(1)["b"])
+
+
 def test_unknown_format_is_refused_without_falling_back(tmp_path):
     _save(tmp_path, [1, 2])
     _resign(tmp_path, 2, _set(["format"], "ckpt/99"))
