@@ -177,23 +177,29 @@ def test_edited_zarr_json_is_damage(tmp_path, edit):
 # -- 6. damaged steps are quarantined, so that the step can be saved again -----------------------------
 
 
-def test_damaged_newest_step_is_quarantined_and_can_be_saved_again(tmp_path):
-    _save(tmp_path, [1, 2, 3])
-    _flip(os.path.join(_step(tmp_path, 3), "arrays", "c", "c", "0", "0"))
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_damaged_newest_step_is_quarantined_and_can_be_saved_again(tmp_path, where):
+    root = str(tmp_path) if where == "local" else f"memory://{uuid.uuid4().hex}"
+    _save(root, [1, 2, 3])
+    storage = open_storage(root)
+    chunk = "step_00000003/arrays/c/c/0/0"
+    data = bytearray(storage.read(chunk))
+    data[100] ^= 0x10
+    storage.write_atomic(chunk, bytes(data))
     target = _target()
-    with ckpt.CheckpointManager(tmp_path) as m:
+    with ckpt.CheckpointManager(root) as m:
         with pytest.raises(CorruptCheckpointError):
             m.restore(target, step=3)  # an explicit step is only reported
         assert m.steps() == [1, 2, 3]
         with pytest.warns(RuntimeWarning, match="step 3 is damaged.*quarantined"):
             assert m.restore(target) == 2
         assert m.steps() == [1, 2]
-        (moved,) = os.listdir(tmp_path / "_quarantine")
+        (moved,) = {f.split("/")[0] for f in storage.list_files("_quarantine")}
         assert moved.startswith("step_00000003-")
-        marker = json.loads((tmp_path / "_quarantine" / moved / "_DAMAGED").read_text())
+        marker = json.loads(storage.read(f"_quarantine/{moved}/_DAMAGED"))
         assert set(marker) == {"reason", "time", "host", "pid"} and "key=c" in marker["reason"]
         assert marker["pid"] == os.getpid()
-        assert (tmp_path / "_quarantine" / moved / "manifest.json").exists(), "kept for inspection"
+        assert storage.read(f"_quarantine/{moved}/manifest.json"), "kept for inspection"
         m.save(3, _state(33)).wait()  # training reached step 3 again
         assert m.restore(target) == 3
     assert torch.equal(target["c"], _state(33)["c"]) and target["n"] == 33
