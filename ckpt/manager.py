@@ -228,40 +228,35 @@ class CheckpointManager:
             prepare_optimizers(state, keys)
             t0 = time.perf_counter()
             damaged: dict[int, CorruptCheckpointError] = {}
-            for _ in range(_MAX_RELISTS):
-                candidates = [step] if step is not None else [
-                    s for s in sorted(catalog.committed_steps(self.storage), reverse=True) if s not in damaged]
-                if self.ranks is not None:  # rank 0's listing is everyone's
-                    candidates = self.ranks.all_gather_json(candidates)[0]
-                for s in candidates:
-                    outcome = self._read_step(s, state, keys, rank_map)
-                    if outcome == "vanished":
-                        if step is not None:
-                            raise FileNotFoundError(f"step {step} is not committed in {self.storage.url}")
-                        log.info("step %d vanished while being read (retention?); listing the steps again", s)
-                        break
-                    if isinstance(outcome, CorruptCheckpointError):
-                        if step is not None:
-                            raise outcome
-                        damaged[s] = outcome
-                        warnings.warn(f"checkpoint step {s} is damaged: {outcome}; {self._set_aside(s, outcome)}; "
-                                      f"falling back to the previous committed step", RuntimeWarning, stacklevel=2)
-                        continue
-                    restore_mod.apply(outcome, state)
-                    restored = s
-                    sizes = [r.nbytes for r in outcome.reads.values()]
-                    log.info("restored step %d from %s: %.1f MB in %.2fs", s, self.storage.url, sum(sizes) / 1e6,
-                             time.perf_counter() - t0)
-                    if keys is None:  # the arena now holds what was read; grow it to the whole state in the background
-                        self._writer.submit(self._arena.reserve, sizes)
-                    break
-                else:
-                    break  # every candidate tried
-                if restored is not None:
-                    break
-            else:
-                raise CheckpointError(f"every step of {self.storage.url} vanished while being read, {_MAX_RELISTS} "
-                                      f"times: is another process deleting them?")
+            candidates, relists = self._candidates(step, damaged), 0
+            while candidates:
+                s = candidates.pop(0)
+                outcome = self._read_step(s, state, keys, rank_map)
+                if outcome == "vanished":
+                    if step is not None:
+                        raise FileNotFoundError(f"step {step} is not committed in {self.storage.url}")
+                    relists += 1
+                    if relists > _MAX_RELISTS:
+                        raise CheckpointError(f"steps of {self.storage.url} vanished while being read, {relists} times: "
+                                              f"is another process deleting them?")
+                    log.info("step %d vanished while being read (retention?); listing the steps again", s)
+                    candidates = self._candidates(step, damaged)
+                    continue
+                if isinstance(outcome, CorruptCheckpointError):
+                    if step is not None:
+                        raise outcome
+                    damaged[s] = outcome
+                    warnings.warn(f"checkpoint step {s} is damaged: {outcome}; {self._set_aside(s, outcome)}; "
+                                  f"falling back to the previous committed step", RuntimeWarning, stacklevel=2)
+                    continue
+                restore_mod.apply(outcome, state)
+                restored = s
+                sizes = [r.nbytes for r in outcome.reads.values()]
+                log.info("restored step %d from %s: %.1f MB in %.2fs", s, self.storage.url, sum(sizes) / 1e6,
+                         time.perf_counter() - t0)
+                if keys is None:  # the arena now holds what was read; grow it to the whole state in the background
+                    self._writer.submit(self._arena.reserve, sizes)
+                break
             if restored is None and damaged:
                 raise CorruptCheckpointError(f"no intact checkpoint in {self.storage.url}: {len(damaged)} damaged "
                                              f"(newest error: {next(iter(damaged.values()))})")
@@ -269,6 +264,12 @@ class CheckpointManager:
             log.warning("restored step %d after skipping %d damaged step(s)", restored, len(damaged))
         tracker.checkpoint_restored(restored)
         return restored
+
+    def _candidates(self, step: int | None, damaged: Mapping[int, Any]) -> list[int]:
+        """Steps to try, newest first: `step`, or every committed one not found damaged (rank 0's list for all)."""
+        candidates = [step] if step is not None else [
+            s for s in sorted(catalog.committed_steps(self.storage), reverse=True) if s not in damaged]
+        return candidates if self.ranks is None else self.ranks.all_gather_json(candidates)[0]
 
     def _read_step(self, s: int, state: dict[str, Any], keys: Sequence[str] | None,
                    rank_map: str) -> restore_mod.ReadPlan | CorruptCheckpointError | str:

