@@ -174,7 +174,9 @@ def _check_files(info: ArrayInfo, files: StepFiles, step: int) -> None:
 
 
 def _add_target(r: ArrayRead, t: torch.Tensor) -> None:
-    if all(t is not x for x in r.targets):
+    """Another tensor to receive the read, unless it views the same memory as one already there (tied)."""
+    view = (t.device, t.data_ptr(), t.stride())
+    if all((x.device, x.data_ptr(), x.stride()) != view for x in r.targets):
         r.targets.append(t)
 
 

@@ -286,10 +286,13 @@ def _b64(v: str) -> bytes | None:
 def _np_value(node: dict) -> np.generic | None:
     """The numpy scalar of a ``$np`` node, or None when the node is malformed."""
     m = _NP_SCALAR.match(node["$np"]) if isinstance(node["$np"], str) else None
-    if m is None:
+    try:
+        dt = np.dtype(node["$np"]) if m else None
+    except TypeError:  # e.g. "<f3"
+        dt = None
+    if dt is None or dt.kind != m.group(1):
         return None
-    dt, v = np.dtype(node["$np"]), node["v"]
-    kind = m.group(1)
+    v, kind = node["v"], dt.kind
     if isinstance(v, dict) and set(v) == {"$float"} and v["$float"] in ("nan", "inf", "-inf"):
         v = float(v["$float"])
     elif isinstance(v, dict) and set(v) == {"$bytes"} and isinstance(v["$bytes"], str):

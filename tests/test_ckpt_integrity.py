@@ -341,6 +341,7 @@ _CRAFTED = {
     "bad_bytes": _set(["tree", "n"], {"$bytes": "%%%"}),
     "bad_np": _set(["tree", "n"], {"$np": "O", "v": 1}),
     "np_void": _set(["tree", "n"], {"$np": "V1000000000", "v": 1}),
+    "np_no_such_dtype": _set(["tree", "n"], {"$np": "<f3", "v": 1.0}),
     "np_value_mismatch": _set(["tree", "n"], {"$np": "<i8", "v": "x"}),
     "bad_dict": _set(["tree", "n"], {"$dict": [[1]]}),
     "dict_key_bool": _set(["tree", "n"], {"$dict": [[True, 1]]}),
