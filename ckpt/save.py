@@ -147,10 +147,12 @@ class SaveJob:
             data = store.typed(s.host, info.dtype, tuple(b - a for a, b in box))
             futures.append(store.write(arrays[s.name].result(), box, data, reference=self._reference))
             pieces.append((info, box, data))
-        for info, box, data in pieces:
-            self.digests.add(info, box, data)
-        for f in futures:
-            f.result()  # resolves once the chunk is written and fsync'd (file kvstore's file_io_sync)
+        try:
+            for info, box, data in pieces:
+                self.digests.add(info, box, data)
+        finally:  # never leave writes that reference the arena behind
+            for f in futures:
+                f.result()  # resolves once the chunk is written and fsync'd (file kvstore's file_io_sync)
 
     def run(self) -> None:
         """Background part: write the last wave, wait until durable, then commit — once, for all ranks.
