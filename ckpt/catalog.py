@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from . import store
-from .checkpointer import read_manifest
 from .errors import CorruptCheckpointError
-from .format import ARRAYS, IN_PROGRESS, MANIFEST, parse_step_dir, step_dir
-from .storage import Storage, context
+from .format import ARRAYS, DAMAGED, IN_PROGRESS, MANIFEST, QUARANTINE, parse_step_dir, step_dir
+from .restore import read_manifest, step_files
+from .storage import Storage, UnsafeFileError, where
 
 
 @dataclass
@@ -32,13 +32,21 @@ def entries(storage: Storage) -> list[StepEntry]:
         step = parse_step_dir(name)
         if step is None:
             continue
-        marker = storage.read(f"{name}/{IN_PROGRESS}")
         try:
+            marker = storage.read(f"{name}/{IN_PROGRESS}")
             info = json.loads(marker) if marker else None
-        except ValueError:
+        except (ValueError, UnsafeFileError):
             info = {}
-        out.append(StepEntry(step, storage.read(f"{name}/{MANIFEST}") is not None, info))
+        out.append(StepEntry(step, is_committed(storage, step), info))
     return sorted(out, key=lambda e: e.step)
+
+
+def is_committed(storage: Storage, step: int) -> bool:
+    """The step's manifest exists (a manifest that is not a regular file counts: reading it reports damage)."""
+    try:
+        return storage.read(f"{step_dir(step)}/{MANIFEST}") is not None
+    except UnsafeFileError:
+        return True
 
 
 def committed_steps(storage: Storage) -> list[int]:
@@ -47,19 +55,30 @@ def committed_steps(storage: Storage) -> list[int]:
 
 
 def verify(storage: Storage, step: int, on_bytes: Callable[[int], None] | None = None) -> Iterator[CorruptCheckpointError]:
-    """Read every chunk of a committed step and check every checksum; yields each problem found."""
+    """Check a committed step as restore does: its manifest, no special files, every array's zarr.json
+    and every chunk (size, crc32c, the manifest's digest); yields each problem found."""
     try:
         manifest = read_manifest(storage, step)
+        step_files(storage, step)
     except CorruptCheckpointError as e:
         yield e
         return
     for name, info in manifest.arrays.items():
-        path = f"{step_dir(step)}/{ARRAYS}/{name}"
         try:
-            store.verify_array(storage.kvstore_spec(path), info, context(), step=step,
-                               file_hint=storage.local_path(path) or storage.url + path, on_bytes=on_bytes)
+            store.verify_array(storage, f"{step_dir(step)}/{ARRAYS}/{name}", info, step=step, on_bytes=on_bytes)
         except CorruptCheckpointError as e:
             yield e
+
+
+def quarantine(storage: Storage, step: int, reason: str) -> str:
+    """Set a damaged step aside: move it to ``_quarantine/step_N-<unix ms>/`` (with a `_DAMAGED` file saying
+    why, when and by whom), so it no longer counts as committed, can be saved again, and stays for
+    inspection. Returns where it went."""
+    dest = f"{QUARANTINE}/{step_dir(step)}-{int(time.time() * 1000)}"
+    storage.move_tree(step_dir(step), dest)
+    marker = {"reason": reason, "time": time.time(), "host": socket.gethostname(), "pid": os.getpid()}
+    storage.write_atomic(f"{dest}/{DAMAGED}", json.dumps(marker).encode())
+    return where(storage, dest)
 
 
 def alive(marker: dict) -> bool:

@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from . import catalog, data
 from . import state as state_mod
-from .checkpointer import read_manifest
+from .restore import read_manifest
 from .errors import CheckpointError
 from .format import step_dir
 from .storage import Storage, open_storage
@@ -58,9 +58,9 @@ def _tree_lines(node: Any, arrays: dict, indent: str = "") -> list[str]:
     if isinstance(node, dict) and not any(k.startswith("$") for k in node):
         for k, v in node.items():
             out += _leaf_or_branch(k, v, arrays, indent)
-    elif isinstance(node, dict) and "$dict" in node:
-        for k, v in node["$dict"]:
-            out += _leaf_or_branch(repr(k), v, arrays, indent)
+    elif isinstance(node, dict) and ("$dict" in node or "$odict" in node):
+        for k, v in node.get("$dict", node.get("$odict")):
+            out += _leaf_or_branch(k if isinstance(k, str) and "$odict" in node else repr(k), v, arrays, indent)
     elif isinstance(node, dict) and "$state" in node:
         out += _tree_lines(node["v"], arrays, indent)
     elif isinstance(node, dict) and "$per_rank" in node:
@@ -74,7 +74,8 @@ def _leaf_or_branch(k: str, v: Any, arrays: dict, indent: str) -> list[str]:
     if ref is not None:
         a = arrays[ref]
         return [f"{indent}{k}: {a.dtype}{list(a.shape)}  ({_human(a.nbytes)}, array {ref})"]
-    if isinstance(v, dict) and ("$state" in v or "$dict" in v or "$per_rank" in v or not any(x.startswith("$") for x in v)):
+    if isinstance(v, dict) and ("$state" in v or "$dict" in v or "$odict" in v or "$per_rank" in v
+                                or not any(x.startswith("$") for x in v)):
         label = f" <{v['$state']}>" if "$state" in v else ""
         return [f"{indent}{k}:{label}"] + _tree_lines(v, arrays, indent + "  ")
     text = json.dumps(v)

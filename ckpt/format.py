@@ -5,12 +5,16 @@ Layout of a root::
     step_00001200/manifest.json      written last; its presence is the commit
     step_00001200/arrays/<name>/     one zarr3 array per tensor (zarr.json + chunk files c/...)
     step_00001200/_IN_PROGRESS       marker of a save in flight (pid, host, time); never read on restore
+    _quarantine/step_00001200-<unix ms>/   a damaged step set aside by restore, with a _DAMAGED file
+                                           (reason, time, host, pid); no longer committed, kept for inspection
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import math
 import re
@@ -21,11 +25,14 @@ import numpy as np
 import tensorstore as ts
 import torch
 
-from .errors import CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError
 
-FORMAT = "ckpt/1"
+FORMAT = "ckpt/2"  # ckpt/2: a crc32c digest per chunk in the manifest
+_READABLE = ("ckpt/1", FORMAT)  # ckpt/1 steps are still read; their chunks are checked by their own crc32c only
 MANIFEST = "manifest.json"
 IN_PROGRESS = "_IN_PROGRESS"
+QUARANTINE = "_quarantine"
+DAMAGED = "_DAMAGED"
 ARRAYS = "arrays"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 # An array name: '/'-separated segments of safe characters; no empty, '.' or '..' segment, nothing absolute.
@@ -106,6 +113,7 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int, starts: tuple[tuple[int, 
     Each box start must fall on a chunk boundary so that no two writers share a chunk; within that
     constraint the first splittable dimension is cut so that a chunk holds at most about `target_bytes`.
     A single writer gets an even split (little padding); otherwise the chunk divides every box start.
+    A chunk exceeds `target_bytes` only where a writer's box start forces it.
     """
     if not shape:
         return ()
@@ -124,7 +132,8 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int, starts: tuple[tuple[int, 
         else:
             pieces = math.ceil(chunk[d] / max_rows)
             chunk[d] = math.ceil(chunk[d] / pieces)
-        break
+        if chunk[d] * inner <= target_bytes:
+            break  # else one row alone is too big: cut the next dimension too
     return tuple(chunk)
 
 
@@ -134,14 +143,58 @@ def _divisors(n: int) -> list[int]:
 
 
 def zarr_metadata(dtype: str, shape: Sequence[int], chunk: Sequence[int]) -> dict[str, Any]:
-    """zarr3 metadata of one array: raw little-endian bytes followed by a crc32c per chunk."""
+    """zarr3 metadata of one array: raw little-endian bytes followed by a crc32c per chunk.
+
+    In the canonical form tensorstore writes (single-byte types carry no endianness), so that a
+    `zarr.json` read back can be compared with it field by field.
+    """
+    raw = {"name": "bytes"} if numpy_dtype(dtype).itemsize == 1 else {"name": "bytes", "configuration": {"endian": "little"}}
     return {
         "shape": list(shape),
         "data_type": dtype,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk)}},
         "chunk_key_encoding": {"name": "default"},
-        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+        "codecs": [raw, {"name": "crc32c"}],
     }
+
+
+_ZARR_INERT = {"zarr_format": 3, "node_type": "array", "fill_value": None, "attributes": None, "dimension_names": None}
+
+
+def zarr_mismatch(data: bytes, info: "ArrayInfo") -> str | None:
+    """How a stored `zarr.json` differs from what the manifest says the array is; None when it agrees.
+
+    The manifest is authoritative: every field that decides how chunk bytes are laid out must be exactly
+    the manifest's, and nothing else (no storage transformer, no other codec) may be there.
+    """
+    try:
+        meta = json.loads(data)
+    except (ValueError, RecursionError):
+        return "is not JSON"
+    if not isinstance(meta, dict):
+        return "is not a JSON object"
+    for k, v in zarr_metadata(info.dtype, info.shape, info.chunk).items():
+        if meta.get(k) != v:
+            return f"has {k} {json.dumps(meta.get(k))}, the manifest says {json.dumps(v)}"
+    for k in meta:
+        if k not in _ZARR_INERT and k not in ("shape", "data_type", "chunk_grid", "chunk_key_encoding", "codecs"):
+            return f"has an unexpected field {k!r}"
+        if _ZARR_INERT.get(k) is not None and meta[k] != _ZARR_INERT[k]:
+            return f"has {k} {json.dumps(meta[k])}, expected {json.dumps(_ZARR_INERT[k])}"
+    return None
+
+
+def chunk_key(index: Sequence[int]) -> str:
+    """The file name of a chunk, relative to its array directory (zarr3 default key encoding)."""
+    return "/".join(["c", *map(str, index)])
+
+
+# Bounds a manifest must respect, checked before anything is allocated or opened.
+MAX_RANK = 32  # dimensions of an array (tensorstore's limit)
+MAX_CHUNK_BYTES = 1 << 32  # one chunk file; the manager refuses a larger chunk_bytes
+MAX_CHUNKS = 1 << 24  # chunk files of one array
+MAX_DEPTH = 100  # nesting of a state tree; deeper states are refused at save
+_MAX_DIM = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -153,27 +206,77 @@ class ArrayInfo:
     shape: tuple[int, ...]
     chunk: tuple[int, ...]
     boxes: tuple[tuple[tuple[int, int], ...], ...]  # written regions: per box, per dim (start, stop)
+    # crc32c of each chunk file's content (the value zarr's crc32c codec appends), chunks in C order of
+    # the chunk grid; None only in manifests of format ckpt/1, which had none.
+    digests: tuple[int, ...] | None = None
+
+    @property
+    def itemsize(self) -> int:
+        return numpy_dtype(self.dtype).itemsize
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * numpy_dtype(self.dtype).itemsize
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def chunk_nbytes(self) -> int:
+        """Bytes of one chunk's content on disk (edge chunks are padded to the full chunk shape)."""
+        return math.prod(self.chunk) * self.itemsize
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """Chunks per dimension."""
+        return tuple(-(-n // c) for n, c in zip(self.shape, self.chunk))
+
+    def chunks(self, box: Sequence[tuple[int, int]]) -> list[tuple[int, ...]]:
+        """Grid indices of the chunks that hold part of `box`, in C order."""
+        return list(itertools.product(*(range(a // c, -(-b // c)) for (a, b), c in zip(box, self.chunk))))
+
+    def ordinal(self, index: Sequence[int]) -> int:
+        """Position of a chunk in C order of the grid (its entry in `digests`)."""
+        out = 0
+        for i, n in zip(index, self.grid):
+            out = out * n + i
+        return out
 
     def to_json(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "shape": list(self.shape), "chunk": list(self.chunk),
-                "boxes": [[list(r) for r in box] for box in self.boxes]}
+                "boxes": [[list(r) for r in box] for box in self.boxes], "digests": list(self.digests or ())}
 
     @classmethod
-    def from_json(cls, name: str, d: dict[str, Any]) -> "ArrayInfo":
-        try:
-            info = cls(validate_array_name(name), str(d["dtype"]), tuple(int(x) for x in d["shape"]),
-                       tuple(int(x) for x in d["chunk"]),
-                       tuple(tuple((int(a), int(b)) for a, b in box) for box in d["boxes"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptCheckpointError(f"malformed array entry in manifest: {e}", key=name) from None
-        torch_dtype(info.dtype)
-        if len(info.chunk) != len(info.shape) or any(s < 0 for s in info.shape) or any(c < 1 for c in info.chunk):
-            raise CorruptCheckpointError(f"array shape {info.shape} / chunk {info.chunk} inconsistent", key=name)
-        return info
+    def from_json(cls, name: str, d: Any, *, digests: bool = True) -> "ArrayInfo":
+        """Validated: known dtype, bounded shape and chunk grid, boxes inside the shape, one digest per chunk."""
+        validate_array_name(name)
+
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise CorruptCheckpointError(f"malformed array entry in manifest: {what}", key=name)
+
+        need(isinstance(d, dict), "not an object")
+        need(isinstance(d.get("dtype"), str) and d["dtype"] in _BY_NAME, f"unknown dtype {d.get('dtype')!r}")
+        shape, chunk = d.get("shape"), d.get("chunk")
+        need(_ints(shape, 0, _MAX_DIM) and len(shape) <= MAX_RANK, f"bad shape {shape!r}")
+        need(_ints(chunk, 1, _MAX_DIM) and len(chunk) == len(shape) and all(c <= max(n, 1) for c, n in zip(chunk, shape)),
+             f"chunk {chunk!r} does not fit shape {shape}")
+        boxes = d.get("boxes")
+        need(isinstance(boxes, list) and len(boxes) <= MAX_CHUNKS and all(
+            isinstance(box, list) and len(box) == len(shape) and all(
+                _ints(r, 0, n) and len(r) == 2 and r[0] <= r[1] for r, n in zip(box, shape)) for box in boxes),
+             "boxes must be lists of [start, stop] inside the shape")
+        info = cls(name, d["dtype"], tuple(shape), tuple(chunk), tuple(tuple((a, b) for a, b in box) for box in boxes))
+        need(info.chunk_nbytes <= MAX_CHUNK_BYTES, f"chunk of {info.chunk_nbytes} bytes, more than {MAX_CHUNK_BYTES}")
+        count = math.prod(info.grid)
+        need(count <= MAX_CHUNKS, f"{count} chunks, more than {MAX_CHUNKS}")
+        if not digests:
+            return info
+        sums = d.get("digests")
+        need(_ints(sums, 0, (1 << 32) - 1) and len(sums) == count, f"needs {count} chunk digests (crc32c values)")
+        return dataclasses.replace(info, digests=tuple(sums))
+
+
+def _ints(v: Any, lo: int, hi: int) -> bool:
+    """A list of ints (not bools) within [lo, hi]."""
+    return isinstance(v, list) and all(type(x) is int and lo <= x <= hi for x in v)
 
 
 @dataclass
@@ -181,7 +284,7 @@ class Manifest:
     """The committed description of one step: state tree, arrays, metadata, versions."""
 
     step: int
-    tree: Any
+    tree: dict[str, Any]
     arrays: dict[str, ArrayInfo]
     metadata: dict[str, Any]
     time: float
@@ -198,16 +301,32 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, data: bytes, *, file: str) -> "Manifest":
+        """Checksum, format and the schema of every field except the tree (see `state.check_tree`)."""
         try:
             outer = json.loads(data)
             body = outer["body"]
             text = json.dumps(body, allow_nan=False, separators=(",", ":"))  # key order is part of the state
-        except (ValueError, KeyError, TypeError) as e:
-            raise CorruptCheckpointError(f"manifest is not valid JSON: {e}", file=file) from None
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise CorruptCheckpointError(f"manifest is not valid JSON: {type(e).__name__}: {e}", file=file) from None
         if hashlib.sha256(text.encode()).hexdigest() != outer.get("sha256"):
             raise CorruptCheckpointError("manifest checksum mismatch", file=file)
-        if body.get("format") != FORMAT:
-            raise CorruptCheckpointError(f"unsupported format {body.get('format')!r}, expected {FORMAT!r}", file=file)
-        arrays = {name: ArrayInfo.from_json(name, d) for name, d in body["arrays"].items()}
-        return cls(step=int(body["step"]), tree=body["tree"], arrays=arrays, metadata=body["metadata"],
-                   time=float(body["time"]), world_size=int(body["world_size"]), versions=body["versions"])
+        if not isinstance(body, dict):
+            raise CorruptCheckpointError("manifest body is not an object", file=file)
+        if body.get("format") not in _READABLE:
+            raise CheckpointError(f"{file} has format {body.get('format')!r}, which this version of ckpt does not "
+                                  f"read (it reads {', '.join(_READABLE)}): was it written by a newer version?")
+        fields = {"step": lambda v: type(v) is int and v >= 0, "time": lambda v: type(v) in (int, float),
+                  "world_size": lambda v: type(v) is int and 1 <= v <= MAX_CHUNKS,
+                  "versions": lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+                  "metadata": lambda v: isinstance(v, dict), "tree": lambda v: isinstance(v, dict),
+                  "arrays": lambda v: isinstance(v, dict)}
+        for k, ok in fields.items():
+            if not ok(body.get(k)):
+                raise CorruptCheckpointError(f"malformed manifest: bad {k} {str(body.get(k))[:100]!r}", file=file)
+        try:
+            arrays = {name: ArrayInfo.from_json(name, d, digests=body["format"] != "ckpt/1")
+                      for name, d in body["arrays"].items()}
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(str(e), key=e.key, file=file) from None
+        return cls(step=body["step"], tree=body["tree"], arrays=arrays, metadata=body["metadata"],
+                   time=float(body["time"]), world_size=body["world_size"], versions=body["versions"])

@@ -16,15 +16,18 @@ from typing import Any, ContextManager, Mapping, Protocol, Sequence
 import torch.distributed as dist
 
 from . import catalog
-from .checkpointer import SaveJob, plan, read_manifest, restore_into
+from . import restore as restore_mod
 from .distributed import Ranks, prepare_optimizers
-from .errors import CheckpointWriteError, CorruptCheckpointError
-from .format import MANIFEST, step_dir
+from .errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
+from .format import MANIFEST, MAX_CHUNK_BYTES, step_dir
+from .restore import read_manifest
 from .retention import Retention
+from .save import SaveJob, plan
 from .staging import StagingArena
 from .storage import Storage, context, open_storage
 
 log = logging.getLogger("ckpt")
+_MAX_RELISTS = 100  # steps vanishing under a restore, in a row, before it gives up
 
 
 class CheckpointObserver(Protocol):
@@ -74,7 +77,7 @@ class CheckpointManager:
         root: local directory or URL (``file://``, ``memory://``, or any tensorstore kvstore URL).
         keep_last, keep_every, keep_best, best_metric, best_mode: retention (see `Retention`).
         max_staging_bytes: cap on the host snapshot buffer; larger states are snapshotted in waves.
-        chunk_bytes: target size of one chunk file (one chunk per tensor up to this size).
+        chunk_bytes: target size of one chunk file (one chunk per tensor up to this size; at most 4 GiB).
         tracker: a `CheckpointObserver` (such as `ettr.GoodputTracker`) told about saves and restores.
         io_threads: concurrent chunk reads on restore.
         collective_timeout: seconds a rank waits for the others during a save or restore before failing.
@@ -89,8 +92,8 @@ class CheckpointManager:
                  tracker: CheckpointObserver | None = None, io_threads: int = 8, collective_timeout: float = 600.0):
         self.storage: Storage = open_storage(root)
         self.retention = Retention(keep_last, keep_every, keep_best, best_metric, best_mode)
-        if chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in [1, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
         self.tracker: CheckpointObserver = tracker if tracker is not None else _NoTracker()
         self._arena = StagingArena(max_staging_bytes)
@@ -204,12 +207,16 @@ class CheckpointManager:
                 rank_map: str = "modulo", track: bool = True) -> int | None:
         """Load the newest intact committed step (or `step`) into `state` in place; returns the step or None.
 
-        Without `step`, a damaged checkpoint is reported (warning) and the previous one is tried (all
-        ranks agree on the step). `keys` restricts the restore to some top-level entries of the state
-        (e.g. ``["model"]``). Per-rank entries (RNG) saved at another world size go to rank i from rank
-        ``i % saved_world_size`` (``rank_map="modulo"``, the default) or are left as they are
-        (``"skip"``: the caller reseeds). `track=False` keeps the restore from the tracker: a load for
-        evaluation (best model, weights only) is not where the job resumed.
+        Nothing reaches `state` unless every read of the step verified: a failed restore leaves it as it
+        was. Without `step`, a damaged checkpoint is reported (warning), moved aside to
+        ``ROOT/_quarantine/`` (so that training can save that step again) and the previous one is tried; a
+        step deleted while being read (another process's retention) is no damage: the steps are listed
+        again. All ranks agree on the step. `keys` restricts the restore to some top-level entries of the
+        state (e.g. ``["model"]``); without it, the state and the checkpoint must have the same keys.
+        Per-rank entries (RNG) saved at another world size go to rank i from rank ``i % saved_world_size``
+        (``rank_map="modulo"``, the default) or are left as they are (``"skip"``: the caller reseeds).
+        `track=False` keeps the restore from the tracker: a load for evaluation (best model, weights only)
+        is not where the job resumed.
         """
         if rank_map not in ("modulo", "skip"):
             raise ValueError(f"rank_map must be 'modulo' or 'skip', got {rank_map!r}")
@@ -218,42 +225,84 @@ class CheckpointManager:
         restored: int | None = None
         tracker = self.tracker if track else _NoTracker()
         with tracker.span("checkpoint_restore"):
-            candidates = [step] if step is not None else sorted(catalog.committed_steps(self.storage), reverse=True)
-            failures: list[CorruptCheckpointError] = []
             prepare_optimizers(state, keys)
             t0 = time.perf_counter()
-            rank, world = (self.ranks.rank, self.ranks.world_size) if self.ranks else (0, 1)
-            for s in candidates:
-                error: CorruptCheckpointError | None = None
-                try:
-                    sizes = restore_into(self.storage, read_manifest(self.storage, s), state, keys, context(),
-                                          self._readers, rank=rank, world_size=world, rank_map=rank_map)
-                except CorruptCheckpointError as e:
-                    error = e
-                if self.ranks is not None:  # every rank takes the same step
-                    bad = [m for m in self.ranks.all_gather_json(None if error is None else str(error)) if m]
-                    if bad and error is None:
-                        error = CorruptCheckpointError(f"another rank found damage: {bad[0]}", step=s)
-                if error is not None:
+            damaged: dict[int, CorruptCheckpointError] = {}
+            candidates, relists = self._candidates(step, damaged), 0
+            while candidates:
+                s = candidates.pop(0)
+                outcome = self._read_step(s, state, keys, rank_map)
+                if outcome == "vanished":
                     if step is not None:
-                        raise error
-                    failures.append(error)
-                    warnings.warn(f"checkpoint step {s} is damaged: {error}; falling back to the previous committed step",
-                                  RuntimeWarning, stacklevel=2)
+                        raise FileNotFoundError(f"step {step} is not committed in {self.storage.url}")
+                    relists += 1
+                    if relists > _MAX_RELISTS:
+                        raise CheckpointError(f"steps of {self.storage.url} vanished while being read, {relists} times: "
+                                              f"is another process deleting them?")
+                    log.info("step %d vanished while being read (retention?); listing the steps again", s)
+                    candidates = self._candidates(step, damaged)
                     continue
+                if isinstance(outcome, CorruptCheckpointError):
+                    if step is not None:
+                        raise outcome
+                    damaged[s] = outcome
+                    warnings.warn(f"checkpoint step {s} is damaged: {outcome}; {self._set_aside(s, outcome)}; "
+                                  f"falling back to the previous committed step", RuntimeWarning, stacklevel=2)
+                    continue
+                restore_mod.apply(outcome, state)
                 restored = s
+                sizes = [r.nbytes for r in outcome.reads.values()]
                 log.info("restored step %d from %s: %.1f MB in %.2fs", s, self.storage.url, sum(sizes) / 1e6,
                          time.perf_counter() - t0)
-                if keys is None:  # warm the snapshot buffer now, so the first save copies into touched memory
+                if keys is None:  # the arena now holds what was read; grow it to the whole state in the background
                     self._writer.submit(self._arena.reserve, sizes)
                 break
-            if restored is None and failures:
-                raise CorruptCheckpointError(f"no intact checkpoint in {self.storage.url}: {len(failures)} damaged "
-                                             f"(newest error: {failures[0]})")
-        if failures and restored is not None:
-            log.warning("restored step %d after skipping %d damaged step(s)", restored, len(failures))
+            if restored is None and damaged:
+                raise CorruptCheckpointError(f"no intact checkpoint in {self.storage.url}: {len(damaged)} damaged "
+                                             f"(newest error: {next(iter(damaged.values()))})")
+        if damaged and restored is not None:
+            log.warning("restored step %d after skipping %d damaged step(s)", restored, len(damaged))
         tracker.checkpoint_restored(restored)
         return restored
+
+    def _candidates(self, step: int | None, damaged: Mapping[int, Any]) -> list[int]:
+        """Steps to try, newest first: `step`, or every committed one not found damaged (rank 0's list for all)."""
+        candidates = [step] if step is not None else [
+            s for s in sorted(catalog.committed_steps(self.storage), reverse=True) if s not in damaged]
+        return candidates if self.ranks is None else self.ranks.all_gather_json(candidates)[0]
+
+    def _read_step(self, s: int, state: dict[str, Any], keys: Sequence[str] | None,
+                   rank_map: str) -> restore_mod.ReadPlan | CorruptCheckpointError | str:
+        """Read and verify step `s` on every rank: its plan, its damage, or "vanished" (deleted meanwhile)."""
+        rank, world = (self.ranks.rank, self.ranks.world_size) if self.ranks else (0, 1)
+        plan: restore_mod.ReadPlan | None = None
+        error: CorruptCheckpointError | FileNotFoundError | None = None
+        try:
+            plan = restore_mod.prepare(self.storage, s, state, keys, self._readers, self._arena, rank=rank,
+                                       world_size=world, rank_map=rank_map)
+        except (CorruptCheckpointError, FileNotFoundError) as e:
+            error = e
+        verdict = "ok" if error is None else (
+            "vanished" if isinstance(error, FileNotFoundError) or not catalog.is_committed(self.storage, s) else "damaged")
+        if self.ranks is not None:  # every rank takes the same decision
+            reports = self.ranks.all_gather_json([verdict, None if error is None else str(error)])
+            verdicts = [v for v, _ in reports]
+            verdict = "vanished" if "vanished" in verdicts else "damaged" if "damaged" in verdicts else "ok"
+            if verdict == "damaged" and not isinstance(error, CorruptCheckpointError):
+                error = CorruptCheckpointError(f"another rank found damage: {next(m for v, m in reports if v == 'damaged')}", step=s)
+        if verdict == "ok":
+            return plan
+        return "vanished" if verdict == "vanished" else error
+
+    def _set_aside(self, s: int, error: CorruptCheckpointError) -> str:
+        """Quarantine a damaged step (rank 0 only) and say where it went, or why it could not be moved."""
+        if self.ranks is not None and self.ranks.rank != 0:
+            return "quarantined by rank 0"
+        try:
+            return f"quarantined to {catalog.quarantine(self.storage, s, str(error))}"
+        except OSError as e:
+            log.warning("could not quarantine damaged step %d: %s", s, e)
+            return f"could not be quarantined ({e})"
 
     # -- queries and lifetime -----------------------------------------------------------------------
 

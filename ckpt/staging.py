@@ -4,7 +4,7 @@ Copying into memory touched before runs ~10x faster than into fresh pages, so th
 once (pre-faulted), kept across saves, and only grown when the state grows; after a restore the manager
 reserves it in the background so that even the first save copies into warm memory. An optional
 cap bounds it: a snapshot larger than the cap is taken in waves (the save then blocks longer instead of
-allocating past the cap).
+allocating past the cap). A restore reads into the arena before it applies anything (`scratch`).
 """
 
 from __future__ import annotations
@@ -24,15 +24,18 @@ def _round_up(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _allocate(nbytes: int) -> torch.Tensor:
-    """A uint8 host tensor of `nbytes` with every page already faulted in; pinned when CUDA is available."""
+def _allocate(nbytes: int, populate: bool = True) -> torch.Tensor:
+    """A uint8 host tensor of `nbytes`, pinned when CUDA is available; with `populate` every page is
+    faulted in now (else by its first writer, e.g. the parallel reads of a restore)."""
     if torch.cuda.is_available():
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages where THP is "madvise": first touches ~4x cheaper here
+        buf.madvise(mmap.MADV_HUGEPAGE)
     out = torch.frombuffer(buf, dtype=torch.uint8)
-    if not _populate(buf, nbytes):
+    if populate and not _populate(buf, nbytes):
         out.zero_()  # touches every page, also without the GIL
     return out
 
@@ -108,6 +111,22 @@ class StagingArena:
             if nbytes > self.capacity:
                 self._buf = _allocate(nbytes)
                 self._np = self._buf.numpy()
+
+    def scratch(self, sizes: list[int]) -> list[torch.Tensor]:
+        """Uint8 buffers of these sizes, for a restore to read into before anything reaches the caller: in
+        the arena (grown within the cap: the next save then copies into touched memory), else temporary.
+        Valid until the next `stage` or `reserve`."""
+        need = sum(_round_up(n) for n in sizes)
+        with self.lock:
+            if self.capacity < need <= (self.max_bytes or need):
+                self._buf = _allocate(need, populate=False)
+                self._np = self._buf.numpy()
+            buf = self._buf if need <= self.capacity else _allocate(need, populate=False)
+        out, off = [], 0
+        for n in sizes:
+            out.append(buf[off:off + n])
+            off += _round_up(n)
+        return out
 
     def stage(self, tensors: dict[str, torch.Tensor], wave: list[tuple[str, tuple[int, int] | None, int]]) -> list[Staged]:
         """Copy one wave into the arena (growing it once if needed); returns views valid until the next stage."""

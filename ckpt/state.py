@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import base64
 import math
+import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
@@ -19,9 +21,14 @@ import numpy as np
 import torch
 
 from .errors import CorruptCheckpointError
-from .format import escape_segment, validate_array_name
+from .format import MAX_DEPTH, ArrayInfo, escape_segment
 
-_TAGS = ("$tensor", "$ndarray", "$float", "$tuple", "$dict", "$bytes", "$np", "$dtype", "$state", "$per_rank")
+_TAGS = ("$tensor", "$ndarray", "$float", "$tuple", "$size", "$dict", "$odict", "$bytes", "$np", "$dtype", "$state",
+         "$per_rank")
+# Tags whose node holds a value under "v" besides the tag; every other tag is the node's only key.
+_WITH_V = ("$np", "$state")
+_TORCH_DTYPES = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
+_NP_SCALAR = re.compile(r"^[<>|=]?([biufcUS])(\d{1,6})$")  # numpy scalar dtypes with an exact JSON form
 
 
 @runtime_checkable
@@ -83,8 +90,11 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
             seen[ident] = name
         return {tag: name}
 
-    def enc(x: Any, path: list[str], key: str) -> Any:
+    def enc(x: Any, path: list[str], key: str, depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:
+            raise TypeError(f"value at key {key!r} is nested deeper than {MAX_DEPTH} levels (does it contain itself?)")
         if isinstance(x, torch.Tensor):
+            _check_dense(x, key)
             return tensor_ref(x.detach(), path, "$tensor")
         if isinstance(x, np.ndarray):
             if x.dtype == object:
@@ -92,35 +102,37 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
             ref = tensor_ref(torch.from_numpy(np.ascontiguousarray(x)), path, "$ndarray")
             flat.numpy_names.add(ref["$ndarray"])
             return ref
+        if isinstance(x, np.generic):  # first: np.float64, np.str_ and np.bytes_ are also float, str and bytes
+            return _np_scalar(x, key)
         if x is None or isinstance(x, (bool, str)):
             return x
         if isinstance(x, int):
             return int(x)
         if isinstance(x, float):
-            return float(x) if math.isfinite(x) else {"$float": repr(float(x))}
-        if isinstance(x, np.generic):
-            if isinstance(x, (np.object_, np.void)):
-                raise TypeError(f"value at key {key!r} is a numpy {x.dtype} scalar, which has no JSON form")
-            return {"$np": x.dtype.str, "v": enc(x.item(), path, key)}
+            return _float(x)
         if isinstance(x, bytes):
             return {"$bytes": base64.b64encode(x).decode()}
         if isinstance(x, torch.dtype):
             return {"$dtype": str(x).removeprefix("torch.")}
+        if isinstance(x, torch.Size):
+            return {"$size": list(x)}
         if isinstance(x, tuple):
-            return {"$tuple": [enc(v, path + [str(i)], f"{key}.{i}") for i, v in enumerate(x)]}
+            return {"$tuple": [enc(v, path + [str(i)], f"{key}.{i}", depth + 1) for i, v in enumerate(x)]}
         if isinstance(x, list):
-            return [enc(v, path + [str(i)], f"{key}.{i}") for i, v in enumerate(x)]
+            return [enc(v, path + [str(i)], f"{key}.{i}", depth + 1) for i, v in enumerate(x)]
         if isinstance(x, Mapping):
             items = []
             for k, v in x.items():
                 if isinstance(k, bool) or not isinstance(k, (str, int)):
                     raise TypeError(f"dict at key {key!r} has a key {k!r} of type {type(k).__name__}; only str and int keys are supported")
-                items.append((k, enc(v, path + [escape_segment(k)], f"{key}.{k}" if key else str(k))))
+                items.append((k, enc(v, path + [escape_segment(k)], f"{key}.{k}" if key else str(k), depth + 1)))
+            if isinstance(x, OrderedDict):
+                return {"$odict": [[k, v] for k, v in items]}
             if all(isinstance(k, str) and not k.startswith("$") for k, _ in items):
                 return dict(items)
             return {"$dict": [[k, v] for k, v in items]}
         if is_stateful(x):
-            return {"$state": type(x).__qualname__, "v": enc(x.state_dict(), path, key)}
+            return {"$state": type(x).__qualname__, "v": enc(x.state_dict(), path, key, depth + 1)}
         raise TypeError(f"value at key {key!r} has type {type(x).__module__}.{type(x).__qualname__}, which cannot be "
                         f"saved: use tensors, JSON values (None/bool/int/float/str/list/tuple/dict), numpy arrays, "
                         f"or an object with state_dict()/load_state_dict()")
@@ -135,6 +147,31 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
             tree[k] = enc(v, [escape_segment(k)], k)
     flat.tree = tree
     return flat
+
+
+def _check_dense(t: torch.Tensor, key: str) -> None:
+    """Only dense tensors with data have an on-disk form; say which key holds one that has not."""
+    what = ("a nested tensor" if t.is_nested else f"a {t.layout} (sparse) tensor" if t.layout != torch.strided
+            else "a meta tensor (it has no data)" if t.is_meta else None)
+    if what:
+        raise TypeError(f"tensor at key {key!r} is {what}: only dense tensors with data can be saved "
+                        f"(convert it first, e.g. with .to_dense() or .unbind())")
+
+
+def _float(x: float) -> Any:
+    return float(x) if math.isfinite(x) else {"$float": repr(float(x))}
+
+
+def _np_scalar(x: np.generic, key: str) -> dict[str, Any]:
+    """A numpy scalar with its exact dtype; kinds without a portable exact form (longdouble...) are refused."""
+    m = _NP_SCALAR.match(x.dtype.str)
+    if not m or (m.group(1) == "f" and x.dtype.itemsize > 8) or (m.group(1) == "c" and x.dtype.itemsize > 16):
+        raise TypeError(f"value at key {key!r} is a numpy {type(x).__name__} scalar ({x.dtype}), which has no exact "
+                        f"portable form: convert it (e.g. to np.float64, or to a str)")
+    v = x.item()
+    value = ([_float(v.real), _float(v.imag)] if isinstance(v, complex) else _float(v) if isinstance(v, float)
+             else {"$bytes": base64.b64encode(v).decode()} if isinstance(v, bytes) else v)
+    return {"$np": x.dtype.str, "v": value}
 
 
 def select_rank(node: Any, rank: int, saved_world: int, world: int, rank_map: str) -> Any | None:
@@ -168,56 +205,161 @@ def tensor_refs(tree: Any) -> list[str]:
     return out
 
 
-def decode(node: Any, load: Callable[[str, Any], torch.Tensor], template: Any = None, key: str = "") -> Any:
-    """Rebuild a value from its JSON tree; `load(name, template_tensor)` returns the tensor for a reference.
+def check_tree(tree: dict[str, Any], arrays: Mapping[str, ArrayInfo], *, file: str) -> None:
+    """Validate a manifest's tree before anything is read: known tags, well-formed values, bounded depth,
+    per-rank entries only at the top, every tensor reference listed in `arrays`. Raises CorruptCheckpointError."""
+
+    def bad(what: str, key: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"malformed state tree in manifest: {what}", key=key or None, file=file)
+
+    def check(node: Any, key: str, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise bad(f"nested deeper than {MAX_DEPTH} levels", key)
+        if node is None or isinstance(node, (bool, int, str)) or (isinstance(node, float) and math.isfinite(node)):
+            return
+        if isinstance(node, list):
+            for i, v in enumerate(node):
+                check(v, f"{key}.{i}", depth + 1)
+            return
+        if not isinstance(node, dict):
+            raise bad(f"unexpected value {node!r}", key)
+        tag = _tag(node)
+        if tag is None:
+            if any(k.startswith("$") for k in node):
+                raise bad(f"unknown tag in {sorted(node)}", key)
+            for k, v in node.items():
+                check(v, _join(key, k), depth + 1)
+            return
+        if set(node) != ({tag, "v"} if tag in _WITH_V else {tag}):
+            raise bad(f"{tag} node has keys {sorted(node)}", key)
+        v = node[tag]
+        ok = {"$tensor": lambda: isinstance(v, str) and v in arrays, "$ndarray": lambda: isinstance(v, str) and v in arrays,
+              "$float": lambda: v in ("nan", "inf", "-inf"),
+              "$tuple": lambda: isinstance(v, list),
+              "$size": lambda: isinstance(v, list) and all(type(n) is int and n >= 0 for n in v),
+              "$dict": lambda: _pairs(v), "$odict": lambda: _pairs(v),
+              "$bytes": lambda: isinstance(v, str) and _b64(v) is not None,
+              "$np": lambda: _np_value(node) is not None,
+              "$dtype": lambda: isinstance(v, str) and v in _TORCH_DTYPES,
+              "$state": lambda: isinstance(v, str),
+              "$per_rank": lambda: False}[tag]
+        if not ok():
+            raise bad(f"bad {tag} value {str(v)[:100]!r}" + (" (not a listed array)" if tag in ("$tensor", "$ndarray") else "")
+                      + (" (per-rank entries are top-level only)" if tag == "$per_rank" else ""), key)
+        children = [x for _, x in v] if tag in ("$dict", "$odict") else v if tag == "$tuple" else [node["v"]] if tag == "$state" else []
+        for i, x in enumerate(children):
+            check(x, f"{key}.{i}", depth + 1)
+
+    for k, node in tree.items():
+        if k.startswith("$"):
+            raise bad("top-level key starts with '$'", k)
+        if isinstance(node, dict) and _tag(node) == "$per_rank":
+            entries = node["$per_rank"]
+            if set(node) != {"$per_rank"} or not isinstance(entries, list) or not all(
+                    isinstance(e, list) and len(e) == 2 and type(e[0]) is int and e[0] >= 0 for e in entries):
+                raise bad("$per_rank must be a list of [rank, tree]", k)
+            for rank, sub in entries:
+                check(sub, f"{k}.rank{rank}", 1)
+        else:
+            check(node, k, 0)
+
+
+def _tag(node: dict) -> str | None:
+    return next((k for k in node if k in _TAGS), None)
+
+
+def _join(key: str, k: Any) -> str:
+    return f"{key}.{k}" if key else str(k)
+
+
+def _pairs(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 and type(p[0]) in (str, int) for p in v)
+
+
+def _b64(v: str) -> bytes | None:
+    try:
+        return base64.b64decode(v, validate=True)
+    except ValueError:
+        return None
+
+
+def _np_value(node: dict) -> np.generic | None:
+    """The numpy scalar of a ``$np`` node, or None when the node is malformed."""
+    m = _NP_SCALAR.match(node["$np"]) if isinstance(node["$np"], str) else None
+    try:
+        dt = np.dtype(node["$np"]) if m else None
+    except TypeError:  # e.g. "<f3"
+        dt = None
+    if dt is None or dt.kind != m.group(1):
+        return None
+    v, kind = node["v"], dt.kind
+    if isinstance(v, dict) and set(v) == {"$float"} and v["$float"] in ("nan", "inf", "-inf"):
+        v = float(v["$float"])
+    elif isinstance(v, dict) and set(v) == {"$bytes"} and isinstance(v["$bytes"], str):
+        v = _b64(v["$bytes"])
+    elif kind == "c" and isinstance(v, list) and len(v) == 2:
+        parts = [float(x["$float"]) if isinstance(x, dict) and x.get("$float") in ("nan", "inf", "-inf") else x for x in v]
+        v = complex(*parts) if all(type(x) in (int, float) for x in parts) else None
+    expected = {"b": (bool,), "i": (int,), "u": (int,), "f": (int, float), "c": (complex,), "U": (str,), "S": (bytes,)}[kind]
+    if type(v) not in expected or dt.itemsize > (16 if kind == "c" else 8 if kind in "biuf" else 1 << 26):
+        return None
+    try:
+        return dt.type(v)
+    except (OverflowError, ValueError, TypeError):
+        return None
+
+
+def decode(node: Any, load: Callable[[str, Any, bool], Any], template: Any = None, key: str = "",
+           strict: bool = False) -> Any:
+    """Rebuild a value from a checked JSON tree; `load(name, template, as_numpy)` returns the array for a reference.
 
     `template` is the value currently at this position in the caller's state (or its state_dict for
-    Stateful objects), so tensors can be read in place into the caller's memory.
+    Stateful objects), so tensors can be read in place into the caller's memory. With `strict`, a dict of
+    the caller's state must hold exactly the checkpoint's keys, else a KeyError names the key path. Below a
+    Stateful object only an nn.Module's keys are compared (its load_state_dict would refuse a mismatch,
+    but only after loading the rest); other objects' load_state_dict judge their own state.
     """
     if is_stateful(template):
+        strict = isinstance(template, torch.nn.Module)
         template = template.state_dict()
     if isinstance(node, list):
         tl = template if isinstance(template, (list, tuple)) and len(template) == len(node) else [None] * len(node)
-        return [decode(v, load, t, f"{key}.{i}") for i, (v, t) in enumerate(zip(node, tl))]
+        return [decode(v, load, t, f"{key}.{i}", strict) for i, (v, t) in enumerate(zip(node, tl))]
     if not isinstance(node, dict):
-        if node is None or isinstance(node, (bool, int, float, str)):
-            return node
-        raise CorruptCheckpointError(f"unexpected JSON value of type {type(node).__name__}", key=key)
-    tags = [k for k in node if k in _TAGS]
-    if not tags:
-        return {k: decode(v, load, _child(template, k), f"{key}.{k}" if key else k) for k, v in node.items()}
-    tag = tags[0]
+        return node
+    tag = _tag(node)
+    if tag in (None, "$dict", "$odict"):
+        pairs = list(node.items()) if tag is None else [(k, v) for k, v in node[tag]]
+        if strict and isinstance(template, Mapping):
+            _same_keys([k for k, _ in pairs], list(template), key)
+        return (OrderedDict if tag == "$odict" else dict)(
+            (k, decode(v, load, _child(template, k), _join(key, k), strict)) for k, v in pairs)
     v = node[tag]
     if tag in ("$tensor", "$ndarray"):
-        t = load(validate_array_name(v), template)
-        return t.numpy() if tag == "$ndarray" else t
+        return load(v, template, tag == "$ndarray")
     if tag == "$float":
-        if v not in ("nan", "inf", "-inf"):
-            raise CorruptCheckpointError(f"bad $float value {v!r}", key=key)
         return float(v)
     if tag == "$tuple":
         tl = template if isinstance(template, (list, tuple)) and len(template) == len(v) else [None] * len(v)
-        return tuple(decode(x, load, t, f"{key}.{i}") for i, (x, t) in enumerate(zip(v, tl)))
-    if tag == "$dict":
-        out = {}
-        for pair in v:
-            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], (str, int))):
-                raise CorruptCheckpointError("malformed $dict entry", key=key)
-            k = pair[0]
-            out[k] = decode(pair[1], load, _child(template, k), f"{key}.{k}" if key else str(k))
-        return out
+        return tuple(decode(x, load, t, f"{key}.{i}", strict) for i, (x, t) in enumerate(zip(v, tl)))
+    if tag == "$size":
+        return torch.Size(v)
     if tag == "$bytes":
         return base64.b64decode(v, validate=True)
     if tag == "$np":
-        return np.dtype(v).type(decode(node["v"], load, None, key))
+        return _np_value(node)
     if tag == "$dtype":
-        dt = getattr(torch, str(v), None)
-        if not isinstance(dt, torch.dtype):
-            raise CorruptCheckpointError(f"unknown dtype {v!r}", key=key)
-        return dt
-    if tag == "$per_rank":
-        raise CorruptCheckpointError("per-rank entry below the top level of the state", key=key)
-    return decode(node["v"], load, template, key)  # "$state": a Stateful object's state_dict
+        return _TORCH_DTYPES[v]
+    return decode(node["v"], load, template, key, strict)  # "$state": a Stateful object's state_dict
+
+
+def _same_keys(saved: list[Any], current: list[Any], key: str) -> None:
+    saved_set, current_set = set(saved), set(current)
+    extra, missing = [k for k in saved if k not in current_set], [k for k in current if k not in saved_set]
+    if extra or missing:
+        raise KeyError(f"restore: " + "; ".join(
+            [f"key {_join(key, k)!r} is in the checkpoint but not in the state passed to restore" for k in extra]
+            + [f"key {_join(key, k)!r} is in the state passed to restore but not in the checkpoint" for k in missing]))
 
 
 def _child(template: Any, k: Any) -> Any:

@@ -9,8 +9,10 @@ single PUT of the manifest is the atomic commit.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import stat
 from typing import Any, Protocol
 
 import fsspec
@@ -32,12 +34,74 @@ class Storage(Protocol):
     def write_atomic(self, path: str, data: bytes) -> None: ...
     def delete_tree(self, path: str) -> None: ...
     def delete_file(self, path: str) -> None: ...
+    def move_tree(self, src: str, dst: str) -> None: ...
     def size(self, path: str) -> int: ...
 
 
 def _check(path: str) -> str:
     validate_array_name(path)
     return path
+
+
+def where(storage: Storage, path: str) -> str:
+    """A path of a root as a user finds it: the local file, or the URL."""
+    return storage.local_path(path) or f"{storage.url}{path}"
+
+
+class UnsafeFileError(OSError):
+    """A file inside a root that is a symbolic link, FIFO, directory or device: never followed nor read."""
+
+
+def open_regular(path: str) -> int:
+    """A read-only fd of a regular file; never follows a final symlink, never blocks on a FIFO.
+
+    FileNotFoundError when it is missing, UnsafeFileError (naming what it is) when it is not a regular file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO):
+            raise UnsafeFileError(e.errno, "a symbolic link" if e.errno == errno.ELOOP else "a socket", path) from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise UnsafeFileError(errno.EINVAL, _kind(mode), path)
+    return fd
+
+
+def _kind(mode: int) -> str:
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a symbolic link"
+            if stat.S_ISLNK(mode) else "not a regular file")
+
+
+def local_files(path: str) -> dict[str, int]:
+    """Size of every file under a local directory, by relative path; UnsafeFileError on the first entry
+    (the directory itself included) that is neither a regular file nor a directory."""
+    sizes: dict[str, int] = {}
+    mode = os.lstat(path).st_mode
+    if not stat.S_ISDIR(mode):
+        raise UnsafeFileError(errno.EINVAL, _kind(mode), path)
+    stack = [path]
+    while stack:
+        with os.scandir(stack.pop()) as it:
+            for e in it:
+                st = e.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(e.path)
+                elif stat.S_ISREG(st.st_mode):
+                    sizes[os.path.relpath(e.path, path)] = st.st_size
+                else:
+                    raise UnsafeFileError(errno.EINVAL, _kind(st.st_mode), e.path)
+    return sizes
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class LocalStorage:
@@ -66,11 +130,13 @@ class LocalStorage:
         return sorted(os.path.relpath(os.path.join(d, f), base) for d, _, fs in os.walk(base) for f in fs)
 
     def read(self, path: str) -> bytes | None:
+        """The file's bytes, None when it is missing; UnsafeFileError when it is not a regular file."""
         try:
-            with open(self._p(path), "rb") as f:
-                return f.read()
+            fd = open_regular(self._p(path))
         except (FileNotFoundError, NotADirectoryError):
             return None
+        with open(fd, "rb") as f:
+            return f.read()
 
     def write_atomic(self, path: str, data: bytes) -> None:
         """temp file + fsync + rename + fsync of the directory: the file is either whole or absent."""
@@ -82,11 +148,7 @@ class LocalStorage:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-        fd = os.open(os.path.dirname(final), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(os.path.dirname(final))
 
     def delete_tree(self, path: str) -> None:
         shutil.rmtree(self._p(path), ignore_errors=True)
@@ -96,6 +158,14 @@ class LocalStorage:
             os.remove(self._p(path))
         except FileNotFoundError:
             pass
+
+    def move_tree(self, src: str, dst: str) -> None:
+        """Rename a directory (atomic within the root's filesystem); both parents are fsync'd."""
+        source, target = self._p(src), self._p(dst)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.rename(source, target)
+        for parent in {os.path.dirname(source), os.path.dirname(target)}:
+            _fsync_dir(parent)
 
     def size(self, path: str) -> int:
         base = self._p(path)
@@ -142,6 +212,12 @@ class KvStorage:
 
     def delete_file(self, path: str) -> None:
         self._kv.delete_range(ts.KvStore.KeyRange(_check(path), _check(path) + "\x00")).result()
+
+    def move_tree(self, src: str, dst: str) -> None:
+        """Copy every key under `src` to `dst`, then delete `src` (object stores have no rename)."""
+        for k in self.list_files(src):
+            self.write_atomic(f"{dst}/{k}", self._kv.read(f"{_check(src)}/{k}").result().value)
+        self.delete_tree(src)
 
     def size(self, path: str) -> int:
         prefix = _check(path).rstrip("/") + "/"

@@ -1,16 +1,20 @@
-"""Array IO through tensorstore, plus a verified direct-read fast path for local files.
+"""Array IO: writes through tensorstore (zarr3), verified reads of chunk files, and chunk digests.
 
-Writes reference the staging arena without copying (`can_reference_source_data_indefinitely`): the
-arena stays untouched until every write future of the save has resolved. Reads open arrays with
-`fill_missing_data_reads=False` so a missing chunk is an error, never zeros. Local chunk files of
-row-chunked arrays are read straight into the destination tensor with `preadv` and their crc32c checked.
+Writes reference the staging arena without copying (`can_reference_source_data_indefinitely`; not on
+the memory kvstore, which would keep the reference): the arena stays untouched until every write
+future of the save has resolved; meanwhile the digest of every
+chunk is computed from the same staged bytes. Reads never go through zarr.json: with the codecs
+`bytes` (little endian) + `crc32c` that the manifest fixes, a chunk file is the raw bytes of a block of
+the array (edge blocks zero-padded) followed by their crc32c, so each chunk is read as bytes, checked
+(size, crc32c, the manifest's digest), and only then placed. Local chunk files of row-chunked arrays go
+straight into the destination with `preadv`; anything else is read whole and copied out.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 import crc32c
@@ -19,23 +23,26 @@ import tensorstore as ts
 import torch
 
 from .errors import CorruptCheckpointError
-from .format import ArrayInfo, numpy_dtype, zarr_metadata
+from .format import ArrayInfo, chunk_key, numpy_dtype, zarr_metadata, zarr_mismatch
+from .storage import Storage, UnsafeFileError, open_regular, where
 
-
-def _spec(kvstore: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {"driver": "zarr3", "kvstore": kvstore, **extra}
+Box = tuple[tuple[int, int], ...]
 
 
 def create(kvstore: dict[str, Any], info: ArrayInfo, context: ts.Context) -> ts.Future:
     """Create (or open, when another rank created it) the zarr3 array described by `info`."""
-    return ts.open(_spec(kvstore, metadata=zarr_metadata(info.dtype, info.shape, info.chunk),
-                         create=True, open=True, store_data_equal_to_fill_value=True), context=context)
+    return ts.open({"driver": "zarr3", "kvstore": kvstore, "metadata": zarr_metadata(info.dtype, info.shape, info.chunk),
+                    "create": True, "open": True, "store_data_equal_to_fill_value": True}, context=context)
 
 
-def write(array: ts.TensorStore, box: Iterable[tuple[int, int]], data: np.ndarray) -> ts.WriteFutures:
-    """Write `data` (viewing staged bytes) into a box of the global array."""
+def write(array: ts.TensorStore, box: Iterable[tuple[int, int]], data: np.ndarray, *, reference: bool) -> ts.WriteFutures:
+    """Write `data` (viewing staged bytes) into a box of the global array; with `reference`, without a copy.
+
+    Only where the kvstore lets go of the data once written: the memory kvstore keeps what it is given,
+    so referencing the arena would let the next snapshot rewrite a committed step.
+    """
     index = tuple(slice(a, b) for a, b in box)
-    return array[index].write(data, can_reference_source_data_indefinitely=True)
+    return array[index].write(data, can_reference_source_data_indefinitely=reference)
 
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:
@@ -48,38 +55,106 @@ def typed(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     return raw.view(numpy_dtype(dtype)).reshape(shape)
 
 
-def read_into(kvstore: dict[str, Any], info: ArrayInfo, dest: torch.Tensor, box: tuple[tuple[int, int], ...],
-              context: ts.Context, *, step: int | None, file_hint: str) -> None:
-    """Read region `box` of an array into a contiguous CPU tensor, verifying every chunk's crc32c."""
+class ChunkDigests:
+    """The crc32c of every chunk one writer writes, computed from its staged bytes as zarr lays them out:
+    C order within the chunk, edge chunks zero-padded to the full chunk shape. Row bands may arrive in
+    several pieces (staging waves), in row order; a chunk's digest is complete at its last row."""
+
+    def __init__(self) -> None:
+        self.done: dict[str, dict[int, int]] = {}
+        self._partial: dict[tuple[str, int], int] = {}
+
+    def add(self, info: ArrayInfo, box: Box, data: np.ndarray) -> None:
+        """Feed `data`, the values of `box` (a region of the global array) as staged."""
+        done = self.done.setdefault(info.name, {})
+        if not info.shape:
+            done[0] = crc32c.crc32c(_raw(data))
+            return
+        lo_row = box[0][0]
+        for index in info.chunks(box):
+            first = index[0] * info.chunk[0]
+            end = min(first + info.chunk[0], info.shape[0])  # last valid row of the chunk, exclusive
+            rows = (max(box[0][0], first), min(box[0][1], end))
+            valid = [(i * c, min((i + 1) * c, n)) for i, c, n in zip(index[1:], info.chunk[1:], info.shape[1:])]
+            band = data[(slice(rows[0] - lo_row, rows[1] - lo_row),)
+                        + tuple(slice(a - b0, b - b0) for (a, b), (b0, _) in zip(valid, box[1:]))]
+            if band.shape[1:] != info.chunk[1:]:  # right-edge chunk: zero-pad its columns
+                padded = np.zeros((band.shape[0],) + info.chunk[1:], dtype=band.dtype)
+                padded[(slice(None),) + tuple(slice(0, n) for n in band.shape[1:])] = band
+                band = padded
+            key = (info.name, info.ordinal(index))
+            crc = crc32c.crc32c(_raw(band), self._partial.pop(key, 0))
+            if rows[1] < end:
+                self._partial[key] = crc
+                continue
+            pad = (first + info.chunk[0] - end) * math.prod(info.chunk[1:]) * info.itemsize
+            done[key[1]] = crc32c.crc32c(bytes(pad), crc) if pad else crc
+
+
+def _raw(a: np.ndarray) -> memoryview:
+    """The bytes of an array in C order (a view when it is contiguous)."""
+    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+
+
+def _check(data: memoryview, stored: int, info: ArrayInfo, index: tuple[int, ...], *, step: int | None, file: str,
+           crc: int | None = None) -> None:
+    """A chunk's content against its own crc32c, then that crc32c against the manifest's digest."""
+    if (crc32c.crc32c(data) if crc is None else crc) != stored:
+        raise CorruptCheckpointError("chunk checksum (crc32c) mismatch", step=step, key=info.name, file=file)
+    if info.digests is not None and stored != info.digests[info.ordinal(index)]:
+        raise CorruptCheckpointError(
+            f"chunk digest mismatch: the manifest expects crc32c {info.digests[info.ordinal(index)]:08x}, the file "
+            f"holds {stored:08x} (a chunk of another step, run or rank?)", step=step, key=info.name, file=file)
+
+
+def check_zarr_json(storage: Storage, path: str, info: ArrayInfo, *, step: int | None) -> None:
+    """The array's zarr.json must describe exactly the array the manifest lists (the manifest is authoritative)."""
+    file = where(storage, f"{path}/zarr.json")
+    data = _read_file(storage, f"{path}/zarr.json", info, step=step, what="zarr.json")
+    mismatch = zarr_mismatch(data, info)
+    if mismatch:
+        raise CorruptCheckpointError(f"zarr.json {mismatch}", step=step, key=info.name, file=file)
+
+
+def _read_file(storage: Storage, path: str, info: ArrayInfo, *, step: int | None, what: str) -> bytes:
     try:
-        arr = ts.open(_spec(kvstore, open=True, fill_missing_data_reads=False), context=context,
-                      read=True).result()
-        if arr.shape != info.shape:
-            raise CorruptCheckpointError(f"array has shape {arr.shape}, manifest says {info.shape}",
-                                         step=step, key=info.name, file=file_hint)
-        out = typed(as_bytes(dest), info.dtype, tuple(b - a for a, b in box))
-        ts.array(out, copy=False, write=True, context=context).write(arr[tuple(slice(a, b) for a, b in box)]).result()
-    except (ValueError, RuntimeError) as e:  # tensorstore reports DATA_LOSS / NOT_FOUND as ValueError
-        if isinstance(e, CorruptCheckpointError):
-            raise
-        raise CorruptCheckpointError(f"cannot read array: {e}", step=step, key=info.name, file=_chunk_of(e, file_hint)) from None
+        data = storage.read(path)
+    except UnsafeFileError as e:
+        raise CorruptCheckpointError(f"{what} is {e.strerror}", step=step, key=info.name, file=where(storage, path)) from None
+    if data is None:
+        raise CorruptCheckpointError(f"{what} is missing", step=step, key=info.name, file=where(storage, path))
+    return data
 
 
-def _chunk_of(e: Exception, fallback: str) -> str:
-    text = str(e)
-    for marker in ('"c/', "c/"):
-        i = text.find(marker)
-        if i >= 0:
-            tail = text[i + (1 if marker.startswith('"') else 0):]
-            return os.path.join(fallback, tail.split('"')[0].split(" ")[0])
-    return fallback
+def read_chunks(storage: Storage, path: str, info: ArrayInfo, dest: torch.Tensor, box: Box,
+                pool: ThreadPoolExecutor, *, step: int | None) -> list[Future]:
+    """Submit reads of every chunk that holds part of `box`; each is checked, then its part copied into
+    `dest` (a contiguous CPU tensor of the box's shape)."""
+    out = typed(as_bytes(dest), info.dtype, tuple(b - a for a, b in box))
+    return [pool.submit(_read_chunk, storage, path, info, index, out, box, step) for index in info.chunks(box)]
 
 
-def direct_rows(info: ArrayInfo, box: tuple[tuple[int, int], ...]) -> tuple[int, int] | None:
+def _read_chunk(storage: Storage, path: str, info: ArrayInfo, index: tuple[int, ...], out: np.ndarray | None,
+                box: Box, step: int | None) -> None:
+    file_path = f"{path}/{chunk_key(index)}"
+    data = _read_file(storage, file_path, info, step=step, what="chunk file")
+    if len(data) != info.chunk_nbytes + 4:
+        raise CorruptCheckpointError(f"chunk file has {len(data)} bytes, expected {info.chunk_nbytes + 4}",
+                                     step=step, key=info.name, file=where(storage, file_path))
+    view = memoryview(data)
+    _check(view[:-4], int.from_bytes(view[-4:], "little"), info, index, step=step, file=where(storage, file_path))
+    if out is not None:
+        chunk = np.frombuffer(data, dtype=numpy_dtype(info.dtype), count=math.prod(info.chunk)).reshape(info.chunk)
+        part = [(max(a, i * c), min(b, (i + 1) * c)) for (a, b), i, c in zip(box, index, info.chunk)]
+        out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(part, box))] = \
+            chunk[tuple(slice(lo - i * c, hi - i * c) for (lo, hi), i, c in zip(part, index, info.chunk))]
+
+
+def direct_rows(info: ArrayInfo, box: Box) -> tuple[int, int] | None:
     """The row range of `box` when it can be read straight from chunk files (whole rows, chunk-aligned).
 
     True of whole arrays and of the row shards of FSDP2, whose boundaries the writer put on chunk
-    boundaries; other regions go through tensorstore.
+    boundaries; other regions go through `read_chunks`.
     """
     if math.prod(info.shape) == 0 or info.chunk[1:] != info.shape[1:]:
         return None
@@ -95,11 +170,11 @@ def direct_rows(info: ArrayInfo, box: tuple[tuple[int, int], ...]) -> tuple[int,
 
 
 def read_direct(array_dir: str, info: ArrayInfo, dest: torch.Tensor, rows: tuple[int, int], pool: ThreadPoolExecutor,
-                *, step: int | None) -> list:
-    """Submit reads of the chunk files of rows [a, b) straight into `dest`; each checks size and crc32c."""
+                *, step: int | None) -> list[Future]:
+    """Submit reads of the local chunk files of rows [a, b) straight into `dest`; each checks size, crc32c
+    and digest. `dest` must be memory that may hold damaged bytes until every read verified (scratch)."""
     raw = as_bytes(dest)
-    itemsize = numpy_dtype(info.dtype).itemsize
-    row = itemsize * math.prod(info.shape[1:])
+    row = info.itemsize * math.prod(info.shape[1:])
     per_chunk = info.chunk[0] if info.shape else 1
     n_rows = info.shape[0] if info.shape else 1
     a, b = rows
@@ -107,30 +182,32 @@ def read_direct(array_dir: str, info: ArrayInfo, dest: torch.Tensor, rows: tuple
     for i in range(a // per_chunk, math.ceil(b / per_chunk)):
         first, last = i * per_chunk, min((i + 1) * per_chunk, n_rows)
         valid = memoryview(raw[(first - a) * row:(last - a) * row])
-        pad = per_chunk * row - len(valid)
-        key = "c" if not info.shape else "c/" + "/".join([str(i)] + ["0"] * (len(info.shape) - 1))
-        futures.append(pool.submit(_read_chunk, os.path.join(array_dir, key), valid, pad, info.name, step))
+        index = (i,) + (0,) * (len(info.shape) - 1) if info.shape else ()
+        futures.append(pool.submit(_read_direct_chunk, os.path.join(array_dir, chunk_key(index)), valid,
+                                   per_chunk * row - len(valid), info, index, step))
     return futures
 
 
-def _read_chunk(path: str, valid: memoryview, pad: int, key: str, step: int | None) -> None:
+def _read_direct_chunk(path: str, valid: memoryview, pad: int, info: ArrayInfo, index: tuple[int, ...],
+                       step: int | None) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise CorruptCheckpointError("chunk file is missing", step=step, key=key, file=path) from None
+        fd = open_regular(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise CorruptCheckpointError("chunk file is missing", step=step, key=info.name, file=path) from None
+    except UnsafeFileError as e:
+        raise CorruptCheckpointError(f"chunk file is {e.strerror}", step=step, key=info.name, file=path) from None
     try:
         size = os.fstat(fd).st_size
         expected = len(valid) + pad + 4
         if size != expected:
-            raise CorruptCheckpointError(f"chunk file has {size} bytes, expected {expected}", step=step, key=key, file=path)
+            raise CorruptCheckpointError(f"chunk file has {size} bytes, expected {expected}", step=step, key=info.name, file=path)
         tail = bytearray(pad + 4)
         _pread_exact(fd, valid, 0)
         _pread_exact(fd, memoryview(tail), len(valid))
     finally:
         os.close(fd)
     crc = crc32c.crc32c(tail[:pad], crc32c.crc32c(valid)) if pad else crc32c.crc32c(valid)
-    if crc != int.from_bytes(tail[pad:], "little"):
-        raise CorruptCheckpointError("chunk checksum (crc32c) mismatch", step=step, key=key, file=path)
+    _check(valid, int.from_bytes(tail[pad:], "little"), info, index, step=step, file=path, crc=crc)
 
 
 def _pread_exact(fd: int, buf: memoryview, offset: int) -> None:
@@ -142,19 +219,11 @@ def _pread_exact(fd: int, buf: memoryview, offset: int) -> None:
         done += n
 
 
-def verify_array(kvstore: dict[str, Any], info: ArrayInfo, context: ts.Context, *, step: int | None,
-                 file_hint: str, on_bytes: Callable[[int], None] | None = None) -> None:
-    """Read every chunk of an array (checking each crc32c) in bounded slabs, discarding the data."""
-    if math.prod(info.shape) == 0:
-        return
-    itemsize = numpy_dtype(info.dtype).itemsize
-    row = itemsize * math.prod(info.shape[1:]) if info.shape else itemsize
-    step_rows = max(info.chunk[0] if info.shape else 1, (256 << 20) // max(1, row))
-    n_rows = info.shape[0] if info.shape else 1
-    for a in range(0, n_rows, step_rows):
-        b = min(n_rows, a + step_rows)
-        box = ((a, b),) + tuple((0, n) for n in info.shape[1:]) if info.shape else ()
-        buf = torch.empty((b - a) * row, dtype=torch.uint8)
-        read_into(kvstore, info, buf, box, context, step=step, file_hint=file_hint)
+def verify_array(storage: Storage, path: str, info: ArrayInfo, *, step: int | None,
+                 on_bytes: Callable[[int], None] | None = None) -> None:
+    """Check an array's zarr.json and every chunk (size, crc32c, digest), one chunk in memory at a time."""
+    check_zarr_json(storage, path, info, step=step)
+    for index in info.chunks(tuple((0, n) for n in info.shape)):
+        _read_chunk(storage, path, info, index, None, (), step)
         if on_bytes:
-            on_bytes((b - a) * row)
+            on_bytes(info.itemsize * math.prod(min(c, n - i * c) for i, c, n in zip(index, info.chunk, info.shape)))

@@ -53,22 +53,22 @@ def test_damaged_chunk_is_named_and_restore_falls_back(tmp_path, damage):
     assert res.returncode == 1
     assert "step 2: DAMAGED" in res.stdout and path in res.stdout and "step 1: ok" in res.stdout
     target = {"w": torch.zeros(300, 200), "b": torch.zeros(7), "step": None}
-    with pytest.warns(RuntimeWarning, match=r"step 2 is damaged.*key=w.*falling back"):
+    with ckpt.CheckpointManager(root) as m, pytest.raises(CorruptCheckpointError, match="key=w"):
+        m.restore(target, step=2)  # an explicit step never silently falls back
+    with pytest.warns(RuntimeWarning, match=r"step 2 is damaged.*key=w.*quarantined.*falling back"):
         with ckpt.CheckpointManager(root) as m:
             assert m.restore(target) == 1
     assert torch.equal(target["w"], _state(1)["w"]) and target["step"] == 1
-    with ckpt.CheckpointManager(root) as m, pytest.raises(CorruptCheckpointError, match="key=w"):
-        m.restore(target, step=2)  # an explicit step never silently falls back
 
 
 def test_damaged_manifest_is_detected(tmp_path):
     _save_steps(str(tmp_path), [1, 2])
     p = tmp_path / "step_00000002" / "manifest.json"
     p.write_bytes(p.read_bytes().replace(b'"step":2', b'"step":3'))
+    assert _cli("verify", str(tmp_path), "-q").returncode == 1
     with pytest.warns(RuntimeWarning, match="manifest checksum mismatch"):
         with ckpt.CheckpointManager(tmp_path) as m:
             assert m.restore(_state(0)) == 1
-    assert _cli("verify", str(tmp_path), "-q").returncode == 1
 
 
 def test_manifest_paths_leaving_the_root_are_rejected(tmp_path):

@@ -57,7 +57,7 @@ def test_fsdp2_save_then_restore_at_1_2_4_ranks(tmp_path, save_world):
         _ok(results)
         assert all("mismatched []" in r.stdout for r in results)
     # replicated tensors are written once: bytes on disk within 5% of the unique bytes
-    import ckpt.checkpointer as cp
+    import ckpt.restore as cp
     from ckpt.storage import open_storage
 
     storage = open_storage(root)
@@ -83,3 +83,14 @@ def test_rank_killed_during_save_fails_the_others_and_keeps_previous_step(tmp_pa
         model, opt = dist_worker.build()
         assert m.restore(dist_worker.state_of(model, opt)) == 1
     assert opt.state and all(p.abs().sum() > 0 for p in model.parameters())
+
+
+def test_damaged_step_is_skipped_by_every_rank_and_quarantined_once(tmp_path):
+    root = str(tmp_path / "ck")
+    results = run_ranks(2, "damaged", root)
+    _ok(results)
+    for rank, r in enumerate(results):
+        assert f"rank {rank} restored 1;" in r.stdout and "step 2 is damaged" in r.stdout, r.stdout[-3000:]
+    assert "quarantined to" in results[0].stdout and "quarantined by rank 0" in results[1].stdout
+    assert [d.startswith("step_00000002-") for d in os.listdir(tmp_path / "ck" / "_quarantine")] == [True]
+    assert sorted(os.listdir(tmp_path / "ck")) == ["_quarantine", "step_00000001"]

@@ -2,7 +2,8 @@
 
 Modes: "save" trains 2 steps sharded at world size W, saves step 2 and dumps a full reference;
 "restore" rebuilds at W (1 = no process group), restores and compares bitwise; "kill" saves step 1,
-then rank 1 dies during the save of step 2. Run as a script (RANK/WORLD_SIZE/MASTER_* in the
+then rank 1 dies during the save of step 2; "damaged" saves steps 1 and 2, rank 0 flips a byte of
+step 2, then every rank restores. Run as a script (RANK/WORLD_SIZE/MASTER_* in the
 environment) or through `run(...)` from a forkserver that has torch preloaded.
 """
 
@@ -10,6 +11,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -72,7 +74,19 @@ def main(mode: str, root: str) -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if WORLD > 1 else 0
     model, opt = build()
-    if mode in ("save", "kill"):
+    if mode == "damaged":
+        with ckpt.CheckpointManager(root, collective_timeout=20) as m:
+            for step in (1, 2):
+                m.save(step, state_of(model, opt)).wait()
+            if rank == 0:
+                with open(os.path.join(root, "step_00000002", "arrays", "table", "c", "0"), "r+b") as f:
+                    f.write(b"\xff")
+            dist.barrier()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                step = m.restore(state_of(model, opt))
+            print(f"rank {rank} restored {step}; {[str(w.message) for w in caught]}", flush=True)
+    elif mode in ("save", "kill"):
         g = torch.Generator().manual_seed(1)
         for _ in range(2):
             x = torch.randn(16, 32, generator=g)

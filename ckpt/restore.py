@@ -1,0 +1,257 @@
+"""Mechanism of one restore: manifest -> plan -> verified reads -> apply, the mirror of `save.py`.
+
+All or nothing for the caller: every chunk a restore needs is read into memory that is not the caller's
+(a scratch buffer in the staging arena, or a tensor of its own where the caller has none) and checked
+(size, crc32c, the manifest's digest) before a single byte reaches the caller's tensors; `apply` copies
+only after every read of the step verified. The manager (policy) picks the step and handles failures.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from . import state as state_mod
+from . import store
+from .distributed import read_region
+from .errors import CheckpointError, CorruptCheckpointError
+from .format import ARRAYS, MANIFEST, ArrayInfo, Manifest, chunk_key, step_dir, torch_dtype
+from .staging import StagingArena
+from .storage import Storage, UnsafeFileError, local_files, where
+
+Box = tuple[tuple[int, int], ...]
+
+
+def read_manifest(storage: Storage, step: int) -> Manifest:
+    """The validated manifest of a committed step; FileNotFoundError when the step is not committed.
+
+    Validated means: checksum, schema and bounds of every field, the state tree's tags, depth and
+    references; any defect is a CorruptCheckpointError naming the file.
+    """
+    path = f"{step_dir(step)}/{MANIFEST}"
+    file = where(storage, path)
+    try:
+        data = storage.read(path)
+    except UnsafeFileError as e:
+        raise CorruptCheckpointError(f"manifest is {e.strerror}", step=step, file=file) from None
+    if data is None:
+        raise FileNotFoundError(f"step {step} is not committed in {storage.url} (no {path})")
+    m = Manifest.from_bytes(data, file=file)
+    if m.step != step:
+        raise CorruptCheckpointError(f"manifest says step {m.step}", step=step, file=file)
+    state_mod.check_tree(m.tree, m.arrays, file=file)
+    return m
+
+
+@dataclass
+class StepFiles:
+    """The files of a local step directory: where it is, and each file's size by path relative to it."""
+
+    dir: str
+    sizes: dict[str, int]
+
+
+def step_files(storage: Storage, step: int) -> StepFiles | None:
+    """The files of a local step (None for other roots). A symlink, FIFO or other special file anywhere
+    in the step is damage: nothing inside a step is ever followed or opened."""
+    local = storage.local_path(step_dir(step))
+    if local is None:
+        return None
+    try:
+        return StepFiles(local, local_files(local))
+    except UnsafeFileError as e:
+        raise CorruptCheckpointError(f"step holds {e.strerror}", step=step, file=e.filename) from None
+    except FileNotFoundError as e:  # deleted while listed: the caller tells damage from retention
+        raise CorruptCheckpointError(f"step directory changed while being read: {e}", step=step, file=local) from None
+
+
+@dataclass
+class ArrayRead:
+    """One region of one array to read, and the caller's tensors it lands in once the whole step verified."""
+
+    info: ArrayInfo
+    box: Box
+    targets: list[torch.Tensor] = field(default_factory=list)  # copied into by `apply`
+    fresh: torch.Tensor | None = None  # the value itself where the caller had no tensor: read into directly
+    buffer: torch.Tensor | None = None  # where the reads go: `fresh`, or scratch
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in self.box)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.info.itemsize
+
+
+@dataclass
+class ReadPlan:
+    """What a restore reads from one step and the values it then applies to the caller's state."""
+
+    manifest: Manifest
+    reads: dict[tuple[str, Box], ArrayRead]
+    values: dict[str, Any]  # top-level key -> decoded value (tensors: the caller's own, or fresh ones)
+
+
+def plan_restore(manifest: Manifest, target: Mapping[str, Any], keys: Sequence[str] | None, *, rank: int = 0,
+                 world_size: int = 1, rank_map: str = "modulo", files: StepFiles | None = None) -> ReadPlan:
+    """Decide every read of a restore of `keys` (default: all) of `target`; reads nothing, changes nothing.
+
+    DTensor targets read only their own shard's region of each global array (any world size); other
+    tensors read whole arrays. Per-rank entries follow `state.select_rank`. Key, shape and dtype mismatches
+    raise here (KeyError, ValueError naming the key). With `files` (of a local step), every chunk of every
+    array read must be there at its exact size before anything is allocated (else CorruptCheckpointError).
+    """
+    tree, step = manifest.tree, manifest.step
+    selected = list(keys) if keys is not None else list(target)
+    missing = [k for k in selected if k not in tree]
+    if missing:
+        raise KeyError(f"keys {missing} not in checkpoint step {step} (it has {sorted(tree)})")
+    absent = [k for k in selected if k not in target]
+    if absent:
+        raise KeyError(f"keys {absent} are not in the state passed to restore (it has {sorted(target)})")
+    nodes = {}
+    for k in selected:
+        node = tree[k]
+        if isinstance(node, dict) and "$per_rank" in node:
+            node = state_mod.select_rank(node, rank, manifest.world_size, world_size, rank_map)
+            if node is None:
+                continue
+        nodes[k] = node
+    if files is not None:
+        for name in dict.fromkeys(n for node in nodes.values() for n in state_mod.tensor_refs(node)):
+            _check_files(manifest.arrays[name], files, step)
+    reads: dict[tuple[str, Box], ArrayRead] = {}
+
+    def load(name: str, template: Any, as_numpy: bool) -> Any:
+        info = manifest.arrays[name]
+        tmpl = torch.from_numpy(template) if isinstance(template, np.ndarray) and template.flags.writeable else template
+        shard = read_region(info, tmpl)
+        if shard is not None:
+            dtensor, box = shard
+            _check_match(info, dtensor, step)
+            _add_target(reads.setdefault((name, box), ArrayRead(info, box)), dtensor.to_local())
+            return dtensor
+        whole = tuple((0, n) for n in info.shape)
+        r = reads.setdefault((name, whole), ArrayRead(info, whole))
+        if isinstance(tmpl, torch.Tensor):
+            _check_match(info, tmpl, step)
+            _add_target(r, tmpl)
+            value = tmpl
+        elif r.targets:  # a second reference to an array already read into the caller's tensor: tied stays tied
+            value = r.targets[0]
+        else:
+            if r.fresh is None:
+                r.fresh = _fresh(info, whole, step)
+            value = r.fresh
+        return value.numpy() if as_numpy else value
+
+    values = {k: state_mod.decode(node, load, target[k], k, strict=True) for k, node in nodes.items()}
+    if keys is None:
+        extra = [k for k in tree if k not in target]
+        if extra:
+            raise KeyError(f"checkpoint step {step} has keys {extra} that the state passed to restore lacks: add "
+                           f"them, or restore only some keys with keys=[...]")
+    return ReadPlan(manifest, reads, values)
+
+
+def _check_files(info: ArrayInfo, files: StepFiles, step: int) -> None:
+    base = f"{ARRAYS}/{info.name}"
+    if f"{base}/zarr.json" not in files.sizes:
+        raise CorruptCheckpointError("zarr.json is missing", step=step, key=info.name, file=f"{files.dir}/{base}/zarr.json")
+    for index in info.chunks(tuple((0, n) for n in info.shape)):
+        size = files.sizes.get(f"{base}/{chunk_key(index)}")
+        if size != info.chunk_nbytes + 4:
+            raise CorruptCheckpointError("chunk file is missing" if size is None else
+                                         f"chunk file has {size} bytes, expected {info.chunk_nbytes + 4}",
+                                         step=step, key=info.name, file=f"{files.dir}/{base}/{chunk_key(index)}")
+
+
+def _add_target(r: ArrayRead, t: torch.Tensor) -> None:
+    """Another tensor to receive the read, unless it views the same memory as one already there (tied)."""
+    view = (t.device, t.data_ptr(), t.stride())
+    if all((x.device, x.data_ptr(), x.stride()) != view for x in r.targets):
+        r.targets.append(t)
+
+
+def _fresh(info: ArrayInfo, box: Box, step: int) -> torch.Tensor:
+    """A tensor of its own for an array the caller has none for; never larger than this machine's memory."""
+    shape = tuple(b - a for a, b in box)
+    nbytes = math.prod(shape) * info.itemsize
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if nbytes > memory:
+        raise CheckpointError(f"restore of key {info.name!r} (step {step}) needs {nbytes} bytes of new memory, more "
+                              f"than this machine has ({memory}); restore it into an existing tensor")
+    return torch.empty(shape, dtype=torch_dtype(info.dtype))
+
+
+def _check_match(info: ArrayInfo, tmpl: torch.Tensor, step: int) -> None:
+    if tuple(tmpl.shape) != info.shape:
+        raise ValueError(f"restore of key {info.name!r} (step {step}): checkpoint has shape {list(info.shape)}, "
+                         f"the target tensor has shape {list(tmpl.shape)}")
+    if tmpl.dtype != torch_dtype(info.dtype):
+        raise ValueError(f"restore of key {info.name!r} (step {step}): checkpoint has dtype {info.dtype}, "
+                         f"the target tensor has dtype {str(tmpl.dtype).removeprefix('torch.')}")
+
+
+def read(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: StagingArena) -> None:
+    """Read and verify every region of the plan into its buffer; the caller's tensors are not touched.
+
+    Regions with caller tensors are read into scratch (the staging arena); regions without, into their
+    own fresh tensors. Local whole-row regions go straight from the chunk files (`preadv`), others chunk
+    by chunk. Every read runs to its end, so the error raised is the first damaged array's, not a random one.
+    """
+    step = plan.manifest.step
+    pending = [r for r in plan.reads.values() if r.fresh is None]
+    for r, buf in zip(pending, arena.scratch([r.nbytes for r in pending])):
+        r.buffer = buf.view(torch_dtype(r.info.dtype)).view(r.shape)
+    futures: list[Future] = []
+    for r in plan.reads.values():
+        if r.fresh is not None:
+            r.buffer = r.fresh
+        path = f"{step_dir(step)}/{ARRAYS}/{r.info.name}"
+        futures.append(pool.submit(store.check_zarr_json, storage, path, r.info, step=step))
+        local = storage.local_path(path)
+        rows = store.direct_rows(r.info, r.box) if local is not None else None
+        if rows is not None:
+            futures += store.read_direct(local, r.info, r.buffer, rows, pool, step=step)
+        elif r.buffer.numel():
+            futures += store.read_chunks(storage, path, r.info, r.buffer, r.box, pool, step=step)
+    errors = []
+    for f in futures:
+        try:
+            f.result()
+        except Exception as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
+def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
+    """Land a verified read in the caller's state: copy each buffer into its tensors, then set or load values."""
+    cuda = False
+    for r in plan.reads.values():
+        for t in r.targets:
+            t.copy_(r.buffer, non_blocking=t.is_cuda)
+            cuda = cuda or t.is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+    for k, v in plan.values.items():
+        state_mod.apply(target, k, v)
+
+
+def prepare(storage: Storage, step: int, target: Mapping[str, Any], keys: Sequence[str] | None,
+            pool: ThreadPoolExecutor, arena: StagingArena, *, rank: int = 0, world_size: int = 1,
+            rank_map: str = "modulo") -> ReadPlan:
+    """Everything of `step` that a restore of `target` needs, read and verified; `apply` lands it."""
+    manifest = read_manifest(storage, step)
+    plan = plan_restore(manifest, target, keys, rank=rank, world_size=world_size, rank_map=rank_map,
+                        files=step_files(storage, step))
+    read(storage, plan, pool, arena)
+    return plan

@@ -1,0 +1,214 @@
+"""Mechanism of one save: plan -> snapshot -> array writes (and chunk digests) -> commit.
+
+The manager (policy) decides when and which; this module moves the bytes and never decides anything.
+Its mirror for restores is `restore.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import tensorstore as ts
+import torch
+
+from . import state as state_mod
+from . import store
+from .format import ARRAYS, IN_PROGRESS, MANIFEST, ArrayInfo, Manifest, chunk_shape, dtype_name, step_dir
+from .distributed import Ranks, plan_arrays
+from .staging import Staged, StagingArena
+from .storage import Storage
+
+
+def versions() -> dict[str, str]:
+    """Library versions recorded in every manifest, to explain a difference after an upgrade."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"torch": torch.__version__, "numpy": np.__version__}
+    for pkg in ("tensorstore", "ckpt-goodput"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+@dataclass
+class WritePlan:
+    """What one rank writes for a step: arrays it creates, the regions it writes, and the manifest parts."""
+
+    step: int
+    tree: Any
+    arrays: dict[str, ArrayInfo]
+    tensors: dict[str, torch.Tensor]  # name -> local tensor (the data of the box this rank writes)
+    boxes: dict[str, tuple[tuple[int, int], ...]]  # name -> box of the global array this rank writes
+    metadata: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 1
+
+
+def plan(step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, chunk_bytes: int,
+         ranks: Ranks | None) -> WritePlan:
+    """What this process writes for `step`: alone, every tensor is a whole array; among ranks, its slices."""
+    flat = state_mod.flatten(state, rank=ranks.rank if ranks else 0)
+    meta = _json_metadata(metadata)
+    if ranks is None:
+        arrays, boxes = {}, {}
+        for name, t in flat.tensors.items():
+            shape = tuple(t.shape)
+            chunk = chunk_shape(shape, t.element_size(), ((0,) * len(shape),), chunk_bytes)
+            arrays[name] = ArrayInfo(name, dtype_name(t.dtype, key=name), shape, chunk, (tuple((0, n) for n in shape),))
+            boxes[name] = arrays[name].boxes[0]
+        return WritePlan(step, flat.tree, arrays, flat.tensors, boxes, meta)
+    arrays, writes, boxes = plan_arrays(ranks, flat.tensors, chunk_bytes)
+    per_rank = {k: v["$per_rank"] for k, v in flat.tree.items() if isinstance(v, dict) and "$per_rank" in v}
+    tree = flat.tree
+    if per_rank:
+        gathered = ranks.all_gather_json(per_rank)
+        tree = dict(flat.tree)
+        for k in per_rank:
+            tree[k] = {"$per_rank": [entry for g in gathered for entry in g[k]]}
+    return WritePlan(step, tree, arrays, writes, boxes, meta, world_size=ranks.world_size)
+
+
+def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """User metadata as JSON; a 0-d tensor (``loss``) or numpy scalar is stored as its Python number."""
+
+    def number(x: Any) -> Any:
+        if isinstance(x, (torch.Tensor, np.ndarray, np.generic)) and x.ndim == 0:
+            return x.item()
+        raise TypeError(f"{type(x).__qualname__} is not JSON")
+
+    try:
+        return json.loads(json.dumps(dict(metadata or {}), allow_nan=False, default=number))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"metadata must be JSON (finite numbers, str, lists, dicts; 0-d tensors and numpy scalars "
+                        f"become numbers): {e}") from None
+
+
+class SaveJob:
+    """One save in flight: the snapshot is taken in the constructor, `run()` writes and commits in the background."""
+
+    def __init__(self, storage: Storage, plan: WritePlan, arena: StagingArena, context: ts.Context,
+                 ranks: Ranks | None = None):
+        self.storage, self.plan, self.arena, self.context, self.ranks = storage, plan, arena, context, ranks
+        self.leader = ranks is None or ranks.rank == 0
+        self.dir = step_dir(plan.step)
+        self.digests = store.ChunkDigests()
+        self._reference = storage.kvstore_spec("")["driver"] != "memory"  # see store.write
+        self._arrays: dict[str, ts.Future] | None = None
+        self._prepared = False
+        waves = arena.plan(plan.tensors)
+        for wave in waves[:-1]:  # beyond the staging cap: write earlier waves before returning
+            self._write_staged(arena.stage(plan.tensors, wave))
+        self.staged = arena.stage(plan.tensors, waves[-1])
+
+    def _prepare(self) -> None:
+        """Once per save, before any array write: the leader clears leftovers and marks the save in flight."""
+        if self._prepared:
+            return
+        self._prepared = True
+        if self.leader:
+            if self.storage.read(f"{self.dir}/{MANIFEST}") is not None:
+                raise FileExistsError(f"step {self.plan.step} is already committed in {self.storage.url}")
+            self.storage.delete_tree(self.dir)  # leftovers of a crashed earlier attempt at this step
+            marker = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
+            self.storage.write_atomic(f"{self.dir}/{IN_PROGRESS}", json.dumps(marker).encode())
+        if self.ranks is not None:
+            self.ranks.barrier()
+
+    def _open_arrays(self) -> dict[str, ts.Future]:
+        """Start creating the arrays this rank writes (once); writes chain on each array as it opens."""
+        if self._arrays is None:
+            self._prepare()
+            self._arrays = {name: store.create(self.storage.kvstore_spec(self._array_path(name)), info, self.context)
+                            for name, info in self.plan.arrays.items() if name in self.plan.boxes}
+        return self._arrays
+
+    def _array_path(self, name: str) -> str:
+        return f"{self.dir}/{ARRAYS}/{name}"
+
+    def _write_staged(self, staged: Sequence[Staged]) -> None:
+        """Write staged pieces and, while tensorstore writes them, compute their chunks' digests."""
+        arrays = self._open_arrays()
+        futures, pieces = [], []
+        for s in staged:
+            info, box = self.plan.arrays[s.name], self.plan.boxes[s.name]
+            if s.rows is not None:
+                box = ((box[0][0] + s.rows[0], box[0][0] + s.rows[1]),) + box[1:]
+            if any(b == a for a, b in box):
+                continue
+            data = store.typed(s.host, info.dtype, tuple(b - a for a, b in box))
+            futures.append(store.write(arrays[s.name].result(), box, data, reference=self._reference))
+            pieces.append((info, box, data))
+        try:
+            for info, box, data in pieces:
+                self.digests.add(info, box, data)
+        finally:  # never leave writes that reference the arena behind
+            for f in futures:
+                f.result()  # resolves once the chunk is written and fsync'd (file kvstore's file_io_sync)
+
+    def run(self) -> None:
+        """Background part: write the last wave, wait until durable, then commit — once, for all ranks.
+
+        Among ranks, every rank reports its outcome and the digests of the chunks it wrote; the leader
+        commits only if all succeeded, and every rank learns the result, so a failure anywhere leaves no
+        committed step and reaches all.
+        """
+        error: BaseException | None = None
+        try:
+            self._write_staged(self.staged)
+        except BaseException as e:
+            error = e
+        if self.ranks is None:
+            if error is not None:
+                raise error
+            self.commit(self.digests.done)
+            return
+        rank = self.ranks.rank
+        reports = self.ranks.all_gather_json({
+            "error": None if error is None else f"rank {rank}: {type(error).__name__}: {error}",
+            "digests": {name: list(d.items()) for name, d in self.digests.done.items()}})
+        failures = [r["error"] for r in reports if r["error"]]
+        commit_error = None
+        if not failures and self.leader:
+            digests: dict[str, dict[int, int]] = {}
+            for r in reports:
+                for name, pairs in r["digests"].items():
+                    digests.setdefault(name, {}).update((int(i), int(c)) for i, c in pairs)
+            try:
+                self.commit(digests)
+            except Exception as e:
+                commit_error = f"rank 0 could not commit: {type(e).__name__}: {e}"
+        verdict = self.ranks.all_gather_json(commit_error)[0]
+        if error is not None:
+            raise error
+        if failures or verdict:
+            raise RuntimeError("; ".join(failures) or verdict)
+
+    def manifest(self, digests: Mapping[str, Mapping[int, int]]) -> Manifest:
+        """The manifest of this save, every array with the digest of each of its chunks (from all ranks)."""
+        p, arrays = self.plan, {}
+        for name, info in p.arrays.items():
+            sums = [digests.get(name, {}).get(i) for i in range(math.prod(info.grid))]
+            if None in sums:
+                raise RuntimeError(f"array {name!r}: digests of {sums.count(None)} of its {len(sums)} chunks were not computed")
+            arrays[name] = dataclasses.replace(info, digests=tuple(sums))
+        return Manifest(step=p.step, tree=p.tree, arrays=arrays, metadata=p.metadata, time=time.time(),
+                        world_size=p.world_size, versions=versions())
+
+    def abandon(self) -> None:
+        """After a failed write: remove what this save left, unless it got as far as committing."""
+        if self.leader and self._prepared and self.storage.read(f"{self.dir}/{MANIFEST}") is None:
+            self.storage.delete_tree(self.dir)
+
+    def commit(self, digests: Mapping[str, Mapping[int, int]]) -> None:
+        """Write the manifest last (atomically): from now on the step exists."""
+        self.storage.write_atomic(f"{self.dir}/{MANIFEST}", self.manifest(digests).to_bytes())
+        self.storage.delete_file(f"{self.dir}/{IN_PROGRESS}")
