@@ -262,8 +262,10 @@ class CkptTrainerMixin:
         """overwrite=True: delete the other run's steps, run record, goodput ledgers and checkpoint folders."""
         steps = ckpt_run.discard(manager.storage)
         fs, ledgers = fsspec.core.url_to_fs(ledger_dir(self.ckpt_root))
-        if fs.exists(ledgers):
-            fs.rm(ledgers, recursive=True)
+        mine = self._lease.given.attempt_id if self._lease.given is not None else None  # a tracker you started
+        for path in fs.glob(f"{ledgers}/*") if fs.exists(ledgers) else []:
+            if mine is None or mine not in os.path.basename(path):
+                fs.rm(path)
         folders = _checkpoint_folders(run_dir)
         for folder in folders.values():
             shutil.rmtree(folder)
