@@ -231,6 +231,8 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until every save in flight is committed and every delete done; raises a background error, if any."""
         self._drain()
+        if not self._closed:
+            self._writer.submit(lambda: None).result()  # retention of the last commit has queued its deletes
         with self._lock:
             deletes = list(self._deleting.values())
         futures_wait(deletes)
