@@ -23,3 +23,16 @@ class CheckpointWriteError(CheckpointError):
         super().__init__(f"saving step {step} failed: {type(cause).__name__}: {cause}")
         self.step = step
         self.__cause__ = cause
+
+
+class CheckpointDeleteError(CheckpointError):
+    """A background deletion failed; the step may be partly deleted (its manifest goes first, so it is not restored)."""
+
+    def __init__(self, step: int, cause: BaseException):
+        super().__init__(f"deleting step {step} failed: {type(cause).__name__}: {cause}")
+        self.step = step
+        self.__cause__ = cause
+
+
+class RunMismatchError(CheckpointError):
+    """A fresh start found another run's committed steps in its root; nothing was written or deleted."""

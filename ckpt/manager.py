@@ -17,8 +17,9 @@ import torch.distributed as dist
 
 from . import catalog
 from . import restore as restore_mod
+from . import run as run_mod
 from .distributed import Ranks, prepare_optimizers
-from .errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
+from .errors import CheckpointDeleteError, CheckpointError, CheckpointWriteError, CorruptCheckpointError
 from .format import MANIFEST, MAX_CHUNK_BYTES, step_dir
 from .restore import read_manifest
 from .retention import Retention
@@ -81,6 +82,8 @@ class CheckpointManager:
         tracker: a `CheckpointObserver` (such as `ettr.GoodputTracker`) told about saves and restores.
         io_threads: concurrent chunk reads on restore.
         collective_timeout: seconds a rank waits for the others during a save or restore before failing.
+        run_id: this run's id, recorded in ROOT/run.json by the first save (default: from the launcher's
+            environment, else a new random id); see `ckpt.run`. Integrations compare it at a fresh start.
 
     With torch.distributed initialized, every rank creates the manager (it makes a gloo group for its
     own collectives) and calls `save`/`restore` with the same step: each rank writes only its slices.
@@ -89,8 +92,11 @@ class CheckpointManager:
     def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None, keep_every: int | None = None,
                  keep_best: int | None = None, best_metric: str | None = None, best_mode: str = "min",
                  max_staging_bytes: int | None = None, chunk_bytes: int = 64 << 20,
-                 tracker: CheckpointObserver | None = None, io_threads: int = 8, collective_timeout: float = 600.0):
+                 tracker: CheckpointObserver | None = None, io_threads: int = 8, collective_timeout: float = 600.0,
+                 run_id: str | None = None):
         self.storage: Storage = open_storage(root)
+        self.run = run_mod.Run.current(run_id)
+        self._run_recorded = False
         self.retention = Retention(keep_last, keep_every, keep_best, best_metric, best_mode)
         if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in [1, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
@@ -101,8 +107,10 @@ class CheckpointManager:
         self.ranks: Ranks | None = Ranks(timedelta(seconds=collective_timeout)) if distributed else None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer")
         self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-reader")
+        self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ckpt-deleter")  # no save ever waits for it
+        self._deleting: dict[int, Future] = {}
         self._inflight: SaveHandle | None = None
-        self._error: CheckpointWriteError | None = None
+        self._error: CheckpointError | None = None
         self._lock = threading.Lock()
         self._metadata: dict[int, dict[str, Any]] = {}
         self._closed = False
@@ -119,6 +127,9 @@ class CheckpointManager:
         self._raise_error()
         with self.tracker.span("checkpoint_save", step=step):
             self._drain()
+            pending = self._deleting.get(step)
+            if pending is not None:  # a delete of this very step number must finish before it is written again
+                futures_wait([pending])
             if self.storage.read(f"{step_dir(step)}/{MANIFEST}") is not None:
                 raise ValueError(f"step {step} is already committed in {self.storage.url}; "
                                  f"a committed checkpoint is never overwritten")
@@ -132,9 +143,12 @@ class CheckpointManager:
         return self._inflight
 
     def _background(self, job: SaveJob, stall: float, committed: Future) -> None:
-        """Write and commit (resolving `committed`), then apply retention before the next save may start."""
+        """Record the run once, write and commit (resolving `committed`), then queue retention's deletes."""
         step, t0 = job.plan.step, time.perf_counter()
         try:
+            if job.leader and not self._run_recorded:
+                run_mod.claim(self.storage, self.run)
+                self._run_recorded = True
             job.run()
         except BaseException as e:
             err = CheckpointWriteError(step, e)
@@ -170,16 +184,36 @@ class CheckpointManager:
                     except (CorruptCheckpointError, FileNotFoundError):
                         self._metadata[s] = {}
         for s in self.retention.to_delete(steps, self._metadata):
-            catalog.delete_step(self.storage, s)
-            self._metadata.pop(s, None)
-            log.info("retention removed step %d", s)
+            self._queue_delete(s, report=False)
+
+    def _queue_delete(self, step: int, *, report: bool) -> None:
+        """Delete a committed step on the deleter thread; neither the training thread nor a later save waits for it."""
+        with self._lock:
+            if step not in self._deleting:
+                self._deleting[step] = self._deleter.submit(self._delete_now, step, report)
+
+    def _delete_now(self, step: int, report: bool) -> None:
+        """Deleter thread: remove the step (manifest first); an error is raised by the next call when `report`."""
+        try:
+            catalog.delete_step(self.storage, step)
+            self._metadata.pop(step, None)
+            log.info("deleted step %d", step)
+        except Exception as e:
+            if not report:  # retention: a checkpoint left behind is no data loss
+                log.warning("retention could not delete step %d: %s", step, e)
+            else:
+                log.error("deleting step %d failed: %s", step, e)
+                with self._lock:
+                    self._error = self._error or CheckpointDeleteError(step, e)
+        finally:
+            with self._lock:
+                self._deleting.pop(step, None)
 
     def _drain(self) -> None:
         """Wait for the save in flight; its error is raised here unless a handle already reported it."""
         handle, self._inflight = self._inflight, None
         if handle is not None:
             futures_wait([handle._future])
-            self._writer.submit(lambda: None).result()  # retention of that step is done too
         self._raise_error()
 
     def _consume(self, err: CheckpointWriteError) -> None:
@@ -198,8 +232,14 @@ class CheckpointManager:
             raise RuntimeError(f"CheckpointManager({self.storage.url!r}) is closed")
 
     def wait(self) -> None:
-        """Block until every save in flight is committed; raises a background write error, if any."""
+        """Block until every save in flight is committed and every delete done; raises a background error, if any."""
         self._drain()
+        if not self._closed:
+            self._writer.submit(lambda: None).result()  # retention of the last commit has queued its deletes
+        with self._lock:
+            deletes = list(self._deleting.values())
+        futures_wait(deletes)
+        self._raise_error()
 
     # -- restoring ----------------------------------------------------------------------------------
 
@@ -307,8 +347,10 @@ class CheckpointManager:
     # -- queries and lifetime -----------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending."""
-        return catalog.committed_steps(self.storage)
+        """Committed steps, ascending (a step queued for deletion is no longer listed)."""
+        with self._lock:
+            deleting = set(self._deleting)
+        return [s for s in catalog.committed_steps(self.storage) if s not in deleting]
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -316,8 +358,10 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def delete(self, step: int) -> None:
-        """Delete a committed step (manifest first); never the newest committed one, nor one still being written."""
+        """Delete a committed step in the background (manifest first); never the newest committed one, nor one
+        still being written. Returns at once; `steps()` stops listing it; an error is raised by the next call."""
         self._check_open()
+        self._raise_error()
         if self._inflight is not None and self._inflight.step == step and not self._inflight.done():
             raise ValueError(f"step {step} is still being written")
         committed = self.steps()
@@ -325,8 +369,7 @@ class CheckpointManager:
             raise ValueError(f"step {step} is not a committed step of {self.storage.url} (committed: {committed})")
         if step == committed[-1]:
             raise ValueError(f"step {step} is the newest committed step; it is never deleted")
-        catalog.delete_step(self.storage, step)
-        self._metadata.pop(step, None)
+        self._queue_delete(step, report=True)
 
     def metadata(self, step: int) -> dict[str, Any]:
         """The user metadata saved with a committed step."""
@@ -341,6 +384,7 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._writer.shutdown(wait=True)
+            self._deleter.shutdown(wait=True)
             self._readers.shutdown(wait=True)
 
     def __enter__(self) -> "CheckpointManager":

@@ -216,14 +216,20 @@ class GoodputTracker:
         return _Step(self, step)
 
     def span(self, category: str, **attrs: Any) -> _Span:
-        """`with tracker.span("data_wait"):` time a category; checkpoint_save/restore flush at both ends."""
+        """`with tracker.span("data_wait"):` time a category; checkpoint_save/restore flush at both ends.
+
+        A span opened directly inside an open span of the same category is part of it (one record): an
+        integration's save around the manager's save is one checkpoint_save.
+        """
         if category in ("productive", "lost", "downtime", "startup"):
             raise ValueError(f"{category!r} is derived by attribution, not a span category")
         return _Span(self, category, attrs)
 
-    def _open(self, category: str, step: int | None, attrs: dict[str, Any]) -> list[Any]:
-        """Push a span onto the open stack."""
+    def _open(self, category: str, step: int | None, attrs: dict[str, Any]) -> list[Any] | None:
+        """Push a span onto the open stack; None inside an open span of the same category (it is part of that one)."""
         with self._lock:
+            if self._stack and self._stack[-1][1] == category:
+                return None
             t = self._credit()
             self._order += 1
             entry = [self._order, category, step, t, attrs]
@@ -232,8 +238,10 @@ class GoodputTracker:
                 self.flush()
             return entry
 
-    def _close(self, entry: list[Any]) -> None:
+    def _close(self, entry: list[Any] | None) -> None:
         """Pop a span, buffer its record, feed the duration histograms."""
+        if entry is None:
+            return
         with self._lock:
             t = self._credit()
             if self._stack[-1] is entry:

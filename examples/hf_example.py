@@ -1,5 +1,8 @@
 """Transformers with ckpt + ettr: a tiny local GPT-2 whose training fails at step 10, a restarted process that
-resumes from step 8, and the goodput report.
+resumes from step 8, a checkpoint folder loaded with from_pretrained, and the goodput report.
+
+Both attempts run the same command, `trainer.train()`, under one run id (CKPT_RUN_ID here; SLURM_JOB_ID or
+TORCHELASTIC_RUN_ID under a scheduler), so the restart resumes by itself; another run would be refused.
 
 Run: python examples/hf_example.py [OUTPUT_DIR]   (offline, nothing downloaded, seconds on a CPU; a process per attempt)
 """
@@ -8,6 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import uuid
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -30,7 +34,7 @@ class FailAt(TrainerCallback):
 
 
 def train(output_dir: str, max_steps: int, fail_at: int | None) -> None:
-    """One process attempt: resume from the manager's newest step (if any) and train up to `max_steps`."""
+    """One process attempt: train up to `max_steps`; a restart of the same run resumes from its newest step."""
     ids = torch.randint(0, 64, (32, 16), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": x, "labels": x} for x in ids]
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
@@ -39,8 +43,7 @@ def train(output_dir: str, max_steps: int, fail_at: int | None) -> None:
                              dataloader_num_workers=0, logging_steps=4)
     trainer = CkptTrainer(model=model, args=args, train_dataset=data,  # ckpt root: OUTPUT_DIR/ckpt
                           callbacks=[FailAt(fail_at)] if fail_at else [])
-    resume = os.path.isdir(trainer.ckpt_root) and bool(ettr.committed_steps(trainer.ckpt_root))
-    trainer.train(resume_from_checkpoint=resume)
+    trainer.train()
 
 
 if __name__ == "__main__":
@@ -48,7 +51,10 @@ if __name__ == "__main__":
         train(sys.argv[2], 16, int(sys.argv[3]) or None)
         sys.exit()
     output_dir = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="hf-example-")
+    job = {**os.environ, "CKPT_RUN_ID": f"hf-example-{uuid.uuid4().hex[:8]}"}  # what a scheduler's job id does
     for fail_at in (10, 0):  # the first attempt fails after step 10 (checkpoint at 8), the restart finishes
-        subprocess.run([sys.executable, __file__, "--attempt", output_dir, str(fail_at)], capture_output=True)
+        subprocess.run([sys.executable, __file__, "--attempt", output_dir, str(fail_at)], capture_output=True, env=job)
     print(sorted(d for d in os.listdir(output_dir) if d.startswith("checkpoint-")))
+    final = GPT2LMHeadModel.from_pretrained(os.path.join(output_dir, "checkpoint-16"))  # HF-native folders
+    print(f"checkpoint-16 loads with from_pretrained: {type(final).__name__}")
     print(ettr.report_text(ettr.attribute_root(os.path.join(output_dir, "ckpt"))))

@@ -6,7 +6,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ckpt import CheckpointManager
+from ckpt import CheckpointManager, SaveHandle
 from ettr import GoodputTracker
 
 KEYS = "keys"  # metadata entry listing a checkpoint's top-level keys, so it can be read without a template
@@ -54,19 +54,18 @@ def resolve_step(manager: CheckpointManager, step: int) -> int:
 
 
 def save_once(manager: CheckpointManager, step: int, state: Mapping[str, Any], *, skip: Sequence[int | None] = (),
-              metadata: Mapping[str, Any] | None = None) -> bool:
-    """Start an async save of `step` unless it is in `skip` (saved or restored by this process); True if started.
+              metadata: Mapping[str, Any] | None = None) -> SaveHandle | None:
+    """Start an async save of `step` unless it is in `skip` (saved or restored by this process); its handle if started.
 
     A trainer may ask twice for one step (a batch-end and an epoch-end save, `last` and a named copy); the
     training state is the same, so the first write stands.
     """
     if step in skip:
-        return False
+        return None
     if step in manager.steps():
         raise FileExistsError(f"step {step} is already committed in {manager.storage.url} by another run; resume "
                               f"from the newest step or use a fresh root")
-    manager.save(step, state, metadata={**(metadata or {}), KEYS: sorted(state)})
-    return True
+    return manager.save(step, state, metadata={**(metadata or {}), KEYS: sorted(state)})
 
 
 def read_step(manager: CheckpointManager, step: int, keys: Sequence[str] | None = None) -> dict[str, Any]:

@@ -1,32 +1,49 @@
 """Hugging Face Transformers adapters: a goodput TrainerCallback and a Trainer mixin that checkpoints through ckpt.
 
 `CkptTrainerMixin` keeps the Trainer's own checkpoint logic (when to save, ``checkpoint-N`` folders with their
-``trainer_state.json``, ``save_total_limit`` rotation, ``resume_from_checkpoint=True|path``) and moves the heavy
-parts into a `CheckpointManager` root: model weights, optimizer, scheduler, scaler and every RNG (`RNGState`
-instead of HF's pickled ``rng_state.pth``) are written asynchronously at step N of the root. The root is the
-source of truth: a resume reads the newest committed step (or the one a ``checkpoint-N`` path names, falling back
-if N never committed) and rewrites ``checkpoint-N/trainer_state.json`` from it. The data order comes back through
-HF's own batch skipping (``ignore_data_skip=False``), with the RNG restored after the skip, as HF does.
+``trainer_state.json``, ``save_total_limit`` rotation, ``load_best_model_at_end``, ``resume_from_checkpoint=True|path``)
+and moves the training state into a `CheckpointManager` root: model weights, optimizer, scheduler, scaler and every
+RNG (`RNGState` instead of HF's pickled ``rng_state.pth``) are written asynchronously at step N of the root. Each
+``checkpoint-N`` folder then gets its ``from_pretrained`` files (config, ``model.safetensors``, tokenizer) on a
+background thread, read back from the committed step. The root is the source of truth: a resume reads the newest
+committed step (or the one a ``checkpoint-N`` path names, falling back if N never committed) and rewrites
+``checkpoint-N/trainer_state.json`` from it; a folder written by the stock Trainer is resumed by the stock Trainer's
+own loading. A fresh ``train()`` into another run's root fails before anything is written (see `ckpt.run`). The
+data order comes back through HF's own batch skipping (``ignore_data_skip=False``), with the RNG restored after the
+skip, as HF does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
+import tempfile
+import threading
 import warnings
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from typing import Any, Callable, ContextManager
 
+import fsspec
+import safetensors.torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
-from ckpt import CheckpointManager
+from ckpt import CheckpointManager, RunMismatchError, SaveHandle
+from ckpt import run as ckpt_run
 from ckpt.rng import RNGState
 from ettr import GoodputTracker
+from ettr.ledger import ledger_dir
 
 from ._common import TrackerLease, delete_step, read_step, resolve_step, save_once
 
 TRAINER_STATE = "trainer_state.json"
 _CHECKPOINT_DIR = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+_STOCK_STATE = ("optimizer.pt", "scheduler.pt", "rng_state.pth")  # what the stock Trainer writes and we never do
+_WEIGHTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
 
 
 class GoodputCallback(TrainerCallback):
@@ -59,6 +76,74 @@ def checkpoint_step(path: str | os.PathLike[str]) -> int:
     return int(match.group(1))
 
 
+def is_stock_checkpoint(folder: str | os.PathLike[str]) -> bool:
+    """Whether a ``checkpoint-N`` folder was written by the stock Trainer (it holds HF's optimizer/scheduler/RNG files)."""
+    return any(os.path.isfile(os.path.join(folder, name)) for name in _STOCK_STATE)
+
+
+def _checkpoint_folders(run_dir: str) -> dict[int, str]:
+    """Step -> path of the ``checkpoint-N`` folders in `run_dir`."""
+    if not os.path.isdir(run_dir):
+        return {}
+    return {int(m.group(1)): os.path.join(run_dir, name) for name in os.listdir(run_dir)
+            if (m := _CHECKPOINT_DIR.match(name)) and os.path.isdir(os.path.join(run_dir, name))}
+
+
+class _FolderFiles:
+    """Writes the ``from_pretrained`` files of checkpoint folders on one background thread, from committed steps.
+
+    The weights are read back from the step just committed (verified, usually from the page cache) by a manager of
+    its own, so nothing is copied on the training thread; `write` saves them into a temporary folder beside, whose
+    files are moved into ``checkpoint-N`` under `lock` (the one HF's rotation holds), so a folder never gets files
+    after it was rotated away. Errors are raised by the next `check` or `close`.
+    """
+
+    def __init__(self, root: str, write: Callable[[str, dict[str, Any]], None], lock: threading.Lock) -> None:
+        self._reader = CheckpointManager(root)
+        self._write, self._lock = write, lock
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf-folder-files")
+        self._pending: dict[int, Future] = {}
+
+    def submit(self, handle: SaveHandle, folder: str) -> None:
+        """Fill `folder` once the save behind `handle` is committed."""
+        self._pending[handle.step] = self._pool.submit(self._run, handle, folder)
+
+    def busy(self, step: int) -> bool:
+        """Whether the files of `step` are still being written (its step must not be deleted yet)."""
+        future = self._pending.get(step)
+        return future is not None and not future.done()
+
+    def check(self) -> None:
+        """Raise the error of a finished write: its save failed, or its files could not be written."""
+        for step, future in list(self._pending.items()):
+            if future.done():
+                del self._pending[step]
+                future.result()
+
+    def close(self) -> None:
+        """Wait for every write and release the thread and the reader; raises the first error."""
+        try:
+            futures_wait(list(self._pending.values()))
+            self.check()
+        finally:
+            self._pool.shutdown(wait=True)
+            self._reader.close()
+
+    def _run(self, handle: SaveHandle, folder: str) -> None:
+        handle.wait()
+        state: dict[str, Any] = {"model": None}
+        self._reader.restore(state, step=handle.step, keys=["model"], track=False)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.", dir=os.path.dirname(folder))
+        try:
+            self._write(tmp, state["model"])
+            with self._lock:
+                if os.path.isdir(folder):
+                    for name in os.listdir(tmp):
+                        os.replace(os.path.join(tmp, name), os.path.join(folder, name))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 class CkptTrainerMixin:
     """Mixin before `transformers.Trainer`: saves and restores through a `CheckpointManager`, times goodput.
 
@@ -69,74 +154,158 @@ class CkptTrainerMixin:
         tracker: a started GoodputTracker managed by the caller; default: one per ``train()`` call, started at its
             entry and ended with "ok" or, when train() raises, "error".
         manager_options: passed to `CheckpointManager` (staging cap, chunk size). Retention follows HF's
-            rotation: a step is deleted once its ``checkpoint-N`` folder is gone and a newer step is committed.
-    Single process only (no DeepSpeed, FSDP or multi-process runs); ``load_best_model_at_end`` is not supported.
+            rotation: a step is deleted (in the background) once its ``checkpoint-N`` folder is gone and a newer
+            step is committed.
+        run_id: this run's id (default: the launcher's, from the environment; see `ckpt.run`). A ``train()``
+            without ``resume_from_checkpoint`` into a root holding committed steps resumes them silently when they
+            are this run's (a torchrun restart, a requeue), and raises `ckpt.RunMismatchError` otherwise.
+        overwrite: start over instead: such a fresh ``train()`` first deletes the other run (its committed steps,
+            run record and goodput ledgers in the root, and the ``checkpoint-N`` folders in the output dir).
+        folder_files: write ``config.json``, ``model.safetensors`` (and the tokenizer) into each ``checkpoint-N``
+            folder in the background so that ``from_pretrained`` loads it; False leaves only ``trainer_state.json``.
+    Single process only (no DeepSpeed, FSDP or multi-process runs).
     """
 
     def __init__(self, *args: Any, ckpt_root: str | os.PathLike[str] | None = None,
                  tracker: GoodputTracker | None = None, manager_options: dict[str, Any] | None = None,
+                 run_id: str | None = None, overwrite: bool = False, folder_files: bool = True,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         trainer: Trainer = self
         unsupported = [name for name, on in (
             ("DeepSpeed", trainer.is_deepspeed_enabled), ("FSDP", trainer.is_fsdp_enabled),
-            (f"world_size={trainer.args.world_size}", trainer.args.world_size > 1),
-            ("load_best_model_at_end", trainer.args.load_best_model_at_end)) if on]
+            (f"world_size={trainer.args.world_size}", trainer.args.world_size > 1)) if on]
         if unsupported:
             raise NotImplementedError(f"CkptTrainerMixin supports single-process training without {unsupported}; "
                                       f"those paths save through HF's own files")
         default_root = os.path.join(trainer.args.output_dir, "ckpt")
         self.ckpt_root = os.fspath(ckpt_root) if ckpt_root is not None else default_root
         self.ckpt_manager: CheckpointManager | None = None
+        self.run_id, self.overwrite, self.folder_files = run_id, overwrite, folder_files
         self._ckpt_options = dict(manager_options or {})
         self._lease = TrackerLease(self.ckpt_root, tracker)
         self._goodput = GoodputCallback()
         trainer.add_callback(self._goodput)
         self._staged: tuple[str, dict[str, Any]] | None = None  # (checkpoint folder, its restored state)
+        self._stock: str | None = None  # a stock Trainer folder this train() resumes from
         self._done: set[int] = set()
         self._saving = False
+        self._folder_lock = threading.Lock()
+        self._files: _FolderFiles | None = None
 
     # -- train(): the manager and the tracker live for one call --------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any) -> Any:
-        """HF's train(), with the manager opened around it and a resume resolved against the manager's root."""
-        tracker = self._lease.start()
-        self._goodput.tracker = tracker
-        self.ckpt_manager = CheckpointManager(self.ckpt_root, tracker=tracker, **self._ckpt_options)
+        """HF's train(), with the manager opened around it and a resume resolved against the manager's root.
+
+        Before anything is written: a fresh start into another run's root or checkpoint folders raises
+        `ckpt.RunMismatchError` (or, with ``overwrite=True``, deletes that run); a restart of this run resumes.
+        """
+        manager = CheckpointManager(self.ckpt_root, run_id=self.run_id, **self._ckpt_options)
         try:
-            path = self._resolve_resume(resume_from_checkpoint, trial)
-            output = super().train(resume_from_checkpoint=path, trial=trial, **kwargs)
-            self.ckpt_manager.close()
+            resume = self._start(manager, resume_from_checkpoint, trial)
         except BaseException:
-            try:
-                self.ckpt_manager.close()
-            except Exception as e:  # noqa: BLE001 - the training exception is the one to report
-                warnings.warn(f"checkpoint write failed while train() was failing: {e}", RuntimeWarning)
+            manager.close()
+            raise
+        tracker = self._lease.start()
+        self._goodput.tracker = manager.tracker = tracker
+        self.ckpt_manager = manager
+        if self.folder_files:
+            self._files = _FolderFiles(self.ckpt_root, self._write_folder_files, self._folder_lock)
+        try:
+            path = self._resolve_resume(resume, trial)
+            output = super().train(resume_from_checkpoint=path, trial=trial, **kwargs)
+            self._finish_files()
+            self._delete_rotated(self._get_output_dir(trial=trial))
+            manager.close()
+        except BaseException:
+            for finish in (self._finish_files, manager.close):
+                try:
+                    finish()
+                except Exception as e:  # noqa: BLE001 - the training exception is the one to report
+                    warnings.warn(f"checkpoint write failed while train() was failing: {e}", RuntimeWarning)
             self._lease.end("error")
             raise
         finally:
-            self._staged = None
+            self._staged = self._stock = None
         self._lease.end("ok")
         return output
 
+    def _start(self, manager: CheckpointManager, resume: str | bool | None, trial: Any) -> str | bool | None:
+        """What this train() resumes from (None: nothing), decided before anything is written or deleted."""
+        fresh = resume is None or resume is False
+        run_dir = self._get_output_dir(trial=trial)
+        try:
+            same_run = ckpt_run.check_start(
+                manager.storage, manager.run, resume=not fresh,
+                how_to_resume="trainer.train(resume_from_checkpoint=True)",
+                how_to_start_over="pass overwrite=True to the trainer (deletes that run), or use another "
+                                  "output_dir/ckpt_root")
+            if not fresh:
+                return resume
+            if same_run:
+                return True
+            foreign = sorted(os.path.basename(p) for p in _checkpoint_folders(run_dir).values()
+                             if is_stock_checkpoint(p) or any(os.path.exists(os.path.join(p, w)) for w in _WEIGHTS))
+            if foreign:
+                raise RunMismatchError(
+                    f"{run_dir} holds checkpoint folders {foreign} of another run, which a fresh train() would rotate "
+                    f"away. Nothing was written or deleted. To resume that run: "
+                    f"trainer.train(resume_from_checkpoint=True). To start over: pass overwrite=True to the trainer "
+                    f"(deletes them), or use another output_dir")
+        except RunMismatchError:
+            if not self.overwrite:
+                raise
+            self._start_over(manager, run_dir)
+        return None
+
+    def _start_over(self, manager: CheckpointManager, run_dir: str) -> None:
+        """overwrite=True: delete the other run's steps, run record, goodput ledgers and checkpoint folders."""
+        steps = ckpt_run.discard(manager.storage)
+        fs, ledgers = fsspec.core.url_to_fs(ledger_dir(self.ckpt_root))
+        mine = self._lease.given.attempt_id if self._lease.given is not None else None  # a tracker you started
+        for path in fs.glob(f"{ledgers}/*") if fs.exists(ledgers) else []:
+            if mine is None or mine not in os.path.basename(path):
+                fs.rm(path)
+        folders = _checkpoint_folders(run_dir)
+        for folder in folders.values():
+            shutil.rmtree(folder)
+        warnings.warn(f"overwrite=True: deleted the earlier run in {manager.storage.url} (steps {steps}, goodput "
+                      f"ledgers) and checkpoint folders {sorted(folders)} of {run_dir}", UserWarning, stacklevel=3)
+
     def _resolve_resume(self, resume: str | bool | None, trial: Any) -> str | None:
-        """Read the step to resume from (newest committed for True) and lay out its ``checkpoint-N`` folder."""
-        if resume is None or resume is False:
+        """Read the step to resume from (newest committed for True) and lay out its ``checkpoint-N`` folder;
+        a stock Trainer folder (named, or the newest one when the root is empty) is passed on as it is."""
+        if resume is None:
             return None
         manager = self.ckpt_manager
+        run_dir = self._get_output_dir(trial=trial)
         if resume is True:
             step = manager.latest_step()
             if step is None:
-                raise ValueError(f"No valid checkpoint found in {manager.storage.url}")
+                last = get_last_checkpoint(run_dir) if os.path.isdir(run_dir) else None
+                if last is not None and is_stock_checkpoint(last):
+                    return self._resume_stock(last)
+                raise ValueError(f"No valid checkpoint found in {manager.storage.url} or {run_dir}")
+        elif is_stock_checkpoint(resume):
+            return self._resume_stock(os.fspath(resume))
         else:
             step = resolve_step(manager, checkpoint_step(resume))
         staged = read_step(manager, step)
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, TRAINER_STATE), "w", encoding="utf-8") as f:
             f.write(staged["trainer_state"])
         self._staged = (os.path.abspath(folder), staged)
         self._done.add(step)
         return folder
+
+    def _resume_stock(self, folder: str) -> str:
+        """Resume from a folder the stock Trainer wrote: its own loading reads it (torch.load with weights_only)."""
+        self._stock = os.path.abspath(folder)
+        return folder
+
+    def _is_stock(self, checkpoint: str | None) -> bool:
+        return checkpoint is not None and self._stock == os.path.abspath(checkpoint)
 
     def _staged_for(self, checkpoint: str) -> dict[str, Any]:
         """The restored state of a ``checkpoint-N`` folder (read now if train() did not resolve it)."""
@@ -148,15 +317,23 @@ class CkptTrainerMixin:
         self._staged = (os.path.abspath(checkpoint), staged)
         return staged
 
+    def _span(self, category: str, **attrs: Any) -> ContextManager[Any]:
+        """A span of the train() call's tracker (none outside train())."""
+        tracker = self._goodput.tracker
+        return tracker.span(category, **attrs) if tracker is not None else contextlib.nullcontext()
+
     # -- loading: HF's hooks, fed from the restored state -------------------------------------------------------
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        """Model weights from the manager instead of model.safetensors."""
+        """Model weights from the manager instead of model.safetensors (a stock folder: HF's own loading)."""
+        if self._is_stock(resume_from_checkpoint):
+            with self._span("checkpoint_restore"):
+                return super()._load_from_checkpoint(resume_from_checkpoint, model)
         (model if model is not None else self.model).load_state_dict(self._staged_for(resume_from_checkpoint)["model"])
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Optimizer and LR scheduler from the manager (absent when saved with save_only_model)."""
-        if checkpoint is None:
-            return
+        if checkpoint is None or self._is_stock(checkpoint):
+            return super()._load_optimizer_and_scheduler(checkpoint)
         staged = self._staged_for(checkpoint)
         if "optimizer" in staged:
             self.optimizer.load_state_dict(staged["optimizer"])
@@ -164,42 +341,88 @@ class CkptTrainerMixin:
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         """The AMP grad scaler, when there is one."""
+        if self._is_stock(checkpoint):
+            return super()._load_scaler(checkpoint)
         scaler = getattr(self.accelerator, "scaler", None)
         if checkpoint is not None and scaler is not None and "scaler" in self._staged_for(checkpoint):
             scaler.load_state_dict(self._staged_for(checkpoint)["scaler"])
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         """Every RNG through RNGState; HF calls this after skipping the trained batches, so the order is exact."""
+        if self._is_stock(checkpoint):
+            return super()._load_rng_state(checkpoint)
         if checkpoint is not None and "rng" in self._staged_for(checkpoint):
             RNGState().load_state_dict(self._staged_for(checkpoint)["rng"])
+
+    def _load_best_model(self) -> None:
+        """load_best_model_at_end: the best step's weights from the manager (not a resume: kept out of the ledger)."""
+        best = self.state.best_model_checkpoint
+        if is_stock_checkpoint(best):
+            return super()._load_best_model()
+        with self._span("checkpoint_restore"):
+            self.ckpt_manager.restore({"model": self.model}, step=checkpoint_step(best), keys=["model"], track=False)
 
     # -- saving: HF writes trainer_state.json and rotates; the rest goes to the manager --------------------------
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """HF's checkpoint (folder, trainer_state.json, rotation) without its weight/optimizer/RNG files, then an
-        async save of step N to the manager and the deletion of steps whose folders HF rotated away."""
-        self._saving = True
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self._saving = False
+        async save of step N to the manager, its folder files queued, and the deletion of steps whose folders HF
+        rotated away queued; all of it timed as checkpoint_save."""
         step = self.state.global_step
-        run_dir = self._get_output_dir(trial=trial)
-        with open(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}", TRAINER_STATE), encoding="utf-8") as f:
-            state: dict[str, Any] = {"model": self.model, "trainer_state": f.read(), "rng": RNGState()}
-        if not self.args.save_only_model:
-            state.update(optimizer=self.optimizer, lr_scheduler=self.lr_scheduler)
-            scaler = getattr(self.accelerator, "scaler", None)
-            if scaler is not None:
-                state["scaler"] = scaler
-        if save_once(self.ckpt_manager, step, state, skip=tuple(self._done)):
-            self._done.add(step)
-        folders = {int(m.group(1)) for name in os.listdir(run_dir) if (m := _CHECKPOINT_DIR.match(name))}
+        with self._span("checkpoint_save", step=step):
+            if self._files is not None:
+                self._files.check()
+            self._saving = True
+            try:
+                with self._folder_lock:
+                    super()._save_checkpoint(model, trial)
+            finally:
+                self._saving = False
+            run_dir = self._get_output_dir(trial=trial)
+            folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+            with open(os.path.join(folder, TRAINER_STATE), encoding="utf-8") as f:
+                state: dict[str, Any] = {"model": self.model, "trainer_state": f.read(), "rng": RNGState()}
+            if not self.args.save_only_model:
+                state.update(optimizer=self.optimizer, lr_scheduler=self.lr_scheduler)
+                scaler = getattr(self.accelerator, "scaler", None)
+                if scaler is not None:
+                    state["scaler"] = scaler
+            handle = save_once(self.ckpt_manager, step, state, skip=tuple(self._done))
+            if handle is not None:
+                self._done.add(step)
+                if self._files is not None:
+                    self._files.submit(handle, folder)
+            self._delete_rotated(run_dir)
+
+    def _delete_rotated(self, run_dir: str) -> None:
+        """Queue the deletion of steps whose folders HF rotated away (not the newest, not one being exported)."""
+        folders = _checkpoint_folders(run_dir)
         for old in self.ckpt_manager.steps():
-            if old not in folders:
+            if old not in folders and not (self._files is not None and self._files.busy(old)):
                 delete_step(self.ckpt_manager, old)
 
+    def _finish_files(self) -> None:
+        """Wait for the folder files still being written (raises their error)."""
+        files, self._files = self._files, None
+        if files is not None:
+            files.close()
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        """Folder files are complete before HF loads the best model and removes folders at the end of training."""
+        self._finish_files()
+        return super()._finalize_training(*args, **kwargs)
+
+    def _write_folder_files(self, folder: str, model_state: dict[str, Any]) -> None:
+        """What the stock Trainer's save_model writes for from_pretrained, from a restored state dict (background)."""
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if hasattr(model, "save_pretrained"):
+            model.save_pretrained(folder, state_dict=model_state)
+        else:
+            safetensors.torch.save_file(model_state, os.path.join(folder, SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(folder)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """HF's save_model (a from_pretrained export); in a checkpoint only the folder: the manager has the weights."""
+        """HF's save_model (a from_pretrained export); in a checkpoint only the folder: its files come afterwards."""
         if self._saving and output_dir is not None:
             os.makedirs(output_dir, exist_ok=True)
         else:

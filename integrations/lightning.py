@@ -12,7 +12,7 @@ import json
 import os
 import posixpath
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import fsspec
@@ -22,6 +22,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from ckpt import CheckpointManager
+from ckpt import run as ckpt_run
 from ckpt.data import RandomWindowSampler, ShuffledSampler
 from ckpt.rng import RNGState
 from ettr import GoodputTracker
@@ -177,6 +178,7 @@ class CkptCheckpointIO(CheckpointIO):
         self._stored: tuple[int, dict[str, dict[str, str | None]]] | None = None  # last step, its dict's paths
         self._orphans: dict[int, str] = {}  # step -> folder of its removed pointer, for steps not deletable yet
         self._adopted: set[str] = set()
+        self.before_load: Callable[[], None] | None = None  # GoodputCallback: a resume starts the tracker first
 
     @property
     def manager(self) -> CheckpointManager:
@@ -220,6 +222,8 @@ class CkptCheckpointIO(CheckpointIO):
         That is the step's stored dict with the pointer's own callback paths (e.g. ModelCheckpoint's
         ``last_model_path`` of ``last.ckpt``) and, for a moved root, every callback path under it rebased.
         """
+        if self.before_load is not None:
+            self.before_load()
         pointer = self._pointer(os.fspath(path))
         step = resolve_step(self.manager, int(pointer["step"]))
         checkpoint = read_step(self.manager, step)
@@ -232,6 +236,21 @@ class CkptCheckpointIO(CheckpointIO):
         written_at = self.manager.metadata(step).get(WRITTEN_AT)
         if isinstance(callbacks, dict) and written_at is not None and written_at != _real(self.root):
             checkpoint["callbacks"] = _rebase(callbacks, written_at, _real(self.root))
+        self._done.add(step)
+        return checkpoint
+
+    def start_fit(self, resume: bool) -> bool:
+        """The start-up check of a fit, before anything is written (`ckpt.run.check_start`): True to resume the
+        root's newest step. A fit that loaded no checkpoint into a root holding another run's committed steps raises
+        `ckpt.RunMismatchError`; a resume claims the root for this run."""
+        return ckpt_run.check_start(self.manager.storage, self.manager.run, resume=resume,
+                                    how_to_resume='trainer.fit(model, ..., ckpt_path="last")',
+                                    how_to_start_over=f"give CkptCheckpointIO a new root (or delete {self.root})")
+
+    def load_newest(self) -> dict[str, Any]:
+        """The checkpoint dict of the newest committed step (a restart of this root's run started without ckpt_path)."""
+        step = self.manager.latest_step()
+        checkpoint = read_step(self.manager, step)
         self._done.add(step)
         return checkpoint
 
@@ -351,6 +370,7 @@ class GoodputCallback(Callback):
         self._pending_rng: dict[str, Any] | None = None
         self._attempts: list[str] = []
         self._open: int | None = None
+        self._begun = False
 
     @property
     def tracker(self) -> GoodputTracker | None:
@@ -358,12 +378,42 @@ class GoodputCallback(Callback):
         return self._lease.tracker
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Refuse strategies that bypass CheckpointIO, start the tracker and attach it to a `CkptCheckpointIO`."""
+        """Refuse strategies that bypass CheckpointIO; start the tracker, or, with a `CkptCheckpointIO`, let a resume
+        start it before its load (a fit that loads nothing is checked first, in `on_fit_start`)."""
         if stage != "fit":
             return
         io = _ckpt_io(trainer)
+        self._begun = False
+        if io is None:
+            self._begin(None, resume=False)
+            return
+        _check_strategy(trainer)
+        io.before_load = lambda: self._begin(io, resume=True)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A fit that loaded no checkpoint: refused before anything is written if the root holds another run's steps
+        (`ckpt.RunMismatchError`); a restart of the root's own run (same run id) resumes its newest step silently."""
+        io = _ckpt_io(trainer)
+        if io is None or self._begun:
+            return
+        same_run = io.start_fit(resume=False)
+        self._begin(io, resume=False)
+        if same_run:  # Lightning's own path for strategies that restore after setup; the rest follows in fit
+            connector = trainer._checkpoint_connector
+            connector._loaded_checkpoint = io.load_newest()
+            connector.restore_model()
+            connector.restore_datamodule()
+            connector.restore_callbacks()
+
+    def _begin(self, io: CkptCheckpointIO | None, resume: bool) -> None:
+        """Start this fit's tracker (once) and attach it to the IO; a resume first claims the root for this run."""
+        if self._begun:
+            return
+        self._begun = True
         if io is not None:
-            _check_strategy(trainer)
+            io.before_load = None
+            if resume:
+                io.start_fit(resume=True)
         tracker = self._lease.start(io.root if io is not None else None)
         if io is not None:
             io.use_tracker(tracker)
@@ -410,6 +460,7 @@ class GoodputCallback(Callback):
         """End the attempt's tracker; the IO stops reporting to it (a later test/validate load is not timed)."""
         if io is not None:
             io.use_tracker(None)
+            io.before_load = None
         self._lease.end(status)
 
     def state_dict(self) -> dict[str, Any]:

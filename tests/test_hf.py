@@ -1,5 +1,7 @@
 """Transformers: CkptTrainer.train on a tiny local GPT-2 is SIGKILLed, resumed with resume_from_checkpoint=True,
-and ends bitwise equal to an uninterrupted run; checkpoint-N folders follow HF's rotation; goodput is reported."""
+and ends bitwise equal to an uninterrupted run; checkpoint-N folders follow HF's rotation and load with
+from_pretrained; goodput is reported. A fresh train() into another run's output dir is refused before anything is
+touched, a restart of the same run resumes, load_best_model_at_end works, a stock Trainer's folder resumes."""
 
 from __future__ import annotations
 
@@ -8,12 +10,15 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 
 from kill_resume import assert_reported, assert_same_bits, losses, straight_killed_resumed  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 CHILD = Path(__file__).parent / "procs" / "hf_train.py"
 STEPS, KILL_AT = 16, 10  # the child saves every 4 steps (save_total_limit=2): the resume is from step 8
@@ -32,24 +37,179 @@ def test_sigkill_resume_is_bitwise_and_reported(tmp_path):
     job = tmp_path / "job"
     assert sorted(p.name for p in job.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-16"]
     assert sorted(p.name for p in (job / "ckpt").glob("step_*")) == ["step_00000012", "step_00000016"]
-    assert sorted(p.name for p in (job / "checkpoint-16").iterdir()) == ["trainer_state.json"]
+    assert sorted(p.name for p in (job / "checkpoint-16").iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "trainer_state.json"]
     assert json.loads((job / "checkpoint-16" / "trainer_state.json").read_text())["global_step"] == 16
-    assert not list(job.rglob("*.pth")) and not list(job.rglob("*.bin"))
+    assert not list(job.rglob("*.pth")) and not list(job.rglob("*.bin")) and not list(job.rglob("*.pt"))
+    # the folder is HF-native: from_pretrained loads the final weights of the resumed run
+    from transformers import GPT2LMHeadModel
+
+    final = np.load(runs.resumed_npz)
+    loaded = GPT2LMHeadModel.from_pretrained(job / "checkpoint-16").state_dict()
+    assert sorted(loaded) == sorted(final.files)
+    assert all(loaded[k].numpy().tobytes() == final[k].tobytes() for k in final.files)
 
     assert_reported(job / "ckpt", restored=8, lost_steps=KILL_AT - 8)
 
 
-def test_unsupported_configurations_fail_loudly(tmp_path):
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+def test_checkpoint_step_names(tmp_path):
+    from integrations.hf import checkpoint_step
 
-    from integrations.hf import CkptTrainer, checkpoint_step
-
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=1, vocab_size=16, n_positions=8))
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], load_best_model_at_end=True,
-                             eval_strategy="steps", save_strategy="steps")
-    with pytest.raises(NotImplementedError, match="load_best_model_at_end"):
-        CkptTrainer(model=model, args=args, eval_dataset=[{"input_ids": torch.zeros(8, dtype=torch.long)}])
     assert checkpoint_step(tmp_path / "checkpoint-12") == 12
     with pytest.raises(ValueError, match="not a checkpoint-N folder"):
         checkpoint_step(tmp_path / "step_12")
+
+
+class StepLog(TrainerCallback):
+    """The optimizer steps a train() call ran."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+
+def _trainer(out: Path, steps: int, stock: bool = False, args: dict | None = None, **options):
+    """A tiny GPT-2 (1 layer, dropout) trainer saving every 2 steps, keeping 2 folders."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from integrations.hf import CkptTrainer
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (16, 8), generator=torch.Generator().manual_seed(3))
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=8))
+    targs = TrainingArguments(**{**dict(output_dir=str(out), max_steps=steps, per_device_train_batch_size=4,
+                                        save_steps=2, save_total_limit=2, learning_rate=1e-3, use_cpu=True,
+                                        report_to=[], disable_tqdm=True, dataloader_num_workers=0, logging_steps=1,
+                                        seed=0), **(args or {})})
+    log = StepLog()
+    if stock:
+        trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[log], **options)
+    else:
+        trainer = CkptTrainer(model=model, args=targs, train_dataset=data, callbacks=[log], **options)
+    trainer.step_log = log
+    return trainer
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+def _weights(model) -> dict[str, bytes]:
+    return {k: v.detach().numpy().tobytes() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture
+def no_launcher_ids(monkeypatch):
+    from ckpt.run import ENV_IDS
+
+    for var in ENV_IDS + ("TORCHELASTIC_RESTART_COUNT",):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_fresh_train_into_a_used_output_dir_fails_before_touching_it(tmp_path, no_launcher_ids):
+    import ckpt
+    from ettr import attribute_root
+
+    out = tmp_path / "out"
+    _trainer(out, 4).train()
+    before = _tree(out)
+    with pytest.raises(ckpt.RunMismatchError, match=r"committed steps \[2, 4\].*resume_from_checkpoint=True.*"
+                                                    r"overwrite=True"):
+        _trainer(out, 6).train()
+    assert _tree(out) == before, "no folder rotated, no step deleted, no ledger of the refused attempt"
+
+    resumed = _trainer(out, 6)
+    resumed.train(resume_from_checkpoint=True)  # the explicit resume takes the run over
+    assert resumed.step_log.steps == [5, 6]
+    assert len(attribute_root(str(out / "ckpt")).attempts) == 2
+
+    with pytest.warns(UserWarning, match=r"overwrite=True: deleted the earlier run .*steps \[4, 6\]"):
+        _trainer(out, 2, overwrite=True).train()  # starts over: the old run is gone, its goodput history too
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert ckpt.CheckpointManager(out / "ckpt").steps() == [2]
+    assert len(attribute_root(str(out / "ckpt")).attempts) == 1
+
+
+def test_a_restart_of_the_same_run_resumes_silently(tmp_path, no_launcher_ids, monkeypatch):
+    import ckpt
+
+    out = tmp_path / "out"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "rdzv-1")  # torchrun's first attempt
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    _trainer(out, 4).train()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun restarts the same command
+    again = _trainer(out, 6)
+    again.train()
+    assert again.step_log.steps == [5, 6]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "rdzv-2")  # another torchrun job into the same directory
+    with pytest.raises(ckpt.RunMismatchError, match="run 'rdzv-1'.*run 'rdzv-2'"):
+        _trainer(out, 8).train()
+
+
+def test_checkpoint_folders_load_with_from_pretrained(tmp_path):
+    import ckpt
+    from transformers import GPT2LMHeadModel
+
+    out = tmp_path / "out"
+    _trainer(out, 4).train()
+    manager = ckpt.CheckpointManager(out / "ckpt")
+    for step in (2, 4):
+        saved = {"model": None}
+        manager.restore(saved, step=step, keys=["model"], track=False)
+        loaded = GPT2LMHeadModel.from_pretrained(out / f"checkpoint-{step}").state_dict()
+        assert sorted(loaded) == sorted(saved["model"])
+        assert all(torch.equal(loaded[k], saved["model"][k]) for k in loaded), step
+    assert not list(out.glob(".checkpoint-*")), "no temporary folder left"
+
+    bare = tmp_path / "bare"
+    _trainer(bare, 2, folder_files=False).train()
+    assert sorted(p.name for p in (bare / "checkpoint-2").iterdir()) == ["trainer_state.json"]
+
+
+def test_load_best_model_at_end(tmp_path):
+    import ckpt
+
+    out = tmp_path / "out"
+    # eval loss rises here (the eval data differ): the best is the first evaluation (step 2), not the last step
+    trainer = _trainer(out, 6, args={"eval_strategy": "steps", "eval_steps": 2, "load_best_model_at_end": True,
+                                     "metric_for_best_model": "eval_loss", "greater_is_better": False,
+                                     "save_total_limit": 1, "learning_rate": 1e-2},
+                       eval_dataset=[{"input_ids": x, "labels": x} for x in torch.arange(32).reshape(4, 8)])
+    trainer.train()
+    assert trainer.state.best_model_checkpoint == str(out / "checkpoint-2")
+    best, last = {"model": None}, {"model": None}
+    manager = ckpt.CheckpointManager(out / "ckpt")
+    manager.restore(best, step=2, keys=["model"], track=False)
+    manager.restore(last, step=6, keys=["model"], track=False)
+    model = trainer.model.state_dict()
+    assert all(torch.equal(model[k], best["model"][k]) for k in model)
+    assert not all(torch.equal(model[k], last["model"][k]) for k in model)
+    # HF keeps only the best folder at the end (save_total_limit=1); the root keeps it and its newest step
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert manager.steps() == [2, 6]
+
+
+def test_resume_from_a_stock_trainer_checkpoint(tmp_path, no_launcher_ids):
+    import shutil
+
+    import ckpt
+
+    out = tmp_path / "out"
+    _trainer(out, 4, stock=True).train()  # the stock Trainer: model.safetensors, optimizer.pt, rng_state.pth...
+    assert (out / "checkpoint-4" / "rng_state.pth").exists()
+    shutil.copytree(out, tmp_path / "copy")
+    before = _tree(out)
+    with pytest.raises(ckpt.RunMismatchError, match=r"checkpoint folders \['checkpoint-2', 'checkpoint-4'\]"):
+        _trainer(out, 6).train()  # a fresh start would rotate the stock run's folders away
+    assert _tree(out) == before
+
+    ours = _trainer(out, 6)
+    ours.train(resume_from_checkpoint=True)  # the root is empty: the newest stock folder, read by HF's own code
+    stock = _trainer(tmp_path / "copy", 6, stock=True)
+    stock.train(resume_from_checkpoint=str(tmp_path / "copy" / "checkpoint-4"))
+    assert ours.step_log.steps == stock.step_log.steps == [5, 6]
+    assert _weights(ours.model) == _weights(stock.model)
+    assert ckpt.CheckpointManager(out / "ckpt").steps() == [6]  # from here on the root holds the run

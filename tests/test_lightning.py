@@ -121,3 +121,59 @@ def test_pointers_are_relative_and_the_next_writer_drops_those_of_steps_that_nev
     assert sorted(str(w.message).split(":")[0] for w in removed) == [f"removing {folder / n}"
                                                                       for n in ("b.ckpt", "last.ckpt")]
     assert sorted(p.name for p in folder.iterdir()) == ["a.ckpt", "c.ckpt", "old.ckpt"]
+
+
+def _fit(root: Path, steps: int, ckpt_path: str | None = None, **io_options) -> dict[str, torch.Tensor]:
+    """A tiny fit through CkptCheckpointIO + GoodputCallback (the child's model and data); returns its final weights."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ckpt.data import ShuffledSampler, make_loader
+    from integrations.lightning import GoodputCallback
+    from lightning_train import Net, Points
+
+    torch.manual_seed(0)
+    sampler = ShuffledSampler(64, 8, seed=1)
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, deterministic=True,
+                      plugins=[CkptCheckpointIO(root, **io_options)],
+                      callbacks=[GoodputCallback(samplers={"train": sampler}),
+                                 ModelCheckpoint(dirpath=root / "pointers", every_n_train_steps=4, save_last=True)])
+    model = Net()
+    trainer.fit(model, train_dataloaders=make_loader(Points(), sampler), ckpt_path=ckpt_path)
+    assert trainer.global_step == steps
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture
+def no_launcher_ids(monkeypatch):
+    from ckpt.run import ENV_IDS
+
+    for var in ENV_IDS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_fit_without_ckpt_path_into_another_runs_root_fails_before_touching_it(tmp_path, no_launcher_ids):
+    import ckpt
+
+    root = tmp_path / "run"
+    _fit(root, 8)
+    before = _tree(root)
+    with pytest.raises(ckpt.RunMismatchError, match=r'committed steps \[8\].*ckpt_path="last".*new root'):
+        _fit(root, 12)
+    assert _tree(root) == before, "nothing written (no ledger of the refused attempt either) or deleted"
+    _fit(root, 12, ckpt_path="last")  # the explicit resume takes the run over
+
+
+def test_a_restart_of_the_same_run_resumes_without_ckpt_path(tmp_path, no_launcher_ids):
+    from ettr import attribute_root
+
+    straight = _fit(tmp_path / "straight", 12)
+    _fit(tmp_path / "job", 8, run_id="job-1")  # as if torchrun or a requeue restarted it with the same id
+    resumed = _fit(tmp_path / "job", 12, run_id="job-1")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert [a.restored_step for a in attribute_root(str(tmp_path / "job")).attempts] == [None, 8]

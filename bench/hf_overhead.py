@@ -1,0 +1,103 @@
+"""Stock `transformers.Trainer` vs `CkptTrainer` on the same tiny GPT-2 and arguments: `train()` seconds, ratio.
+
+Each run is a fresh process (every trainer pays its own first-call costs inside `train()`; imports and model
+construction are outside the timing), alternating the kinds, each into a new output dir. Kinds: ``stock``,
+``ckpt`` (the default CkptTrainer: HF-native folders) and ``ckpt-bare`` (``folder_files=False``: what the folders'
+config + model.safetensors cost). Prints the medians and the ratios to stock. Default: 60 steps, save_steps=10,
+save_total_limit=2, 5 runs each.
+
+Run: python bench/hf_overhead.py [--runs 5] [--steps 60] [--profile stock|ckpt|ckpt-bare]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KINDS = ("stock", "ckpt", "ckpt-bare")
+
+
+def child(kind: str, output_dir: str, steps: int, profile: bool) -> None:
+    """One timed train() in this process; prints 'seconds S'."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from integrations.hf import CkptTrainer
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (40, 16), generator=torch.Generator().manual_seed(7))
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+    args = TrainingArguments(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=4, save_steps=10,
+                             save_total_limit=2, logging_steps=10, seed=0, use_cpu=True, report_to=[],
+                             dataloader_num_workers=0, disable_tqdm=True)
+    if kind == "stock":
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+    else:
+        trainer = CkptTrainer(model=model, args=args, train_dataset=data, folder_files=kind == "ckpt")
+    if profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+    t0, c0 = time.perf_counter(), time.process_time()
+    trainer.train()
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if profile:
+        prof.disable()
+        pstats.Stats(prof).sort_stats(os.environ.get("HF_BENCH_SORT", "cumulative")).print_stats(45)
+    print(f"seconds {seconds:.4f} {cpu:.4f}", flush=True)
+
+
+def timed(kind: str, steps: int) -> tuple[float, float]:
+    """train() wall and CPU seconds (all threads) of one fresh process of `kind`."""
+    with tempfile.TemporaryDirectory(prefix=f"hf-bench-{kind}-") as out:
+        proc = subprocess.run([sys.executable, __file__, "--child", kind, out, "--steps", str(steps)],
+                              capture_output=True, text=True, cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1"})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("seconds ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{kind} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return float(lines[-1].split()[1]), float(lines[-1].split()[2])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--child", nargs=2, metavar=("KIND", "OUTPUT_DIR"), help=argparse.SUPPRESS)
+    parser.add_argument("--profile", choices=KINDS, help="one cProfiled train() of that kind (HF_BENCH_SORT=tottime)")
+    a = parser.parse_args()
+    if a.child:
+        child(a.child[0], a.child[1], a.steps, profile=bool(os.environ.get("HF_BENCH_PROFILE")))
+        return
+    if a.profile:
+        with tempfile.TemporaryDirectory() as out:
+            subprocess.run([sys.executable, __file__, "--child", a.profile, out, "--steps", str(a.steps)], cwd=REPO,
+                           env={**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "HF_BENCH_PROFILE": "1"})
+        return
+    runs: dict[str, list[tuple[float, float]]] = {kind: [] for kind in KINDS}
+    for _ in range(a.runs):
+        for kind in runs:
+            runs[kind].append(timed(kind, a.steps))
+    wall = {kind: statistics.median(w for w, _ in rs) for kind, rs in runs.items()}
+    cpu = {kind: statistics.median(c for _, c in rs) for kind, rs in runs.items()}
+    print(f"{a.steps} steps, save_steps=10, save_total_limit=2, tiny GPT-2 (2 layers, 32 wide), CPU; train() "
+          f"seconds, median of {a.runs} fresh processes each (cpu: all threads, less sensitive to a busy machine)")
+    for kind, rs in runs.items():
+        ratio = "" if kind == "stock" else f" ({wall[kind] / wall['stock']:.2f}x)"
+        cratio = "" if kind == "stock" else f" ({cpu[kind] / cpu['stock']:.2f}x)"
+        print(f"  {kind:<9} wall {wall[kind]:6.3f} s{ratio:<8} cpu {cpu[kind]:6.3f} s{cratio:<8} "
+              f"runs (wall): {', '.join(f'{w:.3f}' for w, _ in rs)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""A root belongs to one run: ``ROOT/run.json`` names it, so a start can tell a restart of that run from another run.
+
+The id of the current run comes from ``run_id=``, else the launcher (``CKPT_RUN_ID``, ``SLURM_JOB_ID``, which a
+requeue keeps, or ``TORCHELASTIC_RUN_ID``, which torchrun restarts keep; its default ``none`` is no id), else it
+is a fresh random id. The first save of a run into a root records it; a resume claims the root for the resuming run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+from . import catalog
+from .errors import CorruptCheckpointError, RunMismatchError
+from .storage import Storage
+
+RUN_FILE = "run.json"
+RUN_FORMAT = "ckpt-run/1"
+ENV_IDS = ("CKPT_RUN_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")  # first set one wins
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run's id, where the id came from, and the host and time it was made."""
+
+    id: str
+    source: str  # "run_id", one of ENV_IDS, or "generated"
+    host: str = field(default_factory=socket.gethostname)
+    created: float = field(default_factory=time.time)
+
+    @classmethod
+    def current(cls, run_id: str | None = None) -> Run:
+        """This process's run: `run_id` if given, else the launcher's id from the environment, else a new one."""
+        if run_id:
+            return cls(str(run_id), "run_id")
+        for var in ENV_IDS:
+            value = os.environ.get(var, "")
+            if value and not (var == "TORCHELASTIC_RUN_ID" and value == "none"):
+                return cls(value, var)
+        return cls(uuid.uuid4().hex, "generated")
+
+    def describe(self) -> str:
+        """One line for error messages."""
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.created))
+        return f"run {self.id!r} (id from {self.source}, {when} on {self.host})"
+
+
+def recorded_run(storage: Storage) -> Run | None:
+    """The run recorded in the root, or None (a new root, or one written before run records existed)."""
+    data = storage.read(RUN_FILE)
+    if data is None:
+        return None
+    where = storage.local_path(RUN_FILE) or f"{storage.url}{RUN_FILE}"
+    try:
+        body = json.loads(data)
+        if body.pop("format") != RUN_FORMAT:
+            raise ValueError(f"format is not {RUN_FORMAT!r}")
+        return Run(str(body["id"]), str(body["source"]), str(body["host"]), float(body["created"]))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CorruptCheckpointError(f"run record is malformed: {e}", file=where) from None
+
+
+def claim(storage: Storage, run: Run) -> None:
+    """Record `run` as the root's run (atomically), unless it already is; a malformed record is replaced."""
+    try:
+        recorded = recorded_run(storage)
+    except CorruptCheckpointError:
+        recorded = None
+    if recorded is None or recorded.id != run.id:
+        storage.write_atomic(RUN_FILE, json.dumps({"format": RUN_FORMAT, **asdict(run)}).encode())
+
+
+def check_start(storage: Storage, run: Run, *, resume: bool, how_to_resume: str, how_to_start_over: str) -> bool:
+    """Decide at a training start, before anything is written: True to resume the root's newest step.
+
+    A root without committed steps starts fresh (False). An explicit `resume` takes the root over (True). A fresh
+    start resumes silently only when the root's recorded run is `run` (a restart by torchrun, a requeue, an
+    explicit run id); otherwise it raises `RunMismatchError`, saying how to resume or start over.
+    """
+    committed = catalog.committed_steps(storage)
+    if not committed:
+        return False
+    recorded = recorded_run(storage)
+    if not resume and (recorded is None or recorded.id != run.id):
+        owner = recorded.describe() if recorded is not None else "a run that recorded no id"
+        raise RunMismatchError(
+            f"{storage.url} holds committed steps {committed} of {owner}, and this fresh start is {run.describe()}. "
+            f"Nothing was written or deleted. To resume that run: {how_to_resume}. To start over: {how_to_start_over}. "
+            f"A restart resumes by itself when it carries the recorded id (run_id=, or CKPT_RUN_ID, SLURM_JOB_ID, "
+            f"TORCHELASTIC_RUN_ID in the environment).")
+    claim(storage, run)
+    return True
+
+
+def discard(storage: Storage) -> list[int]:
+    """Delete every committed step, the leftovers of dead saves and the run record: an explicit start-over."""
+    steps = catalog.committed_steps(storage)
+    for step in reversed(steps):
+        catalog.delete_step(storage, step)
+    catalog.collect_garbage(storage)
+    storage.delete_file(RUN_FILE)
+    return steps
