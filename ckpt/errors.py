@@ -23,3 +23,11 @@ class CheckpointWriteError(CheckpointError):
         super().__init__(f"saving step {step} failed: {type(cause).__name__}: {cause}")
         self.step = step
         self.__cause__ = cause
+
+
+class LeaseHeldError(CheckpointError):
+    """Another live writer holds the root's lease (or took it over): this process must not write to the root."""
+
+    def __init__(self, message: str, *, holder: dict | None = None):
+        super().__init__(message)
+        self.holder = holder

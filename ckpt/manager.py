@@ -16,9 +16,10 @@ from typing import Any, ContextManager, Mapping, Protocol, Sequence
 import torch.distributed as dist
 
 from . import catalog
+from . import lease as lease_mod
 from .checkpointer import SaveJob, plan, read_manifest, restore_into
 from .distributed import Ranks, prepare_optimizers
-from .errors import CheckpointWriteError, CorruptCheckpointError
+from .errors import CheckpointWriteError, CorruptCheckpointError, LeaseHeldError
 from .format import MANIFEST, step_dir
 from .retention import Retention
 from .staging import StagingArena
@@ -102,6 +103,8 @@ class CheckpointManager:
         self._error: CheckpointWriteError | None = None
         self._lock = threading.Lock()
         self._metadata: dict[int, dict[str, Any]] = {}
+        self._lease: lease_mod.Lease | None = None  # the root's lease (rank 0's), taken at the first save
+        self._writer_agreed = False  # every rank knows the lease is held
         self._closed = False
 
     # -- saving -------------------------------------------------------------------------------------
@@ -110,18 +113,20 @@ class CheckpointManager:
         """Snapshot `state` into host memory and write it in the background; returns once the snapshot is taken.
 
         A save still writing is waited for first (never two interleaved). An error of an earlier
-        background write is raised here, before anything new is written.
+        background write is raised here, before anything new is written. The first save takes the root's
+        lease (one writer per root): `LeaseHeldError` names the live writer holding it.
         """
         self._check_open()
         self._raise_error()
         with self.tracker.span("checkpoint_save", step=step):
             self._drain()
+            self._take_lease(collective=True)
             if self.storage.read(f"{step_dir(step)}/{MANIFEST}") is not None:
                 raise ValueError(f"step {step} is already committed in {self.storage.url}; "
                                  f"a committed checkpoint is never overwritten")
             t0 = time.perf_counter()
             job = SaveJob(self.storage, plan(step, state, metadata, self.chunk_bytes, self.ranks), self._arena,
-                          context(), self.ranks)
+                          context(), self.ranks, self._lease)
             stall = time.perf_counter() - t0
         committed: Future = Future()
         self._writer.submit(self._background, job, stall, committed)
@@ -170,6 +175,29 @@ class CheckpointManager:
             catalog.delete_step(self.storage, s)
             self._metadata.pop(s, None)
             log.info("retention removed step %d", s)
+
+    def _take_lease(self, collective: bool) -> None:
+        """Hold the root's lease from the first write until close; among ranks rank 0 holds it for all.
+
+        `collective`: every rank takes part (a save), so a refusal reaches every rank at once.
+        """
+        leader = self.ranks is None or self.ranks.rank == 0
+        error: LeaseHeldError | None = None
+        if leader:
+            try:
+                if self._lease is None:
+                    self._lease = lease_mod.acquire(self.storage)
+                else:
+                    self._lease.check()
+            except LeaseHeldError as e:
+                error = e
+        if collective and self.ranks is not None and not self._writer_agreed:
+            verdict = self.ranks.all_gather_json(None if error is None else str(error))[0]
+            if verdict and error is None:
+                error = LeaseHeldError(verdict)
+            self._writer_agreed = verdict is None
+        if error is not None:
+            raise error
 
     def _drain(self) -> None:
         """Wait for the save in flight; its error is raised here unless a handle already reported it."""
@@ -276,6 +304,7 @@ class CheckpointManager:
             raise ValueError(f"step {step} is not a committed step of {self.storage.url} (committed: {committed})")
         if step == committed[-1]:
             raise ValueError(f"step {step} is the newest committed step; it is never deleted")
+        self._take_lease(collective=False)
         catalog.delete_step(self.storage, step)
         self._metadata.pop(step, None)
 
@@ -284,7 +313,7 @@ class CheckpointManager:
         return read_manifest(self.storage, step).metadata
 
     def close(self) -> None:
-        """Drain writes (raising a background error, if any) and release threads."""
+        """Drain writes (raising a background error, if any), release threads and the root's lease."""
         if self._closed:
             return
         try:
@@ -293,6 +322,9 @@ class CheckpointManager:
             self._closed = True
             self._writer.shutdown(wait=True)
             self._readers.shutdown(wait=True)
+            if self._lease is not None:
+                self._lease.release()
+                self._lease = None
 
     def __enter__(self) -> "CheckpointManager":
         return self

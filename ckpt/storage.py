@@ -9,6 +9,7 @@ single PUT of the manifest is the atomic commit.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from typing import Any, Protocol
@@ -26,13 +27,14 @@ class Storage(Protocol):
 
     def kvstore_spec(self, path: str) -> dict[str, Any]: ...
     def local_path(self, path: str) -> str | None: ...
-    def list_dirs(self) -> list[str]: ...
+    def list_dirs(self, path: str = "") -> list[str]: ...
     def list_files(self, path: str) -> list[str]: ...
     def read(self, path: str) -> bytes | None: ...
     def write_atomic(self, path: str, data: bytes) -> None: ...
     def delete_tree(self, path: str) -> None: ...
     def delete_file(self, path: str) -> None: ...
     def size(self, path: str) -> int: ...
+    def sync_tree(self, path: str) -> None: ...
 
 
 def _check(path: str) -> str:
@@ -56,10 +58,11 @@ class LocalStorage:
     def local_path(self, path: str) -> str | None:
         return self._p(path)
 
-    def list_dirs(self) -> list[str]:
-        if not os.path.isdir(self.root):
+    def list_dirs(self, path: str = "") -> list[str]:
+        base = self._p(path)
+        if not os.path.isdir(base):
             return []
-        return sorted(e.name for e in os.scandir(self.root) if e.is_dir())
+        return sorted(e.name for e in os.scandir(base) if e.is_dir(follow_symlinks=False))
 
     def list_files(self, path: str) -> list[str]:
         base = self._p(path)
@@ -75,18 +78,14 @@ class LocalStorage:
     def write_atomic(self, path: str, data: bytes) -> None:
         """temp file + fsync + rename + fsync of the directory: the file is either whole or absent."""
         final = self._p(path)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
+        makedirs_durable(os.path.dirname(final))
         tmp = f"{final}.tmp-{os.getpid()}"
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-        fd = os.open(os.path.dirname(final), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(os.path.dirname(final))
 
     def delete_tree(self, path: str) -> None:
         shutil.rmtree(self._p(path), ignore_errors=True)
@@ -100,6 +99,37 @@ class LocalStorage:
     def size(self, path: str) -> int:
         base = self._p(path)
         return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(base) for f in fs)
+
+    def sync_tree(self, path: str) -> None:
+        """fsync every directory under `path`, then `path` and the root: the entries tensorstore created
+        (array and chunk directories, chunk files) survive a power cut before a manifest vouches for them."""
+        base = self._p(path)
+        for d, _, _ in os.walk(base, topdown=False):
+            fsync_dir(d)
+        while base != self.root and base.startswith(self.root):
+            base = os.path.dirname(base)
+            fsync_dir(base)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (creations, renames, deletions) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def makedirs_durable(path: str) -> None:
+    """`os.makedirs`, and the parent of every directory it creates is fsync'd, so the new entries are durable."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d)
+        fsync_dir(os.path.dirname(d))
 
 
 class KvStorage:
@@ -122,8 +152,9 @@ class KvStorage:
         rng = ts.KvStore.KeyRange(prefix, prefix + "\xff") if prefix else ts.KvStore.KeyRange()
         return sorted(k.decode() for k in self._kv.list(rng).result())
 
-    def list_dirs(self) -> list[str]:
-        return sorted({k.split("/", 1)[0] for k in self._keys("") if "/" in k})
+    def list_dirs(self, path: str = "") -> list[str]:
+        prefix = _check(path).rstrip("/") + "/" if path else ""
+        return sorted({k[len(prefix):].split("/", 1)[0] for k in self._keys(prefix) if "/" in k[len(prefix):]})
 
     def list_files(self, path: str) -> list[str]:
         prefix = _check(path).rstrip("/") + "/"
@@ -146,6 +177,22 @@ class KvStorage:
     def size(self, path: str) -> int:
         prefix = _check(path).rstrip("/") + "/"
         return sum(len(self._kv.read(prefix + k).result().value) for k in self.list_files(path))
+
+    def sync_tree(self, path: str) -> None:
+        """Nothing to do: an object store has no directory entries, and each PUT is durable when it returns."""
+
+    def read_versioned(self, path: str) -> tuple[bytes | None, bytes]:
+        """A key's value (None when absent) and its storage generation, for a later `write_if`."""
+        r = self._kv.read(_check(path)).result()
+        return (r.value if r.state == "value" else None), r.stamp.generation
+
+    def write_if(self, path: str, data: bytes | None, generation: bytes) -> bytes | None:
+        """Write (or delete, with None) only if the key is still at `generation` (as read; absent included).
+
+        Returns the new generation, or None when another writer changed the key first (nothing written).
+        """
+        stamp = self._kv.write(_check(path), data, if_equal=generation).result()
+        return stamp.generation or None
 
 
 # One context per process, so that every handle of a memory:// root sees the same store. 32 concurrent
