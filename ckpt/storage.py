@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import fsspec
@@ -101,11 +102,15 @@ class LocalStorage:
         return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(base) for f in fs)
 
     def sync_tree(self, path: str) -> None:
-        """fsync every directory under `path`, then `path` and the root: the entries tensorstore created
-        (array and chunk directories, chunk files) survive a power cut before a manifest vouches for them."""
+        """fsync every directory under `path`, then its parents up to the root: the entries tensorstore created
+        (array and chunk directories, chunk files) survive a power cut before a manifest vouches for them.
+
+        The fsyncs run concurrently: one after the other they cost up to ~1 s per 250 directories on a busy
+        disk, together ~10-30 ms (the device flushes coalesce).
+        """
         base = self._p(path)
-        for d, _, _ in os.walk(base, topdown=False):
-            fsync_dir(d)
+        with ThreadPoolExecutor(32, thread_name_prefix="ckpt-fsync") as pool:
+            list(pool.map(fsync_dir, [d for d, _, _ in os.walk(base)]))
         while base != self.root and base.startswith(self.root):
             base = os.path.dirname(base)
             fsync_dir(base)
