@@ -1,7 +1,7 @@
 """ckpt: save and restore the whole training state, asynchronously and sharded, through tensorstore."""
 
 from .data import DataMismatchError, RandomWindowSampler, ShuffledSampler, TokenWindowDataset, explain, make_loader
-from .errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
+from .errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError, LeaseHeldError
 from .manager import CheckpointManager, CheckpointObserver, SaveHandle
 from .retention import Retention
 from .rng import RNGState
@@ -9,7 +9,7 @@ from .state import Stateful
 
 __all__ = [
     "CheckpointManager", "CheckpointObserver", "SaveHandle", "Retention", "Stateful",
-    "CheckpointError", "CheckpointWriteError", "CorruptCheckpointError",
+    "CheckpointError", "CheckpointWriteError", "CorruptCheckpointError", "LeaseHeldError",
     "RNGState", "RandomWindowSampler", "ShuffledSampler", "TokenWindowDataset", "make_loader", "explain",
     "DataMismatchError",
 ]

@@ -180,3 +180,41 @@ def test_one_writer_per_object_store_root_in_one_process():
     second.save(2, writer.state_for(2)).wait()
     second.close()
     assert ckpt.CheckpointManager(root).steps() == [1, 2]
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_ls_shows_quarantined_steps_and_gc_damaged_removes_only_them(tmp_path, capsys, kind):
+    root = str(tmp_path / "ck") if kind == "local" else f"memory://{uuid.uuid4().hex}/run"
+    with ckpt.CheckpointManager(root) as m:
+        for s in (1, 2):
+            m.save(s, writer.state_for(s)).wait()
+    storage = open_storage(root)
+    # the layout a restore leaves when it moves a damaged step aside (made by hand here)
+    moved = "_quarantine/step_00000002-1700000000123"
+    for f in storage.list_files("step_00000002"):
+        storage.write_atomic(f"{moved}/{f}", storage.read(f"step_00000002/{f}"))
+    storage.delete_tree("step_00000002")
+    record = {"reason": "chunk digest mismatch (key=a)", "time": 1700000000.123, "host": "h", "pid": 7}
+    storage.write_atomic(f"{moved}/_DAMAGED", json.dumps(record).encode())
+    storage.write_atomic("_quarantine/step_00000003-1700000000999/_DAMAGED", b"[not an object")
+    storage.write_atomic("step_00000005/_IN_PROGRESS", b'{"pid": 1, "lease": "gone"}')
+
+    assert [(q.step, q.reason) for q in catalog.quarantined(storage)] == [
+        (2, "chunk digest mismatch (key=a)"), (3, "no readable _DAMAGED record")]
+    assert cli.main(["ls", root]) == 0
+    out = capsys.readouterr().out
+    assert "1  committed" in out and "5  incomplete" in out
+    line = next(l for l in out.splitlines() if l.split()[:2] == ["2", "damaged"])
+    assert moved in line and "chunk digest mismatch (key=a)" in line
+    assert "3  damaged" in out
+    assert ckpt.CheckpointManager(root).steps() == [1]
+
+    assert cli.main(["gc", root, "--damaged", "--dry-run"]) == 0
+    assert "would remove damaged step 2" in capsys.readouterr().out and len(catalog.quarantined(storage)) == 2
+    assert cli.main(["gc", root, "--damaged"]) == 0
+    out = capsys.readouterr().out
+    assert "removed damaged step 2" in out and "removed damaged step 3" in out and "incomplete" not in out
+    assert catalog.quarantined(storage) == [] and [e.step for e in catalog.entries(storage)] == [1, 5]
+    assert cli.main(["gc", root]) == 0
+    assert "removed incomplete step 5" in capsys.readouterr().out
+    assert [e.step for e in catalog.entries(storage)] == [1]
