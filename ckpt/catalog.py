@@ -124,8 +124,9 @@ def collect_garbage(storage: Storage, *, force: bool = False) -> list[int]:
     live writer of a local root it holds ``_GC_LOCK``, which every save holds while it marks itself in
     progress, and spares the directories whose marker names the live writer's lease.
     """
-    if force:
-        return _delete_uncommitted(storage, [e for e in entries(storage) if not e.committed])
+    uncommitted = [e for e in entries(storage) if not e.committed]
+    if force or not uncommitted:  # nothing to delete: no lease taken, so no save waits for gc
+        return _delete_uncommitted(storage, uncommitted)
     try:
         held = lease.acquire(storage, role="gc", wait_for_gc=0)
     except LeaseHeldError:

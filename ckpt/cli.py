@@ -19,6 +19,13 @@ from .format import step_dir
 from .storage import Storage, open_storage
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (`--help` has the usage), exit status 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -60,7 +67,7 @@ def _pick_step(storage: Storage, step: int | None) -> int:
         return step
     steps = catalog.committed_steps(storage)
     if not steps:
-        raise SystemExit(f"no committed checkpoint in {storage.url}")
+        raise CheckpointError(f"no committed checkpoint in {storage.url}")
     return steps[-1]
 
 
@@ -206,7 +213,7 @@ def _open(root: str) -> Storage:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ckpt", description=__doc__)
+    p = _Parser(prog="python -m ckpt", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("ls", help="steps, sizes, committed or not, time")
     s.add_argument("root")
@@ -232,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     handler = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "gc": cmd_gc, "explain": cmd_explain}[args.cmd]
     try:
-        return handler(_open(args.root), args)
+        code = handler(_open(args.root), args)
+        sys.stdout.flush()  # here, not at exit: a reader gone (`| head`) is handled below
+        return code
     except BrokenPipeError:  # the reader left (`| head`): stop quietly, like other tools
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 1
