@@ -60,10 +60,9 @@ def save_loop(root: str, start: int, count: int, log_path: str) -> None:
 
 
 def gc_loop(root: str, stop_path: str, log_path: str) -> None:
-    """`python -m ckpt gc ROOT` (the CLI's code) over and over until `stop_path` exists."""
+    """`python -m ckpt gc ROOT` (the CLI's code, its output in the log) over and over until `stop_path` exists."""
     log = _log(log_path)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
+    os.dup2(log.fileno(), 1)
     passes = 0
     while not os.path.exists(stop_path):
         cli.main(["gc", root])
