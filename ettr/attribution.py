@@ -134,8 +134,9 @@ class _Attempt:
     """What attribution needs from one ledger, gathered in one pass."""
 
     ledger: Ledger
-    start: int
+    start: int  # dated from the process's start (imports count as startup)
     last: int
+    seen: int  # its first record after the start: when it began recording
     intervals: list[tuple[int, int, int, str, int | None]]  # begin, end, order, category or "step", step
     restored: tuple[bool, int | None]  # (had a restore record, step)
     commits: list[tuple[int, int]]  # (step, background microseconds)
@@ -183,13 +184,14 @@ def _gather(ledger: Ledger) -> _Attempt:
     for o, (kind, name, b) in open_.items():
         if o not in closed:
             intervals.append((b, last, o, "step" if kind == "step" else name, name if kind == "step" else None))
-    return _Attempt(ledger, start, last, intervals, restored, commits, commit_times, status, save_us, restore_us)
+    seen = min((r["t"] if "t" in r else r.get("b", start) for r in ledger.records[1:]), default=start)
+    return _Attempt(ledger, start, last, seen, intervals, restored, commits, commit_times, status, save_us, restore_us)
 
 
 def _shifted(a: _Attempt, delta: int) -> _Attempt:
     """The same attempt `delta` microseconds later on the job's timeline."""
     return dataclasses.replace(
-        a, start=a.start + delta, last=a.last + delta,
+        a, start=a.start + delta, last=a.last + delta, seen=a.seen + delta,
         intervals=[(b + delta, e + delta, o, c, s) for b, e, o, c, s in a.intervals],
         commit_times={s: t + delta for s, t in a.commit_times.items()},
     )
@@ -199,9 +201,11 @@ def _timeline(attempts: list[_Attempt]) -> list[_Attempt]:
     """The attempts in the order they ran, none starting before causality allows.
 
     Wall clocks can go back between attempts (an NTP step, a node with a wrong clock). An attempt that restored a
-    step runs after the attempt that committed it. One whose clock starts before the previous attempt's start, or
+    step runs after the attempt that committed it. One that began recording before the previous attempt's start, or
     before the commit of the step it restored, is placed right at the previous attempt's last record, with every
-    later attempt moved by as much: no downtime is invented (the real gap is unknown), and a warning says so.
+    later attempt moved by as much: no downtime is invented (the real gap is unknown), and a warning says so. An
+    attempt whose process started (imports, startup) while the previous one still recorded, e.g. a second tracker in
+    the same process, starts at the previous one's last record.
     """
     order = sorted(attempts, key=lambda a: (a.start, a.ledger.attempt))
     committer = {s: a for a in order for s in a.commit_times}
@@ -220,19 +224,21 @@ def _timeline(attempts: list[_Attempt]) -> list[_Attempt]:
     out: list[_Attempt] = []
     offset = 0
     for a in order:
-        a_placed = _shifted(a, offset) if offset else a
+        here = _shifted(a, offset) if offset else a
         if out:
             prev, src = out[-1], source(a)
             restored_at = placed[id(src)].commit_times[a.restored[1]] if src is not None and id(src) in placed else None
-            if a_placed.start < prev.start or (restored_at is not None and a_placed.start < restored_at):
-                delta = prev.last - a_placed.start
+            if here.seen < prev.start or (restored_at is not None and here.seen < restored_at):
+                delta = prev.last - here.start
                 warnings.warn(f"attempt {a.ledger.attempt} ({a.ledger.source}) starts {delta / 1e6:.3f} s before the "
                               f"end of attempt {prev.ledger.attempt} although it ran after it (its wall clock went "
                               f"back): placed right after it, with no downtime between them", RuntimeWarning)
                 offset += delta
-                a_placed = _shifted(a_placed, delta)
-        placed[id(a)] = a_placed
-        out.append(a_placed)
+                here = _shifted(here, delta)
+            elif here.start < prev.last <= here.seen:
+                here = dataclasses.replace(here, start=prev.last)
+        placed[id(a)] = here
+        out.append(here)
     return out
 
 

@@ -288,3 +288,34 @@ def test_wrongly_typed_ledger_fields_name_file_and_line(tmp_path, line, field, v
     open(first.source, "w").write("".join(lines))
     with pytest.raises(LedgerError, match=rf"ledger-a1-rank0\.jsonl:{line}: field '{field}' (of a '{rec['k']}' record )?must be"):
         attribute_root(str(tmp_path))
+
+
+class _ProcessClock(FakeClock):
+    """A fake clock whose process was born at `born`: trackers date their attempt from there."""
+
+    def __init__(self, born: float) -> None:
+        super().__init__(born)
+        self._born = self.wall_us()
+
+    def process_age_us(self) -> int:
+        return self.wall_us() - self._born
+
+
+def test_a_second_tracker_in_the_same_process_starts_where_the_first_ended(tmp_path, recwarn):
+    clock = _ProcessClock(1000.0)
+    clock.advance(2.0)
+    tr = attempt(tmp_path, clock, "a1")  # dated from the process start: 2 s of startup
+    steps(tr, clock, 1, 2, 1.0)
+    save(tr, clock, 2, 0.5, bg=1.0)
+    tr.end()  # at 1004.5
+    clock.advance(5.5)
+    tr = attempt(tmp_path, clock, "a2")  # also dated from the process start (1000), which a1 already covers
+    restore(tr, clock, 2, 1.0)
+    steps(tr, clock, 3, 4, 1.0)
+    tr.end()
+    a = attribute_root(str(tmp_path))
+    assert a.micros == expected(startup=7.5, productive=4.0, checkpoint_save=0.5, checkpoint_restore=1.0)
+    assert [(at.start_us, at.end_us) for at in a.attempts] == [(to_us(1000.0), to_us(1004.5)),
+                                                             (to_us(1004.5), to_us(1013.0))]
+    assert not [w for w in recwarn if "clock went back" in str(w.message)]
+    check_sum(a)
