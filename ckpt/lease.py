@@ -100,8 +100,8 @@ class FileLease:
             self._close_fd()
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
-            raise LeaseHeldError(f"{root} is being written by {_describe(current_holder_local(root))}",
-                                 holder=current_holder_local(root)) from None
+            holder = current_holder_local(root)
+            raise LeaseHeldError(f"{root} is being written by {_describe(holder)}", holder=holder) from None
         data = json.dumps(self.holder).encode()
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, data, 0)
@@ -133,8 +133,8 @@ class FileLease:
         if fd is not None:
             os.close(fd)
 
-    def __del__(self) -> None:
-        self._close_fd()
+    def __del__(self) -> None:  # a manager dropped without close()
+        self.release()
 
 
 def current_holder_local(root: str) -> dict[str, Any] | None:
