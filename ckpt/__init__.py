@@ -2,7 +2,7 @@
 
 from .data import DataMismatchError, RandomWindowSampler, ShuffledSampler, TokenWindowDataset, explain, make_loader
 from .errors import (CheckpointDeleteError, CheckpointError, CheckpointWriteError, CorruptCheckpointError,
-                     RunMismatchError)
+                     LeaseHeldError, RunMismatchError)
 from .manager import CheckpointManager, CheckpointObserver, SaveHandle
 from .retention import Retention
 from .rng import RNGState
@@ -11,6 +11,7 @@ from .state import Stateful
 __all__ = [
     "CheckpointManager", "CheckpointObserver", "SaveHandle", "Retention", "Stateful",
     "CheckpointError", "CheckpointWriteError", "CheckpointDeleteError", "CorruptCheckpointError", "RunMismatchError",
+    "LeaseHeldError",
     "RNGState", "RandomWindowSampler", "ShuffledSampler", "TokenWindowDataset", "make_loader", "explain",
     "DataMismatchError",
 ]

@@ -7,11 +7,11 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
-from . import store
-from .errors import CorruptCheckpointError
-from .format import ARRAYS, DAMAGED, IN_PROGRESS, MANIFEST, QUARANTINE, parse_step_dir, step_dir
+from . import lease, store
+from .errors import CorruptCheckpointError, LeaseHeldError
+from .format import ARRAYS, DAMAGED, IN_PROGRESS, MANIFEST, QUARANTINE, parse_quarantined_dir, parse_step_dir, step_dir
 from .restore import read_manifest, step_files
 from .storage import Storage, UnsafeFileError, where
 
@@ -22,7 +22,38 @@ class StepEntry:
 
     step: int
     committed: bool
-    in_progress: dict | None  # the marker of a save in flight (pid, host, time), if any
+    in_progress: dict[str, Any] | None  # the marker of a save (pid, host, time, lease); {} when unreadable
+
+    @property
+    def owner(self) -> str | None:
+        """The lease id of the writer that started this save, if its marker names one."""
+        owner = (self.in_progress or {}).get("lease")
+        return owner if isinstance(owner, str) else None
+
+
+@dataclass
+class QuarantinedStep:
+    """A damaged step moved aside to ``_quarantine/<name>/`` (no longer committed, kept for inspection)."""
+
+    step: int
+    name: str
+    reason: str
+    time: float | None
+
+    @property
+    def path(self) -> str:
+        return f"{QUARANTINE}/{self.name}"
+
+
+def _json_object(data: bytes | None) -> dict[str, Any] | None:
+    """A small JSON file written by this library, or {} when present but unreadable (a crafted or torn file)."""
+    if data is None:
+        return None
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def entries(storage: Storage) -> list[StepEntry]:
@@ -33,11 +64,10 @@ def entries(storage: Storage) -> list[StepEntry]:
         if step is None:
             continue
         try:
-            marker = storage.read(f"{name}/{IN_PROGRESS}")
-            info = json.loads(marker) if marker else None
-        except (ValueError, UnsafeFileError):
-            info = {}
-        out.append(StepEntry(step, is_committed(storage, step), info))
+            marker = _json_object(storage.read(f"{name}/{IN_PROGRESS}"))
+        except UnsafeFileError:
+            marker = {}
+        out.append(StepEntry(step, is_committed(storage, step), marker))
     return sorted(out, key=lambda e: e.step)
 
 
@@ -47,6 +77,21 @@ def is_committed(storage: Storage, step: int) -> bool:
         return storage.read(f"{step_dir(step)}/{MANIFEST}") is not None
     except UnsafeFileError:
         return True
+
+
+def quarantined(storage: Storage) -> list[QuarantinedStep]:
+    """Damaged steps moved to ``_quarantine/`` (by a restore that skipped them), in step order."""
+    out = []
+    for name in storage.list_dirs(QUARANTINE):
+        step = parse_quarantined_dir(name)
+        if step is None:
+            continue
+        record = _json_object(storage.read(f"{QUARANTINE}/{name}/{DAMAGED}")) or {}
+        reason = record.get("reason")
+        when = record.get("time")
+        out.append(QuarantinedStep(step, name, reason if isinstance(reason, str) else f"no readable {DAMAGED} record",
+                                   float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else None))
+    return sorted(out, key=lambda q: (q.step, q.name))
 
 
 def committed_steps(storage: Storage) -> list[int]:
@@ -81,30 +126,60 @@ def quarantine(storage: Storage, step: int, reason: str) -> str:
     return where(storage, dest)
 
 
-def alive(marker: dict) -> bool:
-    """A save marker belongs to a live process on this host, or is too young to judge."""
-    if marker.get("host") != socket.gethostname():
-        return time.time() - float(marker.get("time", 0)) < 24 * 3600
-    try:
-        os.kill(int(marker.get("pid", -1)), 0)
-    except (ProcessLookupError, ValueError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def garbage(storage: Storage, *, force: bool = False) -> list[StepEntry]:
-    """Uncommitted step directories that no live save owns (all of them with `force`)."""
-    return [e for e in entries(storage) if not e.committed and (force or not (e.in_progress and alive(e.in_progress)))]
+    """Uncommitted step directories that no live writer owns (all of them with `force`).
+
+    Without a live writer, everything uncommitted is a leftover. Beside a live writer on a local root,
+    a leftover is a directory whose marker names another (dead) writer's lease, or none; beside a live
+    writer on an object store nothing is (gc leaves it to a later run: there is no lock to exclude a save).
+    """
+    uncommitted = [e for e in entries(storage) if not e.committed]
+    holder = None if force else lease.live_holder(storage)
+    if holder is None:
+        return uncommitted
+    if storage.local_path("") is None:
+        return []
+    return [e for e in uncommitted if e.owner != holder.get("id")]
 
 
 def collect_garbage(storage: Storage, *, force: bool = False) -> list[int]:
-    """Delete uncommitted leftovers of crashed saves; returns the steps removed."""
-    removed = []
-    for e in garbage(storage, force=force):
+    """Delete uncommitted leftovers of crashed saves, never a live save (unless `force`); returns the steps removed.
+
+    gc takes the root's lease itself when it is free, so no save can start while it deletes. Beside a
+    live writer of a local root it holds ``_GC_LOCK``, which every save holds while it marks itself in
+    progress, and spares the directories whose marker names the live writer's lease.
+    """
+    uncommitted = [e for e in entries(storage) if not e.committed]
+    if force or not uncommitted:  # nothing to delete: no lease taken, so no save waits for gc
+        return _delete_uncommitted(storage, uncommitted)
+    try:
+        held = lease.acquire(storage, role="gc", wait_for_gc=0)
+    except LeaseHeldError:
+        held = None
+    if held is not None:
+        try:
+            return _delete_uncommitted(storage, [e for e in entries(storage) if not e.committed])
+        finally:
+            held.release()
+    root = storage.local_path("")
+    if root is None:
+        return []
+    with lease.gc_lock(root):
+        holder = lease.current_holder_local(root) or {}  # read under the lock: the writer of any save marked so far
+        return _delete_uncommitted(storage, [e for e in entries(storage) if not e.committed and e.owner != holder.get("id")])
+
+
+def _delete_uncommitted(storage: Storage, victims: list[StepEntry]) -> list[int]:
+    for e in victims:
         storage.delete_tree(step_dir(e.step))
-        removed.append(e.step)
+    return [e.step for e in victims]
+
+
+def collect_damaged(storage: Storage) -> list[QuarantinedStep]:
+    """Delete the quarantined (damaged) steps; returns what was removed."""
+    removed = quarantined(storage)
+    for q in removed:
+        storage.delete_tree(q.path)
     return removed
 
 

@@ -5,17 +5,25 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 from typing import Any
 
 from tqdm import tqdm
 
-from . import catalog, data
+from . import catalog, data, lease
 from . import state as state_mod
 from .restore import read_manifest
 from .errors import CheckpointError
 from .format import step_dir
 from .storage import Storage, open_storage
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (`--help` has the usage), exit status 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _human(n: float) -> str:
@@ -26,21 +34,31 @@ def _human(n: float) -> str:
     return str(n)
 
 
+def _when(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t).isoformat(" ", "seconds")
+
+
 def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
-    rows = catalog.entries(storage)
+    rows: list[tuple[int, str, str, str]] = []  # step, state, size, time or remark
+    holder = lease.live_holder(storage)
+    for e in catalog.entries(storage):
+        when = ""
+        if e.committed:
+            try:
+                when = _when(read_manifest(storage, e.step).time)
+            except CheckpointError as err:
+                when = f"DAMAGED: {err}"
+        state = "committed" if e.committed else ("in progress" if holder and e.owner == holder.get("id") else "incomplete")
+        rows.append((e.step, state, _human(storage.size(step_dir(e.step))), when))
+    for q in catalog.quarantined(storage):
+        when = f"quarantined {_when(q.time)}" if q.time is not None else "quarantined"
+        rows.append((q.step, "damaged", _human(storage.size(q.path)), f"{when} in {q.path}: {q.reason}"))
     if not rows:
         print(f"no checkpoints in {storage.url}")
         return 0
     print(f"{'step':>10}  {'state':<12} {'size':>10}  time")
-    for e in rows:
-        when = ""
-        if e.committed:
-            try:
-                when = datetime.datetime.fromtimestamp(read_manifest(storage, e.step).time).isoformat(" ", "seconds")
-            except CheckpointError as err:
-                when = f"DAMAGED: {err}"
-        state = "committed" if e.committed else ("in progress" if e.in_progress and catalog.alive(e.in_progress) else "incomplete")
-        print(f"{e.step:>10}  {state:<12} {_human(storage.size(step_dir(e.step))):>10}  {when}")
+    for step, state, size, when in sorted(rows, key=lambda r: r[0]):
+        print(f"{step:>10}  {state:<12} {size:>10}  {when}")
     return 0
 
 
@@ -49,7 +67,7 @@ def _pick_step(storage: Storage, step: int | None) -> int:
         return step
     steps = catalog.committed_steps(storage)
     if not steps:
-        raise SystemExit(f"no committed checkpoint in {storage.url}")
+        raise CheckpointError(f"no committed checkpoint in {storage.url}")
     return steps[-1]
 
 
@@ -154,55 +172,91 @@ def cmd_explain(storage: Storage, args: argparse.Namespace) -> int:
 
 
 def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
-    victims = catalog.garbage(storage, force=args.force)
+    incomplete = args.incomplete or args.force or not args.damaged
+    removed = 0
     if args.dry_run:
-        for e in victims:
+        for e in catalog.garbage(storage, force=args.force) if incomplete else []:
             print(f"would remove incomplete step {e.step}")
-        return 0
-    for step in catalog.collect_garbage(storage, force=args.force):
-        print(f"removed incomplete step {step}")
-    if not victims:
+            removed += 1
+        for q in catalog.quarantined(storage) if args.damaged else []:
+            print(f"would remove damaged step {q.step} ({q.path})")
+            removed += 1
+    else:
+        for step in catalog.collect_garbage(storage, force=args.force) if incomplete else []:
+            print(f"removed incomplete step {step}")
+            removed += 1
+        for q in catalog.collect_damaged(storage) if args.damaged else []:
+            print(f"removed damaged step {q.step} ({q.path})")
+            removed += 1
+    if not removed:
         print("nothing to remove")
     return 0
 
 
+def _step(text: str) -> int:
+    """A checkpoint step number on the command line: a non-negative integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a step number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a step is never negative: {value}")
+    return value
+
+
 def _training_step(text: str) -> int:
     """A step number as training logs it and checkpoints name it: an integer from 1."""
-    step = int(text)
+    step = _step(text)
     if step < 1:
         raise argparse.ArgumentTypeError(f"steps count from 1 (step N trains on the N-th global batch), got {step}")
     return step
 
 
+def _open(root: str) -> Storage:
+    """The root's storage; a local root must be an existing directory (a typo is not an empty root)."""
+    storage = open_storage(root)
+    local = storage.local_path("")
+    if local is not None and not os.path.isdir(local):
+        raise FileNotFoundError(f"{root}: no such directory" if not os.path.exists(local) else f"{root}: not a directory")
+    return storage
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ckpt", description=__doc__)
+    p = _Parser(prog="python -m ckpt", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("ls", help="steps, sizes, committed or not, time")
     s.add_argument("root")
     s = sub.add_parser("inspect", help="the state tree with dtypes and shapes")
     s.add_argument("root")
-    s.add_argument("--step", type=int)
+    s.add_argument("--step", type=_step)
     s.add_argument("--json", action="store_true", help="the whole manifest as JSON")
     s = sub.add_parser("verify", help="read every chunk and check every checksum; exit 1 on damage")
     s.add_argument("root")
-    s.add_argument("--step", type=int)
+    s.add_argument("--step", type=_step)
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    s = sub.add_parser("gc", help="remove incomplete steps left by crashed saves")
+    s = sub.add_parser("gc", help="remove incomplete steps left by crashed saves (never a live save)")
     s.add_argument("root")
     s.add_argument("--force", action="store_true", help="also remove steps that look in progress")
+    s.add_argument("--damaged", action="store_true", help="remove quarantined (damaged) steps instead")
+    s.add_argument("--incomplete", action="store_true", help="with --damaged: incomplete steps too")
     s.add_argument("--dry-run", action="store_true")
     s = sub.add_parser("explain", help="the samples that formed a step's global batch, from a saved sampler state")
     s.add_argument("root")
     s.add_argument("--step", type=_training_step, required=True,
                    help="the training step to explain, numbered from 1 as in training logs and checkpoint names "
                         "(the checkpoint of step N holds the state after step N's batch)")
-    s.add_argument("--checkpoint", type=int, help="checkpoint to read the sampler state from (default: newest)")
+    s.add_argument("--checkpoint", type=_step, help="checkpoint to read the sampler state from (default: newest)")
     s.add_argument("--key", help="key path of the sampler in the state, when there are several")
     args = p.parse_args(argv)
-    storage = open_storage(args.root)
     handler = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "gc": cmd_gc, "explain": cmd_explain}[args.cmd]
     try:
-        return handler(storage, args)
-    except (CheckpointError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        code = handler(_open(args.root), args)
+        sys.stdout.flush()  # here, not at exit: a reader gone (`| head`) is handled below
+        return code
+    except BrokenPipeError:  # the reader left (`| head`): stop quietly, like other tools
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 1
+    except Exception as e:  # a command line tool answers in one line, never with a traceback
+        known = isinstance(e, (CheckpointError, OSError, ValueError))
+        print(f"error: {e if known and str(e) else f'{type(e).__name__}: {e}'}", file=sys.stderr)
         return 1

@@ -36,3 +36,11 @@ class CheckpointDeleteError(CheckpointError):
 
 class RunMismatchError(CheckpointError):
     """A fresh start found another run's committed steps in its root; nothing was written or deleted."""
+
+
+class LeaseHeldError(CheckpointError):
+    """Another live writer holds the root's lease (or took it over): this process must not write to the root."""
+
+    def __init__(self, message: str, *, holder: dict | None = None):
+        super().__init__(message)
+        self.holder = holder

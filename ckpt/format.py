@@ -4,9 +4,9 @@ Layout of a root::
 
     step_00001200/manifest.json      written last; its presence is the commit
     step_00001200/arrays/<name>/     one zarr3 array per tensor (zarr.json + chunk files c/...)
-    step_00001200/_IN_PROGRESS       marker of a save in flight (pid, host, time); never read on restore
-    _quarantine/step_00001200-<unix ms>/   a damaged step set aside by restore, with a _DAMAGED file
-                                           (reason, time, host, pid); no longer committed, kept for inspection
+    step_00001200/_IN_PROGRESS       marker of a save in flight (pid, host, time, lease); never read on restore
+    _quarantine/step_00001200-<unix ms>/   a damaged step moved aside: its files and _DAMAGED (reason, time, host, pid)
+    _LEASE, _GC_LOCK                 the writer's lease and gc's lock (see lease.py)
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ QUARANTINE = "_quarantine"
 DAMAGED = "_DAMAGED"
 ARRAYS = "arrays"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
+_QUARANTINED_RE = re.compile(r"^step_(\d{8,})-(\d+)$")
 # An array name: '/'-separated segments of safe characters; no empty, '.' or '..' segment, nothing absolute.
 _SEGMENT_RE = re.compile(r"^[A-Za-z0-9_%+=@,~-][A-Za-z0-9_.%+=@,~-]*$")
 _MAX_SEGMENT = 200
@@ -83,6 +84,12 @@ def step_dir(step: int) -> str:
 def parse_step_dir(name: str) -> int | None:
     """The step a directory name stands for, or None when it is not a step directory."""
     m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def parse_quarantined_dir(name: str) -> int | None:
+    """The step a directory under ``_quarantine/`` holds (``step_XXXXXXXX-<unix ms>``), or None."""
+    m = _QUARANTINED_RE.match(name)
     return int(m.group(1)) if m else None
 
 

@@ -16,10 +16,11 @@ from typing import Any, ContextManager, Mapping, Protocol, Sequence
 import torch.distributed as dist
 
 from . import catalog
+from . import lease as lease_mod
 from . import restore as restore_mod
 from . import run as run_mod
 from .distributed import Ranks, prepare_optimizers
-from .errors import CheckpointDeleteError, CheckpointError, CheckpointWriteError, CorruptCheckpointError
+from .errors import CheckpointDeleteError, CheckpointError, CheckpointWriteError, CorruptCheckpointError, LeaseHeldError
 from .format import MANIFEST, MAX_CHUNK_BYTES, step_dir
 from .restore import read_manifest
 from .retention import Retention
@@ -113,6 +114,8 @@ class CheckpointManager:
         self._error: CheckpointError | None = None
         self._lock = threading.Lock()
         self._metadata: dict[int, dict[str, Any]] = {}
+        self._lease: lease_mod.Lease | None = None  # the root's lease (rank 0's), taken at the first save
+        self._writer_agreed = False  # every rank knows the lease is held
         self._closed = False
 
     # -- saving -------------------------------------------------------------------------------------
@@ -121,12 +124,14 @@ class CheckpointManager:
         """Snapshot `state` into host memory and write it in the background; returns once the snapshot is taken.
 
         A save still writing is waited for first (never two interleaved). An error of an earlier
-        background write is raised here, before anything new is written.
+        background write is raised here, before anything new is written. The first save takes the root's
+        lease (one writer per root): `LeaseHeldError` names the live writer holding it.
         """
         self._check_open()
         self._raise_error()
         with self.tracker.span("checkpoint_save", step=step):
             self._drain()
+            self._take_lease(collective=True)
             pending = self._deleting.get(step)
             if pending is not None:  # a delete of this very step number must finish before it is written again
                 futures_wait([pending])
@@ -135,7 +140,7 @@ class CheckpointManager:
                                  f"a committed checkpoint is never overwritten")
             t0 = time.perf_counter()
             job = SaveJob(self.storage, plan(step, state, metadata, self.chunk_bytes, self.ranks), self._arena,
-                          context(), self.ranks)
+                          context(), self.ranks, self._lease)
             stall = time.perf_counter() - t0
         committed: Future = Future()
         self._writer.submit(self._background, job, stall, committed)
@@ -208,6 +213,29 @@ class CheckpointManager:
         finally:
             with self._lock:
                 self._deleting.pop(step, None)
+
+    def _take_lease(self, collective: bool) -> None:
+        """Hold the root's lease from the first write until close; among ranks rank 0 holds it for all.
+
+        `collective`: every rank takes part (a save), so a refusal reaches every rank at once.
+        """
+        leader = self.ranks is None or self.ranks.rank == 0
+        error: LeaseHeldError | None = None
+        if leader:
+            try:
+                if self._lease is None:
+                    self._lease = lease_mod.acquire(self.storage)
+                else:
+                    self._lease.check()
+            except LeaseHeldError as e:
+                error = e
+        if collective and self.ranks is not None and not self._writer_agreed:
+            verdict = self.ranks.all_gather_json(None if error is None else str(error))[0]
+            if verdict and error is None:
+                error = LeaseHeldError(verdict)
+            self._writer_agreed = verdict is None
+        if error is not None:
+            raise error
 
     def _drain(self) -> None:
         """Wait for the save in flight; its error is raised here unless a handle already reported it."""
@@ -338,11 +366,19 @@ class CheckpointManager:
         """Quarantine a damaged step (rank 0 only) and say where it went, or why it could not be moved."""
         if self.ranks is not None and self.ranks.rank != 0:
             return "quarantined by rank 0"
+        borrowed = None
         try:
+            if self._lease is None:  # moving a step is a write: never beside another live writer
+                borrowed = lease_mod.acquire(self.storage, role="quarantine", wait_for_gc=0)
             return f"quarantined to {catalog.quarantine(self.storage, s, str(error))}"
+        except LeaseHeldError as e:
+            return f"left in place ({e})"
         except OSError as e:
             log.warning("could not quarantine damaged step %d: %s", s, e)
             return f"could not be quarantined ({e})"
+        finally:
+            if borrowed is not None:
+                borrowed.release()
 
     # -- queries and lifetime -----------------------------------------------------------------------
 
@@ -369,6 +405,7 @@ class CheckpointManager:
             raise ValueError(f"step {step} is not a committed step of {self.storage.url} (committed: {committed})")
         if step == committed[-1]:
             raise ValueError(f"step {step} is the newest committed step; it is never deleted")
+        self._take_lease(collective=False)
         self._queue_delete(step, report=True)
 
     def metadata(self, step: int) -> dict[str, Any]:
@@ -376,7 +413,7 @@ class CheckpointManager:
         return read_manifest(self.storage, step).metadata
 
     def close(self) -> None:
-        """Drain writes (raising a background error, if any) and release threads."""
+        """Drain writes (raising a background error, if any), release threads and the root's lease."""
         if self._closed:
             return
         try:
@@ -386,6 +423,9 @@ class CheckpointManager:
             self._writer.shutdown(wait=True)
             self._deleter.shutdown(wait=True)
             self._readers.shutdown(wait=True)
+            if self._lease is not None:
+                self._lease.release()
+                self._lease = None
 
     def __enter__(self) -> "CheckpointManager":
         return self

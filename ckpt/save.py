@@ -6,6 +6,7 @@ Its mirror for restores is `restore.py`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -23,6 +24,7 @@ from . import state as state_mod
 from . import store
 from .format import ARRAYS, IN_PROGRESS, MANIFEST, ArrayInfo, Manifest, chunk_shape, dtype_name, step_dir
 from .distributed import Ranks, plan_arrays
+from .lease import Lease
 from .staging import Staged, StagingArena
 from .storage import Storage
 
@@ -96,8 +98,9 @@ class SaveJob:
     """One save in flight: the snapshot is taken in the constructor, `run()` writes and commits in the background."""
 
     def __init__(self, storage: Storage, plan: WritePlan, arena: StagingArena, context: ts.Context,
-                 ranks: Ranks | None = None):
+                 ranks: Ranks | None = None, lease: Lease | None = None):
         self.storage, self.plan, self.arena, self.context, self.ranks = storage, plan, arena, context, ranks
+        self.lease = lease  # the root's lease (the leader's); None on other ranks
         self.leader = ranks is None or ranks.rank == 0
         self.dir = step_dir(plan.step)
         self.digests = store.ChunkDigests()
@@ -115,11 +118,13 @@ class SaveJob:
             return
         self._prepared = True
         if self.leader:
-            if self.storage.read(f"{self.dir}/{MANIFEST}") is not None:
-                raise FileExistsError(f"step {self.plan.step} is already committed in {self.storage.url}")
-            self.storage.delete_tree(self.dir)  # leftovers of a crashed earlier attempt at this step
-            marker = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
-            self.storage.write_atomic(f"{self.dir}/{IN_PROGRESS}", json.dumps(marker).encode())
+            with self.lease.preparing() if self.lease else contextlib.nullcontext():  # gc waits meanwhile
+                if self.storage.read(f"{self.dir}/{MANIFEST}") is not None:
+                    raise FileExistsError(f"step {self.plan.step} is already committed in {self.storage.url}")
+                self.storage.delete_tree(self.dir)  # leftovers of a crashed earlier attempt at this step
+                marker = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
+                          "lease": self.lease.id if self.lease else None}
+                self.storage.write_atomic(f"{self.dir}/{IN_PROGRESS}", json.dumps(marker).encode())
         if self.ranks is not None:
             self.ranks.barrier()
 
@@ -209,6 +214,9 @@ class SaveJob:
             self.storage.delete_tree(self.dir)
 
     def commit(self, digests: Mapping[str, Mapping[int, int]]) -> None:
-        """Write the manifest last (atomically): from now on the step exists."""
+        """Make every directory entry durable, then write the manifest last (atomically): from now on the step exists."""
+        self.storage.sync_tree(self.dir)
+        if self.lease:
+            self.lease.check()  # a writer that lost the root's lease never commits
         self.storage.write_atomic(f"{self.dir}/{MANIFEST}", self.manifest(digests).to_bytes())
         self.storage.delete_file(f"{self.dir}/{IN_PROGRESS}")

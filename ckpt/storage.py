@@ -9,10 +9,12 @@ single PUT of the manifest is the atomic commit.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import fsspec
@@ -28,7 +30,7 @@ class Storage(Protocol):
 
     def kvstore_spec(self, path: str) -> dict[str, Any]: ...
     def local_path(self, path: str) -> str | None: ...
-    def list_dirs(self) -> list[str]: ...
+    def list_dirs(self, path: str = "") -> list[str]: ...
     def list_files(self, path: str) -> list[str]: ...
     def read(self, path: str) -> bytes | None: ...
     def write_atomic(self, path: str, data: bytes) -> None: ...
@@ -36,6 +38,7 @@ class Storage(Protocol):
     def delete_file(self, path: str) -> None: ...
     def move_tree(self, src: str, dst: str) -> None: ...
     def size(self, path: str) -> int: ...
+    def sync_tree(self, path: str) -> None: ...
 
 
 def _check(path: str) -> str:
@@ -96,14 +99,6 @@ def local_files(path: str) -> dict[str, int]:
     return sizes
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class LocalStorage:
     """A root on a local (POSIX) filesystem."""
 
@@ -120,10 +115,11 @@ class LocalStorage:
     def local_path(self, path: str) -> str | None:
         return self._p(path)
 
-    def list_dirs(self) -> list[str]:
-        if not os.path.isdir(self.root):
+    def list_dirs(self, path: str = "") -> list[str]:
+        base = self._p(path)
+        if not os.path.isdir(base):
             return []
-        return sorted(e.name for e in os.scandir(self.root) if e.is_dir())
+        return sorted(e.name for e in os.scandir(base) if e.is_dir(follow_symlinks=False))
 
     def list_files(self, path: str) -> list[str]:
         base = self._p(path)
@@ -141,14 +137,14 @@ class LocalStorage:
     def write_atomic(self, path: str, data: bytes) -> None:
         """temp file + fsync + rename + fsync of the directory: the file is either whole or absent."""
         final = self._p(path)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
+        makedirs_durable(os.path.dirname(final))
         tmp = f"{final}.tmp-{os.getpid()}"
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-        _fsync_dir(os.path.dirname(final))
+        fsync_dir(os.path.dirname(final))
 
     def delete_tree(self, path: str) -> None:
         shutil.rmtree(self._p(path), ignore_errors=True)
@@ -165,11 +161,46 @@ class LocalStorage:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         os.rename(source, target)
         for parent in {os.path.dirname(source), os.path.dirname(target)}:
-            _fsync_dir(parent)
+            fsync_dir(parent)
 
     def size(self, path: str) -> int:
         base = self._p(path)
         return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(base) for f in fs)
+
+    def sync_tree(self, path: str) -> None:
+        """fsync every directory under `path`, then its parents up to the root: the entries tensorstore created
+        (array and chunk directories, chunk files) survive a power cut before a manifest vouches for them.
+
+        The fsyncs run concurrently: one after the other they cost up to ~1 s per 250 directories on a busy
+        disk, together ~10-30 ms (the device flushes coalesce).
+        """
+        base = self._p(path)
+        with ThreadPoolExecutor(32, thread_name_prefix="ckpt-fsync") as pool:
+            list(pool.map(fsync_dir, [d for d, _, _ in os.walk(base)]))
+        while base != self.root and base.startswith(self.root):
+            base = os.path.dirname(base)
+            fsync_dir(base)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (creations, renames, deletions) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def makedirs_durable(path: str) -> None:
+    """`os.makedirs`, and the parent of every directory it creates is fsync'd, so the new entries are durable."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d)
+        fsync_dir(os.path.dirname(d))
 
 
 class KvStorage:
@@ -192,8 +223,9 @@ class KvStorage:
         rng = ts.KvStore.KeyRange(prefix, prefix + "\xff") if prefix else ts.KvStore.KeyRange()
         return sorted(k.decode() for k in self._kv.list(rng).result())
 
-    def list_dirs(self) -> list[str]:
-        return sorted({k.split("/", 1)[0] for k in self._keys("") if "/" in k})
+    def list_dirs(self, path: str = "") -> list[str]:
+        prefix = _check(path).rstrip("/") + "/" if path else ""
+        return sorted({k[len(prefix):].split("/", 1)[0] for k in self._keys(prefix) if "/" in k[len(prefix):]})
 
     def list_files(self, path: str) -> list[str]:
         prefix = _check(path).rstrip("/") + "/"
@@ -222,6 +254,22 @@ class KvStorage:
     def size(self, path: str) -> int:
         prefix = _check(path).rstrip("/") + "/"
         return sum(len(self._kv.read(prefix + k).result().value) for k in self.list_files(path))
+
+    def sync_tree(self, path: str) -> None:
+        """Nothing to do: an object store has no directory entries, and each PUT is durable when it returns."""
+
+    def read_versioned(self, path: str) -> tuple[bytes | None, bytes]:
+        """A key's value (None when absent) and its storage generation, for a later `write_if`."""
+        r = self._kv.read(_check(path)).result()
+        return (r.value if r.state == "value" else None), r.stamp.generation
+
+    def write_if(self, path: str, data: bytes | None, generation: bytes) -> bytes | None:
+        """Write (or delete, with None) only if the key is still at `generation` (as read; absent included).
+
+        Returns the new generation, or None when another writer changed the key first (nothing written).
+        """
+        stamp = self._kv.write(_check(path), data, if_equal=generation).result()
+        return stamp.generation or None
 
 
 # One context per process, so that every handle of a memory:// root sees the same store. 32 concurrent

@@ -1,7 +1,9 @@
 """Pure attribution: ledger records + committed steps -> microseconds per category, summing to the job's wall time."""
 from __future__ import annotations
 
+import dataclasses
 import heapq
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -132,11 +134,13 @@ class _Attempt:
     """What attribution needs from one ledger, gathered in one pass."""
 
     ledger: Ledger
-    start: int
+    start: int  # dated from the process's start (imports count as startup)
     last: int
+    seen: int  # its first record after the start: when it began recording
     intervals: list[tuple[int, int, int, str, int | None]]  # begin, end, order, category or "step", step
     restored: tuple[bool, int | None]  # (had a restore record, step)
     commits: list[tuple[int, int]]  # (step, background microseconds)
+    commit_times: dict[int, int]  # step -> wall time of its commit record
     status: str | None
     save_us: list[int]
     restore_us: list[int]
@@ -156,6 +160,7 @@ def _gather(ledger: Ledger) -> _Attempt:
     last = start
     restored: tuple[bool, int | None] = (False, None)
     commits, save_us, restore_us, status = [], [], [], None
+    commit_times: dict[int, int] = {}
     for r in ledger.records:
         k = r["k"]
         last = max(last, r.get("e", r.get("t", last)))
@@ -170,6 +175,7 @@ def _gather(ledger: Ledger) -> _Attempt:
             open_ = {o: (kind, name, b) for kind, name, b, o in r["open"]}
         elif k == "commit":
             commits.append((r["s"], round(r["bg"] * 1e6)))
+            commit_times[r["s"]] = r["t"]
         elif k == "restore":
             restored = (True, r["s"])
         elif k == "end":
@@ -178,7 +184,62 @@ def _gather(ledger: Ledger) -> _Attempt:
     for o, (kind, name, b) in open_.items():
         if o not in closed:
             intervals.append((b, last, o, "step" if kind == "step" else name, name if kind == "step" else None))
-    return _Attempt(ledger, start, last, intervals, restored, commits, status, save_us, restore_us)
+    seen = min((r["t"] if "t" in r else r.get("b", start) for r in ledger.records[1:]), default=start)
+    return _Attempt(ledger, start, last, seen, intervals, restored, commits, commit_times, status, save_us, restore_us)
+
+
+def _shifted(a: _Attempt, delta: int) -> _Attempt:
+    """The same attempt `delta` microseconds later on the job's timeline."""
+    return dataclasses.replace(
+        a, start=a.start + delta, last=a.last + delta, seen=a.seen + delta,
+        intervals=[(b + delta, e + delta, o, c, s) for b, e, o, c, s in a.intervals],
+        commit_times={s: t + delta for s, t in a.commit_times.items()},
+    )
+
+
+def _timeline(attempts: list[_Attempt]) -> list[_Attempt]:
+    """The attempts in the order they ran, none starting before causality allows.
+
+    Wall clocks can go back between attempts (an NTP step, a node with a wrong clock). An attempt that restored a
+    step runs after the attempt that committed it. One that began recording before the previous attempt's start, or
+    before the commit of the step it restored, is placed right at the previous attempt's last record, with every
+    later attempt moved by as much: no downtime is invented (the real gap is unknown), and a warning says so. An
+    attempt whose process started (imports, startup) while the previous one still recorded, e.g. a second tracker in
+    the same process, starts at the previous one's last record.
+    """
+    order = sorted(attempts, key=lambda a: (a.start, a.ledger.attempt))
+    committer = {s: a for a in order for s in a.commit_times}
+
+    def source(a: _Attempt) -> _Attempt | None:
+        src = committer.get(a.restored[1]) if a.restored[0] else None
+        return src if src is not a else None
+
+    for _ in range(len(order)):  # each move puts an attempt after its source; a cycle cannot loop forever
+        late = next((a for i, a in enumerate(order) if source(a) is not None and order.index(source(a)) > i), None)
+        if late is None:
+            break
+        order.remove(late)
+        order.insert(order.index(source(late)) + 1, late)
+    placed: dict[int, _Attempt] = {}  # id of the original -> the attempt as placed on the timeline
+    out: list[_Attempt] = []
+    offset = 0
+    for a in order:
+        here = _shifted(a, offset) if offset else a
+        if out:
+            prev, src = out[-1], source(a)
+            restored_at = placed[id(src)].commit_times[a.restored[1]] if src is not None and id(src) in placed else None
+            if here.seen < prev.start or (restored_at is not None and here.seen < restored_at):
+                delta = prev.last - here.start
+                warnings.warn(f"attempt {a.ledger.attempt} ({a.ledger.source}) starts {delta / 1e6:.3f} s before the "
+                              f"end of attempt {prev.ledger.attempt} although it ran after it (its wall clock went "
+                              f"back): placed right after it, with no downtime between them", RuntimeWarning)
+                offset += delta
+                here = _shifted(here, delta)
+            elif here.start < prev.last <= here.seen:
+                here = dataclasses.replace(here, start=prev.last)
+        placed[id(a)] = here
+        out.append(here)
+    return out
 
 
 def _resume_point(a: _Attempt, committed: Sequence[int]) -> float:
@@ -249,7 +310,7 @@ def attribute(
     if not ledgers:
         raise ValueError("no ledgers to attribute (is ROOT/ettr/ empty?)")
     rank = min(l.rank for l in ledgers) if rank is None else rank
-    attempts = sorted((_gather(l) for l in ledgers if l.rank == rank), key=lambda a: (a.start, a.ledger.attempt))
+    attempts = _timeline([_gather(l) for l in ledgers if l.rank == rank])
     if not attempts:
         raise ValueError(f"no ledger for rank {rank}")
     commits = [c for a in attempts for c in a.commits]

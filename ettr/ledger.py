@@ -26,6 +26,18 @@ REQUIRED: dict[str, tuple[str, ...]] = {
 }
 
 
+_INT, _NUM, _STR = "an integer", "a number", "a string"
+# The type of every field attribution reads; a line with another type is an error naming its file and line.
+FIELD_TYPES: dict[str, str] = {"t": _INT, "b": _INT, "e": _INT, "o": _INT, "rank": _INT, "s": _INT, "bg": _NUM,
+                               "c": _STR, "job": _STR, "attempt": _STR, "status": _STR, "err": _STR}
+
+
+def _has_type(value: Any, kind: str) -> bool:
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, {_INT: int, _NUM: (int, float), _STR: str}[kind])
+
+
 class LedgerError(ValueError):
     """A ledger that cannot be read; the message names the file and line."""
 
@@ -107,7 +119,7 @@ def parse_lines(text: str, source: str) -> tuple[list[dict[str, Any]], bool]:
             if last and (not complete or isinstance(err, json.JSONDecodeError)):
                 torn = True
                 break
-            raise LedgerError(f"{source}:{i}: {err}") from None
+            raise err if isinstance(err, LedgerError) else LedgerError(f"{source}:{i}: {err}") from None
         records.append(rec)
     return records, torn
 
@@ -119,8 +131,20 @@ def _check(rec: Any, source: str, line: int) -> None:
     missing = [f for f in REQUIRED.get(rec["k"], ()) if f not in rec]
     if missing:
         raise LedgerError(f"{source}:{line}: {rec['k']!r} record lacks {missing}")
-    if "b" in rec and "e" in rec and rec["e"] < rec["b"]:
+    for name in REQUIRED.get(rec["k"], ()):
+        value, kind = rec[name], FIELD_TYPES.get(name)
+        if kind and not _has_type(value, kind) and not (rec["k"] == "restore" and name == "s" and value is None):
+            raise LedgerError(f"{source}:{line}: field {name!r} of a {rec['k']!r} record must be {kind}, got {value!r}")
+    if rec["k"] == "alive" and not (isinstance(rec["open"], list) and all(_open_entry(x) for x in rec["open"])):
+        raise LedgerError(f"{source}:{line}: field 'open' must be a list of [kind, name, begin, order], got {rec['open']!r}")
+    if _has_type(rec.get("b"), _INT) and _has_type(rec.get("e"), _INT) and rec["e"] < rec["b"]:
         raise LedgerError(f"{source}:{line}: interval ends before it begins ({rec['b']} > {rec['e']})")
+
+
+def _open_entry(x: Any) -> bool:
+    """[kind, name, begin, order] of an interval still open: a step's name is its number, a span's its category."""
+    return (isinstance(x, list) and len(x) == 4 and _has_type(x[2], _INT) and _has_type(x[3], _INT)
+            and ((x[0] == "step" and _has_type(x[1], _INT)) or (x[0] == "span" and _has_type(x[1], _STR))))
 
 
 def read_ledgers(root: str, storage_options: dict[str, Any] | None = None) -> list[Ledger]:

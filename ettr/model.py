@@ -13,6 +13,16 @@ import numpy as np
 from .attribution import Attribution
 
 NODE_DAY_S = 86_400.0
+MAX_TRIES = 1e4  # simulate(): expected tries per segment (or per restart) beyond which it would not finish
+MAX_DRAWS = 1e8  # simulate(): expected random draws in all (about a second of numpy)
+
+
+def check_seconds(name: str, value: float, *, positive: bool = False) -> float:
+    """`value` if it is a finite, non-negative (or positive) number of seconds; else a ValueError naming it."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and (value > 0 if positive else value >= 0)):
+        raise ValueError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number of seconds, "
+                         f"got {value!r}")
+    return float(value)
 
 
 def seed_ettr(interval_s: float, write_s: float, read_s: float, mttf_s: float) -> float:
@@ -37,7 +47,10 @@ def expected_ettr(interval_s: float, write_s: float, restart_s: float, mttf_s: f
     """Exact expectation for exponential failures that may strike during compute, writes and restarts (Daly):
     ETTR = T / (M e^{R/M} (e^{(T+d)/M} - 1))."""
     m = mttf_s
-    return interval_s / (m * math.exp(restart_s / m) * math.expm1((interval_s + write_s) / m))
+    try:
+        return interval_s / (m * math.exp(restart_s / m) * math.expm1((interval_s + write_s) / m))
+    except OverflowError:  # failures come so much faster than a segment completes that nothing ever does
+        return 0.0
 
 
 def cluster_ettr(
@@ -67,9 +80,26 @@ def simulate(
     interval_s: float, write_s: float, restart_s: float, mttf_s: float, *, segments: int = 200_000, seed: int = 0
 ) -> SimResult:
     """Monte Carlo: each segment (compute interval_s, then write write_s) is redone until no failure hits it; each
-    failure costs restart_s, and a failure during a restart restarts it. Failures: Poisson in wall time."""
-    rng = np.random.default_rng(seed)
+    failure costs restart_s, and a failure during a restart restarts it. Failures: Poisson in wall time.
+
+    A ValueError instead of a run that would not finish: when a segment or a restart needs more than MAX_TRIES
+    tries on average, or all segments more than MAX_DRAWS random draws (then the exact expectation is about 0).
+    """
+    check_seconds("interval", interval_s, positive=True)
+    check_seconds("write", write_s)
+    check_seconds("restart", restart_s)
+    check_seconds("mttf", mttf_s, positive=True)
+    if segments < 1:
+        raise ValueError(f"segments must be at least 1, got {segments}")
     cycle = interval_s + write_s
+    log_tries, log_restart_tries = cycle / mttf_s, restart_s / mttf_s  # expected tries: e^(x / MTTF)
+    if max(log_tries, log_restart_tries) > math.log(MAX_TRIES) or \
+            segments * math.exp(log_tries) * (1 + math.exp(log_restart_tries)) > MAX_DRAWS:
+        raise ValueError(f"not simulated: with {cycle:g} s per segment, {restart_s:g} s per restart and MTTF {mttf_s:g} s "
+                         f"a segment succeeds once in ~{math.exp(min(log_tries, 700)):.3g} tries and a restart once in "
+                         f"~{math.exp(min(log_restart_tries, 700)):.3g}; {segments} segments would not finish "
+                         f"(exact expected ETTR {expected_ettr(interval_s, write_s, restart_s, mttf_s):.3g})")
+    rng = np.random.default_rng(seed)
     wall = np.zeros(segments)
     pending = np.arange(segments)
     failures = 0
@@ -146,6 +176,8 @@ def advise(attribution: Attribution, *, mttf_s: float | None = None) -> Advice:
 
     Without failures the MTTF is only a lower bound (the running time); pass `mttf_s` (e.g. mttf_from_rate) then.
     """
+    if mttf_s is not None:
+        check_seconds("mttf", mttf_s, positive=True)
     a = attribution
     write_s = _mean([us / 1e6 for us in a.save_us])
     read_s = _mean([us / 1e6 for us in a.restore_us])

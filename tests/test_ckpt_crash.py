@@ -1,4 +1,4 @@
-"""Crash consistency: a saver SIGKILLed at random instants never leaves a damaged or half-visible step."""
+"""Crash consistency: savers, rival writers and gc SIGKILLed at random instants never damage, mix or lose a step."""
 
 import multiprocessing
 import os
@@ -7,6 +7,7 @@ import signal
 import sys
 import time
 
+import pytest
 import torch
 
 import ckpt
@@ -15,6 +16,7 @@ from ckpt.storage import open_storage
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 import saver  # noqa: E402
+import writer  # noqa: E402
 from saver import state_for  # noqa: E402
 
 
@@ -22,41 +24,122 @@ def _kills() -> int:
     return int(os.environ.get("CKPT_CRASH_KILLS", "200" if os.environ.get("CKPT_SLOW") else "30"))
 
 
-def test_sigkill_at_random_instants_never_damages_committed_steps(tmp_path):
+def _rounds() -> int:
+    """Rounds of the rival-writer and gc variants (each round kills two processes)."""
+    return max(3, _kills() // 5)
+
+
+@pytest.fixture(scope="module")
+def procs():
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "ckpt", "saver", "writer"])
+    return ctx
+
+
+def _kill(*procs) -> int:
+    """SIGKILL the processes still running, reap all; returns how many were killed."""
+    killed = 0
+    for p in procs:
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+            killed += 1
+        except ProcessLookupError:
+            pass
+    for p in procs:
+        p.join()
+    return killed
+
+
+def _commits(*logs) -> list[int]:
+    return [int(line.split()[1]) for log in logs for line in log.read_text().splitlines() if line.startswith("committed")]
+
+
+def _check(root: str, kill: int, commits: list[int]) -> list[int]:
+    """Every step reported durable is there (or rotated out by a newer one); every committed step verifies and
+    restores bitwise equal to what exactly one writer saved (never a mix of two). Returns the committed steps."""
+    storage = open_storage(root)
+    with ckpt.CheckpointManager(root) as m:
+        steps = m.steps()
+        if commits:
+            assert steps and steps[-1] >= max(commits), (kill, steps, commits)
+        target = state_for(0)
+        assert m.restore(target) == (steps[-1] if steps else None), (kill, steps)
+        for s in reversed(steps):
+            assert not list(catalog.verify(storage, s)), (kill, s)
+            if s != steps[-1]:
+                assert m.restore(target, step=s) == s
+            expected = state_for(s, target["writer"])
+            for key in ("model", "opt"):
+                for name, t in expected[key].items():
+                    assert torch.equal(target[key][name], t), (kill, s, target["writer"], key, name)
+            assert target["step"] == s
+    return steps
+
+
+def test_sigkill_at_random_instants_never_damages_committed_steps(tmp_path, procs):
     root = str(tmp_path / "ck")
     rng = random.Random(1234)
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "ckpt", "saver"])
     start, seen_commits = 0, []
     for kill in range(_kills()):
         log = tmp_path / f"log{kill}"
         log.touch()
-        child = ctx.Process(target=saver.main, args=(root, start, str(log)))
+        child = procs.Process(target=saver.main, args=(root, start, str(log)))
         child.start()
         time.sleep(rng.uniform(0.05, 0.6))
-        os.kill(child.pid, signal.SIGKILL)
-        child.join()
-        assert child.exitcode == -signal.SIGKILL, child.exitcode
-        commits = [int(line.split()[1]) for line in log.read_text().splitlines() if line.startswith("committed")]
+        assert _kill(child) == 1 and child.exitcode == -signal.SIGKILL, child.exitcode
+        commits = _commits(log)
         seen_commits += commits
-
-        with ckpt.CheckpointManager(root) as m:
-            steps = m.steps()
-            if commits:  # every step reported durable is there (or was rotated out by a newer one)
-                assert steps and steps[-1] >= commits[-1], (kill, steps, commits)
-            target = state_for(0)
-            restored = m.restore(target)
-            assert restored == (steps[-1] if steps else None), (kill, steps, restored)
-            if restored is not None:
-                expected = state_for(restored)
-                for key in ("model", "opt"):
-                    for name, t in expected[key].items():
-                        assert torch.equal(target[key][name], t), (kill, restored, key, name)
-                assert target["step"] == restored
-        storage = open_storage(root)
-        for s in steps:
-            problems = list(catalog.verify(storage, s))
-            assert not problems, (kill, s, problems)
+        steps = _check(root, kill, commits)
         start = (steps[-1] + 1) if steps else start
     assert seen_commits, "the kills never let a single save commit: the test exercises nothing"
     assert len(set(seen_commits)) >= 5
+
+
+def test_two_writers_killed_at_random_instants_never_mix_a_step(tmp_path, procs):
+    """Two savers of different states start on one root at nearly the same time: the lease lets one in."""
+    root = str(tmp_path / "ck")
+    rng = random.Random(99)
+    start, kills, refused, seen_commits = 0, 0, 0, []
+    for rnd in range(_rounds()):
+        logs = [tmp_path / f"w{rnd}-{w}" for w in (1, 2)]
+        children = []
+        for w, log in zip((1, 2), logs):
+            log.touch()
+            children.append(procs.Process(target=saver.main, args=(root, start, str(log), w)))
+            children[-1].start()
+            time.sleep(rng.uniform(0.0, 0.3))
+        time.sleep(rng.uniform(0.05, 0.5))
+        kills += _kill(*children)
+        for child, log in zip(children, logs):  # killed while writing, or turned away at its first save
+            assert child.exitcode == -signal.SIGKILL or (child.exitcode == 0 and log.read_text().startswith("refused: "))
+        refused += sum(log.read_text().startswith("refused: ") for log in logs)
+        commits = _commits(*logs)
+        seen_commits += commits
+        steps = _check(root, rnd, commits)
+        start = (steps[-1] + 1) if steps else start
+    assert refused >= 1, "the second writer was never turned away: the test exercises nothing"
+    assert kills >= _rounds() and len(set(seen_commits)) >= 3
+
+
+def test_gc_and_a_saver_killed_at_random_instants_never_damage_committed_steps(tmp_path, procs):
+    """`ckpt gc` in a loop beside a saver; each round kills both, in a random order."""
+    root = str(tmp_path / "ck")
+    rng = random.Random(7)
+    start, kills, seen_commits = 0, 0, []
+    for rnd in range(_rounds()):
+        log, gc_log = tmp_path / f"s{rnd}", tmp_path / f"gc{rnd}"
+        log.touch()
+        children = [procs.Process(target=saver.main, args=(root, start, str(log))),
+                    procs.Process(target=writer.gc_loop, args=(root, str(tmp_path / "never"), str(gc_log)))]
+        for c in children:
+            c.start()
+        time.sleep(rng.uniform(0.1, 0.8))
+        kills += _kill(*rng.sample(children, 2))
+        assert [c.exitcode for c in children] == [-signal.SIGKILL] * 2, "a save failed beside gc, or gc did"
+        commits = _commits(log)
+        seen_commits += commits
+        steps = _check(root, rnd, commits)
+        start = (steps[-1] + 1) if steps else start
+    removed = sum(gc_log.read_text().count("removed incomplete") for gc_log in tmp_path.glob("gc*"))
+    assert removed >= 1, "gc never removed a crashed save's leftovers: the test exercises nothing"
+    assert kills == 2 * _rounds() and len(set(seen_commits)) >= 2

@@ -1,6 +1,8 @@
 """Scripted timelines on a fake clock: seconds per category computed by hand, exact to the microsecond."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -238,3 +240,82 @@ def test_step_end_without_begin_is_an_error(tmp_path):
     tr = attempt(tmp_path, FakeClock(), "a1")
     with pytest.raises(ValueError, match=r"step_end\(3\)"):
         tr.step_end(3)
+
+
+@pytest.mark.parametrize("second_start", [1005.0, 900.0], ids=["inside-previous", "before-previous"])
+def test_a_wall_clock_that_went_back_between_attempts_invents_no_downtime(tmp_path, second_start):
+    """Attempt 2 restores step 4 (committed at 1006.5) but its clock reads 1005 or 900: it ran after attempt 1 all
+    the same, so it is placed at attempt 1's last record (1009.5): nothing lost twice, no downtime, a warning."""
+    clock = FakeClock(1000.0)
+    tr = attempt(tmp_path, clock, "a1")
+    clock.advance(1.0)
+    restore(tr, clock, None, 0.5)
+    steps(tr, clock, 1, 2, 1.0)
+    save(tr, clock, 2, 0.5, bg=1.0)
+    steps(tr, clock, 3, 4, 1.0)
+    save(tr, clock, 4, 0.5, bg=1.0)
+    steps(tr, clock, 5, 7, 1.0)  # killed here, at 1009.5
+    clock = FakeClock(second_start)
+    tr = attempt(tmp_path, clock, "a2")
+    clock.advance(2.0)
+    restore(tr, clock, 4, 1.0)
+    steps(tr, clock, 5, 6, 1.0)
+    save(tr, clock, 6, 0.5, bg=1.0)
+    steps(tr, clock, 7, 8, 1.0)
+    save(tr, clock, 8, 0.5, bg=1.0)
+    tr.end()
+    with pytest.warns(RuntimeWarning, match="attempt a2 .* wall clock went back.*no downtime"):
+        a = attribute_root(str(tmp_path))
+    assert a.micros == expected(startup=3.0, checkpoint_restore=1.5, checkpoint_save=2.0, productive=8.0, lost=3.0)
+    assert a.wall_us == to_us(17.5)
+    assert [(at.attempt, at.start_us, at.end_us) for at in a.attempts] == [
+        ("a1", to_us(1000.0), to_us(1009.5)), ("a2", to_us(1009.5), to_us(1017.5))]
+    check_sum(a)
+
+
+@pytest.mark.parametrize("line, field, value", [
+    (8, "b", "soon"), (8, "s", 1.5), (8, "e", None), (4, "c", 7), (2, "t", True), (1, "rank", "0"), (6, "s", "4"),
+    (15, "bg", "1s"), (3, "open", [["step", "one", 1, 2]]), (3, "open", "x"),
+])
+def test_wrongly_typed_ledger_fields_name_file_and_line(tmp_path, line, field, value):
+    two_attempts(tmp_path)
+    [first] = [l for l in read_ledgers(str(tmp_path)) if l.attempt == "a1"]
+    lines = open(first.source).read().splitlines(keepends=True)
+    rec = json.loads(lines[line - 1])
+    assert field in rec, (rec, field)
+    rec[field] = value
+    lines[line - 1] = json.dumps(rec) + "\n"
+    open(first.source, "w").write("".join(lines))
+    with pytest.raises(LedgerError, match=rf"ledger-a1-rank0\.jsonl:{line}: field '{field}' (of a '{rec['k']}' record )?must be"):
+        attribute_root(str(tmp_path))
+
+
+class _ProcessClock(FakeClock):
+    """A fake clock whose process was born at `born`: trackers date their attempt from there."""
+
+    def __init__(self, born: float) -> None:
+        super().__init__(born)
+        self._born = self.wall_us()
+
+    def process_age_us(self) -> int:
+        return self.wall_us() - self._born
+
+
+def test_a_second_tracker_in_the_same_process_starts_where_the_first_ended(tmp_path, recwarn):
+    clock = _ProcessClock(1000.0)
+    clock.advance(2.0)
+    tr = attempt(tmp_path, clock, "a1")  # dated from the process start: 2 s of startup
+    steps(tr, clock, 1, 2, 1.0)
+    save(tr, clock, 2, 0.5, bg=1.0)
+    tr.end()  # at 1004.5
+    clock.advance(5.5)
+    tr = attempt(tmp_path, clock, "a2")  # also dated from the process start (1000), which a1 already covers
+    restore(tr, clock, 2, 1.0)
+    steps(tr, clock, 3, 4, 1.0)
+    tr.end()
+    a = attribute_root(str(tmp_path))
+    assert a.micros == expected(startup=7.5, productive=4.0, checkpoint_save=0.5, checkpoint_restore=1.0)
+    assert [(at.start_us, at.end_us) for at in a.attempts] == [(to_us(1000.0), to_us(1004.5)),
+                                                             (to_us(1004.5), to_us(1013.0))]
+    assert not [w for w in recwarn if "clock went back" in str(w.message)]
+    check_sum(a)

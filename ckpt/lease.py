@@ -1,0 +1,261 @@
+"""One writer per root: a lease taken at a manager's first save and held until `close()`.
+
+Local roots: ``ROOT/_LEASE`` locked with ``flock(LOCK_EX)`` on a descriptor held for the lease's life. The
+kernel drops the lock when its holder dies, so a SIGKILLed writer's lease is free at once, and two live
+writers can never both hold it. ``ROOT/_GC_LOCK`` makes the start of a save (clearing leftovers, writing its
+``_IN_PROGRESS`` marker) and ``gc``'s deletions mutually exclusive, so gc never removes a save in flight.
+
+Object stores (``memory://``, ``s3://``...): a ``_LEASE`` object with an expiry, created and renewed by a
+heartbeat thread with conditional writes (the write succeeds only if the object is still at the
+generation the writer last saw), and taken over only once expired. A writer that loses it stops committing.
+
+The file or object names the holder (id, role, host, pid, since): errors, ``ckpt ls`` and gc read it.
+Readers (restore, ls, inspect, verify, explain) never take the lease.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+import weakref
+from typing import Any, Iterator
+
+from .errors import LeaseHeldError
+from .storage import KvStorage, Storage, makedirs_durable
+
+LEASE = "_LEASE"
+GC_LOCK = "_GC_LOCK"
+TTL_S = 60.0  # object stores: a lease not renewed for this long is free
+WAIT_FOR_GC_S = 60.0  # a writer waits this long for a running `ckpt gc` to finish before giving up
+
+_live: "weakref.WeakSet[FileLease]" = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker) must not keep its parent's lock alive after the parent dies."""
+    for lease in list(_live):
+        lease._close_fd()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _describe(holder: dict[str, Any] | None) -> str:
+    if not holder:
+        return "an unknown process (its lease names no holder yet)"
+    since = holder.get("since")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else "?"
+    role = "ckpt gc" if holder.get("role") == "gc" else "a writer"
+    return f"{role}: pid {holder.get('pid')} on host {holder.get('host')}, since {when} (lease {holder.get('id')})"
+
+
+def _parse(data: bytes | None) -> dict[str, Any] | None:
+    try:
+        holder = json.loads(data) if data else None
+    except ValueError:
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def _expires(holder: dict[str, Any] | None) -> float:
+    """When an object-store lease ends (0: unreadable, i.e. free)."""
+    value = holder.get("expires") if holder else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def _local_pid_dead(holder: dict[str, Any] | None) -> bool:
+    """The holder is a process of this host that no longer exists (its record is stale)."""
+    if not holder or holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError, ValueError):
+        return False
+    return False
+
+
+def _new_holder(role: str) -> dict[str, Any]:
+    return {"id": uuid.uuid4().hex, "role": role, "host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+
+
+class FileLease:
+    """The lease of a local root: an exclusive flock on ``ROOT/_LEASE`` held through an open descriptor."""
+
+    def __init__(self, root: str, role: str):
+        makedirs_durable(root)
+        self.root, self.holder = root, _new_holder(role)
+        self._fd: int | None = os.open(os.path.join(root, LEASE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            self._close_fd()
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            holder = current_holder_local(root)
+            raise LeaseHeldError(f"{root} is being written by {_describe(holder)}", holder=holder) from None
+        data = json.dumps(self.holder).encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, data, 0)
+        _live.add(self)
+
+    @property
+    def id(self) -> str:
+        return self.holder["id"]
+
+    def check(self) -> None:
+        """A flock cannot be lost while its descriptor is open."""
+        if self._fd is None:
+            raise LeaseHeldError(f"the lease on {self.root} was released")
+
+    @contextlib.contextmanager
+    def preparing(self) -> Iterator[None]:
+        """Held while a save clears leftovers of its step and marks itself in progress (excludes gc)."""
+        with gc_lock(self.root):
+            yield
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, 0)  # a clean end leaves no holder's name behind
+            self._close_fd()
+
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:  # a manager dropped without close()
+        self.release()
+
+
+def current_holder_local(root: str) -> dict[str, Any] | None:
+    """What ``ROOT/_LEASE`` says about its holder (the last one, if nobody holds it now)."""
+    try:
+        with open(os.path.join(root, LEASE), "rb") as f:
+            return _parse(f.read())
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def gc_lock(root: str) -> Iterator[None]:
+    """``ROOT/_GC_LOCK``, held exclusively by gc while it deletes, and by a writer while it starts a save."""
+    makedirs_durable(root)
+    fd = os.open(os.path.join(root, GC_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+class KvLease:
+    """The lease of an object-store root: a ``_LEASE`` object with an expiry, renewed by a heartbeat thread."""
+
+    def __init__(self, storage: KvStorage, role: str, ttl: float):
+        self.storage, self.ttl, self.holder = storage, ttl, _new_holder(role)
+        self._lost: str | None = None
+        self._lock = threading.Lock()
+        for _ in range(100):  # each round either wins or sees a newer generation: bounded by contention
+            data, gen = storage.read_versioned(LEASE)
+            current = _parse(data)
+            if data is not None and _expires(current) > time.time():
+                raise LeaseHeldError(f"{storage.url} is being written by {_describe(current)}", holder=current)
+            self.holder["expires"] = time.time() + ttl
+            new = storage.write_if(LEASE, json.dumps(self.holder).encode(), gen)
+            if new is not None:
+                self._gen = new
+                break
+        else:
+            raise LeaseHeldError(f"could not take the lease on {storage.url}: other writers keep changing it")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._heartbeat, name="ckpt-lease", daemon=True)
+        self._thread.start()
+
+    @property
+    def id(self) -> str:
+        return self.holder["id"]
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.ttl / 4):
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                holder = dict(self.holder, expires=time.time() + self.ttl)
+                try:
+                    new = self.storage.write_if(LEASE, json.dumps(holder).encode(), self._gen)
+                except Exception:  # a transient store error: try again at the next beat; the expiry decides
+                    continue
+                if new is None:
+                    self._lost = f"the lease on {self.storage.url} was taken over by {_describe(_parse(self.storage.read(LEASE)))}"
+                    return
+                self._gen, self.holder = new, holder
+
+    def check(self) -> None:
+        """Raise if this writer may no longer write: the lease was taken over, or it expired unrenewed."""
+        if self._lost is not None:
+            raise LeaseHeldError(self._lost)
+        if time.time() > self.holder["expires"] - self.ttl / 4:  # renewed every ttl/4: this one is overdue
+            raise LeaseHeldError(f"the lease on {self.storage.url} expired (not renewed for {self.ttl:.0f} s)")
+
+    @contextlib.contextmanager
+    def preparing(self) -> Iterator[None]:
+        """gc never deletes beside a live object-store writer, so starting a save needs no exclusion."""
+        yield
+
+    def release(self) -> None:
+        self._stop.set()
+        with self._lock:
+            if self._lost is None:
+                with contextlib.suppress(Exception):
+                    self.storage.write_if(LEASE, None, self._gen)
+            self._lost = self._lost or "released"
+        self._thread.join()
+
+
+Lease = FileLease | KvLease
+
+
+def acquire(storage: Storage, *, role: str = "writer", wait_for_gc: float = WAIT_FOR_GC_S, ttl: float = TTL_S) -> Lease:
+    """Take the root's lease, or raise `LeaseHeldError` naming the live holder.
+
+    A `ckpt gc` holds the lease only while it deletes leftovers: a writer waits up to `wait_for_gc` for it.
+    """
+    deadline = time.monotonic() + wait_for_gc
+    while True:
+        try:
+            local = storage.local_path("")
+            if local is not None:
+                return FileLease(local, role)
+            if not isinstance(storage, KvStorage):
+                raise TypeError(f"no lease for a root stored by {type(storage).__name__}")
+            return KvLease(storage, role, ttl)
+        except LeaseHeldError as e:
+            # gc is brief; a record naming a dead local process is being replaced by its new holder right now
+            transient = e.holder is None or e.holder.get("role") == "gc" or _local_pid_dead(e.holder)
+            if not transient or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def live_holder(storage: Storage) -> dict[str, Any] | None:
+    """Who holds the root's lease now, as far as a reader can tell without taking it (None: nobody).
+
+    Local: the holder named in ``_LEASE`` if its process is alive (other hosts: assumed alive).
+    Object stores: the lease object, if not expired.
+    """
+    local = storage.local_path("")
+    if local is not None:
+        holder = current_holder_local(local)
+        return None if holder is None or _local_pid_dead(holder) else holder
+    holder = _parse(storage.read(LEASE))
+    return holder if _expires(holder) > time.time() else None

@@ -1,0 +1,142 @@
+"""Both command line tools on bad input: one line on stderr, a non-zero exit, never a traceback or a hang."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ckpt
+import ckpt.cli
+import ettr.cli
+from ettr import FakeClock, GoodputTracker
+
+
+def _run(main, argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory):
+    """A root with a committed step and crafted `_IN_PROGRESS` markers, an empty one, a file, and a goodput root."""
+    base = tmp_path_factory.mktemp("roots")
+    good = base / "good"
+    with ckpt.CheckpointManager(good) as m:
+        m.save(1, {"w": torch.arange(6.0).reshape(2, 3), "step": 1}).wait()
+    for step, marker in ((7, "[1, 2]"), (8, '{"pid": "12", "host": 3, "time": "now", "lease": []}'), (9, "not json")):
+        (good / f"step_0000000{step}").mkdir()
+        (good / f"step_0000000{step}" / "_IN_PROGRESS").write_text(marker)
+    (base / "empty").mkdir()
+    (base / "file").write_text("not a root")
+    goodput = base / "goodput"
+    clock = FakeClock(1000.0)
+    tr = GoodputTracker(str(goodput), attempt_id="a1", rank=0, job_id="job", clock=clock, flush_interval=0).start()
+    for s in (1, 2):
+        tr.step_begin(s)
+        clock.advance(1.0)
+        tr.step_end(s)
+    tr.end()
+    return {k: str(base / k) for k in ("good", "empty", "file", "goodput")}
+
+
+CKPT_ERRORS = [  # argv (ROOT names a fixture root), exit status, text of the one line on stderr
+    (["ls", "{missing}"], 1, "no such directory"),
+    (["verify", "{missing}"], 1, "no such directory"),
+    (["gc", "{missing}"], 1, "no such directory"),
+    (["inspect", "{missing}"], 1, "no such directory"),
+    (["explain", "{missing}", "--step", "1"], 1, "no such directory"),
+    (["ls", "{file}"], 1, "not a directory"),
+    (["ls", "foo://bucket/run"], 1, 'unsupported URL scheme "foo"'),
+    (["inspect", "{good}", "--step", "-1"], 2, "a step is never negative"),
+    (["verify", "{good}", "--step", "-1"], 2, "a step is never negative"),
+    (["explain", "{good}", "--step", "x"], 2, "not a step number"),
+    (["inspect", "{good}", "--step", "5"], 1, "step 5 is not committed"),
+    (["inspect", "{empty}"], 1, "no committed checkpoint"),
+    (["gc", "{good}", "--bogus"], 2, "unrecognized arguments"),
+]
+
+
+@pytest.mark.parametrize("argv, code, text", CKPT_ERRORS, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_ckpt_cli_bad_input_is_one_line_and_a_nonzero_exit(roots, tmp_path, capsys, argv, code, text):
+    argv = [a.format(missing=str(tmp_path / "nope"), **roots) for a in argv]
+    got, _, err = _run(ckpt.cli.main, argv, capsys)
+    assert got == code and text in err and len(err.strip().splitlines()) == 1, (got, err)
+
+
+def test_ckpt_cli_reads_crafted_markers_without_a_traceback(roots, capsys):
+    code, out, err = _run(ckpt.cli.main, ["ls", roots["good"]], capsys)
+    assert code == 0 and not err
+    assert "1  committed" in out and all(f"{s}  incomplete" in out for s in (7, 8, 9))
+    code, out, err = _run(ckpt.cli.main, ["gc", roots["good"], "--dry-run"], capsys)
+    assert code == 0 and not err and all(f"would remove incomplete step {s}" in out for s in (7, 8, 9))
+    code, out, _ = _run(ckpt.cli.main, ["ls", roots["empty"]], capsys)
+    assert code == 0 and "no checkpoints" in out  # an existing empty root is not an error
+
+
+ETTR_ERRORS = [
+    (["report", "{goodput}", "--mttf", "0"], "must be a finite positive"),
+    (["advise", "{goodput}", "--window", "-5"], "must be a finite positive"),
+    (["report", "{missing}"], "no ledgers"),
+    (["plot", "{goodput}", "-o", "/nonexistent/x.png"], "/nonexistent/x.png"),
+]
+
+
+@pytest.mark.parametrize("argv, text", ETTR_ERRORS, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_ettr_cli_bad_input_is_one_line_and_exit_2(roots, tmp_path, capsys, argv, text):
+    argv = [a.format(missing=str(tmp_path / "nope"), **roots) for a in argv]
+    code, _, err = _run(ettr.cli.main, argv, capsys)
+    assert code == 2 and text in err and len(err.strip().splitlines()) == 1, (code, err)
+
+
+SIMULATIONS = [  # each of these ran for hours or forever
+    (["--interval", "600", "--mttf", "60"], "not simulated: with 600 s per segment"),
+    (["--interval", "1", "--restart", "2000", "--mttf", "100"], "not simulated"),
+    (["--interval", "3000", "--mttf", "600", "--segments", "1000000"], "not simulated"),
+    (["--interval", "600", "--mttf", "0"], "--mttf: '0' must be a finite positive"),
+    (["--interval", "600", "--mttf", "nan"], "must be a finite positive"),
+    (["--interval", "600", "--mttf", "inf"], "must be a finite positive"),
+    (["--interval", "-1", "--mttf", "60"], "--interval: '-1' must be a finite positive"),
+    (["--interval", "inf", "--mttf", "60"], "must be a finite positive"),
+    (["--interval", "60", "--mttf", "600", "--segments", "0"], "must be a positive integer"),
+]
+
+
+def test_simulations_that_would_not_finish_are_refused_at_once():
+    """In one subprocess, so that a regression times out instead of hanging the suite."""
+    script = textwrap.dedent(f"""
+        import sys
+        import ettr.cli
+        for argv in {[argv for argv, _ in SIMULATIONS]!r}:
+            try:
+                code = ettr.cli.main(["simulate", *argv])
+            except SystemExit as e:
+                code = e.code
+            print(code, flush=True)
+            print("--", file=sys.stderr, flush=True)
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert res.stdout.split() == ["2"] * len(SIMULATIONS), (res.stdout, res.stderr)
+    errors = res.stderr.split("--\n")[:-1]
+    for (argv, text), err in zip(SIMULATIONS, errors):
+        assert text in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert "exact expected ETTR" in errors[0]
+
+
+@pytest.mark.parametrize("tool, args", [("ckpt", ["inspect", "good"]), ("ettr", ["report", "goodput"])])
+def test_a_reader_that_leaves_early_gets_no_traceback(roots, tool, args):
+    """`python -m ckpt inspect ROOT | head -1`: the pipe closes before the tool writes."""
+    argv = [roots.get(a, a) for a in args]
+    p = subprocess.Popen([sys.executable, "-m", tool, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 1
+    assert "Traceback" not in err and "Exception ignored" not in err and not err.strip(), err
