@@ -2,8 +2,11 @@
 
 from .data import DataMismatchError, RandomWindowSampler, ShuffledSampler, TokenWindowDataset, explain, make_loader
 from .errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
+from .exporter import export
+from .importers import import_checkpoint
 from .manager import CheckpointManager, CheckpointObserver, SaveHandle
 from .retention import Retention
+from .reader import load
 from .rng import RNGState
 from .state import Stateful
 
@@ -11,5 +14,5 @@ __all__ = [
     "CheckpointManager", "CheckpointObserver", "SaveHandle", "Retention", "Stateful",
     "CheckpointError", "CheckpointWriteError", "CorruptCheckpointError",
     "RNGState", "RandomWindowSampler", "ShuffledSampler", "TokenWindowDataset", "make_loader", "explain",
-    "DataMismatchError",
+    "DataMismatchError", "load", "export", "import_checkpoint",
 ]
