@@ -20,6 +20,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ckpt import CheckpointManager
+from ckpt.exporter import model_config_metadata
 from ckpt.rng import RNGState
 from ettr import GoodputTracker
 
@@ -191,7 +192,8 @@ class CkptTrainerMixin:
             scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None:
                 state["scaler"] = scaler
-        if save_once(self.ckpt_manager, step, state, skip=tuple(self._done)):
+        metadata = model_config_metadata(self.model)  # the config `python -m ckpt export --format hf` writes
+        if save_once(self.ckpt_manager, step, state, skip=tuple(self._done), metadata=metadata):
             self._done.add(step)
         folders = {int(m.group(1)) for name in os.listdir(run_dir) if (m := _CHECKPOINT_DIR.match(name))}
         for old in self.ckpt_manager.steps():
