@@ -211,8 +211,10 @@ def read_dcp(folder: str) -> dict[str, Any]:
             flat[fqn] = None
         else:
             raise ValueError(f"{folder}: entry {fqn!r} is a {type(md).__name__}, which this import does not read")
-    dcp.load(flat, storage_reader=reader, planner=Planner(flatten_state_dict=False, flatten_sharded_tensors=False),
-             no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": a single process reads, as asked
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(flat, storage_reader=reader, planner=Planner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                 no_dist=True)
     state: dict[str, Any] = {}
     paths = metadata.planner_data or {}
     for fqn, value in flat.items():
