@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         state_bytes += sum(v.numel() * v.element_size() for s in optim.state_dict()["state"].values()
                            for v in s.values() if hasattr(v, "numel"))
-        del model, optim
+        del model, optim, manager  # the manager's staging arena too: the children measure their own memory
         gc.collect()
         env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
         rows = {}

@@ -104,8 +104,8 @@ def export(root: str | os.PathLike, out: str | os.PathLike, *, format: str, step
     with ThreadPoolExecutor(8, thread_name_prefix="ckpt-export") as pool:
         try:
             reader = StepReader(storage, step, pool)
-            keys = list(keys) if keys else [DEFAULT_KEY]
-            routes = reader.routes(keys)
+            keys = keys or [DEFAULT_KEY]
+            routes = reader.routes(keys)  # a KeyError naming a missing key (and a str for a list: TypeError)
             hf_config = _hf_config(config, reader, step) if format == "hf" else None
             with _staged(out, directory=format != "torch") as tmp:
                 if format == "torch":

@@ -87,6 +87,8 @@ def test_load_gives_plain_values_tied_weights_tied_and_names_a_missing_key(tmp_p
     assert list(full) == ["model", "optim", "rng", "meta"] and full["meta"] == {"epoch": 2, "betas": (0.9, 0.99)}
     _same(dict(full["model"]), dict(model.state_dict()))
     assert full["model"]["embed.weight"].data_ptr() == full["model"]["head.weight"].data_ptr()
+    moved = ckpt.load(tmp_path, keys=["model"], device="meta")["model"]  # device= moves after the verified read
+    assert moved["embed.weight"].is_meta and moved["embed.weight"] is moved["head.weight"]
     saved = optim.state_dict()
     assert full["optim"]["param_groups"] == saved["param_groups"]
     _same(full["optim"]["state"][0], saved["state"][0])
