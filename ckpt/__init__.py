@@ -3,8 +3,11 @@
 from .data import DataMismatchError, RandomWindowSampler, ShuffledSampler, TokenWindowDataset, explain, make_loader
 from .errors import (CheckpointDeleteError, CheckpointError, CheckpointWriteError, CorruptCheckpointError,
                      LeaseHeldError, RunMismatchError)
+from .exporter import export
+from .importers import import_checkpoint
 from .manager import CheckpointManager, CheckpointObserver, SaveHandle
 from .retention import Retention
+from .reader import load
 from .rng import RNGState
 from .state import Stateful
 
@@ -13,5 +16,5 @@ __all__ = [
     "CheckpointError", "CheckpointWriteError", "CheckpointDeleteError", "CorruptCheckpointError", "RunMismatchError",
     "LeaseHeldError",
     "RNGState", "RandomWindowSampler", "ShuffledSampler", "TokenWindowDataset", "make_loader", "explain",
-    "DataMismatchError",
+    "DataMismatchError", "load", "export", "import_checkpoint",
 ]

@@ -1,4 +1,5 @@
-"""`python -m ckpt ls|inspect|verify|gc|explain ROOT`: look at a checkpoint root without writing Python."""
+"""`python -m ckpt ls|inspect|verify|gc|explain|export|import`: look at a checkpoint root, take weights out, bring
+checkpoints in, without writing Python."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from . import catalog, data, lease
+from . import catalog, data, exporter, importers, lease
 from . import state as state_mod
 from .restore import read_manifest
 from .errors import CheckpointError
@@ -204,6 +205,32 @@ def _step(text: str) -> int:
     return value
 
 
+def _one_line(e: Exception) -> str:
+    return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+
+
+def cmd_export(storage: Storage, args: argparse.Namespace) -> int:
+    try:
+        step = exporter.export(args.root, args.output, format=args.format, step=args.step,
+                               keys=args.keys.split(",") if args.keys else None, max_shard_size=args.max_shard_size,
+                               config=args.config, progress=False if args.quiet else None)
+    except (KeyError, ValueError, TypeError, FileExistsError) as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 1
+    print(f"exported step {step} of {storage.url} to {args.output} ({args.format})")
+    return 0
+
+
+def cmd_import(storage: Storage, args: argparse.Namespace) -> int:
+    try:
+        kind = importers.import_checkpoint(args.src, args.root, step=args.step, key=args.key)
+    except (KeyError, ValueError, TypeError) as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 1
+    print(f"imported {args.src} ({kind}) as step {args.step} of {storage.url}")
+    return 0
+
+
 def _training_step(text: str) -> int:
     """A step number as training logs it and checkpoints name it: an integer from 1."""
     step = _step(text)
@@ -247,10 +274,28 @@ def main(argv: list[str] | None = None) -> int:
                         "(the checkpoint of step N holds the state after step N's batch)")
     s.add_argument("--checkpoint", type=_step, help="checkpoint to read the sampler state from (default: newest)")
     s.add_argument("--key", help="key path of the sampler in the state, when there are several")
+    s = sub.add_parser("export", help="weights out: safetensors shards, one torch.save file, or a folder for "
+                                      "from_pretrained")
+    s.add_argument("root")
+    s.add_argument("--step", type=_step, help="default: the newest committed step")
+    s.add_argument("--format", required=True, help=f"one of {', '.join(exporter.FORMATS)}")
+    s.add_argument("--keys", help="comma list of dotted keys to export (default: model)")
+    s.add_argument("--max-shard-size", default="5GB", help="safetensors/hf: largest shard (default 5GB)")
+    s.add_argument("--config", help="hf: the model's config.json (default: the one the HF integration stored)")
+    s.add_argument("-o", "--output", required=True, help="file (torch) or folder (safetensors, hf) to create")
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    s = sub.add_parser("import", help="checkpoints in: a torch.save file, a DCP folder, safetensors or an HF folder "
+                                      "becomes a committed step")
+    s.add_argument("src")
+    s.add_argument("root")
+    s.add_argument("--step", type=_step, required=True, help="the step number to commit it as")
+    s.add_argument("--key", help="put the whole source under this top-level key (default: weights under 'model', "
+                                 "a dict of entries as its own keys)")
     args = p.parse_args(argv)
-    handler = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "gc": cmd_gc, "explain": cmd_explain}[args.cmd]
+    handler = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "gc": cmd_gc, "explain": cmd_explain,
+               "export": cmd_export, "import": cmd_import}[args.cmd]
     try:
-        code = handler(_open(args.root), args)
+        code = handler(open_storage(args.root) if args.cmd == "import" else _open(args.root), args)
         sys.stdout.flush()  # here, not at exit: a reader gone (`| head`) is handled below
         return code
     except BrokenPipeError:  # the reader left (`| head`): stop quietly, like other tools

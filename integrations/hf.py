@@ -34,6 +34,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGH
 
 from ckpt import CheckpointManager, RunMismatchError, SaveHandle
 from ckpt import run as ckpt_run
+from ckpt.exporter import model_config_metadata
 from ckpt.rng import RNGState
 from ettr import GoodputTracker
 from ettr.ledger import ledger_dir
@@ -386,7 +387,8 @@ class CkptTrainerMixin:
                 scaler = getattr(self.accelerator, "scaler", None)
                 if scaler is not None:
                     state["scaler"] = scaler
-            handle = save_once(self.ckpt_manager, step, state, skip=tuple(self._done))
+            metadata = model_config_metadata(self.model)  # the config `python -m ckpt export --format hf` writes
+            handle = save_once(self.ckpt_manager, step, state, skip=tuple(self._done), metadata=metadata)
             if handle is not None:
                 self._done.add(step)
                 if self._files is not None:

@@ -1,0 +1,316 @@
+"""`ckpt.export`: a step's weights as safetensors shards, one `torch.save` file, or a folder `from_pretrained` loads.
+
+safetensors and hf stream: each tensor is read (verified, as restore reads it) in bands of at most ~64 MiB of whole
+chunks and written straight into its file, so memory stays bounded whatever the checkpoint's size. The torch
+format cannot stream (torch.save pickles the whole object at once): it holds the selected keys in memory. Output
+appears only when complete: it is written next to OUT under a temporary name and renamed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from . import catalog, store
+from . import state as state_mod
+from .errors import CheckpointError, CorruptCheckpointError
+from .format import ArrayInfo, torch_dtype
+from .reader import Route, StepReader
+from .safetensors_file import Entry, Writer, dtype_name
+from .storage import open_storage
+
+FORMATS = ("safetensors", "torch", "hf")
+DEFAULT_KEY = "model"
+HF_CONFIG = "hf_config"  # step metadata: the model's Transformers config (a dict), written by integrations.hf
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"  # Transformers' file names
+_BAND_BYTES = 64 << 20  # what one read of a tensor holds at most (unless one chunk row-band is larger)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def model_config_metadata(model: Any) -> dict[str, Any]:
+    """Step metadata that lets ``export --format hf`` rebuild `model`: its Transformers config as JSON, with its
+    class as ``architectures`` (as ``save_pretrained`` records it); empty for a model without a config."""
+    config = getattr(model, "config", None)
+    if not hasattr(config, "to_json_string"):
+        return {}
+    data = json.loads(config.to_json_string(use_diff=False))
+    data["architectures"] = data.get("architectures") or [type(model).__name__]
+    return {HF_CONFIG: data}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``"5GB"`` (10^9, as Transformers counts), ``"500MiB"`` (2^20) or a plain number of bytes."""
+    if isinstance(text, int):
+        size = text
+    else:
+        m = _SIZE.match(text)
+        if not m:
+            raise ValueError(f"not a size: {text!r} (write e.g. 5GB, 500MB, 2GiB or a number of bytes)")
+        size = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
+    if size < 1:
+        raise ValueError(f"a shard size must be at least 1 byte, got {text!r}")
+    return size
+
+
+@dataclass
+class ExportTensor:
+    """One array of the step as it is exported: the name it gets, and the other names it had (tied weights)."""
+
+    name: str
+    info: ArrayInfo
+    aliases: list[str] = field(default_factory=list)
+
+
+def export(root: str | os.PathLike, out: str | os.PathLike, *, format: str, step: int | None = None,
+           keys: Sequence[str] | None = None, max_shard_size: str | int = "5GB",
+           config: str | os.PathLike | Mapping[str, Any] | None = None, progress: bool | None = None) -> int:
+    """Export the tensors under `keys` (default ``["model"]``) of `step` (default: the newest committed) to `out`;
+    returns the step exported.
+
+    Names are the dotted paths below the one selected key (``model.embed.weight`` -> ``embed.weight``, what
+    ``load_state_dict`` and ``from_pretrained`` expect), or full paths when several keys are selected.
+    ``safetensors``: a folder with ``model.safetensors``, or shards of at most `max_shard_size` and
+    ``model.safetensors.index.json``. Tied weights are written once under their first name; the other names
+    are dropped and recorded in the file's metadata (as ``safetensors.torch.save_model`` does), and
+    ``from_pretrained`` ties them again. ``torch``: one file for ``torch.load(weights_only=True)`` (numpy
+    values become tensors and numbers). ``hf``: the safetensors folder plus ``config.json``, from `config` (a
+    dict or a JSON file) or the config the HF integration stored with the step. `out` must not exist, or be an
+    empty folder; nothing appears there unless the export completes.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"unknown export format {format!r} (choose from {', '.join(FORMATS)})")
+    shard_bytes = parse_size(max_shard_size)
+    out = os.path.abspath(os.fspath(out))
+    _check_out(out, format)
+    storage = open_storage(root)
+    if step is None:
+        steps = catalog.committed_steps(storage)
+        if not steps:
+            raise FileNotFoundError(f"no committed checkpoint in {storage.url}")
+        step = steps[-1]
+    with ThreadPoolExecutor(8, thread_name_prefix="ckpt-export") as pool:
+        try:
+            reader = StepReader(storage, step, pool)
+            keys = keys or [DEFAULT_KEY]
+            routes = reader.routes(keys)  # a KeyError naming a missing key (and a str for a list: TypeError)
+            hf_config = _hf_config(config, reader, step) if format == "hf" else None
+            with _staged(out, directory=format != "torch") as tmp:
+                if format == "torch":
+                    _write_torch(reader, keys, routes, tmp, progress)
+                else:
+                    _write_safetensors(reader, keys, routes, tmp, shard_bytes, progress, format)
+                    if hf_config is not None:
+                        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+                            json.dump(hf_config, f, indent=2, sort_keys=True)
+        except CorruptCheckpointError as e:
+            raise CheckpointError(f"step {step} is damaged: {e}; nothing was written to {out} (export another step "
+                                  f"with --step; `python -m ckpt ls` lists them)") from None
+    return step
+
+
+def _check_out(out: str, format: str) -> None:
+    if not os.path.lexists(out):
+        return
+    if format != "torch" and os.path.isdir(out) and not os.path.islink(out) and not os.listdir(out):
+        return
+    raise FileExistsError(f"{out} already exists{' and is not empty' if os.path.isdir(out) else ''}: export never "
+                          f"overwrites; remove it or choose another output")
+
+
+class _staged:
+    """A temporary file or folder next to `out`, renamed to `out` when the block completes, removed otherwise."""
+
+    def __init__(self, out: str, *, directory: bool):
+        self.out, self.directory = out, directory
+        self.tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-{os.getpid()}")
+
+    def __enter__(self) -> str:
+        os.makedirs(os.path.dirname(self.out), exist_ok=True)
+        if self.directory:
+            os.mkdir(self.tmp)
+        return self.tmp
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        try:
+            if exc_type is None:
+                if self.directory:
+                    os.rename(self.tmp, self.out)  # replaces an empty folder; fails on a non-empty one
+                else:
+                    os.link(self.tmp, self.out)  # fails if `out` appeared meanwhile: never overwrite
+                    os.unlink(self.tmp)
+                fd = os.open(os.path.dirname(self.out), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        finally:
+            if os.path.lexists(self.tmp):
+                shutil.rmtree(self.tmp) if self.directory else os.unlink(self.tmp)
+
+
+def _hf_config(config: str | os.PathLike | Mapping[str, Any] | None, reader: StepReader, step: int) -> dict[str, Any]:
+    if config is None:
+        stored = reader.manifest.metadata.get(HF_CONFIG)
+        if not isinstance(stored, dict):
+            raise ValueError(f"step {step} holds no model config (the HF integration stores one; this step was saved "
+                             f"otherwise): give one with --config config.json")
+        return stored
+    if isinstance(config, Mapping):
+        return dict(config)
+    with open(config, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"--config {config} is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {config} is not a JSON object")
+    return data
+
+
+def _name(route: Route, routes: list[Route]) -> str:
+    """A leaf's exported name: its path below the one selected key (the key's own last part when it is the
+    tensor itself), or its full path when several keys are selected."""
+    if len(routes) == 1:
+        rel = route[len(routes[0]):]
+        return ".".join(map(str, rel)) if rel else str(route[-1])
+    return ".".join(map(str, route))
+
+
+def plan_tensors(reader: StepReader, keys: Sequence[str], routes: list[Route]) -> tuple[list[ExportTensor], list[str]]:
+    """The arrays under `keys` in state order, each once (tied names become aliases), and the names of the JSON
+    values there (which safetensors cannot hold)."""
+    tensors: dict[str, ExportTensor] = {}
+    skipped, seen = [], set()
+    for leaf in reader.leaves(keys):
+        name = _name(leaf.route, routes)
+        if name in seen:
+            raise ValueError(f"two values of step {reader.step} would both be exported as {name!r}: select fewer keys")
+        seen.add(name)
+        if leaf.array is None:
+            skipped.append(name)
+        elif leaf.array.name in tensors:
+            tensors[leaf.array.name].aliases.append(name)
+        else:
+            tensors[leaf.array.name] = ExportTensor(name, leaf.array)
+    return list(tensors.values()), skipped
+
+
+def _shards(tensors: list[ExportTensor], limit: int) -> list[list[ExportTensor]]:
+    """Consecutive groups of at most `limit` bytes (a larger tensor has a shard of its own), as Transformers cuts."""
+    shards: list[list[ExportTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.info.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.info.nbytes
+    return shards
+
+
+def bands(info: ArrayInfo) -> Iterator[tuple[tuple[int, int], ...]]:
+    """Boxes of whole rows, in order, that cover the array: about `_BAND_BYTES` each, on chunk boundaries."""
+    whole = tuple((0, n) for n in info.shape)
+    if not info.shape or info.nbytes <= _BAND_BYTES or info.shape[0] <= 1:
+        yield whole
+        return
+    n = info.shape[0]
+    rows = max(1, _BAND_BYTES // (info.nbytes // n))
+    rows = max(info.chunk[0], rows // info.chunk[0] * info.chunk[0])
+    for a in range(0, n, rows):
+        yield ((a, min(a + rows, n)),) + whole[1:]
+
+
+def _bar(total: int, step: int, progress: bool | None) -> tqdm:
+    return tqdm(total=total, unit="B", unit_scale=True, desc=f"export step {step}", file=sys.stderr,
+                disable=None if progress is None else not progress)
+
+
+def _warn_skipped(skipped: list[str], format: str) -> None:
+    if skipped:
+        warnings.warn(f"{len(skipped)} values that are not tensors are not exported ({format} holds tensors only): "
+                      f"{', '.join(skipped[:10])}{' ...' if len(skipped) > 10 else ''}", RuntimeWarning, stacklevel=4)
+
+
+def _write_safetensors(reader: StepReader, keys: Sequence[str], routes: list[Route], folder: str, limit: int,
+                       progress: bool | None, format: str) -> None:
+    tensors, skipped = plan_tensors(reader, keys, routes)
+    for t in tensors:
+        dtype_name(torch_dtype(t.info.dtype), t.name)  # refuse before writing anything
+    _warn_skipped(skipped, format)
+    shards = _shards(tensors, limit)
+    files = [WEIGHTS] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                                 for i in range(len(shards))]
+    with _bar(sum(t.info.nbytes for t in tensors), reader.step, progress) as bar:
+        for file, shard in zip(files, shards):
+            metadata = {"format": "pt", **{alias: t.name for t in shard for alias in t.aliases}}
+            writer = Writer(os.path.join(folder, file),
+                            [Entry(t.name, torch_dtype(t.info.dtype), t.info.shape) for t in shard], metadata)
+            try:
+                for t in shard:
+                    for box in bands(t.info):
+                        piece = reader.read_array(t.info, box)
+                        writer.write(store.as_bytes(piece))
+                        bar.update(piece.numel() * piece.element_size())
+            except BaseException:
+                writer.abandon()
+                raise
+            writer.close()
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.info.nbytes for t in tensors)},
+                 "weight_map": {t.name: file for file, shard in zip(files, shards) for t in shard}}
+        with open(os.path.join(folder, INDEX), "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2)
+
+
+def _write_torch(reader: StepReader, keys: Sequence[str], routes: list[Route], path: str,
+                 progress: bool | None) -> None:
+    """The selected keys as one object (the value of the one key, or a dict of them), read array by array (tied
+    tensors stay one tensor), then torch.save'd: this holds all of it in memory."""
+    tree = reader.select(keys)
+    leaves = [leaf for leaf in reader.leaves(keys) if leaf.array is not None]
+    arrays = {leaf.array.name: leaf.array for leaf in leaves}
+    read: dict[str, torch.Tensor] = {}
+    with _bar(sum(a.nbytes for a in arrays.values()), reader.step, progress) as bar:
+        def load(name: str, template: Any, as_numpy: bool) -> torch.Tensor:
+            if name not in read:
+                read[name] = reader.read_array(arrays[name])
+                bar.update(arrays[name].nbytes)
+            return read[name]  # numpy arrays too: torch.load(weights_only=True) refuses numpy
+
+        values = {k: state_mod.decode(node, load) for k, node in tree.items()}
+    value = _at(values, routes[0]) if len(routes) == 1 else {".".join(map(str, r)): _at(values, r) for r in routes}
+    with open(path, "xb") as f:
+        torch.save(_weights_only(value), f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _at(values: Any, route: Route) -> Any:
+    for k in route:
+        values = values[k]
+    return values
+
+
+def _weights_only(value: Any) -> Any:
+    """`value` with numpy scalars as Python numbers, which `torch.load(weights_only=True)` accepts."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return type(value)((k, _weights_only(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        return type(value)(_weights_only(v) for v in value)
+    return value

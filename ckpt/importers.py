@@ -1,0 +1,255 @@
+"""`ckpt.import_checkpoint`: a checkpoint written elsewhere becomes a committed step of a root.
+
+Sources: a `torch.save` file (read with ``weights_only=True``), a `torch.distributed.checkpoint` (DCP) folder, a
+safetensors file, or a Hugging Face folder of safetensors (one file or shards with their index). The state is
+written through `CheckpointManager.save`, so the step has the format, digests and commit of any other.
+
+Where the state goes (top-level keys): a source holding only tensors (safetensors, HF folders, a state_dict
+saved with torch.save or DCP) is put under ``model``; a dict of entries (``{"model": ..., "optim": ...,
+"step": 7}``) keeps its keys. `key=` puts the whole source under that key instead.
+
+No code from a source runs: torch.save files load with ``weights_only=True``; safetensors headers are JSON; DCP's
+``.metadata`` is a pickle, read with an unpickler that builds only DCP's own metadata classes (and torch sizes,
+dtypes, layouts), and its non-tensor values load with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import warnings
+from typing import Any, Mapping
+
+import torch
+
+from .exporter import HF_CONFIG, INDEX
+from .manager import CheckpointManager
+from .safetensors_file import open_tensors
+
+DEFAULT_KEY = "model"
+IMPORTED = "imported_from"  # step metadata: {"path": ..., "kind": ...}
+_STAGING = 256 << 20  # the import copies through a staging buffer of at most this size
+
+
+def import_checkpoint(src: str | os.PathLike, root: str | os.PathLike, *, step: int, key: str | None = None) -> str:
+    """Write the checkpoint at `src` as step `step` of `root` (committed when this returns); returns the kind of
+    source found ("torch", "dcp", "safetensors" or "hf").
+
+    torch.save files and safetensors are memory-mapped, so memory stays bounded by the staging buffer; a DCP
+    checkpoint is read into memory whole (as ``dcp_to_torch_save`` does). An HF folder's ``config.json`` is stored
+    in the step's metadata (``export --format hf`` uses it), and weights tied in the model it describes (the
+    output embedding HF does not save) are restored as tied names, so the step restores into that model.
+    """
+    src = os.fspath(src)
+    kind, state, metadata = read_source(src)
+    if key is not None:
+        state = {key: state}
+    elif not _is_entries(state):
+        state = {DEFAULT_KEY: state}
+    metadata[IMPORTED] = {"path": os.path.abspath(src), "kind": kind}
+    with CheckpointManager(root, max_staging_bytes=_STAGING) as manager:
+        manager.save(step, state, metadata=metadata).wait()
+    return kind
+
+
+def read_source(src: str) -> tuple[str, Any, dict[str, Any]]:
+    """(kind, state, step metadata) of a source; ValueError when it is none of the kinds this reads."""
+    if os.path.isdir(src):
+        if os.path.isfile(os.path.join(src, ".metadata")):
+            return "dcp", read_dcp(src), {}
+        state, metadata = read_hf_folder(src)
+        return "hf", state, metadata
+    if not os.path.isfile(src):
+        raise FileNotFoundError(f"{src} does not exist")
+    with open(src, "rb") as f:
+        head = f.read(8)
+    if src.endswith(".safetensors"):
+        return "safetensors", _tied(*open_tensors(src)), {}
+    if head[:4] != b"PK\x03\x04" and head[:2] != b"\x80\x02":  # zip (torch >= 1.6) or legacy pickle protocol 2
+        raise ValueError(f"{src} is neither a torch.save file, nor a .safetensors file, nor a folder of a DCP or "
+                         f"Hugging Face checkpoint")
+    try:
+        return "torch", torch.load(src, map_location="cpu", weights_only=True, mmap=head[:4] == b"PK\x03\x04"), {}
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{src} holds objects other than tensors and plain values, which are not loaded (no code "
+                         f"from a checkpoint runs): {str(e).splitlines()[0]}") from None
+
+
+def _is_entries(state: Any) -> bool:
+    """A dict of named entries (kept as top-level keys), not a bare state_dict of tensors."""
+    return (isinstance(state, Mapping) and bool(state)
+            and all(isinstance(k, str) and not k.startswith("$") for k in state)
+            and not all(isinstance(v, torch.Tensor) for v in state.values()))
+
+
+# -- Hugging Face folders and safetensors ----------------------------------------------------------------------
+
+def read_hf_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The weights of a folder written by ``save_pretrained`` (memory-mapped) and its config as step metadata."""
+    index = os.path.join(folder, INDEX)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = list(dict.fromkeys(weight_map.values()))
+    else:
+        files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"{folder} holds neither a DCP checkpoint (.metadata) nor safetensors weights "
+                         f"({INDEX} or *.safetensors)")
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for name in files:
+        if os.path.basename(name) != name:
+            raise ValueError(f"{index} names a file outside the folder: {name!r}")
+        found, metadata = open_tensors(os.path.join(folder, name))
+        tensors.update(found)
+        aliases.update(metadata)
+    config_path = os.path.join(folder, "config.json")
+    config = None
+    if os.path.isfile(config_path):
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    tensors = _tied(tensors, aliases)
+    if isinstance(config, dict):
+        tensors = _tie_like_model(tensors, config)
+    return tensors, ({HF_CONFIG: config} if isinstance(config, dict) else {})
+
+
+def _tied(tensors: dict[str, torch.Tensor], metadata: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """Names a safetensors file dropped as aliases of a tensor it holds (recorded as ``alias: kept`` in its
+    metadata by ``ckpt export`` and ``safetensors.torch.save_model``) back, sharing that tensor."""
+    out = dict(tensors)
+    for alias, kept in metadata.items():
+        if alias not in out and kept in tensors:
+            out[alias] = tensors[kept]
+    return out
+
+
+def _tie_like_model(tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Add the names the model of `config` ties to a saved tensor (e.g. ``lm_head.weight``, which save_pretrained
+    leaves out); needs Transformers, and builds the model on the meta device (no memory, no weights)."""
+    try:
+        import transformers
+    except ImportError:
+        return tensors
+    architectures = config.get("architectures") or []
+    cls = getattr(transformers, architectures[0], None) if architectures else None
+    if cls is None:
+        return tensors
+    try:
+        with torch.device("meta"):
+            model = cls(cls.config_class.from_dict(config))
+    except Exception as e:  # noqa: BLE001 - a model this Transformers cannot build: the weights are still imported
+        warnings.warn(f"could not build {architectures[0]} from config.json to find its tied weights ({e}); names "
+                      f"save_pretrained left out are not restored", RuntimeWarning, stacklevel=4)
+        return tensors
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    out = dict(tensors)
+    for names in groups.values():
+        present = [n for n in names if n in tensors]
+        for n in names:
+            if present and n not in out:
+                out[n] = tensors[present[0]]
+    return out
+
+
+# -- torch.distributed.checkpoint ----------------------------------------------------------------------------
+
+_DCP_METADATA = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "BytesStorageMetadata",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata classes and torch sizes/dtypes/layouts, nothing else (no code from the checkpoint)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _DCP_METADATA or dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which is not loaded (no code from a "
+                                     f"checkpoint runs)")
+
+
+def read_dcp(folder: str) -> dict[str, Any]:
+    """A DCP checkpoint as the nested state it was saved from; tensors in memory, non-tensor values with
+    ``weights_only=True``. Optimizer states get their int parameter ids back (DCP stores dict keys as str)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta, TensorStorageMetadata
+
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            with open(os.path.join(folder, ".metadata"), "rb") as f:
+                try:
+                    metadata = _MetadataUnpickler(f).load()
+                except (pickle.UnpicklingError, EOFError, AttributeError, TypeError) as e:
+                    raise ValueError(f"{folder}/.metadata is not DCP metadata this can read: {e}") from None
+            metadata.storage_meta = metadata.storage_meta or StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+    reader = Reader(folder)
+    metadata = reader.read_metadata()
+    flat: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            flat[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        elif isinstance(md, BytesStorageMetadata):
+            flat[fqn] = None
+        else:
+            raise ValueError(f"{folder}: entry {fqn!r} is a {type(md).__name__}, which this import does not read")
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": a single process reads, as asked
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(flat, storage_reader=reader, planner=Planner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                 no_dist=True)
+    state: dict[str, Any] = {}
+    paths = metadata.planner_data or {}
+    for fqn, value in flat.items():
+        _set(state, tuple(paths.get(fqn, (fqn,))), value)
+    return _int_param_ids(state)
+
+
+def _set(root: Any, path: tuple[Any, ...], value: Any) -> None:
+    """Put `value` at `path` (str keys: dicts, int keys: list positions), creating the containers on the way."""
+    node = root
+    for k, nxt in zip(path, path[1:]):
+        held = k < len(node) if isinstance(node, list) else k in node
+        child = node[k] if held else None
+        if child is None:
+            child = [] if isinstance(nxt, int) else {}
+            if isinstance(node, list):
+                node.extend([None] * (k + 1 - len(node)))
+            node[k] = child
+        node = child
+    last = path[-1]
+    if isinstance(node, list):
+        node.extend([None] * (last + 1 - len(node)))
+    node[last] = value
+
+
+def _int_param_ids(value: Any) -> Any:
+    """An optimizer state_dict's ``state`` keyed by int parameter ids again when its param_groups list int ids."""
+    if isinstance(value, list):
+        return [_int_param_ids(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {k: _int_param_ids(v) for k, v in value.items()}
+    groups, st = out.get("param_groups"), out.get("state")
+    if isinstance(groups, list) and isinstance(st, dict) and all(isinstance(g, dict) for g in groups):
+        ids = {p for g in groups for p in g.get("params", []) if isinstance(p, int)}
+        if st and all(isinstance(k, str) and k.isdigit() and int(k) in ids for k in st):
+            out["state"] = {int(k): v for k, v in st.items()}
+    return out

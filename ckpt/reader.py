@@ -1,0 +1,235 @@
+"""`ckpt.load`: a checkpoint's state as plain values (nested dicts of CPU tensors and JSON values), no training objects.
+
+Built on the restore mechanism: `read_manifest`, `plan_restore` and the verified reads of `restore.py`, so every
+chunk is checked (size, crc32c, the manifest's digest) exactly as a restore checks it. Only the arrays under the
+selected keys are read; a region of one tensor reads only the chunks that hold it. `StepReader` is the same thing
+one step at a time, for callers that read many tensors in turn (export streams them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from . import catalog, restore
+from . import state as state_mod
+from .errors import CorruptCheckpointError
+from .format import ArrayInfo, torch_dtype
+from .staging import StagingArena
+from .storage import Storage, open_storage
+
+Box = tuple[tuple[int, int], ...]
+Route = tuple[Any, ...]  # the keys (str or int) from the top of the tree down to a node
+_CONTAINERS = ("$dict", "$odict", "$tuple", "$state")  # tagged nodes that hold other nodes
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One leaf of a step's state tree: where it is, and the array it refers to (None for a JSON value)."""
+
+    route: Route
+    node: Any
+    array: ArrayInfo | None
+
+
+class StepReader:
+    """One committed step opened for reading: its manifest is read and validated once, then any part of its state
+    can be read, verified, as plain values. Per-rank entries (RNG states) are rank 0's."""
+
+    def __init__(self, storage: Storage, step: int, pool: ThreadPoolExecutor):
+        self.storage, self.step, self._pool = storage, step, pool
+        self.manifest = restore.read_manifest(storage, step)
+        self.files = restore.step_files(storage, step)
+        m = self.manifest
+        self.tree = {k: state_mod.select_rank(v, 0, m.world_size, 1, "modulo")
+                     if isinstance(v, dict) and "$per_rank" in v else v for k, v in m.tree.items()}
+
+    def routes(self, keys: Sequence[str] | None) -> list[Route]:
+        """The route of each dotted key (``"model.embed.weight"``: the top-level key, then the keys below it, whose
+        own names may hold dots); KeyError naming the key and what the checkpoint has where it stops matching."""
+        if keys is None:
+            return [(k,) for k in self.tree]
+        if isinstance(keys, str):
+            raise TypeError(f"keys must be a list of dotted paths, e.g. [{keys!r}], not a str")
+        return [_route(self.tree, key, key, (), self.step) for key in keys]
+
+    def select(self, keys: Sequence[str] | None) -> dict[str, Any]:
+        """The state tree cut down to the selected keys (the nesting above them kept)."""
+        return _prune(self.tree, self.routes(keys))
+
+    def leaves(self, keys: Sequence[str] | None) -> list[Leaf]:
+        """Every leaf under the selected keys, in the order of the state."""
+        out: list[Leaf] = []
+        _walk(self.select(keys), (), out, self.manifest.arrays)
+        return out
+
+    def read(self, keys: Sequence[str] | None = None, *, region: Sequence[slice] | None = None,
+             device: str | torch.device = "cpu") -> dict[str, Any]:
+        """The selected part of the state as plain values: nested dicts (module and optimizer states as their
+        state_dict), tensors (tied ones still tied) and JSON values. With `region`, only that part of the one
+        tensor `keys` selects is read."""
+        tree = self.select(keys)
+        if region is not None:
+            arrays = {leaf.array.name: leaf.array for leaf in self.leaves(keys) if leaf.array is not None}
+            if len(arrays) != 1:
+                raise ValueError(f"region= reads part of one tensor: keys {list(keys or [])} select {len(arrays)} "
+                                 f"arrays of step {self.step}; name one tensor, e.g. keys=['model.embed.weight']")
+            info = next(iter(arrays.values()))
+            part = self.read_array(info, region_box(info, region))
+            values = {k: state_mod.decode(node, lambda name, _, as_np: part.numpy() if as_np else part)
+                      for k, node in tree.items()}
+        else:
+            manifest = dataclasses.replace(self.manifest, tree=tree)
+            plan = restore.plan_restore(manifest, dict.fromkeys(tree), None, files=self.files)
+            restore.read(self.storage, plan, self._pool, StagingArena())  # no scratch: every read has its own tensor
+            values = plan.values
+        device = torch.device(device)
+        return values if device.type == "cpu" else _to_device(values, device, {})
+
+    def read_array(self, info: ArrayInfo, box: Box | None = None) -> torch.Tensor:
+        """One array, or the `box` of it, read and verified into a new CPU tensor; only the chunks it needs."""
+        box = box if box is not None else tuple((0, n) for n in info.shape)
+        out = torch.empty(tuple(b - a for a, b in box), dtype=torch_dtype(info.dtype))
+        plan = restore.ReadPlan(self.manifest, {(info.name, box): restore.ArrayRead(info, box, fresh=out)}, {})
+        restore.read(self.storage, plan, self._pool, StagingArena())
+        return out
+
+
+def load(root: str | os.PathLike, *, step: int | None = None, keys: Sequence[str] | None = None,
+         device: str | torch.device = "cpu", region: Sequence[slice] | None = None,
+         io_threads: int = 8) -> dict[str, Any]:
+    """A checkpoint's state as a plain nested dict, without the training objects; only what `keys` selects is read.
+
+    `keys` are dotted paths into the state (``["model"]``, ``["model.embed.weight"]``); the result keeps the
+    nesting above them (``load(root, keys=["model.embed.weight"])["model"]["embed.weight"]``). `region` (slices,
+    e.g. ``(slice(0, 128),)``) reads that part of the one tensor `keys` names, touching only its chunks. Without
+    `step`, the newest committed step; a damaged one is reported (RuntimeWarning) and the previous one read, as
+    restore does (but nothing is moved aside: loading never changes the root).
+    """
+    storage = open_storage(root)
+    with ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-load") as pool:
+        if step is not None:
+            return StepReader(storage, step, pool).read(keys, region=region, device=device)
+        damaged: list[CorruptCheckpointError] = []
+        for s in sorted(catalog.committed_steps(storage), reverse=True):
+            try:
+                return StepReader(storage, s, pool).read(keys, region=region, device=device)
+            except CorruptCheckpointError as e:
+                damaged.append(e)
+                warnings.warn(f"checkpoint step {s} is damaged: {e}; loading the previous committed step",
+                              RuntimeWarning, stacklevel=2)
+            except FileNotFoundError:  # deleted while being read (another process's retention): not damage
+                continue
+    if damaged:
+        raise CorruptCheckpointError(f"no intact checkpoint in {storage.url}: {len(damaged)} damaged "
+                                     f"(newest error: {damaged[0]})")
+    raise FileNotFoundError(f"no committed checkpoint in {storage.url}")
+
+
+def region_box(info: ArrayInfo, region: Sequence[slice]) -> Box:
+    """The box of an array that `region` (slices with step 1, trailing dimensions whole) selects."""
+    region = tuple(region) if isinstance(region, (tuple, list)) else (region,)
+    if len(region) > len(info.shape) or not all(isinstance(s, slice) and s.step in (None, 1) for s in region):
+        raise ValueError(f"region must be at most {len(info.shape)} slices with step 1 for key {info.name!r} "
+                         f"(shape {list(info.shape)}), got {region!r}")
+    box = []
+    for d, n in enumerate(info.shape):
+        a, b, _ = region[d].indices(n) if d < len(region) else (0, n, 1)
+        box.append((a, max(a, b)))
+    return tuple(box)
+
+
+def _children(node: Any) -> list[tuple[Any, Any]] | None:
+    """The (key, child) pairs of a container node of the tree; None for a leaf (a tensor, a JSON value)."""
+    if isinstance(node, list):
+        return list(enumerate(node))
+    if not isinstance(node, dict):
+        return None
+    tag = next((k for k in node if k.startswith("$")), None)
+    if tag is None:
+        return list(node.items())
+    if tag in ("$dict", "$odict"):
+        return [(k, v) for k, v in node[tag]]
+    if tag == "$tuple":
+        return list(enumerate(node[tag]))
+    if tag == "$state":
+        return _children(node["v"])
+    return None
+
+
+def _route(node: Any, path: str, key: str, above: Route, step: int) -> Route:
+    """The keys that spell `path` below `node`; a child's name may itself contain dots (``embed.weight``), the
+    longest name that fits is tried first. A KeyError names where the deepest attempt stopped matching."""
+    if path == "":
+        return ()
+    children = _children(node)
+    fits = sorted(((k, c) for k, c in (children or []) if str(k) == path or path.startswith(f"{k}.")),
+                  key=lambda kc: -len(str(kc[0])))
+    deepest: _NoMatch | None = None
+    for k, child in fits:
+        try:
+            return (k,) + _route(child, path[len(str(k)) + 1:], key, above + (k,), step)
+        except _NoMatch as e:
+            deepest = e if deepest is None or e.depth > deepest.depth else deepest
+    if deepest is not None:
+        raise deepest
+    where = ".".join(map(str, above)) or "the top level"
+    has = [str(k) for k, _ in children or []]
+    listing = f"it has {has[:20]}{' ...' if len(has) > 20 else ''}" if children is not None else "it is not a container"
+    raise _NoMatch(len(above), f"key {key!r} is not in checkpoint step {step}: no {path!r} under {where} ({listing})")
+
+
+class _NoMatch(KeyError):
+    def __init__(self, depth: int, message: str):
+        super().__init__(message)
+        self.depth = depth
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def _prune(node: Any, routes: list[Route]) -> Any:
+    """`node` keeping only the children on `routes` (a route that ends here keeps the whole node)."""
+    if any(not r for r in routes):
+        return node
+    wanted: dict[Any, list[Route]] = {}
+    for r in routes:
+        wanted.setdefault(r[0], []).append(r[1:])
+    if isinstance(node, dict) and "$state" in node:
+        return {"$state": node["$state"], "v": _prune(node["v"], routes)}
+    pairs = [(k, _prune(c, wanted[k])) for k, c in _children(node) if k in wanted]
+    if isinstance(node, dict) and "$odict" in node:
+        return {"$odict": [[k, v] for k, v in pairs]}
+    if isinstance(node, dict) and not any(k.startswith("$") for k in node):
+        return dict(pairs)
+    return {"$dict": [[k, v] for k, v in pairs]}  # a dict with int keys, or some elements of a list/tuple
+
+
+def _walk(node: Any, route: Route, out: list[Leaf], arrays: Mapping[str, ArrayInfo]) -> None:
+    children = _children(node)
+    if children is None:
+        ref = node.get("$tensor", node.get("$ndarray")) if isinstance(node, dict) else None
+        out.append(Leaf(route, node, arrays[ref] if ref is not None else None))
+        return
+    for k, child in children:
+        _walk(child, route + (k,), out, arrays)
+
+
+def _to_device(value: Any, device: torch.device, moved: dict[int, torch.Tensor]) -> Any:
+    """`value` with every tensor on `device`; tensors tied on the host stay tied there."""
+    if isinstance(value, torch.Tensor):
+        if id(value) not in moved:
+            moved[id(value)] = value.to(device)
+        return moved[id(value)]
+    if isinstance(value, dict):
+        return type(value)((k, _to_device(v, device, moved)) for k, v in value.items())
+    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        return type(value)(_to_device(v, device, moved) for v in value)
+    return value
+

@@ -1,0 +1,347 @@
+"""Weights in and out: `ckpt.load` reads only what it is asked for; export to safetensors / torch / hf and import
+from torch.save / DCP / safetensors / HF folders round-trip bitwise, tied weights included; the CLI fails in one
+line; no code from an imported checkpoint runs."""
+
+import json
+import os
+import pickle
+import warnings
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import cli
+from ckpt.errors import CorruptCheckpointError
+from ckpt.restore import read_manifest
+from ckpt.storage import open_storage
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _same(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and _bits(a[k]) == _bits(b[k]), k
+
+
+class Tied(torch.nn.Module):
+    """A tiny LM whose output layer shares the input embedding (as GPT-2 with tie_word_embeddings), and buffers of
+    other dtypes."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(50, 8)
+        self.norm = torch.nn.LayerNorm(8).to(torch.bfloat16)
+        self.head = torch.nn.Linear(8, 50, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("count", torch.tensor(7, dtype=torch.int64))
+        self.register_buffer("mask", torch.rand(5) > 0.5)
+
+
+def _trained(seed: int = 0):
+    model = Tied(seed)
+    optim = torch.optim.AdamW(model.parameters())
+    model.head(model.embed(torch.tensor([1, 2, 3]))).sum().backward()
+    optim.step()
+    return model, optim
+
+
+def _io() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+# -- ckpt.load ------------------------------------------------------------------------------------------------
+
+def test_load_reads_only_the_chunks_of_the_selected_tensor(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    state = {"model": {f"layer{i}.weight": torch.randn(256, 1024, generator=g) for i in range(12)},  # 1 MiB each
+             "optim": {"big": torch.randn(1024, 1024, generator=g)}}
+    with ckpt.CheckpointManager(tmp_path, chunk_bytes=256 << 10) as m:  # 4 chunks per layer, 16 for "big"
+        m.save(1, state)
+    ckpt.load(tmp_path, keys=["model.layer0.weight"])  # imports and caches warm
+    want = state["model"]["layer5.weight"]
+    before = _io()
+    got = ckpt.load(tmp_path, keys=["model.layer5.weight"])
+    read = _io() - before
+    assert list(got) == ["model"] and list(got["model"]) == ["layer5.weight"]
+    assert _bits(got["model"]["layer5.weight"]) == _bits(want)
+    assert read <= 1.1 * want.numel() * 4, f"read {read} bytes for a tensor of {want.numel() * 4}"
+
+    before = _io()  # a region: only the chunks that hold rows 256..384 (64 rows per chunk: chunks 4 and 5 of 16)
+    part = ckpt.load(tmp_path, keys=["optim.big"], region=(slice(256, 384), slice(10, 20)))["optim"]["big"]
+    read = _io() - before
+    assert _bits(part) == _bits(state["optim"]["big"][256:384, 10:20])
+    assert 2 * (256 << 10) <= read <= 1.1 * 2 * (256 << 10), read
+
+
+def test_load_gives_plain_values_tied_weights_tied_and_names_a_missing_key(tmp_path):
+    model, optim = _trained()
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(3, {"model": model, "optim": optim, "rng": ckpt.RNGState(), "meta": {"epoch": 2, "betas": (0.9, 0.99)}})
+    full = ckpt.load(tmp_path)
+    assert list(full) == ["model", "optim", "rng", "meta"] and full["meta"] == {"epoch": 2, "betas": (0.9, 0.99)}
+    _same(dict(full["model"]), dict(model.state_dict()))
+    assert full["model"]["embed.weight"].data_ptr() == full["model"]["head.weight"].data_ptr()
+    moved = ckpt.load(tmp_path, keys=["model"], device="meta")["model"]  # device= moves after the verified read
+    assert moved["embed.weight"].is_meta and moved["embed.weight"] is moved["head.weight"]
+    saved = optim.state_dict()
+    assert full["optim"]["param_groups"] == saved["param_groups"]
+    _same(full["optim"]["state"][0], saved["state"][0])
+
+    part = ckpt.load(tmp_path, keys=["optim.state.0.exp_avg", "meta.epoch"])
+    assert part == {"optim": {"state": {0: part["optim"]["state"][0]}}, "meta": {"epoch": 2}}
+    assert _bits(part["optim"]["state"][0]["exp_avg"]) == _bits(saved["state"][0]["exp_avg"])
+    with pytest.raises(KeyError, match=r"'model.embed.bias' is not in checkpoint step 3: no 'embed.bias' under model \(it has \[.*'embed.weight'"):
+        ckpt.load(tmp_path, keys=["model.embed.bias"])
+    with pytest.raises(ValueError, match="part of one tensor"):
+        ckpt.load(tmp_path, keys=["model"], region=(slice(0, 1),))
+
+
+def test_load_falls_back_from_a_damaged_newest_step_and_leaves_the_root_alone(tmp_path):
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"w": torch.ones(64)})
+        m.save(2, {"w": torch.full((64,), 2.0)})
+    chunk = tmp_path / "step_00000002" / "arrays" / "w" / "c" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[5] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    with pytest.warns(RuntimeWarning, match=r"step 2 is damaged.*crc32c.*loading the previous"):
+        assert torch.equal(ckpt.load(tmp_path)["w"], torch.ones(64))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002"]  # nothing moved
+    with pytest.raises(CorruptCheckpointError, match=str(chunk)):
+        ckpt.load(tmp_path, step=2)
+
+
+# -- export ---------------------------------------------------------------------------------------------------
+
+def test_export_safetensors_loads_bitwise_ties_as_hf_and_shards_with_an_index(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, load_model
+
+    model, optim = _trained()
+    with ckpt.CheckpointManager(tmp_path / "root") as m:
+        m.save(5, {"model": model, "optim": optim})
+    ckpt.export(tmp_path / "root", tmp_path / "st", format="safetensors")
+    assert sorted(os.listdir(tmp_path / "st")) == ["model.safetensors"]
+    got = load_file(tmp_path / "st" / "model.safetensors")
+    expected = dict(model.state_dict())
+    del expected["head.weight"]  # tied: stored once under its first name, the alias recorded
+    _same(got, expected)
+    with safe_open(tmp_path / "st" / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt", "head.weight": "embed.weight"}
+    fresh = Tied(seed=1)
+    load_model(fresh, tmp_path / "st" / "model.safetensors")  # safetensors' own loader re-ties
+    _same(dict(fresh.state_dict()), dict(model.state_dict()))
+
+    ckpt.export(tmp_path / "root", tmp_path / "shards", format="safetensors", max_shard_size="1KB")
+    index = json.loads((tmp_path / "shards" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]  # buffers, the embedding, the norm
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in expected.values())
+    merged = {}
+    for name in files:
+        merged.update(load_file(tmp_path / "shards" / name))
+    _same({k: merged[k] for k in expected}, expected)
+
+
+def test_export_safetensors_streams_a_tensor_in_bands(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from ckpt import exporter
+
+    big = torch.randn(1000, 33).to(torch.float16)
+    with ckpt.CheckpointManager(tmp_path / "root", chunk_bytes=8 << 10) as m:
+        m.save(1, {"model": {"big": big, "scalar": torch.tensor(1.5, dtype=torch.float64)}})
+    monkeypatch.setattr(exporter, "_BAND_BYTES", 16 << 10)  # bands of 2 chunks (224 rows), each read on its own
+    info = read_manifest(open_storage(tmp_path / "root"), 1).arrays["model/big"]
+    assert [box[0] for box in exporter.bands(info)] == [(0, 224), (224, 448), (448, 672), (672, 896), (896, 1000)]
+    ckpt.export(tmp_path / "root", tmp_path / "st", format="safetensors")
+    _same(load_file(tmp_path / "st" / "model.safetensors"), {"big": big, "scalar": torch.tensor(1.5, dtype=torch.float64)})
+
+
+def test_export_torch_loads_with_weights_only_bitwise_with_ties(tmp_path):
+    model, optim = _trained()
+    with ckpt.CheckpointManager(tmp_path / "root") as m:
+        m.save(5, {"model": model, "optim": optim, "step": 5})
+    ckpt.export(tmp_path / "root", tmp_path / "model.pt", format="torch")
+    sd = torch.load(tmp_path / "model.pt", weights_only=True)
+    _same(dict(sd), dict(model.state_dict()))
+    assert sd["embed.weight"].data_ptr() == sd["head.weight"].data_ptr()
+    fresh = Tied(seed=1)
+    fresh.load_state_dict(sd)
+    _same(dict(fresh.state_dict()), dict(model.state_dict()))
+
+    ckpt.export(tmp_path / "root", tmp_path / "all.pt", format="torch", keys=["model", "optim", "step"])
+    everything = torch.load(tmp_path / "all.pt", weights_only=True)
+    assert list(everything) == ["model", "optim", "step"] and everything["step"] == 5
+    fresh_optim = torch.optim.AdamW(fresh.parameters())
+    fresh_optim.load_state_dict(everything["optim"])
+    _same(fresh_optim.state_dict()["state"][0], optim.state_dict()["state"][0])
+
+
+def test_export_hf_loads_with_from_pretrained_and_equal_logits(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    from ckpt.exporter import model_config_metadata
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8,
+                                       bos_token_id=0, eos_token_id=0)).eval()
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied
+    with ckpt.CheckpointManager(tmp_path / "root") as m:
+        m.save(2, {"model": model}, metadata=model_config_metadata(model))
+    ckpt.export(tmp_path / "root", tmp_path / "hf", format="hf")
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(loaded) is GPT2LMHeadModel and loaded.lm_head.weight is loaded.transformer.wte.weight
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        assert _bits(loaded(ids).logits) == _bits(model(ids).logits)
+
+    with ckpt.CheckpointManager(tmp_path / "plain") as m:  # saved without the config: --config gives it
+        m.save(2, {"model": model})
+    with pytest.raises(ValueError, match="holds no model config.*--config"):
+        ckpt.export(tmp_path / "plain", tmp_path / "hf2", format="hf")
+    (tmp_path / "config.json").write_text(json.dumps(model_config_metadata(model)["hf_config"]))
+    ckpt.export(tmp_path / "plain", tmp_path / "hf2", format="hf", config=tmp_path / "config.json", keys=["model"])
+    with torch.no_grad():
+        assert _bits(GPT2LMHeadModel.from_pretrained(tmp_path / "hf2")(ids).logits) == _bits(model(ids).logits)
+
+
+def test_hf_trainer_steps_export_to_from_pretrained_without_flags(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from integrations.hf import CkptTrainer
+
+    torch.manual_seed(0)
+    ds = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 32, (8, 8))]
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), save_steps=2, max_steps=2, disable_tqdm=True,
+                             report_to=[], use_cpu=True, per_device_train_batch_size=4)
+    CkptTrainer(model=model, args=args, train_dataset=ds).train()
+    assert cli.main(["export", str(tmp_path / "out" / "ckpt"), "--format", "hf", "-o", str(tmp_path / "hf"), "-q"]) == 0
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        assert _bits(loaded(ids).logits) == _bits(model.eval()(ids).logits)
+
+
+def test_cli_errors_are_one_line_and_leave_nothing(tmp_path, capsys):
+    model, _ = _trained()
+    with ckpt.CheckpointManager(tmp_path / "root") as m:
+        m.save(1, {"model": model})
+    root, out = str(tmp_path / "root"), tmp_path / "out"
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("keep me")
+    cases = [(["--format", "onnx"], "unknown export format 'onnx' (choose from safetensors, torch, hf)"),
+             (["--format", "safetensors", "--keys", "optim"], "key 'optim' is not in checkpoint step 1"),
+             (["--format", "torch", "--keys", "model.embed.weight.x"], "no 'x' under model.embed.weight"),
+             (["--format", "safetensors", "--max-shard-size", "lots"], "not a size: 'lots'")]
+    for extra, message in cases:
+        assert cli.main(["export", root, "-o", str(out), *extra]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+    assert cli.main(["export", root, "--format", "safetensors", "-o", str(tmp_path / "full")]) == 1
+    err = capsys.readouterr().err
+    assert "already exists and is not empty" in err and err.count("\n") == 1
+    assert (tmp_path / "full" / "x").read_text() == "keep me"
+    assert sorted(os.listdir(tmp_path)) == ["full", "root"]  # no output, no temporary left behind
+    assert cli.main(["import", str(tmp_path / "nothing.pt"), root, "--step", "2"]) == 1
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+# -- import ---------------------------------------------------------------------------------------------------
+
+def _restored(root, step: int, keys=None, seed: int = 1):
+    model, optim = Tied(seed), None
+    state = {"model": model}
+    if keys is None:
+        optim = torch.optim.AdamW(model.parameters())
+        state["optim"] = optim
+    with ckpt.CheckpointManager(root) as m:
+        assert m.restore(state, keys=keys) == step
+    return model, optim
+
+
+def test_import_torch_save_then_restore_is_bitwise(tmp_path):
+    model, optim = _trained()
+    torch.save({"model": model.state_dict(), "optim": optim.state_dict()}, tmp_path / "run.pt")
+    assert cli.main(["import", str(tmp_path / "run.pt"), str(tmp_path / "root"), "--step", "100"]) == 0
+    restored, restored_optim = _restored(tmp_path / "root", 100)
+    _same(dict(restored.state_dict()), dict(model.state_dict()))
+    assert restored.head.weight is restored.embed.weight
+    _same(restored_optim.state_dict()["state"][0], optim.state_dict()["state"][0])
+    assert restored_optim.state_dict()["param_groups"] == optim.state_dict()["param_groups"]
+
+    torch.save(model.state_dict(), tmp_path / "weights.pt")  # a bare state_dict goes under "model"
+    assert ckpt.import_checkpoint(tmp_path / "weights.pt", tmp_path / "w", step=1) == "torch"
+    _same(dict(_restored(tmp_path / "w", 1, keys=["model"])[0].state_dict()), dict(model.state_dict()))
+    assert ckpt.CheckpointManager(tmp_path / "w").metadata(1)["imported_from"]["kind"] == "torch"
+
+
+def test_import_dcp_then_restore_is_bitwise(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model, optim = _trained()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: no process group, single process
+        dcp.save({"model": model.state_dict(), "optim": optim.state_dict()}, checkpoint_id=str(tmp_path / "dcp"))
+    assert ckpt.import_checkpoint(tmp_path / "dcp", tmp_path / "root", step=7) == "dcp"
+    restored, restored_optim = _restored(tmp_path / "root", 7)
+    _same(dict(restored.state_dict()), dict(model.state_dict()))
+    _same(restored_optim.state_dict()["state"][0], optim.state_dict()["state"][0])
+    assert restored_optim.state_dict()["param_groups"] == optim.state_dict()["param_groups"]
+
+
+def test_import_hf_folder_then_restore_into_the_tied_model(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    model.save_pretrained(tmp_path / "hf", max_shard_size="4KB")  # sharded, lm_head.weight left out (tied)
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    assert ckpt.import_checkpoint(tmp_path / "hf", tmp_path / "root", step=1) == "hf"
+    torch.manual_seed(1)
+    fresh = GPT2LMHeadModel(config)
+    with ckpt.CheckpointManager(tmp_path / "root") as m:
+        assert m.restore({"model": fresh}, keys=["model"]) == 1
+        assert m.metadata(1)["hf_config"]["n_embd"] == 16
+    _same(dict(fresh.state_dict()), dict(model.state_dict()))
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+
+
+def test_import_safetensors_file_keeps_aliases_from_its_metadata(tmp_path):
+    from safetensors.torch import save_model
+
+    model, _ = _trained()
+    save_model(model, str(tmp_path / "m.safetensors"))  # drops one tied name, records it in the metadata
+    assert ckpt.import_checkpoint(tmp_path / "m.safetensors", tmp_path / "root", step=3) == "safetensors"
+    restored, _ = _restored(tmp_path / "root", 3, keys=["model"])
+    _same(dict(restored.state_dict()), dict(model.state_dict()))
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {_Payload.marker}",))
+
+
+def test_import_runs_no_code_from_a_checkpoint(tmp_path):
+    _Payload.marker = str(tmp_path / "pwned")
+    with open(tmp_path / "evil.pt", "wb") as f:
+        torch.save({"model": {"w": torch.ones(2)}, "x": _Payload()}, f)
+    with pytest.raises(ValueError, match="not loaded"):
+        ckpt.import_checkpoint(tmp_path / "evil.pt", tmp_path / "root", step=1)
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(_Payload()))
+    with pytest.raises(ValueError, match="posix.system|os.system"):
+        ckpt.import_checkpoint(tmp_path / "dcp", tmp_path / "root", step=1)
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "root").exists()
