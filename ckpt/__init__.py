@@ -1,11 +1,11 @@
 """ckpt: save and restore the whole training state, asynchronously and sharded, through tensorstore."""
 
-from .data import DataMismatchError, RandomWindowSampler, ShuffledSampler, TokenWindowDataset, explain, make_loader
+from .determinism.data import DataMismatchError, RandomWindowSampler, ShuffledSampler, TokenWindowDataset, explain, make_loader
 from .errors import (CheckpointDeleteError, CheckpointError, CheckpointWriteError, CorruptCheckpointError,
                      LeaseHeldError, RunMismatchError)
 from .manager import CheckpointManager, CheckpointObserver, SaveHandle
 from .retention import Retention
-from .rng import RNGState
+from .determinism.rng import RNGState
 from .state import Stateful
 
 __all__ = [

@@ -11,7 +11,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from . import catalog, data, lease
+from . import catalog, lease
+from .determinism import data
 from . import state as state_mod
 from .restore import read_manifest
 from .errors import CheckpointError

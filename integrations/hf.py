@@ -32,9 +32,8 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
-from ckpt import CheckpointManager, RunMismatchError, SaveHandle
+from ckpt import CheckpointManager, RNGState, RunMismatchError, SaveHandle
 from ckpt import run as ckpt_run
-from ckpt.rng import RNGState
 from ettr import GoodputTracker
 from ettr.ledger import ledger_dir
 

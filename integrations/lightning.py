@@ -3,7 +3,7 @@
 `CkptCheckpointIO` turns every ``*.ckpt`` path Lightning asks for into a tiny JSON pointer to a step of one
 `CheckpointManager` root; the checkpoint dict itself is written asynchronously (no pickle). `GoodputCallback`
 times each training batch as a goodput step, marks an exception as a disruption, and carries the RNG state and
-the positions of `ckpt.data` samplers in its own ``state_dict``, which is what makes a resume bitwise exact.
+the positions of `ckpt` samplers in its own ``state_dict``, which is what makes a resume bitwise exact.
 """
 
 from __future__ import annotations
@@ -21,10 +21,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from ckpt import CheckpointManager
+from ckpt import CheckpointManager, RandomWindowSampler, RNGState, ShuffledSampler
 from ckpt import run as ckpt_run
-from ckpt.data import RandomWindowSampler, ShuffledSampler
-from ckpt.rng import RNGState
 from ettr import GoodputTracker
 
 from ._common import TrackerLease, delete_step, read_step, resolve_step, save_once
@@ -356,8 +354,9 @@ class GoodputCallback(Callback):
     Args:
         root: goodput ledger root; default: the root of the Trainer's `CkptCheckpointIO`.
         tracker: a started GoodputTracker managed by the caller, instead of one this callback starts and ends.
-        samplers: `ckpt.data` samplers feeding the training DataLoaders (batch_sampler=), advanced by one batch
-            after each training batch; their positions are saved here and restored before the loaders iterate.
+        samplers: `ckpt` samplers (`ShuffledSampler`, `RandomWindowSampler`) feeding the training DataLoaders
+            (batch_sampler=), advanced by one batch after each training batch; their positions are saved here and
+            restored before the loaders iterate.
         rng: an `RNGState` (with registered generators), True for every global RNG, False for none. It is
             restored lazily at the first training batch after a resume, so no draw in Lightning's setup shifts it.
     """

@@ -16,8 +16,7 @@ from types import FrameType
 from typing import Any
 
 import ettr
-from ckpt import CheckpointManager, Stateful
-from ckpt.rng import RNGState
+from ckpt import CheckpointManager, RNGState, Stateful
 from ettr import GoodputTracker
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

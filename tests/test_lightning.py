@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 
 from kill_resume import (  # noqa: E402
     assert_reported, assert_same_bits, finish, losses, start, straight_killed_resumed)
-from ckpt.data import explain  # noqa: E402
+from ckpt import explain  # noqa: E402
 from ettr import committed_steps  # noqa: E402
 from integrations.lightning import CkptCheckpointIO, saveable  # noqa: E402
 
@@ -128,7 +128,7 @@ def _fit(root: Path, steps: int, ckpt_path: str | None = None, **io_options) -> 
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from ckpt.data import ShuffledSampler, make_loader
+    from ckpt import ShuffledSampler, make_loader
     from integrations.lightning import GoodputCallback
     from lightning_train import Net, Points
 

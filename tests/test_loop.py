@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ckpt.data import RandomWindowSampler, TokenWindowDataset, hash_batch, make_loader
+from ckpt import RandomWindowSampler, TokenWindowDataset, make_loader
+from ckpt.determinism.data import hash_batch
 from ettr import GoodputTracker, attribute_root, committed_steps, read_ledgers
 from integrations import Preempted, TrainLoop
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import ckpt
-from ckpt.rng import RNGState
+from ckpt import RNGState
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 

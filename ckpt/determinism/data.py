@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ckpt.permutation import epoch_permutation
-from ckpt.seeding import sample_rng, torch_generator
+from .permutation import epoch_permutation
+from .seeding import sample_rng, torch_generator
 
 T = TypeVar("T")
 FINGERPRINT_BLOCK = 1 << 16
