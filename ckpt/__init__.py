@@ -4,12 +4,15 @@ from .determinism.data import DataMismatchError, RandomWindowSampler, ShuffledSa
 from .errors import (CheckpointDeleteError, CheckpointError, CheckpointWriteError, CorruptCheckpointError,
                      LeaseHeldError, RunMismatchError)
 from .manager import CheckpointManager, CheckpointObserver, SaveHandle
-from .retention import Retention
+from .retention import Keep, KeepBest, KeepEvery, KeepLast, RetentionPolicy
 from .determinism.rng import RNGState
+from .schedule import AdvisedInterval, AnyOf, EveryNSeconds, EveryNSteps, Preemption, SaveDecision
 from .state import Stateful
 
 __all__ = [
-    "CheckpointManager", "CheckpointObserver", "SaveHandle", "Retention", "Stateful",
+    "CheckpointManager", "CheckpointObserver", "SaveHandle", "Stateful",
+    "RetentionPolicy", "KeepLast", "KeepEvery", "KeepBest", "Keep",
+    "SaveDecision", "EveryNSteps", "EveryNSeconds", "AnyOf", "AdvisedInterval", "Preemption",
     "CheckpointError", "CheckpointWriteError", "CheckpointDeleteError", "CorruptCheckpointError", "RunMismatchError",
     "LeaseHeldError",
     "RNGState", "RandomWindowSampler", "ShuffledSampler", "TokenWindowDataset", "make_loader", "explain",
