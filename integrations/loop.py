@@ -14,11 +14,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import ettr
 from ckpt import (AdvisedInterval, AnyOf, CheckpointManager, EveryNSeconds, EveryNSteps, Preemption, RNGState, SaveDecision,
                   Stateful)
 from ckpt.schedule import PREEMPTION_SIGNALS
 from ettr import GoodputTracker
+
+from ._common import advised_interval
 
 
 class Preempted(SystemExit):
@@ -119,7 +120,7 @@ class TrainLoop:
         if not parts:
             raise ValueError("give every_steps or every_seconds (with advise=True: the interval it starts from)")
         interval = parts[0] if len(parts) == 1 else AnyOf(*parts)
-        return AdvisedInterval(self._advised_interval, interval) if advise else interval
+        return AdvisedInterval(advised_interval(self.root, self.mttf_s), interval) if advise else interval
 
     # -- lifetime ------------------------------------------------------------------------------------------
     def __enter__(self) -> TrainLoop:
@@ -217,16 +218,6 @@ class TrainLoop:
         staging, self._staging = self._staging, None
         if staging is not None:
             staging.result()
-
-    def _advised_interval(self) -> float | None:
-        """The interval `ettr.advise` fits to this job's ledgers; None until they hold a save to fit T_write from.
-
-        With overlap the save just started may not be in the ledger yet; the next save's advice includes it.
-        """
-        attribution = ettr.attribute_root(self.root)
-        if not attribution.save_us:
-            return None
-        return ettr.advise(attribution, mttf_s=self.mttf_s).recommended_interval_s
 
     # -- live goodput ----------------------------------------------------------------------------------------
     def ettr(self) -> float:

@@ -93,6 +93,16 @@ def _trainer(out: Path, steps: int, stock: bool = False, args: dict | None = Non
     return trainer
 
 
+def test_a_save_decision_asks_for_saves_besides_save_steps(tmp_path):
+    import ckpt
+
+    out = tmp_path / "out"
+    trainer = _trainer(out, 7, args={"save_strategy": "no"}, save_decision=ckpt.EveryNSteps(3))
+    trainer.train()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+    assert ckpt.CheckpointManager(out / "ckpt").steps() == [3, 6]
+
+
 def _tree(root: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
 
