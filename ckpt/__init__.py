@@ -1,11 +1,24 @@
 """ckpt: save and restore the whole training state, asynchronously and sharded, through tensorstore."""
 
-from .determinism.data import DataMismatchError, RandomWindowSampler, ShuffledSampler, TokenWindowDataset, explain, make_loader
-from .errors import (CheckpointDeleteError, CheckpointError, CheckpointWriteError, CorruptCheckpointError,
-                     LeaseHeldError, RunMismatchError)
+from .determinism.data import (
+    DataMismatchError,
+    RandomWindowSampler,
+    ShuffledSampler,
+    TokenWindowDataset,
+    explain,
+    make_loader,
+)
+from .determinism.rng import RNGState
+from .errors import (
+    CheckpointDeleteError,
+    CheckpointError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    LeaseHeldError,
+    RunMismatchError,
+)
 from .manager import CheckpointManager, CheckpointObserver, SaveHandle
 from .retention import Keep, KeepBest, KeepEvery, KeepLast, RetentionPolicy
-from .determinism.rng import RNGState
 from .schedule import AdvisedInterval, AnyOf, EveryNSeconds, EveryNSteps, Preemption, SaveDecision
 from .state import Stateful
 

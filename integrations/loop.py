@@ -14,8 +14,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ckpt import (AdvisedInterval, AnyOf, CheckpointManager, EveryNSeconds, EveryNSteps, Preemption, RNGState, SaveDecision,
-                  Stateful)
+from ckpt import (
+    AdvisedInterval,
+    AnyOf,
+    CheckpointManager,
+    EveryNSeconds,
+    EveryNSteps,
+    Preemption,
+    RNGState,
+    SaveDecision,
+    Stateful,
+)
 from ckpt.schedule import PREEMPTION_SIGNALS
 from ettr import GoodputTracker
 

@@ -17,8 +17,9 @@ import torch
 pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 
-from kill_resume import assert_reported, assert_same_bits, losses, straight_killed_resumed  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
+
+from kill_resume import assert_reported, assert_same_bits, losses, straight_killed_resumed  # noqa: E402
 
 CHILD = Path(__file__).parent / "procs" / "hf_train.py"
 STEPS, KILL_AT = 16, 10  # the child saves every 4 steps (save_total_limit=2): the resume is from step 8
@@ -160,8 +161,9 @@ def test_a_restart_of_the_same_run_resumes_silently(tmp_path, no_launcher_ids, m
 
 
 def test_checkpoint_folders_load_with_from_pretrained(tmp_path):
-    import ckpt
     from transformers import GPT2LMHeadModel
+
+    import ckpt
 
     out = tmp_path / "out"
     _trainer(out, 4).train()

@@ -15,11 +15,10 @@ import torch
 pytest.importorskip("lightning")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 
-from kill_resume import (  # noqa: E402
-    assert_reported, assert_same_bits, finish, losses, start, straight_killed_resumed)
 from ckpt import explain  # noqa: E402
 from ettr import committed_steps  # noqa: E402
 from integrations.lightning import CkptCheckpointIO, saveable  # noqa: E402
+from kill_resume import assert_reported, assert_same_bits, finish, losses, start, straight_killed_resumed  # noqa: E402
 
 CHILD = Path(__file__).parent / "procs" / "lightning_train.py"
 STEPS, KILL_AT = 16, 10  # the child saves every 4 steps: the resume is from step 8
