@@ -23,7 +23,7 @@ class RetentionPolicy(Protocol):
 
 
 def _positive(name: str, value: Any) -> None:
-    if not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 

@@ -52,7 +52,8 @@ class EveryNSeconds:
     """Save once `seconds` have passed since the last checkpoint (before any: since the first question)."""
 
     def __init__(self, seconds: float) -> None:
-        if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
+        number = isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+        if not (number and math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"every_seconds must be a positive number of seconds, got {seconds!r}")
         self.seconds = float(seconds)
         self._since: float | None = None

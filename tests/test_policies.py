@@ -32,7 +32,7 @@ def test_keep_best_ranks_only_finite_numbers():
 
 
 def test_retention_policies_check_their_arguments():
-    for bad in (lambda: KeepLast(0), lambda: KeepEvery(-1), lambda: KeepBest(1, "")):
+    for bad in (lambda: KeepLast(0), lambda: KeepLast(True), lambda: KeepEvery(-1), lambda: KeepBest(1, "")):
         with pytest.raises(ValueError):
             bad()
     with pytest.raises(ValueError, match="best_mode"):
