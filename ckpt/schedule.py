@@ -71,7 +71,7 @@ class EveryNSeconds:
 
 
 class AnyOf:
-    """Save when any of `decisions` says so (``AnyOf(EveryNSteps(500), EveryNSeconds(1800))``); all are told of a save."""
+    """Save when any of `decisions` says so: ``AnyOf(EveryNSteps(500), EveryNSeconds(1800))``; all hear of a save."""
 
     def __init__(self, *decisions: SaveDecision) -> None:
         bad = [d for d in decisions if not isinstance(d, SaveDecision)]
