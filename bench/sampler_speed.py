@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from ckpt.data import RandomWindowSampler
+from ckpt import RandomWindowSampler
 
 
 def main() -> None:

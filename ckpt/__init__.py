@@ -1,18 +1,34 @@
 """ckpt: save and restore the whole training state, asynchronously and sharded, through tensorstore."""
 
-from .data import DataMismatchError, RandomWindowSampler, ShuffledSampler, TokenWindowDataset, explain, make_loader
-from .errors import (CheckpointDeleteError, CheckpointError, CheckpointWriteError, CorruptCheckpointError,
-                     LeaseHeldError, RunMismatchError)
+from .determinism.data import (
+    DataMismatchError,
+    RandomWindowSampler,
+    ShuffledSampler,
+    TokenWindowDataset,
+    explain,
+    make_loader,
+)
+from .determinism.rng import RNGState
 from .exporter import export
 from .importers import import_checkpoint
+from .errors import (
+    CheckpointDeleteError,
+    CheckpointError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    LeaseHeldError,
+    RunMismatchError,
+)
 from .manager import CheckpointManager, CheckpointObserver, SaveHandle
-from .retention import Retention
 from .reader import load
-from .rng import RNGState
+from .retention import Keep, KeepBest, KeepEvery, KeepLast, RetentionPolicy
+from .schedule import AdvisedInterval, AnyOf, EveryNSeconds, EveryNSteps, Preemption, SaveDecision
 from .state import Stateful
 
 __all__ = [
-    "CheckpointManager", "CheckpointObserver", "SaveHandle", "Retention", "Stateful",
+    "CheckpointManager", "CheckpointObserver", "SaveHandle", "Stateful",
+    "RetentionPolicy", "KeepLast", "KeepEvery", "KeepBest", "Keep",
+    "SaveDecision", "EveryNSteps", "EveryNSeconds", "AnyOf", "AdvisedInterval", "Preemption",
     "CheckpointError", "CheckpointWriteError", "CheckpointDeleteError", "CorruptCheckpointError", "RunMismatchError",
     "LeaseHeldError",
     "RNGState", "RandomWindowSampler", "ShuffledSampler", "TokenWindowDataset", "make_loader", "explain",

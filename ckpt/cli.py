@@ -12,8 +12,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from . import catalog, data, exporter, importers, lease
+from . import catalog, exporter, importers, lease
 from . import state as state_mod
+from .determinism import data
 from .restore import read_manifest
 from .errors import CheckpointError
 from .format import step_dir

@@ -22,11 +22,19 @@ from .state import is_dtensor
 Box = tuple[tuple[int, int], ...]
 
 
+def topology() -> tuple[int, int]:
+    """(rank, world size) of this process: torch.distributed's when initialized, else (0, 1). The one place ckpt
+    asks; ettr reads the launcher's variables itself, so that it stands without ckpt."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 class Ranks:
     """This process's place among the ranks and the gloo group used for checkpoint collectives."""
 
     def __init__(self, timeout: timedelta):
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world_size = topology()
         self.group = dist.new_group(backend="gloo", timeout=timeout)
 
     def all_gather_json(self, obj: Any) -> list[Any]:

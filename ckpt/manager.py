@@ -23,7 +23,7 @@ from .distributed import Ranks, prepare_optimizers
 from .errors import CheckpointDeleteError, CheckpointError, CheckpointWriteError, CorruptCheckpointError, LeaseHeldError
 from .format import MANIFEST, MAX_CHUNK_BYTES, step_dir
 from .restore import read_manifest
-from .retention import Retention
+from .retention import RetentionPolicy, StepMetadata, from_keywords
 from .save import SaveJob, plan
 from .staging import StagingArena
 from .storage import Storage, context, open_storage
@@ -77,7 +77,10 @@ class CheckpointManager:
 
     Args:
         root: local directory or URL (``file://``, ``memory://``, or any tensorstore kvstore URL).
-        keep_last, keep_every, keep_best, best_metric, best_mode: retention (see `Retention`).
+        retention: which committed steps to keep after each save (a `RetentionPolicy`: `KeepLast(3)`,
+            ``Keep(KeepEvery(1000), KeepBest(2, "loss"))``, ...); default: all. The newest is never deleted.
+        keep_last, keep_every, keep_best, best_metric, best_mode: shorthands for `KeepLast`, `KeepEvery` and
+            `KeepBest`, kept together (`Keep`) when several are given; not together with `retention`.
         max_staging_bytes: cap on the host snapshot buffer; larger states are snapshotted in waves.
         chunk_bytes: target size of one chunk file (one chunk per tensor up to this size; at most 4 GiB).
         tracker: a `CheckpointObserver` (such as `ettr.GoodputTracker`) told about saves and restores.
@@ -90,7 +93,8 @@ class CheckpointManager:
     own collectives) and calls `save`/`restore` with the same step: each rank writes only its slices.
     """
 
-    def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None, keep_every: int | None = None,
+    def __init__(self, root: str | os.PathLike, *, retention: RetentionPolicy | None = None,
+                 keep_last: int | None = None, keep_every: int | None = None,
                  keep_best: int | None = None, best_metric: str | None = None, best_mode: str = "min",
                  max_staging_bytes: int | None = None, chunk_bytes: int = 64 << 20,
                  tracker: CheckpointObserver | None = None, io_threads: int = 8, collective_timeout: float = 600.0,
@@ -98,7 +102,12 @@ class CheckpointManager:
         self.storage: Storage = open_storage(root)
         self.run = run_mod.Run.current(run_id)
         self._run_recorded = False
-        self.retention = Retention(keep_last, keep_every, keep_best, best_metric, best_mode)
+        shorthand = from_keywords(keep_last, keep_every, keep_best, best_metric, best_mode)
+        if retention is not None and shorthand is not None:
+            raise ValueError("give retention= or the keep_last/keep_every/keep_best shorthands, not both")
+        if retention is not None and not isinstance(retention, RetentionPolicy):
+            raise TypeError(f"retention must be a RetentionPolicy (a keep(steps, metadata) method), got {retention!r}")
+        self.retention: RetentionPolicy | None = retention if retention is not None else shorthand
         if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in [1, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
@@ -178,18 +187,23 @@ class CheckpointManager:
             log.warning("retention after step %d failed: %s", step, e)
 
     def _apply_retention(self) -> None:
-        if not self.retention.active or (self.ranks is not None and self.ranks.rank != 0):
+        """Queue the deletion of the committed steps the policy does not keep; never the newest, whatever it says."""
+        if self.retention is None or (self.ranks is not None and self.ranks.rank != 0):
             return
         steps = catalog.committed_steps(self.storage)
-        if self.retention.keep_best:
-            for s in steps:
-                if s not in self._metadata:
-                    try:
-                        self._metadata[s] = read_manifest(self.storage, s).metadata
-                    except (CorruptCheckpointError, FileNotFoundError):
-                        self._metadata[s] = {}
-        for s in self.retention.to_delete(steps, self._metadata):
-            self._queue_delete(s, report=False)
+        if not steps:
+            return
+        kept = self.retention.keep(steps, StepMetadata(steps, self._saved_metadata, self._metadata))
+        for s in steps:
+            if s not in kept and s != steps[-1]:
+                self._queue_delete(s, report=False)
+
+    def _saved_metadata(self, step: int) -> Mapping[str, Any]:
+        """A committed step's save metadata for retention; {} when its manifest is unreadable or gone."""
+        try:
+            return read_manifest(self.storage, step).metadata
+        except (CorruptCheckpointError, FileNotFoundError):
+            return {}
 
     def _queue_delete(self, step: int, *, report: bool) -> None:
         """Delete a committed step on the deleter thread; neither the training thread nor a later save waits for it."""

@@ -1,53 +1,138 @@
-"""Which committed steps to keep: keep-last, keep-every, keep-best; the newest is never deleted."""
+"""Which committed steps to keep: small retention policies, combined with `Keep`.
+
+A policy only names the steps it keeps; the manager deletes the rest, and never the newest committed step.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+Metadata = Mapping[int, Mapping[str, Any]]
+
+
+@runtime_checkable
+class RetentionPolicy(Protocol):
+    """Decides which committed steps survive a save (as Orbax's preservation policies do)."""
+
+    def keep(self, steps: Sequence[int], metadata: Metadata) -> set[int]:
+        """The steps of `steps` (committed, ascending) to keep; `metadata[s]` is step s's save metadata."""
+        ...
+
+
+def _positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 @dataclass(frozen=True)
-class Retention:
-    """A retention policy; with no rule set, every checkpoint is kept."""
+class KeepLast:
+    """The newest `n` steps."""
 
-    keep_last: int | None = None
-    keep_every: int | None = None
-    keep_best: int | None = None
-    best_metric: str | None = None
-    best_mode: str = "min"
+    n: int
 
     def __post_init__(self) -> None:
-        for name in ("keep_last", "keep_every", "keep_best"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
-        if self.keep_best is not None and not self.best_metric:
+        _positive("keep_last", self.n)
+
+    def keep(self, steps: Sequence[int], metadata: Metadata) -> set[int]:
+        return set(steps[-self.n:])
+
+
+@dataclass(frozen=True)
+class KeepEvery:
+    """Every step that is a multiple of `n` (milestones kept for good)."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        _positive("keep_every", self.n)
+
+    def keep(self, steps: Sequence[int], metadata: Metadata) -> set[int]:
+        return {s for s in steps if s % self.n == 0}
+
+
+@dataclass(frozen=True)
+class KeepBest:
+    """The `n` steps with the lowest (mode "min") or highest ("max") finite `metric` in their metadata; on a tie the
+    newer step. Steps without a finite value for the metric are never among the best."""
+
+    n: int
+    metric: str
+    mode: str = "min"
+
+    def __post_init__(self) -> None:
+        _positive("keep_best", self.n)
+        if not self.metric:
             raise ValueError("keep_best needs best_metric (the metadata key to rank checkpoints by)")
-        if self.best_mode not in ("min", "max"):
-            raise ValueError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', got {self.mode!r}")
 
-    @property
-    def active(self) -> bool:
-        return any(v is not None for v in (self.keep_last, self.keep_every, self.keep_best))
+    def keep(self, steps: Sequence[int], metadata: Metadata) -> set[int]:
+        sign = 1 if self.mode == "min" else -1
 
-    def to_delete(self, steps: list[int], metadata: Mapping[int, Mapping[str, Any]]) -> list[int]:
-        """The committed steps this policy lets go; never the newest one."""
-        if not self.active or not steps:
-            return []
-        steps = sorted(steps)
-        keep = {steps[-1]}
-        if self.keep_last:
-            keep.update(steps[-self.keep_last:])
-        if self.keep_every:
-            keep.update(s for s in steps if s % self.keep_every == 0)
-        if self.keep_best:
-            sign = 1 if self.best_mode == "min" else -1
+        def score(s: int) -> float:
+            v = metadata.get(s, {}).get(self.metric)
+            return sign * float(v) if isinstance(v, (int, float)) and math.isfinite(v) else math.inf
 
-            def score(s: int) -> float:
-                v = metadata.get(s, {}).get(self.best_metric)
-                return sign * float(v) if isinstance(v, (int, float)) and math.isfinite(v) else math.inf
+        ranked = sorted((s for s in steps if score(s) != math.inf), key=lambda s: (score(s), -s))
+        return set(ranked[:self.n])
 
-            ranked = sorted((s for s in steps if score(s) != math.inf), key=lambda s: (score(s), -s))
-            keep.update(ranked[:self.keep_best])
-        return [s for s in steps if s not in keep]
+
+class Keep:
+    """Keeps every step that any of `policies` keeps: ``Keep(KeepLast(3), KeepBest(2, "loss"))``."""
+
+    def __init__(self, *policies: RetentionPolicy) -> None:
+        bad = [p for p in policies if not isinstance(p, RetentionPolicy)]
+        if bad:
+            raise TypeError(f"Keep takes retention policies (with a keep(steps, metadata) method), got {bad!r}")
+        self.policies = policies
+
+    def keep(self, steps: Sequence[int], metadata: Metadata) -> set[int]:
+        return set().union(*(p.keep(steps, metadata) for p in self.policies))
+
+    def __repr__(self) -> str:
+        return f"Keep({', '.join(map(repr, self.policies))})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Keep) and self.policies == other.policies
+
+
+def from_keywords(keep_last: int | None = None, keep_every: int | None = None, keep_best: int | None = None,
+                  best_metric: str | None = None, best_mode: str = "min") -> RetentionPolicy | None:
+    """The policy `CheckpointManager`'s shorthand keywords stand for; None (keep everything) when none is set."""
+    if keep_best is None and best_mode not in ("min", "max"):
+        raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+    policies: list[RetentionPolicy] = []
+    if keep_last is not None:
+        policies.append(KeepLast(keep_last))
+    if keep_every is not None:
+        policies.append(KeepEvery(keep_every))
+    if keep_best is not None:
+        policies.append(KeepBest(keep_best, best_metric or "", best_mode))
+    if not policies:
+        return None
+    return policies[0] if len(policies) == 1 else Keep(*policies)
+
+
+class StepMetadata(Mapping[int, Mapping[str, Any]]):
+    """The save metadata of `steps`, each read by `read(step)` on first access and cached in `cache`, so a policy
+    that never looks (KeepLast) costs no manifest read."""
+
+    def __init__(self, steps: Sequence[int], read: Callable[[int], Mapping[str, Any]],
+                 cache: dict[int, Mapping[str, Any]]) -> None:
+        self._steps, self._read, self._cache = set(steps), read, cache
+
+    def __getitem__(self, step: int) -> Mapping[str, Any]:
+        if step not in self._steps:
+            raise KeyError(step)
+        if step not in self._cache:
+            self._cache[step] = self._read(step)
+        return self._cache[step]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted(self._steps))
+
+    def __len__(self) -> int:
+        return len(self._steps)

@@ -20,7 +20,8 @@ FLUSHED_SPANS = frozenset({"checkpoint_save", "checkpoint_restore"})
 
 
 def _env_rank() -> int:
-    """This process's rank from the usual launcher variables, 0 alone."""
+    """This process's rank from the usual launcher variables, 0 alone: ettr imports neither torch nor ckpt, and the
+    variables exist before any process group (integrations may pass ``rank=`` instead)."""
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 

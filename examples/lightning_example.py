@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import TensorDataset
 
 import ettr
-from ckpt.data import ShuffledSampler, make_loader
+from ckpt import ShuffledSampler, make_loader
 from integrations.lightning import CkptCheckpointIO, GoodputCallback
 
 

@@ -1,5 +1,6 @@
 """Thin adapters of ckpt + ettr for trainers: a plain loop, PyTorch Lightning, Hugging Face Transformers."""
 
+from ._common import advised_interval
 from .loop import Preempted, TrainLoop
 
-__all__ = ["Preempted", "TrainLoop"]
+__all__ = ["Preempted", "TrainLoop", "advised_interval"]

@@ -1,11 +1,13 @@
-"""Helpers shared by the trainer adapters: tracker ownership, step resolution, save-once, read-all, delete."""
+"""Helpers shared by the trainer adapters: tracker ownership, the advised interval, step resolution, save-once,
+read-all, delete."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import ettr
 from ckpt import CheckpointManager, SaveHandle
 from ettr import GoodputTracker
 
@@ -37,6 +39,22 @@ class TrackerLease:
         if self._open:
             self._open = False
             self.tracker.end(status)
+
+
+def advised_interval(root: str, mttf_s: float | None = None) -> Callable[[], float | None]:
+    """The interval provider of a `ckpt.AdvisedInterval`: the seconds `ettr.advise` fits to the job's ledgers in
+    `root` (`mttf_s` overrides the fitted MTTF), or None until they hold a save to fit T_write from.
+
+    ckpt does not import ettr: this is where the two meet. A save still being written may not be in the ledger yet;
+    the next answer includes it.
+    """
+    def interval_s() -> float | None:
+        attribution = ettr.attribute_root(root)
+        if not attribution.save_us:
+            return None
+        return ettr.advise(attribution, mttf_s=mttf_s).recommended_interval_s
+
+    return interval_s
 
 
 def resolve_step(manager: CheckpointManager, step: int) -> int:

@@ -21,6 +21,7 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -32,10 +33,9 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
-from ckpt import CheckpointManager, RunMismatchError, SaveHandle
+from ckpt import CheckpointManager, RNGState, RunMismatchError, SaveDecision, SaveHandle
 from ckpt import run as ckpt_run
 from ckpt.exporter import model_config_metadata
-from ckpt.rng import RNGState
 from ettr import GoodputTracker
 from ettr.ledger import ledger_dir
 
@@ -67,6 +67,31 @@ class GoodputCallback(TrainerCallback):
         """Close it (global_step was just incremented)."""
         if self.tracker is not None:
             self.tracker.step_end(state.global_step)
+
+
+class SaveDecisionCallback(TrainerCallback):
+    """Saves when a `ckpt.SaveDecision` says so (every T seconds, the advised interval, a preemption signal), by
+    setting ``control.should_save`` after an optimizer step; HF's own ``save_strategy`` still saves too
+    (``save_strategy="no"`` leaves the decision alone). Works on any Trainer; `CkptTrainerMixin` adds it for you.
+
+    Every save, whatever asked for it, restarts the decision's intervals; so does the start of ``train()`` (a fresh
+    start or the resumed step).
+    """
+
+    def __init__(self, decision: SaveDecision, clock: Callable[[], float] = time.monotonic) -> None:
+        self.decision, self.clock = decision, clock
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        self.decision.saved(state.global_step, self.clock())
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        if self.decision.should_save(state.global_step, self.clock()):
+            control.should_save = True
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self.decision.saved(state.global_step, self.clock())
 
 
 def checkpoint_step(path: str | os.PathLike[str]) -> int:
@@ -164,13 +189,15 @@ class CkptTrainerMixin:
             run record and goodput ledgers in the root, and the ``checkpoint-N`` folders in the output dir).
         folder_files: write ``config.json``, ``model.safetensors`` (and the tokenizer) into each ``checkpoint-N``
             folder in the background so that ``from_pretrained`` loads it; False leaves only ``trainer_state.json``.
+        save_decision: a `ckpt.SaveDecision` that asks for saves besides HF's ``save_strategy`` (see
+            `SaveDecisionCallback`), e.g. ``ckpt.EveryNSeconds(1800)`` or an advised interval.
     Single process only (no DeepSpeed, FSDP or multi-process runs).
     """
 
     def __init__(self, *args: Any, ckpt_root: str | os.PathLike[str] | None = None,
                  tracker: GoodputTracker | None = None, manager_options: dict[str, Any] | None = None,
                  run_id: str | None = None, overwrite: bool = False, folder_files: bool = True,
-                 **kwargs: Any) -> None:
+                 save_decision: SaveDecision | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         trainer: Trainer = self
         unsupported = [name for name, on in (
@@ -187,6 +214,8 @@ class CkptTrainerMixin:
         self._lease = TrackerLease(self.ckpt_root, tracker)
         self._goodput = GoodputCallback()
         trainer.add_callback(self._goodput)
+        if save_decision is not None:
+            trainer.add_callback(SaveDecisionCallback(save_decision))
         self._staged: tuple[str, dict[str, Any]] | None = None  # (checkpoint folder, its restored state)
         self._stock: str | None = None  # a stock Trainer folder this train() resumes from
         self._done: set[int] = set()

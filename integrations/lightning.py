@@ -3,7 +3,8 @@
 `CkptCheckpointIO` turns every ``*.ckpt`` path Lightning asks for into a tiny JSON pointer to a step of one
 `CheckpointManager` root; the checkpoint dict itself is written asynchronously (no pickle). `GoodputCallback`
 times each training batch as a goodput step, marks an exception as a disruption, and carries the RNG state and
-the positions of `ckpt.data` samplers in its own ``state_dict``, which is what makes a resume bitwise exact.
+the positions of `ckpt` samplers in its own ``state_dict``, which is what makes a resume bitwise exact.
+`DecisionCheckpoint` is a ``ModelCheckpoint`` that also saves when a `ckpt.SaveDecision` says so.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -19,12 +21,11 @@ import fsspec
 import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from ckpt import CheckpointManager
+from ckpt import CheckpointManager, RandomWindowSampler, RNGState, SaveDecision, ShuffledSampler
 from ckpt import run as ckpt_run
-from ckpt.data import RandomWindowSampler, ShuffledSampler
-from ckpt.rng import RNGState
 from ettr import GoodputTracker
 
 from ._common import TrackerLease, delete_step, read_step, resolve_step, save_once
@@ -356,8 +357,9 @@ class GoodputCallback(Callback):
     Args:
         root: goodput ledger root; default: the root of the Trainer's `CkptCheckpointIO`.
         tracker: a started GoodputTracker managed by the caller, instead of one this callback starts and ends.
-        samplers: `ckpt.data` samplers feeding the training DataLoaders (batch_sampler=), advanced by one batch
-            after each training batch; their positions are saved here and restored before the loaders iterate.
+        samplers: `ckpt` samplers (`ShuffledSampler`, `RandomWindowSampler`) feeding the training DataLoaders
+            (batch_sampler=), advanced by one batch after each training batch; their positions are saved here and
+            restored before the loaders iterate.
         rng: an `RNGState` (with registered generators), True for every global RNG, False for none. It is
             restored lazily at the first training batch after a resume, so no draw in Lightning's setup shifts it.
     """
@@ -489,6 +491,40 @@ class GoodputCallback(Callback):
             self.rng.load_state_dict(state)
         except ValueError as e:
             warnings.warn(f"RNG state not restored: {e}", RuntimeWarning)
+
+
+class DecisionCheckpoint(ModelCheckpoint):
+    """A ``ModelCheckpoint`` that also saves after a training batch when a `ckpt.SaveDecision` says so (every T
+    seconds, the advised interval, a preemption signal); its own triggers, file names, top-k and ``last.ckpt`` work
+    as usual (pass ``every_n_epochs=0`` to leave saving to the decision alone).
+
+    Every save it makes restarts the decision's intervals; so does the start of a fit (or the restored step). Rank 0's
+    answer is broadcast, so every rank saves the same steps.
+    """
+
+    def __init__(self, decision: SaveDecision, *, clock: Callable[[], float] = time.monotonic,
+                 **model_checkpoint: Any) -> None:
+        super().__init__(**model_checkpoint)
+        self.decision, self.clock = decision, clock
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self.decision.saved(trainer.global_step, self.clock())
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """ModelCheckpoint's own triggers first; then, unless it just saved this step, the decision's."""
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self._should_skip_saving_checkpoint(trainer):
+            return
+        if trainer.strategy.broadcast(self.decision.should_save(trainer.global_step, self.clock())):
+            candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+
+    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)
+        self.decision.saved(trainer.global_step, self.clock())
 
 
 def _ckpt_io(trainer: Trainer) -> CkptCheckpointIO | None:

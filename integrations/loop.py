@@ -1,26 +1,34 @@
 """A plain PyTorch loop wired to ckpt + ettr: restore on entry, interval and just-in-time saves, goodput tracking.
 
-Policy stays in `ckpt` (what a save is, what a restore finds) and `ettr` (what time counts as, which interval
-pays); this object only decides *when* to call them and owns the signal handlers. Steps are counted 1-based:
+Policy stays in `ckpt` (what a save is, what a restore finds, when one is due: `ckpt.schedule`) and `ettr` (what
+time counts as, which interval pays); this object only asks them at each step boundary, wires the advisor into the
+save decision and owns the signal handlers. Steps are counted 1-based:
 ``on_step_end(s)`` means s steps are done, a checkpoint of it is ``step_<s>``, and a restore of it resumes at s + 1.
 """
 
 from __future__ import annotations
 
 import contextlib
-import signal
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from types import FrameType
 from typing import Any
 
-import ettr
-from ckpt import CheckpointManager, Stateful
-from ckpt.rng import RNGState
+from ckpt import (
+    AdvisedInterval,
+    AnyOf,
+    CheckpointManager,
+    EveryNSeconds,
+    EveryNSteps,
+    Preemption,
+    RNGState,
+    SaveDecision,
+    Stateful,
+)
+from ckpt.schedule import PREEMPTION_SIGNALS
 from ettr import GoodputTracker
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+from ._common import advised_interval
 
 
 class Preempted(SystemExit):
@@ -65,6 +73,7 @@ class TrainLoop:
         every_steps, every_seconds: save when either many steps or seconds have passed since the last save.
         advise: after each save, replace the interval by the one `ettr.advise` fits to this job's ledgers
             (seconds; `mttf_s` overrides the fitted MTTF). The intervals above are its starting point.
+        decision: a `ckpt.schedule.SaveDecision` instead of the three above (e.g. one shared with other code).
         signals: preemption signals; one sets a flag, the next `on_step_end` saves that step and raises `Preempted`.
         overlap: run the snapshot on a thread so it overlaps the next forward/backward; call `wait_for_staging()`
             before anything that mutates the saved state (``optimizer.step()``).
@@ -83,6 +92,7 @@ class TrainLoop:
         every_seconds: float | None = None,
         advise: bool = False,
         mttf_s: float | None = None,
+        decision: SaveDecision | None = None,
         signals: Sequence[int] = PREEMPTION_SIGNALS,
         overlap: bool = False,
         tracker: GoodputTracker | None = None,
@@ -91,42 +101,46 @@ class TrainLoop:
         reserved = [k for k, on in (("rng", rng is not False), ("sampler", sampler is not None)) if on and k in state]
         if reserved:
             raise ValueError(f"state keys {reserved} are reserved for the loop's own entries; rename them")
-        if every_steps is None and every_seconds is None:
-            raise ValueError("give every_steps or every_seconds (with advise=True: the interval it starts from)")
-        if (every_steps is not None and every_steps < 1) or (every_seconds is not None and every_seconds <= 0):
-            raise ValueError(f"intervals must be positive, got every_steps={every_steps} every_seconds={every_seconds}")
+        if decision is not None and (every_steps is not None or every_seconds is not None or advise):
+            raise ValueError("give decision= or every_steps/every_seconds/advise, not both")
         self.root = str(root)
+        self.mttf_s = mttf_s
+        self.decision = decision if decision is not None else self._interval(every_steps, every_seconds, advise)
         self.rng = RNGState() if rng is True else (rng or None)
         self.sampler = sampler
         self.state: dict[str, Any] = {**state, **({"rng": self.rng} if self.rng else {}),
                                       **({"sampler": sampler} if sampler is not None else {})}
-        self.every_steps, self.every_seconds = every_steps, every_seconds
-        self.advise, self.mttf_s = advise, mttf_s
-        self.signals = tuple(signals)
+        self.preemption = Preemption(signals)
         self.tracker = tracker if tracker is not None else GoodputTracker(self.root)
         self._manager_options = manager_options
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="loop-staging") if overlap else None
         self._staging: Future[Any] | None = None
-        self._previous: dict[int, Any] = {}
-        self._signal: int | None = None
         self._open_step: int | None = None
         self.manager: CheckpointManager | None = None
         self.start_step = self.step = self.last_saved = 0
-        self._last_save_time = 0.0
+
+    def _interval(self, every_steps: int | None, every_seconds: float | None, advise: bool) -> SaveDecision:
+        """The save decision the interval arguments describe (each part checks its own value)."""
+        parts: list[SaveDecision] = []
+        if every_steps is not None:
+            parts.append(EveryNSteps(every_steps))
+        if every_seconds is not None:
+            parts.append(EveryNSeconds(every_seconds))
+        if not parts:
+            raise ValueError("give every_steps or every_seconds (with advise=True: the interval it starts from)")
+        interval = parts[0] if len(parts) == 1 else AnyOf(*parts)
+        return AdvisedInterval(advised_interval(self.root, self.mttf_s), interval) if advise else interval
 
     # -- lifetime ------------------------------------------------------------------------------------------
     def __enter__(self) -> TrainLoop:
         """Start the ledger, install the signal handlers, restore the newest checkpoint (sets `start_step`)."""
         self.tracker.start()
         try:
-            for signum in self.signals:
-                self._previous[signum] = signal.signal(signum, self._on_signal)
+            self.preemption.install()
             self.manager = CheckpointManager(self.root, tracker=self.tracker,
                                              **self._manager_options)
             self.start_step = self.step = self.last_saved = self.manager.restore(self.state) or 0
-            self._last_save_time = time.monotonic()
-            if self.advise:
-                self._apply_advice()
+            self.decision.saved(self.start_step, time.monotonic())
         except BaseException as e:
             self.__exit__(type(e), e, e.__traceback__)
             raise
@@ -141,9 +155,7 @@ class TrainLoop:
             elif self.manager is not None:  # keep the loop's exception; still drain what can be drained
                 self._drain_quietly()
         finally:
-            for signum, handler in self._previous.items():
-                signal.signal(signum, handler)
-            self._previous.clear()
+            self.preemption.uninstall()
             if self._stager is not None:
                 self._stager.shutdown(wait=True)
             status = "ok" if exc_type is None else "preempted" if isinstance(exc, Preempted) else "error"
@@ -155,14 +167,10 @@ class TrainLoop:
             with contextlib.suppress(Exception):  # the loop's own exception is the one to report
                 finish()
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        """Only remember the signal: the save happens at the next step boundary."""
-        self._signal = signum
-
     @property
     def preempted(self) -> bool:
         """True once a preemption signal arrived (the next `on_step_end` saves and raises `Preempted`)."""
-        return self._signal is not None
+        return self.preemption.requested
 
     # -- the step path ------------------------------------------------------------------------------------
     def steps(self, total: int) -> Iterator[int]:
@@ -190,20 +198,15 @@ class TrainLoop:
         self.tracker.step_end(step)
         self._open_step = None
         self.step = step
-        if self._signal is not None:
+        signum = self.preemption.signum
+        if signum is not None:
             self.save(step, metrics)
             self.wait_for_staging()
             self.manager.wait()
-            raise Preempted(self._signal, step)
-        if self._due(step):
+            raise Preempted(signum, step)
+        if self.decision.should_save(step, time.monotonic()):
             return self.save(step, metrics)
         return False
-
-    def _due(self, step: int) -> bool:
-        """Whether the step or time interval since the last save has passed."""
-        by_steps = self.every_steps is not None and step - self.last_saved >= self.every_steps
-        by_time = self.every_seconds is not None and time.monotonic() - self._last_save_time >= self.every_seconds
-        return by_steps or by_time
 
     def save(self, step: int, metrics: Mapping[str, Any] | None = None) -> bool:
         """Checkpoint `step` now unless it is already saved (restored or saved by this loop); True if started."""
@@ -215,9 +218,8 @@ class TrainLoop:
         else:  # RNG and sampler positions are captured now; tensors are copied on the staging thread
             frozen = {k: _Snapshot(self.state[k].state_dict()) for k in ("rng", "sampler") if k in self.state}
             self._staging = self._stager.submit(self.manager.save, step, {**self.state, **frozen}, metadata=metrics)
-        self.last_saved, self._last_save_time = step, time.monotonic()
-        if self.advise:
-            self._apply_advice()
+        self.last_saved = step
+        self.decision.saved(step, time.monotonic())
         return True
 
     def wait_for_staging(self) -> None:
@@ -225,16 +227,6 @@ class TrainLoop:
         staging, self._staging = self._staging, None
         if staging is not None:
             staging.result()
-
-    def _apply_advice(self) -> None:
-        """Replace the interval by the advisor's, once the ledgers hold a save to fit T_write from.
-
-        With overlap the save just started may not be in the ledger yet; the next save's advice includes it.
-        """
-        attribution = ettr.attribute_root(self.root)
-        if attribution.save_us:
-            self.every_steps = None
-            self.every_seconds = ettr.advise(attribution, mttf_s=self.mttf_s).recommended_interval_s
 
     # -- live goodput ----------------------------------------------------------------------------------------
     def ettr(self) -> float:

@@ -184,7 +184,7 @@ def test_cli_ls_inspect_gc(tmp_path):
 
 
 def test_cli_explain_prints_the_batch_of_a_step(tmp_path):
-    from ckpt.data import RandomWindowSampler
+    from ckpt import RandomWindowSampler
 
     sampler = RandomWindowSampler(10_000, 16, 8, global_batch_size=4, seed=3, rank=0, world_size=1)
     it = iter(sampler)

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckpt.data import RandomWindowSampler
-from ckpt.permutation import MAX_SIZE, epoch_permutation
+from ckpt import RandomWindowSampler
+from ckpt.determinism.permutation import MAX_SIZE, epoch_permutation
 
 GOLDEN = Path(__file__).parent / "golden" / "window_starts.json"
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt.data import RandomWindowSampler, TokenWindowDataset, make_loader
+from ckpt import RandomWindowSampler, TokenWindowDataset, make_loader
 from test_data_sampler import noisy, write_tokens
 
 MAX_TOKENS = 1000

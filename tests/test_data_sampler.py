@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from ckpt.data import (
+from ckpt.determinism.data import (
     DataMismatchError,
     RandomWindowSampler,
     ShuffledSampler,

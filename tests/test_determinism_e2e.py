@@ -22,9 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from ckpt import CheckpointManager
-from ckpt.data import RandomWindowSampler, TokenWindowDataset, explain, hash_batch, make_loader
-from ckpt.rng import RNGState
+from ckpt import CheckpointManager, RandomWindowSampler, RNGState, TokenWindowDataset, explain, make_loader
+from ckpt.determinism.data import hash_batch
 from test_data_sampler import noisy, write_tokens
 
 STEPS, EVERY, VOCAB, DIM, WINDOW, STRIDE, BATCH, SEED = 30, 3, 64, 16, 17, 5, 8, 5

@@ -17,8 +17,9 @@ import torch
 pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 
-from kill_resume import assert_reported, assert_same_bits, losses, straight_killed_resumed  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
+
+from kill_resume import assert_reported, assert_same_bits, losses, straight_killed_resumed  # noqa: E402
 
 CHILD = Path(__file__).parent / "procs" / "hf_train.py"
 STEPS, KILL_AT = 16, 10  # the child saves every 4 steps (save_total_limit=2): the resume is from step 8
@@ -93,6 +94,16 @@ def _trainer(out: Path, steps: int, stock: bool = False, args: dict | None = Non
     return trainer
 
 
+def test_a_save_decision_asks_for_saves_besides_save_steps(tmp_path):
+    import ckpt
+
+    out = tmp_path / "out"
+    trainer = _trainer(out, 7, args={"save_strategy": "no"}, save_decision=ckpt.EveryNSteps(3))
+    trainer.train()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+    assert ckpt.CheckpointManager(out / "ckpt").steps() == [3, 6]
+
+
 def _tree(root: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
 
@@ -150,8 +161,9 @@ def test_a_restart_of_the_same_run_resumes_silently(tmp_path, no_launcher_ids, m
 
 
 def test_checkpoint_folders_load_with_from_pretrained(tmp_path):
-    import ckpt
     from transformers import GPT2LMHeadModel
+
+    import ckpt
 
     out = tmp_path / "out"
     _trainer(out, 4).train()

@@ -15,11 +15,10 @@ import torch
 pytest.importorskip("lightning")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 
-from kill_resume import (  # noqa: E402
-    assert_reported, assert_same_bits, finish, losses, start, straight_killed_resumed)
-from ckpt.data import explain  # noqa: E402
+from ckpt import explain  # noqa: E402
 from ettr import committed_steps  # noqa: E402
 from integrations.lightning import CkptCheckpointIO, saveable  # noqa: E402
+from kill_resume import assert_reported, assert_same_bits, finish, losses, start, straight_killed_resumed  # noqa: E402
 
 CHILD = Path(__file__).parent / "procs" / "lightning_train.py"
 STEPS, KILL_AT = 16, 10  # the child saves every 4 steps: the resume is from step 8
@@ -123,12 +122,14 @@ def test_pointers_are_relative_and_the_next_writer_drops_those_of_steps_that_nev
     assert sorted(p.name for p in folder.iterdir()) == ["a.ckpt", "c.ckpt", "old.ckpt"]
 
 
-def _fit(root: Path, steps: int, ckpt_path: str | None = None, **io_options) -> dict[str, torch.Tensor]:
-    """A tiny fit through CkptCheckpointIO + GoodputCallback (the child's model and data); returns its final weights."""
+def _fit(root: Path, steps: int, ckpt_path: str | None = None, callbacks: tuple = (),
+         **io_options) -> dict[str, torch.Tensor]:
+    """A tiny fit through CkptCheckpointIO + GoodputCallback (the child's model and data); returns its final weights.
+    `callbacks` replace the ModelCheckpoint saving every 4 steps."""
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from ckpt.data import ShuffledSampler, make_loader
+    from ckpt import ShuffledSampler, make_loader
     from integrations.lightning import GoodputCallback
     from lightning_train import Net, Points
 
@@ -138,11 +139,35 @@ def _fit(root: Path, steps: int, ckpt_path: str | None = None, **io_options) -> 
                       enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, deterministic=True,
                       plugins=[CkptCheckpointIO(root, **io_options)],
                       callbacks=[GoodputCallback(samplers={"train": sampler}),
-                                 ModelCheckpoint(dirpath=root / "pointers", every_n_train_steps=4, save_last=True)])
+                                 *(callbacks or [ModelCheckpoint(dirpath=root / "pointers", every_n_train_steps=4,
+                                                                 save_last=True)])])
     model = Net()
     trainer.fit(model, train_dataloaders=make_loader(Points(), sampler), ckpt_path=ckpt_path)
     assert trainer.global_step == steps
     return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_decision_checkpoint_saves_on_the_decision_and_on_a_preemption_signal(tmp_path):
+    import signal
+
+    from lightning.pytorch import Callback
+
+    import ckpt
+    from integrations.lightning import DecisionCheckpoint
+
+    class SignalDuringStep5(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 4:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    with ckpt.Preemption([signal.SIGUSR1]) as preemption:
+        decision = ckpt.AnyOf(ckpt.EveryNSteps(3), preemption)
+        checkpoint = DecisionCheckpoint(decision, dirpath=tmp_path / "pointers", every_n_epochs=0, save_top_k=-1)
+        _fit(tmp_path, 7, callbacks=(SignalDuringStep5(), checkpoint))
+    assert preemption.signum == signal.SIGUSR1
+    # every 3 steps (3), the signal's step (5), and 3 steps after that would be 8: past the end
+    assert pointers(tmp_path) == {"epoch=0-step=3.ckpt": 3, "epoch=0-step=5.ckpt": 5}
+    assert committed_steps(str(tmp_path)) == [3, 5]
 
 
 def _tree(root: Path) -> dict[str, tuple[int, int]]:

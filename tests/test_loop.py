@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ckpt.data import RandomWindowSampler, TokenWindowDataset, hash_batch, make_loader
+from ckpt import EveryNSeconds, EveryNSteps, RandomWindowSampler, TokenWindowDataset, make_loader
+from ckpt.determinism.data import hash_batch
 from ettr import GoodputTracker, attribute_root, committed_steps, read_ledgers
 from integrations import Preempted, TrainLoop
 
@@ -162,7 +163,7 @@ def test_signal_handlers_are_restored_and_a_restart_resumes(tmp_path):
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
     state = {"model": torch.nn.Linear(2, 2)}
     with TrainLoop(str(tmp_path), state, every_steps=3) as loop:
-        assert signal.getsignal(signal.SIGTERM) == loop._on_signal
+        assert signal.getsignal(signal.SIGTERM) == loop.preemption.handle
         for step in loop.steps(7):
             assert loop.on_step_end(step) == (step % 3 == 0)
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before
@@ -177,7 +178,15 @@ def test_advise_replaces_the_interval_after_the_first_save(tmp_path):
     with TrainLoop(str(tmp_path), {"w": torch.zeros(3)}, every_steps=2, advise=True, mttf_s=3600.0) as loop:
         for step in loop.steps(2):
             loop.on_step_end(step)
-        assert loop.every_steps is None and loop.every_seconds > 0
+        assert isinstance(loop.decision.current, EveryNSeconds) and loop.decision.current.seconds > 0
+
+
+def test_a_save_decision_object_drives_the_loop(tmp_path):
+    with TrainLoop(str(tmp_path), {"w": torch.zeros(2)}, decision=EveryNSteps(3), rng=False) as loop:
+        saved = [step for step in loop.steps(7) if loop.on_step_end(step)]
+    assert saved == [3, 6] and loop.manager.steps() == [3, 6]
+    with pytest.raises(ValueError, match="not both"):
+        TrainLoop(str(tmp_path), {}, decision=EveryNSteps(3), every_steps=2)
 
 
 def test_misuse_fails_loudly(tmp_path):

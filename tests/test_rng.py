@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt.rng import RNGState
+from ckpt import RNGState
 
 
 def _generators() -> dict[str, object]:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ckpt.data import RandomWindowSampler, TokenWindowDataset, make_loader
+from ckpt import RandomWindowSampler, TokenWindowDataset, make_loader
 from ettr import GoodputTracker
 from integrations import TrainLoop
 

@@ -1,6 +1,6 @@
 """docs/integrations.md's HF example resumes a run: this gives it a tiny GPT-2 (`model`), a dataset (`ds`) and
-a first run of 4 steps committed to out/ckpt, as the attempt that crashed would have left it. The run id comes
-from the environment, as a launcher (torchrun, SLURM) gives it to every attempt of one job."""
+a first run of 4 steps committed to out/ckpt, as the attempt that crashed would have left it. The launcher's run
+id (CKPT_RUN_ID here; SLURM_JOB_ID or TORCHELASTIC_RUN_ID on a cluster) is what makes the example a restart."""
 
 import os
 

@@ -3,7 +3,7 @@ scheduler, a token dataset with its sampler, a step function returning the loss,
 
 import torch
 
-from ckpt.data import RandomWindowSampler, TokenWindowDataset
+from ckpt import RandomWindowSampler, TokenWindowDataset
 
 dataset = TokenWindowDataset("tokens.bin", "uint16", window=33, seed=0)
 sampler = RandomWindowSampler(dataset.n_tokens, 33, 16, global_batch_size=8, seed=0, fingerprint=dataset.fingerprint())

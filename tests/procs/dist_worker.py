@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import ckpt
-from ckpt.rng import RNGState
+from ckpt import RNGState
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -95,6 +95,12 @@ def main(mode: str, root: str) -> None:
             opt.zero_grad()
         with ckpt.CheckpointManager(root, collective_timeout=20) as m:
             if mode == "save":
+                # one topology: the checkpoint group, the RNG state and a sampler all see this rank and world size
+                rng = RNGState().state_dict()
+                sampler = ckpt.ShuffledSampler(8, 2 * WORLD, seed=0)
+                seen = {(m.ranks.rank, m.ranks.world_size), (rng["rank"], rng["world_size"]),
+                        (sampler.rank, sampler.world_size)}
+                assert seen == {(rank, WORLD)}, seen
                 torch.manual_seed(1000 + rank)  # a distinct RNG stream per rank
                 m.save(2, state_of(model, opt)).wait()
                 torch.save(torch.get_rng_state(), os.path.join(root, "..", f"rng{rank}.pt"))

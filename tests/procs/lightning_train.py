@@ -15,7 +15,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import Dataset
 
-from ckpt.data import ShuffledSampler, make_loader
+from ckpt import ShuffledSampler, make_loader
 from integrations.lightning import CkptCheckpointIO, GoodputCallback
 
 

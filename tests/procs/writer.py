@@ -10,8 +10,7 @@ import time
 import torch
 
 import ckpt
-from ckpt import cli
-from ckpt.data import RandomWindowSampler
+from ckpt import RandomWindowSampler, cli
 
 
 def _log(path: str):

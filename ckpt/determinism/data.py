@@ -14,11 +14,11 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ckpt.permutation import epoch_permutation
-from ckpt.seeding import sample_rng, torch_generator
+from ..distributed import topology
+from .permutation import epoch_permutation
+from .seeding import sample_rng, torch_generator
 
 T = TypeVar("T")
 FINGERPRINT_BLOCK = 1 << 16
@@ -43,15 +43,6 @@ def hash_batch(counters: Iterable[int], values: Iterable[int]) -> str:
     """Hash of a global batch as (sample counter, yielded value) pairs; training logs it, `explain` recomputes it."""
     pairs = np.stack([np.asarray(list(counters), dtype="<i8"), np.asarray(list(values), dtype="<i8")])
     return hashlib.sha256(pairs.tobytes()).hexdigest()[:16]
-
-
-def _default_topology(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """(rank, world size), from torch.distributed when initialized and not given."""
-    if rank is None or world_size is None:
-        initialized = dist.is_available() and dist.is_initialized()
-        rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
-        world_size = world_size if world_size is not None else (dist.get_world_size() if initialized else 1)
-    return rank, world_size
 
 
 @dataclass(frozen=True)
@@ -83,7 +74,9 @@ class _CounterSampler(Sampler[list[Any]]):
         fingerprint: str | None,
         allow_data_change: bool,
     ) -> None:
-        rank, world_size = _default_topology(rank, world_size)
+        found_rank, found_world = topology()
+        rank = found_rank if rank is None else rank
+        world_size = found_world if world_size is None else world_size
         if global_batch_size < 1 or global_batch_size % world_size:
             raise ValueError(f"global_batch_size {global_batch_size} must be a positive multiple of world_size {world_size}")
         if not 0 <= rank < world_size:

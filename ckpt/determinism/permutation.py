@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ckpt.seeding import seed_sequence
+from .seeding import seed_sequence
 
 ROUNDS = 6
 MAX_SIZE = 1 << 62

@@ -8,16 +8,10 @@ from typing import Any, Union
 
 import numpy as np
 import torch
-import torch.distributed as dist
+
+from ..distributed import topology
 
 Generator = Union[random.Random, np.random.Generator, torch.Generator]
-
-
-def _topology() -> tuple[int, int]:
-    """(rank, world size) of this process; (0, 1) without torch.distributed."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _python_capture(rng: Any) -> dict[str, Any]:
@@ -104,7 +98,7 @@ class RNGState:
 
     def state_dict(self) -> dict[str, Any]:
         """Snapshot of every enabled source, this rank's only (RNG streams differ per rank)."""
-        rank, world_size = _topology()
+        rank, world_size = topology()
         state: dict[str, Any] = {"rank": rank, "world_size": world_size}
         if self.sources["python"]:
             state["python"] = _python_capture(random)

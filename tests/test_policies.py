@@ -1,0 +1,157 @@
+"""Retention and save-decision policies: exact decisions on given steps and a fake clock, and the manager's rules."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import Keep, KeepBest, KeepEvery, KeepLast, RetentionPolicy
+from ckpt.retention import StepMetadata
+
+STEPS = list(range(1, 11))
+
+
+# -- retention ------------------------------------------------------------------------------------------------
+
+def test_each_retention_policy_keeps_exactly_its_steps():
+    loss = {s: {"loss": abs(s - 4) + 0.5} for s in STEPS}  # best at 4, then 3 and 5 (tie: the newer, 5)
+    assert KeepLast(3).keep(STEPS, {}) == {8, 9, 10}
+    assert KeepLast(20).keep(STEPS, {}) == set(STEPS)
+    assert KeepEvery(4).keep(STEPS, {}) == {4, 8}
+    assert KeepBest(2, "loss").keep(STEPS, loss) == {4, 5}
+    assert KeepBest(1, "loss", mode="max").keep(STEPS, loss) == {10}
+    assert Keep(KeepLast(2), KeepEvery(4), KeepBest(1, "loss")).keep(STEPS, loss) == {4, 8, 9, 10}
+
+
+def test_keep_best_ranks_only_finite_numbers():
+    metadata = {1: {"loss": math.nan}, 2: {"loss": "low"}, 3: {}, 4: {"loss": 2.0}, 5: {"loss": math.inf}}
+    assert KeepBest(3, "loss").keep([1, 2, 3, 4, 5], metadata) == {4}
+
+
+def test_retention_policies_check_their_arguments():
+    for bad in (lambda: KeepLast(0), lambda: KeepLast(True), lambda: KeepEvery(-1), lambda: KeepBest(1, "")):
+        with pytest.raises(ValueError):
+            bad()
+    with pytest.raises(ValueError, match="best_mode"):
+        KeepBest(1, "loss", mode="lowest")
+    with pytest.raises(TypeError, match="retention policies"):
+        Keep(KeepLast(1), 3)
+
+
+def test_step_metadata_is_read_only_for_policies_that_look():
+    reads: list[int] = []
+
+    def read(step: int) -> dict[str, float]:
+        reads.append(step)
+        return {"loss": 1.0 / step}
+
+    cache: dict = {}
+    assert KeepLast(1).keep(STEPS, StepMetadata(STEPS, read, cache)) == {10} and reads == []
+    assert KeepBest(1, "loss").keep(STEPS, StepMetadata(STEPS, read, cache)) == {10} and sorted(reads) == STEPS
+    KeepBest(1, "loss").keep(STEPS, StepMetadata(STEPS, read, cache))
+    assert len(reads) == len(STEPS), "each step's metadata is read once"
+
+
+def _save(root, steps, **options) -> list[int]:
+    with ckpt.CheckpointManager(root, **options) as m:
+        for s in steps:
+            m.save(s, {"w": torch.full((4,), float(s))}, metadata={"loss": 1.0 / s}).wait()
+    return ckpt.CheckpointManager(root).steps()
+
+
+class _KeepNothing:
+    def keep(self, steps, metadata):
+        return set()
+
+
+def test_manager_takes_a_policy_or_the_shorthands_with_the_same_result(tmp_path):
+    assert isinstance(_KeepNothing(), RetentionPolicy)
+    policy = Keep(KeepLast(1), KeepEvery(3))
+    assert _save(tmp_path / "policy", range(1, 8), retention=policy) == [3, 6, 7]
+    assert _save(tmp_path / "short", range(1, 8), keep_last=1, keep_every=3) == [3, 6, 7]
+    assert _save(tmp_path / "best", range(1, 6), retention=KeepBest(2, "loss", "max")) == [1, 2, 5]
+
+
+def test_the_newest_committed_step_survives_any_policy(tmp_path):
+    assert _save(tmp_path, range(1, 5), retention=_KeepNothing()) == [4]
+
+
+def test_manager_refuses_a_policy_with_shorthands_or_a_non_policy(tmp_path):
+    with pytest.raises(ValueError, match="not both"):
+        ckpt.CheckpointManager(tmp_path, retention=KeepLast(2), keep_every=5)
+    with pytest.raises(TypeError, match="RetentionPolicy"):
+        ckpt.CheckpointManager(tmp_path, retention=3)
+    with pytest.raises(ValueError, match="keep_best needs best_metric"):
+        ckpt.CheckpointManager(tmp_path, keep_best=1)
+
+
+# -- save decisions (time is an argument: a fake clock) ----------------------------------------------------------
+
+def _run(decision: ckpt.SaveDecision, times: dict[int, float]) -> list[int]:
+    """The steps saved over steps 1..max(times), telling the decision of each save as a loop does."""
+    saved = []
+    for step, now in sorted(times.items()):
+        if decision.should_save(step, now):
+            decision.saved(step, now)
+            saved.append(step)
+    return saved
+
+
+def test_every_n_steps_counts_from_the_last_checkpoint():
+    assert _run(ckpt.EveryNSteps(3), {s: 0.0 for s in range(1, 10)}) == [3, 6, 9]
+    resumed = ckpt.EveryNSteps(3)
+    resumed.saved(5, 0.0)  # restored at step 5
+    assert _run(resumed, {s: 0.0 for s in range(6, 12)}) == [8, 11]
+
+
+def test_every_n_seconds_counts_from_the_first_question_or_the_last_checkpoint():
+    clock = {1: 100.0, 2: 105.0, 3: 109.9, 4: 110.0, 5: 115.0, 6: 119.0, 7: 120.5}
+    assert _run(ckpt.EveryNSeconds(10), clock) == [4, 7]
+    started = ckpt.EveryNSeconds(10)
+    started.saved(0, 95.0)
+    assert _run(started, clock) == [2, 5]
+
+
+def test_any_of_saves_when_one_is_due_and_resets_all():
+    decision = ckpt.AnyOf(ckpt.EveryNSteps(4), ckpt.EveryNSeconds(10))
+    clock = {1: 0.0, 2: 1.0, 3: 12.0, 4: 13.0, 5: 14.0, 6: 15.0, 7: 16.0, 8: 30.0}
+    assert _run(decision, clock) == [3, 7, 8]  # 10 s since 0; 4 steps since 3; 14 s since 16
+
+
+def test_advised_interval_switches_to_seconds_once_the_advisor_answers():
+    answers = iter([None, 0.0, math.nan, 30.0, 60.0])
+    decision = ckpt.AdvisedInterval(lambda: next(answers), ckpt.EveryNSteps(2))
+    decision.saved(0, 0.0)  # start: no advice yet (None)
+    clock = {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 20.0, 6: 34.0, 7: 64.0, 8: 93.0, 9: 94.0}
+    # every 2 steps while the advice is None, 0 or nan (ignored); after 6, every 30 s; after 7, every 60 s
+    assert _run(decision, clock) == [2, 4, 6, 7]
+    assert isinstance(decision.current, ckpt.EveryNSeconds) and decision.current.seconds == 60.0
+
+
+def test_preemption_asks_for_one_save_per_signal_and_restores_the_handler():
+    import os
+    import signal
+
+    before = signal.getsignal(signal.SIGUSR1)
+    with ckpt.Preemption([signal.SIGUSR1]) as preemption:
+        assert signal.getsignal(signal.SIGUSR1) == preemption.handle
+        assert not preemption.should_save(1, 0.0) and not preemption.requested
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption.should_save(2, 0.0) and preemption.signum == signal.SIGUSR1
+        preemption.saved(2, 0.0)
+        assert not preemption.should_save(3, 0.0) and preemption.requested
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_save_decisions_check_their_arguments():
+    for bad in (lambda: ckpt.EveryNSteps(0), lambda: ckpt.EveryNSteps(True), lambda: ckpt.EveryNSeconds(0),
+                lambda: ckpt.EveryNSeconds(math.inf)):
+        with pytest.raises(ValueError):
+            bad()
+    with pytest.raises(TypeError, match="SaveDecision"):
+        ckpt.AnyOf(ckpt.EveryNSteps(1), 5)
+    with pytest.raises(TypeError, match="SaveDecision"):
+        ckpt.AnyOf()
