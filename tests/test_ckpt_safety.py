@@ -117,30 +117,44 @@ def test_background_write_error_surfaces_at_next_call_and_keeps_earlier_steps(tm
         assert m.restore(t) == 1 and torch.equal(t["w"], _state(1)["w"])
 
 
-@pytest.fixture
-def tiny_fs(tmp_path):
+FULL_DISK = os.path.join(os.path.dirname(__file__), "procs", "full_disk.py")
+
+
+def _observed(out: subprocess.CompletedProcess) -> dict:
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def _assert_failed_save_cleaned_up(seen: dict, reason: str) -> None:
+    """The failed step 2 was reported by the next call, left nothing behind; step 1 restores, step 3 saves."""
+    assert seen["next_call"].startswith("CheckpointWriteError: saving step 2 failed") and reason in seen["next_call"], seen
+    assert [d for d in seen["leftovers"] if d.startswith("step_")] == ["step_00000001"], "a failed save cleans up"
+    assert seen["steps_after_failure"] == [1] and seen["restored"] == 1 and seen["restored_bitwise"]
+    assert seen["steps_at_end"] == [1, 3] and seen["problems"] == []
+
+
+def test_write_past_a_file_size_limit_fails_at_the_next_call_cleans_up_and_keeps_the_previous_step(tmp_path):
+    """No privileges: the child lowers its own RLIMIT_FSIZE to 1 MiB, so the 4 MB chunk of step 2 fails (EFBIG)."""
+    cmd = [sys.executable, FULL_DISK, str(tmp_path / "ck"), "--file-size-limit", str(1 << 20)]
+    _assert_failed_save_cleaned_up(_observed(subprocess.run(cmd, capture_output=True, text=True, timeout=300)),
+                                   "File too large")
+
+
+def test_full_disk_surfaces_enospc_cleans_up_and_keeps_the_previous_step(tmp_path):
+    """A real ENOSPC: the child runs in a mount namespace of its own (as root, or as anyone where user namespaces
+    are allowed) on a 3 MB tmpfs."""
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a size-limited tmpfs here (needs root)")
-    yield str(mnt)
-    subprocess.run(["umount", "-l", str(mnt)])
-
-
-def test_full_disk_surfaces_enospc_and_keeps_previous_checkpoint(tiny_fs):
-    small = {"w": torch.randn(100, 100)}  # 40 KB
-    big = {"w": torch.randn(100, 100), "huge": torch.randn(1000, 1000)}  # 4 MB > 3 MB filesystem
-    with ckpt.CheckpointManager(tiny_fs) as m:
-        m.save(1, small).wait()
-        h = m.save(2, big)
-        with pytest.raises(CheckpointWriteError, match="step 2") as info:
-            h.wait()
-        assert "No space left" in str(info.value) or "RESOURCE_EXHAUSTED" in str(info.value) or "ENOSPC" in str(info.value)
-        assert m.steps() == [1]
-        t = {"w": torch.zeros(100, 100)}
-        assert m.restore(t) == 1 and torch.equal(t["w"], small["w"])
-    assert not os.path.exists(os.path.join(tiny_fs, "step_00000002")), "a failed save cleans up after itself"
-    assert _cli("verify", tiny_fs, "-q").returncode == 0
+    script = 'mount -t tmpfs -o size=3m tmpfs "$0" || exit 97; exec "$@"'
+    for namespace in (["unshare", "--mount"], ["unshare", "--user", "--map-root-user", "--mount"]):
+        out = subprocess.run([*namespace, "sh", "-c", script, str(mnt), sys.executable, FULL_DISK, str(mnt)],
+                             capture_output=True, text=True, timeout=300)
+        if out.returncode == 0 or (out.returncode != 97 and not out.stderr.startswith("unshare:")):
+            break
+    else:
+        pytest.skip("cannot mount a size-limited tmpfs here (needs root or unprivileged user namespaces); "
+                    "test_write_past_a_file_size_limit_* covers the same without privileges")
+    _assert_failed_save_cleaned_up(_observed(out), "No space left")
 
 
 def test_retention_keep_last_every_and_best(tmp_path):
