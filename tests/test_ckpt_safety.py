@@ -1,17 +1,22 @@
 """A checkpoint is complete and verified or invisible: corruption, bad input, failed writes, retention."""
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import threading
 import uuid
 
 import pytest
 import torch
 
 import ckpt
+from ckpt import catalog, lease
 from ckpt.errors import CheckpointWriteError, CorruptCheckpointError
+from ckpt.storage import open_storage
 
 
 def _state(step: int) -> dict:
@@ -110,11 +115,97 @@ def test_background_write_error_surfaces_at_next_call_and_keeps_earlier_steps(tm
         h = m.save(2, _state(2))  # returns after the snapshot; the write fails in the background
         with pytest.raises(CheckpointWriteError, match="saving step 2 failed"):
             m.save(3, _state(3))
-        assert not h.done() or h._future.exception() is not None
-        m.wait()  # reported once; the loop decided to go on
+        assert h.done()  # the next save waited for it
+        with pytest.raises(CheckpointWriteError, match="saving step 2 failed"):
+            h.wait()  # the handle keeps its own outcome
+        m.wait()  # reported once by the manager; the loop decided to go on
         assert m.steps() == [1]
         t = _state(0)
         assert m.restore(t) == 1 and torch.equal(t["w"], _state(1)["w"])
+
+
+@contextlib.contextmanager
+def _gc_holding(root, give_up_after: float = 20.0):
+    """Hold ROOT/_GC_LOCK, as `ckpt gc` does while it deletes: the background part of a save waits for it (it
+    clears its step directory and marks itself in progress under it), the training thread must not. Released on
+    exit, or by a timer after `give_up_after` s, so that a save that wrongly waits for its write returns."""
+    held = lease.gc_lock(str(root))
+    held.__enter__()
+    once = threading.Lock()
+    done = []
+
+    def release() -> None:
+        with once:
+            if not done:
+                done.append(True)
+                held.__exit__(None, None, None)
+
+    timer = threading.Timer(give_up_after, release)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        release()
+
+
+def test_save_returns_before_its_write_and_the_write_follows(tmp_path):
+    """save() returns once the snapshot is taken: with its write held back (gc holding the root), the handle is
+    not done, nothing is committed, and the caller may change its tensors; the write then commits the snapshot."""
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, _state(1)).wait()
+        state = _state(2)
+        with _gc_holding(tmp_path):
+            h = m.save(2, state)
+            done_on_return, committed_on_return = h.done(), m.steps()
+            state["w"].add_(1.0)
+        assert not done_on_return, "save() waited for its write"
+        assert committed_on_return == [1]
+        h.wait()
+        assert h.done() and m.steps() == [1, 2]
+        t = _state(0)
+        assert m.restore(t) == 2 and torch.equal(t["w"], _state(2)["w"]), "the snapshot, not the later values"
+
+
+def test_delete_refuses_the_step_in_flight_and_never_counts_it_as_committed(tmp_path):
+    with ckpt.CheckpointManager(tmp_path) as m:
+        for s in (1, 2, 3):
+            m.save(s, _state(s))
+        m.wait()
+        with _gc_holding(tmp_path):
+            h = m.save(4, _state(4))
+            with pytest.raises(ValueError, match="step 4 is still being written"):
+                m.delete(4)
+            with pytest.raises(ValueError, match="step 3 is the newest committed step"):
+                m.delete(3)  # step 4 may still fail: 3 is what a restart would need
+            m.delete(2)
+            assert m.steps() == [1, 3]
+        h.wait()
+        m.wait()
+        assert m.steps() == [1, 3, 4] and not (tmp_path / "step_00000002").exists()
+
+
+@pytest.mark.parametrize("attempt", ["other_chunking", "other_keys"])
+def test_resaving_a_step_over_a_crashed_attempts_leftovers(tmp_path, attempt):
+    """A writer killed just before its commit left step 2's arrays (other chunking, or an extra key) and its
+    marker; the restarted writer saves step 2 again, with other data: the step holds only the new save."""
+    root = tmp_path / "ck"
+    _save_steps(str(root), [1])
+    crashed = tmp_path / "crashed"
+    with ckpt.CheckpointManager(crashed, chunk_bytes=4096 if attempt == "other_chunking" else 64 << 20) as m:
+        m.save(2, {**_state(22), **({"extra": torch.ones(5)} if attempt == "other_keys" else {})}).wait()
+    shutil.copytree(crashed / "step_00000002", root / "step_00000002", ignore=shutil.ignore_patterns("manifest.json"))
+    (root / "step_00000002" / "_IN_PROGRESS").write_text(
+        json.dumps({"pid": 1 << 22, "host": "gone", "time": 0.0, "lease": "a-dead-writer"}))
+    with ckpt.CheckpointManager(root) as m:
+        m.save(2, _state(2)).wait()
+        t = _state(0)
+        assert m.restore(t) == 2 and torch.equal(t["w"], _state(2)["w"]) and t["step"] == 2
+    storage = open_storage(str(root))
+    assert not list(catalog.verify(storage, 2))
+    assert sorted(os.listdir(root / "step_00000002" / "arrays")) == ["b", "w"], "the crashed attempt's arrays are gone"
+    assert os.listdir(root / "step_00000002" / "arrays" / "w" / "c") == ["0"], "one chunk (64 MiB target), as saved"
+    assert [(e.step, e.committed, e.in_progress) for e in catalog.entries(storage)] == [(1, True, None), (2, True, None)]
 
 
 FULL_DISK = os.path.join(os.path.dirname(__file__), "procs", "full_disk.py")
