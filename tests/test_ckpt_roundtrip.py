@@ -11,18 +11,23 @@ import torch
 
 import ckpt
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16, torch.int32,
-          torch.int64, torch.uint8, torch.bool, torch.complex64]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
+          torch.bool, torch.complex64, torch.complex128]
 
 
 def _random(shape, dtype, gen):
+    """Random values; every bit pattern for the types torch cannot draw from directly (NaN payloads included)."""
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=gen).bool()
-    if dtype.is_floating_point or dtype.is_complex:
-        return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) if not dtype.is_complex else \
-            torch.randn(shape, generator=gen, dtype=dtype)
-    info = torch.iinfo(dtype)
-    return torch.randint(info.min, info.max, shape, generator=gen, dtype=torch.int64).to(dtype)
+    if dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    if dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+        info = torch.iinfo(dtype)
+        return torch.randint(info.min, info.max, shape, generator=gen, dtype=torch.int64).to(dtype)
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (*shape, size), generator=gen, dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
