@@ -38,9 +38,10 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(params=["local", "file", "memory"])
 def root(request, tmp_path):
-    return str(tmp_path / "ck") if request.param == "local" else f"memory://{uuid.uuid4().hex}"
+    return {"local": str(tmp_path / "ck"), "file": f"file://{tmp_path}/ck", "memory": f"memory://{uuid.uuid4().hex}"}[
+        request.param]
 
 
 def test_every_dtype_and_shape_round_trips_bit_exactly(root):
@@ -95,6 +96,33 @@ def _train(model, opt, sched, scaler, steps):
         scaler.step(opt)
         scaler.update()
         sched.step()
+
+
+def test_a_file_url_and_its_path_are_one_root(tmp_path):
+    """file://PATH is the directory PATH: one lease, one set of steps, damage found and skipped either way;
+    metadata(step) reads the manifest of a committed step, from any manager."""
+    import subprocess
+    import sys
+
+    url, path = f"file://{tmp_path}/ck", tmp_path / "ck"
+    with ckpt.CheckpointManager(url, keep_last=2) as m:
+        for s in (1, 2, 3):
+            m.save(s, {"x": torch.full((1000,), float(s))}, metadata={"loss": 1.0 / s})
+        m.wait()
+        with pytest.raises(ckpt.LeaseHeldError, match=f"pid {os.getpid()}"):
+            ckpt.CheckpointManager(path).save(4, {"x": torch.zeros(1000)})  # the same root: its one writer is m
+    reader = ckpt.CheckpointManager(path)
+    assert reader.steps() == [2, 3] and reader.metadata(3) == {"loss": 1.0 / 3}
+    with pytest.raises(FileNotFoundError, match="step 1 is not committed"):
+        reader.metadata(1)  # deleted by retention
+    chunk = path / "step_00000003" / "arrays" / "x" / "c" / "0"
+    chunk.write_bytes(bytes([chunk.read_bytes()[0] ^ 1]) + chunk.read_bytes()[1:])
+    target = {"x": torch.zeros(1000)}
+    with pytest.warns(RuntimeWarning, match="step 3 is damaged"), ckpt.CheckpointManager(url) as m:
+        assert m.restore(target) == 2 and m.metadata(2) == {"loss": 0.5}
+    assert torch.equal(target["x"], torch.full((1000,), 2.0)) and reader.steps() == [2]
+    ls = subprocess.run([sys.executable, "-m", "ckpt", "ls", url], capture_output=True, text=True)
+    assert ls.returncode == 0 and "2  committed" in ls.stdout and "3  damaged" in ls.stdout, ls.stdout + ls.stderr
 
 
 def test_module_optimizer_scheduler_scaler_restore_in_place(tmp_path):
