@@ -123,8 +123,10 @@ def test_pointers_are_relative_and_the_next_writer_drops_those_of_steps_that_nev
     assert sorted(p.name for p in folder.iterdir()) == ["a.ckpt", "c.ckpt", "old.ckpt"]
 
 
-def _fit(root: Path, steps: int, ckpt_path: str | None = None, **io_options) -> dict[str, torch.Tensor]:
-    """A tiny fit through CkptCheckpointIO + GoodputCallback (the child's model and data); returns its final weights."""
+def _fit(root: Path, steps: int, ckpt_path: str | None = None, rng: bool = True, strategy: object = "auto",
+         accelerator: str = "cpu", **io_options) -> dict[str, torch.Tensor]:
+    """A tiny fit through CkptCheckpointIO + GoodputCallback (the child's model and data); returns its final weights.
+    `rng=False`: the callback neither saves nor restores the RNG state (a negative control)."""
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -134,10 +136,10 @@ def _fit(root: Path, steps: int, ckpt_path: str | None = None, **io_options) -> 
 
     torch.manual_seed(0)
     sampler = ShuffledSampler(64, 8, seed=1)
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, deterministic=True,
-                      plugins=[CkptCheckpointIO(root, **io_options)],
-                      callbacks=[GoodputCallback(samplers={"train": sampler}),
+    trainer = Trainer(accelerator=accelerator, devices=1, max_steps=steps, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                      deterministic=True, strategy=strategy, plugins=[CkptCheckpointIO(root, **io_options)],
+                      callbacks=[GoodputCallback(samplers={"train": sampler}, rng=rng),
                                  ModelCheckpoint(dirpath=root / "pointers", every_n_train_steps=4, save_last=True)])
     model = Net()
     trainer.fit(model, train_dataloaders=make_loader(Points(), sampler), ckpt_path=ckpt_path)
@@ -177,3 +179,85 @@ def test_a_restart_of_the_same_run_resumes_without_ckpt_path(tmp_path, no_launch
     resumed = _fit(tmp_path / "job", 12, run_id="job-1")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert [a.restored_step for a in attribute_root(str(tmp_path / "job")).attempts] == [None, 8]
+
+
+def _losses(printed: str) -> dict[int, str]:
+    """Step -> loss (float hex) from the "loss STEP HEX" lines Net prints."""
+    return {int(w[1]): w[2] for w in (line.split() for line in printed.splitlines()) if len(w) == 3 and w[0] == "loss"}
+
+
+@pytest.mark.parametrize("rng", [True, False])
+def test_resume_is_bitwise_only_with_the_rng_restored(tmp_path, capsys, rng):
+    """The docs' claim and its negative control: a fit stopped at 8 and resumed from "last" to 12 equals a straight
+    fit to 12 step by step; without the RNG state in the checkpoint (dropout, input noise) it differs from the very
+    first resumed step, while everything before the resume still matches."""
+    straight = _fit(tmp_path / "straight", 12)
+    reference = _losses(capsys.readouterr().out)
+    _fit(tmp_path / "job", 8, rng=rng)
+    before = _losses(capsys.readouterr().out)
+    resumed = _fit(tmp_path / "job", 12, ckpt_path="last", rng=rng)
+    after = _losses(capsys.readouterr().out)
+    assert sorted(reference) == list(range(1, 13)) and before == {s: reference[s] for s in range(1, 9)}
+    same_weights = all(torch.equal(straight[k], resumed[k]) for k in straight)
+    if rng:
+        assert after == {s: reference[s] for s in range(9, 13)} and same_weights
+    else:
+        assert sorted(after) == list(range(9, 13)) and after[9] != reference[9] and not same_weights
+
+
+def test_remove_checkpoint_deletes_a_step_once_no_pointer_names_it_and_a_newer_step_is_committed(tmp_path):
+    """ModelCheckpoint removes pointers; the step goes only when nothing in the folder names it any more and it is
+    not the newest committed step (a resume needs that one): until then the deletion is deferred."""
+    from ettr import committed_steps
+
+    root, folder = tmp_path / "root", tmp_path / "root" / "pointers"
+    io = CkptCheckpointIO(root)
+    io.save_checkpoint({"global_step": 4, "w": torch.zeros(3)}, folder / "a.ckpt")
+    io.save_checkpoint({"global_step": 4, "w": torch.zeros(3)}, folder / "last.ckpt")  # the same step, twice named
+    io.wait()
+    io.remove_checkpoint(folder / "a.ckpt")
+    io.wait()
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"] and committed_steps(str(root)) == [4]
+    io.save_checkpoint({"global_step": 8, "w": torch.ones(3)}, folder / "b.ckpt")
+    io.wait()
+    io.remove_checkpoint(folder / "b.ckpt")  # step 8 is the newest committed step: kept, its deletion deferred
+    io.wait()
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"] and committed_steps(str(root)) == [4, 8]
+    io.save_checkpoint({"global_step": 12, "w": torch.full((3,), 2.0)}, folder / "last.ckpt")  # 4 is named no more
+    io.teardown()  # drains the save of 12: now 8 is covered too
+    assert committed_steps(str(root)) == [12]
+    loaded = CkptCheckpointIO(root).load_checkpoint(folder / "last.ckpt")
+    assert loaded["global_step"] == 12 and torch.equal(loaded["w"], torch.full((3,), 2.0))
+
+
+@pytest.fixture
+def own_process_group():
+    """Lightning's distributed strategies initialize a process group (and its environment) in this process and leave
+    it when setup fails: tear both down so that later tests' managers are not distributed."""
+    environ = dict(os.environ)
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def test_model_parallel_strategy_is_refused_before_anything_is_written(tmp_path, own_process_group):
+    """ModelParallelStrategy saves through torch.distributed.checkpoint, never CheckpointIO: refused at setup."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    with pytest.raises(RuntimeError, match="ModelParallelStrategy bypasses CheckpointIO"):
+        _fit(tmp_path / "root", 2, strategy=ModelParallelStrategy())
+    assert not list((tmp_path / "root").glob("step_*")) and not (tmp_path / "root" / "ettr").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Lightning's FSDPStrategy needs a GPU")
+def test_fsdp_strategy_is_refused_before_anything_is_written(tmp_path, own_process_group):
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    with pytest.raises(RuntimeError, match="FSDPStrategy bypasses CheckpointIO"):
+        _fit(tmp_path / "root", 2, strategy=FSDPStrategy(), accelerator="cuda")
+    assert not list((tmp_path / "root").glob("step_*")) and not (tmp_path / "root" / "ettr").exists()
+
