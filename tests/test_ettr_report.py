@@ -130,6 +130,31 @@ def test_plot_draws_each_category_as_long_as_its_seconds(job, tmp_path):
     assert titles == [f"ETTR {EXPECTED['productive'] / WALL:.3f} over {WALL / 3600:.2f} h, 2 failure(s)"]
 
 
+def test_rank_selects_whose_ledger_is_reported(tmp_path):
+    """Two ranks of one attempt: rank 1 waits 5 s for data before each of its 4 steps. `--rank` picks the ledger;
+    without it the lowest rank's; a rank without a ledger is an error."""
+    for rank in (0, 1):
+        clock = FakeClock(1000.0)
+        tr = GoodputTracker(str(tmp_path), job_id="j", attempt_id="a0", rank=rank, clock=clock, flush_interval=0).start()
+        clock.advance(10.0)
+        for step in range(1, 5):
+            with tr.step(step):
+                if rank == 1:
+                    with tr.span("data_wait"):
+                        clock.advance(5.0)
+                clock.advance(20.0)
+        tr.end()
+    seen = {}
+    for args in ((), ("--rank", "0"), ("--rank", "1")):
+        out = cli("report", str(tmp_path), "--json", *args)
+        assert out.returncode == 0, out.stderr
+        seen[args] = {k: v for k, v in json.loads(out.stdout)["seconds"].items() if v}
+    assert seen[()] == seen[("--rank", "0")] == {"startup": 10.0, "productive": 80.0}
+    assert seen[("--rank", "1")] == {"startup": 10.0, "data_wait": 20.0, "productive": 80.0}
+    out = cli("report", str(tmp_path), "--rank", "7")
+    assert out.returncode == 2 and out.stderr.strip() == "error: no ledger for rank 7"
+
+
 def test_advise_and_simulate():
     out = cli("simulate", "--interval", "600", "--write", "10", "--restart", "300", "--mttf", "20000", "--json")
     assert out.returncode == 0, out.stderr
