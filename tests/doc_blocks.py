@@ -9,7 +9,8 @@ A directive is an HTML comment (invisible when rendered) on the line right befor
     <!-- doc-test: needs=PATH[,PATH] -->    PATH, written by an earlier block of the same file, must exist
     <!-- doc-test: replace=OLD -> NEW -->   run with OLD replaced by NEW (a 10,000-step run shortened)
     <!-- doc-test: requires=MODULE -->      an optional extra the block needs: skipped, saying so, when the
-                                            module is not installed (as the extra's own tests are)
+                                            module is not installed (as the extra's own tests are); a failure
+                                            with CKPT_REQUIRE_EXTRAS=1 (scripts/test.sh)
 
 Items are separated by `;` (a skip's reason is the rest of the comment). Every block is either run or marked
 skip with a reason. Run as `python doc_blocks.py FILE.md` in an empty directory: python blocks are exec'd in
@@ -20,6 +21,7 @@ line with bash in the same directory, so a later block sees the files an earlier
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -215,6 +217,9 @@ def run(path: Path) -> int:
             print(f"skip {block.where}: {block.skip}", flush=True)
             continue
         absent = [m for m in block.requires if importlib.util.find_spec(m) is None]
+        if absent and os.environ.get("CKPT_REQUIRE_EXTRAS") == "1":  # scripts/test.sh: extras are not optional
+            print(f"FAILED {block.where}: {', '.join(absent)} not installed (CKPT_REQUIRE_EXTRAS=1)", flush=True)
+            return 1
         if absent:
             print(f"skip {block.where}: {', '.join(absent)} not installed", flush=True)
             continue

@@ -30,10 +30,15 @@ def test_zero_dim_and_empty_shapes():
     assert chunk_shape((0, 5), 4, ((0, 0),), 1 << 20) == (1, 5)
 
 
-@pytest.mark.parametrize("key", ["..", ".", "", "a/b", "x" * 500, "é", "%2E"])
-def test_escaped_segments_are_safe_and_distinct(key):
-    seg = escape_segment(key)
-    assert validate_array_name(seg) == seg and "/" not in seg and seg not in (".", "..") and len(seg) <= 200
+def test_escaped_segments_are_safe_and_distinct():
+    """Keys that look alike after escaping (dots, slashes, percent signs, long names cut to a hash) stay apart."""
+    keys = ["..", ".", "", "a/b", "a%2Fb", "a b", "x" * 500, "x" * 499 + "y", "é", "%2E", "%2E%2E", ".a", "%2Ea", "%00",
+            "%", "~", 7, "A"]
+    segments = [escape_segment(k) for k in keys]
+    for key, seg in zip(keys, segments):
+        assert validate_array_name(seg) == seg and "/" not in seg and seg not in (".", "..") and len(seg) <= 200, key
+    clashes = {seg: [k for k, s in zip(keys, segments) if s == seg] for seg in segments if segments.count(seg) > 1}
+    assert clashes == {}
 
 
 @pytest.mark.parametrize("name", ["../x", "/abs", "a//b", "a/./b", "a/../b", "", "a\\b"])

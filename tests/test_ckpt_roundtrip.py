@@ -11,18 +11,23 @@ import torch
 
 import ckpt
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16, torch.int32,
-          torch.int64, torch.uint8, torch.bool, torch.complex64]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
+          torch.bool, torch.complex64, torch.complex128]
 
 
 def _random(shape, dtype, gen):
+    """Random values; every bit pattern for the types torch cannot draw from directly (NaN payloads included)."""
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=gen).bool()
-    if dtype.is_floating_point or dtype.is_complex:
-        return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) if not dtype.is_complex else \
-            torch.randn(shape, generator=gen, dtype=dtype)
-    info = torch.iinfo(dtype)
-    return torch.randint(info.min, info.max, shape, generator=gen, dtype=torch.int64).to(dtype)
+    if dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    if dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+        info = torch.iinfo(dtype)
+        return torch.randint(info.min, info.max, shape, generator=gen, dtype=torch.int64).to(dtype)
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (*shape, size), generator=gen, dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -33,9 +38,10 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(params=["local", "file", "memory"])
 def root(request, tmp_path):
-    return str(tmp_path / "ck") if request.param == "local" else f"memory://{uuid.uuid4().hex}"
+    return {"local": str(tmp_path / "ck"), "file": f"file://{tmp_path}/ck", "memory": f"memory://{uuid.uuid4().hex}"}[
+        request.param]
 
 
 def test_every_dtype_and_shape_round_trips_bit_exactly(root):
@@ -90,6 +96,33 @@ def _train(model, opt, sched, scaler, steps):
         scaler.step(opt)
         scaler.update()
         sched.step()
+
+
+def test_a_file_url_and_its_path_are_one_root(tmp_path):
+    """file://PATH is the directory PATH: one lease, one set of steps, damage found and skipped either way;
+    metadata(step) reads the manifest of a committed step, from any manager."""
+    import subprocess
+    import sys
+
+    url, path = f"file://{tmp_path}/ck", tmp_path / "ck"
+    with ckpt.CheckpointManager(url, keep_last=2) as m:
+        for s in (1, 2, 3):
+            m.save(s, {"x": torch.full((1000,), float(s))}, metadata={"loss": 1.0 / s})
+        m.wait()
+        with pytest.raises(ckpt.LeaseHeldError, match=f"pid {os.getpid()}"):
+            ckpt.CheckpointManager(path).save(4, {"x": torch.zeros(1000)})  # the same root: its one writer is m
+    reader = ckpt.CheckpointManager(path)
+    assert reader.steps() == [2, 3] and reader.metadata(3) == {"loss": 1.0 / 3}
+    with pytest.raises(FileNotFoundError, match="step 1 is not committed"):
+        reader.metadata(1)  # deleted by retention
+    chunk = path / "step_00000003" / "arrays" / "x" / "c" / "0"
+    chunk.write_bytes(bytes([chunk.read_bytes()[0] ^ 1]) + chunk.read_bytes()[1:])
+    target = {"x": torch.zeros(1000)}
+    with pytest.warns(RuntimeWarning, match="step 3 is damaged"), ckpt.CheckpointManager(url) as m:
+        assert m.restore(target) == 2 and m.metadata(2) == {"loss": 0.5}
+    assert torch.equal(target["x"], torch.full((1000,), 2.0)) and reader.steps() == [2]
+    ls = subprocess.run([sys.executable, "-m", "ckpt", "ls", url], capture_output=True, text=True)
+    assert ls.returncode == 0 and "2  committed" in ls.stdout and "3  damaged" in ls.stdout, ls.stdout + ls.stderr
 
 
 def test_module_optimizer_scheduler_scaler_restore_in_place(tmp_path):

@@ -1,17 +1,22 @@
 """A checkpoint is complete and verified or invisible: corruption, bad input, failed writes, retention."""
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import threading
 import uuid
 
 import pytest
 import torch
 
 import ckpt
+from ckpt import catalog, lease
 from ckpt.errors import CheckpointWriteError, CorruptCheckpointError
+from ckpt.storage import open_storage
 
 
 def _state(step: int) -> dict:
@@ -110,37 +115,137 @@ def test_background_write_error_surfaces_at_next_call_and_keeps_earlier_steps(tm
         h = m.save(2, _state(2))  # returns after the snapshot; the write fails in the background
         with pytest.raises(CheckpointWriteError, match="saving step 2 failed"):
             m.save(3, _state(3))
-        assert not h.done() or h._future.exception() is not None
-        m.wait()  # reported once; the loop decided to go on
+        assert h.done()  # the next save waited for it
+        with pytest.raises(CheckpointWriteError, match="saving step 2 failed"):
+            h.wait()  # the handle keeps its own outcome
+        m.wait()  # reported once by the manager; the loop decided to go on
         assert m.steps() == [1]
         t = _state(0)
         assert m.restore(t) == 1 and torch.equal(t["w"], _state(1)["w"])
 
 
-@pytest.fixture
-def tiny_fs(tmp_path):
+@contextlib.contextmanager
+def _gc_holding(root, give_up_after: float = 20.0):
+    """Hold ROOT/_GC_LOCK, as `ckpt gc` does while it deletes: the background part of a save waits for it (it
+    clears its step directory and marks itself in progress under it), the training thread must not. Released on
+    exit, or by a timer after `give_up_after` s, so that a save that wrongly waits for its write returns."""
+    held = lease.gc_lock(str(root))
+    held.__enter__()
+    once = threading.Lock()
+    done = []
+
+    def release() -> None:
+        with once:
+            if not done:
+                done.append(True)
+                held.__exit__(None, None, None)
+
+    timer = threading.Timer(give_up_after, release)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        release()
+
+
+def test_save_returns_before_its_write_and_the_write_follows(tmp_path):
+    """save() returns once the snapshot is taken: with its write held back (gc holding the root), the handle is
+    not done, nothing is committed, and the caller may change its tensors; the write then commits the snapshot."""
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, _state(1)).wait()
+        state = _state(2)
+        with _gc_holding(tmp_path):
+            h = m.save(2, state)
+            done_on_return, committed_on_return = h.done(), m.steps()
+            state["w"].add_(1.0)
+        assert not done_on_return, "save() waited for its write"
+        assert committed_on_return == [1]
+        h.wait()
+        assert h.done() and m.steps() == [1, 2]
+        t = _state(0)
+        assert m.restore(t) == 2 and torch.equal(t["w"], _state(2)["w"]), "the snapshot, not the later values"
+
+
+def test_delete_refuses_the_step_in_flight_and_never_counts_it_as_committed(tmp_path):
+    with ckpt.CheckpointManager(tmp_path) as m:
+        for s in (1, 2, 3):
+            m.save(s, _state(s))
+        m.wait()
+        with _gc_holding(tmp_path):
+            h = m.save(4, _state(4))
+            with pytest.raises(ValueError, match="step 4 is still being written"):
+                m.delete(4)
+            with pytest.raises(ValueError, match="step 3 is the newest committed step"):
+                m.delete(3)  # step 4 may still fail: 3 is what a restart would need
+            m.delete(2)
+            assert m.steps() == [1, 3]
+        h.wait()
+        m.wait()
+        assert m.steps() == [1, 3, 4] and not (tmp_path / "step_00000002").exists()
+
+
+@pytest.mark.parametrize("attempt", ["other_chunking", "other_keys"])
+def test_resaving_a_step_over_a_crashed_attempts_leftovers(tmp_path, attempt):
+    """A writer killed just before its commit left step 2's arrays (other chunking, or an extra key) and its
+    marker; the restarted writer saves step 2 again, with other data: the step holds only the new save."""
+    root = tmp_path / "ck"
+    _save_steps(str(root), [1])
+    crashed = tmp_path / "crashed"
+    with ckpt.CheckpointManager(crashed, chunk_bytes=4096 if attempt == "other_chunking" else 64 << 20) as m:
+        m.save(2, {**_state(22), **({"extra": torch.ones(5)} if attempt == "other_keys" else {})}).wait()
+    shutil.copytree(crashed / "step_00000002", root / "step_00000002", ignore=shutil.ignore_patterns("manifest.json"))
+    (root / "step_00000002" / "_IN_PROGRESS").write_text(
+        json.dumps({"pid": 1 << 22, "host": "gone", "time": 0.0, "lease": "a-dead-writer"}))
+    with ckpt.CheckpointManager(root) as m:
+        m.save(2, _state(2)).wait()
+        t = _state(0)
+        assert m.restore(t) == 2 and torch.equal(t["w"], _state(2)["w"]) and t["step"] == 2
+    storage = open_storage(str(root))
+    assert not list(catalog.verify(storage, 2))
+    assert sorted(os.listdir(root / "step_00000002" / "arrays")) == ["b", "w"], "the crashed attempt's arrays are gone"
+    assert os.listdir(root / "step_00000002" / "arrays" / "w" / "c") == ["0"], "one chunk (64 MiB target), as saved"
+    assert [(e.step, e.committed, e.in_progress) for e in catalog.entries(storage)] == [(1, True, None), (2, True, None)]
+
+
+FULL_DISK = os.path.join(os.path.dirname(__file__), "procs", "full_disk.py")
+
+
+def _observed(out: subprocess.CompletedProcess) -> dict:
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def _assert_failed_save_cleaned_up(seen: dict, reason: str) -> None:
+    """The failed step 2 was reported by the next call, left nothing behind; step 1 restores, step 3 saves."""
+    assert seen["next_call"].startswith("CheckpointWriteError: saving step 2 failed") and reason in seen["next_call"], seen
+    assert [d for d in seen["leftovers"] if d.startswith("step_")] == ["step_00000001"], "a failed save cleans up"
+    assert seen["steps_after_failure"] == [1] and seen["restored"] == 1 and seen["restored_bitwise"]
+    assert seen["steps_at_end"] == [1, 3] and seen["problems"] == []
+
+
+def test_write_past_a_file_size_limit_fails_at_the_next_call_cleans_up_and_keeps_the_previous_step(tmp_path):
+    """No privileges: the child lowers its own RLIMIT_FSIZE to 1 MiB, so the 4 MB chunk of step 2 fails (EFBIG)."""
+    cmd = [sys.executable, FULL_DISK, str(tmp_path / "ck"), "--file-size-limit", str(1 << 20)]
+    _assert_failed_save_cleaned_up(_observed(subprocess.run(cmd, capture_output=True, text=True, timeout=300)),
+                                   "File too large")
+
+
+def test_full_disk_surfaces_enospc_cleans_up_and_keeps_the_previous_step(tmp_path):
+    """A real ENOSPC: the child runs in a mount namespace of its own (as root, or as anyone where user namespaces
+    are allowed) on a 3 MB tmpfs."""
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a size-limited tmpfs here (needs root)")
-    yield str(mnt)
-    subprocess.run(["umount", "-l", str(mnt)])
-
-
-def test_full_disk_surfaces_enospc_and_keeps_previous_checkpoint(tiny_fs):
-    small = {"w": torch.randn(100, 100)}  # 40 KB
-    big = {"w": torch.randn(100, 100), "huge": torch.randn(1000, 1000)}  # 4 MB > 3 MB filesystem
-    with ckpt.CheckpointManager(tiny_fs) as m:
-        m.save(1, small).wait()
-        h = m.save(2, big)
-        with pytest.raises(CheckpointWriteError, match="step 2") as info:
-            h.wait()
-        assert "No space left" in str(info.value) or "RESOURCE_EXHAUSTED" in str(info.value) or "ENOSPC" in str(info.value)
-        assert m.steps() == [1]
-        t = {"w": torch.zeros(100, 100)}
-        assert m.restore(t) == 1 and torch.equal(t["w"], small["w"])
-    assert not os.path.exists(os.path.join(tiny_fs, "step_00000002")), "a failed save cleans up after itself"
-    assert _cli("verify", tiny_fs, "-q").returncode == 0
+    script = 'mount -t tmpfs -o size=3m tmpfs "$0" || exit 97; exec "$@"'
+    for namespace in (["unshare", "--mount"], ["unshare", "--user", "--map-root-user", "--mount"]):
+        out = subprocess.run([*namespace, "sh", "-c", script, str(mnt), sys.executable, FULL_DISK, str(mnt)],
+                             capture_output=True, text=True, timeout=300)
+        if out.returncode == 0 or (out.returncode != 97 and not out.stderr.startswith("unshare:")):
+            break
+    else:
+        pytest.skip("cannot mount a size-limited tmpfs here (needs root or unprivileged user namespaces); "
+                    "test_write_past_a_file_size_limit_* covers the same without privileges")
+    _assert_failed_save_cleaned_up(_observed(out), "No space left")
 
 
 def test_retention_keep_last_every_and_best(tmp_path):

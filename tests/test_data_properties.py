@@ -1,4 +1,5 @@
-"""Property: a stream cut anywhere (epoch boundaries included), saved to JSON and resumed equals the uninterrupted one."""
+"""Property: a stream cut anywhere (epoch boundaries included), saved to JSON and resumed, and the uninterrupted one
+both equal a straightforward reference: each epoch's permutation materialized, concatenated and sliced into batches."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt import RandomWindowSampler, TokenWindowDataset, make_loader
+from ckpt.determinism.permutation import epoch_permutation
+from ckpt.determinism.seeding import sample_rng
 from test_data_sampler import noisy, write_tokens
 
 MAX_TOKENS = 1000
@@ -51,10 +54,36 @@ def _stream(token_file, sc: dict, steps: int, state: dict | None = None) -> tupl
     return batches, json.loads(json.dumps(sampler.state_dict()))
 
 
+def _reference(token_file, sc: dict) -> list[dict]:
+    """The batches this rank should see for steps 1..steps, computed the slow, obvious way: every window start in
+    every epoch's order (the permutation materialized, checked to be one), one long stream, cut into global batches
+    of consecutive samples, this rank's slice of each; tokens read from the file and augmented with the sample's RNG."""
+    windows = (sc["n"] - sc["window"]) // sc["stride"] + 1
+    needed = sc["steps"] * sc["batch"]
+    stream: list[int] = []
+    for epoch in range(-(-needed // windows)):
+        order = epoch_permutation(windows, sc["seed"], epoch)(np.arange(windows)).tolist()
+        assert sorted(order) == list(range(windows)), "not a permutation"
+        stream += order
+    raw = np.fromfile(token_file, dtype=np.uint16)
+    local = sc["batch"] // sc["world_size"]
+    batches = []
+    for step in range(1, sc["steps"] + 1):
+        first = (step - 1) * sc["batch"] + sc["rank"] * local
+        ts = list(range(first, first + local))
+        starts = [stream[t] * sc["stride"] for t in ts]
+        tokens = [noisy(raw[a:a + sc["window"]], sample_rng(sc["seed"], t)).tolist() for t, a in zip(ts, starts)]
+        batches.append({"t": ts, "start": starts, "tokens": tokens})
+    return batches
+
+
 @settings(max_examples=40, deadline=None)
 @given(scenarios())
-def test_resumed_stream_equals_uninterrupted(token_file, sc):
+def test_resumed_and_uninterrupted_streams_equal_the_reference(token_file, sc):
+    expected = _reference(token_file, sc)
     whole, _ = _stream(token_file, sc, sc["steps"])
     head, state = _stream(token_file, sc, sc["cut"])
     tail, _ = _stream(token_file, sc, sc["steps"] - sc["cut"], state)
-    assert head + tail == whole
+    assert (state["t"], state["step"]) == (sc["cut"] * sc["batch"], sc["cut"])
+    assert whole == expected
+    assert head + tail == expected

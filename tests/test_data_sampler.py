@@ -119,11 +119,26 @@ def test_fingerprint_detects_other_data(tmp_path, dataset):
     other = TokenWindowDataset(write_tokens(tmp_path / "other.bin", 5000, vocab=7), np.uint16, 16, SEED)
     with pytest.raises(DataMismatchError, match=r"fingerprint: checkpoint has '\w+', this run has '\w+'.*allow_data_change"):
         _sampler(other).load_state_dict(state)
-    _sampler(other, allow_data_change=True).load_state_dict(state)
     with pytest.raises(DataMismatchError, match="c: checkpoint has 7, this run has 5"):
         _sampler(dataset, stride=5).load_state_dict(state)
     with pytest.raises(DataMismatchError, match="kind"):
         ShuffledSampler(10, 2, SEED).load_state_dict(state)
+
+
+def test_allow_data_change_carries_the_position_and_the_valid_skips_over_to_the_new_data(tmp_path, dataset):
+    s = _sampler(dataset)
+    s.skip([3, 600])
+    _run(make_loader(dataset, s), s, 3)
+    state = json.loads(json.dumps(s.state_dict()))
+    shorter = TokenWindowDataset(write_tokens(tmp_path / "shorter.bin", 3000, vocab=7), np.uint16, 16, SEED)
+    resumed = _sampler(shorter, allow_data_change=True)  # 427 windows instead of 713: item 600 no longer exists
+    resumed.load_state_dict(state)
+    assert (resumed.step, resumed.state_dict()["t"], resumed.state_dict()["skip"]) == (3, 24, [3])
+    assert resumed.state_dict()["fingerprint"] == shorter.fingerprint() != state["fingerprint"]  # this run's data
+    batch = next(resumed.track(make_loader(shorter, resumed)))
+    assert batch["t"].tolist() == list(range(24, 32)) and resumed.step == 4  # the next step's samples, on the new data
+    assert batch["start"].tolist() == resumed.explain(4).starts
+    assert all(3 not in resumed.explain(k).indices for k in range(4, 4 + 427 // 8 + 2)), "the skip list carried over"
 
 
 def test_explain_matches_the_hash_of_what_training_received(dataset):

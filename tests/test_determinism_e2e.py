@@ -1,7 +1,9 @@
 """End to end: train, SIGKILL at a random step (or mid background write), resume, and match a straight run bitwise.
 
 Run as a script this file is the training child; as a test module it drives children through subprocess.
-Negative controls leave one RNG source (or the sampler, or the loader generator) out and must see a divergence.
+Negative controls leave one RNG source (or the sampler, or the loader generator) out and must see a divergence that
+starts exactly at the first resumed step: everything before the resume matches a straight run of the same program.
+Kill points are drawn from CKPT_KILL_SEED (printed with every failure) among those where a step is surely committed.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from test_data_sampler import noisy, write_tokens
 STEPS, EVERY, VOCAB, DIM, WINDOW, STRIDE, BATCH, SEED = 30, 3, 64, 16, 17, 5, 8, 5
 OMIT = ("torch", "numpy", "python", "generators", "sampler", "loader_generator")
 KILL_SEED = int(os.environ.get("CKPT_KILL_SEED", random.SystemRandom().randrange(1 << 30)))
+SEED_NOTE = f"rerun with CKPT_KILL_SEED={KILL_SEED}"
 
 
 class TinyLM(torch.nn.Module):
@@ -64,6 +67,7 @@ def train(root: str, tokens: str, log_path: str, final_path: str, omit: str | No
     with CheckpointManager(root) as manager, open(log_path, "a") as log:
         start = manager.restore(state) or 0
         print(f"restored {start}", flush=True)
+        log.write(json.dumps({"restored": start}) + "\n")  # an attempt begins
         if omit == "loader_generator":
             loader = DataLoader(dataset, batch_sampler=sampler, num_workers=2)
         else:
@@ -107,17 +111,24 @@ def _run(run: Path, tokens: Path, omit: str | None = None, kill_on: str | None =
             break
     proc.stdout.close()
     code = proc.wait(timeout=120)
-    assert code == (-signal.SIGKILL if kill_on else 0), (kill_on, lines[-5:])
+    assert code == (-signal.SIGKILL if kill_on else 0), (SEED_NOTE, kill_on, lines[-5:])
     return lines
 
 
-def _outcome(run: Path) -> tuple[dict[int, set[str]], bytes]:
-    """Every loss logged per step (killed and resumed attempts together) and the final weights."""
-    losses: dict[int, set[str]] = {}
+def _attempts(run: Path) -> list[tuple[int, dict[int, str]]]:
+    """Per attempt, in order: the step it resumed from (0: none) and the loss it logged for each step."""
+    attempts: list[tuple[int, dict[int, str]]] = []
     for line in (run / "log.jsonl").read_text().splitlines():
         record = json.loads(line)
-        losses.setdefault(record["step"], set()).add(record["loss"])
-    return losses, (run / "final.bin").read_bytes()
+        if "restored" in record:
+            attempts.append((record["restored"], {}))
+        else:
+            attempts[-1][1][record["step"]] = record["loss"]
+    return attempts
+
+
+def _weights(run: Path) -> bytes:
+    return (run / "final.bin").read_bytes()
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +137,13 @@ def tokens(tmp_path_factory) -> Path:
 
 
 def _kill_point(case: int) -> str:
-    """Case 1 dies right after a save returned (its write still in the background), the others at a random step."""
+    """Case 1 dies right after a save returned (its write still in the background), the others at a random step.
+
+    Only points where a step is surely committed: `save` drains the save before it, so once "saving 6" (or
+    "step 7") is printed, step 3 is durable and the restart must resume from a step > 0.
+    """
     rnd = random.Random(KILL_SEED + case)
-    return f"saving {EVERY * rnd.randrange(1, STEPS // EVERY)}" if case == 1 else f"step {rnd.randrange(1, STEPS - 1)}"
+    return f"saving {EVERY * rnd.randrange(2, STEPS // EVERY)}" if case == 1 else f"step {rnd.randrange(2 * EVERY + 1, STEPS - 1)}"
 
 
 def _scenario(run: Path, tokens: Path, kill_on: str | None, omit: str | None) -> int | None:
@@ -143,7 +158,8 @@ def _scenario(run: Path, tokens: Path, kill_on: str | None, omit: str | None) ->
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tokens) -> dict[str, tuple[Path, int | None, str | None]]:
     """Every child run of this module, two at a time (the children are independent; the test process only waits)."""
-    jobs = {"reference": (None, None), **{f"kill{c}": (_kill_point(c), None) for c in range(3)},
+    jobs = {"reference": (None, None), "reference-loader_generator": (None, "loader_generator"),
+            **{f"kill{c}": (_kill_point(c), None) for c in range(3)},
             **{f"omit-{o}": ("step 13", o) for o in OMIT}}  # fmt: skip
     with ThreadPoolExecutor(2) as pool:
         futures = {name: (tmp_path_factory.mktemp(name), kill_on, omit) for name, (kill_on, omit) in jobs.items()}
@@ -155,12 +171,13 @@ def runs(tmp_path_factory, tokens) -> dict[str, tuple[Path, int | None, str | No
 @pytest.mark.parametrize("case", range(3))
 def test_resume_after_sigkill_is_bitwise_identical(runs, case):
     run, resumed_from, kill_on = runs[f"kill{case}"]
-    ref_losses, ref_weights = _outcome(runs["reference"][0])
-    losses, weights = _outcome(run)
-    context = f"CKPT_KILL_SEED={KILL_SEED} killed on {kill_on!r}, resumed from {resumed_from}"
-    assert sorted(losses) == list(range(1, STEPS + 1)), context
-    assert {s: v for s, v in losses.items() if v != ref_losses[s]} == {}, context
-    assert weights == ref_weights, context
+    context = f"{SEED_NOTE}: killed on {kill_on!r}, resumed from {resumed_from}"
+    (_, reference), = _attempts(runs["reference"][0])
+    (first, killed), (again, resumed) = _attempts(run)
+    assert first == 0 and again == resumed_from and 0 < resumed_from <= max(killed), context  # a restore was tested
+    assert killed == {s: reference[s] for s in killed}, context
+    assert resumed == {s: reference[s] for s in range(resumed_from + 1, STEPS + 1)}, context
+    assert _weights(run) == _weights(runs["reference"][0]), context
 
 
 def test_explain_from_checkpoint_matches_logged_hashes(runs):
@@ -179,18 +196,28 @@ def test_explain_from_checkpoint_matches_logged_hashes(runs):
     with CheckpointManager(reference / "ckpt") as manager:
         assert manager.restore({"sampler": captured}, step=15, keys=["sampler"]) == 15
     assert captured.tree["step"] == 15 and captured.tree["t"] == 15 * BATCH
-    logged = [json.loads(line)["hash"] for line in (reference / "log.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (reference / "log.jsonl").read_text().splitlines()]
+    logged = [r["hash"] for r in records if "hash" in r]
     assert [explain(captured.tree, step).batch_hash for step in range(1, STEPS + 1)] == logged
 
 
 @pytest.mark.parametrize("omit", OMIT)
-def test_negative_control_leaving_a_source_out_diverges(runs, omit):
+def test_negative_control_leaving_a_source_out_diverges_at_the_resume(runs, omit):
+    """Leaving a source out changes nothing until the resume, and the very first resumed step differs.
+
+    The reference is a straight run of the same program: the loader_generator control uses a plain DataLoader,
+    whose iter() draws a base seed from the global RNG, in its straight run too (a resume draws it again, later).
+    """
     run, resumed_from, _ = runs[f"omit-{omit}"]
-    assert resumed_from > 0
-    ref_losses, ref_weights = _outcome(runs["reference"][0])
-    losses, weights = _outcome(run)
-    diverged = [s for s in range(resumed_from + 1, STEPS + 1) if losses[s] - ref_losses[s]]
-    assert diverged and weights != ref_weights, f"leaving out {omit} went unnoticed"
+    reference_run = runs["reference-loader_generator" if omit == "loader_generator" else "reference"][0]
+    (_, reference), = _attempts(reference_run)
+    (_, killed), (again, resumed) = _attempts(run)
+    assert again == resumed_from and resumed_from > 0
+    assert killed == {s: reference[s] for s in killed}, f"leaving out {omit} changed the run before any resume"
+    diverged = [s for s in sorted(resumed) if resumed[s] != reference[s]]
+    assert diverged, f"leaving out {omit} went unnoticed"
+    assert diverged[0] == resumed_from + 1, f"leaving out {omit}: first difference at {diverged[0]}, resumed at {resumed_from}"
+    assert _weights(run) != _weights(reference_run)
 
 
 if __name__ == "__main__":

@@ -85,13 +85,46 @@ def test_rank_killed_during_save_fails_the_others_and_keeps_previous_step(tmp_pa
     assert opt.state and all(p.abs().sum() > 0 for p in model.parameters())
 
 
-def test_damaged_step_is_skipped_by_every_rank_and_quarantined_once(tmp_path):
-    root = str(tmp_path / "ck")
-    results = run_ranks(2, "damaged", root)
-    _ok(results)
+def _restored(results, step: int) -> None:
     for rank, r in enumerate(results):
-        assert f"rank {rank} restored 1;" in r.stdout and "step 2 is damaged" in r.stdout, r.stdout[-3000:]
+        assert r.returncode == 0 and f"rank {rank} restored {step}: mismatched [];" in r.stdout, r.stdout[-3000:]
+
+
+@pytest.mark.parametrize("damage", ["replicated", "shard"])
+def test_damaged_step_is_skipped_by_every_rank_and_quarantined_once(tmp_path, damage):
+    """A byte of step 2 flipped where every rank reads it, or where only the last rank does (its row shard):
+    every rank falls back to step 1, bitwise, and rank 0 quarantines step 2 once."""
+    root = str(tmp_path / "ck")
+    results = run_ranks(2, f"damaged:{damage}", root)
+    _restored(results, 1)
+    chunk = results[0].stdout.split("damaged ", 1)[1].split()[0]
+    assert "step 2 is damaged" in results[0].stdout and "step 2 is damaged" in results[1].stdout
+    assert chunk in results[1].stdout  # the rank that read it names the file
+    if damage == "shard":  # rank 0 never read that chunk: it learned of the damage from rank 1
+        assert "another rank found damage" in results[0].stdout and chunk in results[0].stdout
     assert "quarantined to" in results[0].stdout and "quarantined by rank 0" in results[1].stdout
     assert [d.startswith("step_00000002-") for d in os.listdir(tmp_path / "ck" / "_quarantine")] == [True]
     dirs = sorted(d for d in os.listdir(tmp_path / "ck") if (tmp_path / "ck" / d).is_dir())
     assert dirs == ["_quarantine", "step_00000001"]
+    if damage == "shard":  # at world size 3 the shards are not aligned with the chunks (the chunk-by-chunk read path)
+        results = run_ranks(3, "restore_damaged", f"{root}.copy")
+        _restored(results, 1)
+        assert "another rank found damage" in results[0].stdout and chunk.replace(root, f"{root}.copy") in results[1].stdout
+
+
+def test_rank_map_skip_keeps_the_per_rank_state_at_another_world_size(tmp_path):
+    """Saved at world size 2, restored by one process: "modulo" gives it rank 0's RNG, "skip" leaves its own."""
+    import torch
+
+    from ckpt import CheckpointManager
+
+    root = str(tmp_path / "ck")
+    _ok(run_ranks(2, "save", root))
+    model, opt = dist_worker.build()
+    with torch.random.fork_rng(), CheckpointManager(root) as m:
+        torch.manual_seed(12345)
+        mine = torch.get_rng_state()
+        assert m.restore(dist_worker.state_of(model, opt), rank_map="skip") == 2
+        assert torch.equal(torch.get_rng_state(), mine)
+        assert m.restore(dist_worker.state_of(model, opt)) == 2
+        assert torch.equal(torch.get_rng_state(), torch.load(tmp_path / "rng0.pt"))

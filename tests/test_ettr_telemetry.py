@@ -1,10 +1,19 @@
 """OpenTelemetry export across a restart: identity, per-attempt counters, job gauges, checkpoint metrics.
 
-Read back twice: through the SDK's InMemoryMetricReader, and as a real Prometheus scrape over HTTP.
+Read back through the SDK's InMemoryMetricReader, and through each exporter `configure_metrics` offers, for real: a
+Prometheus scrape over HTTP, OTLP/HTTP protobuf sent to a receiver on 127.0.0.1 that decodes it, and the console
+exporter's JSON on stdout.
 """
 from __future__ import annotations
 
+import gzip
+import http.server
+import json
+import os
 import socket
+import subprocess
+import sys
+import threading
 import urllib.request
 
 import pytest
@@ -146,3 +155,135 @@ def test_prometheus_scrape_over_http(tmp_path):
     assert value("ettr_checkpoint_size_bytes_count", ettr_attempt="a2", **me) == 1
     assert value("ettr_checkpoint_write_duration_seconds_sum", ettr_attempt="a2", **me) == 2.0
     assert value("ettr_checkpoint_save_duration_seconds_count", ettr_attempt="a2", **me) == 1
+
+
+# What the restarted attempt's exporters must report after go_on: (metric, attributes besides job and rank) -> value
+EXPORTED = {
+    ("ettr.attempt.time", (("ettr.attempt", "a2"), ("ettr.category", "productive"))): 2.0,
+    ("ettr.attempt.time", (("ettr.attempt", "a2"), ("ettr.category", "startup"))): 2.0,
+    ("ettr.attempt.time", (("ettr.attempt", "a2"), ("ettr.category", "checkpoint_restore"))): 1.0,
+    ("ettr.attempt.time", (("ettr.attempt", "a2"), ("ettr.category", "checkpoint_save"))): 0.5,
+    ("ettr.job.time", (("ettr.category", "productive"),)): 4.0,
+    ("ettr.job.time", (("ettr.category", "lost"),)): 3.0,
+    ("ettr.job.time", (("ettr.category", "downtime"),)): 94.0,  # a1's last record at 1006, a2 from 1100
+    ("ettr.job.failures", ()): 1,
+    ("ettr.ratio", (("ettr.window", "cumulative"),)): 4.0 / 105.5,
+    ("ettr.checkpoint.last_step", ()): 4,
+    ("ettr.checkpoint.age", ()): 5.0,
+}
+EXPORTED.update({(f"{name}.{part}", (("ettr.attempt", "a2"),)): value  # histograms: count and sum
+                 for name, count, total in (("ettr.checkpoint.size", 1, 8192.0), ("ettr.checkpoint_write.duration", 1, 2.0),
+                                            ("ettr.checkpoint_save.duration", 1, 0.5),
+                                            ("ettr.checkpoint_restore.duration", 1, 1.0))
+                 for part, value in (("count", count), ("sum", total))})
+IDENTITY = {"service.name": "llm-pretrain", "service.instance.id": "a2-rank0", "ettr.job": JOB, "ettr.attempt": "a2",
+            "ettr.rank": 0}
+
+
+def _point_key(name: str, attributes: dict) -> tuple:
+    assert (attributes.pop("ettr.job"), attributes.pop("ettr.rank")) == (JOB, 0), (name, attributes)
+    return name, tuple(sorted(attributes.items()))
+
+
+def _assert_exported(points: dict, resource: dict) -> None:
+    assert {k: resource[k] for k in IDENTITY} == IDENTITY
+    got = {k: points.get(k) for k in EXPORTED}
+    assert got == pytest.approx(EXPORTED), {k: (got[k], v) for k, v in EXPORTED.items() if got[k] != pytest.approx(v)}
+
+
+class _OtlpReceiver(http.server.BaseHTTPRequestHandler):
+    """A minimal OTLP/HTTP metrics endpoint: decodes each protobuf request, answers with an empty response."""
+
+    def do_POST(self) -> None:
+        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+            ExportMetricsServiceRequest, ExportMetricsServiceResponse)
+
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.headers.get("Content-Encoding") == "gzip":
+            body = gzip.decompress(body)
+        request = ExportMetricsServiceRequest()
+        request.ParseFromString(body)
+        self.server.received.append((self.path, self.headers.get("Content-Type"), request))
+        answer = ExportMetricsServiceResponse().SerializeToString()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def _any_value(v):
+    return getattr(v, v.WhichOneof("value"))
+
+
+def test_otlp_http_export_is_received_and_decoded(tmp_path, monkeypatch):
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OtlpReceiver)
+    server.received = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    root = str(tmp_path)
+    crashed_attempt(root)
+    tr, clock, provider, _ = restarted_attempt(root, "otlp", service_name="llm-pretrain", interval_s=3600.0,
+                                               endpoint=f"http://127.0.0.1:{server.server_port}/v1/metrics")
+    try:
+        go_on(tr, clock)
+        assert provider.force_flush(timeout_millis=30_000)
+    finally:
+        tr.end()
+        provider.shutdown()
+        server.shutdown()
+        thread.join(timeout=10)
+    path, content_type, request = server.received[0]
+    assert (path, content_type) == ("/v1/metrics", "application/x-protobuf")
+    (resource_metrics,) = request.resource_metrics
+    resource = {kv.key: _any_value(kv.value) for kv in resource_metrics.resource.attributes}
+    points = {}
+    for scope in resource_metrics.scope_metrics:
+        for metric in scope.metrics:
+            data = getattr(metric, metric.WhichOneof("data"))
+            for p in data.data_points:
+                name, attributes = _point_key(metric.name, {kv.key: _any_value(kv.value) for kv in p.attributes})
+                if metric.WhichOneof("data") == "histogram":
+                    points[(f"{name}.count", attributes)], points[(f"{name}.sum", attributes)] = p.count, p.sum
+                else:
+                    points[(name, attributes)] = getattr(p, p.WhichOneof("value"))
+    _assert_exported(points, resource)
+
+
+_CONSOLE_CHILD = """
+import sys
+from test_ettr_telemetry import crashed_attempt, go_on, restarted_attempt
+crashed_attempt(sys.argv[1])
+tr, clock, provider, _ = restarted_attempt(sys.argv[1], "console", service_name="llm-pretrain", interval_s=3600.0)
+go_on(tr, clock)
+print("<<<", flush=True)
+provider.force_flush(timeout_millis=30_000)
+print(">>>", flush=True)
+tr.end()
+provider.shutdown()
+"""
+
+
+def test_console_export_prints_the_numbers(tmp_path):
+    """The console exporter writes to the process's stdout (bound when the SDK is imported): read it from a child."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", _CONSOLE_CHILD, str(tmp_path)], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    printed = out.stdout.split("<<<\n", 1)[1].split(">>>\n", 1)[0]
+    (resource_metrics,) = json.loads(printed)["resource_metrics"]
+    points = {}
+    for scope in resource_metrics["scope_metrics"]:
+        for metric in scope["metrics"]:
+            for p in metric["data"]["data_points"]:
+                name, attributes = _point_key(metric["name"], dict(p["attributes"]))
+                if "count" in p:
+                    points[(f"{name}.count", attributes)], points[(f"{name}.sum", attributes)] = p["count"], p["sum"]
+                else:
+                    points[(name, attributes)] = p["value"]
+    _assert_exported(points, resource_metrics["resource"]["attributes"])

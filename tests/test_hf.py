@@ -71,8 +71,8 @@ class StepLog(TrainerCallback):
         self.steps.append(state.global_step)
 
 
-def _trainer(out: Path, steps: int, stock: bool = False, args: dict | None = None, **options):
-    """A tiny GPT-2 (1 layer, dropout) trainer saving every 2 steps, keeping 2 folders."""
+def _trainer(out: Path, steps: int, stock: bool = False, args: dict | None = None, cls: type | None = None, **options):
+    """A tiny GPT-2 (1 layer, dropout) trainer saving every 2 steps, keeping 2 folders (a CkptTrainer, or `cls`)."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from integrations.hf import CkptTrainer
@@ -89,7 +89,7 @@ def _trainer(out: Path, steps: int, stock: bool = False, args: dict | None = Non
     if stock:
         trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[log], **options)
     else:
-        trainer = CkptTrainer(model=model, args=targs, train_dataset=data, callbacks=[log], **options)
+        trainer = (cls or CkptTrainer)(model=model, args=targs, train_dataset=data, callbacks=[log], **options)
     trainer.step_log = log
     return trainer
 
@@ -225,3 +225,69 @@ def test_resume_from_a_stock_trainer_checkpoint(tmp_path, no_launcher_ids):
     assert ours.step_log.steps == stock.step_log.steps == [5, 6]
     assert _weights(ours.model) == _weights(stock.model)
     assert ckpt.CheckpointManager(out / "ckpt").steps() == [6]  # from here on the root holds the run
+
+
+def test_resume_from_a_folder_whose_step_never_committed_falls_back_with_a_warning(tmp_path):
+    """Killed while step 6 was written: HF had made checkpoint-6 (its trainer_state.json), the root never committed
+    step 6. Resuming from that folder warns and resumes from step 4, the newest committed step before it."""
+    import shutil
+
+    out = tmp_path / "out"
+    _trainer(out, 4).train()
+    shutil.copytree(out / "checkpoint-4", out / "checkpoint-6")
+    state = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())
+    (out / "checkpoint-6" / "trainer_state.json").write_text(json.dumps({**state, "global_step": 6}))
+    resumed = _trainer(out, 8)
+    with pytest.warns(RuntimeWarning, match=r"checkpoint step 6 was never committed in .*resuming from step 4 instead"):
+        resumed.train(resume_from_checkpoint=str(out / "checkpoint-6"))
+    assert resumed.step_log.steps == [5, 6, 7, 8]
+    assert json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())["global_step"] == 8
+
+
+class _StopAt(TrainerCallback):
+    """Ends train() after step `at` (its checkpoint saved), as a job stopped there would."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            control.should_training_stop = True
+
+
+@pytest.mark.parametrize("rng", [True, False])
+def test_resume_is_bitwise_only_with_the_rng_restored(tmp_path, rng):
+    """The docs' claim and its negative control: stopped after step 2 (mid-epoch) and resumed to 6, every step's loss
+    equals a straight run's; without the RNG restore (dropout) the first resumed step already differs, while the
+    steps before the resume match."""
+    from integrations.hf import CkptTrainer
+
+    class LossLog(CkptTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self.losses[self.state.global_step + 1] = loss.item().hex()
+            return loss
+
+    class WithoutRngRestore(LossLog):
+        def _load_rng_state(self, checkpoint):
+            """The control: HF's own RNG seeding and batch skipping only."""
+
+    runs = {}
+    for name, cls, callbacks, resume in (("straight", LossLog, [], None), ("first", LossLog, [_StopAt(2)], None),
+                                         ("resumed", LossLog if rng else WithoutRngRestore, [], True)):
+        trainer = _trainer(tmp_path / ("straight" if name == "straight" else "job"), 6, cls=cls)
+        for callback in callbacks:
+            trainer.add_callback(callback)
+        trainer.losses = {}
+        trainer.train(resume_from_checkpoint=resume)
+        runs[name] = trainer
+    reference = runs["straight"].losses
+    assert sorted(reference) == list(range(1, 7)) and runs["first"].losses == {1: reference[1], 2: reference[2]}
+    resumed = runs["resumed"].losses
+    assert runs["resumed"].step_log.steps == [3, 4, 5, 6]
+    if rng:
+        assert resumed == {s: reference[s] for s in range(3, 7)}
+        assert _weights(runs["resumed"].model) == _weights(runs["straight"].model)
+    else:
+        assert sorted(resumed) == [3, 4, 5, 6] and resumed[3] != reference[3]
+        assert _weights(runs["resumed"].model) != _weights(runs["straight"].model)

@@ -122,10 +122,12 @@ def test_pointers_are_relative_and_the_next_writer_drops_those_of_steps_that_nev
     assert sorted(p.name for p in folder.iterdir()) == ["a.ckpt", "c.ckpt", "old.ckpt"]
 
 
-def _fit(root: Path, steps: int, ckpt_path: str | None = None, callbacks: tuple = (),
-         **io_options) -> dict[str, torch.Tensor]:
+def _fit(root: Path, steps: int, ckpt_path: str | None = None, without: str | None = None, strategy: object = "auto",
+         accelerator: str = "cpu", callbacks: tuple = (), **io_options) -> dict[str, torch.Tensor]:
     """A tiny fit through CkptCheckpointIO + GoodputCallback (the child's model and data); returns its final weights.
-    `callbacks` replace the ModelCheckpoint saving every 4 steps."""
+    `callbacks` replace the ModelCheckpoint saving every 4 steps. Negative controls: `without="rng"` leaves the RNG
+    state out of the checkpoint, `without="sampler"` leaves the sampler where it is on a resume instead of loading
+    its saved position."""
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -135,10 +137,11 @@ def _fit(root: Path, steps: int, ckpt_path: str | None = None, callbacks: tuple 
 
     torch.manual_seed(0)
     sampler = ShuffledSampler(64, 8, seed=1)
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, deterministic=True,
-                      plugins=[CkptCheckpointIO(root, **io_options)],
-                      callbacks=[GoodputCallback(samplers={"train": sampler}),
+    trainer = Trainer(accelerator=accelerator, devices=1, max_steps=steps, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                      deterministic=True, strategy=strategy, plugins=[CkptCheckpointIO(root, **io_options)],
+                      callbacks=[(_forgets_samplers() if without == "sampler" else GoodputCallback)(
+                                     samplers={"train": sampler}, rng=without != "rng"),
                                  *(callbacks or [ModelCheckpoint(dirpath=root / "pointers", every_n_train_steps=4,
                                                                  save_last=True)])])
     model = Net()
@@ -168,6 +171,18 @@ def test_decision_checkpoint_saves_on_the_decision_and_on_a_preemption_signal(tm
     # every 3 steps (3), the signal's step (5), and 3 steps after that would be 8: past the end
     assert pointers(tmp_path) == {"epoch=0-step=3.ckpt": 3, "epoch=0-step=5.ckpt": 5}
     assert committed_steps(str(tmp_path)) == [3, 5]
+
+
+def _forgets_samplers():
+    from integrations.lightning import GoodputCallback
+
+    class ForgetsSamplers(GoodputCallback):
+        """A GoodputCallback that restores the RNG but loads each sampler's own current position, not the saved one."""
+
+        def load_state_dict(self, state_dict):
+            super().load_state_dict({**state_dict, "samplers": {n: s.state_dict() for n, s in self.samplers.items()}})
+
+    return ForgetsSamplers
 
 
 def _tree(root: Path) -> dict[str, tuple[int, int]]:
@@ -202,3 +217,85 @@ def test_a_restart_of_the_same_run_resumes_without_ckpt_path(tmp_path, no_launch
     resumed = _fit(tmp_path / "job", 12, run_id="job-1")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert [a.restored_step for a in attribute_root(str(tmp_path / "job")).attempts] == [None, 8]
+
+
+def _losses(printed: str) -> dict[int, str]:
+    """Step -> loss (float hex) from the "loss STEP HEX" lines Net prints."""
+    return {int(w[1]): w[2] for w in (line.split() for line in printed.splitlines()) if len(w) == 3 and w[0] == "loss"}
+
+
+@pytest.mark.parametrize("without", [None, "rng", "sampler"])
+def test_resume_is_bitwise_only_with_the_rng_and_sampler_restored(tmp_path, capsys, without):
+    """The docs' claim and its negative controls: a fit stopped at 8 and resumed from "last" to 12 equals a straight
+    fit to 12 step by step; without the RNG state (dropout, input noise) or the sampler position in the checkpoint it
+    differs from the very first resumed step, while everything before the resume still matches."""
+    straight = _fit(tmp_path / "straight", 12)
+    reference = _losses(capsys.readouterr().out)
+    _fit(tmp_path / "job", 8, without=without)
+    before = _losses(capsys.readouterr().out)
+    resumed = _fit(tmp_path / "job", 12, ckpt_path="last", without=without)
+    after = _losses(capsys.readouterr().out)
+    assert sorted(reference) == list(range(1, 13)) and before == {s: reference[s] for s in range(1, 9)}
+    same_weights = all(torch.equal(straight[k], resumed[k]) for k in straight)
+    if without is None:
+        assert after == {s: reference[s] for s in range(9, 13)} and same_weights
+    else:
+        assert sorted(after) == list(range(9, 13)) and after[9] != reference[9] and not same_weights
+
+
+def test_remove_checkpoint_deletes_a_step_once_no_pointer_names_it_and_a_newer_step_is_committed(tmp_path):
+    """ModelCheckpoint removes pointers; the step goes only when nothing in the folder names it any more and it is
+    not the newest committed step (a resume needs that one): until then the deletion is deferred."""
+    from ettr import committed_steps
+
+    root, folder = tmp_path / "root", tmp_path / "root" / "pointers"
+    io = CkptCheckpointIO(root)
+    io.save_checkpoint({"global_step": 4, "w": torch.zeros(3)}, folder / "a.ckpt")
+    io.save_checkpoint({"global_step": 4, "w": torch.zeros(3)}, folder / "last.ckpt")  # the same step, twice named
+    io.wait()
+    io.remove_checkpoint(folder / "a.ckpt")
+    io.wait()
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"] and committed_steps(str(root)) == [4]
+    io.save_checkpoint({"global_step": 8, "w": torch.ones(3)}, folder / "b.ckpt")
+    io.wait()
+    io.remove_checkpoint(folder / "b.ckpt")  # step 8 is the newest committed step: kept, its deletion deferred
+    io.wait()
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"] and committed_steps(str(root)) == [4, 8]
+    io.save_checkpoint({"global_step": 12, "w": torch.full((3,), 2.0)}, folder / "last.ckpt")  # 4 is named no more
+    io.teardown()  # drains the save of 12: now 8 is covered too
+    assert committed_steps(str(root)) == [12]
+    loaded = CkptCheckpointIO(root).load_checkpoint(folder / "last.ckpt")
+    assert loaded["global_step"] == 12 and torch.equal(loaded["w"], torch.full((3,), 2.0))
+
+
+@pytest.fixture
+def own_process_group():
+    """Lightning's distributed strategies initialize a process group (and its environment) in this process and leave
+    it when setup fails: tear both down so that later tests' managers are not distributed."""
+    environ = dict(os.environ)
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def test_model_parallel_strategy_is_refused_before_anything_is_written(tmp_path, own_process_group):
+    """ModelParallelStrategy saves through torch.distributed.checkpoint, never CheckpointIO: refused at setup."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    with pytest.raises(RuntimeError, match="ModelParallelStrategy bypasses CheckpointIO"):
+        _fit(tmp_path / "root", 2, strategy=ModelParallelStrategy())
+    assert not list((tmp_path / "root").glob("step_*")) and not (tmp_path / "root" / "ettr").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Lightning's FSDPStrategy needs a GPU")
+def test_fsdp_strategy_is_refused_before_anything_is_written(tmp_path, own_process_group):
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    with pytest.raises(RuntimeError, match="FSDPStrategy bypasses CheckpointIO"):
+        _fit(tmp_path / "root", 2, strategy=FSDPStrategy(), accelerator="cuda")
+    assert not list((tmp_path / "root").glob("step_*")) and not (tmp_path / "root" / "ettr").exists()
+

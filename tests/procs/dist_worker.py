@@ -2,12 +2,16 @@
 
 Modes: "save" trains 2 steps sharded at world size W, saves step 2 and dumps a full reference;
 "restore" rebuilds at W (1 = no process group), restores and compares bitwise; "kill" saves step 1,
-then rank 1 dies during the save of step 2; "damaged" saves steps 1 and 2, rank 0 flips a byte of
-step 2, then every rank restores. Run as a script (RANK/WORLD_SIZE/MASTER_* in the
-environment) or through `run(...)` from a forkserver that has torch preloaded.
+then rank 1 dies during the save of step 2; "damaged:replicated" / "damaged:shard" save steps 1 and 2
+(a full reference of step 1 beside the root), rank 0 flips a byte of step 2 in a chunk every rank reads
+(the replicated table) or only the last rank reads (a row shard of model.0.weight; a copy of the root is
+kept for "restore_damaged"), then every rank restores; "restore_damaged" restores that copy at W and
+compares with step 1. Run as a script (RANK/WORLD_SIZE/MASTER_* in the environment) or through
+`run(...)` from a forkserver that has torch preloaded.
 """
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -69,23 +73,68 @@ def state_of(model, opt):
     return {"model": model, "opt": opt, "rng": RNGState(), "table": torch.arange(1 << 18, dtype=torch.float32)}
 
 
+def train(model, opt, g) -> None:
+    model(torch.randn(16, 32, generator=g)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _damage(root: str, what: str) -> str:
+    """Flip a byte of step 2: in the replicated table (every rank reads it) or in the chunk of model.0.weight's
+    last rows (only the last rank's shard covers them). Returns the chunk's path."""
+    from ckpt.restore import read_manifest
+    from ckpt.storage import open_storage
+
+    if what == "replicated":
+        path = os.path.join(root, "step_00000002", "arrays", "table", "c", "0")
+    else:
+        info = read_manifest(open_storage(root), 2).arrays["model/0.weight"]
+        last = (info.shape[0] - 1) // info.chunk[0]
+        assert last >= 1, f"one chunk for every shard: {info}"
+        path = os.path.join(root, "step_00000002", "arrays", "model", "0.weight", "c", str(last), "0")
+    with open(path, "r+b") as f:
+        f.seek(10)
+        byte = f.read(1)
+        f.seek(10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return path
+
+
+def restore_and_compare(m, model, opt, reference_path: str) -> None:
+    """Restore the newest intact step; print it, the tensors that differ from the reference, and the warnings."""
+    rank = dist.get_rank() if WORLD > 1 else 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = m.restore(state_of(model, opt))
+    got, ref = flat_reference(model, opt), torch.load(reference_path)
+    bad = [k for k in ref if k not in got or not torch.equal(ref[k], got[k])]
+    print(f"rank {rank} restored {step}: mismatched {bad}; {[str(w.message) for w in caught]}", flush=True)
+
+
 def main(mode: str, root: str) -> None:
     if WORLD > 1:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if WORLD > 1 else 0
     model, opt = build()
-    if mode == "damaged":
+    if mode.startswith("damaged:"):
+        g = torch.Generator().manual_seed(1)
         with ckpt.CheckpointManager(root, collective_timeout=20) as m:
             for step in (1, 2):
+                train(model, opt, g)
                 m.save(step, state_of(model, opt)).wait()
+                reference = flat_reference(model, opt)  # full_tensor() is a collective: every rank
+                if step == 1 and rank == 0:
+                    torch.save(reference, os.path.join(root, "..", "reference1.pt"))
             if rank == 0:
-                with open(os.path.join(root, "step_00000002", "arrays", "table", "c", "0"), "r+b") as f:
-                    f.write(b"\xff")
+                chunk = _damage(root, mode.split(":")[1])
+                print(f"damaged {chunk}", flush=True)
+                if mode == "damaged:shard":
+                    shutil.copytree(root, f"{root}.copy")
             dist.barrier()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                step = m.restore(state_of(model, opt))
-            print(f"rank {rank} restored {step}; {[str(w.message) for w in caught]}", flush=True)
+            restore_and_compare(m, model, opt, os.path.join(root, "..", "reference1.pt"))
+    elif mode == "restore_damaged":
+        with ckpt.CheckpointManager(root, collective_timeout=20) as m:
+            restore_and_compare(m, model, opt, os.path.join(root, "..", "reference1.pt"))
     elif mode in ("save", "kill"):
         g = torch.Generator().manual_seed(1)
         for _ in range(2):

@@ -66,6 +66,7 @@ def straight_killed_resumed(child: Path, tmp: Path, steps: int, kill_at: int) ->
     resumed = start(child, tmp / "job", tmp / "resumed.npz", steps)
     resumed_lines = finish(resumed)
     assert resumed.returncode == 0 and ["done"] in resumed_lines, resumed_lines[-5:]
+    assert min(losses(resumed_lines)) > 1, "the restart trained from step 1: it restored nothing"
     return Runs(straight_lines, killed_lines, resumed_lines, tmp / "straight.npz", tmp / "resumed.npz")
 
 
