@@ -1,8 +1,9 @@
 """ckpt: save and restore the whole training state, asynchronously and sharded, through tensorstore."""
 
-from .data import DataMismatchError, RandomWindowSampler, ShuffledSampler, TokenWindowDataset, explain, make_loader
+from .data import RandomWindowSampler, ShuffledSampler, TokenWindowDataset, explain, make_loader
 from .errors import (CheckpointDeleteError, CheckpointError, CheckpointWriteError, CorruptCheckpointError,
-                     LeaseHeldError, RunMismatchError)
+                     DataMismatchError, LeaseHeldError, RunMismatchError, StateKeyError, StateMismatchError,
+                     StepExistsError, StepNotFoundError)
 from .manager import CheckpointManager, CheckpointObserver, SaveHandle
 from .retention import Retention
 from .rng import RNGState
@@ -11,7 +12,7 @@ from .state import Stateful
 __all__ = [
     "CheckpointManager", "CheckpointObserver", "SaveHandle", "Retention", "Stateful",
     "CheckpointError", "CheckpointWriteError", "CheckpointDeleteError", "CorruptCheckpointError", "RunMismatchError",
-    "LeaseHeldError",
+    "LeaseHeldError", "StepNotFoundError", "StepExistsError", "StateMismatchError", "StateKeyError",
     "RNGState", "RandomWindowSampler", "ShuffledSampler", "TokenWindowDataset", "make_loader", "explain",
     "DataMismatchError",
 ]

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from . import catalog, data, lease
 from . import state as state_mod
 from .restore import read_manifest
-from .errors import CheckpointError
+from .errors import CheckpointError, StepNotFoundError
 from .format import step_dir
 from .storage import Storage, open_storage
 
@@ -46,6 +46,8 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
         if e.committed:
             try:
                 when = _when(read_manifest(storage, e.step).time)
+            except StepNotFoundError:  # deleted since it was listed (another process's retention)
+                continue
             except CheckpointError as err:
                 when = f"DAMAGED: {err}"
         state = "committed" if e.committed else ("in progress" if holder and e.owner == holder.get("id") else "incomplete")
@@ -124,7 +126,7 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
     for step in steps:
         try:
             total = sum(a.nbytes for a in read_manifest(storage, step).arrays.values())
-        except (CheckpointError, FileNotFoundError) as e:
+        except CheckpointError as e:
             print(f"step {step}: DAMAGED: {e}")
             bad += 1
             continue

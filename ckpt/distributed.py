@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from .errors import StateMismatchError
 from .format import ArrayInfo, chunk_shape, dtype_name, torch_dtype
 from .state import is_dtensor
 
@@ -105,7 +106,7 @@ def read_region(info: ArrayInfo, template: Any) -> tuple[Any, Box] | None:
     if not is_dtensor(template):
         return None
     if tuple(template.shape) != info.shape:
-        raise ValueError(f"restore of key {info.name!r}: checkpoint has global shape {list(info.shape)}, "
+        raise StateMismatchError(f"restore of key {info.name!r}: checkpoint has global shape {list(info.shape)}, "
                          f"the target DTensor has {list(template.shape)}")
     return template, local_box(template)[1]
 

@@ -20,7 +20,8 @@ from . import lease as lease_mod
 from . import restore as restore_mod
 from . import run as run_mod
 from .distributed import Ranks, prepare_optimizers
-from .errors import CheckpointDeleteError, CheckpointError, CheckpointWriteError, CorruptCheckpointError, LeaseHeldError
+from .errors import (CheckpointDeleteError, CheckpointError, CheckpointWriteError, CorruptCheckpointError, LeaseHeldError,
+                     StepExistsError, StepNotFoundError)
 from .format import MANIFEST, MAX_CHUNK_BYTES, step_dir
 from .restore import read_manifest
 from .retention import Retention
@@ -136,7 +137,7 @@ class CheckpointManager:
             if pending is not None:  # a delete of this very step number must finish before it is written again
                 futures_wait([pending])
             if self.storage.read(f"{step_dir(step)}/{MANIFEST}") is not None:
-                raise ValueError(f"step {step} is already committed in {self.storage.url}; "
+                raise StepExistsError(f"step {step} is already committed in {self.storage.url}; "
                                  f"a committed checkpoint is never overwritten")
             t0 = time.perf_counter()
             job = SaveJob(self.storage, plan(step, state, metadata, self.chunk_bytes, self.ranks), self._arena,
@@ -186,7 +187,7 @@ class CheckpointManager:
                 if s not in self._metadata:
                     try:
                         self._metadata[s] = read_manifest(self.storage, s).metadata
-                    except (CorruptCheckpointError, FileNotFoundError):
+                    except (CorruptCheckpointError, StepNotFoundError):
                         self._metadata[s] = {}
         for s in self.retention.to_delete(steps, self._metadata):
             self._queue_delete(s, report=False)
@@ -302,7 +303,7 @@ class CheckpointManager:
                 outcome = self._read_step(s, state, keys, rank_map)
                 if outcome == "vanished":
                     if step is not None:
-                        raise FileNotFoundError(f"step {step} is not committed in {self.storage.url}")
+                        raise StepNotFoundError(f"step {step} is not committed in {self.storage.url}")
                     relists += 1
                     if relists > _MAX_RELISTS:
                         raise CheckpointError(f"steps of {self.storage.url} vanished while being read, {relists} times: "
@@ -344,14 +345,14 @@ class CheckpointManager:
         """Read and verify step `s` on every rank: its plan, its damage, or "vanished" (deleted meanwhile)."""
         rank, world = (self.ranks.rank, self.ranks.world_size) if self.ranks else (0, 1)
         plan: restore_mod.ReadPlan | None = None
-        error: CorruptCheckpointError | FileNotFoundError | None = None
+        error: CorruptCheckpointError | StepNotFoundError | None = None
         try:
             plan = restore_mod.prepare(self.storage, s, state, keys, self._readers, self._arena, rank=rank,
                                        world_size=world, rank_map=rank_map)
-        except (CorruptCheckpointError, FileNotFoundError) as e:
+        except (CorruptCheckpointError, StepNotFoundError) as e:
             error = e
         verdict = "ok" if error is None else (
-            "vanished" if isinstance(error, FileNotFoundError) or not catalog.is_committed(self.storage, s) else "damaged")
+            "vanished" if isinstance(error, StepNotFoundError) or not catalog.is_committed(self.storage, s) else "damaged")
         if self.ranks is not None:  # every rank takes the same decision
             reports = self.ranks.all_gather_json([verdict, None if error is None else str(error)])
             verdicts = [v for v, _ in reports]
@@ -402,7 +403,7 @@ class CheckpointManager:
             raise ValueError(f"step {step} is still being written")
         committed = self.steps()
         if step not in committed:
-            raise ValueError(f"step {step} is not a committed step of {self.storage.url} (committed: {committed})")
+            raise StepNotFoundError(f"step {step} is not a committed step of {self.storage.url} (committed: {committed})")
         if step == committed[-1]:
             raise ValueError(f"step {step} is the newest committed step; it is never deleted")
         self._take_lease(collective=False)

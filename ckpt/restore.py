@@ -20,7 +20,7 @@ import torch
 from . import state as state_mod
 from . import store
 from .distributed import read_region
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, StateKeyError, StateMismatchError, StepNotFoundError
 from .format import ARRAYS, MANIFEST, ArrayInfo, Manifest, chunk_key, step_dir, torch_dtype
 from .staging import StagingArena
 from .storage import Storage, UnsafeFileError, local_files, where
@@ -29,7 +29,7 @@ Box = tuple[tuple[int, int], ...]
 
 
 def read_manifest(storage: Storage, step: int) -> Manifest:
-    """The validated manifest of a committed step; FileNotFoundError when the step is not committed.
+    """The validated manifest of a committed step; StepNotFoundError when the step is not committed.
 
     Validated means: checksum, schema and bounds of every field, the state tree's tags, depth and
     references; any defect is a CorruptCheckpointError naming the file.
@@ -41,7 +41,7 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
     except UnsafeFileError as e:
         raise CorruptCheckpointError(f"manifest is {e.strerror}", step=step, file=file) from None
     if data is None:
-        raise FileNotFoundError(f"step {step} is not committed in {storage.url} (no {path})")
+        raise StepNotFoundError(f"step {step} is not committed in {storage.url} (no {path})")
     m = Manifest.from_bytes(data, file=file)
     if m.step != step:
         raise CorruptCheckpointError(f"manifest says step {m.step}", step=step, file=file)
@@ -105,17 +105,17 @@ def plan_restore(manifest: Manifest, target: Mapping[str, Any], keys: Sequence[s
 
     DTensor targets read only their own shard's region of each global array (any world size); other
     tensors read whole arrays. Per-rank entries follow `state.select_rank`. Key, shape and dtype mismatches
-    raise here (KeyError, ValueError naming the key). With `files` (of a local step), every chunk of every
+    raise here (StateKeyError, StateMismatchError naming the key). With `files` (of a local step), every chunk of every
     array read must be there at its exact size before anything is allocated (else CorruptCheckpointError).
     """
     tree, step = manifest.tree, manifest.step
     selected = list(keys) if keys is not None else list(target)
     missing = [k for k in selected if k not in tree]
     if missing:
-        raise KeyError(f"keys {missing} not in checkpoint step {step} (it has {sorted(tree)})")
+        raise StateKeyError(f"keys {missing} not in checkpoint step {step} (it has {sorted(tree)})")
     absent = [k for k in selected if k not in target]
     if absent:
-        raise KeyError(f"keys {absent} are not in the state passed to restore (it has {sorted(target)})")
+        raise StateKeyError(f"keys {absent} are not in the state passed to restore (it has {sorted(target)})")
     nodes = {}
     for k in selected:
         node = tree[k]
@@ -156,7 +156,7 @@ def plan_restore(manifest: Manifest, target: Mapping[str, Any], keys: Sequence[s
     if keys is None:
         extra = [k for k in tree if k not in target]
         if extra:
-            raise KeyError(f"checkpoint step {step} has keys {extra} that the state passed to restore lacks: add "
+            raise StateKeyError(f"checkpoint step {step} has keys {extra} that the state passed to restore lacks: add "
                            f"them, or restore only some keys with keys=[...]")
     return ReadPlan(manifest, reads, values)
 
@@ -193,10 +193,10 @@ def _fresh(info: ArrayInfo, box: Box, step: int) -> torch.Tensor:
 
 def _check_match(info: ArrayInfo, tmpl: torch.Tensor, step: int) -> None:
     if tuple(tmpl.shape) != info.shape:
-        raise ValueError(f"restore of key {info.name!r} (step {step}): checkpoint has shape {list(info.shape)}, "
+        raise StateMismatchError(f"restore of key {info.name!r} (step {step}): checkpoint has shape {list(info.shape)}, "
                          f"the target tensor has shape {list(tmpl.shape)}")
     if tmpl.dtype != torch_dtype(info.dtype):
-        raise ValueError(f"restore of key {info.name!r} (step {step}): checkpoint has dtype {info.dtype}, "
+        raise StateMismatchError(f"restore of key {info.name!r} (step {step}): checkpoint has dtype {info.dtype}, "
                          f"the target tensor has dtype {str(tmpl.dtype).removeprefix('torch.')}")
 
 

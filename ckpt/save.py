@@ -24,6 +24,7 @@ from . import state as state_mod
 from . import store
 from .format import ARRAYS, IN_PROGRESS, MANIFEST, ArrayInfo, Manifest, chunk_shape, dtype_name, step_dir
 from .distributed import Ranks, plan_arrays
+from .errors import StepExistsError
 from .lease import Lease
 from .staging import Staged, StagingArena
 from .storage import Storage
@@ -120,7 +121,7 @@ class SaveJob:
         if self.leader:
             with self.lease.preparing() if self.lease else contextlib.nullcontext():  # gc waits meanwhile
                 if self.storage.read(f"{self.dir}/{MANIFEST}") is not None:
-                    raise FileExistsError(f"step {self.plan.step} is already committed in {self.storage.url}")
+                    raise StepExistsError(f"step {self.plan.step} is already committed in {self.storage.url}")
                 self.storage.delete_tree(self.dir)  # leftovers of a crashed earlier attempt at this step
                 marker = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
                           "lease": self.lease.id if self.lease else None}

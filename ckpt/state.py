@@ -20,7 +20,7 @@ import sys
 import numpy as np
 import torch
 
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, StateKeyError
 from .format import MAX_DEPTH, ArrayInfo, escape_segment
 
 _TAGS = ("$tensor", "$ndarray", "$float", "$tuple", "$size", "$dict", "$odict", "$bytes", "$np", "$dtype", "$state",
@@ -315,7 +315,7 @@ def decode(node: Any, load: Callable[[str, Any, bool], Any], template: Any = Non
 
     `template` is the value currently at this position in the caller's state (or its state_dict for
     Stateful objects), so tensors can be read in place into the caller's memory. With `strict`, a dict of
-    the caller's state must hold exactly the checkpoint's keys, else a KeyError names the key path. Below a
+    the caller's state must hold exactly the checkpoint's keys, else a StateKeyError names the key path. Below a
     Stateful object only an nn.Module's keys are compared (its load_state_dict would refuse a mismatch,
     but only after loading the rest); other objects' load_state_dict judge their own state.
     """
@@ -357,7 +357,7 @@ def _same_keys(saved: list[Any], current: list[Any], key: str) -> None:
     saved_set, current_set = set(saved), set(current)
     extra, missing = [k for k in saved if k not in current_set], [k for k in current if k not in saved_set]
     if extra or missing:
-        raise KeyError(f"restore: " + "; ".join(
+        raise StateKeyError(f"restore: " + "; ".join(
             [f"key {_join(key, k)!r} is in the checkpoint but not in the state passed to restore" for k in extra]
             + [f"key {_join(key, k)!r} is in the state passed to restore but not in the checkpoint" for k in missing]))
 
