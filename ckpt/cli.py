@@ -11,11 +11,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from . import catalog, data, lease
+from . import catalog, data, layout, lease
 from . import state as state_mod
-from .restore import read_manifest
 from .errors import CheckpointError, StepNotFoundError
-from .format import step_dir
+from .layout import read_manifest
 from .storage import Storage, open_storage
 
 
@@ -51,7 +50,7 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
             except CheckpointError as err:
                 when = f"DAMAGED: {err}"
         state = "committed" if e.committed else ("in progress" if holder and e.owner == holder.get("id") else "incomplete")
-        rows.append((e.step, state, _human(storage.size(step_dir(e.step))), when))
+        rows.append((e.step, state, _human(storage.size(layout.step_dir(e.step))), when))
     for q in catalog.quarantined(storage):
         when = f"quarantined {_when(q.time)}" if q.time is not None else "quarantined"
         rows.append((q.step, "damaged", _human(storage.size(q.path)), f"{when} in {q.path}: {q.reason}"))
@@ -67,7 +66,7 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
 def _pick_step(storage: Storage, step: int | None) -> int:
     if step is not None:
         return step
-    steps = catalog.committed_steps(storage)
+    steps = layout.committed_steps(storage)
     if not steps:
         raise CheckpointError(f"no committed checkpoint in {storage.url}")
     return steps[-1]
@@ -118,7 +117,7 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
 
 
 def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
-    steps = [args.step] if args.step is not None else catalog.committed_steps(storage)
+    steps = [args.step] if args.step is not None else layout.committed_steps(storage)
     if not steps:
         print(f"no committed checkpoint in {storage.url}")
         return 0

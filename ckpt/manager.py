@@ -15,15 +15,15 @@ from typing import Any, ContextManager, Mapping, Protocol, Sequence
 
 import torch.distributed as dist
 
-from . import catalog
+from . import catalog, layout
 from . import lease as lease_mod
 from . import restore as restore_mod
 from . import run as run_mod
 from .distributed import Ranks, prepare_optimizers
 from .errors import (CheckpointDeleteError, CheckpointError, CheckpointWriteError, CorruptCheckpointError, LeaseHeldError,
                      StepExistsError, StepNotFoundError)
-from .format import MANIFEST, MAX_CHUNK_BYTES, step_dir
-from .restore import read_manifest
+from .format import MAX_CHUNK_BYTES
+from .layout import read_manifest
 from .retention import Retention
 from .save import SaveJob, plan
 from .staging import StagingArena
@@ -136,7 +136,7 @@ class CheckpointManager:
             pending = self._deleting.get(step)
             if pending is not None:  # a delete of this very step number must finish before it is written again
                 futures_wait([pending])
-            if self.storage.read(f"{step_dir(step)}/{MANIFEST}") is not None:
+            if layout.is_committed(self.storage, step):
                 raise StepExistsError(f"step {step} is already committed in {self.storage.url}; "
                                  f"a committed checkpoint is never overwritten")
             t0 = time.perf_counter()
@@ -181,7 +181,7 @@ class CheckpointManager:
     def _apply_retention(self) -> None:
         if not self.retention.active or (self.ranks is not None and self.ranks.rank != 0):
             return
-        steps = catalog.committed_steps(self.storage)
+        steps = layout.committed_steps(self.storage)
         if self.retention.keep_best:
             for s in steps:
                 if s not in self._metadata:
@@ -337,7 +337,7 @@ class CheckpointManager:
     def _candidates(self, step: int | None, damaged: Mapping[int, Any]) -> list[int]:
         """Steps to try, newest first: `step`, or every committed one not found damaged (rank 0's list for all)."""
         candidates = [step] if step is not None else [
-            s for s in sorted(catalog.committed_steps(self.storage), reverse=True) if s not in damaged]
+            s for s in sorted(layout.committed_steps(self.storage), reverse=True) if s not in damaged]
         return candidates if self.ranks is None else self.ranks.all_gather_json(candidates)[0]
 
     def _read_step(self, s: int, state: dict[str, Any], keys: Sequence[str] | None,
@@ -352,7 +352,7 @@ class CheckpointManager:
         except (CorruptCheckpointError, StepNotFoundError) as e:
             error = e
         verdict = "ok" if error is None else (
-            "vanished" if isinstance(error, StepNotFoundError) or not catalog.is_committed(self.storage, s) else "damaged")
+            "vanished" if isinstance(error, StepNotFoundError) or not layout.is_committed(self.storage, s) else "damaged")
         if self.ranks is not None:  # every rank takes the same decision
             reports = self.ranks.all_gather_json([verdict, None if error is None else str(error)])
             verdicts = [v for v, _ in reports]
@@ -387,7 +387,7 @@ class CheckpointManager:
         """Committed steps, ascending (a step queued for deletion is no longer listed)."""
         with self._lock:
             deleting = set(self._deleting)
-        return [s for s in catalog.committed_steps(self.storage) if s not in deleting]
+        return [s for s in layout.committed_steps(self.storage) if s not in deleting]
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""

@@ -17,36 +17,16 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from . import layout
 from . import state as state_mod
 from . import store
 from .distributed import read_region
-from .errors import CheckpointError, CorruptCheckpointError, StateKeyError, StateMismatchError, StepNotFoundError
-from .format import ARRAYS, MANIFEST, ArrayInfo, Manifest, chunk_key, step_dir, torch_dtype
+from .errors import CheckpointError, CorruptCheckpointError, StateKeyError, StateMismatchError
+from .format import ArrayInfo, Manifest, chunk_key, torch_dtype
 from .staging import StagingArena
-from .storage import Storage, UnsafeFileError, local_files, where
+from .storage import Storage, UnsafeFileError, local_files
 
 Box = tuple[tuple[int, int], ...]
-
-
-def read_manifest(storage: Storage, step: int) -> Manifest:
-    """The validated manifest of a committed step; StepNotFoundError when the step is not committed.
-
-    Validated means: checksum, schema and bounds of every field, the state tree's tags, depth and
-    references; any defect is a CorruptCheckpointError naming the file.
-    """
-    path = f"{step_dir(step)}/{MANIFEST}"
-    file = where(storage, path)
-    try:
-        data = storage.read(path)
-    except UnsafeFileError as e:
-        raise CorruptCheckpointError(f"manifest is {e.strerror}", step=step, file=file) from None
-    if data is None:
-        raise StepNotFoundError(f"step {step} is not committed in {storage.url} (no {path})")
-    m = Manifest.from_bytes(data, file=file)
-    if m.step != step:
-        raise CorruptCheckpointError(f"manifest says step {m.step}", step=step, file=file)
-    state_mod.check_tree(m.tree, m.arrays, file=file)
-    return m
 
 
 @dataclass
@@ -60,7 +40,7 @@ class StepFiles:
 def step_files(storage: Storage, step: int) -> StepFiles | None:
     """The files of a local step (None for other roots). A symlink, FIFO or other special file anywhere
     in the step is damage: nothing inside a step is ever followed or opened."""
-    local = storage.local_path(step_dir(step))
+    local = storage.local_path(layout.step_dir(step))
     if local is None:
         return None
     try:
@@ -162,7 +142,7 @@ def plan_restore(manifest: Manifest, target: Mapping[str, Any], keys: Sequence[s
 
 
 def _check_files(info: ArrayInfo, files: StepFiles, step: int) -> None:
-    base = f"{ARRAYS}/{info.name}"
+    base = layout.array_dir(info.name)
     if f"{base}/zarr.json" not in files.sizes:
         raise CorruptCheckpointError("zarr.json is missing", step=step, key=info.name, file=f"{files.dir}/{base}/zarr.json")
     for index in info.chunks(tuple((0, n) for n in info.shape)):
@@ -215,7 +195,7 @@ def read(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: Stag
     for r in plan.reads.values():
         if r.fresh is not None:
             r.buffer = r.fresh
-        path = f"{step_dir(step)}/{ARRAYS}/{r.info.name}"
+        path = layout.array_path(step, r.info.name)
         futures.append(pool.submit(store.check_zarr_json, storage, path, r.info, step=step))
         local = storage.local_path(path)
         rows = store.direct_rows(r.info, r.box) if local is not None else None
@@ -250,7 +230,7 @@ def prepare(storage: Storage, step: int, target: Mapping[str, Any], keys: Sequen
             pool: ThreadPoolExecutor, arena: StagingArena, *, rank: int = 0, world_size: int = 1,
             rank_map: str = "modulo") -> ReadPlan:
     """Everything of `step` that a restore of `target` needs, read and verified; `apply` lands it."""
-    manifest = read_manifest(storage, step)
+    manifest = layout.read_manifest(storage, step)
     plan = plan_restore(manifest, target, keys, rank=rank, world_size=world_size, rank_map=rank_map,
                         files=step_files(storage, step))
     read(storage, plan, pool, arena)

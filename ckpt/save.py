@@ -20,9 +20,10 @@ import numpy as np
 import tensorstore as ts
 import torch
 
+from . import layout
 from . import state as state_mod
 from . import store
-from .format import ARRAYS, IN_PROGRESS, MANIFEST, ArrayInfo, Manifest, chunk_shape, dtype_name, step_dir
+from .format import ArrayInfo, Manifest, chunk_shape, dtype_name
 from .distributed import Ranks, plan_arrays
 from .errors import StepExistsError
 from .lease import Lease
@@ -103,7 +104,7 @@ class SaveJob:
         self.storage, self.plan, self.arena, self.context, self.ranks = storage, plan, arena, context, ranks
         self.lease = lease  # the root's lease (the leader's); None on other ranks
         self.leader = ranks is None or ranks.rank == 0
-        self.dir = step_dir(plan.step)
+        self.dir = layout.step_dir(plan.step)
         self.digests = store.ChunkDigests()
         self._reference = storage.kvstore_spec("")["driver"] != "memory"  # see store.write
         self._arrays: dict[str, ts.Future] | None = None
@@ -120,12 +121,12 @@ class SaveJob:
         self._prepared = True
         if self.leader:
             with self.lease.preparing() if self.lease else contextlib.nullcontext():  # gc waits meanwhile
-                if self.storage.read(f"{self.dir}/{MANIFEST}") is not None:
+                if layout.is_committed(self.storage, self.plan.step):
                     raise StepExistsError(f"step {self.plan.step} is already committed in {self.storage.url}")
                 self.storage.delete_tree(self.dir)  # leftovers of a crashed earlier attempt at this step
                 marker = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
                           "lease": self.lease.id if self.lease else None}
-                self.storage.write_atomic(f"{self.dir}/{IN_PROGRESS}", json.dumps(marker).encode())
+                self.storage.write_atomic(layout.in_progress_path(self.plan.step), json.dumps(marker).encode())
         if self.ranks is not None:
             self.ranks.barrier()
 
@@ -133,12 +134,9 @@ class SaveJob:
         """Start creating the arrays this rank writes (once); writes chain on each array as it opens."""
         if self._arrays is None:
             self._prepare()
-            self._arrays = {name: store.create(self.storage.kvstore_spec(self._array_path(name)), info, self.context)
+            self._arrays = {name: store.create(self.storage.kvstore_spec(layout.array_path(self.plan.step, name)), info, self.context)
                             for name, info in self.plan.arrays.items() if name in self.plan.boxes}
         return self._arrays
-
-    def _array_path(self, name: str) -> str:
-        return f"{self.dir}/{ARRAYS}/{name}"
 
     def _write_staged(self, staged: Sequence[Staged]) -> None:
         """Write staged pieces and, while tensorstore writes them, compute their chunks' digests."""
@@ -211,7 +209,7 @@ class SaveJob:
 
     def abandon(self) -> None:
         """After a failed write: remove what this save left, unless it got as far as committing."""
-        if self.leader and self._prepared and self.storage.read(f"{self.dir}/{MANIFEST}") is None:
+        if self.leader and self._prepared and not layout.is_committed(self.storage, self.plan.step):
             self.storage.delete_tree(self.dir)
 
     def commit(self, digests: Mapping[str, Mapping[int, int]]) -> None:
@@ -219,5 +217,5 @@ class SaveJob:
         self.storage.sync_tree(self.dir)
         if self.lease:
             self.lease.check()  # a writer that lost the root's lease never commits
-        self.storage.write_atomic(f"{self.dir}/{MANIFEST}", self.manifest(digests).to_bytes())
-        self.storage.delete_file(f"{self.dir}/{IN_PROGRESS}")
+        self.storage.write_atomic(layout.manifest_path(self.plan.step), self.manifest(digests).to_bytes())
+        self.storage.delete_file(layout.in_progress_path(self.plan.step))

@@ -18,7 +18,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 from kill_resume import (  # noqa: E402
     assert_reported, assert_same_bits, finish, losses, start, straight_killed_resumed)
 from ckpt.data import explain  # noqa: E402
-from ettr import committed_steps  # noqa: E402
+from ckpt import layout  # noqa: E402
+from ckpt.storage import open_storage  # noqa: E402
 from integrations.lightning import CkptCheckpointIO, saveable  # noqa: E402
 
 CHILD = Path(__file__).parent / "procs" / "lightning_train.py"
@@ -52,9 +53,9 @@ def test_copied_run_resumes_twice_bitwise_without_duplicate_or_stale_pointers(tm
     straight = start(CHILD, tmp_path / "straight", tmp_path / "straight.npz", STEPS)
     first = start(CHILD, job, tmp_path / "x.npz", STEPS, 6)
     reference, _ = losses(finish(straight)), finish(first)
-    assert pointers(job) == {"epoch=0-step=4.ckpt": 4, "last.ckpt": 4} and committed_steps(str(job))[-1] == 4
+    assert pointers(job) == {"epoch=0-step=4.ckpt": 4, "last.ckpt": 4} and layout.committed_steps(open_storage(job))[-1] == 4
     finish(start(CHILD, job, tmp_path / "x.npz", STEPS, 10))  # resumes from 4: its dict predates last.ckpt
-    assert pointers(job) == {"epoch=0-step=8.ckpt": 8, "last.ckpt": 8} and committed_steps(str(job))[-1] == 8
+    assert pointers(job) == {"epoch=0-step=8.ckpt": 8, "last.ckpt": 8} and layout.committed_steps(open_storage(job))[-1] == 8
 
     shutil.copytree(job, copy)
     before = sorted((p.relative_to(job), p.stat().st_mtime_ns) for p in job.rglob("*"))
@@ -64,7 +65,7 @@ def test_copied_run_resumes_twice_bitwise_without_duplicate_or_stale_pointers(tm
     assert_same_bits(tmp_path / "straight.npz", tmp_path / "resumed.npz")
     assert sorted((p.relative_to(job), p.stat().st_mtime_ns) for p in job.rglob("*")) == before  # original untouched
     assert pointers(copy) == {f"epoch=0-step={STEPS}.ckpt": STEPS, "last.ckpt": STEPS}  # no -v1, last is newest
-    assert committed_steps(str(copy)) == [STEPS]
+    assert layout.committed_steps(open_storage(copy)) == [STEPS]
 
     # one step numbering: the checkpoint named step=16 explains each step's batch as the fit logged it
     io = CkptCheckpointIO(copy)
