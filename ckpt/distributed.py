@@ -24,10 +24,39 @@ Box = tuple[tuple[int, int], ...]
 
 
 class Ranks:
-    """This process's place among the ranks and the gloo group used for checkpoint collectives."""
+    """This process's place among the ranks and the collectives of checkpointing; alone (`local`) they are trivial."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1):
+        self.rank, self.world_size = rank, world_size
+
+    @classmethod
+    def local(cls) -> "Ranks":
+        """A process alone: world size 1, a gather returns its own value, a barrier returns at once."""
+        return cls()
+
+    @staticmethod
+    def current(timeout: timedelta) -> "Ranks":
+        """The ranks of torch.distributed when it is initialized (with a gloo group of their own), else `local()`."""
+        return GlooRanks(timeout) if dist.is_available() and dist.is_initialized() else Ranks.local()
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0: it holds the root's lease, commits, retains and quarantines for all."""
+        return self.rank == 0
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        """Every rank's JSON value, in rank order."""
+        return [obj]
+
+    def barrier(self) -> None:
+        """Wait until every rank is here."""
+
+
+class GlooRanks(Ranks):
+    """The ranks of torch.distributed, through a gloo group of their own (created once, with a timeout)."""
 
     def __init__(self, timeout: timedelta):
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        super().__init__(dist.get_rank(), dist.get_world_size())
         self.group = dist.new_group(backend="gloo", timeout=timeout)
 
     def all_gather_json(self, obj: Any) -> list[Any]:

@@ -13,8 +13,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any, ContextManager, Mapping, Protocol, Sequence
 
-import torch.distributed as dist
-
 from . import catalog, layout
 from . import lease as lease_mod
 from . import restore as restore_mod
@@ -54,6 +52,9 @@ class _NoTracker:
 
     def checkpoint_failed(self, step: int, error: BaseException) -> None:
         pass
+
+
+_NO_TRACKER = _NoTracker()
 
 
 class SaveHandle:
@@ -103,10 +104,9 @@ class CheckpointManager:
         if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in [1, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
-        self.tracker: CheckpointObserver = tracker if tracker is not None else _NoTracker()
+        self.tracker = tracker
         self._arena = StagingArena(max_staging_bytes)
-        distributed = dist.is_available() and dist.is_initialized()
-        self.ranks: Ranks | None = Ranks(timedelta(seconds=collective_timeout)) if distributed else None
+        self.ranks: Ranks = Ranks.current(timedelta(seconds=collective_timeout))
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer")
         self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-reader")
         self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ckpt-deleter")  # no save ever waits for it
@@ -118,6 +118,15 @@ class CheckpointManager:
         self._lease: lease_mod.Lease | None = None  # the root's lease (rank 0's), taken at the first save
         self._writer_agreed = False  # every rank knows the lease is held
         self._closed = False
+
+    @property
+    def tracker(self) -> CheckpointObserver:
+        """Told about saves and restores; never None (assigning None, as Lightning does, installs a no-op one)."""
+        return self._tracker
+
+    @tracker.setter
+    def tracker(self, tracker: CheckpointObserver | None) -> None:
+        self._tracker = tracker if tracker is not None else _NO_TRACKER
 
     # -- saving -------------------------------------------------------------------------------------
 
@@ -179,7 +188,7 @@ class CheckpointManager:
             log.warning("retention after step %d failed: %s", step, e)
 
     def _apply_retention(self) -> None:
-        if not self.retention.active or (self.ranks is not None and self.ranks.rank != 0):
+        if not self.retention.active or not self.ranks.leader:
             return
         steps = layout.committed_steps(self.storage)
         if self.retention.keep_best:
@@ -220,9 +229,8 @@ class CheckpointManager:
 
         `collective`: every rank takes part (a save), so a refusal reaches every rank at once.
         """
-        leader = self.ranks is None or self.ranks.rank == 0
         error: LeaseHeldError | None = None
-        if leader:
+        if self.ranks.leader:
             try:
                 if self._lease is None:
                     self._lease = lease_mod.acquire(self.storage)
@@ -230,7 +238,7 @@ class CheckpointManager:
                     self._lease.check()
             except LeaseHeldError as e:
                 error = e
-        if collective and self.ranks is not None and not self._writer_agreed:
+        if collective and not self._writer_agreed:
             verdict = self.ranks.all_gather_json(None if error is None else str(error))[0]
             if verdict and error is None:
                 error = LeaseHeldError(verdict)
@@ -292,7 +300,7 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         restored: int | None = None
-        tracker = self.tracker if track else _NoTracker()
+        tracker = self.tracker if track else _NO_TRACKER
         with tracker.span("checkpoint_restore"):
             prepare_optimizers(state, keys)
             t0 = time.perf_counter()
@@ -338,34 +346,32 @@ class CheckpointManager:
         """Steps to try, newest first: `step`, or every committed one not found damaged (rank 0's list for all)."""
         candidates = [step] if step is not None else [
             s for s in sorted(layout.committed_steps(self.storage), reverse=True) if s not in damaged]
-        return candidates if self.ranks is None else self.ranks.all_gather_json(candidates)[0]
+        return self.ranks.all_gather_json(candidates)[0]
 
     def _read_step(self, s: int, state: dict[str, Any], keys: Sequence[str] | None,
                    rank_map: str) -> restore_mod.ReadPlan | CorruptCheckpointError | str:
         """Read and verify step `s` on every rank: its plan, its damage, or "vanished" (deleted meanwhile)."""
-        rank, world = (self.ranks.rank, self.ranks.world_size) if self.ranks else (0, 1)
         plan: restore_mod.ReadPlan | None = None
         error: CorruptCheckpointError | StepNotFoundError | None = None
         try:
-            plan = restore_mod.prepare(self.storage, s, state, keys, self._readers, self._arena, rank=rank,
-                                       world_size=world, rank_map=rank_map)
+            plan = restore_mod.prepare(self.storage, s, state, keys, self.ranks, self._readers, self._arena,
+                                       rank_map=rank_map)
         except (CorruptCheckpointError, StepNotFoundError) as e:
             error = e
         verdict = "ok" if error is None else (
             "vanished" if isinstance(error, StepNotFoundError) or not layout.is_committed(self.storage, s) else "damaged")
-        if self.ranks is not None:  # every rank takes the same decision
-            reports = self.ranks.all_gather_json([verdict, None if error is None else str(error)])
-            verdicts = [v for v, _ in reports]
-            verdict = "vanished" if "vanished" in verdicts else "damaged" if "damaged" in verdicts else "ok"
-            if verdict == "damaged" and not isinstance(error, CorruptCheckpointError):
-                error = CorruptCheckpointError(f"another rank found damage: {next(m for v, m in reports if v == 'damaged')}", step=s)
+        reports = self.ranks.all_gather_json([verdict, None if error is None else str(error)])  # all take one decision
+        verdicts = [v for v, _ in reports]
+        verdict = "vanished" if "vanished" in verdicts else "damaged" if "damaged" in verdicts else "ok"
+        if verdict == "damaged" and not isinstance(error, CorruptCheckpointError):
+            error = CorruptCheckpointError(f"another rank found damage: {next(m for v, m in reports if v == 'damaged')}", step=s)
         if verdict == "ok":
             return plan
         return "vanished" if verdict == "vanished" else error
 
     def _set_aside(self, s: int, error: CorruptCheckpointError) -> str:
         """Quarantine a damaged step (rank 0 only) and say where it went, or why it could not be moved."""
-        if self.ranks is not None and self.ranks.rank != 0:
+        if not self.ranks.leader:
             return "quarantined by rank 0"
         borrowed = None
         try:

@@ -20,7 +20,7 @@ import torch
 from . import layout
 from . import state as state_mod
 from . import store
-from .distributed import read_region
+from .distributed import Ranks, read_region
 from .errors import CheckpointError, CorruptCheckpointError, StateKeyError, StateMismatchError
 from .format import ArrayInfo, Manifest, chunk_key, torch_dtype
 from .staging import StagingArena
@@ -79,8 +79,8 @@ class ReadPlan:
     values: dict[str, Any]  # top-level key -> decoded value (tensors: the caller's own, or fresh ones)
 
 
-def plan_restore(manifest: Manifest, target: Mapping[str, Any], keys: Sequence[str] | None, *, rank: int = 0,
-                 world_size: int = 1, rank_map: str = "modulo", files: StepFiles | None = None) -> ReadPlan:
+def plan_restore(manifest: Manifest, target: Mapping[str, Any], keys: Sequence[str] | None, ranks: Ranks, *,
+                 rank_map: str = "modulo", files: StepFiles | None = None) -> ReadPlan:
     """Decide every read of a restore of `keys` (default: all) of `target`; reads nothing, changes nothing.
 
     DTensor targets read only their own shard's region of each global array (any world size); other
@@ -100,7 +100,7 @@ def plan_restore(manifest: Manifest, target: Mapping[str, Any], keys: Sequence[s
     for k in selected:
         node = tree[k]
         if isinstance(node, dict) and "$per_rank" in node:
-            node = state_mod.select_rank(node, rank, manifest.world_size, world_size, rank_map)
+            node = state_mod.select_rank(node, ranks.rank, manifest.world_size, ranks.world_size, rank_map)
             if node is None:
                 continue
         nodes[k] = node
@@ -226,12 +226,10 @@ def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
         state_mod.apply(target, k, v)
 
 
-def prepare(storage: Storage, step: int, target: Mapping[str, Any], keys: Sequence[str] | None,
-            pool: ThreadPoolExecutor, arena: StagingArena, *, rank: int = 0, world_size: int = 1,
-            rank_map: str = "modulo") -> ReadPlan:
+def prepare(storage: Storage, step: int, target: Mapping[str, Any], keys: Sequence[str] | None, ranks: Ranks,
+            pool: ThreadPoolExecutor, arena: StagingArena, *, rank_map: str = "modulo") -> ReadPlan:
     """Everything of `step` that a restore of `target` needs, read and verified; `apply` lands it."""
     manifest = layout.read_manifest(storage, step)
-    plan = plan_restore(manifest, target, keys, rank=rank, world_size=world_size, rank_map=rank_map,
-                        files=step_files(storage, step))
+    plan = plan_restore(manifest, target, keys, ranks, rank_map=rank_map, files=step_files(storage, step))
     read(storage, plan, pool, arena)
     return plan

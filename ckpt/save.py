@@ -23,7 +23,7 @@ import torch
 from . import layout
 from . import state as state_mod
 from . import store
-from .format import ArrayInfo, Manifest, chunk_shape, dtype_name
+from .format import ArrayInfo, Manifest
 from .distributed import Ranks, plan_arrays
 from .errors import StepExistsError
 from .lease import Lease
@@ -58,18 +58,10 @@ class WritePlan:
 
 
 def plan(step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, chunk_bytes: int,
-         ranks: Ranks | None) -> WritePlan:
+         ranks: Ranks) -> WritePlan:
     """What this process writes for `step`: alone, every tensor is a whole array; among ranks, its slices."""
-    flat = state_mod.flatten(state, rank=ranks.rank if ranks else 0)
+    flat = state_mod.flatten(state, rank=ranks.rank)
     meta = _json_metadata(metadata)
-    if ranks is None:
-        arrays, boxes = {}, {}
-        for name, t in flat.tensors.items():
-            shape = tuple(t.shape)
-            chunk = chunk_shape(shape, t.element_size(), ((0,) * len(shape),), chunk_bytes)
-            arrays[name] = ArrayInfo(name, dtype_name(t.dtype, key=name), shape, chunk, (tuple((0, n) for n in shape),))
-            boxes[name] = arrays[name].boxes[0]
-        return WritePlan(step, flat.tree, arrays, flat.tensors, boxes, meta)
     arrays, writes, boxes = plan_arrays(ranks, flat.tensors, chunk_bytes)
     per_rank = {k: v["$per_rank"] for k, v in flat.tree.items() if isinstance(v, dict) and "$per_rank" in v}
     tree = flat.tree
@@ -100,10 +92,10 @@ class SaveJob:
     """One save in flight: the snapshot is taken in the constructor, `run()` writes and commits in the background."""
 
     def __init__(self, storage: Storage, plan: WritePlan, arena: StagingArena, context: ts.Context,
-                 ranks: Ranks | None = None, lease: Lease | None = None):
+                 ranks: Ranks, lease: Lease | None = None):
         self.storage, self.plan, self.arena, self.context, self.ranks = storage, plan, arena, context, ranks
         self.lease = lease  # the root's lease (the leader's); None on other ranks
-        self.leader = ranks is None or ranks.rank == 0
+        self.leader = ranks.leader
         self.dir = layout.step_dir(plan.step)
         self.digests = store.ChunkDigests()
         self._reference = storage.kvstore_spec("")["driver"] != "memory"  # see store.write
@@ -127,8 +119,7 @@ class SaveJob:
                 marker = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
                           "lease": self.lease.id if self.lease else None}
                 self.storage.write_atomic(layout.in_progress_path(self.plan.step), json.dumps(marker).encode())
-        if self.ranks is not None:
-            self.ranks.barrier()
+        self.ranks.barrier()
 
     def _open_arrays(self) -> dict[str, ts.Future]:
         """Start creating the arrays this rank writes (once); writes chain on each array as it opens."""
@@ -163,24 +154,19 @@ class SaveJob:
 
         Among ranks, every rank reports its outcome and the digests of the chunks it wrote; the leader
         commits only if all succeeded, and every rank learns the result, so a failure anywhere leaves no
-        committed step and reaches all.
+        committed step and reaches all. A rank raises its own error (the leader its commit's), else the others'.
         """
         error: BaseException | None = None
         try:
             self._write_staged(self.staged)
         except BaseException as e:
             error = e
-        if self.ranks is None:
-            if error is not None:
-                raise error
-            self.commit(self.digests.done)
-            return
         rank = self.ranks.rank
         reports = self.ranks.all_gather_json({
             "error": None if error is None else f"rank {rank}: {type(error).__name__}: {error}",
             "digests": {name: list(d.items()) for name, d in self.digests.done.items()}})
         failures = [r["error"] for r in reports if r["error"]]
-        commit_error = None
+        commit_error: Exception | None = None
         if not failures and self.leader:
             digests: dict[str, dict[int, int]] = {}
             for r in reports:
@@ -189,10 +175,13 @@ class SaveJob:
             try:
                 self.commit(digests)
             except Exception as e:
-                commit_error = f"rank 0 could not commit: {type(e).__name__}: {e}"
-        verdict = self.ranks.all_gather_json(commit_error)[0]
+                commit_error = e
+        verdict = self.ranks.all_gather_json(
+            None if commit_error is None else f"rank 0 could not commit: {type(commit_error).__name__}: {commit_error}")[0]
         if error is not None:
             raise error
+        if commit_error is not None:
+            raise commit_error
         if failures or verdict:
             raise RuntimeError("; ".join(failures) or verdict)
 
