@@ -308,7 +308,8 @@ class CheckpointManager:
             candidates, relists = self._candidates(step, damaged), 0
             while candidates:
                 s = candidates.pop(0)
-                outcome = self._read_step(s, state, keys, rank_map)
+                plan, error = self._read(s, state, keys, rank_map)  # manifest -> plan -> verified reads
+                outcome = self._agree(s, error)  # one decision for every rank
                 if outcome == "vanished":
                     if step is not None:
                         raise StepNotFoundError(f"step {step} is not committed in {self.storage.url}")
@@ -326,9 +327,9 @@ class CheckpointManager:
                     warnings.warn(f"checkpoint step {s} is damaged: {outcome}; {self._set_aside(s, outcome)}; "
                                   f"falling back to the previous committed step", RuntimeWarning, stacklevel=2)
                     continue
-                restore_mod.apply(outcome, state)
+                restore_mod.apply(plan, state)
                 restored = s
-                sizes = [r.nbytes for r in outcome.reads.values()]
+                sizes = [r.nbytes for r in plan.reads.values()]
                 log.info("restored step %d from %s: %.1f MB in %.2fs", s, self.storage.url, sum(sizes) / 1e6,
                          time.perf_counter() - t0)
                 if keys is None:  # the arena now holds what was read; grow it to the whole state in the background
@@ -348,26 +349,37 @@ class CheckpointManager:
             s for s in sorted(layout.committed_steps(self.storage), reverse=True) if s not in damaged]
         return self.ranks.all_gather_json(candidates)[0]
 
-    def _read_step(self, s: int, state: dict[str, Any], keys: Sequence[str] | None,
-                   rank_map: str) -> restore_mod.ReadPlan | CorruptCheckpointError | str:
-        """Read and verify step `s` on every rank: its plan, its damage, or "vanished" (deleted meanwhile)."""
-        plan: restore_mod.ReadPlan | None = None
-        error: CorruptCheckpointError | StepNotFoundError | None = None
+    def _read(self, s: int, state: dict[str, Any], keys: Sequence[str] | None, rank_map: str
+              ) -> tuple[restore_mod.ReadPlan | None, CorruptCheckpointError | StepNotFoundError | None]:
+        """This rank's read of step `s`, the mirror of a save: manifest, plan, verified reads; or why it failed.
+
+        A mismatch between `state` and the checkpoint (StateKeyError, StateMismatchError) is raised here, before
+        anything is read. Nothing is applied to `state`.
+        """
         try:
-            plan = restore_mod.prepare(self.storage, s, state, keys, self.ranks, self._readers, self._arena,
-                                       rank_map=rank_map)
+            manifest = layout.read_manifest(self.storage, s)
+            plan = restore_mod.plan_restore(manifest, state, keys, self.ranks, rank_map=rank_map,
+                                            files=restore_mod.step_files(self.storage, s))
+            restore_mod.execute(self.storage, plan, self._readers, self._arena)
+            return plan, None
         except (CorruptCheckpointError, StepNotFoundError) as e:
-            error = e
+            return None, e
+
+    def _agree(self, s: int, error: CorruptCheckpointError | StepNotFoundError | None
+               ) -> CorruptCheckpointError | str | None:
+        """Every rank's outcome of reading step `s`, one decision for all: None (read everywhere), "vanished" (it
+        was deleted meanwhile, e.g. by another process's retention: no damage) or its damage."""
         verdict = "ok" if error is None else (
             "vanished" if isinstance(error, StepNotFoundError) or not layout.is_committed(self.storage, s) else "damaged")
-        reports = self.ranks.all_gather_json([verdict, None if error is None else str(error)])  # all take one decision
+        reports = self.ranks.all_gather_json([verdict, None if error is None else str(error)])
         verdicts = [v for v, _ in reports]
-        verdict = "vanished" if "vanished" in verdicts else "damaged" if "damaged" in verdicts else "ok"
-        if verdict == "damaged" and not isinstance(error, CorruptCheckpointError):
-            error = CorruptCheckpointError(f"another rank found damage: {next(m for v, m in reports if v == 'damaged')}", step=s)
-        if verdict == "ok":
-            return plan
-        return "vanished" if verdict == "vanished" else error
+        if "vanished" in verdicts:
+            return "vanished"
+        if "damaged" not in verdicts:
+            return None
+        if isinstance(error, CorruptCheckpointError):
+            return error
+        return CorruptCheckpointError(f"another rank found damage: {next(m for v, m in reports if v == 'damaged')}", step=s)
 
     def _set_aside(self, s: int, error: CorruptCheckpointError) -> str:
         """Quarantine a damaged step (rank 0 only) and say where it went, or why it could not be moved."""

@@ -1,4 +1,5 @@
-"""Mechanism of one restore: manifest -> plan -> verified reads -> apply, the mirror of `save.py`.
+"""Mechanism of one restore, the mirror of `save.py`: `plan_restore` (manifest + target -> ReadPlan), `execute`
+(verified reads into buffers of its own), `apply` (into the caller's state).
 
 All or nothing for the caller: every chunk a restore needs is read into memory that is not the caller's
 (a scratch buffer in the staging arena, or a tensor of its own where the caller has none) and checked
@@ -109,7 +110,8 @@ def plan_restore(manifest: Manifest, target: Mapping[str, Any], keys: Sequence[s
             _check_files(manifest.arrays[name], files, step)
     reads: dict[tuple[str, Box], ArrayRead] = {}
 
-    def load(name: str, template: Any, as_numpy: bool) -> Any:
+    def plan_read(name: str, template: Any, as_numpy: bool) -> Any:
+        """A tensor reference met by `state.decode`: plan its read (no IO) and give the value the state will hold."""
         info = manifest.arrays[name]
         tmpl = torch.from_numpy(template) if isinstance(template, np.ndarray) and template.flags.writeable else template
         shard = read_region(info, tmpl)
@@ -132,7 +134,7 @@ def plan_restore(manifest: Manifest, target: Mapping[str, Any], keys: Sequence[s
             value = r.fresh
         return value.numpy() if as_numpy else value
 
-    values = {k: state_mod.decode(node, load, target[k], k, strict=True) for k, node in nodes.items()}
+    values = {k: state_mod.decode(node, plan_read, target[k], k, strict=True) for k, node in nodes.items()}
     if keys is None:
         extra = [k for k in tree if k not in target]
         if extra:
@@ -180,7 +182,7 @@ def _check_match(info: ArrayInfo, tmpl: torch.Tensor, step: int) -> None:
                          f"the target tensor has dtype {str(tmpl.dtype).removeprefix('torch.')}")
 
 
-def read(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: StagingArena) -> None:
+def execute(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: StagingArena) -> None:
     """Read and verify every region of the plan into its buffer; the caller's tensors are not touched.
 
     Regions with caller tensors are read into scratch (the staging arena); regions without, into their
@@ -224,12 +226,3 @@ def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
         torch.cuda.synchronize()
     for k, v in plan.values.items():
         state_mod.apply(target, k, v)
-
-
-def prepare(storage: Storage, step: int, target: Mapping[str, Any], keys: Sequence[str] | None, ranks: Ranks,
-            pool: ThreadPoolExecutor, arena: StagingArena, *, rank_map: str = "modulo") -> ReadPlan:
-    """Everything of `step` that a restore of `target` needs, read and verified; `apply` lands it."""
-    manifest = layout.read_manifest(storage, step)
-    plan = plan_restore(manifest, target, keys, ranks, rank_map=rank_map, files=step_files(storage, step))
-    read(storage, plan, pool, arena)
-    return plan
