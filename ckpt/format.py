@@ -265,11 +265,16 @@ class Manifest:
     time: float
     world_size: int = 1
     versions: dict[str, str] | None = None
+    format: str = FORMAT  # as read; a manifest this version writes is always FORMAT
 
-    def to_bytes(self) -> bytes:
-        body = {"format": FORMAT, "step": self.step, "time": self.time, "world_size": self.world_size,
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's body: what `to_bytes` checksums and writes (and `ckpt inspect --json` prints)."""
+        return {"format": self.format, "step": self.step, "time": self.time, "world_size": self.world_size,
                 "versions": self.versions or {}, "metadata": self.metadata, "tree": self.tree,
                 "arrays": {k: v.to_json() for k, v in self.arrays.items()}}
+
+    def to_bytes(self) -> bytes:
+        body = self.to_json()
         text = json.dumps(body, allow_nan=False, separators=(",", ":"))  # key order is part of the state
         return json.dumps({"sha256": hashlib.sha256(text.encode()).hexdigest(), "body": body},
                           allow_nan=False, separators=(",", ":")).encode()
@@ -304,4 +309,5 @@ class Manifest:
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(str(e), key=e.key, file=file) from None
         return cls(step=body["step"], tree=body["tree"], arrays=arrays, metadata=body["metadata"],
-                   time=float(body["time"]), world_size=body["world_size"], versions=body["versions"])
+                   time=float(body["time"]), world_size=body["world_size"], versions=body["versions"],
+                   format=body["format"])

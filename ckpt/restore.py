@@ -100,7 +100,7 @@ def plan_restore(manifest: Manifest, target: Mapping[str, Any], keys: Sequence[s
     nodes = {}
     for k in selected:
         node = tree[k]
-        if isinstance(node, dict) and "$per_rank" in node:
+        if state_mod.node_of(node).kind == state_mod.PER_RANK:
             node = state_mod.select_rank(node, ranks.rank, manifest.world_size, ranks.world_size, rank_map)
             if node is None:
                 continue

@@ -63,13 +63,13 @@ def plan(step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None
     flat = state_mod.flatten(state, rank=ranks.rank)
     meta = _json_metadata(metadata)
     arrays, writes, boxes = plan_arrays(ranks, flat.tensors, chunk_bytes)
-    per_rank = {k: v["$per_rank"] for k, v in flat.tree.items() if isinstance(v, dict) and "$per_rank" in v}
+    per_rank = state_mod.per_rank_entries(flat.tree)
     tree = flat.tree
-    if per_rank:
+    if per_rank:  # every rank's entries, side by side in the one manifest
         gathered = ranks.all_gather_json(per_rank)
         tree = dict(flat.tree)
         for k in per_rank:
-            tree[k] = {"$per_rank": [entry for g in gathered for entry in g[k]]}
+            tree[k] = state_mod.per_rank_node([entry for g in gathered for entry in g[k]])
     return WritePlan(step, tree, arrays, writes, boxes, meta, world_size=ranks.world_size)
 
 

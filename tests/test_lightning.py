@@ -178,3 +178,12 @@ def test_a_restart_of_the_same_run_resumes_without_ckpt_path(tmp_path, no_launch
     resumed = _fit(tmp_path / "job", 12, run_id="job-1")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert [a.restored_step for a in attribute_root(str(tmp_path / "job")).attempts] == [None, 8]
+
+
+def test_saveable_keeps_exactly_what_a_save_stores():
+    """The same `encodable` check as the library: a long double (no exact form) is dropped instead of failing the
+    save, and a torch.Size stays a Size."""
+    import numpy as np
+
+    clean, dropped = saveable({"hp": {"eps": np.longdouble(1e-8), "shape": torch.Size([2, 3]), "n": np.int64(4)}})
+    assert dropped == ["hp.eps"] and type(clean["hp"]["shape"]) is torch.Size and clean["hp"]["n"] == 4
