@@ -1,24 +1,12 @@
 """ckpt: save and restore the whole training state, asynchronously and sharded, through tensorstore."""
 
-from .determinism.data import (
-    DataMismatchError,
-    RandomWindowSampler,
-    ShuffledSampler,
-    TokenWindowDataset,
-    explain,
-    make_loader,
-)
+from .determinism.data import RandomWindowSampler, ShuffledSampler, TokenWindowDataset, explain, make_loader
 from .determinism.rng import RNGState
+from .errors import (CheckpointDeleteError, CheckpointError, CheckpointWriteError, CorruptCheckpointError,
+                     DataMismatchError, LeaseHeldError, RunMismatchError, StateKeyError, StateMismatchError,
+                     StepExistsError, StepNotFoundError)
 from .exporter import export
 from .importers import import_checkpoint
-from .errors import (
-    CheckpointDeleteError,
-    CheckpointError,
-    CheckpointWriteError,
-    CorruptCheckpointError,
-    LeaseHeldError,
-    RunMismatchError,
-)
 from .manager import CheckpointManager, CheckpointObserver, SaveHandle
 from .reader import load
 from .retention import Keep, KeepBest, KeepEvery, KeepLast, RetentionPolicy
@@ -30,7 +18,7 @@ __all__ = [
     "RetentionPolicy", "KeepLast", "KeepEvery", "KeepBest", "Keep",
     "SaveDecision", "EveryNSteps", "EveryNSeconds", "AnyOf", "AdvisedInterval", "Preemption",
     "CheckpointError", "CheckpointWriteError", "CheckpointDeleteError", "CorruptCheckpointError", "RunMismatchError",
-    "LeaseHeldError",
+    "LeaseHeldError", "StepNotFoundError", "StepExistsError", "StateMismatchError", "StateKeyError",
     "RNGState", "RandomWindowSampler", "ShuffledSampler", "TokenWindowDataset", "make_loader", "explain",
     "DataMismatchError", "load", "export", "import_checkpoint",
 ]

@@ -11,8 +11,8 @@ from typing import Any, Callable, Iterator
 
 from . import lease, store
 from .errors import CorruptCheckpointError, LeaseHeldError
-from .format import ARRAYS, DAMAGED, IN_PROGRESS, MANIFEST, QUARANTINE, parse_quarantined_dir, parse_step_dir, step_dir
-from .restore import read_manifest, step_files
+from . import layout
+from .restore import step_files
 from .storage import Storage, UnsafeFileError, where
 
 
@@ -42,7 +42,7 @@ class QuarantinedStep:
 
     @property
     def path(self) -> str:
-        return f"{QUARANTINE}/{self.name}"
+        return layout.quarantined_path(self.name)
 
 
 def _json_object(data: bytes | None) -> dict[str, Any] | None:
@@ -59,58 +59,39 @@ def _json_object(data: bytes | None) -> dict[str, Any] | None:
 def entries(storage: Storage) -> list[StepEntry]:
     """Every step directory, committed or not, in step order."""
     out = []
-    for name in storage.list_dirs():
-        step = parse_step_dir(name)
-        if step is None:
-            continue
+    for step in layout.step_dirs(storage):
         try:
-            marker = _json_object(storage.read(f"{name}/{IN_PROGRESS}"))
+            marker = _json_object(storage.read(layout.in_progress_path(step)))
         except UnsafeFileError:
             marker = {}
-        out.append(StepEntry(step, is_committed(storage, step), marker))
-    return sorted(out, key=lambda e: e.step)
-
-
-def is_committed(storage: Storage, step: int) -> bool:
-    """The step's manifest exists (a manifest that is not a regular file counts: reading it reports damage)."""
-    try:
-        return storage.read(f"{step_dir(step)}/{MANIFEST}") is not None
-    except UnsafeFileError:
-        return True
+        out.append(StepEntry(step, layout.is_committed(storage, step), marker))
+    return out
 
 
 def quarantined(storage: Storage) -> list[QuarantinedStep]:
     """Damaged steps moved to ``_quarantine/`` (by a restore that skipped them), in step order."""
     out = []
-    for name in storage.list_dirs(QUARANTINE):
-        step = parse_quarantined_dir(name)
-        if step is None:
-            continue
-        record = _json_object(storage.read(f"{QUARANTINE}/{name}/{DAMAGED}")) or {}
+    for step, name in layout.quarantined_dirs(storage):
+        record = _json_object(storage.read(layout.damaged_path(layout.quarantined_path(name)))) or {}
         reason = record.get("reason")
         when = record.get("time")
-        out.append(QuarantinedStep(step, name, reason if isinstance(reason, str) else f"no readable {DAMAGED} record",
+        out.append(QuarantinedStep(step, name, reason if isinstance(reason, str) else f"no readable {layout.DAMAGED} record",
                                    float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else None))
     return sorted(out, key=lambda q: (q.step, q.name))
-
-
-def committed_steps(storage: Storage) -> list[int]:
-    """Steps whose manifest exists (the commit), ascending; their integrity is checked on read."""
-    return [e.step for e in entries(storage) if e.committed]
 
 
 def verify(storage: Storage, step: int, on_bytes: Callable[[int], None] | None = None) -> Iterator[CorruptCheckpointError]:
     """Check a committed step as restore does: its manifest, no special files, every array's zarr.json
     and every chunk (size, crc32c, the manifest's digest); yields each problem found."""
     try:
-        manifest = read_manifest(storage, step)
+        manifest = layout.read_manifest(storage, step)
         step_files(storage, step)
     except CorruptCheckpointError as e:
         yield e
         return
     for name, info in manifest.arrays.items():
         try:
-            store.verify_array(storage, f"{step_dir(step)}/{ARRAYS}/{name}", info, step=step, on_bytes=on_bytes)
+            store.verify_array(storage, layout.array_path(step, name), info, step=step, on_bytes=on_bytes)
         except CorruptCheckpointError as e:
             yield e
 
@@ -119,10 +100,10 @@ def quarantine(storage: Storage, step: int, reason: str) -> str:
     """Set a damaged step aside: move it to ``_quarantine/step_N-<unix ms>/`` (with a `_DAMAGED` file saying
     why, when and by whom), so it no longer counts as committed, can be saved again, and stays for
     inspection. Returns where it went."""
-    dest = f"{QUARANTINE}/{step_dir(step)}-{int(time.time() * 1000)}"
-    storage.move_tree(step_dir(step), dest)
+    dest = layout.quarantine_path(step, int(time.time() * 1000))
+    storage.move_tree(layout.step_dir(step), dest)
     marker = {"reason": reason, "time": time.time(), "host": socket.gethostname(), "pid": os.getpid()}
-    storage.write_atomic(f"{dest}/{DAMAGED}", json.dumps(marker).encode())
+    storage.write_atomic(layout.damaged_path(dest), json.dumps(marker).encode())
     return where(storage, dest)
 
 
@@ -171,7 +152,7 @@ def collect_garbage(storage: Storage, *, force: bool = False) -> list[int]:
 
 def _delete_uncommitted(storage: Storage, victims: list[StepEntry]) -> list[int]:
     for e in victims:
-        storage.delete_tree(step_dir(e.step))
+        storage.delete_tree(layout.step_dir(e.step))
     return [e.step for e in victims]
 
 
@@ -185,5 +166,5 @@ def collect_damaged(storage: Storage) -> list[QuarantinedStep]:
 
 def delete_step(storage: Storage, step: int) -> None:
     """Remove a committed step: the manifest first (it vanishes atomically), then its arrays."""
-    storage.delete_file(f"{step_dir(step)}/{MANIFEST}")
-    storage.delete_tree(step_dir(step))
+    storage.delete_file(layout.manifest_path(step))
+    storage.delete_tree(layout.step_dir(step))

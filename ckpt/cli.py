@@ -12,12 +12,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from . import catalog, exporter, importers, lease
+from . import catalog, exporter, importers, layout, lease
 from . import state as state_mod
 from .determinism import data
-from .restore import read_manifest
-from .errors import CheckpointError
-from .format import step_dir
+from .errors import CheckpointError, StepNotFoundError
+from .layout import read_manifest
 from .storage import Storage, open_storage
 
 
@@ -48,10 +47,12 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
         if e.committed:
             try:
                 when = _when(read_manifest(storage, e.step).time)
+            except StepNotFoundError:  # deleted since it was listed (another process's retention)
+                continue
             except CheckpointError as err:
                 when = f"DAMAGED: {err}"
         state = "committed" if e.committed else ("in progress" if holder and e.owner == holder.get("id") else "incomplete")
-        rows.append((e.step, state, _human(storage.size(step_dir(e.step))), when))
+        rows.append((e.step, state, _human(storage.size(layout.step_dir(e.step))), when))
     for q in catalog.quarantined(storage):
         when = f"quarantined {_when(q.time)}" if q.time is not None else "quarantined"
         rows.append((q.step, "damaged", _human(storage.size(q.path)), f"{when} in {q.path}: {q.reason}"))
@@ -67,47 +68,41 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
 def _pick_step(storage: Storage, step: int | None) -> int:
     if step is not None:
         return step
-    steps = catalog.committed_steps(storage)
+    steps = layout.committed_steps(storage)
     if not steps:
         raise CheckpointError(f"no committed checkpoint in {storage.url}")
     return steps[-1]
 
 
-def _tree_lines(node: Any, arrays: dict, indent: str = "") -> list[str]:
-    out = []
-    if isinstance(node, dict) and not any(k.startswith("$") for k in node):
-        for k, v in node.items():
-            out += _leaf_or_branch(k, v, arrays, indent)
-    elif isinstance(node, dict) and ("$dict" in node or "$odict" in node):
-        for k, v in node.get("$dict", node.get("$odict")):
-            out += _leaf_or_branch(k if isinstance(k, str) and "$odict" in node else repr(k), v, arrays, indent)
-    elif isinstance(node, dict) and "$state" in node:
-        out += _tree_lines(node["v"], arrays, indent)
-    elif isinstance(node, dict) and "$per_rank" in node:
-        for rank, tree in node["$per_rank"]:
-            out += _leaf_or_branch(f"rank {rank}", tree, arrays, indent)
-    return out
+_BRANCHES = (state_mod.MAPPING, state_mod.STATE, state_mod.PER_RANK)  # shown entry by entry; the rest on one line
 
 
-def _leaf_or_branch(k: str, v: Any, arrays: dict, indent: str) -> list[str]:
-    ref = v.get("$tensor", v.get("$ndarray")) if isinstance(v, dict) else None
-    if ref is not None:
-        a = arrays[ref]
-        return [f"{indent}{k}: {a.dtype}{list(a.shape)}  ({_human(a.nbytes)}, array {ref})"]
-    if isinstance(v, dict) and ("$state" in v or "$dict" in v or "$odict" in v or "$per_rank" in v
-                                or not any(x.startswith("$") for x in v)):
-        label = f" <{v['$state']}>" if "$state" in v else ""
-        return [f"{indent}{k}:{label}"] + _tree_lines(v, arrays, indent + "  ")
-    text = json.dumps(v)
-    return [f"{indent}{k}: {text if len(text) < 100 else text[:97] + '...'}"]
+def _tree_lines(tree: Any, arrays: dict, indent: str = "") -> list[str]:
+    """The entries of a branch, one line each (a branch's own entries indented below it)."""
+    node = state_mod.node_of(tree)
+    if node.kind == state_mod.STATE:  # an object's state_dict: its entries
+        return _tree_lines(node.children[0][1], arrays, indent)
+    quote = not all(isinstance(k, str) for k, _ in node.children)  # tell "1" from 1 where keys are mixed
+    return [line for k, sub in node.children for line in _entry_lines(
+        f"rank {k}" if node.kind == state_mod.PER_RANK else repr(k) if quote else k, sub, arrays, indent)]
+
+
+def _entry_lines(label: str, tree: Any, arrays: dict, indent: str) -> list[str]:
+    node = state_mod.node_of(tree)
+    if node.kind == state_mod.TENSOR:
+        a = arrays[node.name]
+        return [f"{indent}{label}: {a.dtype}{list(a.shape)}  ({_human(a.nbytes)}, array {node.name})"]
+    if node.kind in _BRANCHES:
+        kind = f" <{node.name}>" if node.kind == state_mod.STATE else ""
+        return [f"{indent}{label}:{kind}"] + _tree_lines(tree, arrays, indent + "  ")
+    text = json.dumps(tree)
+    return [f"{indent}{label}: {text if len(text) < 100 else text[:97] + '...'}"]
 
 
 def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
     m = read_manifest(storage, _pick_step(storage, args.step))
     if args.json:
-        print(json.dumps({"step": m.step, "time": m.time, "world_size": m.world_size, "versions": m.versions,
-                          "metadata": m.metadata, "tree": m.tree,
-                          "arrays": {k: v.to_json() for k, v in m.arrays.items()}}, indent=1))
+        print(json.dumps(m.to_json(), indent=1))
         return 0
     total = sum(a.nbytes for a in m.arrays.values())
     print(f"step {m.step}  world_size {m.world_size}  {len(m.arrays)} arrays, {_human(total)}  versions {m.versions}")
@@ -118,7 +113,7 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
 
 
 def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
-    steps = [args.step] if args.step is not None else catalog.committed_steps(storage)
+    steps = [args.step] if args.step is not None else layout.committed_steps(storage)
     if not steps:
         print(f"no committed checkpoint in {storage.url}")
         return 0
@@ -126,7 +121,7 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
     for step in steps:
         try:
             total = sum(a.nbytes for a in read_manifest(storage, step).arrays.values())
-        except (CheckpointError, FileNotFoundError) as e:
+        except CheckpointError as e:
             print(f"step {step}: DAMAGED: {e}")
             bad += 1
             continue
@@ -142,20 +137,18 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def _sampler_states(node: Any, path: str = "") -> list[tuple[str, Any]]:
+def _sampler_states(tree: Any, path: str = "") -> list[tuple[str, Any]]:
     """(key path, decoded state) of every sampler state saved in a checkpoint tree (JSON-only subtrees)."""
-    found = []
-    if isinstance(node, dict) and ("$state" in node or "$per_rank" in node):
-        inner = [node["v"]] if "$state" in node else [tree for _, tree in node["$per_rank"][:1]]
-        return [f for n in inner for f in _sampler_states(n, path)]
-    if isinstance(node, dict) and not any(k.startswith("$") for k in node):
-        if not state_mod.tensor_refs(node):
-            decoded = state_mod.decode(node, lambda name, _: None)
-            if data.is_sampler_state(decoded):
-                return [(path, decoded)]
-        for k, v in node.items():
-            found += _sampler_states(v, f"{path}.{k}" if path else k)
-    return found
+    node = state_mod.node_of(tree)
+    if node.kind in (state_mod.STATE, state_mod.PER_RANK):  # an object's state_dict; the first rank's entry
+        return [found for _, sub in node.children[:1] for found in _sampler_states(sub, path)]
+    if node.kind != state_mod.MAPPING:
+        return []
+    if not state_mod.tensor_refs(tree):
+        decoded = state_mod.decode(tree, lambda *_: None)
+        if data.is_sampler_state(decoded):
+            return [(path, decoded)]
+    return [found for k, sub in node.children for found in _sampler_states(sub, f"{path}.{k}" if path else str(k))]
 
 
 def cmd_explain(storage: Storage, args: argparse.Namespace) -> int:

@@ -7,15 +7,17 @@ and a dead rank turns into an error after the timeout instead of a hang.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import zlib
-from collections import defaultdict
 from datetime import timedelta
 from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
+from .errors import StateMismatchError
 from .format import ArrayInfo, chunk_shape, dtype_name, torch_dtype
 from .state import is_dtensor
 
@@ -31,10 +33,39 @@ def topology() -> tuple[int, int]:
 
 
 class Ranks:
-    """This process's place among the ranks and the gloo group used for checkpoint collectives."""
+    """This process's place among the ranks and the collectives of checkpointing; alone (`local`) they are trivial."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1):
+        self.rank, self.world_size = rank, world_size
+
+    @classmethod
+    def local(cls) -> "Ranks":
+        """A process alone: world size 1, a gather returns its own value, a barrier returns at once."""
+        return cls()
+
+    @staticmethod
+    def current(timeout: timedelta) -> "Ranks":
+        """The ranks of torch.distributed when it is initialized (with a gloo group of their own), else `local()`."""
+        return GlooRanks(timeout) if dist.is_available() and dist.is_initialized() else Ranks.local()
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0: it holds the root's lease, commits, retains and quarantines for all."""
+        return self.rank == 0
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        """Every rank's JSON value, in rank order."""
+        return [obj]
+
+    def barrier(self) -> None:
+        """Wait until every rank is here."""
+
+
+class GlooRanks(Ranks):
+    """The ranks of torch.distributed, through a gloo group of their own (created once, with a timeout)."""
 
     def __init__(self, timeout: timedelta):
-        self.rank, self.world_size = topology()
+        super().__init__(*topology())
         self.group = dist.new_group(backend="gloo", timeout=timeout)
 
     def all_gather_json(self, obj: Any) -> list[Any]:
@@ -61,7 +92,12 @@ def local_box(t: torch.Tensor) -> tuple[torch.Tensor, Box]:
 
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         return t.to_local(), tuple((o, o + s) for o, s in zip(offset, shape))
-    return t, tuple((0, n) for n in t.shape)
+    return t, _whole(tuple(t.shape))
+
+
+@functools.lru_cache(maxsize=1 << 16)  # the same shapes come back every save; this is on the stall path
+def _whole(shape: tuple[int, ...]) -> Box:
+    return tuple((0, n) for n in shape)
 
 
 def plan_arrays(ranks: Ranks, tensors: Mapping[str, torch.Tensor], chunk_bytes: int
@@ -72,40 +108,39 @@ def plan_arrays(ranks: Ranks, tensors: Mapping[str, torch.Tensor], chunk_bytes: 
     chosen by a hash of the array name so that the writing is spread over the ranks.
     """
     mine = {name: local_box(t) for name, t in tensors.items()}
-    described = {name: [dtype_name(t.dtype, key=name), list(t.shape), [list(b) for b in mine[name][1]]]
-                 for name, t in tensors.items()}
-    gathered = ranks.all_gather_json(described)
-    holders: dict[str, dict[Box, list[int]]] = defaultdict(lambda: defaultdict(list))
-    meta: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for rank, arrays in enumerate(gathered):
+    described = {name: (dtype_name(t.dtype, key=name), tuple(t.shape), mine[name][1]) for name, t in tensors.items()}
+    held: dict[str, tuple[str, tuple[int, ...], dict[Box, list[int]]]] = {}  # name -> dtype, shape, box -> ranks
+    for rank, arrays in enumerate(ranks.all_gather_json(described)):
         for name, (dt, shape, box) in arrays.items():
-            if name in meta and meta[name] != (dt, tuple(shape)):
-                raise ValueError(f"ranks disagree on tensor {name!r}: {meta[name]} vs {(dt, tuple(shape))} on rank {rank}")
-            meta[name] = (dt, tuple(shape))
-            holders[name][tuple(tuple(r) for r in box)].append(rank)
+            if type(box) is not tuple:  # lists, through JSON among ranks
+                shape, box = tuple(shape), tuple(map(tuple, box))
+            entry = held.setdefault(name, (dt, shape, {}))
+            if entry[0] != dt or entry[1] != shape:
+                raise ValueError(f"ranks disagree on tensor {name!r}: {entry[:2]} vs {(dt, shape)} on rank {rank}")
+            entry[2].setdefault(box, []).append(rank)
     arrays, writes, boxes = {}, {}, {}
-    for name, by_box in holders.items():
-        dt, shape = meta[name]
-        ordered = sorted(by_box)
-        volume = sum(_volume(b) for b in ordered)
-        if volume != _volume(tuple((0, n) for n in shape)):
+    for name, (dt, shape, by_box) in held.items():
+        ordered = tuple(sorted(by_box))
+        if sum(map(_volume, ordered)) != math.prod(shape):
             raise ValueError(f"the ranks' pieces of tensor {name!r} do not tile its global shape {list(shape)} "
-                             f"(boxes {ordered}); is it a plain tensor that differs across ranks?")
-        itemsize = torch.empty(0, dtype=torch_dtype(dt)).element_size()
-        chunk = chunk_shape(shape, itemsize, tuple(tuple(a for a, _ in b) for b in ordered), chunk_bytes)
-        arrays[name] = ArrayInfo(name, dt, shape, chunk, tuple(ordered))
+                             f"(boxes {list(ordered)}); is it a plain tensor that differs across ranks?")
+        chunk = chunk_shape(shape, torch_dtype(dt).itemsize, _starts(ordered), chunk_bytes)
+        arrays[name] = ArrayInfo(name, dt, shape, chunk, ordered)
         for box, rks in by_box.items():
-            writer = rks[zlib.crc32(name.encode()) % len(rks)]
+            writer = rks[0] if len(rks) == 1 else rks[zlib.crc32(name.encode()) % len(rks)]
             if writer == ranks.rank:
                 writes[name], boxes[name] = mine[name][0], box
     return arrays, writes, boxes
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _volume(box: Box) -> int:
-    v = 1
-    for a, b in box:
-        v *= b - a
-    return v
+    return math.prod(b - a for a, b in box)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _starts(boxes: tuple[Box, ...]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(a for a, _ in box) for box in boxes)
 
 
 def read_region(info: ArrayInfo, template: Any) -> tuple[Any, Box] | None:
@@ -113,7 +148,7 @@ def read_region(info: ArrayInfo, template: Any) -> tuple[Any, Box] | None:
     if not is_dtensor(template):
         return None
     if tuple(template.shape) != info.shape:
-        raise ValueError(f"restore of key {info.name!r}: checkpoint has global shape {list(info.shape)}, "
+        raise StateMismatchError(f"restore of key {info.name!r}: checkpoint has global shape {list(info.shape)}, "
                          f"the target DTensor has {list(template.shape)}")
     return template, local_box(template)[1]
 

@@ -44,3 +44,26 @@ class LeaseHeldError(CheckpointError):
     def __init__(self, message: str, *, holder: dict | None = None):
         super().__init__(message)
         self.holder = holder
+
+
+class StepNotFoundError(CheckpointError, FileNotFoundError, ValueError):
+    """A step asked for is not committed in the root (it has no manifest).
+
+    A FileNotFoundError for readers and a ValueError for a step argument (`delete`), as callers caught before.
+    """
+
+
+class StepExistsError(CheckpointError, FileExistsError, ValueError):
+    """A step is already committed: a committed checkpoint is never overwritten (a ValueError, as before)."""
+
+
+class StateMismatchError(CheckpointError, ValueError):
+    """The state passed to restore does not fit the checkpoint: a tensor's shape or dtype differs (names the key)."""
+
+
+class StateKeyError(CheckpointError, KeyError):
+    """The state passed to restore and the checkpoint have different keys (names the key path)."""
+
+
+class DataMismatchError(CheckpointError, ValueError):
+    """A sampler state saved for other data or another configuration is being resumed."""

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from . import catalog, store
+from . import layout, store
 from . import state as state_mod
 from .errors import CheckpointError, CorruptCheckpointError
 from .format import ArrayInfo, torch_dtype
@@ -97,7 +97,7 @@ def export(root: str | os.PathLike, out: str | os.PathLike, *, format: str, step
     _check_out(out, format)
     storage = open_storage(root)
     if step is None:
-        steps = catalog.committed_steps(storage)
+        steps = layout.committed_steps(storage)
         if not steps:
             raise FileNotFoundError(f"no committed checkpoint in {storage.url}")
         step = steps[-1]

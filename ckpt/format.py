@@ -1,12 +1,6 @@
-"""What is on disk: step directory names, the manifest schema and its validation, array names, chunk layout.
+"""What a step's files say: the manifest schema and its validation, dtypes, array names, chunk layout.
 
-Layout of a root::
-
-    step_00001200/manifest.json      written last; its presence is the commit
-    step_00001200/arrays/<name>/     one zarr3 array per tensor (zarr.json + chunk files c/...)
-    step_00001200/_IN_PROGRESS       marker of a save in flight (pid, host, time, lease); never read on restore
-    _quarantine/step_00001200-<unix ms>/   a damaged step moved aside: its files and _DAMAGED (reason, time, host, pid)
-    _LEASE, _GC_LOCK                 the writer's lease and gc's lock (see lease.py)
+Where those files live in a root (step directories, the manifest, markers) is `layout.py`'s.
 """
 
 from __future__ import annotations
@@ -29,13 +23,6 @@ from .errors import CheckpointError, CorruptCheckpointError
 
 FORMAT = "ckpt/2"  # ckpt/2: a crc32c digest per chunk in the manifest
 _READABLE = ("ckpt/1", FORMAT)  # ckpt/1 steps are still read; their chunks are checked by their own crc32c only
-MANIFEST = "manifest.json"
-IN_PROGRESS = "_IN_PROGRESS"
-QUARANTINE = "_quarantine"
-DAMAGED = "_DAMAGED"
-ARRAYS = "arrays"
-_STEP_RE = re.compile(r"^step_(\d{8,})$")
-_QUARANTINED_RE = re.compile(r"^step_(\d{8,})-(\d+)$")
 # An array name: '/'-separated segments of safe characters; no empty, '.' or '..' segment, nothing absolute.
 _SEGMENT_RE = re.compile(r"^[A-Za-z0-9_%+=@,~-][A-Za-z0-9_.%+=@,~-]*$")
 _MAX_SEGMENT = 200
@@ -72,25 +59,6 @@ def torch_dtype(name: str) -> torch.dtype:
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype tensorstore uses for an on-disk dtype name (bfloat16, float8 via ml_dtypes)."""
     return np.dtype(ts.dtype(name).numpy_dtype)
-
-
-def step_dir(step: int) -> str:
-    """The directory name of a step; zero-padded so names sort by step."""
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    return f"step_{step:08d}"
-
-
-def parse_step_dir(name: str) -> int | None:
-    """The step a directory name stands for, or None when it is not a step directory."""
-    m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
-def parse_quarantined_dir(name: str) -> int | None:
-    """The step a directory under ``_quarantine/`` holds (``step_XXXXXXXX-<unix ms>``), or None."""
-    m = _QUARANTINED_RE.match(name)
-    return int(m.group(1)) if m else None
 
 
 @functools.lru_cache(maxsize=1 << 16)  # the same keys come back every save; this is on the stall path
@@ -297,11 +265,16 @@ class Manifest:
     time: float
     world_size: int = 1
     versions: dict[str, str] | None = None
+    format: str = FORMAT  # as read; a manifest this version writes is always FORMAT
 
-    def to_bytes(self) -> bytes:
-        body = {"format": FORMAT, "step": self.step, "time": self.time, "world_size": self.world_size,
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's body: what `to_bytes` checksums and writes (and `ckpt inspect --json` prints)."""
+        return {"format": self.format, "step": self.step, "time": self.time, "world_size": self.world_size,
                 "versions": self.versions or {}, "metadata": self.metadata, "tree": self.tree,
                 "arrays": {k: v.to_json() for k, v in self.arrays.items()}}
+
+    def to_bytes(self) -> bytes:
+        body = self.to_json()
         text = json.dumps(body, allow_nan=False, separators=(",", ":"))  # key order is part of the state
         return json.dumps({"sha256": hashlib.sha256(text.encode()).hexdigest(), "body": body},
                           allow_nan=False, separators=(",", ":")).encode()
@@ -336,4 +309,5 @@ class Manifest:
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(str(e), key=e.key, file=file) from None
         return cls(step=body["step"], tree=body["tree"], arrays=arrays, metadata=body["metadata"],
-                   time=float(body["time"]), world_size=body["world_size"], versions=body["versions"])
+                   time=float(body["time"]), world_size=body["world_size"], versions=body["versions"],
+                   format=body["format"])

@@ -28,10 +28,9 @@ import weakref
 from typing import Any, Iterator
 
 from .errors import LeaseHeldError
+from .layout import GC_LOCK, LEASE
 from .storage import KvStorage, Storage, makedirs_durable
 
-LEASE = "_LEASE"
-GC_LOCK = "_GC_LOCK"
 TTL_S = 60.0  # object stores: a lease not renewed for this long is free
 WAIT_FOR_GC_S = 60.0  # a writer waits this long for a running `ckpt gc` to finish before giving up
 

@@ -13,16 +13,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any, ContextManager, Mapping, Protocol, Sequence
 
-import torch.distributed as dist
-
-from . import catalog
+from . import catalog, layout
 from . import lease as lease_mod
 from . import restore as restore_mod
 from . import run as run_mod
 from .distributed import Ranks, prepare_optimizers
-from .errors import CheckpointDeleteError, CheckpointError, CheckpointWriteError, CorruptCheckpointError, LeaseHeldError
-from .format import MANIFEST, MAX_CHUNK_BYTES, step_dir
-from .restore import read_manifest
+from .errors import (CheckpointDeleteError, CheckpointError, CheckpointWriteError, CorruptCheckpointError, LeaseHeldError,
+                     StepExistsError, StepNotFoundError)
+from .format import MAX_CHUNK_BYTES
+from .layout import read_manifest
 from .retention import RetentionPolicy, StepMetadata, from_keywords
 from .save import SaveJob, plan
 from .staging import StagingArena
@@ -53,6 +52,9 @@ class _NoTracker:
 
     def checkpoint_failed(self, step: int, error: BaseException) -> None:
         pass
+
+
+_NO_TRACKER = _NoTracker()
 
 
 class SaveHandle:
@@ -111,10 +113,9 @@ class CheckpointManager:
         if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in [1, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
-        self.tracker: CheckpointObserver = tracker if tracker is not None else _NoTracker()
+        self.tracker = tracker
         self._arena = StagingArena(max_staging_bytes)
-        distributed = dist.is_available() and dist.is_initialized()
-        self.ranks: Ranks | None = Ranks(timedelta(seconds=collective_timeout)) if distributed else None
+        self.ranks: Ranks = Ranks.current(timedelta(seconds=collective_timeout))
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer")
         self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-reader")
         self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ckpt-deleter")  # no save ever waits for it
@@ -126,6 +127,15 @@ class CheckpointManager:
         self._lease: lease_mod.Lease | None = None  # the root's lease (rank 0's), taken at the first save
         self._writer_agreed = False  # every rank knows the lease is held
         self._closed = False
+
+    @property
+    def tracker(self) -> CheckpointObserver:
+        """Told about saves and restores; never None (assigning None, as Lightning does, installs a no-op one)."""
+        return self._tracker
+
+    @tracker.setter
+    def tracker(self, tracker: CheckpointObserver | None) -> None:
+        self._tracker = tracker if tracker is not None else _NO_TRACKER
 
     # -- saving -------------------------------------------------------------------------------------
 
@@ -144,8 +154,8 @@ class CheckpointManager:
             pending = self._deleting.get(step)
             if pending is not None:  # a delete of this very step number must finish before it is written again
                 futures_wait([pending])
-            if self.storage.read(f"{step_dir(step)}/{MANIFEST}") is not None:
-                raise ValueError(f"step {step} is already committed in {self.storage.url}; "
+            if layout.is_committed(self.storage, step):
+                raise StepExistsError(f"step {step} is already committed in {self.storage.url}; "
                                  f"a committed checkpoint is never overwritten")
             t0 = time.perf_counter()
             job = SaveJob(self.storage, plan(step, state, metadata, self.chunk_bytes, self.ranks), self._arena,
@@ -188,9 +198,9 @@ class CheckpointManager:
 
     def _apply_retention(self) -> None:
         """Queue the deletion of the committed steps the policy does not keep; never the newest, whatever it says."""
-        if self.retention is None or (self.ranks is not None and self.ranks.rank != 0):
+        if self.retention is None or not self.ranks.leader:
             return
-        steps = catalog.committed_steps(self.storage)
+        steps = layout.committed_steps(self.storage)
         if not steps:
             return
         kept = self.retention.keep(steps, StepMetadata(steps, self._saved_metadata, self._metadata))
@@ -202,7 +212,7 @@ class CheckpointManager:
         """A committed step's save metadata for retention; {} when its manifest is unreadable or gone."""
         try:
             return read_manifest(self.storage, step).metadata
-        except (CorruptCheckpointError, FileNotFoundError):
+        except (CorruptCheckpointError, StepNotFoundError):
             return {}
 
     def _queue_delete(self, step: int, *, report: bool) -> None:
@@ -233,9 +243,8 @@ class CheckpointManager:
 
         `collective`: every rank takes part (a save), so a refusal reaches every rank at once.
         """
-        leader = self.ranks is None or self.ranks.rank == 0
         error: LeaseHeldError | None = None
-        if leader:
+        if self.ranks.leader:
             try:
                 if self._lease is None:
                     self._lease = lease_mod.acquire(self.storage)
@@ -243,7 +252,7 @@ class CheckpointManager:
                     self._lease.check()
             except LeaseHeldError as e:
                 error = e
-        if collective and self.ranks is not None and not self._writer_agreed:
+        if collective and not self._writer_agreed:
             verdict = self.ranks.all_gather_json(None if error is None else str(error))[0]
             if verdict and error is None:
                 error = LeaseHeldError(verdict)
@@ -305,7 +314,7 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         restored: int | None = None
-        tracker = self.tracker if track else _NoTracker()
+        tracker = self.tracker if track else _NO_TRACKER
         with tracker.span("checkpoint_restore"):
             prepare_optimizers(state, keys)
             t0 = time.perf_counter()
@@ -313,10 +322,11 @@ class CheckpointManager:
             candidates, relists = self._candidates(step, damaged), 0
             while candidates:
                 s = candidates.pop(0)
-                outcome = self._read_step(s, state, keys, rank_map)
+                plan, error = self._read(s, state, keys, rank_map)  # manifest -> plan -> verified reads
+                outcome = self._agree(s, error)  # one decision for every rank
                 if outcome == "vanished":
                     if step is not None:
-                        raise FileNotFoundError(f"step {step} is not committed in {self.storage.url}")
+                        raise StepNotFoundError(f"step {step} is not committed in {self.storage.url}")
                     relists += 1
                     if relists > _MAX_RELISTS:
                         raise CheckpointError(f"steps of {self.storage.url} vanished while being read, {relists} times: "
@@ -331,9 +341,9 @@ class CheckpointManager:
                     warnings.warn(f"checkpoint step {s} is damaged: {outcome}; {self._set_aside(s, outcome)}; "
                                   f"falling back to the previous committed step", RuntimeWarning, stacklevel=2)
                     continue
-                restore_mod.apply(outcome, state)
+                restore_mod.apply(plan, state)
                 restored = s
-                sizes = [r.nbytes for r in outcome.reads.values()]
+                sizes = [r.nbytes for r in plan.reads.values()]
                 log.info("restored step %d from %s: %.1f MB in %.2fs", s, self.storage.url, sum(sizes) / 1e6,
                          time.perf_counter() - t0)
                 if keys is None:  # the arena now holds what was read; grow it to the whole state in the background
@@ -350,35 +360,44 @@ class CheckpointManager:
     def _candidates(self, step: int | None, damaged: Mapping[int, Any]) -> list[int]:
         """Steps to try, newest first: `step`, or every committed one not found damaged (rank 0's list for all)."""
         candidates = [step] if step is not None else [
-            s for s in sorted(catalog.committed_steps(self.storage), reverse=True) if s not in damaged]
-        return candidates if self.ranks is None else self.ranks.all_gather_json(candidates)[0]
+            s for s in sorted(layout.committed_steps(self.storage), reverse=True) if s not in damaged]
+        return self.ranks.all_gather_json(candidates)[0]
 
-    def _read_step(self, s: int, state: dict[str, Any], keys: Sequence[str] | None,
-                   rank_map: str) -> restore_mod.ReadPlan | CorruptCheckpointError | str:
-        """Read and verify step `s` on every rank: its plan, its damage, or "vanished" (deleted meanwhile)."""
-        rank, world = (self.ranks.rank, self.ranks.world_size) if self.ranks else (0, 1)
-        plan: restore_mod.ReadPlan | None = None
-        error: CorruptCheckpointError | FileNotFoundError | None = None
+    def _read(self, s: int, state: dict[str, Any], keys: Sequence[str] | None, rank_map: str
+              ) -> tuple[restore_mod.ReadPlan | None, CorruptCheckpointError | StepNotFoundError | None]:
+        """This rank's read of step `s`, the mirror of a save: manifest, plan, verified reads; or why it failed.
+
+        A mismatch between `state` and the checkpoint (StateKeyError, StateMismatchError) is raised here, before
+        anything is read. Nothing is applied to `state`.
+        """
         try:
-            plan = restore_mod.prepare(self.storage, s, state, keys, self._readers, self._arena, rank=rank,
-                                       world_size=world, rank_map=rank_map)
-        except (CorruptCheckpointError, FileNotFoundError) as e:
-            error = e
+            manifest = layout.read_manifest(self.storage, s)
+            plan = restore_mod.plan_restore(manifest, state, keys, self.ranks, rank_map=rank_map,
+                                            files=restore_mod.step_files(self.storage, s))
+            restore_mod.execute(self.storage, plan, self._readers, self._arena)
+            return plan, None
+        except (CorruptCheckpointError, StepNotFoundError) as e:
+            return None, e
+
+    def _agree(self, s: int, error: CorruptCheckpointError | StepNotFoundError | None
+               ) -> CorruptCheckpointError | str | None:
+        """Every rank's outcome of reading step `s`, one decision for all: None (read everywhere), "vanished" (it
+        was deleted meanwhile, e.g. by another process's retention: no damage) or its damage."""
         verdict = "ok" if error is None else (
-            "vanished" if isinstance(error, FileNotFoundError) or not catalog.is_committed(self.storage, s) else "damaged")
-        if self.ranks is not None:  # every rank takes the same decision
-            reports = self.ranks.all_gather_json([verdict, None if error is None else str(error)])
-            verdicts = [v for v, _ in reports]
-            verdict = "vanished" if "vanished" in verdicts else "damaged" if "damaged" in verdicts else "ok"
-            if verdict == "damaged" and not isinstance(error, CorruptCheckpointError):
-                error = CorruptCheckpointError(f"another rank found damage: {next(m for v, m in reports if v == 'damaged')}", step=s)
-        if verdict == "ok":
-            return plan
-        return "vanished" if verdict == "vanished" else error
+            "vanished" if isinstance(error, StepNotFoundError) or not layout.is_committed(self.storage, s) else "damaged")
+        reports = self.ranks.all_gather_json([verdict, None if error is None else str(error)])
+        verdicts = [v for v, _ in reports]
+        if "vanished" in verdicts:
+            return "vanished"
+        if "damaged" not in verdicts:
+            return None
+        if isinstance(error, CorruptCheckpointError):
+            return error
+        return CorruptCheckpointError(f"another rank found damage: {next(m for v, m in reports if v == 'damaged')}", step=s)
 
     def _set_aside(self, s: int, error: CorruptCheckpointError) -> str:
         """Quarantine a damaged step (rank 0 only) and say where it went, or why it could not be moved."""
-        if self.ranks is not None and self.ranks.rank != 0:
+        if not self.ranks.leader:
             return "quarantined by rank 0"
         borrowed = None
         try:
@@ -400,7 +419,7 @@ class CheckpointManager:
         """Committed steps, ascending (a step queued for deletion is no longer listed)."""
         with self._lock:
             deleting = set(self._deleting)
-        return [s for s in catalog.committed_steps(self.storage) if s not in deleting]
+        return [s for s in layout.committed_steps(self.storage) if s not in deleting]
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -416,7 +435,7 @@ class CheckpointManager:
             raise ValueError(f"step {step} is still being written")
         committed = self.steps()
         if step not in committed:
-            raise ValueError(f"step {step} is not a committed step of {self.storage.url} (committed: {committed})")
+            raise StepNotFoundError(f"step {step} is not a committed step of {self.storage.url} (committed: {committed})")
         if step == committed[-1]:
             raise ValueError(f"step {step} is the newest committed step; it is never deleted")
         self._take_lease(collective=False)

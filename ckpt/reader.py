@@ -17,8 +17,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from . import catalog, restore
+from . import layout, restore
 from . import state as state_mod
+from .distributed import Ranks
 from .errors import CorruptCheckpointError
 from .format import ArrayInfo, torch_dtype
 from .staging import StagingArena
@@ -44,7 +45,7 @@ class StepReader:
 
     def __init__(self, storage: Storage, step: int, pool: ThreadPoolExecutor):
         self.storage, self.step, self._pool = storage, step, pool
-        self.manifest = restore.read_manifest(storage, step)
+        self.manifest = layout.read_manifest(storage, step)
         self.files = restore.step_files(storage, step)
         m = self.manifest
         self.tree = {k: state_mod.select_rank(v, 0, m.world_size, 1, "modulo")
@@ -86,8 +87,8 @@ class StepReader:
                       for k, node in tree.items()}
         else:
             manifest = dataclasses.replace(self.manifest, tree=tree)
-            plan = restore.plan_restore(manifest, dict.fromkeys(tree), None, files=self.files)
-            restore.read(self.storage, plan, self._pool, StagingArena())  # no scratch: every read has its own tensor
+            plan = restore.plan_restore(manifest, dict.fromkeys(tree), None, Ranks.local(), files=self.files)
+            restore.execute(self.storage, plan, self._pool, StagingArena())  # no scratch: every read has its own tensor
             values = plan.values
         device = torch.device(device)
         return values if device.type == "cpu" else _to_device(values, device, {})
@@ -97,7 +98,7 @@ class StepReader:
         box = box if box is not None else tuple((0, n) for n in info.shape)
         out = torch.empty(tuple(b - a for a, b in box), dtype=torch_dtype(info.dtype))
         plan = restore.ReadPlan(self.manifest, {(info.name, box): restore.ArrayRead(info, box, fresh=out)}, {})
-        restore.read(self.storage, plan, self._pool, StagingArena())
+        restore.execute(self.storage, plan, self._pool, StagingArena())
         return out
 
 
@@ -117,7 +118,7 @@ def load(root: str | os.PathLike, *, step: int | None = None, keys: Sequence[str
         if step is not None:
             return StepReader(storage, step, pool).read(keys, region=region, device=device)
         damaged: list[CorruptCheckpointError] = []
-        for s in sorted(catalog.committed_steps(storage), reverse=True):
+        for s in sorted(layout.committed_steps(storage), reverse=True):
             try:
                 return StepReader(storage, s, pool).read(keys, region=region, device=device)
             except CorruptCheckpointError as e:

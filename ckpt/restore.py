@@ -1,4 +1,5 @@
-"""Mechanism of one restore: manifest -> plan -> verified reads -> apply, the mirror of `save.py`.
+"""Mechanism of one restore, the mirror of `save.py`: `plan_restore` (manifest + target -> ReadPlan), `execute`
+(verified reads into buffers of its own), `apply` (into the caller's state).
 
 All or nothing for the caller: every chunk a restore needs is read into memory that is not the caller's
 (a scratch buffer in the staging arena, or a tensor of its own where the caller has none) and checked
@@ -17,36 +18,16 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from . import layout
 from . import state as state_mod
 from . import store
-from .distributed import read_region
-from .errors import CheckpointError, CorruptCheckpointError
-from .format import ARRAYS, MANIFEST, ArrayInfo, Manifest, chunk_key, step_dir, torch_dtype
+from .distributed import Ranks, read_region
+from .errors import CheckpointError, CorruptCheckpointError, StateKeyError, StateMismatchError
+from .format import ArrayInfo, Manifest, chunk_key, torch_dtype
 from .staging import StagingArena
-from .storage import Storage, UnsafeFileError, local_files, where
+from .storage import Storage, UnsafeFileError, local_files
 
 Box = tuple[tuple[int, int], ...]
-
-
-def read_manifest(storage: Storage, step: int) -> Manifest:
-    """The validated manifest of a committed step; FileNotFoundError when the step is not committed.
-
-    Validated means: checksum, schema and bounds of every field, the state tree's tags, depth and
-    references; any defect is a CorruptCheckpointError naming the file.
-    """
-    path = f"{step_dir(step)}/{MANIFEST}"
-    file = where(storage, path)
-    try:
-        data = storage.read(path)
-    except UnsafeFileError as e:
-        raise CorruptCheckpointError(f"manifest is {e.strerror}", step=step, file=file) from None
-    if data is None:
-        raise FileNotFoundError(f"step {step} is not committed in {storage.url} (no {path})")
-    m = Manifest.from_bytes(data, file=file)
-    if m.step != step:
-        raise CorruptCheckpointError(f"manifest says step {m.step}", step=step, file=file)
-    state_mod.check_tree(m.tree, m.arrays, file=file)
-    return m
 
 
 @dataclass
@@ -60,7 +41,7 @@ class StepFiles:
 def step_files(storage: Storage, step: int) -> StepFiles | None:
     """The files of a local step (None for other roots). A symlink, FIFO or other special file anywhere
     in the step is damage: nothing inside a step is ever followed or opened."""
-    local = storage.local_path(step_dir(step))
+    local = storage.local_path(layout.step_dir(step))
     if local is None:
         return None
     try:
@@ -99,28 +80,28 @@ class ReadPlan:
     values: dict[str, Any]  # top-level key -> decoded value (tensors: the caller's own, or fresh ones)
 
 
-def plan_restore(manifest: Manifest, target: Mapping[str, Any], keys: Sequence[str] | None, *, rank: int = 0,
-                 world_size: int = 1, rank_map: str = "modulo", files: StepFiles | None = None) -> ReadPlan:
+def plan_restore(manifest: Manifest, target: Mapping[str, Any], keys: Sequence[str] | None, ranks: Ranks, *,
+                 rank_map: str = "modulo", files: StepFiles | None = None) -> ReadPlan:
     """Decide every read of a restore of `keys` (default: all) of `target`; reads nothing, changes nothing.
 
     DTensor targets read only their own shard's region of each global array (any world size); other
     tensors read whole arrays. Per-rank entries follow `state.select_rank`. Key, shape and dtype mismatches
-    raise here (KeyError, ValueError naming the key). With `files` (of a local step), every chunk of every
+    raise here (StateKeyError, StateMismatchError naming the key). With `files` (of a local step), every chunk of every
     array read must be there at its exact size before anything is allocated (else CorruptCheckpointError).
     """
     tree, step = manifest.tree, manifest.step
     selected = list(keys) if keys is not None else list(target)
     missing = [k for k in selected if k not in tree]
     if missing:
-        raise KeyError(f"keys {missing} not in checkpoint step {step} (it has {sorted(tree)})")
+        raise StateKeyError(f"keys {missing} not in checkpoint step {step} (it has {sorted(tree)})")
     absent = [k for k in selected if k not in target]
     if absent:
-        raise KeyError(f"keys {absent} are not in the state passed to restore (it has {sorted(target)})")
+        raise StateKeyError(f"keys {absent} are not in the state passed to restore (it has {sorted(target)})")
     nodes = {}
     for k in selected:
         node = tree[k]
-        if isinstance(node, dict) and "$per_rank" in node:
-            node = state_mod.select_rank(node, rank, manifest.world_size, world_size, rank_map)
+        if state_mod.node_of(node).kind == state_mod.PER_RANK:
+            node = state_mod.select_rank(node, ranks.rank, manifest.world_size, ranks.world_size, rank_map)
             if node is None:
                 continue
         nodes[k] = node
@@ -129,7 +110,8 @@ def plan_restore(manifest: Manifest, target: Mapping[str, Any], keys: Sequence[s
             _check_files(manifest.arrays[name], files, step)
     reads: dict[tuple[str, Box], ArrayRead] = {}
 
-    def load(name: str, template: Any, as_numpy: bool) -> Any:
+    def plan_read(name: str, template: Any, as_numpy: bool) -> Any:
+        """A tensor reference met by `state.decode`: plan its read (no IO) and give the value the state will hold."""
         info = manifest.arrays[name]
         tmpl = torch.from_numpy(template) if isinstance(template, np.ndarray) and template.flags.writeable else template
         shard = read_region(info, tmpl)
@@ -152,17 +134,17 @@ def plan_restore(manifest: Manifest, target: Mapping[str, Any], keys: Sequence[s
             value = r.fresh
         return value.numpy() if as_numpy else value
 
-    values = {k: state_mod.decode(node, load, target[k], k, strict=True) for k, node in nodes.items()}
+    values = {k: state_mod.decode(node, plan_read, target[k], k, strict=True) for k, node in nodes.items()}
     if keys is None:
         extra = [k for k in tree if k not in target]
         if extra:
-            raise KeyError(f"checkpoint step {step} has keys {extra} that the state passed to restore lacks: add "
+            raise StateKeyError(f"checkpoint step {step} has keys {extra} that the state passed to restore lacks: add "
                            f"them, or restore only some keys with keys=[...]")
     return ReadPlan(manifest, reads, values)
 
 
 def _check_files(info: ArrayInfo, files: StepFiles, step: int) -> None:
-    base = f"{ARRAYS}/{info.name}"
+    base = layout.array_dir(info.name)
     if f"{base}/zarr.json" not in files.sizes:
         raise CorruptCheckpointError("zarr.json is missing", step=step, key=info.name, file=f"{files.dir}/{base}/zarr.json")
     for index in info.chunks(tuple((0, n) for n in info.shape)):
@@ -193,14 +175,14 @@ def _fresh(info: ArrayInfo, box: Box, step: int) -> torch.Tensor:
 
 def _check_match(info: ArrayInfo, tmpl: torch.Tensor, step: int) -> None:
     if tuple(tmpl.shape) != info.shape:
-        raise ValueError(f"restore of key {info.name!r} (step {step}): checkpoint has shape {list(info.shape)}, "
+        raise StateMismatchError(f"restore of key {info.name!r} (step {step}): checkpoint has shape {list(info.shape)}, "
                          f"the target tensor has shape {list(tmpl.shape)}")
     if tmpl.dtype != torch_dtype(info.dtype):
-        raise ValueError(f"restore of key {info.name!r} (step {step}): checkpoint has dtype {info.dtype}, "
+        raise StateMismatchError(f"restore of key {info.name!r} (step {step}): checkpoint has dtype {info.dtype}, "
                          f"the target tensor has dtype {str(tmpl.dtype).removeprefix('torch.')}")
 
 
-def read(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: StagingArena) -> None:
+def execute(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: StagingArena) -> None:
     """Read and verify every region of the plan into its buffer; the caller's tensors are not touched.
 
     Regions with caller tensors are read into scratch (the staging arena); regions without, into their
@@ -215,7 +197,7 @@ def read(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: Stag
     for r in plan.reads.values():
         if r.fresh is not None:
             r.buffer = r.fresh
-        path = f"{step_dir(step)}/{ARRAYS}/{r.info.name}"
+        path = layout.array_path(step, r.info.name)
         futures.append(pool.submit(store.check_zarr_json, storage, path, r.info, step=step))
         local = storage.local_path(path)
         rows = store.direct_rows(r.info, r.box) if local is not None else None
@@ -244,14 +226,3 @@ def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
         torch.cuda.synchronize()
     for k, v in plan.values.items():
         state_mod.apply(target, k, v)
-
-
-def prepare(storage: Storage, step: int, target: Mapping[str, Any], keys: Sequence[str] | None,
-            pool: ThreadPoolExecutor, arena: StagingArena, *, rank: int = 0, world_size: int = 1,
-            rank_map: str = "modulo") -> ReadPlan:
-    """Everything of `step` that a restore of `target` needs, read and verified; `apply` lands it."""
-    manifest = read_manifest(storage, step)
-    plan = plan_restore(manifest, target, keys, rank=rank, world_size=world_size, rank_map=rank_map,
-                        files=step_files(storage, step))
-    read(storage, plan, pool, arena)
-    return plan

@@ -14,11 +14,11 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
-from . import catalog
+from . import catalog, layout
 from .errors import CorruptCheckpointError, RunMismatchError
+from .layout import RUN_FILE
 from .storage import Storage
 
-RUN_FILE = "run.json"
 RUN_FORMAT = "ckpt-run/1"
 ENV_IDS = ("CKPT_RUN_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")  # first set one wins
 
@@ -81,7 +81,7 @@ def check_start(storage: Storage, run: Run, *, resume: bool, how_to_resume: str,
     start resumes silently only when the root's recorded run is `run` (a restart by torchrun, a requeue, an
     explicit run id); otherwise it raises `RunMismatchError`, saying how to resume or start over.
     """
-    committed = catalog.committed_steps(storage)
+    committed = layout.committed_steps(storage)
     if not committed:
         return False
     recorded = recorded_run(storage)
@@ -98,7 +98,7 @@ def check_start(storage: Storage, run: Run, *, resume: bool, how_to_resume: str,
 
 def discard(storage: Storage) -> list[int]:
     """Delete every committed step, the leftovers of dead saves and the run record: an explicit start-over."""
-    steps = catalog.committed_steps(storage)
+    steps = layout.committed_steps(storage)
     for step in reversed(steps):
         catalog.delete_step(storage, step)
     catalog.collect_garbage(storage)

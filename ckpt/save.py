@@ -20,10 +20,12 @@ import numpy as np
 import tensorstore as ts
 import torch
 
+from . import layout
 from . import state as state_mod
 from . import store
-from .format import ARRAYS, IN_PROGRESS, MANIFEST, ArrayInfo, Manifest, chunk_shape, dtype_name, step_dir
+from .format import ArrayInfo, Manifest
 from .distributed import Ranks, plan_arrays
+from .errors import StepExistsError
 from .lease import Lease
 from .staging import Staged, StagingArena
 from .storage import Storage
@@ -56,26 +58,18 @@ class WritePlan:
 
 
 def plan(step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, chunk_bytes: int,
-         ranks: Ranks | None) -> WritePlan:
+         ranks: Ranks) -> WritePlan:
     """What this process writes for `step`: alone, every tensor is a whole array; among ranks, its slices."""
-    flat = state_mod.flatten(state, rank=ranks.rank if ranks else 0)
+    flat = state_mod.flatten(state, rank=ranks.rank)
     meta = _json_metadata(metadata)
-    if ranks is None:
-        arrays, boxes = {}, {}
-        for name, t in flat.tensors.items():
-            shape = tuple(t.shape)
-            chunk = chunk_shape(shape, t.element_size(), ((0,) * len(shape),), chunk_bytes)
-            arrays[name] = ArrayInfo(name, dtype_name(t.dtype, key=name), shape, chunk, (tuple((0, n) for n in shape),))
-            boxes[name] = arrays[name].boxes[0]
-        return WritePlan(step, flat.tree, arrays, flat.tensors, boxes, meta)
     arrays, writes, boxes = plan_arrays(ranks, flat.tensors, chunk_bytes)
-    per_rank = {k: v["$per_rank"] for k, v in flat.tree.items() if isinstance(v, dict) and "$per_rank" in v}
+    per_rank = state_mod.per_rank_entries(flat.tree)
     tree = flat.tree
-    if per_rank:
+    if per_rank:  # every rank's entries, side by side in the one manifest
         gathered = ranks.all_gather_json(per_rank)
         tree = dict(flat.tree)
         for k in per_rank:
-            tree[k] = {"$per_rank": [entry for g in gathered for entry in g[k]]}
+            tree[k] = state_mod.per_rank_node([entry for g in gathered for entry in g[k]])
     return WritePlan(step, tree, arrays, writes, boxes, meta, world_size=ranks.world_size)
 
 
@@ -98,11 +92,11 @@ class SaveJob:
     """One save in flight: the snapshot is taken in the constructor, `run()` writes and commits in the background."""
 
     def __init__(self, storage: Storage, plan: WritePlan, arena: StagingArena, context: ts.Context,
-                 ranks: Ranks | None = None, lease: Lease | None = None):
+                 ranks: Ranks, lease: Lease | None = None):
         self.storage, self.plan, self.arena, self.context, self.ranks = storage, plan, arena, context, ranks
         self.lease = lease  # the root's lease (the leader's); None on other ranks
-        self.leader = ranks is None or ranks.rank == 0
-        self.dir = step_dir(plan.step)
+        self.leader = ranks.leader
+        self.dir = layout.step_dir(plan.step)
         self.digests = store.ChunkDigests()
         self._reference = storage.kvstore_spec("")["driver"] != "memory"  # see store.write
         self._arrays: dict[str, ts.Future] | None = None
@@ -119,25 +113,21 @@ class SaveJob:
         self._prepared = True
         if self.leader:
             with self.lease.preparing() if self.lease else contextlib.nullcontext():  # gc waits meanwhile
-                if self.storage.read(f"{self.dir}/{MANIFEST}") is not None:
-                    raise FileExistsError(f"step {self.plan.step} is already committed in {self.storage.url}")
+                if layout.is_committed(self.storage, self.plan.step):
+                    raise StepExistsError(f"step {self.plan.step} is already committed in {self.storage.url}")
                 self.storage.delete_tree(self.dir)  # leftovers of a crashed earlier attempt at this step
                 marker = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
                           "lease": self.lease.id if self.lease else None}
-                self.storage.write_atomic(f"{self.dir}/{IN_PROGRESS}", json.dumps(marker).encode())
-        if self.ranks is not None:
-            self.ranks.barrier()
+                self.storage.write_atomic(layout.in_progress_path(self.plan.step), json.dumps(marker).encode())
+        self.ranks.barrier()
 
     def _open_arrays(self) -> dict[str, ts.Future]:
         """Start creating the arrays this rank writes (once); writes chain on each array as it opens."""
         if self._arrays is None:
             self._prepare()
-            self._arrays = {name: store.create(self.storage.kvstore_spec(self._array_path(name)), info, self.context)
+            self._arrays = {name: store.create(self.storage.kvstore_spec(layout.array_path(self.plan.step, name)), info, self.context)
                             for name, info in self.plan.arrays.items() if name in self.plan.boxes}
         return self._arrays
-
-    def _array_path(self, name: str) -> str:
-        return f"{self.dir}/{ARRAYS}/{name}"
 
     def _write_staged(self, staged: Sequence[Staged]) -> None:
         """Write staged pieces and, while tensorstore writes them, compute their chunks' digests."""
@@ -164,24 +154,19 @@ class SaveJob:
 
         Among ranks, every rank reports its outcome and the digests of the chunks it wrote; the leader
         commits only if all succeeded, and every rank learns the result, so a failure anywhere leaves no
-        committed step and reaches all.
+        committed step and reaches all. A rank raises its own error (the leader its commit's), else the others'.
         """
         error: BaseException | None = None
         try:
             self._write_staged(self.staged)
         except BaseException as e:
             error = e
-        if self.ranks is None:
-            if error is not None:
-                raise error
-            self.commit(self.digests.done)
-            return
         rank = self.ranks.rank
         reports = self.ranks.all_gather_json({
             "error": None if error is None else f"rank {rank}: {type(error).__name__}: {error}",
             "digests": {name: list(d.items()) for name, d in self.digests.done.items()}})
         failures = [r["error"] for r in reports if r["error"]]
-        commit_error = None
+        commit_error: Exception | None = None
         if not failures and self.leader:
             digests: dict[str, dict[int, int]] = {}
             for r in reports:
@@ -190,10 +175,13 @@ class SaveJob:
             try:
                 self.commit(digests)
             except Exception as e:
-                commit_error = f"rank 0 could not commit: {type(e).__name__}: {e}"
-        verdict = self.ranks.all_gather_json(commit_error)[0]
+                commit_error = e
+        verdict = self.ranks.all_gather_json(
+            None if commit_error is None else f"rank 0 could not commit: {type(commit_error).__name__}: {commit_error}")[0]
         if error is not None:
             raise error
+        if commit_error is not None:
+            raise commit_error
         if failures or verdict:
             raise RuntimeError("; ".join(failures) or verdict)
 
@@ -210,7 +198,7 @@ class SaveJob:
 
     def abandon(self) -> None:
         """After a failed write: remove what this save left, unless it got as far as committing."""
-        if self.leader and self._prepared and self.storage.read(f"{self.dir}/{MANIFEST}") is None:
+        if self.leader and self._prepared and not layout.is_committed(self.storage, self.plan.step):
             self.storage.delete_tree(self.dir)
 
     def commit(self, digests: Mapping[str, Mapping[int, int]]) -> None:
@@ -218,5 +206,5 @@ class SaveJob:
         self.storage.sync_tree(self.dir)
         if self.lease:
             self.lease.check()  # a writer that lost the root's lease never commits
-        self.storage.write_atomic(f"{self.dir}/{MANIFEST}", self.manifest(digests).to_bytes())
-        self.storage.delete_file(f"{self.dir}/{IN_PROGRESS}")
+        self.storage.write_atomic(layout.manifest_path(self.plan.step), self.manifest(digests).to_bytes())
+        self.storage.delete_file(layout.in_progress_path(self.plan.step))

@@ -13,14 +13,14 @@ import math
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Protocol, runtime_checkable
 
 import sys
 
 import numpy as np
 import torch
 
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, StateKeyError
 from .format import MAX_DEPTH, ArrayInfo, escape_segment
 
 _TAGS = ("$tensor", "$ndarray", "$float", "$tuple", "$size", "$dict", "$odict", "$bytes", "$np", "$dtype", "$state",
@@ -142,7 +142,7 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
         if not isinstance(k, str) or k.startswith("$"):
             raise TypeError(f"top-level state keys must be str not starting with '$', got {k!r}")
         if is_per_rank(v):
-            tree[k] = {"$per_rank": [[rank, enc(v, [escape_segment(k), f"rank_{rank:05d}"], k)]]}
+            tree[k] = per_rank_node([[rank, enc(v, [escape_segment(k), f"rank_{rank:05d}"], k)]])
         else:
             tree[k] = enc(v, [escape_segment(k)], k)
     flat.tree = tree
@@ -162,10 +162,29 @@ def _float(x: float) -> Any:
     return float(x) if math.isfinite(x) else {"$float": repr(float(x))}
 
 
+def _np_exact(dtype: np.dtype) -> bool:
+    """A numpy scalar dtype with an exact portable JSON form (not longdouble, datetime, object...)."""
+    m = _NP_SCALAR.match(dtype.str)
+    return bool(m) and not (m.group(1) == "f" and dtype.itemsize > 8) and not (m.group(1) == "c" and dtype.itemsize > 16)
+
+
+def encodable(x: Any) -> bool:
+    """True for a leaf value the tree has an exact form for: None, bool, int, float, str, bytes, a torch dtype or
+    Size, a tensor, a numpy array (not of objects), a numpy scalar of a portable dtype.
+
+    Containers (list, tuple, dict) and Stateful objects are encoded through what they hold; `flatten` still checks a
+    tensor's content (dense, with data, a dtype with an on-disk form) and raises naming the key.
+    """
+    if isinstance(x, np.generic):
+        return _np_exact(x.dtype)
+    if isinstance(x, np.ndarray):
+        return x.dtype != object
+    return x is None or isinstance(x, (bool, int, float, str, bytes, torch.dtype, torch.Size, torch.Tensor))
+
+
 def _np_scalar(x: np.generic, key: str) -> dict[str, Any]:
     """A numpy scalar with its exact dtype; kinds without a portable exact form (longdouble...) are refused."""
-    m = _NP_SCALAR.match(x.dtype.str)
-    if not m or (m.group(1) == "f" and x.dtype.itemsize > 8) or (m.group(1) == "c" and x.dtype.itemsize > 16):
+    if not _np_exact(x.dtype):
         raise TypeError(f"value at key {key!r} is a numpy {type(x).__name__} scalar ({x.dtype}), which has no exact "
                         f"portable form: convert it (e.g. to np.float64, or to a str)")
     v = x.item()
@@ -174,10 +193,66 @@ def _np_scalar(x: np.generic, key: str) -> dict[str, Any]:
     return {"$np": x.dtype.str, "v": value}
 
 
-def select_rank(node: Any, rank: int, saved_world: int, world: int, rank_map: str) -> Any | None:
+# The kinds of node of a checked tree: what every reader of a tree (restore, the CLI) sees of its tags.
+TENSOR = "tensor"  # a reference to an array: {"$tensor": name} or {"$ndarray": name}
+MAPPING = "mapping"  # a dict: plain (str keys), {"$dict": [[k, v]...]} or {"$odict": [[k, v]...]}
+SEQUENCE = "sequence"  # a list, or {"$tuple": [...]}
+STATE = "state"  # a Stateful object's state_dict: {"$state": type name, "v": tree}
+PER_RANK = "per_rank"  # one tree per rank, top level only: {"$per_rank": [[rank, tree]...]}
+VALUE = "value"  # a JSON scalar or a tagged one ($float, $size, $bytes, $np, $dtype)
+
+
+class Node(NamedTuple):
+    """One node of a checked tree as the grammar reads it."""
+
+    kind: str  # TENSOR, MAPPING, SEQUENCE, STATE, PER_RANK or VALUE
+    children: list[tuple[Any, Any]]  # (key, subtree): dict keys, list indexes, ranks; a state's one tree: key None
+    name: str | None = None  # TENSOR: the array's name; STATE: the object's type name
+
+
+def node_of(tree: Any) -> Node:
+    """How the grammar reads one node of a checked tree (see `check_tree`)."""
+    if isinstance(tree, list):
+        return Node(SEQUENCE, list(enumerate(tree)))
+    tag = _tag(tree) if isinstance(tree, dict) else VALUE
+    if tag is None:
+        return Node(MAPPING, list(tree.items()))
+    if tag in ("$dict", "$odict"):
+        return Node(MAPPING, [(k, v) for k, v in tree[tag]])
+    if tag == "$tuple":
+        return Node(SEQUENCE, list(enumerate(tree[tag])))
+    if tag in ("$tensor", "$ndarray"):
+        return Node(TENSOR, [], tree[tag])
+    if tag == "$state":
+        return Node(STATE, [(None, tree["v"])], tree[tag])
+    if tag == "$per_rank":
+        return Node(PER_RANK, [(rank, sub) for rank, sub in tree[tag]])
+    return Node(VALUE, [])
+
+
+def walk(tree: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Node]]:
+    """Every node of a checked tree, depth first, with its key path (a state's tree has its object's path)."""
+    n = node_of(tree)
+    yield path, n
+    for k, sub in n.children:
+        yield from walk(sub, path if k is None and n.kind == STATE else (*path, k))
+
+
+def per_rank_entries(tree: Mapping[str, Any]) -> dict[str, list[list[Any]]]:
+    """The top-level per-rank nodes of a tree: key -> [[rank, tree]...] (what this rank contributes)."""
+    nodes = {k: node_of(v) for k, v in tree.items()}
+    return {k: [[rank, sub] for rank, sub in n.children] for k, n in nodes.items() if n.kind == PER_RANK}
+
+
+def per_rank_node(entries: list[list[Any]]) -> dict[str, Any]:
+    """A per-rank node of `entries` ([[rank, tree]...], e.g. every rank's once gathered)."""
+    return {"$per_rank": entries}
+
+
+def select_rank(tree: Any, rank: int, saved_world: int, world: int, rank_map: str) -> Any | None:
     """The entry of a per-rank node this rank restores: its own on the same world size; on another,
     rank ``rank % saved_world`` ("modulo") or nothing ("skip", the caller keeps its current state)."""
-    entries = {int(r): tree for r, tree in node["$per_rank"]}
+    entries = {int(r): sub for r, sub in node_of(tree).children}
     if world == saved_world:
         return entries.get(rank)
     if rank_map == "skip":
@@ -186,23 +261,8 @@ def select_rank(node: Any, rank: int, saved_world: int, world: int, rank_map: st
 
 
 def tensor_refs(tree: Any) -> list[str]:
-    """The array names a JSON tree refers to, in order, with repetitions for aliases."""
-    out: list[str] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            ref = node.get("$tensor", node.get("$ndarray"))
-            if isinstance(ref, str):
-                out.append(ref)
-                return
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
-
-    walk(tree)
-    return out
+    """The array names a checked tree refers to, in order, with repetitions for aliases."""
+    return [n.name for _, n in walk(tree) if n.kind == TENSOR]
 
 
 def check_tree(tree: dict[str, Any], arrays: Mapping[str, ArrayInfo], *, file: str) -> None:
@@ -315,7 +375,7 @@ def decode(node: Any, load: Callable[[str, Any, bool], Any], template: Any = Non
 
     `template` is the value currently at this position in the caller's state (or its state_dict for
     Stateful objects), so tensors can be read in place into the caller's memory. With `strict`, a dict of
-    the caller's state must hold exactly the checkpoint's keys, else a KeyError names the key path. Below a
+    the caller's state must hold exactly the checkpoint's keys, else a StateKeyError names the key path. Below a
     Stateful object only an nn.Module's keys are compared (its load_state_dict would refuse a mismatch,
     but only after loading the rest); other objects' load_state_dict judge their own state.
     """
@@ -357,7 +417,7 @@ def _same_keys(saved: list[Any], current: list[Any], key: str) -> None:
     saved_set, current_set = set(saved), set(current)
     extra, missing = [k for k in saved if k not in current_set], [k for k in current if k not in saved_set]
     if extra or missing:
-        raise KeyError(f"restore: " + "; ".join(
+        raise StateKeyError("restore: " + "; ".join(
             [f"key {_join(key, k)!r} is in the checkpoint but not in the state passed to restore" for k in extra]
             + [f"key {_join(key, k)!r} is in the state passed to restore but not in the checkpoint" for k in missing]))
 

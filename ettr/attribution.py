@@ -7,7 +7,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from .ledger import Ledger, committed_steps, read_ledgers
+from .ledger import Ledger, read_ledgers
 
 CATEGORIES = ("productive", "checkpoint_save", "checkpoint_restore", "startup", "lost", "downtime", "data_wait", "other")
 DOWNTIME = -1  # attempt index of a downtime segment
@@ -301,9 +301,10 @@ def attribute(
     rank: int | None = None,
     window_s: float = 3600.0,
 ) -> Attribution:
-    """Attribute a job's wall time from its attempts' ledgers (one rank: `rank`, default the lowest) and committed steps.
+    """Attribute a job's wall time from its attempts' ledgers (one rank: `rank`, default the lowest).
 
-    A step of attempt k is `lost` if a later attempt resumed from an earlier step; the time after an attempt's
+    Committed steps are the ledgers' `commit` records, plus `committed` from a caller that knows more (e.g. the
+    steps `ckpt.layout.committed_steps` lists); ettr itself knows nothing of a checkpointer's files. A step of attempt k is `lost` if a later attempt resumed from an earlier step; the time after an attempt's
     last record until the next attempt starts is `downtime`. Pure: same inputs, same answer.
     """
     ledgers = list(ledgers)
@@ -357,12 +358,8 @@ def attribute(
 
 
 def attribute_root(
-    root: str, *, rank: int | None = None, window_s: float = 3600.0, storage_options: dict[str, Any] | None = None
+    root: str, *, rank: int | None = None, window_s: float = 3600.0, storage_options: dict[str, Any] | None = None,
+    committed: Iterable[int] = (),
 ) -> Attribution:
-    """Attribute from a checkpoint root alone: its ledgers and its committed step directories."""
-    return attribute(
-        read_ledgers(root, storage_options),
-        committed_steps(root, storage_options),
-        rank=rank,
-        window_s=window_s,
-    )
+    """Attribute from the ledgers under ROOT/ettr/ (and `committed`, as in `attribute`)."""
+    return attribute(read_ledgers(root, storage_options), committed, rank=rank, window_s=window_s)

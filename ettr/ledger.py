@@ -170,14 +170,3 @@ def read_ledgers(root: str, storage_options: dict[str, Any] | None = None) -> li
             raise LedgerError(f"{parts[0][1]}:1: a ledger must begin with a 'start' record")
         ledgers.append(Ledger(parts[0][1], attempt, rank, tuple(records), torn))
     return ledgers
-
-
-def committed_steps(root: str, storage_options: dict[str, Any] | None = None) -> list[int]:
-    """Steps with a committed checkpoint, i.e. ROOT/step_XXXXXXXX/manifest.json exists (read without importing ckpt)."""
-    fs, base = fsspec.core.url_to_fs(root, **(storage_options or {}))
-    steps = []
-    for path in fs.glob(base.rstrip("/") + "/step_*/manifest.json"):
-        name = path.rstrip("/").split("/")[-2]
-        if name[5:].isdigit():
-            steps.append(int(name[5:]))
-    return sorted(steps)

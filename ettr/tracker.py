@@ -13,7 +13,7 @@ from typing import Any
 
 from .attribution import Attribution, attribute
 from .clock import Clock, SystemClock
-from .ledger import FORMAT_VERSION, LedgerWriter, committed_steps, read_ledgers
+from .ledger import FORMAT_VERSION, LedgerWriter, read_ledgers
 from .telemetry import GoodputMetrics
 
 FLUSHED_SPANS = frozenset({"checkpoint_save", "checkpoint_restore"})
@@ -312,7 +312,7 @@ class GoodputTracker:
             self.metrics.committed(*max(commits))
         failures = 0
         if len(ledgers) > 1:
-            self._prior = attribute(ledgers, committed_steps(self.root, self._storage_options), rank=self.rank)
+            self._prior = attribute(ledgers, rank=self.rank)
             mine = self._prior.attempts[-1].micros
             self._earlier = {cat: us - mine.get(cat, 0) for cat, us in self._prior.micros.items()}
             failures = sum(a.failed for a in self._prior.attempts[:-1])

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ettr
-from ckpt import CheckpointManager, SaveHandle
+from ckpt import CheckpointManager, SaveHandle, StepExistsError
 from ettr import GoodputTracker
 
 KEYS = "keys"  # metadata entry listing a checkpoint's top-level keys, so it can be read without a template
@@ -81,7 +81,7 @@ def save_once(manager: CheckpointManager, step: int, state: Mapping[str, Any], *
     if step in skip:
         return None
     if step in manager.steps():
-        raise FileExistsError(f"step {step} is already committed in {manager.storage.url} by another run; resume "
+        raise StepExistsError(f"step {step} is already committed in {manager.storage.url} by another run; resume "
                               f"from the newest step or use a fresh root")
     return manager.save(step, state, metadata={**(metadata or {}), KEYS: sorted(state)})
 

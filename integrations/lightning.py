@@ -18,14 +18,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import fsspec
-import numpy as np
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from ckpt import CheckpointManager, RandomWindowSampler, RNGState, SaveDecision, ShuffledSampler
 from ckpt import run as ckpt_run
+from ckpt.state import encodable
 from ettr import GoodputTracker
 
 from ._common import TrackerLease, delete_step, read_step, resolve_step, save_once
@@ -88,18 +87,15 @@ def _rebase(tree: Any, old: str, new: str) -> Any:
 def saveable(tree: Any, key: str = "") -> tuple[Any, list[str]]:
     """The checkpoint dict without values the library cannot store without pickle; returns (clean, dropped keys).
 
-    Tensors, numpy arrays, JSON scalars, bytes, torch dtypes, lists/tuples and dicts with str/int keys are kept;
-    path-like values become str; any other object (e.g. an arbitrary hyper-parameter) is dropped with its dict entry.
+    Leaves the library stores exactly (`ckpt.state.encodable`: tensors, numpy arrays and scalars, JSON scalars,
+    bytes, torch dtypes and sizes), lists/tuples and dicts with str/int keys are kept; path-like values become str;
+    any other object (e.g. an arbitrary hyper-parameter) is dropped with its dict entry.
     """
     dropped: list[str] = []
 
     def walk(x: Any, k: str) -> Any:
-        if x is None or isinstance(x, (bool, int, float, str, bytes, torch.Tensor, torch.dtype)):
+        if encodable(x):
             return x
-        if isinstance(x, np.ndarray):
-            return x if x.dtype != object else _DROP
-        if isinstance(x, np.generic):
-            return x if not isinstance(x, (np.object_, np.void)) else _DROP
         if isinstance(x, os.PathLike):
             return os.fspath(x)
         if isinstance(x, (list, tuple)):
@@ -119,8 +115,7 @@ def saveable(tree: Any, key: str = "") -> tuple[Any, list[str]]:
             return out
         return _DROP
 
-    clean = walk(tree, key)
-    return clean, dropped
+    return walk(tree, key), dropped
 
 
 def _folder(path: str) -> str:

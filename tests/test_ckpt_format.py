@@ -45,3 +45,40 @@ def test_escaped_segments_are_safe_and_distinct():
 def test_unsafe_manifest_names_are_rejected(name):
     with pytest.raises(CorruptCheckpointError, match="unsafe array path"):
         validate_array_name(name)
+
+
+def test_one_grammar_walks_every_node_of_a_saved_tree():
+    """`state.walk` reads every tag of a tree the way restore and the CLI do: key paths, kinds, array names."""
+    import collections
+
+    import numpy as np
+    import torch
+
+    from ckpt import state
+    from ckpt import RNGState
+
+    tree = state.flatten({"model": torch.nn.Linear(2, 1), "opt": {"lr": 0.1, 3: (1, torch.zeros(2))},
+                          "rng": RNGState(), "od": collections.OrderedDict(a=np.zeros(3))}, rank=2).tree
+    kinds: dict = {}
+    for path, node in state.walk(tree):
+        kinds.setdefault(path, node.kind)  # a state's tree follows its state, at the same path
+    assert kinds[("model",)] == state.STATE and kinds[("model", "weight")] == state.TENSOR
+    assert kinds[("opt",)] == state.MAPPING and kinds[("opt", "lr")] == state.VALUE
+    assert kinds[("opt", 3)] == state.SEQUENCE and kinds[("opt", 3, 1)] == state.TENSOR
+    assert kinds[("rng",)] == state.PER_RANK and kinds[("rng", 2)] == state.STATE
+    assert kinds[("od",)] == state.MAPPING and kinds[("od", "a")] == state.TENSOR
+    assert state.tensor_refs(tree) == ["model/weight", "model/bias", "opt/3/1", *state.tensor_refs(tree["rng"]), "od/a"]
+    assert list(state.per_rank_entries(tree)) == ["rng"]
+
+
+def test_encodable_says_which_leaves_have_an_exact_form():
+    import numpy as np
+    import torch
+
+    from ckpt.state import encodable
+
+    for leaf in (None, True, 3, 1.5, "s", b"b", torch.float16, torch.Size([2]), torch.zeros(1), np.zeros(2),
+                 np.float32(1), np.str_("x")):
+        assert encodable(leaf), leaf
+    for leaf in (object(), np.array([object()]), np.longdouble(1), np.datetime64("2020-01-01"), [1], {"a": 1}):
+        assert not encodable(leaf), leaf

@@ -102,6 +102,30 @@ def test_failed_restore_leaves_a_module_unchanged(tmp_path):
     assert {k: _bits(v) for k, v in fresh.state_dict().items()} == before
 
 
+def test_restore_is_planned_then_executed_then_applied(tmp_path):
+    """The mechanism mirrors a save: the plan reads nothing, executing it reads and verifies without touching the
+    caller's tensors, and only `apply` lands the values."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckpt import layout, restore
+    from ckpt.distributed import Ranks
+    from ckpt.staging import StagingArena
+
+    saved = {"w": torch.randn(4, 5), "n": 3}
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, saved).wait()
+    storage, target = open_storage(str(tmp_path)), {"w": torch.zeros(4, 5), "n": 0}
+    w = target["w"]
+    plan = restore.plan_restore(layout.read_manifest(storage, 1), target, None, Ranks.local(),
+                                files=restore.step_files(storage, 1))
+    assert [name for name, _ in plan.reads] == ["w"] and all(r.buffer is None for r in plan.reads.values())
+    with ThreadPoolExecutor(2) as pool:
+        restore.execute(storage, plan, pool, StagingArena(None))
+    assert torch.equal(w, torch.zeros(4, 5)) and target["n"] == 0  # read and verified, not applied
+    restore.apply(plan, target)
+    assert target["w"] is w and torch.equal(w, saved["w"]) and target["n"] == 3
+
+
 # -- 2. the manifest vouches for every chunk ---------------------------------------------------------
 
 

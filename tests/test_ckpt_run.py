@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import catalog
+from ckpt import catalog, layout
 from ckpt import run as ckpt_run
 
 HOW = {"how_to_resume": "resume it", "how_to_start_over": "start over"}
@@ -74,7 +74,7 @@ def test_discard_removes_steps_and_record(tmp_path):
     _save(tmp_path, [1, 2]).close()
     storage = ckpt.CheckpointManager(tmp_path).storage
     assert ckpt_run.discard(storage) == [1, 2]
-    assert catalog.committed_steps(storage) == [] and ckpt_run.recorded_run(storage) is None
+    assert layout.committed_steps(storage) == [] and ckpt_run.recorded_run(storage) is None
 
 
 class _HeldDeletes:
@@ -114,10 +114,10 @@ def test_retention_deletes_are_off_the_next_saves_path(tmp_path, monkeypatch):
     held = _HeldDeletes(monkeypatch)
     m.save(2, {"w": torch.zeros(64)})
     m.save(3, {"w": torch.zeros(64)}).wait()  # retention of step 1 (after 2) is held; saving 3 does not wait
-    assert catalog.committed_steps(m.storage) == [1, 2, 3]
+    assert layout.committed_steps(m.storage) == [1, 2, 3]
     held.release.set()
     m.close()
-    assert catalog.committed_steps(m.storage) == [3]
+    assert layout.committed_steps(m.storage) == [3]
 
 
 def test_a_failed_delete_is_raised_by_the_next_call(tmp_path, monkeypatch):

@@ -107,6 +107,29 @@ def test_bad_input_errors_name_the_key(tmp_path):
             m.save(-1, {})
 
 
+def test_errors_are_one_family_and_keep_the_builtin_types_callers_caught(tmp_path):
+    """Every refusal is a `CheckpointError` of its own type, and still the built-in it was before."""
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"w": torch.zeros(3, 4)}).wait()
+        m.save(2, {"w": torch.zeros(3, 4)}).wait()
+        cases = [
+            (lambda: m.save(2, {"w": torch.zeros(3, 4)}), ckpt.StepExistsError, (FileExistsError, ValueError)),
+            (lambda: m.restore({"w": torch.zeros(3, 4)}, step=7), ckpt.StepNotFoundError, (FileNotFoundError,)),
+            (lambda: m.delete(7), ckpt.StepNotFoundError, (ValueError,)),
+            (lambda: m.metadata(7), ckpt.StepNotFoundError, (FileNotFoundError,)),
+            (lambda: m.restore({"w": torch.zeros(4, 3)}), ckpt.StateMismatchError, (ValueError,)),
+            (lambda: m.restore({"v": torch.zeros(1)}), ckpt.StateKeyError, (KeyError,)),
+        ]
+        for call, kind, builtins in cases:
+            with pytest.raises(kind) as info:
+                call()
+            assert isinstance(info.value, (ckpt.CheckpointError, *builtins)), info.value
+            assert all(isinstance(info.value, b) for b in (ckpt.CheckpointError, *builtins)), info.value
+    assert issubclass(ckpt.DataMismatchError, ckpt.CheckpointError) and issubclass(ckpt.DataMismatchError, ValueError)
+    from ckpt import DataMismatchError
+    assert DataMismatchError is ckpt.DataMismatchError
+
+
 def test_background_write_error_surfaces_at_next_call_and_keeps_earlier_steps(tmp_path):
     root = str(tmp_path)
     _save_steps(root, [1])

@@ -39,3 +39,17 @@ def test_manager_reports_a_failed_background_write(tmp_path):
     tracker.end()
     failed = [r for r in _records(tmp_path) if r.get("k") == "ckpt_failed"]
     assert [r["s"] for r in failed] == [2] and "step 2" in failed[0]["err"]
+
+
+def test_a_tracker_set_to_none_reports_to_nobody(tmp_path):
+    """Lightning hands the manager `tracker=None` between fits: saves and restores then go on, reported to nobody."""
+    tracker = ettr.GoodputTracker(str(tmp_path)).start()
+    with ckpt.CheckpointManager(tmp_path, tracker=tracker) as m:
+        m.tracker = None
+        assert m.tracker is not None
+        m.save(1, {"w": torch.ones(3)}).wait()
+        assert m.restore({"w": torch.zeros(3)}) == 1
+        m.tracker = tracker
+        m.save(2, {"w": torch.ones(3)}).wait()
+    tracker.end()
+    assert [r["s"] for r in _records(tmp_path) if r.get("k") == "commit"] == [2]

@@ -57,11 +57,11 @@ def test_fsdp2_save_then_restore_at_1_2_4_ranks(tmp_path, save_world):
         _ok(results)
         assert all("mismatched []" in r.stdout for r in results)
     # replicated tensors are written once: bytes on disk within 5% of the unique bytes
-    import ckpt.restore as cp
+    from ckpt import layout
     from ckpt.storage import open_storage
 
     storage = open_storage(root)
-    manifest = cp.read_manifest(storage, 2)
+    manifest = layout.read_manifest(storage, 2)
     unique = sum(a.nbytes for a in manifest.arrays.values())
     on_disk = storage.size("step_00000002")
     assert manifest.world_size == save_world

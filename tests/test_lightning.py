@@ -15,10 +15,14 @@ import torch
 pytest.importorskip("lightning")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 
-from ckpt import explain  # noqa: E402
-from ettr import committed_steps  # noqa: E402
+from ckpt import explain, layout  # noqa: E402
+from ckpt.storage import open_storage  # noqa: E402
 from integrations.lightning import CkptCheckpointIO, saveable  # noqa: E402
 from kill_resume import assert_reported, assert_same_bits, finish, losses, start, straight_killed_resumed  # noqa: E402
+
+
+def committed_steps(root) -> list[int]:
+    return layout.committed_steps(open_storage(str(root)))
 
 CHILD = Path(__file__).parent / "procs" / "lightning_train.py"
 STEPS, KILL_AT = 16, 10  # the child saves every 4 steps: the resume is from step 8
@@ -51,9 +55,9 @@ def test_copied_run_resumes_twice_bitwise_without_duplicate_or_stale_pointers(tm
     straight = start(CHILD, tmp_path / "straight", tmp_path / "straight.npz", STEPS)
     first = start(CHILD, job, tmp_path / "x.npz", STEPS, 6)
     reference, _ = losses(finish(straight)), finish(first)
-    assert pointers(job) == {"epoch=0-step=4.ckpt": 4, "last.ckpt": 4} and committed_steps(str(job))[-1] == 4
+    assert pointers(job) == {"epoch=0-step=4.ckpt": 4, "last.ckpt": 4} and layout.committed_steps(open_storage(job))[-1] == 4
     finish(start(CHILD, job, tmp_path / "x.npz", STEPS, 10))  # resumes from 4: its dict predates last.ckpt
-    assert pointers(job) == {"epoch=0-step=8.ckpt": 8, "last.ckpt": 8} and committed_steps(str(job))[-1] == 8
+    assert pointers(job) == {"epoch=0-step=8.ckpt": 8, "last.ckpt": 8} and layout.committed_steps(open_storage(job))[-1] == 8
 
     shutil.copytree(job, copy)
     before = sorted((p.relative_to(job), p.stat().st_mtime_ns) for p in job.rglob("*"))
@@ -63,7 +67,7 @@ def test_copied_run_resumes_twice_bitwise_without_duplicate_or_stale_pointers(tm
     assert_same_bits(tmp_path / "straight.npz", tmp_path / "resumed.npz")
     assert sorted((p.relative_to(job), p.stat().st_mtime_ns) for p in job.rglob("*")) == before  # original untouched
     assert pointers(copy) == {f"epoch=0-step={STEPS}.ckpt": STEPS, "last.ckpt": STEPS}  # no -v1, last is newest
-    assert committed_steps(str(copy)) == [STEPS]
+    assert layout.committed_steps(open_storage(copy)) == [STEPS]
 
     # one step numbering: the checkpoint named step=16 explains each step's batch as the fit logged it
     io = CkptCheckpointIO(copy)
@@ -246,8 +250,6 @@ def test_resume_is_bitwise_only_with_the_rng_and_sampler_restored(tmp_path, caps
 def test_remove_checkpoint_deletes_a_step_once_no_pointer_names_it_and_a_newer_step_is_committed(tmp_path):
     """ModelCheckpoint removes pointers; the step goes only when nothing in the folder names it any more and it is
     not the newest committed step (a resume needs that one): until then the deletion is deferred."""
-    from ettr import committed_steps
-
     root, folder = tmp_path / "root", tmp_path / "root" / "pointers"
     io = CkptCheckpointIO(root)
     io.save_checkpoint({"global_step": 4, "w": torch.zeros(3)}, folder / "a.ckpt")
@@ -299,3 +301,11 @@ def test_fsdp_strategy_is_refused_before_anything_is_written(tmp_path, own_proce
         _fit(tmp_path / "root", 2, strategy=FSDPStrategy(), accelerator="cuda")
     assert not list((tmp_path / "root").glob("step_*")) and not (tmp_path / "root" / "ettr").exists()
 
+
+def test_saveable_keeps_exactly_what_a_save_stores():
+    """The same `encodable` check as the library: a long double (no exact form) is dropped instead of failing the
+    save, and a torch.Size stays a Size."""
+    import numpy as np
+
+    clean, dropped = saveable({"hp": {"eps": np.longdouble(1e-8), "shape": torch.Size([2, 3]), "n": np.int64(4)}})
+    assert dropped == ["hp.eps"] and type(clean["hp"]["shape"]) is torch.Size and clean["hp"]["n"] == 4

@@ -17,9 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ckpt import EveryNSeconds, EveryNSteps, RandomWindowSampler, TokenWindowDataset, make_loader
+from ckpt import EveryNSeconds, EveryNSteps, RandomWindowSampler, TokenWindowDataset, layout, make_loader
 from ckpt.determinism.data import hash_batch
-from ettr import GoodputTracker, attribute_root, committed_steps, read_ledgers
+from ckpt.storage import open_storage
+from ettr import GoodputTracker, attribute_root, read_ledgers
 from integrations import Preempted, TrainLoop
 
 TOTAL, EVERY, WINDOW, BATCH, VOCAB = 24, 4, 9, 4, 64
@@ -95,7 +96,7 @@ def test_explain_shows_the_batch_of_the_step_training_logged(reference):
     root, lines = reference
     logged = {int(step): digest for kind, step, digest in (l.split() for l in lines if l.startswith("batch"))}
     assert sorted(logged) == list(range(1, TOTAL + 1))
-    assert ettr_steps(root) == (1, TOTAL) and committed_steps(str(root)) == list(range(EVERY, TOTAL + 1, EVERY))
+    assert ettr_steps(root) == (1, TOTAL) and layout.committed_steps(open_storage(root)) == list(range(EVERY, TOTAL + 1, EVERY))
     for step, checkpoint in ((1, []), (TOTAL, []), (13, ["--checkpoint", "8"])):  # past, last, and after a checkpoint
         out = subprocess.run([sys.executable, "-m", "ckpt", "explain", str(root), "--step", str(step), *checkpoint],
                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})

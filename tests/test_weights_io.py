@@ -13,7 +13,7 @@ import torch
 import ckpt
 from ckpt import cli
 from ckpt.errors import CorruptCheckpointError
-from ckpt.restore import read_manifest
+from ckpt.layout import read_manifest
 from ckpt.storage import open_storage
 
 

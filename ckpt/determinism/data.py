@@ -17,15 +17,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..distributed import topology
+from ..errors import DataMismatchError  # noqa: F401 (defined with the other errors; importable here too)
 from .permutation import epoch_permutation
 from .seeding import sample_rng, torch_generator
 
 T = TypeVar("T")
 FINGERPRINT_BLOCK = 1 << 16
-
-
-class DataMismatchError(ValueError):
-    """A sampler state saved for other data or another configuration is being resumed."""
 
 
 def data_fingerprint(path: str | os.PathLike[str], block: int = FINGERPRINT_BLOCK) -> str:

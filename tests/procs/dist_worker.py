@@ -82,7 +82,7 @@ def train(model, opt, g) -> None:
 def _damage(root: str, what: str) -> str:
     """Flip a byte of step 2: in the replicated table (every rank reads it) or in the chunk of model.0.weight's
     last rows (only the last rank's shard covers them). Returns the chunk's path."""
-    from ckpt.restore import read_manifest
+    from ckpt.layout import read_manifest
     from ckpt.storage import open_storage
 
     if what == "replicated":

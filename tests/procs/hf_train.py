@@ -15,7 +15,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments  # noqa: E402
 
-import ettr  # noqa: E402
+from ckpt import layout  # noqa: E402
+from ckpt.storage import open_storage  # noqa: E402
 from integrations.hf import CkptTrainer  # noqa: E402
 
 
@@ -56,7 +57,7 @@ def main(output_dir: str, out: str, max_steps: int, hang_at: int | None) -> None
     for cb in callbacks:
         cb.trainer = trainer
     root = trainer.ckpt_root
-    trainer.train(resume_from_checkpoint=bool(os.path.isdir(root) and ettr.committed_steps(root)))
+    trainer.train(resume_from_checkpoint=bool(os.path.isdir(root) and layout.committed_steps(open_storage(root))))
     np.savez(out, **{k: v.detach().numpy() for k, v in trainer.model.state_dict().items()})
     print("done", flush=True)
 

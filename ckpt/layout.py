@@ -1,0 +1,133 @@
+"""Where everything of a root lives: the one owner of its names and paths, and of "is this step committed?".
+
+Layout of a root::
+
+    step_00001200/manifest.json      written last; its presence is the commit
+    step_00001200/arrays/<name>/     one zarr3 array per tensor (zarr.json + chunk files c/...)
+    step_00001200/_IN_PROGRESS       marker of a save in flight (pid, host, time, lease); never read on restore
+    _quarantine/step_00001200-<unix ms>/   a damaged step moved aside: its files and _DAMAGED (reason, time, host, pid)
+    _LEASE, _GC_LOCK                 the writer's lease and gc's lock (see lease.py)
+    run.json                         the run the root belongs to (see run.py)
+
+Every other module builds a path of a root through these functions. A step is committed when its manifest
+exists: `is_committed` asks, `read_manifest` reads it (validated) or raises `StepNotFoundError`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from . import state as state_mod
+from .errors import CorruptCheckpointError, StepNotFoundError
+from .format import Manifest
+from .storage import Storage, UnsafeFileError, where
+
+MANIFEST = "manifest.json"
+IN_PROGRESS = "_IN_PROGRESS"
+ARRAYS = "arrays"
+QUARANTINE = "_quarantine"
+DAMAGED = "_DAMAGED"
+LEASE = "_LEASE"
+GC_LOCK = "_GC_LOCK"
+RUN_FILE = "run.json"
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+_QUARANTINED_RE = re.compile(r"^step_(\d{8,})-(\d+)$")
+
+
+def step_dir(step: int) -> str:
+    """The directory of a step; zero-padded so names sort by step."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    return f"step_{step:08d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step a directory name stands for, or None when it is not a step directory."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def manifest_path(step: int) -> str:
+    """The manifest of a step: written last, its presence is the commit."""
+    return f"{step_dir(step)}/{MANIFEST}"
+
+
+def in_progress_path(step: int) -> str:
+    """The marker a save keeps in its step directory while it is in flight."""
+    return f"{step_dir(step)}/{IN_PROGRESS}"
+
+
+def array_dir(name: str) -> str:
+    """The directory of an array, relative to its step directory (as a step's file listing names it)."""
+    return f"{ARRAYS}/{name}"
+
+
+def array_path(step: int, name: str) -> str:
+    """The directory of an array of a step, relative to the root."""
+    return f"{step_dir(step)}/{array_dir(name)}"
+
+
+def quarantine_path(step: int, unix_ms: int) -> str:
+    """Where a damaged step is moved aside: ``_quarantine/step_N-<unix ms>``."""
+    return f"{QUARANTINE}/{step_dir(step)}-{unix_ms}"
+
+
+def quarantined_path(name: str) -> str:
+    """A quarantined step by its directory name under ``_quarantine/``."""
+    return f"{QUARANTINE}/{name}"
+
+
+def parse_quarantined_dir(name: str) -> int | None:
+    """The step a directory under ``_quarantine/`` holds (``step_XXXXXXXX-<unix ms>``), or None."""
+    m = _QUARANTINED_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def damaged_path(quarantined: str) -> str:
+    """The record (reason, time, host, pid) beside a quarantined step's files."""
+    return f"{quarantined}/{DAMAGED}"
+
+
+def step_dirs(storage: Storage) -> list[int]:
+    """Every step that has a directory, committed or not, ascending."""
+    return sorted(s for s in map(parse_step_dir, storage.list_dirs()) if s is not None)
+
+
+def quarantined_dirs(storage: Storage) -> list[tuple[int, str]]:
+    """(step, directory name) of every quarantined step under ``_quarantine/``."""
+    found = ((parse_quarantined_dir(name), name) for name in storage.list_dirs(QUARANTINE))
+    return [(step, name) for step, name in found if step is not None]
+
+
+def is_committed(storage: Storage, step: int) -> bool:
+    """The step's manifest exists (a manifest that is not a regular file counts: reading it reports damage)."""
+    try:
+        return storage.read(manifest_path(step)) is not None
+    except UnsafeFileError:
+        return True
+
+
+def committed_steps(storage: Storage) -> list[int]:
+    """Steps whose manifest exists (the commit), ascending; their integrity is checked on read."""
+    return [s for s in step_dirs(storage) if is_committed(storage, s)]
+
+
+def read_manifest(storage: Storage, step: int) -> Manifest:
+    """The validated manifest of a committed step; StepNotFoundError when the step is not committed.
+
+    Validated means: checksum, schema and bounds of every field, the state tree's tags, depth and
+    references; any defect is a CorruptCheckpointError naming the file.
+    """
+    path = manifest_path(step)
+    file = where(storage, path)
+    try:
+        data = storage.read(path)
+    except UnsafeFileError as e:
+        raise CorruptCheckpointError(f"manifest is {e.strerror}", step=step, file=file) from None
+    if data is None:
+        raise StepNotFoundError(f"step {step} is not committed in {storage.url} (no {path})")
+    m = Manifest.from_bytes(data, file=file)
+    if m.step != step:
+        raise CorruptCheckpointError(f"manifest says step {m.step}", step=step, file=file)
+    state_mod.check_tree(m.tree, m.arrays, file=file)
+    return m
