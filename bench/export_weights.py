@@ -30,8 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from save_restore import GIB, ROOT, PeakRSS, _status, build_state, drop_caches, fsync_path  # noqa: E402
 
-METHODS = {"ckpt_safetensors": "ckpt export --format safetensors", "ckpt_torch": "ckpt export --format torch",
-           "dcp_to_torch_save": "DCP dcp_to_torch_save (+ fsync)"}
+METHODS = {
+    "ckpt_safetensors": "ckpt export --format safetensors",
+    "ckpt_torch": "ckpt export --format torch",
+    "dcp_to_torch_save": "DCP dcp_to_torch_save (+ fsync)",
+}
 
 
 def run_child(method: str, work: str) -> dict:
@@ -51,11 +54,19 @@ def run_child(method: str, work: str) -> dict:
             fu.dcp_to_torch_save(os.path.join(work, "dcp"), out)
             fsync_path(out)
         else:
-            ckpt.export(os.path.join(work, "ckpt"), out, format=method.removeprefix("ckpt_"), keys=["model", "optim"],
-                        progress=False)
+            ckpt.export(
+                os.path.join(work, "ckpt"),
+                out,
+                format=method.removeprefix("ckpt_"),
+                keys=["model", "optim"],
+                progress=False,
+            )
         seconds = time.perf_counter() - t0
-    written = (sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)) if os.path.isdir(out)
-               else os.path.getsize(out))
+    written = (
+        sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
+        if os.path.isdir(out)
+        else os.path.getsize(out)
+    )
     shutil.rmtree(out) if os.path.isdir(out) else os.unlink(out)
     return {"seconds": seconds, "bytes": written, "rss": peak.peak - baseline, "cold": cold}
 
@@ -86,10 +97,16 @@ def main(argv: list[str] | None = None) -> None:
             manager.save(1, {"model": model, "optim": optim}).wait()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # no process group: a single process writes
-            dcp.save({"model": model.state_dict(), "optim": optim.state_dict()}, checkpoint_id=os.path.join(work, "dcp"))
+            dcp.save(
+                {"model": model.state_dict(), "optim": optim.state_dict()}, checkpoint_id=os.path.join(work, "dcp")
+            )
         state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        state_bytes += sum(v.numel() * v.element_size() for s in optim.state_dict()["state"].values()
-                           for v in s.values() if hasattr(v, "numel"))
+        state_bytes += sum(
+            v.numel() * v.element_size()
+            for s in optim.state_dict()["state"].values()
+            for v in s.values()
+            if hasattr(v, "numel")
+        )
         del model, optim, manager  # the manager's staging arena too: the children measure their own memory
         gc.collect()
         env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -97,8 +114,13 @@ def main(argv: list[str] | None = None) -> None:
         for method in args.only.split(","):
             runs = []
             for _ in range(args.repeats):
-                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--_child", method, "--dir", work],
-                                      capture_output=True, text=True, env=env, cwd=ROOT)
+                proc = subprocess.run(
+                    [sys.executable, os.path.abspath(__file__), "--_child", method, "--dir", work],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                    cwd=ROOT,
+                )
                 if proc.returncode:
                     raise SystemExit(f"{method} failed:\n{proc.stderr[-3000:]}")
                 runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -109,15 +131,19 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(work, ignore_errors=True)
 
     cold = all(r["cold"] for r in rows.values())
-    print(f"state: {state_bytes / GIB:.2f} GiB of tensors; median of {args.repeats}; "
-          + ("cold page cache" if cold else "WARM CACHE (not root)"))
+    print(
+        f"state: {state_bytes / GIB:.2f} GiB of tensors; median of {args.repeats}; "
+        + ("cold page cache" if cold else "WARM CACHE (not root)")
+    )
     ref = rows.get("ckpt_safetensors")
     print(f"{'method':<36} {'seconds':>8} {'GB/s':>6} {'out GiB':>8} {'peak RSS+ GiB':>13} {'x time':>7} {'x RSS':>6}")
     for method, r in rows.items():
         rel_t = f"{r['seconds'] / ref['seconds']:.2f}" if ref else "-"
         rel_m = f"{r['rss'] / ref['rss']:.1f}" if ref and ref["rss"] > 0 else "-"
-        print(f"{METHODS[method]:<36} {r['seconds']:>8.2f} {state_bytes / r['seconds'] / 1e9:>6.2f} "
-              f"{r['bytes'] / GIB:>8.2f} {r['rss'] / GIB:>13.3f} {rel_t:>7} {rel_m:>6}")
+        print(
+            f"{METHODS[method]:<36} {r['seconds']:>8.2f} {state_bytes / r['seconds'] / 1e9:>6.2f} "
+            f"{r['bytes'] / GIB:>8.2f} {r['rss'] / GIB:>13.3f} {rel_t:>7} {rel_m:>6}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"size_gb": args.size_gb, "state_bytes": state_bytes, "rows": rows}, f, indent=1)

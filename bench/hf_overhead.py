@@ -35,9 +35,19 @@ def child(kind: str, output_dir: str, steps: int, profile: bool) -> None:
     ids = torch.randint(0, 64, (40, 16), generator=torch.Generator().manual_seed(7))
     data = [{"input_ids": x, "labels": x} for x in ids]
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
-    args = TrainingArguments(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=4, save_steps=10,
-                             save_total_limit=2, logging_steps=10, seed=0, use_cpu=True, report_to=[],
-                             dataloader_num_workers=0, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        save_steps=10,
+        save_total_limit=2,
+        logging_steps=10,
+        seed=0,
+        use_cpu=True,
+        report_to=[],
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     if kind == "stock":
         trainer = Trainer(model=model, args=args, train_dataset=data)
     else:
@@ -60,9 +70,13 @@ def child(kind: str, output_dir: str, steps: int, profile: bool) -> None:
 def timed(kind: str, steps: int) -> tuple[float, float]:
     """train() wall and CPU seconds (all threads) of one fresh process of `kind`."""
     with tempfile.TemporaryDirectory(prefix=f"hf-bench-{kind}-") as out:
-        proc = subprocess.run([sys.executable, __file__, "--child", kind, out, "--steps", str(steps)],
-                              capture_output=True, text=True, cwd=REPO,
-                              env={**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1"})
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", kind, out, "--steps", str(steps)],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1"},
+        )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("seconds ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{kind} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -81,8 +95,11 @@ def main() -> None:
         return
     if a.profile:
         with tempfile.TemporaryDirectory() as out:
-            subprocess.run([sys.executable, __file__, "--child", a.profile, out, "--steps", str(a.steps)], cwd=REPO,
-                           env={**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "HF_BENCH_PROFILE": "1"})
+            subprocess.run(
+                [sys.executable, __file__, "--child", a.profile, out, "--steps", str(a.steps)],
+                cwd=REPO,
+                env={**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "HF_BENCH_PROFILE": "1"},
+            )
         return
     runs: dict[str, list[tuple[float, float]]] = {kind: [] for kind in KINDS}
     for _ in range(a.runs):
@@ -90,13 +107,17 @@ def main() -> None:
             runs[kind].append(timed(kind, a.steps))
     wall = {kind: statistics.median(w for w, _ in rs) for kind, rs in runs.items()}
     cpu = {kind: statistics.median(c for _, c in rs) for kind, rs in runs.items()}
-    print(f"{a.steps} steps, save_steps=10, save_total_limit=2, tiny GPT-2 (2 layers, 32 wide), CPU; train() "
-          f"seconds, median of {a.runs} fresh processes each (cpu: all threads, less sensitive to a busy machine)")
+    print(
+        f"{a.steps} steps, save_steps=10, save_total_limit=2, tiny GPT-2 (2 layers, 32 wide), CPU; train() "
+        f"seconds, median of {a.runs} fresh processes each (cpu: all threads, less sensitive to a busy machine)"
+    )
     for kind, rs in runs.items():
         ratio = "" if kind == "stock" else f" ({wall[kind] / wall['stock']:.2f}x)"
         cratio = "" if kind == "stock" else f" ({cpu[kind] / cpu['stock']:.2f}x)"
-        print(f"  {kind:<9} wall {wall[kind]:6.3f} s{ratio:<8} cpu {cpu[kind]:6.3f} s{cratio:<8} "
-              f"runs (wall): {', '.join(f'{w:.3f}' for w, _ in rs)}")
+        print(
+            f"  {kind:<9} wall {wall[kind]:6.3f} s{ratio:<8} cpu {cpu[kind]:6.3f} s{cratio:<8} "
+            f"runs (wall): {', '.join(f'{w:.3f}' for w, _ in rs)}"
+        )
 
 
 if __name__ == "__main__":

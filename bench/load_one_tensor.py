@@ -56,8 +56,13 @@ def measure(root: str, key: str, region: tuple[slice, ...] | None) -> dict:
     after = io_counters()
     value = next(_leaves(value))
     asked = value.numel() * value.element_size()
-    return {"seconds": seconds, "bytes": asked, "read_bytes": after["read_bytes"] - before["read_bytes"],
-            "rchar": after["rchar"] - before["rchar"], "cold": cold}
+    return {
+        "seconds": seconds,
+        "bytes": asked,
+        "read_bytes": after["read_bytes"] - before["read_bytes"],
+        "rchar": after["rchar"] - before["rchar"],
+        "cold": cold,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,26 +93,34 @@ def main(argv: list[str] | None = None) -> None:
         for label, region in (("whole tensor", None), (f"rows 0:{rows_part[0].stop} (region=)", rows_part)):
             runs = [measure(root, args.key, region) for _ in range(args.repeats)]
             results[label] = {k: statistics.median(r[k] for r in runs) for k in ("seconds", "read_bytes", "rchar")}
-            results[label].update(bytes=runs[0]["bytes"], cold=all(r["cold"] for r in runs),
-                                  chunks=chunk_bytes(root, args.key, region))
+            results[label].update(
+                bytes=runs[0]["bytes"], cold=all(r["cold"] for r in runs), chunks=chunk_bytes(root, args.key, region)
+            )
     finally:
         if args.dir is None:
             shutil.rmtree(work, ignore_errors=True)
 
     cold = all(r["cold"] for r in results.values())
-    print(f"checkpoint: {total / GIB:.2f} GiB on disk; key {args.key!r}; median of {args.repeats} "
-          + ("cold reads (page cache dropped)" if cold else "reads, WARM CACHE (not root): read_bytes means nothing"))
-    print(f"{'read':<28} {'asked MiB':>9} {'chunks MiB':>10} {'seconds':>8} {'GB/s':>6} {'read_bytes':>10} {'rchar':>10}"
-          f"  (read_bytes and rchar: x the chunks' bytes)")
+    print(
+        f"checkpoint: {total / GIB:.2f} GiB on disk; key {args.key!r}; median of {args.repeats} "
+        + ("cold reads (page cache dropped)" if cold else "reads, WARM CACHE (not root): read_bytes means nothing")
+    )
+    print(
+        f"{'read':<28} {'asked MiB':>9} {'chunks MiB':>10} {'seconds':>8} {'GB/s':>6} {'read_bytes':>10} {'rchar':>10}"
+        f"  (read_bytes and rchar: x the chunks' bytes)"
+    )
     for label, r in results.items():
-        print(f"{label:<28} {r['bytes'] / (1 << 20):>9.1f} {r['chunks'] / (1 << 20):>10.1f} {r['seconds']:>8.3f} "
-              f"{r['bytes'] / r['seconds'] / 1e9:>6.2f} {r['read_bytes'] / r['chunks']:>10.3f} {r['rchar'] / r['chunks']:>10.3f}")
+        print(
+            f"{label:<28} {r['bytes'] / (1 << 20):>9.1f} {r['chunks'] / (1 << 20):>10.1f} {r['seconds']:>8.3f} "
+            f"{r['bytes'] / r['seconds'] / 1e9:>6.2f} {r['read_bytes'] / r['chunks']:>10.3f} {r['rchar'] / r['chunks']:>10.3f}"
+        )
     ok = all(max(r["rchar"], r["read_bytes"]) <= 1.1 * r["chunks"] for r in results.values())
     print(f"at most 1.1x the bytes of the chunks that hold what was asked: {'yes' if ok else 'NO'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"size_gb": args.size_gb, "checkpoint_bytes": total, "key": args.key, "results": results}, f,
-                      indent=1)
+            json.dump(
+                {"size_gb": args.size_gb, "checkpoint_bytes": total, "key": args.key, "results": results}, f, indent=1
+            )
     if not ok:
         sys.exit(1)
 

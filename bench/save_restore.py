@@ -50,6 +50,7 @@ LABELS = {"torch_save": "torch.save+fsync", "dcp_save": "dcp.save", "dcp_async":
 
 # -- state ----------------------------------------------------------------------------------------------
 
+
 def build_model(size_gb: float, seed: int):
     """A transformer-like model (embedding, N blocks, untied head) sized so that it plus Adam is ~size_gb."""
     import torch
@@ -122,8 +123,10 @@ def fingerprint(model, optim) -> list[float]:
     """A float64 sum of every tensor of the state; of the whole tensor for a DTensor (collective: all ranks call it)."""
     import torch
 
-    return [float(torch.sum(t.full_tensor() if is_dtensor(t) else t, dtype=torch.float64))
-            for t in state_tensors(model, optim)]
+    return [
+        float(torch.sum(t.full_tensor() if is_dtensor(t) else t, dtype=torch.float64))
+        for t in state_tensors(model, optim)
+    ]
 
 
 def state_bytes(model, optim) -> int:
@@ -140,6 +143,7 @@ def scramble(model, optim) -> None:
 
 
 # -- measurement helpers --------------------------------------------------------------------------------
+
 
 def _status(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -194,6 +198,7 @@ def fsync_path(path: str) -> None:
 
 
 # -- methods (each runs in its own child process) -------------------------------------------------------
+
 
 class TorchSave:
     def __init__(self, workdir, model, optim, args):
@@ -421,7 +426,9 @@ class Group(Solo):
         self.dist.all_gather_object(rows, res)
         if self.rank:
             return None
-        out = dict(rows[0], ranks=self.world, per_rank={k: [r[k] for r in rows] for k in ("stall", "durable", "restore")})
+        out = dict(
+            rows[0], ranks=self.world, per_rank={k: [r[k] for r in rows] for k in ("stall", "durable", "restore")}
+        )
         for k in ("stall", "durable", "restore", "load"):
             out[k] = [max(vals) for vals in zip(*(r[k] for r in rows))]
         for k in ("first_stall", "first_durable", "save_peak_extra", "restore_peak_extra"):
@@ -451,8 +458,15 @@ def run_method(args) -> dict | None:
     impl = env.classes[args.method](workdir, model, optim, args)
     del model, optim  # from here on the state is impl.model / impl.optim (a restore may replace them)
     base = _status("VmRSS")
-    res = {"method": args.method, "bytes": nbytes, "tensors": ntensors, "stall": [], "durable": [], "restore": [],
-           "load": [os.getloadavg()[0]]}
+    res = {
+        "method": args.method,
+        "bytes": nbytes,
+        "tensors": ntensors,
+        "stall": [],
+        "durable": [],
+        "restore": [],
+        "load": [os.getloadavg()[0]],
+    }
     save_peak = restore_peak = 0
     # One untimed-for-the-median first save per method: ckpt allocates its staging arena there (later saves
     # reuse it), and on this VM every method's first save in a fresh process is 2-3x slower (fresh page
@@ -514,7 +528,7 @@ def run_floors(args) -> dict:
         off = 0
         for t in tensors:
             n = t.numel() * t.element_size()
-            dst[off:off + n].view(t.dtype).view(t.shape).copy_(t)
+            dst[off : off + n].view(t.dtype).view(t.shape).copy_(t)
             off += n
 
     copy_all()
@@ -533,7 +547,7 @@ def run_floors(args) -> dict:
             for t in tensors:
                 mv = memoryview(t.reshape(-1).view(torch.uint8).numpy())
                 while mv:
-                    mv = mv[os.write(fd, mv):]
+                    mv = mv[os.write(fd, mv) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -544,7 +558,7 @@ def run_floors(args) -> dict:
         with open(path, "rb", buffering=0) as f:
             mv = memoryview(dst.numpy())
             while mv:
-                mv = mv[f.readinto(mv):]
+                mv = mv[f.readinto(mv) :]
         reads.append(time.perf_counter() - t0)
         os.remove(path)
     med = statistics.median
@@ -552,6 +566,7 @@ def run_floors(args) -> dict:
 
 
 # -- driver ---------------------------------------------------------------------------------------------
+
 
 def chunk_spec(text: str) -> tuple[str, int]:
     if text in ("tensor", "0"):
@@ -562,15 +577,36 @@ def chunk_spec(text: str) -> tuple[str, int]:
 
 def child(args, kind: str, extra: list[str]) -> dict:
     """Run `kind` (a method or "floors") in fresh process(es): one, or one per rank; the JSON row of rank 0."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--_child", kind, "--size-gb", str(args.size_gb),
-           "--repeats", str(args.repeats), "--seed", str(args.seed), "--dir", args.dir, *extra]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--_child",
+        kind,
+        "--size-gb",
+        str(args.size_gb),
+        "--repeats",
+        str(args.repeats),
+        "--seed",
+        str(args.seed),
+        "--dir",
+        args.dir,
+        *extra,
+    ]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     ranks = 1 if kind == "floors" else args.ranks
     if ranks > 1:
         cmd += ["--ranks", str(ranks)]
         env.update(WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, text=True, cwd=ROOT,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(ranks)]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+            text=True,
+            cwd=ROOT,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
+        for r in range(ranks)
+    ]
     while None in (codes := [p.poll() for p in procs]) and not any(codes):
         time.sleep(0.2)
     for p in procs:  # a failed rank leaves its peers waiting in a collective: end them
@@ -603,35 +639,48 @@ def report(floors: dict | None, rows: list[dict], args) -> str:
     med = statistics.median
     lines = []
     nbytes = rows[0]["bytes"] if rows else floors["bytes"]
-    lines.append(f"state: {nbytes / GIB:.2f} GiB in {rows[0]['tensors'] if rows else '?'} tensors, "
-                 f"medians of {args.repeats} run(s)"
-                 + (f"; {args.ranks} ranks (gloo, FSDP2 on a CPU mesh), every figure the slowest rank's, "
-                    f"RSS+ the largest rank's" if args.ranks > 1 else ""))
+    lines.append(
+        f"state: {nbytes / GIB:.2f} GiB in {rows[0]['tensors'] if rows else '?'} tensors, "
+        f"medians of {args.repeats} run(s)"
+        + (
+            f"; {args.ranks} ranks (gloo, FSDP2 on a CPU mesh), every figure the slowest rank's, "
+            f"RSS+ the largest rank's"
+            if args.ranks > 1
+            else ""
+        )
+    )
     if floors:
         gb = floors["bytes"] / 1e9
         lines.append(f"floor  copy into warm buffers : {gb / floors['copy_s']:6.2f} GB/s -> {floors['copy_s']:.3f} s")
         lines.append(f"floor  fsync'd write        : {gb / floors['write_s']:6.2f} GB/s -> {floors['write_s']:.3f} s")
         lines.append(f"(ref)  cold sequential read : {gb / floors['read_s']:6.2f} GB/s -> {floors['read_s']:.3f} s")
     ref = next((r for r in rows if r["method"] == "ckpt"), None)
-    head = (f"{'method':<22}{'stall s':>9}{'durable s':>11}{'restore s':>11}{'save RSS+':>11}{'rest RSS+':>11}"
-            f"{'stall/ck':>10}{'dur/ck':>8}{'rest/ck':>9}{'load':>6}")
+    head = (
+        f"{'method':<22}{'stall s':>9}{'durable s':>11}{'restore s':>11}{'save RSS+':>11}{'rest RSS+':>11}"
+        f"{'stall/ck':>10}{'dur/ck':>8}{'rest/ck':>9}{'load':>6}"
+    )
     lines += ["", head, "-" * len(head)]
     for r in rows:
         s, d, rs = med(r["stall"]), med(r["durable"]), med(r["restore"])
         ratio = ""
         if ref:
-            ratio = (f"{s / med(ref['stall']):>10.2f}{d / med(ref['durable']):>8.2f}"
-                     f"{rs / med(ref['restore']):>9.2f}")
-        lines.append(f"{r['label']:<22}{s:>9.3f}{d:>11.3f}{rs:>11.3f}{fmt_gib(r['save_peak_extra']):>11}"
-                     f"{fmt_gib(r['restore_peak_extra']):>11}{ratio}{max(r['load']):>6.1f}"
-                     + ("" if r["cold"] else "  (warm cache!)"))
-    lines.append("RSS+ in GiB; x/ck = the method's figure divided by ckpt's (first ckpt row); "
-                 "load = 1-min load average (max of start/end) on this machine while the method ran")
+            ratio = f"{s / med(ref['stall']):>10.2f}{d / med(ref['durable']):>8.2f}{rs / med(ref['restore']):>9.2f}"
+        lines.append(
+            f"{r['label']:<22}{s:>9.3f}{d:>11.3f}{rs:>11.3f}{fmt_gib(r['save_peak_extra']):>11}"
+            f"{fmt_gib(r['restore_peak_extra']):>11}{ratio}{max(r['load']):>6.1f}"
+            + ("" if r["cold"] else "  (warm cache!)")
+        )
+    lines.append(
+        "RSS+ in GiB; x/ck = the method's figure divided by ckpt's (first ckpt row); "
+        "load = 1-min load average (max of start/end) on this machine while the method ran"
+    )
     lines.append("first save in a fresh process (not in the medians; ckpt allocates its staging arena there):")
     for r in rows:
-        lines.append(f"  {r['label']:<20} stall {r['first_stall']:7.3f} s  durable {r['first_durable']:7.3f} s   "
-                     f"runs: stall {' '.join(f'{x:.2f}' for x in r['stall'])} | durable "
-                     f"{' '.join(f'{x:.2f}' for x in r['durable'])} | restore {' '.join(f'{x:.2f}' for x in r['restore'])}")
+        lines.append(
+            f"  {r['label']:<20} stall {r['first_stall']:7.3f} s  durable {r['first_durable']:7.3f} s   "
+            f"runs: stall {' '.join(f'{x:.2f}' for x in r['stall'])} | durable "
+            f"{' '.join(f'{x:.2f}' for x in r['durable'])} | restore {' '.join(f'{x:.2f}' for x in r['restore'])}"
+        )
     peers = [r for r in rows if r["method"] != "ckpt"]
     if ref and floors and len(peers) == 3:
         s, d, rs = med(ref["stall"]), med(ref["durable"]), med(ref["restore"])
@@ -639,10 +688,14 @@ def report(floors: dict | None, rows: list[dict], args) -> str:
         best_d = min(med(r["durable"]) for r in peers)
         best_r = min(med(r["restore"]) for r in peers)
         checks = [
-            (f"stall {s:.3f} s <= 1.3 x copy floor {floors['copy_s']:.3f} s = {1.3 * floors['copy_s']:.3f} s",
-             s <= 1.3 * floors["copy_s"]),
-            (f"stall {s:.3f} s <= 0.3 x dcp.async_save stall {dcp_async:.3f} s = {0.3 * dcp_async:.3f} s",
-             s <= 0.3 * dcp_async),
+            (
+                f"stall {s:.3f} s <= 1.3 x copy floor {floors['copy_s']:.3f} s = {1.3 * floors['copy_s']:.3f} s",
+                s <= 1.3 * floors["copy_s"],
+            ),
+            (
+                f"stall {s:.3f} s <= 0.3 x dcp.async_save stall {dcp_async:.3f} s = {0.3 * dcp_async:.3f} s",
+                s <= 0.3 * dcp_async,
+            ),
             (f"durable {d:.3f} s <= 1.2 x best peer {best_d:.3f} s = {1.2 * best_d:.3f} s", d <= 1.2 * best_d),
             (f"restore {rs:.3f} s <= best peer {best_r:.3f} s", rs <= best_r),
         ]
@@ -654,17 +707,31 @@ def report(floors: dict | None, rows: list[dict], args) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size-gb", type=float, default=None,
-                    help="state size in GiB (params + Adam moments); default 2, or 1 with --ranks > 1")
-    ap.add_argument("--ranks", type=int, default=1,
-                    help="distributed mode: this many ranks (gloo on 127.0.0.1, FSDP2), methods dcp_save, "
-                         "dcp_async, ckpt (floors: single process)")
+    ap.add_argument(
+        "--size-gb",
+        type=float,
+        default=None,
+        help="state size in GiB (params + Adam moments); default 2, or 1 with --ranks > 1",
+    )
+    ap.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="distributed mode: this many ranks (gloo on 127.0.0.1, FSDP2), methods dcp_save, "
+        "dcp_async, ckpt (floors: single process)",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="runs per figure (the median is reported)")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp, deleted after)")
-    ap.add_argument("--only", default=None, help=f"comma list from {','.join(METHODS)},floors "
-                                                 f"(--ranks > 1: {','.join(DIST_METHODS)},floors)")
-    ap.add_argument("--chunk-mb", default="64", help="ckpt chunk size(s), comma list of MiB or 'tensor' "
-                                                     "(one chunk per tensor); one ckpt row per value")
+    ap.add_argument(
+        "--only",
+        default=None,
+        help=f"comma list from {','.join(METHODS)},floors (--ranks > 1: {','.join(DIST_METHODS)},floors)",
+    )
+    ap.add_argument(
+        "--chunk-mb",
+        default="64",
+        help="ckpt chunk size(s), comma list of MiB or 'tensor' (one chunk per tensor); one ckpt row per value",
+    )
     ap.add_argument("--quick", action="store_true", help="smoke run: 0.25 GiB, 1 repeat")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the raw results to this file")
@@ -698,7 +765,7 @@ def main(argv=None) -> None:
         for method in methods:
             if method not in only:
                 continue
-            for chunk in (args.chunk_mb.split(",") if method == "ckpt" else ["64"]):
+            for chunk in args.chunk_mb.split(",") if method == "ckpt" else ["64"]:
                 print(f"... {method} {chunk if method == 'ckpt' else ''}", file=sys.stderr, flush=True)
                 r = child(args, method, ["--chunk-mb", chunk])
                 label, _ = chunk_spec(chunk)

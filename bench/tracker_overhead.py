@@ -1,4 +1,5 @@
 """Per-step overhead of GoodputTracker (step_begin + step_end, flushes amortized): median of repeated runs."""
+
 from __future__ import annotations
 
 import statistics
@@ -35,8 +36,10 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as root:
             runs = [one_run(root, with_span) for _ in range(5)]
         label = "step + data_wait span" if with_span else "step_begin/step_end"
-        print(f"{label:<24} median {statistics.median(runs):.2f} us/step  "
-              f"(runs: {', '.join(f'{r:.2f}' for r in runs)}; {STEPS} steps each, flushes included)")
+        print(
+            f"{label:<24} median {statistics.median(runs):.2f} us/step  "
+            f"(runs: {', '.join(f'{r:.2f}' for r in runs)}; {STEPS} steps each, flushes included)"
+        )
 
 
 if __name__ == "__main__":

@@ -2,9 +2,19 @@
 
 from .determinism.data import RandomWindowSampler, ShuffledSampler, TokenWindowDataset, explain, make_loader
 from .determinism.rng import RNGState
-from .errors import (CheckpointDeleteError, CheckpointError, CheckpointWriteError, CorruptCheckpointError,
-                     DataMismatchError, LeaseHeldError, RunMismatchError, StateKeyError, StateMismatchError,
-                     StepExistsError, StepNotFoundError)
+from .errors import (
+    CheckpointDeleteError,
+    CheckpointError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    DataMismatchError,
+    LeaseHeldError,
+    RunMismatchError,
+    StateKeyError,
+    StateMismatchError,
+    StepExistsError,
+    StepNotFoundError,
+)
 from .exporter import export
 from .importers import import_checkpoint
 from .manager import CheckpointManager, CheckpointObserver, SaveHandle
@@ -14,11 +24,39 @@ from .schedule import AdvisedInterval, AnyOf, EveryNSeconds, EveryNSteps, Preemp
 from .state import Stateful
 
 __all__ = [
-    "CheckpointManager", "CheckpointObserver", "SaveHandle", "Stateful",
-    "RetentionPolicy", "KeepLast", "KeepEvery", "KeepBest", "Keep",
-    "SaveDecision", "EveryNSteps", "EveryNSeconds", "AnyOf", "AdvisedInterval", "Preemption",
-    "CheckpointError", "CheckpointWriteError", "CheckpointDeleteError", "CorruptCheckpointError", "RunMismatchError",
-    "LeaseHeldError", "StepNotFoundError", "StepExistsError", "StateMismatchError", "StateKeyError",
-    "RNGState", "RandomWindowSampler", "ShuffledSampler", "TokenWindowDataset", "make_loader", "explain",
-    "DataMismatchError", "load", "export", "import_checkpoint",
+    "CheckpointManager",
+    "CheckpointObserver",
+    "SaveHandle",
+    "Stateful",
+    "RetentionPolicy",
+    "KeepLast",
+    "KeepEvery",
+    "KeepBest",
+    "Keep",
+    "SaveDecision",
+    "EveryNSteps",
+    "EveryNSeconds",
+    "AnyOf",
+    "AdvisedInterval",
+    "Preemption",
+    "CheckpointError",
+    "CheckpointWriteError",
+    "CheckpointDeleteError",
+    "CorruptCheckpointError",
+    "RunMismatchError",
+    "LeaseHeldError",
+    "StepNotFoundError",
+    "StepExistsError",
+    "StateMismatchError",
+    "StateKeyError",
+    "RNGState",
+    "RandomWindowSampler",
+    "ShuffledSampler",
+    "TokenWindowDataset",
+    "make_loader",
+    "explain",
+    "DataMismatchError",
+    "load",
+    "export",
+    "import_checkpoint",
 ]

@@ -9,9 +9,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from . import lease, store
+from . import layout, lease, store
 from .errors import CorruptCheckpointError, LeaseHeldError
-from . import layout
 from .restore import step_files
 from .storage import Storage, UnsafeFileError, where
 
@@ -75,12 +74,20 @@ def quarantined(storage: Storage) -> list[QuarantinedStep]:
         record = _json_object(storage.read(layout.damaged_path(layout.quarantined_path(name)))) or {}
         reason = record.get("reason")
         when = record.get("time")
-        out.append(QuarantinedStep(step, name, reason if isinstance(reason, str) else f"no readable {layout.DAMAGED} record",
-                                   float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else None))
+        out.append(
+            QuarantinedStep(
+                step,
+                name,
+                reason if isinstance(reason, str) else f"no readable {layout.DAMAGED} record",
+                float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else None,
+            )
+        )
     return sorted(out, key=lambda q: (q.step, q.name))
 
 
-def verify(storage: Storage, step: int, on_bytes: Callable[[int], None] | None = None) -> Iterator[CorruptCheckpointError]:
+def verify(
+    storage: Storage, step: int, on_bytes: Callable[[int], None] | None = None
+) -> Iterator[CorruptCheckpointError]:
     """Check a committed step as restore does: its manifest, no special files, every array's zarr.json
     and every chunk (size, crc32c, the manifest's digest); yields each problem found."""
     try:
@@ -147,7 +154,9 @@ def collect_garbage(storage: Storage, *, force: bool = False) -> list[int]:
         return []
     with lease.gc_lock(root):
         holder = lease.current_holder_local(root) or {}  # read under the lock: the writer of any save marked so far
-        return _delete_uncommitted(storage, [e for e in entries(storage) if not e.committed and e.owner != holder.get("id")])
+        return _delete_uncommitted(
+            storage, [e for e in entries(storage) if not e.committed and e.owner != holder.get("id")]
+        )
 
 
 def _delete_uncommitted(storage: Storage, victims: list[StepEntry]) -> list[int]:

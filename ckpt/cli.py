@@ -51,7 +51,9 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
                 continue
             except CheckpointError as err:
                 when = f"DAMAGED: {err}"
-        state = "committed" if e.committed else ("in progress" if holder and e.owner == holder.get("id") else "incomplete")
+        state = (
+            "committed" if e.committed else ("in progress" if holder and e.owner == holder.get("id") else "incomplete")
+        )
         rows.append((e.step, state, _human(storage.size(layout.step_dir(e.step))), when))
     for q in catalog.quarantined(storage):
         when = f"quarantined {_when(q.time)}" if q.time is not None else "quarantined"
@@ -83,8 +85,13 @@ def _tree_lines(tree: Any, arrays: dict, indent: str = "") -> list[str]:
     if node.kind == state_mod.STATE:  # an object's state_dict: its entries
         return _tree_lines(node.children[0][1], arrays, indent)
     quote = not all(isinstance(k, str) for k, _ in node.children)  # tell "1" from 1 where keys are mixed
-    return [line for k, sub in node.children for line in _entry_lines(
-        f"rank {k}" if node.kind == state_mod.PER_RANK else repr(k) if quote else k, sub, arrays, indent)]
+    return [
+        line
+        for k, sub in node.children
+        for line in _entry_lines(
+            f"rank {k}" if node.kind == state_mod.PER_RANK else repr(k) if quote else k, sub, arrays, indent
+        )
+    ]
 
 
 def _entry_lines(label: str, tree: Any, arrays: dict, indent: str) -> list[str]:
@@ -125,8 +132,14 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
             print(f"step {step}: DAMAGED: {e}")
             bad += 1
             continue
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"verify step {step}", disable=args.quiet or None,
-                  file=sys.stderr) as bar:
+        with tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            desc=f"verify step {step}",
+            disable=args.quiet or None,
+            file=sys.stderr,
+        ) as bar:
             problems = list(catalog.verify(storage, step, on_bytes=bar.update))
         for p in problems:
             print(f"step {step}: DAMAGED: {p}")
@@ -158,7 +171,9 @@ def cmd_explain(storage: Storage, args: argparse.Namespace) -> int:
         print(f"error: no sampler state{f' at key {args.key!r}' if args.key else ''} in step {m.step}", file=sys.stderr)
         return 1
     if len(found) > 1:
-        print(f"error: several sampler states ({', '.join(k for k, _ in found)}): choose one with --key", file=sys.stderr)
+        print(
+            f"error: several sampler states ({', '.join(k for k, _ in found)}): choose one with --key", file=sys.stderr
+        )
         return 1
     key, saved = found[0]
     print(f"sampler {key!r} from checkpoint step {m.step}")
@@ -205,9 +220,16 @@ def _one_line(e: Exception) -> str:
 
 def cmd_export(storage: Storage, args: argparse.Namespace) -> int:
     try:
-        step = exporter.export(args.root, args.output, format=args.format, step=args.step,
-                               keys=args.keys.split(",") if args.keys else None, max_shard_size=args.max_shard_size,
-                               config=args.config, progress=False if args.quiet else None)
+        step = exporter.export(
+            args.root,
+            args.output,
+            format=args.format,
+            step=args.step,
+            keys=args.keys.split(",") if args.keys else None,
+            max_shard_size=args.max_shard_size,
+            config=args.config,
+            progress=False if args.quiet else None,
+        )
     except (KeyError, ValueError, TypeError, FileExistsError) as e:
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 1
@@ -238,7 +260,9 @@ def _open(root: str) -> Storage:
     storage = open_storage(root)
     local = storage.local_path("")
     if local is not None and not os.path.isdir(local):
-        raise FileNotFoundError(f"{root}: no such directory" if not os.path.exists(local) else f"{root}: not a directory")
+        raise FileNotFoundError(
+            f"{root}: no such directory" if not os.path.exists(local) else f"{root}: not a directory"
+        )
     return storage
 
 
@@ -263,13 +287,18 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--dry-run", action="store_true")
     s = sub.add_parser("explain", help="the samples that formed a step's global batch, from a saved sampler state")
     s.add_argument("root")
-    s.add_argument("--step", type=_training_step, required=True,
-                   help="the training step to explain, numbered from 1 as in training logs and checkpoint names "
-                        "(the checkpoint of step N holds the state after step N's batch)")
+    s.add_argument(
+        "--step",
+        type=_training_step,
+        required=True,
+        help="the training step to explain, numbered from 1 as in training logs and checkpoint names "
+        "(the checkpoint of step N holds the state after step N's batch)",
+    )
     s.add_argument("--checkpoint", type=_step, help="checkpoint to read the sampler state from (default: newest)")
     s.add_argument("--key", help="key path of the sampler in the state, when there are several")
-    s = sub.add_parser("export", help="weights out: safetensors shards, one torch.save file, or a folder for "
-                                      "from_pretrained")
+    s = sub.add_parser(
+        "export", help="weights out: safetensors shards, one torch.save file, or a folder for from_pretrained"
+    )
     s.add_argument("root")
     s.add_argument("--step", type=_step, help="default: the newest committed step")
     s.add_argument("--format", required=True, help=f"one of {', '.join(exporter.FORMATS)}")
@@ -278,16 +307,28 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--config", help="hf: the model's config.json (default: the one the HF integration stored)")
     s.add_argument("-o", "--output", required=True, help="file (torch) or folder (safetensors, hf) to create")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    s = sub.add_parser("import", help="checkpoints in: a torch.save file, a DCP folder, safetensors or an HF folder "
-                                      "becomes a committed step")
+    s = sub.add_parser(
+        "import",
+        help="checkpoints in: a torch.save file, a DCP folder, safetensors or an HF folder becomes a committed step",
+    )
     s.add_argument("src")
     s.add_argument("root")
     s.add_argument("--step", type=_step, required=True, help="the step number to commit it as")
-    s.add_argument("--key", help="put the whole source under this top-level key (default: weights under 'model', "
-                                 "a dict of entries as its own keys)")
+    s.add_argument(
+        "--key",
+        help="put the whole source under this top-level key (default: weights under 'model', "
+        "a dict of entries as its own keys)",
+    )
     args = p.parse_args(argv)
-    handler = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "gc": cmd_gc, "explain": cmd_explain,
-               "export": cmd_export, "import": cmd_import}[args.cmd]
+    handler = {
+        "ls": cmd_ls,
+        "inspect": cmd_inspect,
+        "verify": cmd_verify,
+        "gc": cmd_gc,
+        "explain": cmd_explain,
+        "export": cmd_export,
+        "import": cmd_import,
+    }[args.cmd]
     try:
         code = handler(open_storage(args.root) if args.cmd == "import" else _open(args.root), args)
         sys.stdout.flush()  # here, not at exit: a reader gone (`| head`) is handled below

@@ -100,8 +100,9 @@ def _whole(shape: tuple[int, ...]) -> Box:
     return tuple((0, n) for n in shape)
 
 
-def plan_arrays(ranks: Ranks, tensors: Mapping[str, torch.Tensor], chunk_bytes: int
-                ) -> tuple[dict[str, ArrayInfo], dict[str, torch.Tensor], dict[str, Box]]:
+def plan_arrays(
+    ranks: Ranks, tensors: Mapping[str, torch.Tensor], chunk_bytes: int
+) -> tuple[dict[str, ArrayInfo], dict[str, torch.Tensor], dict[str, Box]]:
     """Agree with every rank on the global arrays; returns (arrays, what this rank writes, its boxes).
 
     A box held by several ranks (replicated tensors, DTensor Replicate) is written by one of them,
@@ -122,8 +123,10 @@ def plan_arrays(ranks: Ranks, tensors: Mapping[str, torch.Tensor], chunk_bytes: 
     for name, (dt, shape, by_box) in held.items():
         ordered = tuple(sorted(by_box))
         if sum(map(_volume, ordered)) != math.prod(shape):
-            raise ValueError(f"the ranks' pieces of tensor {name!r} do not tile its global shape {list(shape)} "
-                             f"(boxes {list(ordered)}); is it a plain tensor that differs across ranks?")
+            raise ValueError(
+                f"the ranks' pieces of tensor {name!r} do not tile its global shape {list(shape)} "
+                f"(boxes {list(ordered)}); is it a plain tensor that differs across ranks?"
+            )
         chunk = chunk_shape(shape, torch_dtype(dt).itemsize, _starts(ordered), chunk_bytes)
         arrays[name] = ArrayInfo(name, dt, shape, chunk, ordered)
         for box, rks in by_box.items():
@@ -148,16 +151,22 @@ def read_region(info: ArrayInfo, template: Any) -> tuple[Any, Box] | None:
     if not is_dtensor(template):
         return None
     if tuple(template.shape) != info.shape:
-        raise StateMismatchError(f"restore of key {info.name!r}: checkpoint has global shape {list(info.shape)}, "
-                         f"the target DTensor has {list(template.shape)}")
+        raise StateMismatchError(
+            f"restore of key {info.name!r}: checkpoint has global shape {list(info.shape)}, "
+            f"the target DTensor has {list(template.shape)}"
+        )
     return template, local_box(template)[1]
 
 
 def prepare_optimizers(state: Mapping[str, Any], keys: Any) -> None:
     """Give optimizers of sharded (DTensor) parameters their state tensors, so a restore can fill them in place."""
     for k, v in state.items():
-        if (keys is None or k in keys) and isinstance(v, torch.optim.Optimizer) and not v.state and any(
-                is_dtensor(p) for g in v.param_groups for p in g["params"]):
+        if (
+            (keys is None or k in keys)
+            and isinstance(v, torch.optim.Optimizer)
+            and not v.state
+            and any(is_dtensor(p) for g in v.param_groups for p in g["params"])
+        ):
             from torch.distributed.checkpoint.state_dict import _init_optim_state
 
             _init_optim_state(v)

@@ -36,8 +36,17 @@ HF_CONFIG = "hf_config"  # step metadata: the model's Transformers config (a dic
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"  # Transformers' file names
 _BAND_BYTES = 64 << 20  # what one read of a tensor holds at most (unless one chunk row-band is larger)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
 
 
 def model_config_metadata(model: Any) -> dict[str, Any]:
@@ -74,9 +83,17 @@ class ExportTensor:
     aliases: list[str] = field(default_factory=list)
 
 
-def export(root: str | os.PathLike, out: str | os.PathLike, *, format: str, step: int | None = None,
-           keys: Sequence[str] | None = None, max_shard_size: str | int = "5GB",
-           config: str | os.PathLike | Mapping[str, Any] | None = None, progress: bool | None = None) -> int:
+def export(
+    root: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    format: str,
+    step: int | None = None,
+    keys: Sequence[str] | None = None,
+    max_shard_size: str | int = "5GB",
+    config: str | os.PathLike | Mapping[str, Any] | None = None,
+    progress: bool | None = None,
+) -> int:
     """Export the tensors under `keys` (default ``["model"]``) of `step` (default: the newest committed) to `out`;
     returns the step exported.
 
@@ -116,8 +133,10 @@ def export(root: str | os.PathLike, out: str | os.PathLike, *, format: str, step
                         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
                             json.dump(hf_config, f, indent=2, sort_keys=True)
         except CorruptCheckpointError as e:
-            raise CheckpointError(f"step {step} is damaged: {e}; nothing was written to {out} (export another step "
-                                  f"with --step; `python -m ckpt ls` lists them)") from None
+            raise CheckpointError(
+                f"step {step} is damaged: {e}; nothing was written to {out} (export another step "
+                f"with --step; `python -m ckpt ls` lists them)"
+            ) from None
     return step
 
 
@@ -126,8 +145,10 @@ def _check_out(out: str, format: str) -> None:
         return
     if format != "torch" and os.path.isdir(out) and not os.path.islink(out) and not os.listdir(out):
         return
-    raise FileExistsError(f"{out} already exists{' and is not empty' if os.path.isdir(out) else ''}: export never "
-                          f"overwrites; remove it or choose another output")
+    raise FileExistsError(
+        f"{out} already exists{' and is not empty' if os.path.isdir(out) else ''}: export never "
+        f"overwrites; remove it or choose another output"
+    )
 
 
 class _staged:
@@ -165,8 +186,10 @@ def _hf_config(config: str | os.PathLike | Mapping[str, Any] | None, reader: Ste
     if config is None:
         stored = reader.manifest.metadata.get(HF_CONFIG)
         if not isinstance(stored, dict):
-            raise ValueError(f"step {step} holds no model config (the HF integration stores one; this step was saved "
-                             f"otherwise): give one with --config config.json")
+            raise ValueError(
+                f"step {step} holds no model config (the HF integration stores one; this step was saved "
+                f"otherwise): give one with --config config.json"
+            )
         return stored
     if isinstance(config, Mapping):
         return dict(config)
@@ -184,7 +207,7 @@ def _name(route: Route, routes: list[Route]) -> str:
     """A leaf's exported name: its path below the one selected key (the key's own last part when it is the
     tensor itself), or its full path when several keys are selected."""
     if len(routes) == 1:
-        rel = route[len(routes[0]):]
+        rel = route[len(routes[0]) :]
         return ".".join(map(str, rel)) if rel else str(route[-1])
     return ".".join(map(str, route))
 
@@ -235,30 +258,53 @@ def bands(info: ArrayInfo) -> Iterator[tuple[tuple[int, int], ...]]:
 
 
 def _bar(total: int, step: int, progress: bool | None) -> tqdm:
-    return tqdm(total=total, unit="B", unit_scale=True, desc=f"export step {step}", file=sys.stderr,
-                disable=None if progress is None else not progress)
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc=f"export step {step}",
+        file=sys.stderr,
+        disable=None if progress is None else not progress,
+    )
 
 
 def _warn_skipped(skipped: list[str], format: str) -> None:
     if skipped:
-        warnings.warn(f"{len(skipped)} values that are not tensors are not exported ({format} holds tensors only): "
-                      f"{', '.join(skipped[:10])}{' ...' if len(skipped) > 10 else ''}", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"{len(skipped)} values that are not tensors are not exported ({format} holds tensors only): "
+            f"{', '.join(skipped[:10])}{' ...' if len(skipped) > 10 else ''}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
-def _write_safetensors(reader: StepReader, keys: Sequence[str], routes: list[Route], folder: str, limit: int,
-                       progress: bool | None, format: str) -> None:
+def _write_safetensors(
+    reader: StepReader,
+    keys: Sequence[str],
+    routes: list[Route],
+    folder: str,
+    limit: int,
+    progress: bool | None,
+    format: str,
+) -> None:
     tensors, skipped = plan_tensors(reader, keys, routes)
     for t in tensors:
         dtype_name(torch_dtype(t.info.dtype), t.name)  # refuse before writing anything
     _warn_skipped(skipped, format)
     shards = _shards(tensors, limit)
-    files = [WEIGHTS] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                                                 for i in range(len(shards))]
+    files = (
+        [WEIGHTS]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     with _bar(sum(t.info.nbytes for t in tensors), reader.step, progress) as bar:
         for file, shard in zip(files, shards):
             metadata = {"format": "pt", **{alias: t.name for t in shard for alias in t.aliases}}
-            writer = Writer(os.path.join(folder, file),
-                            [Entry(t.name, torch_dtype(t.info.dtype), t.info.shape) for t in shard], metadata)
+            writer = Writer(
+                os.path.join(folder, file),
+                [Entry(t.name, torch_dtype(t.info.dtype), t.info.shape) for t in shard],
+                metadata,
+            )
             try:
                 for t in shard:
                     for box in bands(t.info):
@@ -270,14 +316,17 @@ def _write_safetensors(reader: StepReader, keys: Sequence[str], routes: list[Rou
                 raise
             writer.close()
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.info.nbytes for t in tensors)},
-                 "weight_map": {t.name: file for file, shard in zip(files, shards) for t in shard}}
+        index = {
+            "metadata": {"total_size": sum(t.info.nbytes for t in tensors)},
+            "weight_map": {t.name: file for file, shard in zip(files, shards) for t in shard},
+        }
         with open(os.path.join(folder, INDEX), "w", encoding="utf-8") as f:
             json.dump(index, f, indent=2)
 
 
-def _write_torch(reader: StepReader, keys: Sequence[str], routes: list[Route], path: str,
-                 progress: bool | None) -> None:
+def _write_torch(
+    reader: StepReader, keys: Sequence[str], routes: list[Route], path: str, progress: bool | None
+) -> None:
     """The selected keys as one object (the value of the one key, or a dict of them), read array by array (tied
     tensors stay one tensor), then torch.save'd: this holds all of it in memory."""
     tree = reader.select(keys)
@@ -285,6 +334,7 @@ def _write_torch(reader: StepReader, keys: Sequence[str], routes: list[Route], p
     arrays = {leaf.array.name: leaf.array for leaf in leaves}
     read: dict[str, torch.Tensor] = {}
     with _bar(sum(a.nbytes for a in arrays.values()), reader.step, progress) as bar:
+
         def load(name: str, template: Any, as_numpy: bool) -> torch.Tensor:
             if name not in read:
                 read[name] = reader.read_array(arrays[name])

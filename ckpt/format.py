@@ -29,12 +29,23 @@ _MAX_SEGMENT = 200
 
 # torch dtype <-> zarr3 data_type; the numpy dtype views the raw bytes for tensorstore.
 _DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "float64", torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-    torch.complex64: "complex64", torch.complex128: "complex128",
-    torch.int64: "int64", torch.int32: "int32", torch.int16: "int16", torch.int8: "int8",
-    torch.uint8: "uint8", torch.uint16: "uint16", torch.uint32: "uint32", torch.uint64: "uint64",
+    torch.float64: "float64",
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.complex64: "complex64",
+    torch.complex128: "complex128",
+    torch.int64: "int64",
+    torch.int32: "int32",
+    torch.int16: "int16",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.uint16: "uint16",
+    torch.uint32: "uint32",
+    torch.uint64: "uint64",
     torch.bool: "bool",
-    torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
 }
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
 
@@ -44,8 +55,10 @@ def dtype_name(dtype: torch.dtype, *, key: str = "?") -> str:
     try:
         return _DTYPES[dtype]
     except KeyError:
-        raise TypeError(f"tensor at key {key!r} has dtype {dtype}, which has no on-disk form "
-                        f"(supported: {', '.join(sorted(_BY_NAME))})") from None
+        raise TypeError(
+            f"tensor at key {key!r} has dtype {dtype}, which has no on-disk form "
+            f"(supported: {', '.join(sorted(_BY_NAME))})"
+        ) from None
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -65,11 +78,13 @@ def numpy_dtype(name: str) -> np.dtype:
 def escape_segment(key: str | int) -> str:
     """A dict key as one path segment: percent-escapes anything unsafe, never '.', '..' or empty."""
     s = str(key)
-    out = "".join(c if (c.isascii() and (c.isalnum() or c in "_.+=@,~-")) else "".join(f"%{b:02X}" for b in c.encode()) for c in s)
+    out = "".join(
+        c if (c.isascii() and (c.isalnum() or c in "_.+=@,~-")) else "".join(f"%{b:02X}" for b in c.encode()) for c in s
+    )
     if not out or out.startswith("."):
         out = "%2E" + out[1:] if out else "%00"
     if len(out) > _MAX_SEGMENT:
-        out = out[:_MAX_SEGMENT - 17] + "~" + hashlib.sha256(out.encode()).hexdigest()[:16]
+        out = out[: _MAX_SEGMENT - 17] + "~" + hashlib.sha256(out.encode()).hexdigest()[:16]
     return out
 
 
@@ -82,7 +97,9 @@ def validate_array_name(name: str) -> str:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def chunk_shape(shape: tuple[int, ...], itemsize: int, starts: tuple[tuple[int, ...], ...], target_bytes: int) -> tuple[int, ...]:
+def chunk_shape(
+    shape: tuple[int, ...], itemsize: int, starts: tuple[tuple[int, ...], ...], target_bytes: int
+) -> tuple[int, ...]:
     """A regular chunk grid for a global array written as boxes starting at `starts`.
 
     Each box start must fall on a chunk boundary so that no two writers share a chunk; within that
@@ -98,7 +115,7 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int, starts: tuple[tuple[int, 
             align[d] = math.gcd(align[d], int(s))
     chunk = [max(1, a if a else n) for a, n in zip(align, shape)]
     for d in range(len(shape)):
-        inner = itemsize * math.prod(chunk[d + 1:])
+        inner = itemsize * math.prod(chunk[d + 1 :])
         if chunk[d] <= 1 or chunk[d] * inner <= target_bytes:
             continue
         max_rows = max(1, target_bytes // max(1, inner))
@@ -123,7 +140,11 @@ def zarr_metadata(dtype: str, shape: Sequence[int], chunk: Sequence[int]) -> dic
     In the canonical form tensorstore writes (single-byte types carry no endianness), so that a
     `zarr.json` read back can be compared with it field by field.
     """
-    raw = {"name": "bytes"} if numpy_dtype(dtype).itemsize == 1 else {"name": "bytes", "configuration": {"endian": "little"}}
+    raw = (
+        {"name": "bytes"}
+        if numpy_dtype(dtype).itemsize == 1
+        else {"name": "bytes", "configuration": {"endian": "little"}}
+    )
     return {
         "shape": list(shape),
         "data_type": dtype,
@@ -215,8 +236,13 @@ class ArrayInfo:
         return out
 
     def to_json(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "shape": list(self.shape), "chunk": list(self.chunk),
-                "boxes": [[list(r) for r in box] for box in self.boxes], "digests": list(self.digests or ())}
+        return {
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "chunk": list(self.chunk),
+            "boxes": [[list(r) for r in box] for box in self.boxes],
+            "digests": list(self.digests or ()),
+        }
 
     @classmethod
     def from_json(cls, name: str, d: Any, *, digests: bool = True) -> "ArrayInfo":
@@ -231,13 +257,24 @@ class ArrayInfo:
         need(isinstance(d.get("dtype"), str) and d["dtype"] in _BY_NAME, f"unknown dtype {d.get('dtype')!r}")
         shape, chunk = d.get("shape"), d.get("chunk")
         need(_ints(shape, 0, _MAX_DIM) and len(shape) <= MAX_RANK, f"bad shape {shape!r}")
-        need(_ints(chunk, 1, _MAX_DIM) and len(chunk) == len(shape) and all(c <= max(n, 1) for c, n in zip(chunk, shape)),
-             f"chunk {chunk!r} does not fit shape {shape}")
+        need(
+            _ints(chunk, 1, _MAX_DIM)
+            and len(chunk) == len(shape)
+            and all(c <= max(n, 1) for c, n in zip(chunk, shape)),
+            f"chunk {chunk!r} does not fit shape {shape}",
+        )
         boxes = d.get("boxes")
-        need(isinstance(boxes, list) and len(boxes) <= MAX_CHUNKS and all(
-            isinstance(box, list) and len(box) == len(shape) and all(
-                _ints(r, 0, n) and len(r) == 2 and r[0] <= r[1] for r, n in zip(box, shape)) for box in boxes),
-             "boxes must be lists of [start, stop] inside the shape")
+        need(
+            isinstance(boxes, list)
+            and len(boxes) <= MAX_CHUNKS
+            and all(
+                isinstance(box, list)
+                and len(box) == len(shape)
+                and all(_ints(r, 0, n) and len(r) == 2 and r[0] <= r[1] for r, n in zip(box, shape))
+                for box in boxes
+            ),
+            "boxes must be lists of [start, stop] inside the shape",
+        )
         info = cls(name, d["dtype"], tuple(shape), tuple(chunk), tuple(tuple((a, b) for a, b in box) for box in boxes))
         need(info.chunk_nbytes <= MAX_CHUNK_BYTES, f"chunk of {info.chunk_nbytes} bytes, more than {MAX_CHUNK_BYTES}")
         count = math.prod(info.grid)
@@ -269,15 +306,23 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         """The manifest's body: what `to_bytes` checksums and writes (and `ckpt inspect --json` prints)."""
-        return {"format": self.format, "step": self.step, "time": self.time, "world_size": self.world_size,
-                "versions": self.versions or {}, "metadata": self.metadata, "tree": self.tree,
-                "arrays": {k: v.to_json() for k, v in self.arrays.items()}}
+        return {
+            "format": self.format,
+            "step": self.step,
+            "time": self.time,
+            "world_size": self.world_size,
+            "versions": self.versions or {},
+            "metadata": self.metadata,
+            "tree": self.tree,
+            "arrays": {k: v.to_json() for k, v in self.arrays.items()},
+        }
 
     def to_bytes(self) -> bytes:
         body = self.to_json()
         text = json.dumps(body, allow_nan=False, separators=(",", ":"))  # key order is part of the state
-        return json.dumps({"sha256": hashlib.sha256(text.encode()).hexdigest(), "body": body},
-                          allow_nan=False, separators=(",", ":")).encode()
+        return json.dumps(
+            {"sha256": hashlib.sha256(text.encode()).hexdigest(), "body": body}, allow_nan=False, separators=(",", ":")
+        ).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, *, file: str) -> "Manifest":
@@ -293,21 +338,36 @@ class Manifest:
         if not isinstance(body, dict):
             raise CorruptCheckpointError("manifest body is not an object", file=file)
         if body.get("format") not in _READABLE:
-            raise CheckpointError(f"{file} has format {body.get('format')!r}, which this version of ckpt does not "
-                                  f"read (it reads {', '.join(_READABLE)}): was it written by a newer version?")
-        fields = {"step": lambda v: type(v) is int and v >= 0, "time": lambda v: type(v) in (int, float),
-                  "world_size": lambda v: type(v) is int and 1 <= v <= MAX_CHUNKS,
-                  "versions": lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
-                  "metadata": lambda v: isinstance(v, dict), "tree": lambda v: isinstance(v, dict),
-                  "arrays": lambda v: isinstance(v, dict)}
+            raise CheckpointError(
+                f"{file} has format {body.get('format')!r}, which this version of ckpt does not "
+                f"read (it reads {', '.join(_READABLE)}): was it written by a newer version?"
+            )
+        fields = {
+            "step": lambda v: type(v) is int and v >= 0,
+            "time": lambda v: type(v) in (int, float),
+            "world_size": lambda v: type(v) is int and 1 <= v <= MAX_CHUNKS,
+            "versions": lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+            "metadata": lambda v: isinstance(v, dict),
+            "tree": lambda v: isinstance(v, dict),
+            "arrays": lambda v: isinstance(v, dict),
+        }
         for k, ok in fields.items():
             if not ok(body.get(k)):
                 raise CorruptCheckpointError(f"malformed manifest: bad {k} {str(body.get(k))[:100]!r}", file=file)
         try:
-            arrays = {name: ArrayInfo.from_json(name, d, digests=body["format"] != "ckpt/1")
-                      for name, d in body["arrays"].items()}
+            arrays = {
+                name: ArrayInfo.from_json(name, d, digests=body["format"] != "ckpt/1")
+                for name, d in body["arrays"].items()
+            }
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(str(e), key=e.key, file=file) from None
-        return cls(step=body["step"], tree=body["tree"], arrays=arrays, metadata=body["metadata"],
-                   time=float(body["time"]), world_size=body["world_size"], versions=body["versions"],
-                   format=body["format"])
+        return cls(
+            step=body["step"],
+            tree=body["tree"],
+            arrays=arrays,
+            metadata=body["metadata"],
+            time=float(body["time"]),
+            world_size=body["world_size"],
+            versions=body["versions"],
+            format=body["format"],
+        )

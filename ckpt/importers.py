@@ -68,23 +68,31 @@ def read_source(src: str) -> tuple[str, Any, dict[str, Any]]:
     if src.endswith(".safetensors"):
         return "safetensors", _tied(*open_tensors(src)), {}
     if head[:4] != b"PK\x03\x04" and head[:2] != b"\x80\x02":  # zip (torch >= 1.6) or legacy pickle protocol 2
-        raise ValueError(f"{src} is neither a torch.save file, nor a .safetensors file, nor a folder of a DCP or "
-                         f"Hugging Face checkpoint")
+        raise ValueError(
+            f"{src} is neither a torch.save file, nor a .safetensors file, nor a folder of a DCP or "
+            f"Hugging Face checkpoint"
+        )
     try:
         return "torch", torch.load(src, map_location="cpu", weights_only=True, mmap=head[:4] == b"PK\x03\x04"), {}
     except pickle.UnpicklingError as e:
-        raise ValueError(f"{src} holds objects other than tensors and plain values, which are not loaded (no code "
-                         f"from a checkpoint runs): {str(e).splitlines()[0]}") from None
+        raise ValueError(
+            f"{src} holds objects other than tensors and plain values, which are not loaded (no code "
+            f"from a checkpoint runs): {str(e).splitlines()[0]}"
+        ) from None
 
 
 def _is_entries(state: Any) -> bool:
     """A dict of named entries (kept as top-level keys), not a bare state_dict of tensors."""
-    return (isinstance(state, Mapping) and bool(state)
-            and all(isinstance(k, str) and not k.startswith("$") for k in state)
-            and not all(isinstance(v, torch.Tensor) for v in state.values()))
+    return (
+        isinstance(state, Mapping)
+        and bool(state)
+        and all(isinstance(k, str) and not k.startswith("$") for k in state)
+        and not all(isinstance(v, torch.Tensor) for v in state.values())
+    )
 
 
 # -- Hugging Face folders and safetensors ----------------------------------------------------------------------
+
 
 def read_hf_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The weights of a folder written by ``save_pretrained`` (memory-mapped) and its config as step metadata."""
@@ -96,8 +104,9 @@ def read_hf_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     else:
         files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
     if not files:
-        raise ValueError(f"{folder} holds neither a DCP checkpoint (.metadata) nor safetensors weights "
-                         f"({INDEX} or *.safetensors)")
+        raise ValueError(
+            f"{folder} holds neither a DCP checkpoint (.metadata) nor safetensors weights ({INDEX} or *.safetensors)"
+        )
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     for name in files:
@@ -142,8 +151,12 @@ def _tie_like_model(tensors: dict[str, torch.Tensor], config: dict[str, Any]) ->
         with torch.device("meta"):
             model = cls(cls.config_class.from_dict(config))
     except Exception as e:  # noqa: BLE001 - a model this Transformers cannot build: the weights are still imported
-        warnings.warn(f"could not build {architectures[0]} from config.json to find its tied weights ({e}); names "
-                      f"save_pretrained left out are not restored", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"could not build {architectures[0]} from config.json to find its tied weights ({e}); names "
+            f"save_pretrained left out are not restored",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         return tensors
     groups: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -160,12 +173,25 @@ def _tie_like_model(tensors: dict[str, torch.Tensor], config: dict[str, Any]) ->
 # -- torch.distributed.checkpoint ----------------------------------------------------------------------------
 
 _DCP_METADATA = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "BytesStorageMetadata",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict")}
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "TensorProperties",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -175,8 +201,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if (module, name) in _DCP_METADATA or dtype:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which is not loaded (no code from a "
-                                     f"checkpoint runs)")
+        raise pickle.UnpicklingError(
+            f"DCP metadata refers to {module}.{name}, which is not loaded (no code from a checkpoint runs)"
+        )
 
 
 def read_dcp(folder: str) -> dict[str, Any]:
@@ -213,8 +240,12 @@ def read_dcp(folder: str) -> dict[str, Any]:
             raise ValueError(f"{folder}: entry {fqn!r} is a {type(md).__name__}, which this import does not read")
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": a single process reads, as asked
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(flat, storage_reader=reader, planner=Planner(flatten_state_dict=False, flatten_sharded_tensors=False),
-                 no_dist=True)
+        dcp.load(
+            flat,
+            storage_reader=reader,
+            planner=Planner(flatten_state_dict=False, flatten_sharded_tensors=False),
+            no_dist=True,
+        )
     state: dict[str, Any] = {}
     paths = metadata.planner_data or {}
     for fqn, value in flat.items():

@@ -83,7 +83,13 @@ def _local_pid_dead(holder: dict[str, Any] | None) -> bool:
 
 
 def _new_holder(role: str) -> dict[str, Any]:
-    return {"id": uuid.uuid4().hex, "role": role, "host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    return {
+        "id": uuid.uuid4().hex,
+        "role": role,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "since": time.time(),
+    }
 
 
 class FileLease:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from datetime import timedelta
 import os
 import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
+from datetime import timedelta
 from typing import Any, ContextManager, Mapping, Protocol, Sequence
 
 from . import catalog, layout
@@ -18,8 +18,15 @@ from . import lease as lease_mod
 from . import restore as restore_mod
 from . import run as run_mod
 from .distributed import Ranks, prepare_optimizers
-from .errors import (CheckpointDeleteError, CheckpointError, CheckpointWriteError, CorruptCheckpointError, LeaseHeldError,
-                     StepExistsError, StepNotFoundError)
+from .errors import (
+    CheckpointDeleteError,
+    CheckpointError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    LeaseHeldError,
+    StepExistsError,
+    StepNotFoundError,
+)
 from .format import MAX_CHUNK_BYTES
 from .layout import read_manifest
 from .retention import RetentionPolicy, StepMetadata, from_keywords
@@ -95,12 +102,23 @@ class CheckpointManager:
     own collectives) and calls `save`/`restore` with the same step: each rank writes only its slices.
     """
 
-    def __init__(self, root: str | os.PathLike, *, retention: RetentionPolicy | None = None,
-                 keep_last: int | None = None, keep_every: int | None = None,
-                 keep_best: int | None = None, best_metric: str | None = None, best_mode: str = "min",
-                 max_staging_bytes: int | None = None, chunk_bytes: int = 64 << 20,
-                 tracker: CheckpointObserver | None = None, io_threads: int = 8, collective_timeout: float = 600.0,
-                 run_id: str | None = None):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        retention: RetentionPolicy | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        max_staging_bytes: int | None = None,
+        chunk_bytes: int = 64 << 20,
+        tracker: CheckpointObserver | None = None,
+        io_threads: int = 8,
+        collective_timeout: float = 600.0,
+        run_id: str | None = None,
+    ):
         self.storage: Storage = open_storage(root)
         self.run = run_mod.Run.current(run_id)
         self._run_recorded = False
@@ -155,11 +173,19 @@ class CheckpointManager:
             if pending is not None:  # a delete of this very step number must finish before it is written again
                 futures_wait([pending])
             if layout.is_committed(self.storage, step):
-                raise StepExistsError(f"step {step} is already committed in {self.storage.url}; "
-                                 f"a committed checkpoint is never overwritten")
+                raise StepExistsError(
+                    f"step {step} is already committed in {self.storage.url}; "
+                    f"a committed checkpoint is never overwritten"
+                )
             t0 = time.perf_counter()
-            job = SaveJob(self.storage, plan(step, state, metadata, self.chunk_bytes, self.ranks), self._arena,
-                          context(), self.ranks, self._lease)
+            job = SaveJob(
+                self.storage,
+                plan(step, state, metadata, self.chunk_bytes, self.ranks),
+                self._arena,
+                context(),
+                self.ranks,
+                self._lease,
+            )
             stall = time.perf_counter() - t0
         committed: Future = Future()
         self._writer.submit(self._background, job, stall, committed)
@@ -187,8 +213,14 @@ class CheckpointManager:
         seconds = time.perf_counter() - t0
         nbytes = sum(info.nbytes for info in job.plan.arrays.values())
         self._metadata[step] = job.plan.metadata
-        log.info("committed step %d: %.1f MB, stall %.3fs, background %.3fs (%.2f GB/s)", step, nbytes / 1e6,
-                 stall, seconds, nbytes / max(seconds, 1e-9) / 1e9)
+        log.info(
+            "committed step %d: %.1f MB, stall %.3fs, background %.3fs (%.2f GB/s)",
+            step,
+            nbytes / 1e6,
+            stall,
+            seconds,
+            nbytes / max(seconds, 1e-9) / 1e9,
+        )
         self.tracker.checkpoint_committed(step, seconds, nbytes)
         committed.set_result(step)
         try:
@@ -294,8 +326,15 @@ class CheckpointManager:
 
     # -- restoring ----------------------------------------------------------------------------------
 
-    def restore(self, state: dict[str, Any], *, step: int | None = None, keys: Sequence[str] | None = None,
-                rank_map: str = "modulo", track: bool = True) -> int | None:
+    def restore(
+        self,
+        state: dict[str, Any],
+        *,
+        step: int | None = None,
+        keys: Sequence[str] | None = None,
+        rank_map: str = "modulo",
+        track: bool = True,
+    ) -> int | None:
         """Load the newest intact committed step (or `step`) into `state` in place; returns the step or None.
 
         Nothing reaches `state` unless every read of the step verified: a failed restore leaves it as it
@@ -329,8 +368,10 @@ class CheckpointManager:
                         raise StepNotFoundError(f"step {step} is not committed in {self.storage.url}")
                     relists += 1
                     if relists > _MAX_RELISTS:
-                        raise CheckpointError(f"steps of {self.storage.url} vanished while being read, {relists} times: "
-                                              f"is another process deleting them?")
+                        raise CheckpointError(
+                            f"steps of {self.storage.url} vanished while being read, {relists} times: "
+                            f"is another process deleting them?"
+                        )
                     log.info("step %d vanished while being read (retention?); listing the steps again", s)
                     candidates = self._candidates(step, damaged)
                     continue
@@ -338,20 +379,31 @@ class CheckpointManager:
                     if step is not None:
                         raise outcome
                     damaged[s] = outcome
-                    warnings.warn(f"checkpoint step {s} is damaged: {outcome}; {self._set_aside(s, outcome)}; "
-                                  f"falling back to the previous committed step", RuntimeWarning, stacklevel=2)
+                    warnings.warn(
+                        f"checkpoint step {s} is damaged: {outcome}; {self._set_aside(s, outcome)}; "
+                        f"falling back to the previous committed step",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
                     continue
                 restore_mod.apply(plan, state)
                 restored = s
                 sizes = [r.nbytes for r in plan.reads.values()]
-                log.info("restored step %d from %s: %.1f MB in %.2fs", s, self.storage.url, sum(sizes) / 1e6,
-                         time.perf_counter() - t0)
+                log.info(
+                    "restored step %d from %s: %.1f MB in %.2fs",
+                    s,
+                    self.storage.url,
+                    sum(sizes) / 1e6,
+                    time.perf_counter() - t0,
+                )
                 if keys is None:  # the arena now holds what was read; grow it to the whole state in the background
                     self._writer.submit(self._arena.reserve, sizes)
                 break
             if restored is None and damaged:
-                raise CorruptCheckpointError(f"no intact checkpoint in {self.storage.url}: {len(damaged)} damaged "
-                                             f"(newest error: {next(iter(damaged.values()))})")
+                raise CorruptCheckpointError(
+                    f"no intact checkpoint in {self.storage.url}: {len(damaged)} damaged "
+                    f"(newest error: {next(iter(damaged.values()))})"
+                )
         if damaged and restored is not None:
             log.warning("restored step %d after skipping %d damaged step(s)", restored, len(damaged))
         tracker.checkpoint_restored(restored)
@@ -359,12 +411,16 @@ class CheckpointManager:
 
     def _candidates(self, step: int | None, damaged: Mapping[int, Any]) -> list[int]:
         """Steps to try, newest first: `step`, or every committed one not found damaged (rank 0's list for all)."""
-        candidates = [step] if step is not None else [
-            s for s in sorted(layout.committed_steps(self.storage), reverse=True) if s not in damaged]
+        candidates = (
+            [step]
+            if step is not None
+            else [s for s in sorted(layout.committed_steps(self.storage), reverse=True) if s not in damaged]
+        )
         return self.ranks.all_gather_json(candidates)[0]
 
-    def _read(self, s: int, state: dict[str, Any], keys: Sequence[str] | None, rank_map: str
-              ) -> tuple[restore_mod.ReadPlan | None, CorruptCheckpointError | StepNotFoundError | None]:
+    def _read(
+        self, s: int, state: dict[str, Any], keys: Sequence[str] | None, rank_map: str
+    ) -> tuple[restore_mod.ReadPlan | None, CorruptCheckpointError | StepNotFoundError | None]:
         """This rank's read of step `s`, the mirror of a save: manifest, plan, verified reads; or why it failed.
 
         A mismatch between `state` and the checkpoint (StateKeyError, StateMismatchError) is raised here, before
@@ -372,19 +428,28 @@ class CheckpointManager:
         """
         try:
             manifest = layout.read_manifest(self.storage, s)
-            plan = restore_mod.plan_restore(manifest, state, keys, self.ranks, rank_map=rank_map,
-                                            files=restore_mod.step_files(self.storage, s))
+            plan = restore_mod.plan_restore(
+                manifest, state, keys, self.ranks, rank_map=rank_map, files=restore_mod.step_files(self.storage, s)
+            )
             restore_mod.execute(self.storage, plan, self._readers, self._arena)
             return plan, None
         except (CorruptCheckpointError, StepNotFoundError) as e:
             return None, e
 
-    def _agree(self, s: int, error: CorruptCheckpointError | StepNotFoundError | None
-               ) -> CorruptCheckpointError | str | None:
+    def _agree(
+        self, s: int, error: CorruptCheckpointError | StepNotFoundError | None
+    ) -> CorruptCheckpointError | str | None:
         """Every rank's outcome of reading step `s`, one decision for all: None (read everywhere), "vanished" (it
         was deleted meanwhile, e.g. by another process's retention: no damage) or its damage."""
-        verdict = "ok" if error is None else (
-            "vanished" if isinstance(error, StepNotFoundError) or not layout.is_committed(self.storage, s) else "damaged")
+        verdict = (
+            "ok"
+            if error is None
+            else (
+                "vanished"
+                if isinstance(error, StepNotFoundError) or not layout.is_committed(self.storage, s)
+                else "damaged"
+            )
+        )
         reports = self.ranks.all_gather_json([verdict, None if error is None else str(error)])
         verdicts = [v for v, _ in reports]
         if "vanished" in verdicts:
@@ -393,7 +458,9 @@ class CheckpointManager:
             return None
         if isinstance(error, CorruptCheckpointError):
             return error
-        return CorruptCheckpointError(f"another rank found damage: {next(m for v, m in reports if v == 'damaged')}", step=s)
+        return CorruptCheckpointError(
+            f"another rank found damage: {next(m for v, m in reports if v == 'damaged')}", step=s
+        )
 
     def _set_aside(self, s: int, error: CorruptCheckpointError) -> str:
         """Quarantine a damaged step (rank 0 only) and say where it went, or why it could not be moved."""
@@ -435,7 +502,9 @@ class CheckpointManager:
             raise ValueError(f"step {step} is still being written")
         committed = self.steps()
         if step not in committed:
-            raise StepNotFoundError(f"step {step} is not a committed step of {self.storage.url} (committed: {committed})")
+            raise StepNotFoundError(
+                f"step {step} is not a committed step of {self.storage.url} (committed: {committed})"
+            )
         if step == committed[-1]:
             raise ValueError(f"step {step} is the newest committed step; it is never deleted")
         self._take_lease(collective=False)

@@ -48,8 +48,10 @@ class StepReader:
         self.manifest = layout.read_manifest(storage, step)
         self.files = restore.step_files(storage, step)
         m = self.manifest
-        self.tree = {k: state_mod.select_rank(v, 0, m.world_size, 1, "modulo")
-                     if isinstance(v, dict) and "$per_rank" in v else v for k, v in m.tree.items()}
+        self.tree = {
+            k: state_mod.select_rank(v, 0, m.world_size, 1, "modulo") if isinstance(v, dict) and "$per_rank" in v else v
+            for k, v in m.tree.items()
+        }
 
     def routes(self, keys: Sequence[str] | None) -> list[Route]:
         """The route of each dotted key (``"model.embed.weight"``: the top-level key, then the keys below it, whose
@@ -70,8 +72,13 @@ class StepReader:
         _walk(self.select(keys), (), out, self.manifest.arrays)
         return out
 
-    def read(self, keys: Sequence[str] | None = None, *, region: Sequence[slice] | None = None,
-             device: str | torch.device = "cpu") -> dict[str, Any]:
+    def read(
+        self,
+        keys: Sequence[str] | None = None,
+        *,
+        region: Sequence[slice] | None = None,
+        device: str | torch.device = "cpu",
+    ) -> dict[str, Any]:
         """The selected part of the state as plain values: nested dicts (module and optimizer states as their
         state_dict), tensors (tied ones still tied) and JSON values. With `region`, only that part of the one
         tensor `keys` selects is read."""
@@ -79,12 +86,16 @@ class StepReader:
         if region is not None:
             arrays = {leaf.array.name: leaf.array for leaf in self.leaves(keys) if leaf.array is not None}
             if len(arrays) != 1:
-                raise ValueError(f"region= reads part of one tensor: keys {list(keys or [])} select {len(arrays)} "
-                                 f"arrays of step {self.step}; name one tensor, e.g. keys=['model.embed.weight']")
+                raise ValueError(
+                    f"region= reads part of one tensor: keys {list(keys or [])} select {len(arrays)} "
+                    f"arrays of step {self.step}; name one tensor, e.g. keys=['model.embed.weight']"
+                )
             info = next(iter(arrays.values()))
             part = self.read_array(info, region_box(info, region))
-            values = {k: state_mod.decode(node, lambda name, _, as_np: part.numpy() if as_np else part)
-                      for k, node in tree.items()}
+            values = {
+                k: state_mod.decode(node, lambda name, _, as_np: part.numpy() if as_np else part)
+                for k, node in tree.items()
+            }
         else:
             manifest = dataclasses.replace(self.manifest, tree=tree)
             plan = restore.plan_restore(manifest, dict.fromkeys(tree), None, Ranks.local(), files=self.files)
@@ -102,9 +113,15 @@ class StepReader:
         return out
 
 
-def load(root: str | os.PathLike, *, step: int | None = None, keys: Sequence[str] | None = None,
-         device: str | torch.device = "cpu", region: Sequence[slice] | None = None,
-         io_threads: int = 8) -> dict[str, Any]:
+def load(
+    root: str | os.PathLike,
+    *,
+    step: int | None = None,
+    keys: Sequence[str] | None = None,
+    device: str | torch.device = "cpu",
+    region: Sequence[slice] | None = None,
+    io_threads: int = 8,
+) -> dict[str, Any]:
     """A checkpoint's state as a plain nested dict, without the training objects; only what `keys` selects is read.
 
     `keys` are dotted paths into the state (``["model"]``, ``["model.embed.weight"]``); the result keeps the
@@ -123,13 +140,17 @@ def load(root: str | os.PathLike, *, step: int | None = None, keys: Sequence[str
                 return StepReader(storage, s, pool).read(keys, region=region, device=device)
             except CorruptCheckpointError as e:
                 damaged.append(e)
-                warnings.warn(f"checkpoint step {s} is damaged: {e}; loading the previous committed step",
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"checkpoint step {s} is damaged: {e}; loading the previous committed step",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             except FileNotFoundError:  # deleted while being read (another process's retention): not damage
                 continue
     if damaged:
-        raise CorruptCheckpointError(f"no intact checkpoint in {storage.url}: {len(damaged)} damaged "
-                                     f"(newest error: {damaged[0]})")
+        raise CorruptCheckpointError(
+            f"no intact checkpoint in {storage.url}: {len(damaged)} damaged (newest error: {damaged[0]})"
+        )
     raise FileNotFoundError(f"no committed checkpoint in {storage.url}")
 
 
@@ -137,8 +158,10 @@ def region_box(info: ArrayInfo, region: Sequence[slice]) -> Box:
     """The box of an array that `region` (slices with step 1, trailing dimensions whole) selects."""
     region = tuple(region) if isinstance(region, (tuple, list)) else (region,)
     if len(region) > len(info.shape) or not all(isinstance(s, slice) and s.step in (None, 1) for s in region):
-        raise ValueError(f"region must be at most {len(info.shape)} slices with step 1 for key {info.name!r} "
-                         f"(shape {list(info.shape)}), got {region!r}")
+        raise ValueError(
+            f"region must be at most {len(info.shape)} slices with step 1 for key {info.name!r} "
+            f"(shape {list(info.shape)}), got {region!r}"
+        )
     box = []
     for d, n in enumerate(info.shape):
         a, b, _ = region[d].indices(n) if d < len(region) else (0, n, 1)
@@ -170,12 +193,14 @@ def _route(node: Any, path: str, key: str, above: Route, step: int) -> Route:
     if path == "":
         return ()
     children = _children(node)
-    fits = sorted(((k, c) for k, c in (children or []) if str(k) == path or path.startswith(f"{k}.")),
-                  key=lambda kc: -len(str(kc[0])))
+    fits = sorted(
+        ((k, c) for k, c in (children or []) if str(k) == path or path.startswith(f"{k}.")),
+        key=lambda kc: -len(str(kc[0])),
+    )
     deepest: _NoMatch | None = None
     for k, child in fits:
         try:
-            return (k,) + _route(child, path[len(str(k)) + 1:], key, above + (k,), step)
+            return (k,) + _route(child, path[len(str(k)) + 1 :], key, above + (k,), step)
         except _NoMatch as e:
             deepest = e if deepest is None or e.depth > deepest.depth else deepest
     if deepest is not None:
@@ -233,4 +258,3 @@ def _to_device(value: Any, device: torch.device, moved: dict[int, torch.Tensor])
     if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
         return type(value)(_to_device(v, device, moved) for v in value)
     return value
-

@@ -18,9 +18,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from . import layout
+from . import layout, store
 from . import state as state_mod
-from . import store
 from .distributed import Ranks, read_region
 from .errors import CheckpointError, CorruptCheckpointError, StateKeyError, StateMismatchError
 from .format import ArrayInfo, Manifest, chunk_key, torch_dtype
@@ -80,8 +79,15 @@ class ReadPlan:
     values: dict[str, Any]  # top-level key -> decoded value (tensors: the caller's own, or fresh ones)
 
 
-def plan_restore(manifest: Manifest, target: Mapping[str, Any], keys: Sequence[str] | None, ranks: Ranks, *,
-                 rank_map: str = "modulo", files: StepFiles | None = None) -> ReadPlan:
+def plan_restore(
+    manifest: Manifest,
+    target: Mapping[str, Any],
+    keys: Sequence[str] | None,
+    ranks: Ranks,
+    *,
+    rank_map: str = "modulo",
+    files: StepFiles | None = None,
+) -> ReadPlan:
     """Decide every read of a restore of `keys` (default: all) of `target`; reads nothing, changes nothing.
 
     DTensor targets read only their own shard's region of each global array (any world size); other
@@ -138,21 +144,30 @@ def plan_restore(manifest: Manifest, target: Mapping[str, Any], keys: Sequence[s
     if keys is None:
         extra = [k for k in tree if k not in target]
         if extra:
-            raise StateKeyError(f"checkpoint step {step} has keys {extra} that the state passed to restore lacks: add "
-                           f"them, or restore only some keys with keys=[...]")
+            raise StateKeyError(
+                f"checkpoint step {step} has keys {extra} that the state passed to restore lacks: add "
+                f"them, or restore only some keys with keys=[...]"
+            )
     return ReadPlan(manifest, reads, values)
 
 
 def _check_files(info: ArrayInfo, files: StepFiles, step: int) -> None:
     base = layout.array_dir(info.name)
     if f"{base}/zarr.json" not in files.sizes:
-        raise CorruptCheckpointError("zarr.json is missing", step=step, key=info.name, file=f"{files.dir}/{base}/zarr.json")
+        raise CorruptCheckpointError(
+            "zarr.json is missing", step=step, key=info.name, file=f"{files.dir}/{base}/zarr.json"
+        )
     for index in info.chunks(tuple((0, n) for n in info.shape)):
         size = files.sizes.get(f"{base}/{chunk_key(index)}")
         if size != info.chunk_nbytes + 4:
-            raise CorruptCheckpointError("chunk file is missing" if size is None else
-                                         f"chunk file has {size} bytes, expected {info.chunk_nbytes + 4}",
-                                         step=step, key=info.name, file=f"{files.dir}/{base}/{chunk_key(index)}")
+            raise CorruptCheckpointError(
+                "chunk file is missing"
+                if size is None
+                else f"chunk file has {size} bytes, expected {info.chunk_nbytes + 4}",
+                step=step,
+                key=info.name,
+                file=f"{files.dir}/{base}/{chunk_key(index)}",
+            )
 
 
 def _add_target(r: ArrayRead, t: torch.Tensor) -> None:
@@ -168,18 +183,24 @@ def _fresh(info: ArrayInfo, box: Box, step: int) -> torch.Tensor:
     nbytes = math.prod(shape) * info.itemsize
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if nbytes > memory:
-        raise CheckpointError(f"restore of key {info.name!r} (step {step}) needs {nbytes} bytes of new memory, more "
-                              f"than this machine has ({memory}); restore it into an existing tensor")
+        raise CheckpointError(
+            f"restore of key {info.name!r} (step {step}) needs {nbytes} bytes of new memory, more "
+            f"than this machine has ({memory}); restore it into an existing tensor"
+        )
     return torch.empty(shape, dtype=torch_dtype(info.dtype))
 
 
 def _check_match(info: ArrayInfo, tmpl: torch.Tensor, step: int) -> None:
     if tuple(tmpl.shape) != info.shape:
-        raise StateMismatchError(f"restore of key {info.name!r} (step {step}): checkpoint has shape {list(info.shape)}, "
-                         f"the target tensor has shape {list(tmpl.shape)}")
+        raise StateMismatchError(
+            f"restore of key {info.name!r} (step {step}): checkpoint has shape {list(info.shape)}, "
+            f"the target tensor has shape {list(tmpl.shape)}"
+        )
     if tmpl.dtype != torch_dtype(info.dtype):
-        raise StateMismatchError(f"restore of key {info.name!r} (step {step}): checkpoint has dtype {info.dtype}, "
-                         f"the target tensor has dtype {str(tmpl.dtype).removeprefix('torch.')}")
+        raise StateMismatchError(
+            f"restore of key {info.name!r} (step {step}): checkpoint has dtype {info.dtype}, "
+            f"the target tensor has dtype {str(tmpl.dtype).removeprefix('torch.')}"
+        )
 
 
 def execute(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: StagingArena) -> None:

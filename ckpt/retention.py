@@ -37,7 +37,7 @@ class KeepLast:
         _positive("keep_last", self.n)
 
     def keep(self, steps: Sequence[int], metadata: Metadata) -> set[int]:
-        return set(steps[-self.n:])
+        return set(steps[-self.n :])
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class KeepBest:
             return sign * float(v) if isinstance(v, (int, float)) and math.isfinite(v) else math.inf
 
         ranked = sorted((s for s in steps if score(s) != math.inf), key=lambda s: (score(s), -s))
-        return set(ranked[:self.n])
+        return set(ranked[: self.n])
 
 
 class Keep:
@@ -99,8 +99,13 @@ class Keep:
         return isinstance(other, Keep) and self.policies == other.policies
 
 
-def from_keywords(keep_last: int | None = None, keep_every: int | None = None, keep_best: int | None = None,
-                  best_metric: str | None = None, best_mode: str = "min") -> RetentionPolicy | None:
+def from_keywords(
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    keep_best: int | None = None,
+    best_metric: str | None = None,
+    best_mode: str = "min",
+) -> RetentionPolicy | None:
     """The policy `CheckpointManager`'s shorthand keywords stand for; None (keep everything) when none is set."""
     if keep_best is None and best_mode not in ("min", "max"):
         raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
@@ -120,8 +125,9 @@ class StepMetadata(Mapping[int, Mapping[str, Any]]):
     """The save metadata of `steps`, each read by `read(step)` on first access and cached in `cache`, so a policy
     that never looks (KeepLast) costs no manifest read."""
 
-    def __init__(self, steps: Sequence[int], read: Callable[[int], Mapping[str, Any]],
-                 cache: dict[int, Mapping[str, Any]]) -> None:
+    def __init__(
+        self, steps: Sequence[int], read: Callable[[int], Mapping[str, Any]], cache: dict[int, Mapping[str, Any]]
+    ) -> None:
         self._steps, self._read, self._cache = set(steps), read, cache
 
     def __getitem__(self, step: int) -> Mapping[str, Any]:

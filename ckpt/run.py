@@ -91,7 +91,8 @@ def check_start(storage: Storage, run: Run, *, resume: bool, how_to_resume: str,
             f"{storage.url} holds committed steps {committed} of {owner}, and this fresh start is {run.describe()}. "
             f"Nothing was written or deleted. To resume that run: {how_to_resume}. To start over: {how_to_start_over}. "
             f"A restart resumes by itself when it carries the recorded id (run_id=, or CKPT_RUN_ID, SLURM_JOB_ID, "
-            f"TORCHELASTIC_RUN_ID in the environment).")
+            f"TORCHELASTIC_RUN_ID in the environment)."
+        )
     claim(storage, run)
     return True
 

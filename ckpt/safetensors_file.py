@@ -20,10 +20,22 @@ import numpy as np
 import torch
 
 DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.complex64: "C64",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
 }
 _BY_NAME = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100_000_000  # the safetensors library's own limit
@@ -47,9 +59,11 @@ def dtype_name(dtype: torch.dtype, key: str) -> str:
     try:
         return DTYPES[dtype]
     except KeyError:
-        raise TypeError(f"tensor {key!r} has dtype {str(dtype).removeprefix('torch.')}, which safetensors cannot "
-                        f"store (it stores {', '.join(sorted(str(d).removeprefix('torch.') for d in DTYPES))}); "
-                        f"export it with --format torch") from None
+        raise TypeError(
+            f"tensor {key!r} has dtype {str(dtype).removeprefix('torch.')}, which safetensors cannot "
+            f"store (it stores {', '.join(sorted(str(d).removeprefix('torch.') for d in DTYPES))}); "
+            f"export it with --format torch"
+        ) from None
 
 
 class Writer:
@@ -59,8 +73,11 @@ class Writer:
         header: dict[str, object] = {"__metadata__": dict(metadata)}
         offset = 0
         for e in entries:
-            header[e.name] = {"dtype": dtype_name(e.dtype, e.name), "shape": list(e.shape),
-                              "data_offsets": [offset, offset + e.nbytes]}
+            header[e.name] = {
+                "dtype": dtype_name(e.dtype, e.name),
+                "shape": list(e.shape),
+                "data_offsets": [offset, offset + e.nbytes],
+            }
             offset += e.nbytes
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
@@ -111,16 +128,24 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[Entry, int]], 
         raise ValueError(f"{path}: __metadata__ must map str to str")
     entries, data = {}, 8 + n
     for name, d in header.items():
-        ok = (isinstance(d, dict) and d.get("dtype") in _BY_NAME and isinstance(d.get("shape"), list)
-              and all(type(x) is int and x >= 0 for x in d["shape"]) and isinstance(d.get("data_offsets"), list)
-              and len(d["data_offsets"]) == 2 and all(type(x) is int for x in d["data_offsets"]))
+        ok = (
+            isinstance(d, dict)
+            and d.get("dtype") in _BY_NAME
+            and isinstance(d.get("shape"), list)
+            and all(type(x) is int and x >= 0 for x in d["shape"])
+            and isinstance(d.get("data_offsets"), list)
+            and len(d["data_offsets"]) == 2
+            and all(type(x) is int for x in d["data_offsets"])
+        )
         if not ok:
             raise ValueError(f"{path}: malformed header entry for tensor {name!r}: {str(d)[:200]}")
         e = Entry(name, _BY_NAME[d["dtype"]], tuple(d["shape"]))
         a, b = d["data_offsets"]
         if not 0 <= a <= b <= size - data or b - a != e.nbytes:
-            raise ValueError(f"{path}: tensor {name!r} has data_offsets {[a, b]}, which do not hold its "
-                             f"{e.nbytes} bytes inside the file's {size - data} bytes of data")
+            raise ValueError(
+                f"{path}: tensor {name!r} has data_offsets {[a, b]}, which do not hold its "
+                f"{e.nbytes} bytes inside the file's {size - data} bytes of data"
+            )
         entries[name] = (e, data + a)
     return entries, metadata, size
 
@@ -135,7 +160,7 @@ def open_tensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict
     raw = torch.from_numpy(mm)
     out = {}
     for name, (e, offset) in entries.items():
-        piece = raw[offset:offset + e.nbytes]
+        piece = raw[offset : offset + e.nbytes]
         try:
             t = piece.view(e.dtype)
         except RuntimeError:  # not aligned for the dtype: this tensor alone is copied

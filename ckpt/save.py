@@ -20,12 +20,11 @@ import numpy as np
 import tensorstore as ts
 import torch
 
-from . import layout
+from . import layout, store
 from . import state as state_mod
-from . import store
-from .format import ArrayInfo, Manifest
 from .distributed import Ranks, plan_arrays
 from .errors import StepExistsError
+from .format import ArrayInfo, Manifest
 from .lease import Lease
 from .staging import Staged, StagingArena
 from .storage import Storage
@@ -57,8 +56,9 @@ class WritePlan:
     world_size: int = 1
 
 
-def plan(step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, chunk_bytes: int,
-         ranks: Ranks) -> WritePlan:
+def plan(
+    step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, chunk_bytes: int, ranks: Ranks
+) -> WritePlan:
     """What this process writes for `step`: alone, every tensor is a whole array; among ranks, its slices."""
     flat = state_mod.flatten(state, rank=ranks.rank)
     meta = _json_metadata(metadata)
@@ -84,15 +84,24 @@ def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     try:
         return json.loads(json.dumps(dict(metadata or {}), allow_nan=False, default=number))
     except (TypeError, ValueError) as e:
-        raise TypeError(f"metadata must be JSON (finite numbers, str, lists, dicts; 0-d tensors and numpy scalars "
-                        f"become numbers): {e}") from None
+        raise TypeError(
+            f"metadata must be JSON (finite numbers, str, lists, dicts; 0-d tensors and numpy scalars "
+            f"become numbers): {e}"
+        ) from None
 
 
 class SaveJob:
     """One save in flight: the snapshot is taken in the constructor, `run()` writes and commits in the background."""
 
-    def __init__(self, storage: Storage, plan: WritePlan, arena: StagingArena, context: ts.Context,
-                 ranks: Ranks, lease: Lease | None = None):
+    def __init__(
+        self,
+        storage: Storage,
+        plan: WritePlan,
+        arena: StagingArena,
+        context: ts.Context,
+        ranks: Ranks,
+        lease: Lease | None = None,
+    ):
         self.storage, self.plan, self.arena, self.context, self.ranks = storage, plan, arena, context, ranks
         self.lease = lease  # the root's lease (the leader's); None on other ranks
         self.leader = ranks.leader
@@ -116,8 +125,12 @@ class SaveJob:
                 if layout.is_committed(self.storage, self.plan.step):
                     raise StepExistsError(f"step {self.plan.step} is already committed in {self.storage.url}")
                 self.storage.delete_tree(self.dir)  # leftovers of a crashed earlier attempt at this step
-                marker = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
-                          "lease": self.lease.id if self.lease else None}
+                marker = {
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "time": time.time(),
+                    "lease": self.lease.id if self.lease else None,
+                }
                 self.storage.write_atomic(layout.in_progress_path(self.plan.step), json.dumps(marker).encode())
         self.ranks.barrier()
 
@@ -125,8 +138,13 @@ class SaveJob:
         """Start creating the arrays this rank writes (once); writes chain on each array as it opens."""
         if self._arrays is None:
             self._prepare()
-            self._arrays = {name: store.create(self.storage.kvstore_spec(layout.array_path(self.plan.step, name)), info, self.context)
-                            for name, info in self.plan.arrays.items() if name in self.plan.boxes}
+            self._arrays = {
+                name: store.create(
+                    self.storage.kvstore_spec(layout.array_path(self.plan.step, name)), info, self.context
+                )
+                for name, info in self.plan.arrays.items()
+                if name in self.plan.boxes
+            }
         return self._arrays
 
     def _write_staged(self, staged: Sequence[Staged]) -> None:
@@ -162,9 +180,12 @@ class SaveJob:
         except BaseException as e:
             error = e
         rank = self.ranks.rank
-        reports = self.ranks.all_gather_json({
-            "error": None if error is None else f"rank {rank}: {type(error).__name__}: {error}",
-            "digests": {name: list(d.items()) for name, d in self.digests.done.items()}})
+        reports = self.ranks.all_gather_json(
+            {
+                "error": None if error is None else f"rank {rank}: {type(error).__name__}: {error}",
+                "digests": {name: list(d.items()) for name, d in self.digests.done.items()},
+            }
+        )
         failures = [r["error"] for r in reports if r["error"]]
         commit_error: Exception | None = None
         if not failures and self.leader:
@@ -177,7 +198,8 @@ class SaveJob:
             except Exception as e:
                 commit_error = e
         verdict = self.ranks.all_gather_json(
-            None if commit_error is None else f"rank 0 could not commit: {type(commit_error).__name__}: {commit_error}")[0]
+            None if commit_error is None else f"rank 0 could not commit: {type(commit_error).__name__}: {commit_error}"
+        )[0]
         if error is not None:
             raise error
         if commit_error is not None:
@@ -191,10 +213,19 @@ class SaveJob:
         for name, info in p.arrays.items():
             sums = [digests.get(name, {}).get(i) for i in range(math.prod(info.grid))]
             if None in sums:
-                raise RuntimeError(f"array {name!r}: digests of {sums.count(None)} of its {len(sums)} chunks were not computed")
+                raise RuntimeError(
+                    f"array {name!r}: digests of {sums.count(None)} of its {len(sums)} chunks were not computed"
+                )
             arrays[name] = dataclasses.replace(info, digests=tuple(sums))
-        return Manifest(step=p.step, tree=p.tree, arrays=arrays, metadata=p.metadata, time=time.time(),
-                        world_size=p.world_size, versions=versions())
+        return Manifest(
+            step=p.step,
+            tree=p.tree,
+            arrays=arrays,
+            metadata=p.metadata,
+            time=time.time(),
+            world_size=p.world_size,
+            versions=versions(),
+        )
 
     def abandon(self) -> None:
         """After a failed write: remove what this save left, unless it got as far as committing."""

@@ -91,8 +91,10 @@ class StagingArena:
                 per = max(1, cap // max(1, _round_up(row)) - 1)
                 if row * per + _ALIGN > cap:
                     raise ValueError(f"tensor {name!r} has rows of {row} bytes, more than max_staging_bytes={cap}")
-                pieces = [((a, min(a + per, t.shape[0])), (min(a + per, t.shape[0]) - a) * row)
-                          for a in range(0, t.shape[0], per)]
+                pieces = [
+                    ((a, min(a + per, t.shape[0])), (min(a + per, t.shape[0]) - a) * row)
+                    for a in range(0, t.shape[0], per)
+                ]
             elif cap is not None and _round_up(nbytes) > cap:
                 raise ValueError(f"tensor {name!r} ({nbytes} bytes) does not fit max_staging_bytes={cap}")
             for rows, n in pieces:
@@ -124,11 +126,13 @@ class StagingArena:
             buf = self._buf if need <= self.capacity else _allocate(need, populate=False)
         out, off = [], 0
         for n in sizes:
-            out.append(buf[off:off + n])
+            out.append(buf[off : off + n])
             off += _round_up(n)
         return out
 
-    def stage(self, tensors: dict[str, torch.Tensor], wave: list[tuple[str, tuple[int, int] | None, int]]) -> list[Staged]:
+    def stage(
+        self, tensors: dict[str, torch.Tensor], wave: list[tuple[str, tuple[int, int] | None, int]]
+    ) -> list[Staged]:
         """Copy one wave into the arena (growing it once if needed); returns views valid until the next stage."""
         with self.lock:
             need = sum(_round_up(n) for _, _, n in wave)
@@ -140,11 +144,11 @@ class StagingArena:
             for name, rows, n in wave:
                 src = tensors[name]
                 if rows is not None:
-                    src = src[rows[0]:rows[1]]
-                dst = self._buf[off:off + n]
+                    src = src[rows[0] : rows[1]]
+                dst = self._buf[off : off + n]
                 if n:
                     copies.append((dst, src))
-                out.append(Staged(name, rows, self._np[off:off + n]))
+                out.append(Staged(name, rows, self._np[off : off + n]))
                 off += _round_up(n)
             for dst, src in copies:
                 dst.view(src.dtype).view(src.shape).copy_(src, non_blocking=src.is_cuda)

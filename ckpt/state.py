@@ -11,11 +11,10 @@ from __future__ import annotations
 import base64
 import math
 import re
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Protocol, runtime_checkable
-
-import sys
 
 import numpy as np
 import torch
@@ -23,8 +22,20 @@ import torch
 from .errors import CorruptCheckpointError, StateKeyError
 from .format import MAX_DEPTH, ArrayInfo, escape_segment
 
-_TAGS = ("$tensor", "$ndarray", "$float", "$tuple", "$size", "$dict", "$odict", "$bytes", "$np", "$dtype", "$state",
-         "$per_rank")
+_TAGS = (
+    "$tensor",
+    "$ndarray",
+    "$float",
+    "$tuple",
+    "$size",
+    "$dict",
+    "$odict",
+    "$bytes",
+    "$np",
+    "$dtype",
+    "$state",
+    "$per_rank",
+)
 # Tags whose node holds a value under "v" besides the tag; every other tag is the node's only key.
 _WITH_V = ("$np", "$state")
 _TORCH_DTYPES = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
@@ -78,7 +89,14 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
 
     def tensor_ref(t: torch.Tensor, path: list[str], tag: str) -> dict[str, str]:
         local = t.to_local() if is_dtensor(t) else t
-        ident = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape), local.stride(), t.dtype, t.device)
+        ident = (
+            local.untyped_storage().data_ptr(),
+            local.storage_offset(),
+            tuple(t.shape),
+            local.stride(),
+            t.dtype,
+            t.device,
+        )
         if t.numel() and ident in seen:
             return {tag: seen[ident]}
         name = "/".join(path) or "%00"
@@ -124,7 +142,9 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
             items = []
             for k, v in x.items():
                 if isinstance(k, bool) or not isinstance(k, (str, int)):
-                    raise TypeError(f"dict at key {key!r} has a key {k!r} of type {type(k).__name__}; only str and int keys are supported")
+                    raise TypeError(
+                        f"dict at key {key!r} has a key {k!r} of type {type(k).__name__}; only str and int keys are supported"
+                    )
                 items.append((k, enc(v, path + [escape_segment(k)], f"{key}.{k}" if key else str(k), depth + 1)))
             if isinstance(x, OrderedDict):
                 return {"$odict": [[k, v] for k, v in items]}
@@ -133,9 +153,11 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
             return {"$dict": [[k, v] for k, v in items]}
         if is_stateful(x):
             return {"$state": type(x).__qualname__, "v": enc(x.state_dict(), path, key, depth + 1)}
-        raise TypeError(f"value at key {key!r} has type {type(x).__module__}.{type(x).__qualname__}, which cannot be "
-                        f"saved: use tensors, JSON values (None/bool/int/float/str/list/tuple/dict), numpy arrays, "
-                        f"or an object with state_dict()/load_state_dict()")
+        raise TypeError(
+            f"value at key {key!r} has type {type(x).__module__}.{type(x).__qualname__}, which cannot be "
+            f"saved: use tensors, JSON values (None/bool/int/float/str/list/tuple/dict), numpy arrays, "
+            f"or an object with state_dict()/load_state_dict()"
+        )
 
     tree = {}
     for k, v in state.items():
@@ -151,11 +173,20 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
 
 def _check_dense(t: torch.Tensor, key: str) -> None:
     """Only dense tensors with data have an on-disk form; say which key holds one that has not."""
-    what = ("a nested tensor" if t.is_nested else f"a {t.layout} (sparse) tensor" if t.layout != torch.strided
-            else "a meta tensor (it has no data)" if t.is_meta else None)
+    what = (
+        "a nested tensor"
+        if t.is_nested
+        else f"a {t.layout} (sparse) tensor"
+        if t.layout != torch.strided
+        else "a meta tensor (it has no data)"
+        if t.is_meta
+        else None
+    )
     if what:
-        raise TypeError(f"tensor at key {key!r} is {what}: only dense tensors with data can be saved "
-                        f"(convert it first, e.g. with .to_dense() or .unbind())")
+        raise TypeError(
+            f"tensor at key {key!r} is {what}: only dense tensors with data can be saved "
+            f"(convert it first, e.g. with .to_dense() or .unbind())"
+        )
 
 
 def _float(x: float) -> Any:
@@ -165,7 +196,9 @@ def _float(x: float) -> Any:
 def _np_exact(dtype: np.dtype) -> bool:
     """A numpy scalar dtype with an exact portable JSON form (not longdouble, datetime, object...)."""
     m = _NP_SCALAR.match(dtype.str)
-    return bool(m) and not (m.group(1) == "f" and dtype.itemsize > 8) and not (m.group(1) == "c" and dtype.itemsize > 16)
+    return (
+        bool(m) and not (m.group(1) == "f" and dtype.itemsize > 8) and not (m.group(1) == "c" and dtype.itemsize > 16)
+    )
 
 
 def encodable(x: Any) -> bool:
@@ -185,11 +218,20 @@ def encodable(x: Any) -> bool:
 def _np_scalar(x: np.generic, key: str) -> dict[str, Any]:
     """A numpy scalar with its exact dtype; kinds without a portable exact form (longdouble...) are refused."""
     if not _np_exact(x.dtype):
-        raise TypeError(f"value at key {key!r} is a numpy {type(x).__name__} scalar ({x.dtype}), which has no exact "
-                        f"portable form: convert it (e.g. to np.float64, or to a str)")
+        raise TypeError(
+            f"value at key {key!r} is a numpy {type(x).__name__} scalar ({x.dtype}), which has no exact "
+            f"portable form: convert it (e.g. to np.float64, or to a str)"
+        )
     v = x.item()
-    value = ([_float(v.real), _float(v.imag)] if isinstance(v, complex) else _float(v) if isinstance(v, float)
-             else {"$bytes": base64.b64encode(v).decode()} if isinstance(v, bytes) else v)
+    value = (
+        [_float(v.real), _float(v.imag)]
+        if isinstance(v, complex)
+        else _float(v)
+        if isinstance(v, float)
+        else {"$bytes": base64.b64encode(v).decode()}
+        if isinstance(v, bytes)
+        else v
+    )
     return {"$np": x.dtype.str, "v": value}
 
 
@@ -293,20 +335,36 @@ def check_tree(tree: dict[str, Any], arrays: Mapping[str, ArrayInfo], *, file: s
         if set(node) != ({tag, "v"} if tag in _WITH_V else {tag}):
             raise bad(f"{tag} node has keys {sorted(node)}", key)
         v = node[tag]
-        ok = {"$tensor": lambda: isinstance(v, str) and v in arrays, "$ndarray": lambda: isinstance(v, str) and v in arrays,
-              "$float": lambda: v in ("nan", "inf", "-inf"),
-              "$tuple": lambda: isinstance(v, list),
-              "$size": lambda: isinstance(v, list) and all(type(n) is int and n >= 0 for n in v),
-              "$dict": lambda: _pairs(v), "$odict": lambda: _pairs(v),
-              "$bytes": lambda: isinstance(v, str) and _b64(v) is not None,
-              "$np": lambda: _np_value(node) is not None,
-              "$dtype": lambda: isinstance(v, str) and v in _TORCH_DTYPES,
-              "$state": lambda: isinstance(v, str),
-              "$per_rank": lambda: False}[tag]
+        ok = {
+            "$tensor": lambda: isinstance(v, str) and v in arrays,
+            "$ndarray": lambda: isinstance(v, str) and v in arrays,
+            "$float": lambda: v in ("nan", "inf", "-inf"),
+            "$tuple": lambda: isinstance(v, list),
+            "$size": lambda: isinstance(v, list) and all(type(n) is int and n >= 0 for n in v),
+            "$dict": lambda: _pairs(v),
+            "$odict": lambda: _pairs(v),
+            "$bytes": lambda: isinstance(v, str) and _b64(v) is not None,
+            "$np": lambda: _np_value(node) is not None,
+            "$dtype": lambda: isinstance(v, str) and v in _TORCH_DTYPES,
+            "$state": lambda: isinstance(v, str),
+            "$per_rank": lambda: False,
+        }[tag]
         if not ok():
-            raise bad(f"bad {tag} value {str(v)[:100]!r}" + (" (not a listed array)" if tag in ("$tensor", "$ndarray") else "")
-                      + (" (per-rank entries are top-level only)" if tag == "$per_rank" else ""), key)
-        children = [x for _, x in v] if tag in ("$dict", "$odict") else v if tag == "$tuple" else [node["v"]] if tag == "$state" else []
+            raise bad(
+                f"bad {tag} value {str(v)[:100]!r}"
+                + (" (not a listed array)" if tag in ("$tensor", "$ndarray") else "")
+                + (" (per-rank entries are top-level only)" if tag == "$per_rank" else ""),
+                key,
+            )
+        children = (
+            [x for _, x in v]
+            if tag in ("$dict", "$odict")
+            else v
+            if tag == "$tuple"
+            else [node["v"]]
+            if tag == "$state"
+            else []
+        )
         for i, x in enumerate(children):
             check(x, f"{key}.{i}", depth + 1)
 
@@ -315,8 +373,11 @@ def check_tree(tree: dict[str, Any], arrays: Mapping[str, ArrayInfo], *, file: s
             raise bad("top-level key starts with '$'", k)
         if isinstance(node, dict) and _tag(node) == "$per_rank":
             entries = node["$per_rank"]
-            if set(node) != {"$per_rank"} or not isinstance(entries, list) or not all(
-                    isinstance(e, list) and len(e) == 2 and type(e[0]) is int and e[0] >= 0 for e in entries):
+            if (
+                set(node) != {"$per_rank"}
+                or not isinstance(entries, list)
+                or not all(isinstance(e, list) and len(e) == 2 and type(e[0]) is int and e[0] >= 0 for e in entries)
+            ):
                 raise bad("$per_rank must be a list of [rank, tree]", k)
             for rank, sub in entries:
                 check(sub, f"{k}.rank{rank}", 1)
@@ -358,9 +419,13 @@ def _np_value(node: dict) -> np.generic | None:
     elif isinstance(v, dict) and set(v) == {"$bytes"} and isinstance(v["$bytes"], str):
         v = _b64(v["$bytes"])
     elif kind == "c" and isinstance(v, list) and len(v) == 2:
-        parts = [float(x["$float"]) if isinstance(x, dict) and x.get("$float") in ("nan", "inf", "-inf") else x for x in v]
+        parts = [
+            float(x["$float"]) if isinstance(x, dict) and x.get("$float") in ("nan", "inf", "-inf") else x for x in v
+        ]
         v = complex(*parts) if all(type(x) in (int, float) for x in parts) else None
-    expected = {"b": (bool,), "i": (int,), "u": (int,), "f": (int, float), "c": (complex,), "U": (str,), "S": (bytes,)}[kind]
+    expected = {"b": (bool,), "i": (int,), "u": (int,), "f": (int, float), "c": (complex,), "U": (str,), "S": (bytes,)}[
+        kind
+    ]
     if type(v) not in expected or dt.itemsize > (16 if kind == "c" else 8 if kind in "biuf" else 1 << 26):
         return None
     try:
@@ -369,8 +434,9 @@ def _np_value(node: dict) -> np.generic | None:
         return None
 
 
-def decode(node: Any, load: Callable[[str, Any, bool], Any], template: Any = None, key: str = "",
-           strict: bool = False) -> Any:
+def decode(
+    node: Any, load: Callable[[str, Any, bool], Any], template: Any = None, key: str = "", strict: bool = False
+) -> Any:
     """Rebuild a value from a checked JSON tree; `load(name, template, as_numpy)` returns the array for a reference.
 
     `template` is the value currently at this position in the caller's state (or its state_dict for
@@ -393,7 +459,8 @@ def decode(node: Any, load: Callable[[str, Any, bool], Any], template: Any = Non
         if strict and isinstance(template, Mapping):
             _same_keys([k for k, _ in pairs], list(template), key)
         return (OrderedDict if tag == "$odict" else dict)(
-            (k, decode(v, load, _child(template, k), _join(key, k), strict)) for k, v in pairs)
+            (k, decode(v, load, _child(template, k), _join(key, k), strict)) for k, v in pairs
+        )
     v = node[tag]
     if tag in ("$tensor", "$ndarray"):
         return load(v, template, tag == "$ndarray")
@@ -417,9 +484,16 @@ def _same_keys(saved: list[Any], current: list[Any], key: str) -> None:
     saved_set, current_set = set(saved), set(current)
     extra, missing = [k for k in saved if k not in current_set], [k for k in current if k not in saved_set]
     if extra or missing:
-        raise StateKeyError("restore: " + "; ".join(
-            [f"key {_join(key, k)!r} is in the checkpoint but not in the state passed to restore" for k in extra]
-            + [f"key {_join(key, k)!r} is in the state passed to restore but not in the checkpoint" for k in missing]))
+        raise StateKeyError(
+            "restore: "
+            + "; ".join(
+                [f"key {_join(key, k)!r} is in the checkpoint but not in the state passed to restore" for k in extra]
+                + [
+                    f"key {_join(key, k)!r} is in the state passed to restore but not in the checkpoint"
+                    for k in missing
+                ]
+            )
+        )
 
 
 def _child(template: Any, k: Any) -> Any:

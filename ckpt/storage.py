@@ -74,8 +74,15 @@ def open_regular(path: str) -> int:
 
 
 def _kind(mode: int) -> str:
-    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a symbolic link"
-            if stat.S_ISLNK(mode) else "not a regular file")
+    return (
+        "a directory"
+        if stat.S_ISDIR(mode)
+        else "a FIFO"
+        if stat.S_ISFIFO(mode)
+        else "a symbolic link"
+        if stat.S_ISLNK(mode)
+        else "not a regular file"
+    )
 
 
 def local_files(path: str) -> dict[str, int]:
@@ -225,11 +232,11 @@ class KvStorage:
 
     def list_dirs(self, path: str = "") -> list[str]:
         prefix = _check(path).rstrip("/") + "/" if path else ""
-        return sorted({k[len(prefix):].split("/", 1)[0] for k in self._keys(prefix) if "/" in k[len(prefix):]})
+        return sorted({k[len(prefix) :].split("/", 1)[0] for k in self._keys(prefix) if "/" in k[len(prefix) :]})
 
     def list_files(self, path: str) -> list[str]:
         prefix = _check(path).rstrip("/") + "/"
-        return [k[len(prefix):] for k in self._keys(prefix)]
+        return [k[len(prefix) :] for k in self._keys(prefix)]
 
     def read(self, path: str) -> bytes | None:
         r = self._kv.read(_check(path)).result()

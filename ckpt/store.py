@@ -31,11 +31,22 @@ Box = tuple[tuple[int, int], ...]
 
 def create(kvstore: dict[str, Any], info: ArrayInfo, context: ts.Context) -> ts.Future:
     """Create (or open, when another rank created it) the zarr3 array described by `info`."""
-    return ts.open({"driver": "zarr3", "kvstore": kvstore, "metadata": zarr_metadata(info.dtype, info.shape, info.chunk),
-                    "create": True, "open": True, "store_data_equal_to_fill_value": True}, context=context)
+    return ts.open(
+        {
+            "driver": "zarr3",
+            "kvstore": kvstore,
+            "metadata": zarr_metadata(info.dtype, info.shape, info.chunk),
+            "create": True,
+            "open": True,
+            "store_data_equal_to_fill_value": True,
+        },
+        context=context,
+    )
 
 
-def write(array: ts.TensorStore, box: Iterable[tuple[int, int]], data: np.ndarray, *, reference: bool) -> ts.WriteFutures:
+def write(
+    array: ts.TensorStore, box: Iterable[tuple[int, int]], data: np.ndarray, *, reference: bool
+) -> ts.WriteFutures:
     """Write `data` (viewing staged bytes) into a box of the global array; with `reference`, without a copy.
 
     Only where the kvstore lets go of the data once written: the memory kvstore keeps what it is given,
@@ -76,8 +87,10 @@ class ChunkDigests:
             end = min(first + info.chunk[0], info.shape[0])  # last valid row of the chunk, exclusive
             rows = (max(box[0][0], first), min(box[0][1], end))
             valid = [(i * c, min((i + 1) * c, n)) for i, c, n in zip(index[1:], info.chunk[1:], info.shape[1:])]
-            band = data[(slice(rows[0] - lo_row, rows[1] - lo_row),)
-                        + tuple(slice(a - b0, b - b0) for (a, b), (b0, _) in zip(valid, box[1:]))]
+            band = data[
+                (slice(rows[0] - lo_row, rows[1] - lo_row),)
+                + tuple(slice(a - b0, b - b0) for (a, b), (b0, _) in zip(valid, box[1:]))
+            ]
             if band.shape[1:] != info.chunk[1:]:  # right-edge chunk: zero-pad its columns
                 padded = np.zeros((band.shape[0],) + info.chunk[1:], dtype=band.dtype)
                 padded[(slice(None),) + tuple(slice(0, n) for n in band.shape[1:])] = band
@@ -96,15 +109,27 @@ def _raw(a: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
 
 
-def _check(data: memoryview, stored: int, info: ArrayInfo, index: tuple[int, ...], *, step: int | None, file: str,
-           crc: int | None = None) -> None:
+def _check(
+    data: memoryview,
+    stored: int,
+    info: ArrayInfo,
+    index: tuple[int, ...],
+    *,
+    step: int | None,
+    file: str,
+    crc: int | None = None,
+) -> None:
     """A chunk's content against its own crc32c, then that crc32c against the manifest's digest."""
     if (crc32c.crc32c(data) if crc is None else crc) != stored:
         raise CorruptCheckpointError("chunk checksum (crc32c) mismatch", step=step, key=info.name, file=file)
     if info.digests is not None and stored != info.digests[info.ordinal(index)]:
         raise CorruptCheckpointError(
             f"chunk digest mismatch: the manifest expects crc32c {info.digests[info.ordinal(index)]:08x}, the file "
-            f"holds {stored:08x} (a chunk of another step, run or rank?)", step=step, key=info.name, file=file)
+            f"holds {stored:08x} (a chunk of another step, run or rank?)",
+            step=step,
+            key=info.name,
+            file=file,
+        )
 
 
 def check_zarr_json(storage: Storage, path: str, info: ArrayInfo, *, step: int | None) -> None:
@@ -120,34 +145,56 @@ def _read_file(storage: Storage, path: str, info: ArrayInfo, *, step: int | None
     try:
         data = storage.read(path)
     except UnsafeFileError as e:
-        raise CorruptCheckpointError(f"{what} is {e.strerror}", step=step, key=info.name, file=where(storage, path)) from None
+        raise CorruptCheckpointError(
+            f"{what} is {e.strerror}", step=step, key=info.name, file=where(storage, path)
+        ) from None
     if data is None:
         raise CorruptCheckpointError(f"{what} is missing", step=step, key=info.name, file=where(storage, path))
     return data
 
 
-def read_chunks(storage: Storage, path: str, info: ArrayInfo, dest: torch.Tensor, box: Box,
-                pool: ThreadPoolExecutor, *, step: int | None) -> list[Future]:
+def read_chunks(
+    storage: Storage,
+    path: str,
+    info: ArrayInfo,
+    dest: torch.Tensor,
+    box: Box,
+    pool: ThreadPoolExecutor,
+    *,
+    step: int | None,
+) -> list[Future]:
     """Submit reads of every chunk that holds part of `box`; each is checked, then its part copied into
     `dest` (a contiguous CPU tensor of the box's shape)."""
     out = typed(as_bytes(dest), info.dtype, tuple(b - a for a, b in box))
     return [pool.submit(_read_chunk, storage, path, info, index, out, box, step) for index in info.chunks(box)]
 
 
-def _read_chunk(storage: Storage, path: str, info: ArrayInfo, index: tuple[int, ...], out: np.ndarray | None,
-                box: Box, step: int | None) -> None:
+def _read_chunk(
+    storage: Storage,
+    path: str,
+    info: ArrayInfo,
+    index: tuple[int, ...],
+    out: np.ndarray | None,
+    box: Box,
+    step: int | None,
+) -> None:
     file_path = f"{path}/{chunk_key(index)}"
     data = _read_file(storage, file_path, info, step=step, what="chunk file")
     if len(data) != info.chunk_nbytes + 4:
-        raise CorruptCheckpointError(f"chunk file has {len(data)} bytes, expected {info.chunk_nbytes + 4}",
-                                     step=step, key=info.name, file=where(storage, file_path))
+        raise CorruptCheckpointError(
+            f"chunk file has {len(data)} bytes, expected {info.chunk_nbytes + 4}",
+            step=step,
+            key=info.name,
+            file=where(storage, file_path),
+        )
     view = memoryview(data)
     _check(view[:-4], int.from_bytes(view[-4:], "little"), info, index, step=step, file=where(storage, file_path))
     if out is not None:
         chunk = np.frombuffer(data, dtype=numpy_dtype(info.dtype), count=math.prod(info.chunk)).reshape(info.chunk)
         part = [(max(a, i * c), min(b, (i + 1) * c)) for (a, b), i, c in zip(box, index, info.chunk)]
-        out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(part, box))] = \
-            chunk[tuple(slice(lo - i * c, hi - i * c) for (lo, hi), i, c in zip(part, index, info.chunk))]
+        out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(part, box))] = chunk[
+            tuple(slice(lo - i * c, hi - i * c) for (lo, hi), i, c in zip(part, index, info.chunk))
+        ]
 
 
 def direct_rows(info: ArrayInfo, box: Box) -> tuple[int, int] | None:
@@ -169,8 +216,15 @@ def direct_rows(info: ArrayInfo, box: Box) -> tuple[int, int] | None:
     return a, b
 
 
-def read_direct(array_dir: str, info: ArrayInfo, dest: torch.Tensor, rows: tuple[int, int], pool: ThreadPoolExecutor,
-                *, step: int | None) -> list[Future]:
+def read_direct(
+    array_dir: str,
+    info: ArrayInfo,
+    dest: torch.Tensor,
+    rows: tuple[int, int],
+    pool: ThreadPoolExecutor,
+    *,
+    step: int | None,
+) -> list[Future]:
     """Submit reads of the local chunk files of rows [a, b) straight into `dest`; each checks size, crc32c
     and digest. `dest` must be memory that may hold damaged bytes until every read verified (scratch)."""
     raw = as_bytes(dest)
@@ -181,15 +235,25 @@ def read_direct(array_dir: str, info: ArrayInfo, dest: torch.Tensor, rows: tuple
     futures = []
     for i in range(a // per_chunk, math.ceil(b / per_chunk)):
         first, last = i * per_chunk, min((i + 1) * per_chunk, n_rows)
-        valid = memoryview(raw[(first - a) * row:(last - a) * row])
+        valid = memoryview(raw[(first - a) * row : (last - a) * row])
         index = (i,) + (0,) * (len(info.shape) - 1) if info.shape else ()
-        futures.append(pool.submit(_read_direct_chunk, os.path.join(array_dir, chunk_key(index)), valid,
-                                   per_chunk * row - len(valid), info, index, step))
+        futures.append(
+            pool.submit(
+                _read_direct_chunk,
+                os.path.join(array_dir, chunk_key(index)),
+                valid,
+                per_chunk * row - len(valid),
+                info,
+                index,
+                step,
+            )
+        )
     return futures
 
 
-def _read_direct_chunk(path: str, valid: memoryview, pad: int, info: ArrayInfo, index: tuple[int, ...],
-                       step: int | None) -> None:
+def _read_direct_chunk(
+    path: str, valid: memoryview, pad: int, info: ArrayInfo, index: tuple[int, ...], step: int | None
+) -> None:
     try:
         fd = open_regular(path)
     except (FileNotFoundError, NotADirectoryError):
@@ -200,7 +264,9 @@ def _read_direct_chunk(path: str, valid: memoryview, pad: int, info: ArrayInfo, 
         size = os.fstat(fd).st_size
         expected = len(valid) + pad + 4
         if size != expected:
-            raise CorruptCheckpointError(f"chunk file has {size} bytes, expected {expected}", step=step, key=info.name, file=path)
+            raise CorruptCheckpointError(
+                f"chunk file has {size} bytes, expected {expected}", step=step, key=info.name, file=path
+            )
         tail = bytearray(pad + 4)
         _pread_exact(fd, valid, 0)
         _pread_exact(fd, memoryview(tail), len(valid))
@@ -213,14 +279,15 @@ def _read_direct_chunk(path: str, valid: memoryview, pad: int, info: ArrayInfo, 
 def _pread_exact(fd: int, buf: memoryview, offset: int) -> None:
     done = 0
     while done < len(buf):
-        n = os.preadv(fd, [buf[done:done + (1 << 30)]], offset + done)
+        n = os.preadv(fd, [buf[done : done + (1 << 30)]], offset + done)
         if n <= 0:
             raise OSError(f"short read at offset {offset + done}")
         done += n
 
 
-def verify_array(storage: Storage, path: str, info: ArrayInfo, *, step: int | None,
-                 on_bytes: Callable[[int], None] | None = None) -> None:
+def verify_array(
+    storage: Storage, path: str, info: ArrayInfo, *, step: int | None, on_bytes: Callable[[int], None] | None = None
+) -> None:
     """Check an array's zarr.json and every chunk (size, crc32c, digest), one chunk in memory at a time."""
     check_zarr_json(storage, path, info, step=step)
     for index in info.chunks(tuple((0, n) for n in info.shape)):

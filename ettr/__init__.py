@@ -1,4 +1,5 @@
 """ettr: attribute a training job's wall time across restarts and export its goodput (ETTR)."""
+
 from .attribution import CATEGORIES, AttemptSummary, Attribution, Segment, attribute, attribute_root
 from .clock import Clock, FakeClock, SystemClock
 from .ledger import Ledger, LedgerError, read_ledgers
@@ -19,10 +20,34 @@ from .telemetry import GoodputMetrics, configure_metrics, goodput_resource, metr
 from .tracker import GoodputTracker
 
 __all__ = [
-    "CATEGORIES", "Advice", "AttemptSummary", "Attribution", "Clock", "FakeClock", "GoodputMetrics", "GoodputTracker",
-    "Ledger", "LedgerError", "Segment", "SimResult", "SystemClock", "advise", "attribute", "attribute_root",
-    "cluster_ettr", "configure_metrics", "daly_interval", "expected_ettr", "goodput_resource",
+    "CATEGORIES",
+    "Advice",
+    "AttemptSummary",
+    "Attribution",
+    "Clock",
+    "FakeClock",
+    "GoodputMetrics",
+    "GoodputTracker",
+    "Ledger",
+    "LedgerError",
+    "Segment",
+    "SimResult",
+    "SystemClock",
+    "advise",
+    "attribute",
+    "attribute_root",
+    "cluster_ettr",
+    "configure_metrics",
+    "daly_interval",
+    "expected_ettr",
+    "goodput_resource",
     "metric_totals",
-    "mttf_from_rate", "plot_timeline", "read_ledgers", "report_json", "report_text", "seed_ettr", "simulate",
+    "mttf_from_rate",
+    "plot_timeline",
+    "read_ledgers",
+    "report_json",
+    "report_text",
+    "seed_ettr",
+    "simulate",
     "young_interval",
 ]

@@ -1,4 +1,5 @@
 """Entry point for `python -m ettr`."""
+
 import sys
 
 from .cli import main

@@ -1,4 +1,5 @@
 """Pure attribution: ledger records + committed steps -> microseconds per category, summing to the job's wall time."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +10,16 @@ from typing import Any, Iterable, Sequence
 
 from .ledger import Ledger, read_ledgers
 
-CATEGORIES = ("productive", "checkpoint_save", "checkpoint_restore", "startup", "lost", "downtime", "data_wait", "other")
+CATEGORIES = (
+    "productive",
+    "checkpoint_save",
+    "checkpoint_restore",
+    "startup",
+    "lost",
+    "downtime",
+    "data_wait",
+    "other",
+)
 DOWNTIME = -1  # attempt index of a downtime segment
 _INF = float("inf")
 
@@ -33,7 +43,9 @@ class AttemptSummary:
     source: str
     start_us: int
     end_us: int
-    status: str  # "ok" (clean end), "error" (ended by an exception), "failed" (vanished, a later attempt exists), "running"
+    status: (
+        str  # "ok" (clean end), "error" (ended by an exception), "failed" (vanished, a later attempt exists), "running"
+    )
     restored_step: int | None
     first_step: int | None
     last_step: int | None
@@ -119,9 +131,17 @@ class Attribution:
             "committed_steps": list(self.committed_steps),
             "attempts": [
                 {
-                    "attempt": a.attempt, "rank": a.rank, "status": a.status, "start_us": a.start_us,
-                    "end_us": a.end_us, "restored_step": a.restored_step, "first_step": a.first_step,
-                    "last_step": a.last_step, "steps": a.steps, "lost_steps": a.lost_steps, "torn": a.torn,
+                    "attempt": a.attempt,
+                    "rank": a.rank,
+                    "status": a.status,
+                    "start_us": a.start_us,
+                    "end_us": a.end_us,
+                    "restored_step": a.restored_step,
+                    "first_step": a.first_step,
+                    "last_step": a.last_step,
+                    "steps": a.steps,
+                    "lost_steps": a.lost_steps,
+                    "torn": a.torn,
                     "seconds": {k: v / 1e6 for k, v in a.micros.items()},
                 }
                 for a in self.attempts
@@ -191,7 +211,10 @@ def _gather(ledger: Ledger) -> _Attempt:
 def _shifted(a: _Attempt, delta: int) -> _Attempt:
     """The same attempt `delta` microseconds later on the job's timeline."""
     return dataclasses.replace(
-        a, start=a.start + delta, last=a.last + delta, seen=a.seen + delta,
+        a,
+        start=a.start + delta,
+        last=a.last + delta,
+        seen=a.seen + delta,
         intervals=[(b + delta, e + delta, o, c, s) for b, e, o, c, s in a.intervals],
         commit_times={s: t + delta for s, t in a.commit_times.items()},
     )
@@ -230,9 +253,12 @@ def _timeline(attempts: list[_Attempt]) -> list[_Attempt]:
             restored_at = placed[id(src)].commit_times[a.restored[1]] if src is not None and id(src) in placed else None
             if here.seen < prev.start or (restored_at is not None and here.seen < restored_at):
                 delta = prev.last - here.start
-                warnings.warn(f"attempt {a.ledger.attempt} ({a.ledger.source}) starts {delta / 1e6:.3f} s before the "
-                              f"end of attempt {prev.ledger.attempt} although it ran after it (its wall clock went "
-                              f"back): placed right after it, with no downtime between them", RuntimeWarning)
+                warnings.warn(
+                    f"attempt {a.ledger.attempt} ({a.ledger.source}) starts {delta / 1e6:.3f} s before the "
+                    f"end of attempt {prev.ledger.attempt} although it ran after it (its wall clock went "
+                    f"back): placed right after it, with no downtime between them",
+                    RuntimeWarning,
+                )
                 offset += delta
                 here = _shifted(here, delta)
             elif here.start < prev.last <= here.seen:
@@ -338,9 +364,19 @@ def attribute(
         status = a.status or ("running" if last else "failed")
         summaries.append(
             AttemptSummary(
-                a.ledger.attempt, a.ledger.rank, a.ledger.source, a.start, end, status,
-                a.restored[1] if a.restored[0] else None, min(steps, default=None), max(steps, default=None),
-                len(steps), lost_steps, micros, a.ledger.torn,
+                a.ledger.attempt,
+                a.ledger.rank,
+                a.ledger.source,
+                a.start,
+                end,
+                status,
+                a.restored[1] if a.restored[0] else None,
+                min(steps, default=None),
+                max(steps, default=None),
+                len(steps),
+                lost_steps,
+                micros,
+                a.ledger.torn,
             )
         )
     return Attribution(
@@ -358,7 +394,11 @@ def attribute(
 
 
 def attribute_root(
-    root: str, *, rank: int | None = None, window_s: float = 3600.0, storage_options: dict[str, Any] | None = None,
+    root: str,
+    *,
+    rank: int | None = None,
+    window_s: float = 3600.0,
+    storage_options: dict[str, Any] | None = None,
     committed: Iterable[int] = (),
 ) -> Attribution:
     """Attribute from the ledgers under ROOT/ettr/ (and `committed`, as in `attribute`)."""

@@ -1,4 +1,5 @@
 """`python -m ettr report|plot|advise|simulate`: goodput of the job whose checkpoints live in ROOT."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,7 @@ import sys
 from .attribution import attribute_root
 from .ledger import LedgerError
 from .model import advise, check_seconds, daly_interval, expected_ettr, seed_ettr, simulate, young_interval
+from .report import plot_timeline, report_json, report_text
 
 
 class _Parser(argparse.ArgumentParser):
@@ -20,11 +22,13 @@ class _Parser(argparse.ArgumentParser):
 
 def _seconds(positive: bool):
     """An argparse type: a finite (positive or non-negative) number of seconds."""
+
     def parse(text: str) -> float:
         try:
             return check_seconds("the value", float(text), positive=positive)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e).replace("the value", repr(text), 1)) from None
+
     return parse
 
 
@@ -37,16 +41,17 @@ def _count(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return value
-from .report import plot_timeline, report_json, report_text
 
 
 def _parser() -> argparse.ArgumentParser:
     """Subcommands and their options."""
     p = _Parser(prog="python -m ettr", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name, help_ in (("report", "seconds per category, per attempt, ETTR and advice"),
-                        ("plot", "timeline PNG of attempts and categories"),
-                        ("advise", "fitted costs and a recommended checkpoint interval")):
+    for name, help_ in (
+        ("report", "seconds per category, per attempt, ETTR and advice"),
+        ("plot", "timeline PNG of attempts and categories"),
+        ("advise", "fitted costs and a recommended checkpoint interval"),
+    ):
         s = sub.add_parser(name, help=help_)
         s.add_argument("root", help="checkpoint root (path or fsspec URL)")
         s.add_argument("--rank", type=int, default=None, help="rank whose ledger to attribute (default: lowest)")
@@ -87,7 +92,9 @@ def _run(args: argparse.Namespace) -> str:
     if args.cmd == "simulate":
         sim = simulate(args.interval, args.write, args.restart, args.mttf, segments=args.segments, seed=args.seed)
         out = {
-            "simulated": sim.ettr, "stderr": sim.stderr, "failures": sim.failures,
+            "simulated": sim.ettr,
+            "stderr": sim.stderr,
+            "failures": sim.failures,
             "expected_exact": expected_ettr(args.interval, args.write, args.restart, args.mttf),
             "seed_model": seed_ettr(args.interval, args.write, args.restart, args.mttf),
             "young_interval": young_interval(args.write, args.mttf),

@@ -1,4 +1,5 @@
 """Injectable clocks: integer microseconds so attribution sums exactly, and a fake one for tests."""
+
 from __future__ import annotations
 
 import os

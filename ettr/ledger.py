@@ -1,4 +1,5 @@
 """Append-only JSON-lines ledger per process attempt under ROOT/ettr/, readable after a SIGKILL."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,20 @@ REQUIRED: dict[str, tuple[str, ...]] = {
 
 _INT, _NUM, _STR = "an integer", "a number", "a string"
 # The type of every field attribution reads; a line with another type is an error naming its file and line.
-FIELD_TYPES: dict[str, str] = {"t": _INT, "b": _INT, "e": _INT, "o": _INT, "rank": _INT, "s": _INT, "bg": _NUM,
-                               "c": _STR, "job": _STR, "attempt": _STR, "status": _STR, "err": _STR}
+FIELD_TYPES: dict[str, str] = {
+    "t": _INT,
+    "b": _INT,
+    "e": _INT,
+    "o": _INT,
+    "rank": _INT,
+    "s": _INT,
+    "bg": _NUM,
+    "c": _STR,
+    "job": _STR,
+    "attempt": _STR,
+    "status": _STR,
+    "err": _STR,
+}
 
 
 def _has_type(value: Any, kind: str) -> bool:
@@ -136,15 +149,22 @@ def _check(rec: Any, source: str, line: int) -> None:
         if kind and not _has_type(value, kind) and not (rec["k"] == "restore" and name == "s" and value is None):
             raise LedgerError(f"{source}:{line}: field {name!r} of a {rec['k']!r} record must be {kind}, got {value!r}")
     if rec["k"] == "alive" and not (isinstance(rec["open"], list) and all(_open_entry(x) for x in rec["open"])):
-        raise LedgerError(f"{source}:{line}: field 'open' must be a list of [kind, name, begin, order], got {rec['open']!r}")
+        raise LedgerError(
+            f"{source}:{line}: field 'open' must be a list of [kind, name, begin, order], got {rec['open']!r}"
+        )
     if _has_type(rec.get("b"), _INT) and _has_type(rec.get("e"), _INT) and rec["e"] < rec["b"]:
         raise LedgerError(f"{source}:{line}: interval ends before it begins ({rec['b']} > {rec['e']})")
 
 
 def _open_entry(x: Any) -> bool:
     """[kind, name, begin, order] of an interval still open: a step's name is its number, a span's its category."""
-    return (isinstance(x, list) and len(x) == 4 and _has_type(x[2], _INT) and _has_type(x[3], _INT)
-            and ((x[0] == "step" and _has_type(x[1], _INT)) or (x[0] == "span" and _has_type(x[1], _STR))))
+    return (
+        isinstance(x, list)
+        and len(x) == 4
+        and _has_type(x[2], _INT)
+        and _has_type(x[3], _INT)
+        and ((x[0] == "step" and _has_type(x[1], _INT)) or (x[0] == "span" and _has_type(x[1], _STR)))
+    )
 
 
 def read_ledgers(root: str, storage_options: dict[str, Any] | None = None) -> list[Ledger]:

@@ -3,6 +3,7 @@
 Throughout: `interval_s` is compute time between checkpoints, `write_s` the blocking cost of one save, `restart_s`
 the cost of one failure besides lost work (downtime + startup + restore), `mttf_s` the job's mean time to failure.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,9 @@ MAX_DRAWS = 1e8  # simulate(): expected random draws in all (about a second of n
 def check_seconds(name: str, value: float, *, positive: bool = False) -> float:
     """`value` if it is a finite, non-negative (or positive) number of seconds; else a ValueError naming it."""
     if not (isinstance(value, (int, float)) and math.isfinite(value) and (value > 0 if positive else value >= 0)):
-        raise ValueError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number of seconds, "
-                         f"got {value!r}")
+        raise ValueError(
+            f"{name} must be a finite {'positive' if positive else 'non-negative'} number of seconds, got {value!r}"
+        )
     return float(value)
 
 
@@ -93,12 +95,16 @@ def simulate(
         raise ValueError(f"segments must be at least 1, got {segments}")
     cycle = interval_s + write_s
     log_tries, log_restart_tries = cycle / mttf_s, restart_s / mttf_s  # expected tries: e^(x / MTTF)
-    if max(log_tries, log_restart_tries) > math.log(MAX_TRIES) or \
-            segments * math.exp(log_tries) * (1 + math.exp(log_restart_tries)) > MAX_DRAWS:
-        raise ValueError(f"not simulated: with {cycle:g} s per segment, {restart_s:g} s per restart and MTTF {mttf_s:g} s "
-                         f"a segment succeeds once in ~{math.exp(min(log_tries, 700)):.3g} tries and a restart once in "
-                         f"~{math.exp(min(log_restart_tries, 700)):.3g}; {segments} segments would not finish "
-                         f"(exact expected ETTR {expected_ettr(interval_s, write_s, restart_s, mttf_s):.3g})")
+    if (
+        max(log_tries, log_restart_tries) > math.log(MAX_TRIES)
+        or segments * math.exp(log_tries) * (1 + math.exp(log_restart_tries)) > MAX_DRAWS
+    ):
+        raise ValueError(
+            f"not simulated: with {cycle:g} s per segment, {restart_s:g} s per restart and MTTF {mttf_s:g} s "
+            f"a segment succeeds once in ~{math.exp(min(log_tries, 700)):.3g} tries and a restart once in "
+            f"~{math.exp(min(log_restart_tries, 700)):.3g}; {segments} segments would not finish "
+            f"(exact expected ETTR {expected_ettr(interval_s, write_s, restart_s, mttf_s):.3g})"
+        )
     rng = np.random.default_rng(seed)
     wall = np.zeros(segments)
     pending = np.arange(segments)
@@ -201,8 +207,15 @@ def advise(attribution: Attribution, *, mttf_s: float | None = None) -> Advice:
     interval_s = compute_s / len(a.save_us) if a.save_us and compute_s else None
     recommended = max(daly_interval(write_s, mttf_s), step_s or 0.0)
     return Advice(
-        write_s=write_s, read_s=read_s, startup_s=startup_s, restart_s=restart_s, mttf_s=mttf_s,
-        mttf_failures=failures, mttf_source=source, step_s=step_s, interval_s=interval_s,
+        write_s=write_s,
+        read_s=read_s,
+        startup_s=startup_s,
+        restart_s=restart_s,
+        mttf_s=mttf_s,
+        mttf_failures=failures,
+        mttf_source=source,
+        step_s=step_s,
+        interval_s=interval_s,
         recommended_interval_s=recommended,
         recommended_steps=max(1, round(recommended / step_s)) if step_s else None,
         expected_ettr_current=expected_ettr(interval_s, write_s, restart_s, mttf_s) if interval_s else None,

@@ -1,4 +1,5 @@
 """Text/JSON report of an attribution, and a Gantt-style timeline plot (matplotlib imported lazily, Agg backend)."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,14 @@ from .attribution import CATEGORIES, DOWNTIME, Attribution
 from .model import Advice
 
 COLORS = {
-    "productive": "#2ca02c", "checkpoint_save": "#1f77b4", "checkpoint_restore": "#9467bd", "startup": "#ff7f0e",
-    "lost": "#d62728", "downtime": "#7f7f7f", "data_wait": "#bcbd22", "other": "#c7c7c7",
+    "productive": "#2ca02c",
+    "checkpoint_save": "#1f77b4",
+    "checkpoint_restore": "#9467bd",
+    "startup": "#ff7f0e",
+    "lost": "#d62728",
+    "downtime": "#7f7f7f",
+    "data_wait": "#bcbd22",
+    "other": "#c7c7c7",
 }
 
 
@@ -72,8 +79,12 @@ def plot_timeline(a: Attribution, path: str, *, title: str | None = None) -> Non
     fig, ax = plt.subplots(figsize=(12, 1.6 + 0.55 * (n + 1)))
     for s in a.segments:
         row = n - s.attempt - 1 if s.attempt != DOWNTIME else -1
-        ax.broken_barh([((s.begin_us - t0) / 1e6 / scale, (s.end_us - s.begin_us) / 1e6 / scale)], (row - 0.35, 0.7),
-                       facecolors=COLORS.get(s.category, "#17becf"), linewidth=0)
+        ax.broken_barh(
+            [((s.begin_us - t0) / 1e6 / scale, (s.end_us - s.begin_us) / 1e6 / scale)],
+            (row - 0.35, 0.7),
+            facecolors=COLORS.get(s.category, "#17becf"),
+            linewidth=0,
+        )
     for k, at in enumerate(a.attempts):
         if at.failed:
             ax.plot((at.end_us - t0) / 1e6 / scale, n - k - 1, marker="X", color="black", markersize=11, zorder=3)

@@ -4,6 +4,7 @@ Every point carries the job and rank (`ettr.job`, `ettr.rank`). Per-attempt inst
 also carry `ettr.attempt` and start from zero in each process, so `rate()`/`increase()` see a new series at a
 restart instead of a jump; the job's running totals are gauges, which a restarted process simply sets again.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,9 +24,11 @@ SERVICE_NAME = "ckpt-goodput"  # service.name unless configured (argument, OTEL_
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 # Byte buckets in powers of 4 from 64 KiB to 1 TiB: a checkpoint is a few MB (tests) to terabytes (large models).
 SIZE_BUCKETS = tuple(float(4**k) for k in range(8, 21))
-DURATIONS = {"checkpoint_save": "Blocking duration of each checkpoint save (snapshot to host memory)",
-             "checkpoint_restore": "Blocking duration of each checkpoint restore",
-             "checkpoint_write": "Background duration of each checkpoint write, from snapshot to commit"}
+DURATIONS = {
+    "checkpoint_save": "Blocking duration of each checkpoint save (snapshot to host memory)",
+    "checkpoint_restore": "Blocking duration of each checkpoint restore",
+    "checkpoint_write": "Background duration of each checkpoint write, from snapshot to commit",
+}
 
 
 class GoodputMetrics:
@@ -39,29 +42,45 @@ class GoodputMetrics:
         self._now_us: Callable[[], int] | None = None
         self._last_commit: tuple[int, int] | None = None  # (step, commit time in microseconds)
         self._attempt_time = meter.create_counter(
-            "ettr.attempt.time", unit="s",
-            description="Wall time of this process attempt per goodput category, from 0 at its start")
+            "ettr.attempt.time",
+            unit="s",
+            description="Wall time of this process attempt per goodput category, from 0 at its start",
+        )
         self._job_time = meter.create_gauge(
-            "ettr.job.time", unit="s",
-            description="Wall time of the whole job per goodput category, earlier attempts included")
+            "ettr.job.time",
+            unit="s",
+            description="Wall time of the whole job per goodput category, earlier attempts included",
+        )
         self._ratio = meter.create_gauge(
-            "ettr.ratio", unit="1", description="Effective training time ratio, cumulative and over a sliding window")
+            "ettr.ratio", unit="1", description="Effective training time ratio, cumulative and over a sliding window"
+        )
         self._failures = meter.create_gauge(
-            "ettr.job.failures", unit="{failure}", description="Attempts of the job that ended in a failure so far")
+            "ettr.job.failures", unit="{failure}", description="Attempts of the job that ended in a failure so far"
+        )
         self._durations = {
-            cat: meter.create_histogram(f"ettr.{cat}.duration", unit="s", description=text,
-                                        explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
+            cat: meter.create_histogram(
+                f"ettr.{cat}.duration", unit="s", description=text, explicit_bucket_boundaries_advisory=DURATION_BUCKETS
+            )
             for cat, text in DURATIONS.items()
         }
         self._size = meter.create_histogram(
-            "ettr.checkpoint.size", unit="By", description="Bytes of tensor data in each committed checkpoint",
-            explicit_bucket_boundaries_advisory=SIZE_BUCKETS)
+            "ettr.checkpoint.size",
+            unit="By",
+            description="Bytes of tensor data in each committed checkpoint",
+            explicit_bucket_boundaries_advisory=SIZE_BUCKETS,
+        )
         meter.create_observable_gauge(
-            "ettr.checkpoint.last_step", unit="{step}", callbacks=[self._observe_last_step],
-            description="Newest committed checkpoint step of the job")
+            "ettr.checkpoint.last_step",
+            unit="{step}",
+            callbacks=[self._observe_last_step],
+            description="Newest committed checkpoint step of the job",
+        )
         meter.create_observable_gauge(
-            "ettr.checkpoint.age", unit="s", callbacks=[self._observe_age],
-            description="Seconds since the newest committed checkpoint was committed, as of the collection")
+            "ettr.checkpoint.age",
+            unit="s",
+            callbacks=[self._observe_age],
+            description="Seconds since the newest committed checkpoint was committed, as of the collection",
+        )
 
     def bind(self, *, job: str, attempt: str, rank: int, now_us: Callable[[], int]) -> None:
         """Label every point with the job, rank (and attempt) and read the checkpoint age from `now_us`."""
@@ -91,8 +110,9 @@ class GoodputMetrics:
         """Record one checkpoint save/restore blocking duration or one background write duration."""
         self._durations[category].record(seconds, self._attempt)
 
-    def committed(self, step: int, at_us: int, background_seconds: float | None = None,
-                  nbytes: int | None = None) -> None:
+    def committed(
+        self, step: int, at_us: int, background_seconds: float | None = None, nbytes: int | None = None
+    ) -> None:
         """A checkpoint of `step` committed at `at_us` (job timeline); this attempt's own commits give the write
         time and size, an earlier attempt's (read from its ledger) only the step and time."""
         if self._last_commit is None or step >= self._last_commit[0]:
@@ -117,13 +137,19 @@ def goodput_resource(tracker: GoodputTracker | None = None, service_name: str | 
     service.name: `service_name`, else OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES, else "ckpt-goodput".
     With a tracker: service.instance.id "<attempt>-rank<r>", host.name, process.pid, ettr.job, ettr.attempt, ettr.rank.
     """
-    from opentelemetry.sdk.resources import SERVICE_NAME as NAME, Resource
+    from opentelemetry.sdk.resources import SERVICE_NAME as NAME
+    from opentelemetry.sdk.resources import Resource
 
     attributes: dict[str, Any] = {}
     if tracker is not None:
-        attributes = {"service.instance.id": f"{tracker.attempt_id}-rank{tracker.rank}", "host.name": socket.gethostname(),
-                      "process.pid": os.getpid(), "ettr.job": tracker.job_id, "ettr.attempt": tracker.attempt_id,
-                      "ettr.rank": tracker.rank}
+        attributes = {
+            "service.instance.id": f"{tracker.attempt_id}-rank{tracker.rank}",
+            "host.name": socket.gethostname(),
+            "process.pid": os.getpid(),
+            "ettr.job": tracker.job_id,
+            "ettr.attempt": tracker.attempt_id,
+            "ettr.rank": tracker.rank,
+        }
     resource = Resource.create(attributes)
     if service_name or str(resource.attributes.get(NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({NAME: service_name or SERVICE_NAME}))
@@ -147,7 +173,11 @@ def configure_metrics(
     The provider's resource is `goodput_resource(tracker, service_name)`; a given (unstarted) tracker reports to it.
     """
     from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, InMemoryMetricReader, PeriodicExportingMetricReader
+    from opentelemetry.sdk.metrics.export import (
+        ConsoleMetricExporter,
+        InMemoryMetricReader,
+        PeriodicExportingMetricReader,
+    )
 
     if exporter == "memory":
         reader: Any = InMemoryMetricReader()
@@ -158,7 +188,9 @@ def configure_metrics(
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
         except ImportError as err:
             raise ImportError("exporter='otlp' needs `pip install opentelemetry-exporter-otlp-proto-http`") from err
-        reader = PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=endpoint), export_interval_millis=interval_s * 1000)
+        reader = PeriodicExportingMetricReader(
+            OTLPMetricExporter(endpoint=endpoint), export_interval_millis=interval_s * 1000
+        )
     elif exporter == "prometheus":
         try:
             from opentelemetry.exporter.prometheus import PrometheusMetricReader

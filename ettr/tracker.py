@@ -1,4 +1,5 @@
 """GoodputTracker: records steps and spans of one process attempt into its ledger, with live per-category totals."""
+
 from __future__ import annotations
 
 import functools
@@ -35,7 +36,9 @@ def _env_job(root: str) -> str:
 
 def _new_attempt_id(wall_us: int) -> str:
     """A unique attempt id that sorts by start time."""
-    return time.strftime("%Y%m%dT%H%M%S", time.gmtime(wall_us / 1e6)) + f"{wall_us % 1_000_000:06d}-{uuid.uuid4().hex[:6]}"
+    return (
+        time.strftime("%Y%m%dT%H%M%S", time.gmtime(wall_us / 1e6)) + f"{wall_us % 1_000_000:06d}-{uuid.uuid4().hex[:6]}"
+    )
 
 
 _STEP = '{"k":"step","s":%d,"b":%d,"e":%d,"o":%d}\n'
@@ -147,10 +150,18 @@ class GoodputTracker:
         self._order = 0
         self._gap = "startup"
         self.use_metrics(self.metrics)  # label them with this attempt now that its clock runs
-        self._buf.append({
-            "k": "start", "t": wall, "job": self.job_id, "attempt": self.attempt_id, "rank": self.rank,
-            "pid": os.getpid(), "host": socket.gethostname(), "v": FORMAT_VERSION,
-        })
+        self._buf.append(
+            {
+                "k": "start",
+                "t": wall,
+                "job": self.job_id,
+                "attempt": self.attempt_id,
+                "rank": self.rank,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "v": FORMAT_VERSION,
+            }
+        )
         self.flush()
         return self
 
@@ -294,7 +305,9 @@ class GoodputTracker:
         """Write buffered records and a heartbeat listing open intervals, fsync; export live totals to OpenTelemetry."""
         with self._lock:
             t = self._now()
-            stack = [(("step", e[2]) if e[1] == "productive" else ("span", e[1])) + (e[3], e[0]) for e in list(self._stack)]
+            stack = [
+                (("step", e[2]) if e[1] == "productive" else ("span", e[1])) + (e[3], e[0]) for e in list(self._stack)
+            ]
             self._hand_off(_encode({"k": "alive", "t": t, "open": stack}))
             self._writer.sync()
             self._last_flush = t

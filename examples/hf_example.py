@@ -38,11 +38,24 @@ def train(output_dir: str, max_steps: int, fail_at: int | None) -> None:
     ids = torch.randint(0, 64, (32, 16), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": x, "labels": x} for x in ids]
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
-    args = TrainingArguments(output_dir=output_dir, max_steps=max_steps, per_device_train_batch_size=4,
-                             save_steps=4, save_total_limit=2, use_cpu=True, report_to=[], disable_tqdm=True,
-                             dataloader_num_workers=0, logging_steps=4)
-    trainer = CkptTrainer(model=model, args=args, train_dataset=data,  # ckpt root: OUTPUT_DIR/ckpt
-                          callbacks=[FailAt(fail_at)] if fail_at else [])
+    args = TrainingArguments(
+        output_dir=output_dir,
+        max_steps=max_steps,
+        per_device_train_batch_size=4,
+        save_steps=4,
+        save_total_limit=2,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        logging_steps=4,
+    )
+    trainer = CkptTrainer(
+        model=model,
+        args=args,
+        train_dataset=data,  # ckpt root: OUTPUT_DIR/ckpt
+        callbacks=[FailAt(fail_at)] if fail_at else [],
+    )
     trainer.train()
 
 

@@ -20,8 +20,9 @@ from integrations.lightning import CkptCheckpointIO, GoodputCallback
 class Regressor(LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Dropout(0.1),
-                                       torch.nn.Linear(16, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1)
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -48,11 +49,18 @@ def fit(root: str, max_steps: int, fail_at: int | None) -> None:
     data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
     sampler = ShuffledSampler(len(data), global_batch_size=8, seed=0)  # its position is saved by the callback
     trainer = Trainer(
-        accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        plugins=[CkptCheckpointIO(root)],                                 # async saves, no pickle
-        callbacks=[GoodputCallback(samplers={"train": sampler}),          # timing, RNG, sampler position
-                   ModelCheckpoint(dirpath=f"{root}/pointers", every_n_train_steps=4, save_last=True)]
-        + ([FailAt(fail_at)] if fail_at else []))
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[CkptCheckpointIO(root)],  # async saves, no pickle
+        callbacks=[
+            GoodputCallback(samplers={"train": sampler}),  # timing, RNG, sampler position
+            ModelCheckpoint(dirpath=f"{root}/pointers", every_n_train_steps=4, save_last=True),
+        ]
+        + ([FailAt(fail_at)] if fail_at else []),
+    )
     trainer.fit(Regressor(), make_loader(data, sampler), ckpt_path="last")
 
 

@@ -48,6 +48,7 @@ def advised_interval(root: str, mttf_s: float | None = None) -> Callable[[], flo
     ckpt does not import ettr: this is where the two meet. A save still being written may not be in the ledger yet;
     the next answer includes it.
     """
+
     def interval_s() -> float | None:
         attribution = ettr.attribute_root(root)
         if not attribution.save_us:
@@ -64,15 +65,26 @@ def resolve_step(manager: CheckpointManager, step: int) -> int:
         return step
     earlier = [s for s in committed if s < step]
     if not earlier:
-        raise FileNotFoundError(f"step {step} is not committed in {manager.storage.url} and no earlier step is "
-                                f"(committed: {committed})")
-    warnings.warn(f"checkpoint step {step} was never committed in {manager.storage.url} (the process died while "
-                  f"writing it); resuming from step {earlier[-1]} instead", RuntimeWarning, stacklevel=3)
+        raise FileNotFoundError(
+            f"step {step} is not committed in {manager.storage.url} and no earlier step is (committed: {committed})"
+        )
+    warnings.warn(
+        f"checkpoint step {step} was never committed in {manager.storage.url} (the process died while "
+        f"writing it); resuming from step {earlier[-1]} instead",
+        RuntimeWarning,
+        stacklevel=3,
+    )
     return earlier[-1]
 
 
-def save_once(manager: CheckpointManager, step: int, state: Mapping[str, Any], *, skip: Sequence[int | None] = (),
-              metadata: Mapping[str, Any] | None = None) -> SaveHandle | None:
+def save_once(
+    manager: CheckpointManager,
+    step: int,
+    state: Mapping[str, Any],
+    *,
+    skip: Sequence[int | None] = (),
+    metadata: Mapping[str, Any] | None = None,
+) -> SaveHandle | None:
     """Start an async save of `step` unless it is in `skip` (saved or restored by this process); its handle if started.
 
     A trainer may ask twice for one step (a batch-end and an epoch-end save, `last` and a named copy); the
@@ -81,8 +93,10 @@ def save_once(manager: CheckpointManager, step: int, state: Mapping[str, Any], *
     if step in skip:
         return None
     if step in manager.steps():
-        raise StepExistsError(f"step {step} is already committed in {manager.storage.url} by another run; resume "
-                              f"from the newest step or use a fresh root")
+        raise StepExistsError(
+            f"step {step} is already committed in {manager.storage.url} by another run; resume "
+            f"from the newest step or use a fresh root"
+        )
     return manager.save(step, state, metadata={**(metadata or {}), KEYS: sorted(state)})
 
 
@@ -90,8 +104,10 @@ def read_step(manager: CheckpointManager, step: int, keys: Sequence[str] | None 
     """Restore a committed step into fresh values (tensors on CPU, state dicts as plain dicts), all keys or `keys`."""
     saved = manager.metadata(step).get(KEYS)
     if saved is None:
-        raise ValueError(f"step {step} of {manager.storage.url} was not written by a trainer integration "
-                         f"(its metadata lists no '{KEYS}')")
+        raise ValueError(
+            f"step {step} of {manager.storage.url} was not written by a trainer integration "
+            f"(its metadata lists no '{KEYS}')"
+        )
     target: dict[str, Any] = dict.fromkeys(keys if keys is not None else saved)
     manager.restore(target, step=step, keys=list(target))
     return target

@@ -56,14 +56,14 @@ class GoodputCallback(TrainerCallback):
     def __init__(self, tracker: GoodputTracker | None = None) -> None:
         self.tracker = tracker
 
-    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                      **kwargs: Any) -> None:
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         """Open the step the coming optimizer step completes."""
         if self.tracker is not None:
             self.tracker.step_begin(state.global_step + 1)
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> None:
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Close it (global_step was just incremented)."""
         if self.tracker is not None:
             self.tracker.step_end(state.global_step)
@@ -81,12 +81,12 @@ class SaveDecisionCallback(TrainerCallback):
     def __init__(self, decision: SaveDecision, clock: Callable[[], float] = time.monotonic) -> None:
         self.decision, self.clock = decision, clock
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self.decision.saved(state.global_step, self.clock())
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> None:
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.decision.should_save(state.global_step, self.clock()):
             control.should_save = True
 
@@ -111,8 +111,11 @@ def _checkpoint_folders(run_dir: str) -> dict[int, str]:
     """Step -> path of the ``checkpoint-N`` folders in `run_dir`."""
     if not os.path.isdir(run_dir):
         return {}
-    return {int(m.group(1)): os.path.join(run_dir, name) for name in os.listdir(run_dir)
-            if (m := _CHECKPOINT_DIR.match(name)) and os.path.isdir(os.path.join(run_dir, name))}
+    return {
+        int(m.group(1)): os.path.join(run_dir, name)
+        for name in os.listdir(run_dir)
+        if (m := _CHECKPOINT_DIR.match(name)) and os.path.isdir(os.path.join(run_dir, name))
+    }
 
 
 class _FolderFiles:
@@ -194,18 +197,34 @@ class CkptTrainerMixin:
     Single process only (no DeepSpeed, FSDP or multi-process runs).
     """
 
-    def __init__(self, *args: Any, ckpt_root: str | os.PathLike[str] | None = None,
-                 tracker: GoodputTracker | None = None, manager_options: dict[str, Any] | None = None,
-                 run_id: str | None = None, overwrite: bool = False, folder_files: bool = True,
-                 save_decision: SaveDecision | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        ckpt_root: str | os.PathLike[str] | None = None,
+        tracker: GoodputTracker | None = None,
+        manager_options: dict[str, Any] | None = None,
+        run_id: str | None = None,
+        overwrite: bool = False,
+        folder_files: bool = True,
+        save_decision: SaveDecision | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         trainer: Trainer = self
-        unsupported = [name for name, on in (
-            ("DeepSpeed", trainer.is_deepspeed_enabled), ("FSDP", trainer.is_fsdp_enabled),
-            (f"world_size={trainer.args.world_size}", trainer.args.world_size > 1)) if on]
+        unsupported = [
+            name
+            for name, on in (
+                ("DeepSpeed", trainer.is_deepspeed_enabled),
+                ("FSDP", trainer.is_fsdp_enabled),
+                (f"world_size={trainer.args.world_size}", trainer.args.world_size > 1),
+            )
+            if on
+        ]
         if unsupported:
-            raise NotImplementedError(f"CkptTrainerMixin supports single-process training without {unsupported}; "
-                                      f"those paths save through HF's own files")
+            raise NotImplementedError(
+                f"CkptTrainerMixin supports single-process training without {unsupported}; "
+                f"those paths save through HF's own files"
+            )
         default_root = os.path.join(trainer.args.output_dir, "ckpt")
         self.ckpt_root = os.fspath(ckpt_root) if ckpt_root is not None else default_root
         self.ckpt_manager: CheckpointManager | None = None
@@ -266,22 +285,29 @@ class CkptTrainerMixin:
         run_dir = self._get_output_dir(trial=trial)
         try:
             same_run = ckpt_run.check_start(
-                manager.storage, manager.run, resume=not fresh,
+                manager.storage,
+                manager.run,
+                resume=not fresh,
                 how_to_resume="trainer.train(resume_from_checkpoint=True)",
                 how_to_start_over="pass overwrite=True to the trainer (deletes that run), or use another "
-                                  "output_dir/ckpt_root")
+                "output_dir/ckpt_root",
+            )
             if not fresh:
                 return resume
             if same_run:
                 return True
-            foreign = sorted(os.path.basename(p) for p in _checkpoint_folders(run_dir).values()
-                             if is_stock_checkpoint(p) or any(os.path.exists(os.path.join(p, w)) for w in _WEIGHTS))
+            foreign = sorted(
+                os.path.basename(p)
+                for p in _checkpoint_folders(run_dir).values()
+                if is_stock_checkpoint(p) or any(os.path.exists(os.path.join(p, w)) for w in _WEIGHTS)
+            )
             if foreign:
                 raise RunMismatchError(
                     f"{run_dir} holds checkpoint folders {foreign} of another run, which a fresh train() would rotate "
                     f"away. Nothing was written or deleted. To resume that run: "
                     f"trainer.train(resume_from_checkpoint=True). To start over: pass overwrite=True to the trainer "
-                    f"(deletes them), or use another output_dir")
+                    f"(deletes them), or use another output_dir"
+                )
         except RunMismatchError:
             if not self.overwrite:
                 raise
@@ -299,8 +325,12 @@ class CkptTrainerMixin:
         folders = _checkpoint_folders(run_dir)
         for folder in folders.values():
             shutil.rmtree(folder)
-        warnings.warn(f"overwrite=True: deleted the earlier run in {manager.storage.url} (steps {steps}, goodput "
-                      f"ledgers) and checkpoint folders {sorted(folders)} of {run_dir}", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"overwrite=True: deleted the earlier run in {manager.storage.url} (steps {steps}, goodput "
+            f"ledgers) and checkpoint folders {sorted(folders)} of {run_dir}",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _resolve_resume(self, resume: str | bool | None, trial: Any) -> str | None:
         """Read the step to resume from (newest committed for True) and lay out its ``checkpoint-N`` folder;

@@ -68,14 +68,18 @@ def _path_fields(callbacks: Any) -> dict[str, dict[str, str | None]]:
     """The str/None entries of each callback state (ModelCheckpoint's paths), as saved for one pointer."""
     if not isinstance(callbacks, Mapping):
         return {}
-    return {key: {f: v for f, v in state.items() if v is None or isinstance(v, str)}
-            for key, state in callbacks.items() if isinstance(state, Mapping)}
+    return {
+        key: {f: v for f, v in state.items() if v is None or isinstance(v, str)}
+        for key, state in callbacks.items()
+        if isinstance(state, Mapping)
+    }
 
 
 def _rebase(tree: Any, old: str, new: str) -> Any:
     """`tree` with every string (value or key) at or below the folder `old` moved below `new`."""
+
     def move(x: Any) -> Any:
-        return new + x[len(old):] if isinstance(x, str) and (x == old or x.startswith(old + "/")) else x
+        return new + x[len(old) :] if isinstance(x, str) and (x == old or x.startswith(old + "/")) else x
 
     if isinstance(tree, dict):
         return {move(k): _rebase(v, old, new) for k, v in tree.items()}
@@ -164,8 +168,9 @@ class CkptCheckpointIO(CheckpointIO):
     load, so a run directory (root and pointer folders inside it) can be moved or copied and resumed there.
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, tracker: GoodputTracker | None = None,
-                 **manager_options: Any) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], *, tracker: GoodputTracker | None = None, **manager_options: Any
+    ) -> None:
         self.root = _abs_root(root)
         self.tracker = tracker
         self._options = manager_options
@@ -189,16 +194,21 @@ class CkptCheckpointIO(CheckpointIO):
         if self._manager is not None:
             self._manager.tracker = tracker
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
-                        storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any | None = None
+    ) -> None:
         """Start an async save of the checkpoint's global step and point `path` at it."""
         if storage_options is not None:
             raise TypeError("CkptCheckpointIO takes no storage_options; configure the manager through its constructor")
         step = int(checkpoint["global_step"])
         clean, dropped = saveable(checkpoint)
         if dropped:
-            warnings.warn(f"checkpoint entries {dropped} cannot be saved without pickle and were dropped "
-                          f"(hyper-parameters of arbitrary types are not restored)", UserWarning, stacklevel=2)
+            warnings.warn(
+                f"checkpoint entries {dropped} cannot be saved without pickle and were dropped "
+                f"(hyper-parameters of arbitrary types are not restored)",
+                UserWarning,
+                stacklevel=2,
+            )
         folder = _folder(os.fspath(path))
         self._adopt(folder)
         metadata = {POINTERS: _relative(folder, self.root), WRITTEN_AT: _real(self.root)}
@@ -211,8 +221,9 @@ class CkptCheckpointIO(CheckpointIO):
         _write_pointer(os.fspath(path), self.root, step, _changed(stored, fields))
         self._collect()
 
-    def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: str | os.PathLike[str], map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """The checkpoint dict `path` was saved with; tensors are on CPU (Lightning moves them when loading).
 
         That is the step's stored dict with the pointer's own callback paths (e.g. ModelCheckpoint's
@@ -239,9 +250,13 @@ class CkptCheckpointIO(CheckpointIO):
         """The start-up check of a fit, before anything is written (`ckpt.run.check_start`): True to resume the
         root's newest step. A fit that loaded no checkpoint into a root holding another run's committed steps raises
         `ckpt.RunMismatchError`; a resume claims the root for this run."""
-        return ckpt_run.check_start(self.manager.storage, self.manager.run, resume=resume,
-                                    how_to_resume='trainer.fit(model, ..., ckpt_path="last")',
-                                    how_to_start_over=f"give CkptCheckpointIO a new root (or delete {self.root})")
+        return ckpt_run.check_start(
+            self.manager.storage,
+            self.manager.run,
+            resume=resume,
+            how_to_resume='trainer.fit(model, ..., ckpt_path="last")',
+            how_to_start_over=f"give CkptCheckpointIO a new root (or delete {self.root})",
+        )
 
     def load_newest(self) -> dict[str, Any]:
         """The checkpoint dict of the newest committed step (a restart of this root's run started without ckpt_path)."""
@@ -269,9 +284,12 @@ class CkptCheckpointIO(CheckpointIO):
         committed = self.manager.steps()
         for path, pointer in self._pointers(folder):
             if pointer["step"] not in committed and pointer["step"] not in self._done:
-                warnings.warn(f"removing {path}: it names step {pointer['step']} of {self.root}, which is not "
-                              f"committed (its save died with its process, or the step was deleted)",
-                              RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    f"removing {path}: it names step {pointer['step']} of {self.root}, which is not "
+                    f"committed (its save died with its process, or the step was deleted)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
                 fs, p = fsspec.core.url_to_fs(path)
                 fs.rm(p)
         for step in committed:
@@ -315,8 +333,10 @@ class CkptCheckpointIO(CheckpointIO):
         """The pointer file at `path`; clear errors for foreign files and other roots."""
         pointer = _read_pointer(path)
         if pointer is None:
-            raise ValueError(f"{path} is not a checkpoint written by CkptCheckpointIO (no {POINTER_FORMAT} pointer); "
-                             f"load it with Lightning's default TorchCheckpointIO")
+            raise ValueError(
+                f"{path} is not a checkpoint written by CkptCheckpointIO (no {POINTER_FORMAT} pointer); "
+                f"load it with Lightning's default TorchCheckpointIO"
+            )
         if not self._ours(pointer):
             raise ValueError(f"{path} points into {pointer['root']}, but this CkptCheckpointIO uses {self.root}")
         return pointer
@@ -335,11 +355,14 @@ class CkptCheckpointIO(CheckpointIO):
             manager.close()
 
 
-def _changed(stored: dict[str, dict[str, str | None]], fields: dict[str, dict[str, str | None]]
-             ) -> dict[str, dict[str, str | None]]:
+def _changed(
+    stored: dict[str, dict[str, str | None]], fields: dict[str, dict[str, str | None]]
+) -> dict[str, dict[str, str | None]]:
     """The callback path entries of `fields` that differ from the step's `stored` ones (empty callbacks dropped)."""
-    diff = {key: {f: v for f, v in entries.items() if stored.get(key, {}).get(f, _DROP) != v}
-            for key, entries in fields.items()}
+    diff = {
+        key: {f: v for f, v in entries.items() if stored.get(key, {}).get(f, _DROP) != v}
+        for key, entries in fields.items()
+    }
     return {key: entries for key, entries in diff.items() if entries}
 
 
@@ -359,8 +382,14 @@ class GoodputCallback(Callback):
             restored lazily at the first training batch after a resume, so no draw in Lightning's setup shifts it.
     """
 
-    def __init__(self, root: str | os.PathLike[str] | None = None, *, tracker: GoodputTracker | None = None,
-                 samplers: Mapping[str, Sampler] | None = None, rng: RNGState | bool = True) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | None = None,
+        *,
+        tracker: GoodputTracker | None = None,
+        samplers: Mapping[str, Sampler] | None = None,
+        rng: RNGState | bool = True,
+    ) -> None:
         self._lease = TrackerLease(_abs_root(root) if root is not None else None, tracker)
         self.samplers = dict(samplers or {})
         self.rng = RNGState() if rng is True else (rng or None)
@@ -423,8 +452,9 @@ class GoodputCallback(Callback):
         self._open = trainer.global_step + 1
         self.tracker.step_begin(self._open)
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         """Close the step and count the batch as consumed by every sampler (before ModelCheckpoint saves)."""
         self.tracker.step_end(self._open)
         self._open = None
@@ -497,8 +527,9 @@ class DecisionCheckpoint(ModelCheckpoint):
     answer is broadcast, so every rank saves the same steps.
     """
 
-    def __init__(self, decision: SaveDecision, *, clock: Callable[[], float] = time.monotonic,
-                 **model_checkpoint: Any) -> None:
+    def __init__(
+        self, decision: SaveDecision, *, clock: Callable[[], float] = time.monotonic, **model_checkpoint: Any
+    ) -> None:
         super().__init__(**model_checkpoint)
         self.decision, self.clock = decision, clock
 
@@ -506,8 +537,9 @@ class DecisionCheckpoint(ModelCheckpoint):
         super().on_train_start(trainer, pl_module)
         self.decision.saved(trainer.global_step, self.clock())
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         """ModelCheckpoint's own triggers first; then, unless it just saved this step, the decision's."""
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._should_skip_saving_checkpoint(trainer):
@@ -533,6 +565,8 @@ def _check_strategy(trainer: Trainer) -> None:
     from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
     if isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy, DeepSpeedStrategy)):
-        raise RuntimeError(f"{type(trainer.strategy).__name__} bypasses CheckpointIO (it writes or reads its own "
-                           f"torch.distributed.checkpoint / torch.save files), so CkptCheckpointIO cannot checkpoint "
-                           f"it; use the plain CheckpointManager with DTensor state instead (see docs/integrations.md)")
+        raise RuntimeError(
+            f"{type(trainer.strategy).__name__} bypasses CheckpointIO (it writes or reads its own "
+            f"torch.distributed.checkpoint / torch.save files), so CkptCheckpointIO cannot checkpoint "
+            f"it; use the plain CheckpointManager with DTensor state instead (see docs/integrations.md)"
+        )

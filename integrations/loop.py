@@ -108,8 +108,11 @@ class TrainLoop:
         self.decision = decision if decision is not None else self._interval(every_steps, every_seconds, advise)
         self.rng = RNGState() if rng is True else (rng or None)
         self.sampler = sampler
-        self.state: dict[str, Any] = {**state, **({"rng": self.rng} if self.rng else {}),
-                                      **({"sampler": sampler} if sampler is not None else {})}
+        self.state: dict[str, Any] = {
+            **state,
+            **({"rng": self.rng} if self.rng else {}),
+            **({"sampler": sampler} if sampler is not None else {}),
+        }
         self.preemption = Preemption(signals)
         self.tracker = tracker if tracker is not None else GoodputTracker(self.root)
         self._manager_options = manager_options
@@ -137,8 +140,7 @@ class TrainLoop:
         self.tracker.start()
         try:
             self.preemption.install()
-            self.manager = CheckpointManager(self.root, tracker=self.tracker,
-                                             **self._manager_options)
+            self.manager = CheckpointManager(self.root, tracker=self.tracker, **self._manager_options)
             self.start_step = self.step = self.last_saved = self.manager.restore(self.state) or 0
             self.decision.saved(self.start_step, time.monotonic())
         except BaseException as e:
@@ -193,8 +195,10 @@ class TrainLoop:
         (for keep_best retention).
         """
         if self._open_step != step:
-            raise RuntimeError(f"on_step_end({step}) without step_begin({step}): iterate loop.steps(total) "
-                               f"or call loop.step_begin(step) first")
+            raise RuntimeError(
+                f"on_step_end({step}) without step_begin({step}): iterate loop.steps(total) "
+                f"or call loop.step_begin(step) first"
+            )
         self.tracker.step_end(step)
         self._open_step = None
         self.step = step

@@ -111,7 +111,7 @@ def parse(path: Path, text: str | None = None) -> list[Block]:
             end = i + 1
             while end < len(lines) and not lines[end].strip().startswith(marker):
                 end += 1
-            body = [ln[len(indent):] if ln.startswith(indent) else ln for ln in lines[i + 1 : end]]
+            body = [ln[len(indent) :] if ln.startswith(indent) else ln for ln in lines[i + 1 : end]]
             block = Block(path, i + 1, lang.lower(), "\n".join(body) + "\n")
             if pending is not None:
                 _apply_directive(block, pending[1])
@@ -138,12 +138,16 @@ def problems(blocks: list[Block]) -> list[str]:
                 out.append(f"{b.where}: skip without a reason: write <!-- doc-test: skip: WHY -->")
             continue
         if b.lang not in RUNNABLE:
-            out.append(f"{b.where}: a ```{b.lang} block cannot run: mark it <!-- doc-test: skip: WHY --> "
-                       f"(a signature, an output sample) or tag it python/bash")
+            out.append(
+                f"{b.where}: a ```{b.lang} block cannot run: mark it <!-- doc-test: skip: WHY --> "
+                f"(a signature, an output sample) or tag it python/bash"
+            )
             continue
         if b.preludes and RUNNABLE[b.lang] != "python":
-            out.append(f"{b.where}: a prelude is for python blocks; a command block uses needs= on what an earlier "
-                       f"block of the file wrote")
+            out.append(
+                f"{b.where}: a prelude is for python blocks; a command block uses needs= on what an earlier "
+                f"block of the file wrote"
+            )
         for name in b.preludes:
             if not (PRELUDES / f"{name}.py").is_file():
                 out.append(f"{b.where}: prelude {name!r} not found in {PRELUDES}")
@@ -201,8 +205,10 @@ def _run_bash(block: Block) -> None:
     for command in commands(block):
         proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
         if proc.returncode != 0:
-            raise RuntimeError(f"`{command}` exited with status {proc.returncode}\n"
-                               f"--- stdout\n{proc.stdout[-3000:]}--- stderr\n{proc.stderr[-3000:]}")
+            raise RuntimeError(
+                f"`{command}` exited with status {proc.returncode}\n"
+                f"--- stdout\n{proc.stdout[-3000:]}--- stderr\n{proc.stderr[-3000:]}"
+            )
 
 
 def run(path: Path) -> int:

@@ -51,7 +51,9 @@ def _kill(*procs) -> int:
 
 
 def _commits(*logs) -> list[int]:
-    return [int(line.split()[1]) for log in logs for line in log.read_text().splitlines() if line.startswith("committed")]
+    return [
+        int(line.split()[1]) for log in logs for line in log.read_text().splitlines() if line.startswith("committed")
+    ]
 
 
 def _check(root: str, kill: int, commits: list[int]) -> list[int]:
@@ -111,7 +113,9 @@ def test_two_writers_killed_at_random_instants_never_mix_a_step(tmp_path, procs)
         time.sleep(rng.uniform(0.05, 0.5))
         kills += _kill(*children)
         for child, log in zip(children, logs):  # killed while writing, or turned away at its first save
-            assert child.exitcode == -signal.SIGKILL or (child.exitcode == 0 and log.read_text().startswith("refused: "))
+            assert child.exitcode == -signal.SIGKILL or (
+                child.exitcode == 0 and log.read_text().startswith("refused: ")
+            )
         refused += sum(log.read_text().startswith("refused: ") for log in logs)
         commits = _commits(*logs)
         seen_commits += commits
@@ -129,8 +133,10 @@ def test_gc_and_a_saver_killed_at_random_instants_never_damage_committed_steps(t
     for rnd in range(_rounds()):
         log, gc_log = tmp_path / f"s{rnd}", tmp_path / f"gc{rnd}"
         log.touch()
-        children = [procs.Process(target=saver.main, args=(root, start, str(log))),
-                    procs.Process(target=writer.gc_loop, args=(root, str(tmp_path / "never"), str(gc_log)))]
+        children = [
+            procs.Process(target=saver.main, args=(root, start, str(log))),
+            procs.Process(target=writer.gc_loop, args=(root, str(tmp_path / "never"), str(gc_log))),
+        ]
         for c in children:
             c.start()
         time.sleep(rng.uniform(0.1, 0.8))

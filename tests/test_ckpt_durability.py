@@ -22,8 +22,11 @@ def test_every_directory_of_a_step_and_the_root_are_fsynced_before_the_manifest_
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
     root = tmp_path / "new" / "ck"  # the root itself is new too
-    state = {"model": {"fc": {"weight": torch.randn(40, 30), "bias": torch.randn(30)}}, "scalar": torch.tensor(1.5),
-             "step": 3}
+    state = {
+        "model": {"fc": {"weight": torch.randn(40, 30), "bias": torch.randn(30)}},
+        "scalar": torch.tensor(1.5),
+        "step": 3,
+    }
     with ckpt.CheckpointManager(root, chunk_bytes=1024) as m:  # several chunks: c/0/0, c/1/0, ...
         m.save(3, state).wait()
     step = root / "step_00000003"

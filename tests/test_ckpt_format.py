@@ -11,8 +11,13 @@ from ckpt.format import chunk_shape, escape_segment, validate_array_name
 
 
 @settings(max_examples=300, deadline=None)
-@given(rows=st.integers(1, 5000), cols=st.integers(1, 300), writers=st.integers(1, 8), itemsize=st.sampled_from([1, 2, 4, 8]),
-       target=st.sampled_from([1 << 10, 1 << 14, 1 << 20]))
+@given(
+    rows=st.integers(1, 5000),
+    cols=st.integers(1, 300),
+    writers=st.integers(1, 8),
+    itemsize=st.sampled_from([1, 2, 4, 8]),
+    target=st.sampled_from([1 << 10, 1 << 14, 1 << 20]),
+)
 def test_chunks_align_with_every_writer_and_respect_the_size_target(rows, cols, writers, itemsize, target):
     per = math.ceil(rows / writers)  # torch.chunk / FSDP2 row shards
     starts = tuple((r * per, 0) for r in range(writers) if r * per < rows)
@@ -32,8 +37,26 @@ def test_zero_dim_and_empty_shapes():
 
 def test_escaped_segments_are_safe_and_distinct():
     """Keys that look alike after escaping (dots, slashes, percent signs, long names cut to a hash) stay apart."""
-    keys = ["..", ".", "", "a/b", "a%2Fb", "a b", "x" * 500, "x" * 499 + "y", "é", "%2E", "%2E%2E", ".a", "%2Ea", "%00",
-            "%", "~", 7, "A"]
+    keys = [
+        "..",
+        ".",
+        "",
+        "a/b",
+        "a%2Fb",
+        "a b",
+        "x" * 500,
+        "x" * 499 + "y",
+        "é",
+        "%2E",
+        "%2E%2E",
+        ".a",
+        "%2Ea",
+        "%00",
+        "%",
+        "~",
+        7,
+        "A",
+    ]
     segments = [escape_segment(k) for k in keys]
     for key, seg in zip(keys, segments):
         assert validate_array_name(seg) == seg and "/" not in seg and seg not in (".", "..") and len(seg) <= 200, key
@@ -54,11 +77,17 @@ def test_one_grammar_walks_every_node_of_a_saved_tree():
     import numpy as np
     import torch
 
-    from ckpt import state
-    from ckpt import RNGState
+    from ckpt import RNGState, state
 
-    tree = state.flatten({"model": torch.nn.Linear(2, 1), "opt": {"lr": 0.1, 3: (1, torch.zeros(2))},
-                          "rng": RNGState(), "od": collections.OrderedDict(a=np.zeros(3))}, rank=2).tree
+    tree = state.flatten(
+        {
+            "model": torch.nn.Linear(2, 1),
+            "opt": {"lr": 0.1, 3: (1, torch.zeros(2))},
+            "rng": RNGState(),
+            "od": collections.OrderedDict(a=np.zeros(3)),
+        },
+        rank=2,
+    ).tree
     kinds: dict = {}
     for path, node in state.walk(tree):
         kinds.setdefault(path, node.kind)  # a state's tree follows its state, at the same path
@@ -77,8 +106,20 @@ def test_encodable_says_which_leaves_have_an_exact_form():
 
     from ckpt.state import encodable
 
-    for leaf in (None, True, 3, 1.5, "s", b"b", torch.float16, torch.Size([2]), torch.zeros(1), np.zeros(2),
-                 np.float32(1), np.str_("x")):
+    for leaf in (
+        None,
+        True,
+        3,
+        1.5,
+        "s",
+        b"b",
+        torch.float16,
+        torch.Size([2]),
+        torch.zeros(1),
+        np.zeros(2),
+        np.float32(1),
+        np.str_("x"),
+    ):
         assert encodable(leaf), leaf
     for leaf in (object(), np.array([object()]), np.longdouble(1), np.datetime64("2020-01-01"), [1], {"a": 1}):
         assert not encodable(leaf), leaf

@@ -26,8 +26,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 def _state(step: int) -> dict:
     """Several arrays of fixed shapes whose values depend on the step, and a JSON leaf."""
     g = torch.Generator().manual_seed(step)
-    return {"a": torch.randn(64, 32, generator=g), "b": torch.randn(64, 32, generator=g),
-            "c": torch.randn(64, 32, generator=g), "n": step}
+    return {
+        "a": torch.randn(64, 32, generator=g),
+        "b": torch.randn(64, 32, generator=g),
+        "c": torch.randn(64, 32, generator=g),
+        "n": step,
+    }
 
 
 def _save(root, steps, state=_state, **kw) -> None:
@@ -116,8 +120,9 @@ def test_restore_is_planned_then_executed_then_applied(tmp_path):
         m.save(1, saved).wait()
     storage, target = open_storage(str(tmp_path)), {"w": torch.zeros(4, 5), "n": 0}
     w = target["w"]
-    plan = restore.plan_restore(layout.read_manifest(storage, 1), target, None, Ranks.local(),
-                                files=restore.step_files(storage, 1))
+    plan = restore.plan_restore(
+        layout.read_manifest(storage, 1), target, None, Ranks.local(), files=restore.step_files(storage, 1)
+    )
     assert [name for name, _ in plan.reads] == ["w"] and all(r.buffer is None for r in plan.reads.values())
     with ThreadPoolExecutor(2) as pool:
         restore.execute(storage, plan, pool, StagingArena(None))
@@ -143,7 +148,7 @@ def test_chunk_copied_from_another_step_is_detected(tmp_path, layout):
     chunk = "c/0/1" if layout == "wide" else "c/0/0"
     storage = open_storage(root)
     storage.write_atomic(f"step_00000002/arrays/b/{chunk}", storage.read(f"step_00000001/arrays/b/{chunk}"))
-    where = (storage.local_path(f"step_00000002/arrays/b/{chunk}") or f"{storage.url}step_00000002/arrays/b/{chunk}")
+    where = storage.local_path(f"step_00000002/arrays/b/{chunk}") or f"{storage.url}step_00000002/arrays/b/{chunk}"
     problems = list(catalog.verify(storage, 2))
     assert len(problems) == 1 and problems[0].key == "b" and problems[0].file == where, problems
     assert not list(catalog.verify(storage, 1))
@@ -160,7 +165,9 @@ def test_chunk_copied_from_another_step_is_detected(tmp_path, layout):
 def test_manifest_records_a_digest_per_chunk_that_equals_the_chunk_crc(tmp_path):
     x = torch.randn(1000, 30)
     with ckpt.CheckpointManager(tmp_path, chunk_bytes=16 * 1024, max_staging_bytes=64 * 1024) as m:
-        m.save(1, {"x": x, "wide": torch.randn(3, 5000), "zero_d": torch.tensor(2.5), "empty": torch.zeros(0, 4)}).wait()
+        m.save(
+            1, {"x": x, "wide": torch.randn(3, 5000), "zero_d": torch.tensor(2.5), "empty": torch.zeros(0, 4)}
+        ).wait()
     body = json.loads((tmp_path / "step_00000001" / "manifest.json").read_bytes())["body"]
     assert body["format"] == "ckpt/2"
     for name, info in body["arrays"].items():
@@ -168,7 +175,9 @@ def test_manifest_records_a_digest_per_chunk_that_equals_the_chunk_crc(tmp_path)
         keys = ["c"] if not grid else ["c/" + "/".join(map(str, i)) for i in np.ndindex(*grid)]
         if 0 in info["shape"]:
             keys = []
-        tails = [int.from_bytes((tmp_path / "step_00000001" / "arrays" / name / k).read_bytes()[-4:], "little") for k in keys]
+        tails = [
+            int.from_bytes((tmp_path / "step_00000001" / "arrays" / name / k).read_bytes()[-4:], "little") for k in keys
+        ]
         assert info["digests"] == tails, name
 
 
@@ -285,8 +294,9 @@ print("ok", done)
 def test_restores_beside_a_writer_with_keep_last_1_see_no_damage(tmp_path):
     """A real second process restores in a loop while this one saves and its retention deletes old steps."""
     _save(tmp_path, [0])
-    reader = subprocess.Popen([sys.executable, "-c", _READER, str(tmp_path), "60"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", _READER, str(tmp_path), "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     step = 1
     with ckpt.CheckpointManager(tmp_path, keep_last=1) as m:
         while reader.poll() is None and step < 5000:
@@ -306,6 +316,7 @@ def _set(path, value):
         for k in path[:-1]:
             node = node[k]
         node[path[-1]] = value
+
     return mutate
 
 
@@ -342,10 +353,12 @@ _CRAFTED = {
     "shape_is_str": _set(["arrays", "a", "shape"], "64,32"),
     "shape_float": _set(["arrays", "a", "shape"], [64.0, 32]),
     "shape_32TB": _set(["arrays", "a", "shape"], [1 << 31, 4096]),
-    "shape_32TB_one_chunk": lambda b: b["arrays"]["a"].update(shape=[1 << 31, 4096], chunk=[1 << 31, 4096],
-                                                              boxes=[[[0, 1 << 31], [0, 4096]]]),
-    "fresh_32TB_4GiB_chunks": lambda b: b["arrays"]["c"].update(shape=[1 << 31, 4096], chunk=[1 << 18, 4096],
-                                                                boxes=[[[0, 1 << 31], [0, 4096]]], digests=[0] * 8192),
+    "shape_32TB_one_chunk": lambda b: b["arrays"]["a"].update(
+        shape=[1 << 31, 4096], chunk=[1 << 31, 4096], boxes=[[[0, 1 << 31], [0, 4096]]]
+    ),
+    "fresh_32TB_4GiB_chunks": lambda b: b["arrays"]["c"].update(
+        shape=[1 << 31, 4096], chunk=[1 << 18, 4096], boxes=[[[0, 1 << 31], [0, 4096]]], digests=[0] * 8192
+    ),
     "chunk_zero": _set(["arrays", "a", "chunk"], [0, 32]),
     "chunk_rank": _set(["arrays", "a", "chunk"], [64]),
     "box_outside": _set(["arrays", "a", "boxes"], [[[0, 65], [0, 32]]]),
@@ -418,8 +431,15 @@ def _zarr_json_symlink(step_dir):
     os.symlink(path.replace("step_00000002", "step_00000001"), path)
 
 
-_FILES = {"json_too_deep": _json_too_deep, "fifo_chunk": _fifo, "symlink_chunk": _symlink_chunk, "symlink_array_dir": _symlink_dir,
-          "manifest_is_dir": _manifest_dir, "manifest_is_fifo": _manifest_fifo, "symlink_zarr_json": _zarr_json_symlink}
+_FILES = {
+    "json_too_deep": _json_too_deep,
+    "fifo_chunk": _fifo,
+    "symlink_chunk": _symlink_chunk,
+    "symlink_array_dir": _symlink_dir,
+    "manifest_is_dir": _manifest_dir,
+    "manifest_is_fifo": _manifest_fifo,
+    "symlink_zarr_json": _zarr_json_symlink,
+}
 
 
 @pytest.fixture(scope="module")
@@ -479,12 +499,26 @@ def test_unknown_format_is_refused_without_falling_back(tmp_path):
 
 
 def test_exact_types_round_trip(tmp_path):
-    scalars = {"f64": np.float64(1.5), "f32": np.float32(1.5), "f16": np.float16(0.5), "i8": np.int8(-3),
-               "u64": np.uint64(1 << 63), "b": np.bool_(True), "c64": np.complex64(1 + 2j), "str": np.str_("s"),
-               "nan32": np.float32("nan")}
-    state = {"meta": {"scalars": scalars, "in_list": [np.float64(2.5), (np.int32(4),)],
-                      "od": collections.OrderedDict([("z", 1), ("a", collections.OrderedDict(b=2))]),
-                      "size": torch.Size([3, 4]), "sizes": [torch.Size([])]}}
+    scalars = {
+        "f64": np.float64(1.5),
+        "f32": np.float32(1.5),
+        "f16": np.float16(0.5),
+        "i8": np.int8(-3),
+        "u64": np.uint64(1 << 63),
+        "b": np.bool_(True),
+        "c64": np.complex64(1 + 2j),
+        "str": np.str_("s"),
+        "nan32": np.float32("nan"),
+    }
+    state = {
+        "meta": {
+            "scalars": scalars,
+            "in_list": [np.float64(2.5), (np.int32(4),)],
+            "od": collections.OrderedDict([("z", 1), ("a", collections.OrderedDict(b=2))]),
+            "size": torch.Size([3, 4]),
+            "sizes": [torch.Size([])],
+        }
+    }
     with ckpt.CheckpointManager(tmp_path) as m:
         m.save(1, state).wait()
         out = {"meta": None}
@@ -492,7 +526,7 @@ def test_exact_types_round_trip(tmp_path):
     got = out["meta"]
     for k, v in scalars.items():
         assert type(got["scalars"][k]) is type(v), k
-        assert (np.isnan(got["scalars"][k]) if k == "nan32" else got["scalars"][k] == v), k
+        assert np.isnan(got["scalars"][k]) if k == "nan32" else got["scalars"][k] == v, k
     assert type(got["in_list"][0]) is np.float64 and type(got["in_list"][1][0]) is np.int32
     assert type(got["od"]) is collections.OrderedDict and list(got["od"]) == ["z", "a"]
     assert type(got["od"]["a"]) is collections.OrderedDict
@@ -500,12 +534,15 @@ def test_exact_types_round_trip(tmp_path):
     assert type(got["sizes"][0]) is torch.Size
 
 
-@pytest.mark.parametrize("value, what", [
-    (np.longdouble("1.1"), "longdouble"),
-    (torch.eye(3).to_sparse(), "sparse"),
-    (torch.empty(3, device="meta"), "meta"),
-    (torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]), "nested"),
-])
+@pytest.mark.parametrize(
+    "value, what",
+    [
+        (np.longdouble("1.1"), "longdouble"),
+        (torch.eye(3).to_sparse(), "sparse"),
+        (torch.empty(3, device="meta"), "meta"),
+        (torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]), "nested"),
+    ],
+)
 def test_unsupported_values_fail_at_save_naming_the_key(tmp_path, value, what):
     with ckpt.CheckpointManager(tmp_path) as m, pytest.raises(TypeError, match=rf"key 'opt\.inner'.*{what}"):
         m.save(1, {"opt": {"inner": value}})

@@ -11,9 +11,25 @@ import torch
 
 import ckpt
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
-          torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
-          torch.bool, torch.complex64, torch.complex128]
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
 
 
 def _random(shape, dtype, gen):
@@ -41,7 +57,8 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.fixture(params=["local", "file", "memory"])
 def root(request, tmp_path):
     return {"local": str(tmp_path / "ck"), "file": f"file://{tmp_path}/ck", "memory": f"memory://{uuid.uuid4().hex}"}[
-        request.param]
+        request.param
+    ]
 
 
 def test_every_dtype_and_shape_round_trips_bit_exactly(root):
@@ -56,7 +73,9 @@ def test_every_dtype_and_shape_round_trips_bit_exactly(root):
     state["nan_payload"] = torch.tensor([float("nan"), -0.0, float("inf")])
     with ckpt.CheckpointManager(root) as m:
         m.save(1, state).wait()
-    target = {k: torch.zeros_like(v) if v.is_contiguous() else torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}
+    target = {
+        k: torch.zeros_like(v) if v.is_contiguous() else torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()
+    }
     with ckpt.CheckpointManager(root) as m:
         assert m.restore(target) == 1
     for k, v in state.items():
@@ -64,10 +83,22 @@ def test_every_dtype_and_shape_round_trips_bit_exactly(root):
 
 
 def test_json_leaves_keep_their_types(root):
-    state = {"meta": {"ints": {1: "a", 2: (3, 4.5)}, "floats": [float("nan"), float("inf"), -float("inf"), 0.1],
-                      "none": None, "flag": True, "text": "é/..\\", "nested": [[1, [2, (3,)]]], "$weird": 1,
-                      "bytes": b"\x00\xff", "np": np.int64(7), "npf": np.float32(0.5), "dtype": torch.bfloat16},
-             "arr": np.arange(6, dtype=np.int16).reshape(2, 3)}
+    state = {
+        "meta": {
+            "ints": {1: "a", 2: (3, 4.5)},
+            "floats": [float("nan"), float("inf"), -float("inf"), 0.1],
+            "none": None,
+            "flag": True,
+            "text": "é/..\\",
+            "nested": [[1, [2, (3,)]]],
+            "$weird": 1,
+            "bytes": b"\x00\xff",
+            "np": np.int64(7),
+            "npf": np.float32(0.5),
+            "dtype": torch.bfloat16,
+        },
+        "arr": np.arange(6, dtype=np.int16).reshape(2, 3),
+    }
     with ckpt.CheckpointManager(root) as m:
         m.save(3, state).wait()
     out = {"meta": None, "arr": None}
@@ -80,7 +111,11 @@ def test_json_leaves_keep_their_types(root):
     assert meta["nested"] == [[1, [2, (3,)]]] and meta["$weird"] == 1 and meta["bytes"] == b"\x00\xff"
     assert type(meta["np"]) is np.int64 and meta["np"] == 7 and type(meta["npf"]) is np.float32
     assert meta["dtype"] is torch.bfloat16
-    assert isinstance(out["arr"], np.ndarray) and out["arr"].dtype == np.int16 and (out["arr"] == np.arange(6).reshape(2, 3)).all()
+    assert (
+        isinstance(out["arr"], np.ndarray)
+        and out["arr"].dtype == np.int16
+        and (out["arr"] == np.arange(6).reshape(2, 3)).all()
+    )
 
 
 def _model():
@@ -235,12 +270,12 @@ def test_tensor_larger_than_2gib_round_trips(tmp_path):
     n = (2 << 30) + 4096 * 3
     x = torch.empty(n, dtype=torch.uint8)
     x[: 1 << 20] = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
-    x[-(1 << 20):] = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    x[-(1 << 20) :] = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
     with ckpt.CheckpointManager(tmp_path) as m:
         m.save(0, {"x": x}).wait()
-    head, tail = x[: 1 << 20].clone(), x[-(1 << 20):].clone()
+    head, tail = x[: 1 << 20].clone(), x[-(1 << 20) :].clone()
     del x
     out = {"x": torch.zeros(n, dtype=torch.uint8)}
     with ckpt.CheckpointManager(tmp_path) as m:
         m.restore(out)
-    assert torch.equal(out["x"][: 1 << 20], head) and torch.equal(out["x"][-(1 << 20):], tail)
+    assert torch.equal(out["x"][: 1 << 20], head) and torch.equal(out["x"][-(1 << 20) :], tail)

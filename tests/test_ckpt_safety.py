@@ -127,6 +127,7 @@ def test_errors_are_one_family_and_keep_the_builtin_types_callers_caught(tmp_pat
             assert all(isinstance(info.value, b) for b in (ckpt.CheckpointError, *builtins)), info.value
     assert issubclass(ckpt.DataMismatchError, ckpt.CheckpointError) and issubclass(ckpt.DataMismatchError, ValueError)
     from ckpt import DataMismatchError
+
     assert DataMismatchError is ckpt.DataMismatchError
 
 
@@ -219,7 +220,8 @@ def test_resaving_a_step_over_a_crashed_attempts_leftovers(tmp_path, attempt):
         m.save(2, {**_state(22), **({"extra": torch.ones(5)} if attempt == "other_keys" else {})}).wait()
     shutil.copytree(crashed / "step_00000002", root / "step_00000002", ignore=shutil.ignore_patterns("manifest.json"))
     (root / "step_00000002" / "_IN_PROGRESS").write_text(
-        json.dumps({"pid": 1 << 22, "host": "gone", "time": 0.0, "lease": "a-dead-writer"}))
+        json.dumps({"pid": 1 << 22, "host": "gone", "time": 0.0, "lease": "a-dead-writer"})
+    )
     with ckpt.CheckpointManager(root) as m:
         m.save(2, _state(2)).wait()
         t = _state(0)
@@ -228,7 +230,10 @@ def test_resaving_a_step_over_a_crashed_attempts_leftovers(tmp_path, attempt):
     assert not list(catalog.verify(storage, 2))
     assert sorted(os.listdir(root / "step_00000002" / "arrays")) == ["b", "w"], "the crashed attempt's arrays are gone"
     assert os.listdir(root / "step_00000002" / "arrays" / "w" / "c") == ["0"], "one chunk (64 MiB target), as saved"
-    assert [(e.step, e.committed, e.in_progress) for e in catalog.entries(storage)] == [(1, True, None), (2, True, None)]
+    assert [(e.step, e.committed, e.in_progress) for e in catalog.entries(storage)] == [
+        (1, True, None),
+        (2, True, None),
+    ]
 
 
 FULL_DISK = os.path.join(os.path.dirname(__file__), "procs", "full_disk.py")
@@ -241,7 +246,9 @@ def _observed(out: subprocess.CompletedProcess) -> dict:
 
 def _assert_failed_save_cleaned_up(seen: dict, reason: str) -> None:
     """The failed step 2 was reported by the next call, left nothing behind; step 1 restores, step 3 saves."""
-    assert seen["next_call"].startswith("CheckpointWriteError: saving step 2 failed") and reason in seen["next_call"], seen
+    assert seen["next_call"].startswith("CheckpointWriteError: saving step 2 failed") and reason in seen["next_call"], (
+        seen
+    )
     assert [d for d in seen["leftovers"] if d.startswith("step_")] == ["step_00000001"], "a failed save cleans up"
     assert seen["steps_after_failure"] == [1] and seen["restored"] == 1 and seen["restored_bitwise"]
     assert seen["steps_at_end"] == [1, 3] and seen["problems"] == []
@@ -250,8 +257,9 @@ def _assert_failed_save_cleaned_up(seen: dict, reason: str) -> None:
 def test_write_past_a_file_size_limit_fails_at_the_next_call_cleans_up_and_keeps_the_previous_step(tmp_path):
     """No privileges: the child lowers its own RLIMIT_FSIZE to 1 MiB, so the 4 MB chunk of step 2 fails (EFBIG)."""
     cmd = [sys.executable, FULL_DISK, str(tmp_path / "ck"), "--file-size-limit", str(1 << 20)]
-    _assert_failed_save_cleaned_up(_observed(subprocess.run(cmd, capture_output=True, text=True, timeout=300)),
-                                   "File too large")
+    _assert_failed_save_cleaned_up(
+        _observed(subprocess.run(cmd, capture_output=True, text=True, timeout=300)), "File too large"
+    )
 
 
 def test_full_disk_surfaces_enospc_cleans_up_and_keeps_the_previous_step(tmp_path):
@@ -261,13 +269,19 @@ def test_full_disk_surfaces_enospc_cleans_up_and_keeps_the_previous_step(tmp_pat
     mnt.mkdir()
     script = 'mount -t tmpfs -o size=3m tmpfs "$0" || exit 97; exec "$@"'
     for namespace in (["unshare", "--mount"], ["unshare", "--user", "--map-root-user", "--mount"]):
-        out = subprocess.run([*namespace, "sh", "-c", script, str(mnt), sys.executable, FULL_DISK, str(mnt)],
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [*namespace, "sh", "-c", script, str(mnt), sys.executable, FULL_DISK, str(mnt)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if out.returncode == 0 or (out.returncode != 97 and not out.stderr.startswith("unshare:")):
             break
     else:
-        pytest.skip("cannot mount a size-limited tmpfs here (needs root or unprivileged user namespaces); "
-                    "test_write_past_a_file_size_limit_* covers the same without privileges")
+        pytest.skip(
+            "cannot mount a size-limited tmpfs here (needs root or unprivileged user namespaces); "
+            "test_write_past_a_file_size_limit_* covers the same without privileges"
+        )
     _assert_failed_save_cleaned_up(_observed(out), "No space left")
 
 
@@ -324,5 +338,7 @@ def test_cli_explain_prints_the_batch_of_a_step(tmp_path):
     assert out.returncode == 0, out.stderr
     expected = sampler.explain(7)
     assert "sampler 'data.sampler' from checkpoint step 5" in out.stdout
-    assert expected.batch_hash in out.stdout and f"tokens [{expected.starts[0]}, {expected.starts[0] + 16})" in out.stdout
+    assert (
+        expected.batch_hash in out.stdout and f"tokens [{expected.starts[0]}, {expected.starts[0] + 16})" in out.stdout
+    )
     assert _cli("explain", str(tmp_path), "--step", "7", "--key", "nope").returncode == 1

@@ -58,7 +58,8 @@ def _assert_steps_exact(root, steps):
 
 
 def test_second_writer_fails_at_once_naming_the_holder_readers_work_and_a_killed_holder_frees_the_root(
-        tmp_path, procs, capsys):
+    tmp_path, procs, capsys
+):
     root = str(tmp_path / "ck")
     holder = _start(procs, writer.hold, root, str(tmp_path / "a"))
     _wait_for(tmp_path / "a", "holding")
@@ -200,7 +201,9 @@ def test_ls_shows_quarantined_steps_and_gc_damaged_removes_only_them(tmp_path, c
     storage.write_atomic("step_00000005/_IN_PROGRESS", b'{"pid": 1, "lease": "gone"}')
 
     assert [(q.step, q.reason) for q in catalog.quarantined(storage)] == [
-        (2, "chunk digest mismatch (key=a)"), (3, "no readable _DAMAGED record")]
+        (2, "chunk digest mismatch (key=a)"),
+        (3, "no readable _DAMAGED record"),
+    ]
     assert cli.main(["ls", root]) == 0
     out = capsys.readouterr().out
     assert "1  committed" in out and "5  incomplete" in out

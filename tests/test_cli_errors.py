@@ -121,8 +121,13 @@ def test_simulations_that_would_not_finish_are_refused_at_once():
             print(code, flush=True)
             print("--", file=sys.stderr, flush=True)
     """)
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    res = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
     assert res.stdout.split() == ["2"] * len(SIMULATIONS), (res.stdout, res.stderr)
     errors = res.stderr.split("--\n")[:-1]
     for (argv, text), err in zip(SIMULATIONS, errors):
@@ -134,8 +139,12 @@ def test_simulations_that_would_not_finish_are_refused_at_once():
 def test_a_reader_that_leaves_early_gets_no_traceback(roots, tool, args):
     """`python -m ckpt inspect ROOT | head -1`: the pipe closes before the tool writes."""
     argv = [roots.get(a, a) for a in args]
-    p = subprocess.Popen([sys.executable, "-m", tool, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    p = subprocess.Popen(
+        [sys.executable, "-m", tool, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 1

@@ -72,7 +72,7 @@ def _reference(token_file, sc: dict) -> list[dict]:
         first = (step - 1) * sc["batch"] + sc["rank"] * local
         ts = list(range(first, first + local))
         starts = [stream[t] * sc["stride"] for t in ts]
-        tokens = [noisy(raw[a:a + sc["window"]], sample_rng(sc["seed"], t)).tolist() for t, a in zip(ts, starts)]
+        tokens = [noisy(raw[a : a + sc["window"]], sample_rng(sc["seed"], t)).tolist() for t, a in zip(ts, starts)]
         batches.append({"t": ts, "start": starts, "tokens": tokens})
     return batches
 

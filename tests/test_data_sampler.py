@@ -48,7 +48,9 @@ def dataset(tmp_path) -> TokenWindowDataset:
 
 def _sampler(ds: TokenWindowDataset, **kw) -> RandomWindowSampler:
     kw = {"global_batch_size": 8, "stride": 7, **kw}
-    return RandomWindowSampler(ds.n_tokens, ds.window, kw.pop("stride"), kw.pop("global_batch_size"), SEED, fingerprint=ds.fingerprint(), **kw)
+    return RandomWindowSampler(
+        ds.n_tokens, ds.window, kw.pop("stride"), kw.pop("global_batch_size"), SEED, fingerprint=ds.fingerprint(), **kw
+    )
 
 
 def _run(loader: DataLoader, sampler, steps: int) -> list[dict]:
@@ -57,7 +59,9 @@ def _run(loader: DataLoader, sampler, steps: int) -> list[dict]:
 
 
 def _same(a: list[dict], b: list[dict]) -> bool:
-    return len(a) == len(b) and all(all(torch.equal(torch.as_tensor(x[k]), torch.as_tensor(y[k])) for k in x) for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        all(torch.equal(torch.as_tensor(x[k]), torch.as_tensor(y[k])) for k in x) for x, y in zip(a, b)
+    )
 
 
 def test_state_is_small_json_and_resumes(dataset):
@@ -77,8 +81,13 @@ def test_batches_independent_of_workers_and_worker_seeds(dataset):
     runs = []
     for workers, gen_seed in [(0, 1), (2, 2), (2, 3)]:
         s = _sampler(dataset)
-        loader = DataLoader(dataset, batch_sampler=s, num_workers=workers, prefetch_factor=4 if workers else None,
-                            generator=torch.Generator().manual_seed(gen_seed))
+        loader = DataLoader(
+            dataset,
+            batch_sampler=s,
+            num_workers=workers,
+            prefetch_factor=4 if workers else None,
+            generator=torch.Generator().manual_seed(gen_seed),
+        )
         runs.append(_run(loader, s, 5))
     assert _same(runs[0], runs[1]) and _same(runs[0], runs[2])
 
@@ -117,7 +126,9 @@ def test_fingerprint_detects_other_data(tmp_path, dataset):
     copy = shutil.copy(dataset.path, tmp_path / "copy.bin")
     assert data_fingerprint(copy) == data_fingerprint(dataset.path)
     other = TokenWindowDataset(write_tokens(tmp_path / "other.bin", 5000, vocab=7), np.uint16, 16, SEED)
-    with pytest.raises(DataMismatchError, match=r"fingerprint: checkpoint has '\w+', this run has '\w+'.*allow_data_change"):
+    with pytest.raises(
+        DataMismatchError, match=r"fingerprint: checkpoint has '\w+', this run has '\w+'.*allow_data_change"
+    ):
         _sampler(other).load_state_dict(state)
     with pytest.raises(DataMismatchError, match="c: checkpoint has 7, this run has 5"):
         _sampler(dataset, stride=5).load_state_dict(state)

@@ -11,8 +11,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_quick_demo_crashes_resumes_and_proves_determinism(tmp_path):
     run_dir = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "examples.lm_demo", "--quick", f"--run-dir={run_dir}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-m", "examples.lm_demo", "--quick", f"--run-dir={run_dir}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert "chaos: SIGKILL during the background write" in out

@@ -82,7 +82,11 @@ def train(root: str, tokens: str, log_path: str, final_path: str, omit: str | No
             optim.zero_grad()
             loss.backward()
             optim.step()
-            record = {"step": step, "loss": loss.item().hex(), "hash": hash_batch(batch["t"].tolist(), batch["start"].tolist())}
+            record = {
+                "step": step,
+                "loss": loss.item().hex(),
+                "hash": hash_batch(batch["t"].tolist(), batch["start"].tolist()),
+            }
             log.write(json.dumps(record) + "\n")
             log.flush()
             print(f"step {step}", flush=True)
@@ -143,7 +147,11 @@ def _kill_point(case: int) -> str:
     "step 7") is printed, step 3 is durable and the restart must resume from a step > 0.
     """
     rnd = random.Random(KILL_SEED + case)
-    return f"saving {EVERY * rnd.randrange(2, STEPS // EVERY)}" if case == 1 else f"step {rnd.randrange(2 * EVERY + 1, STEPS - 1)}"
+    return (
+        f"saving {EVERY * rnd.randrange(2, STEPS // EVERY)}"
+        if case == 1
+        else f"step {rnd.randrange(2 * EVERY + 1, STEPS - 1)}"
+    )
 
 
 def _scenario(run: Path, tokens: Path, kill_on: str | None, omit: str | None) -> int | None:
@@ -172,7 +180,7 @@ def runs(tmp_path_factory, tokens) -> dict[str, tuple[Path, int | None, str | No
 def test_resume_after_sigkill_is_bitwise_identical(runs, case):
     run, resumed_from, kill_on = runs[f"kill{case}"]
     context = f"{SEED_NOTE}: killed on {kill_on!r}, resumed from {resumed_from}"
-    (_, reference), = _attempts(runs["reference"][0])
+    ((_, reference),) = _attempts(runs["reference"][0])
     (first, killed), (again, resumed) = _attempts(run)
     assert first == 0 and again == resumed_from and 0 < resumed_from <= max(killed), context  # a restore was tested
     assert killed == {s: reference[s] for s in killed}, context
@@ -210,13 +218,15 @@ def test_negative_control_leaving_a_source_out_diverges_at_the_resume(runs, omit
     """
     run, resumed_from, _ = runs[f"omit-{omit}"]
     reference_run = runs["reference-loader_generator" if omit == "loader_generator" else "reference"][0]
-    (_, reference), = _attempts(reference_run)
+    ((_, reference),) = _attempts(reference_run)
     (_, killed), (again, resumed) = _attempts(run)
     assert again == resumed_from and resumed_from > 0
     assert killed == {s: reference[s] for s in killed}, f"leaving out {omit} changed the run before any resume"
     diverged = [s for s in sorted(resumed) if resumed[s] != reference[s]]
     assert diverged, f"leaving out {omit} went unnoticed"
-    assert diverged[0] == resumed_from + 1, f"leaving out {omit}: first difference at {diverged[0]}, resumed at {resumed_from}"
+    assert diverged[0] == resumed_from + 1, (
+        f"leaving out {omit}: first difference at {diverged[0]}, resumed at {resumed_from}"
+    )
     assert _weights(run) != _weights(reference_run)
 
 

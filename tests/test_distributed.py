@@ -109,7 +109,10 @@ def test_damaged_step_is_skipped_by_every_rank_and_quarantined_once(tmp_path, da
     if damage == "shard":  # at world size 3 the shards are not aligned with the chunks (the chunk-by-chunk read path)
         results = run_ranks(3, "restore_damaged", f"{root}.copy")
         _restored(results, 1)
-        assert "another rank found damage" in results[0].stdout and chunk.replace(root, f"{root}.copy") in results[1].stdout
+        assert (
+            "another rank found damage" in results[0].stdout
+            and chunk.replace(root, f"{root}.copy") in results[1].stdout
+        )
 
 
 def test_rank_map_skip_keeps_the_per_rank_state_at_another_world_size(tmp_path):

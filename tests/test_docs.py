@@ -28,13 +28,25 @@ def run_doc(path: Path, tmp: Path, timeout: float = 280) -> subprocess.Completed
     bin_dir.mkdir()
     (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     (bin_dir / "python").chmod(0o755)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-           "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_NUM_THREADS": "1"}  # one torch thread: tiny models on a shared machine, no oversubscription
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "HF_HUB_OFFLINE": "1",
+        "MPLBACKEND": "Agg",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+    }  # one torch thread: tiny models on a shared machine, no oversubscription
     work = cwd / "work"
     work.mkdir()
-    return subprocess.run([sys.executable, str(REPO / "tests" / "doc_blocks.py"), str(path)], cwd=work, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(REPO / "tests" / "doc_blocks.py"), str(path)],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_every_block_is_runnable_or_skipped_with_a_reason():
@@ -50,15 +62,18 @@ def test_doc_runs_as_written(path, tmp_path):
 
 # -- the mechanism itself: it must catch what it is for -----------------------------------------------------------
 
+
 def test_unmarked_output_skip_without_reason_and_dangling_directive_are_problems(tmp_path):
     md = tmp_path / "x.md"
-    text = ("```\nsome output\n```\n\n"
-            "<!-- doc-test: skip -->\n```python\nx = 1\n```\n\n"
-            "<!-- doc-test: prelude=nope -->\n```python\nx = 1\n```\n\n"
-            "<!-- doc-test: replace=absent -> present -->\n```python\nx = 1\n```\n\n"
-            "```python\nf(x=1, ...)\n```\n\n"
-            "<!-- doc-test: frobnicate=1 -->\n```bash\ntrue\n```\n\n"
-            "<!-- doc-test: skip: a reason -->\nprose, no block\n")
+    text = (
+        "```\nsome output\n```\n\n"
+        "<!-- doc-test: skip -->\n```python\nx = 1\n```\n\n"
+        "<!-- doc-test: prelude=nope -->\n```python\nx = 1\n```\n\n"
+        "<!-- doc-test: replace=absent -> present -->\n```python\nx = 1\n```\n\n"
+        "```python\nf(x=1, ...)\n```\n\n"
+        "<!-- doc-test: frobnicate=1 -->\n```bash\ntrue\n```\n\n"
+        "<!-- doc-test: skip: a reason -->\nprose, no block\n"
+    )
     found = doc_blocks.problems(doc_blocks.parse(md, text))
     assert [f.split(":", 2)[1] for f in found] == ["25", "29", "1", "6", "11", "16", "20"], found
     assert "unknown directive 'frobnicate'" in found[0] and "not followed by a code block" in found[1]
@@ -76,10 +91,12 @@ def test_console_and_bash_commands_are_split_per_line():
 def test_a_failing_block_fails_the_file_and_names_its_line(tmp_path, monkeypatch):
     monkeypatch.delenv("CKPT_REQUIRE_EXTRAS", raising=False)  # the block needing a missing module is skipped here
     md = tmp_path / "x.md"
-    md.write_text("<!-- doc-test: skip: output -->\n```\n1\n```\n\n"
-                  "<!-- doc-test: requires=no_such_module_here -->\n```python\n1 / 0\n```\n\n"
-                  "```python\nimport os\n```\n\n"
-                  "```bash\ntrue\nfalse  # fails\n```\n\n```python\nos.getcwd()\n```\n")
+    md.write_text(
+        "<!-- doc-test: skip: output -->\n```\n1\n```\n\n"
+        "<!-- doc-test: requires=no_such_module_here -->\n```python\n1 / 0\n```\n\n"
+        "```python\nimport os\n```\n\n"
+        "```bash\ntrue\nfalse  # fails\n```\n\n```python\nos.getcwd()\n```\n"
+    )
     proc = run_doc(md, tmp_path)
     assert proc.returncode == 1
     assert "skip x.md:7: no_such_module_here not installed" in proc.stdout
@@ -92,7 +109,9 @@ def test_a_failing_block_fails_the_file_and_names_its_line(tmp_path, monkeypatch
 
 def test_a_prelude_gives_its_objects_not_its_imports(tmp_path):
     md = tmp_path / "x.md"
-    md.write_text("<!-- doc-test: prelude=goodput_training -->\n```python\ntrain(next(loader))\nprint(total)\n"
-                  "torch.zeros(1)\n```\n")
+    md.write_text(
+        "<!-- doc-test: prelude=goodput_training -->\n```python\ntrain(next(loader))\nprint(total)\n"
+        "torch.zeros(1)\n```\n"
+    )
     proc = run_doc(md, tmp_path)
     assert proc.returncode == 1 and proc.stdout.startswith("1000\n") and "NameError: name 'torch'" in proc.stdout

@@ -1,4 +1,5 @@
 """Scripted timelines on a fake clock: seconds per category computed by hand, exact to the microsecond."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,9 @@ def attempt(root, clock, name, at=None, metrics=None) -> GoodputTracker:
     """Start one process attempt (flush at every step, so a 'crash' loses nothing recorded)."""
     if at is not None:
         clock.set(at)
-    return GoodputTracker(str(root), attempt_id=name, rank=0, job_id="job", clock=clock, flush_interval=0,
-                          metrics=metrics).start()
+    return GoodputTracker(
+        str(root), attempt_id=name, rank=0, job_id="job", clock=clock, flush_interval=0, metrics=metrics
+    ).start()
 
 
 def steps(tr, clock, first, last, seconds):
@@ -67,8 +69,9 @@ def test_no_failure(tmp_path):
     clock.advance(0.1)
     tr.end()
     a = attribute_root(str(tmp_path))
-    assert a.micros == expected(startup=2.0, checkpoint_restore=3.0, data_wait=1.000004, productive=4.999996,
-                                checkpoint_save=1.0, other=0.1)
+    assert a.micros == expected(
+        startup=2.0, checkpoint_restore=3.0, data_wait=1.000004, productive=4.999996, checkpoint_save=1.0, other=0.1
+    )
     assert a.wall_us == to_us(12.1)
     assert a.background_us == to_us(1.5)
     assert a.failures == 0 and a.attempts[0].status == "ok"
@@ -99,8 +102,9 @@ def two_attempts(root, metrics=None):
     return tr
 
 
-TWO_ATTEMPTS = expected(startup=3.0, checkpoint_restore=1.5, checkpoint_save=2.0, productive=8.0, lost=3.0,
-                        downtime=90.5)
+TWO_ATTEMPTS = expected(
+    startup=3.0, checkpoint_restore=1.5, checkpoint_save=2.0, productive=8.0, lost=3.0, downtime=90.5
+)
 
 
 def test_one_crash_after_two_checkpoints(tmp_path):
@@ -156,8 +160,9 @@ def test_crash_during_background_write_infers_resume_from_commits(tmp_path):
     steps(tr, clock, 3, 6, 1.0)
     tr.end()
     a = attribute_root(str(tmp_path))
-    assert a.micros == expected(checkpoint_restore=0.5, checkpoint_save=1.0, productive=6.0, lost=3.0,
-                                downtime=13.5, startup=1.0)
+    assert a.micros == expected(
+        checkpoint_restore=0.5, checkpoint_save=1.0, productive=6.0, lost=3.0, downtime=13.5, startup=1.0
+    )
     assert a.committed_steps == (2,)
     check_sum(a)
 
@@ -177,8 +182,7 @@ def test_two_crashes_before_a_new_checkpoint(tmp_path):
     steps(tr, clock, 4, 7, 1.0)
     tr.end()
     a = attribute_root(str(tmp_path))
-    assert a.micros == expected(checkpoint_restore=2.5, checkpoint_save=0.5, productive=7.0, lost=5.0,
-                                downtime=10.0)
+    assert a.micros == expected(checkpoint_restore=2.5, checkpoint_save=0.5, productive=7.0, lost=5.0, downtime=10.0)
     assert [at.lost_steps for at in a.attempts] == [3, 2, 0]
     assert a.failures == 2
     check_sum(a)
@@ -269,14 +273,27 @@ def test_a_wall_clock_that_went_back_between_attempts_invents_no_downtime(tmp_pa
     assert a.micros == expected(startup=3.0, checkpoint_restore=1.5, checkpoint_save=2.0, productive=8.0, lost=3.0)
     assert a.wall_us == to_us(17.5)
     assert [(at.attempt, at.start_us, at.end_us) for at in a.attempts] == [
-        ("a1", to_us(1000.0), to_us(1009.5)), ("a2", to_us(1009.5), to_us(1017.5))]
+        ("a1", to_us(1000.0), to_us(1009.5)),
+        ("a2", to_us(1009.5), to_us(1017.5)),
+    ]
     check_sum(a)
 
 
-@pytest.mark.parametrize("line, field, value", [
-    (8, "b", "soon"), (8, "s", 1.5), (8, "e", None), (4, "c", 7), (2, "t", True), (1, "rank", "0"), (6, "s", "4"),
-    (15, "bg", "1s"), (3, "open", [["step", "one", 1, 2]]), (3, "open", "x"),
-])
+@pytest.mark.parametrize(
+    "line, field, value",
+    [
+        (8, "b", "soon"),
+        (8, "s", 1.5),
+        (8, "e", None),
+        (4, "c", 7),
+        (2, "t", True),
+        (1, "rank", "0"),
+        (6, "s", "4"),
+        (15, "bg", "1s"),
+        (3, "open", [["step", "one", 1, 2]]),
+        (3, "open", "x"),
+    ],
+)
 def test_wrongly_typed_ledger_fields_name_file_and_line(tmp_path, line, field, value):
     two_attempts(tmp_path)
     [first] = [l for l in read_ledgers(str(tmp_path)) if l.attempt == "a1"]
@@ -286,7 +303,9 @@ def test_wrongly_typed_ledger_fields_name_file_and_line(tmp_path, line, field, v
     rec[field] = value
     lines[line - 1] = json.dumps(rec) + "\n"
     open(first.source, "w").write("".join(lines))
-    with pytest.raises(LedgerError, match=rf"ledger-a1-rank0\.jsonl:{line}: field '{field}' (of a '{rec['k']}' record )?must be"):
+    with pytest.raises(
+        LedgerError, match=rf"ledger-a1-rank0\.jsonl:{line}: field '{field}' (of a '{rec['k']}' record )?must be"
+    ):
         attribute_root(str(tmp_path))
 
 
@@ -315,7 +334,9 @@ def test_a_second_tracker_in_the_same_process_starts_where_the_first_ended(tmp_p
     tr.end()
     a = attribute_root(str(tmp_path))
     assert a.micros == expected(startup=7.5, productive=4.0, checkpoint_save=0.5, checkpoint_restore=1.0)
-    assert [(at.start_us, at.end_us) for at in a.attempts] == [(to_us(1000.0), to_us(1004.5)),
-                                                             (to_us(1004.5), to_us(1013.0))]
+    assert [(at.start_us, at.end_us) for at in a.attempts] == [
+        (to_us(1000.0), to_us(1004.5)),
+        (to_us(1004.5), to_us(1013.0)),
+    ]
     assert not [w for w in recwarn if "clock went back" in str(w.message)]
     check_sum(a)

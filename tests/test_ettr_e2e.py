@@ -1,4 +1,5 @@
 """End to end: a small training run with the checkpoint manager is SIGKILLed twice, resumed, and accounted for."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import pytest
 
 from ettr import attribute_root
 
-CHILD = r'''
+CHILD = r"""
 import json, os, sys, time
 root, stop_after, hang = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "hang"
 from opentelemetry.sdk.metrics import MeterProvider
@@ -54,13 +55,17 @@ tracker.end()
 with open(os.path.join(root, "otel.json"), "w") as f:
     json.dump(metric_totals(reader), f)
 print(f"done {time.time()}", flush=True)
-'''
+"""
 
 
 def run_child(script, root, stop_after, hang):
     """Run one attempt; SIGKILL it when it says it is hanging. Returns its stdout lines."""
-    proc = subprocess.Popen([sys.executable, str(script), str(root), str(stop_after), "hang" if hang else "run"],
-                            stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(root), str(stop_after), "hang" if hang else "run"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line.split())

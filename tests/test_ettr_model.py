@@ -1,4 +1,5 @@
 """The model's closed forms against published reference points and against the Monte Carlo simulator."""
+
 from __future__ import annotations
 
 import itertools
@@ -6,8 +7,17 @@ import itertools
 import pytest
 
 from ettr import (
-    FakeClock, GoodputTracker, advise, attribute_root, cluster_ettr, daly_interval, expected_ettr, mttf_from_rate,
-    seed_ettr, simulate, young_interval,
+    FakeClock,
+    GoodputTracker,
+    advise,
+    attribute_root,
+    cluster_ettr,
+    daly_interval,
+    expected_ettr,
+    mttf_from_rate,
+    seed_ettr,
+    simulate,
+    young_interval,
 )
 
 # Meta, 16,384 GPUs = 2048 nodes, 6.5 failures per 1000 node-days, u0 = 5 min restart overhead, write cost 0.

@@ -1,4 +1,5 @@
 """The CLI (report, plot, advise, simulate) on a scripted job, and the OpenTelemetry configure helper."""
+
 from __future__ import annotations
 
 import json
@@ -44,12 +45,24 @@ def scripted_job(root: str) -> None:
 # What scripted_job must come to, worked out by hand from its plan (not from the attribution code):
 # steps 1-1290 are kept (405 by a0, 406-765 by a1, 766-1290 by a2); a0 re-runs 406-410 and a1 766-800 (lost);
 # a data_wait of 4 s on every 10th step run (41 + 40 + 53), a 30 s save after every 45th (9 + 8 + 11 = 28 commits).
-EXPECTED = {"productive": 1290 * 20.0, "checkpoint_save": 28 * 30.0, "checkpoint_restore": 2.0 + 60 + 60,
-            "startup": 180.0 + 240 + 200, "lost": (5 + 35) * 20.0, "data_wait": (41 + 40 + 53) * 4.0, "other": 0.0}
+EXPECTED = {
+    "productive": 1290 * 20.0,
+    "checkpoint_save": 28 * 30.0,
+    "checkpoint_restore": 2.0 + 60 + 60,
+    "startup": 180.0 + 240 + 200,
+    "lost": (5 + 35) * 20.0,
+    "data_wait": (41 + 40 + 53) * 4.0,
+    "other": 0.0,
+}
 WALL = 19_500.0 + 200 + 60 + 525 * 20 + 53 * 4 + 11 * 30  # a2 starts at 19500 s and runs to the job's end
-EXPECTED["downtime"] = (9_000.0 - (180 + 2 + 410 * 20 + 41 * 4 + 9 * 30)) + (19_500.0 - (9_000 + 240 + 60 + 395 * 20 + 40 * 4 + 8 * 30))
-ATTEMPTS = [("a0", "failed", "None", "1-410", 5, 405 * 20.0, 5 * 20.0), ("a1", "failed", "405", "406-800", 35, 360 * 20.0, 35 * 20.0),
-            ("a2", "ok", "765", "766-1290", 0, 525 * 20.0, 0.0)]
+EXPECTED["downtime"] = (9_000.0 - (180 + 2 + 410 * 20 + 41 * 4 + 9 * 30)) + (
+    19_500.0 - (9_000 + 240 + 60 + 395 * 20 + 40 * 4 + 8 * 30)
+)
+ATTEMPTS = [
+    ("a0", "failed", "None", "1-410", 5, 405 * 20.0, 5 * 20.0),
+    ("a1", "failed", "405", "406-800", 35, 360 * 20.0, 35 * 20.0),
+    ("a2", "ok", "765", "766-1290", 0, 525 * 20.0, 0.0),
+]
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +93,18 @@ def test_report_text_gives_the_numbers_of_the_job(job):
     lines = out.stdout.splitlines()
     table = {line[:20].strip(): line[20:].split() for line in lines[1:11]}
     assert {cat: float(v[0]) for cat, v in table.items() if cat in EXPECTED} == EXPECTED
-    assert {cat: v[1] for cat, v in table.items() if cat in EXPECTED} == {c: f"{v / WALL:.2%}" for c, v in EXPECTED.items()}
+    assert {cat: v[1] for cat, v in table.items() if cat in EXPECTED} == {
+        c: f"{v / WALL:.2%}" for c, v in EXPECTED.items()
+    }
     assert float(table["wall time"][0]) == WALL and float(table["background ckpt"][0]) == 28 * 90.0
-    ettr = re.search(r"ETTR ([\d.]+) cumulative, ([\d.]+) over the last 3600 s; (\d+) failure\(s\); committed steps: "
-                     r"45 \.\.\. 1260 \(28\)", out.stdout)
+    ettr = re.search(
+        r"ETTR ([\d.]+) cumulative, ([\d.]+) over the last 3600 s; (\d+) failure\(s\); committed steps: "
+        r"45 \.\.\. 1260 \(28\)",
+        out.stdout,
+    )
     assert ettr and float(ettr[1]) == round(EXPECTED["productive"] / WALL, 4) and int(ettr[3]) == 2, out.stdout
     assert float(ettr[2]) == round(attribute_root(job).ettr_window(), 4)
-    rows = [line.split() for line in lines[lines.index(next(l for l in lines if l.startswith("attempt"))) + 1:][:3]]
+    rows = [line.split() for line in lines[lines.index(next(l for l in lines if l.startswith("attempt"))) + 1 :][:3]]
     assert [(r[0], r[1], r[2], r[3], int(r[4]), float(r[5]), float(r[6])) for r in rows] == ATTEMPTS
     assert "recommended interval" in out.stdout
 
@@ -104,8 +122,13 @@ def test_plot_draws_each_category_as_long_as_its_seconds(job, tmp_path):
 
     (tmp_path / "matplotlibrc").write_text("svg.fonttype: none\n")
     svg = tmp_path / "timeline.svg"
-    out = subprocess.run([sys.executable, "-m", "ettr", "plot", job, "-o", str(svg)], capture_output=True, text=True,
-                         cwd=REPO, env={**os.environ, "MATPLOTLIBRC": str(tmp_path)})
+    out = subprocess.run(
+        [sys.executable, "-m", "ettr", "plot", job, "-o", str(svg)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "MATPLOTLIBRC": str(tmp_path)},
+    )
     assert out.returncode == 0, out.stderr
     ns = {"s": "http://www.w3.org/2000/svg"}
     axes = ET.parse(svg).getroot().find(".//s:g[@id='axes_1']", ns)
@@ -121,7 +144,9 @@ def test_plot_draws_each_category_as_long_as_its_seconds(job, tmp_path):
                 row = bars.setdefault(round((min(xy[1::2]) + max(xy[1::2])) / 2, 3), {})
                 row[cat] = row.get(cat, 0.0) + (max(xy[0::2]) - min(xy[0::2])) * seconds_per_unit
     a = attribute_root(job)
-    expected_rows = [{c: v / 1e6 for c, v in at.micros.items() if v} for at in a.attempts] + [{"downtime": EXPECTED["downtime"]}]
+    expected_rows = [{c: v / 1e6 for c, v in at.micros.items() if v} for at in a.attempts] + [
+        {"downtime": EXPECTED["downtime"]}
+    ]
     drawn = [bars[y] for y in sorted(bars)]  # top to bottom: attempt 1, 2, 3, then downtime
     assert [sorted(r) for r in drawn] == [sorted(r) for r in expected_rows]
     for got, want in zip(drawn, expected_rows):
@@ -135,7 +160,9 @@ def test_rank_selects_whose_ledger_is_reported(tmp_path):
     without it the lowest rank's; a rank without a ledger is an error."""
     for rank in (0, 1):
         clock = FakeClock(1000.0)
-        tr = GoodputTracker(str(tmp_path), job_id="j", attempt_id="a0", rank=rank, clock=clock, flush_interval=0).start()
+        tr = GoodputTracker(
+            str(tmp_path), job_id="j", attempt_id="a0", rank=rank, clock=clock, flush_interval=0
+        ).start()
         clock.advance(10.0)
         for step in range(1, 5):
             with tr.step(step):

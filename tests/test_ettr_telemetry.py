@@ -4,6 +4,7 @@ Read back through the SDK's InMemoryMetricReader, and through each exporter `con
 Prometheus scrape over HTTP, OTLP/HTTP protobuf sent to a receiver on 127.0.0.1 that decodes it, and the console
 exporter's JSON on stdout.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -90,7 +91,8 @@ def test_in_memory_reader_sees_identity_attempt_counters_and_job_gauges(tmp_path
     seen = metric_totals(reader)
     # the counter starts from 0 in this process: only a2's own time, nothing of a1 added back at the restart
     assert seen["attempt_seconds"] == pytest.approx(
-        {"startup": 2.0, "checkpoint_restore": 1.0, "productive": 2.0, "checkpoint_save": 0.5, "other": 5.0})
+        {"startup": 2.0, "checkpoint_restore": 1.0, "productive": 2.0, "checkpoint_save": 0.5, "other": 5.0}
+    )
     report = attribute_root(root)  # the gauges carry the whole job, as the report does
     assert seen["seconds"] == pytest.approx({k: v / 1e6 for k, v in report.micros.items() if v})
     assert seen["seconds"]["lost"] == pytest.approx(3.0) and seen["seconds"]["productive"] == pytest.approx(4.0)
@@ -101,8 +103,11 @@ def test_in_memory_reader_sees_identity_attempt_counters_and_job_gauges(tmp_path
     assert resource["service.name"] == "ckpt-goodput" and resource["service.instance.id"] == "a2-rank0"
     assert (resource["ettr.job"], resource["ettr.attempt"], resource["ettr.rank"]) == (JOB, "a2", 0)
     assert resource["host.name"] == socket.gethostname()
-    labels = {m.name: {tuple(sorted(p.attributes)) for p in m.data.data_points}
-              for sm in resource_metrics.scope_metrics for m in sm.metrics}
+    labels = {
+        m.name: {tuple(sorted(p.attributes)) for p in m.data.data_points}
+        for sm in resource_metrics.scope_metrics
+        for m in sm.metrics
+    }
     job, attempt = ("ettr.job", "ettr.rank"), ("ettr.attempt", "ettr.job", "ettr.rank")
     assert labels["ettr.attempt.time"] == {("ettr.attempt", "ettr.category", "ettr.job", "ettr.rank")}
     assert labels["ettr.job.time"] == {("ettr.category", "ettr.job", "ettr.rank")}
@@ -138,9 +143,15 @@ def test_prometheus_scrape_over_http(tmp_path):
         return match
 
     (info,) = samples["target_info"]
-    assert {k: info[0][k] for k in ("service_name", "service_instance_id", "ettr_job", "ettr_attempt", "ettr_rank")} \
-        == {"service_name": "llm-pretrain", "service_instance_id": "a2-rank0", "ettr_job": JOB, "ettr_attempt": "a2",
-            "ettr_rank": "0"}
+    assert {
+        k: info[0][k] for k in ("service_name", "service_instance_id", "ettr_job", "ettr_attempt", "ettr_rank")
+    } == {
+        "service_name": "llm-pretrain",
+        "service_instance_id": "a2-rank0",
+        "ettr_job": JOB,
+        "ettr_attempt": "a2",
+        "ettr_rank": "0",
+    }
     me = {"ettr_job": JOB, "ettr_rank": "0"}
     assert value("ettr_attempt_time_seconds_total", ettr_category="productive", ettr_attempt="a2", **me) == 2.0
     assert value("ettr_attempt_time_seconds_total", ettr_category="startup", ettr_attempt="a2", **me) == 2.0
@@ -171,13 +182,25 @@ EXPORTED = {
     ("ettr.checkpoint.last_step", ()): 4,
     ("ettr.checkpoint.age", ()): 5.0,
 }
-EXPORTED.update({(f"{name}.{part}", (("ettr.attempt", "a2"),)): value  # histograms: count and sum
-                 for name, count, total in (("ettr.checkpoint.size", 1, 8192.0), ("ettr.checkpoint_write.duration", 1, 2.0),
-                                            ("ettr.checkpoint_save.duration", 1, 0.5),
-                                            ("ettr.checkpoint_restore.duration", 1, 1.0))
-                 for part, value in (("count", count), ("sum", total))})
-IDENTITY = {"service.name": "llm-pretrain", "service.instance.id": "a2-rank0", "ettr.job": JOB, "ettr.attempt": "a2",
-            "ettr.rank": 0}
+EXPORTED.update(
+    {
+        (f"{name}.{part}", (("ettr.attempt", "a2"),)): value  # histograms: count and sum
+        for name, count, total in (
+            ("ettr.checkpoint.size", 1, 8192.0),
+            ("ettr.checkpoint_write.duration", 1, 2.0),
+            ("ettr.checkpoint_save.duration", 1, 0.5),
+            ("ettr.checkpoint_restore.duration", 1, 1.0),
+        )
+        for part, value in (("count", count), ("sum", total))
+    }
+)
+IDENTITY = {
+    "service.name": "llm-pretrain",
+    "service.instance.id": "a2-rank0",
+    "ettr.job": JOB,
+    "ettr.attempt": "a2",
+    "ettr.rank": 0,
+}
 
 
 def _point_key(name: str, attributes: dict) -> tuple:
@@ -196,7 +219,9 @@ class _OtlpReceiver(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
-            ExportMetricsServiceRequest, ExportMetricsServiceResponse)
+            ExportMetricsServiceRequest,
+            ExportMetricsServiceResponse,
+        )
 
         body = self.rfile.read(int(self.headers["Content-Length"]))
         if self.headers.get("Content-Encoding") == "gzip":
@@ -228,8 +253,13 @@ def test_otlp_http_export_is_received_and_decoded(tmp_path, monkeypatch):
     thread.start()
     root = str(tmp_path)
     crashed_attempt(root)
-    tr, clock, provider, _ = restarted_attempt(root, "otlp", service_name="llm-pretrain", interval_s=3600.0,
-                                               endpoint=f"http://127.0.0.1:{server.server_port}/v1/metrics")
+    tr, clock, provider, _ = restarted_attempt(
+        root,
+        "otlp",
+        service_name="llm-pretrain",
+        interval_s=3600.0,
+        endpoint=f"http://127.0.0.1:{server.server_port}/v1/metrics",
+    )
     try:
         go_on(tr, clock)
         assert provider.force_flush(timeout_millis=30_000)
@@ -272,8 +302,9 @@ provider.shutdown()
 def test_console_export_prints_the_numbers(tmp_path):
     """The console exporter writes to the process's stdout (bound when the SDK is imported): read it from a child."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", _CONSOLE_CHILD, str(tmp_path)], capture_output=True, text=True,
-                         env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _CONSOLE_CHILD, str(tmp_path)], capture_output=True, text=True, env=env, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     printed = out.stdout.split("<<<\n", 1)[1].split(">>>\n", 1)[0]
     (resource_metrics,) = json.loads(printed)["resource_metrics"]

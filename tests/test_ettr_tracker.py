@@ -1,4 +1,5 @@
 """GoodputTracker with real processes: what reaches the ledger before a SIGKILL."""
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # One attempt on a fake clock starting at START s: a 0.5 s restore of nothing, then STEPS steps of 0.1 s each, all
 # within one flush interval (1 s); then it ends cleanly, or waits to be SIGKILLed.
-CHILD = r'''
+CHILD = r"""
 import sys, time
 from ettr import FakeClock, GoodputTracker
 root, attempt, start, steps, then = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
@@ -32,13 +33,17 @@ if then == "end":
     sys.exit()
 print("hanging", flush=True)
 time.sleep(600)
-'''
+"""
 
 
 def attempt(script, root, name: str, start: float, steps: int, then: str) -> subprocess.Popen:
     """Run one attempt of the child."""
-    return subprocess.Popen([sys.executable, str(script), str(root), name, str(start), str(steps), then],
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.Popen(
+        [sys.executable, str(script), str(root), name, str(start), str(steps), then],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
 
 
 def test_steps_before_a_sigkill_are_lost_work_not_downtime(tmp_path):
@@ -54,6 +59,10 @@ def test_steps_before_a_sigkill_are_lost_work_not_downtime(tmp_path):
     a = attribute_root(str(root))
     summary = [(at.status, at.last_step, at.lost_steps) for at in a.attempts]
     assert summary == [("failed", steps, steps), ("ok", steps, 0)]
-    want = {"checkpoint_restore": 1.0, "lost": steps * 0.1, "downtime": 10.0 - 0.5 - steps * 0.1,
-            "productive": steps * 0.1}
+    want = {
+        "checkpoint_restore": 1.0,
+        "lost": steps * 0.1,
+        "downtime": 10.0 - 0.5 - steps * 0.1,
+        "productive": steps * 0.1,
+    }
     assert a.micros == {c: to_us(want.get(c, 0.0)) for c in CATEGORIES}

@@ -39,7 +39,11 @@ def test_sigkill_resume_is_bitwise_and_reported(tmp_path):
     assert sorted(p.name for p in job.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-16"]
     assert sorted(p.name for p in (job / "ckpt").glob("step_*")) == ["step_00000012", "step_00000016"]
     assert sorted(p.name for p in (job / "checkpoint-16").iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors", "trainer_state.json"]
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "trainer_state.json",
+    ]
     assert json.loads((job / "checkpoint-16" / "trainer_state.json").read_text())["global_step"] == 16
     assert not list(job.rglob("*.pth")) and not list(job.rglob("*.bin")) and not list(job.rglob("*.pt"))
     # the folder is HF-native: from_pretrained loads the final weights of the resumed run
@@ -81,10 +85,25 @@ def _trainer(out: Path, steps: int, stock: bool = False, args: dict | None = Non
     ids = torch.randint(0, 64, (16, 8), generator=torch.Generator().manual_seed(3))
     data = [{"input_ids": x, "labels": x} for x in ids]
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=8))
-    targs = TrainingArguments(**{**dict(output_dir=str(out), max_steps=steps, per_device_train_batch_size=4,
-                                        save_steps=2, save_total_limit=2, learning_rate=1e-3, use_cpu=True,
-                                        report_to=[], disable_tqdm=True, dataloader_num_workers=0, logging_steps=1,
-                                        seed=0), **(args or {})})
+    targs = TrainingArguments(
+        **{
+            **dict(
+                output_dir=str(out),
+                max_steps=steps,
+                per_device_train_batch_size=4,
+                save_steps=2,
+                save_total_limit=2,
+                learning_rate=1e-3,
+                use_cpu=True,
+                report_to=[],
+                disable_tqdm=True,
+                dataloader_num_workers=0,
+                logging_steps=1,
+                seed=0,
+            ),
+            **(args or {}),
+        }
+    )
     log = StepLog()
     if stock:
         trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[log], **options)
@@ -127,8 +146,11 @@ def test_fresh_train_into_a_used_output_dir_fails_before_touching_it(tmp_path, n
     out = tmp_path / "out"
     _trainer(out, 4).train()
     before = _tree(out)
-    with pytest.raises(ckpt.RunMismatchError, match=r"committed steps \[2, 4\].*resume_from_checkpoint=True.*"
-                                                    r"overwrite=True"):
+    with pytest.raises(
+        ckpt.RunMismatchError,
+        match=r"committed steps \[2, 4\].*resume_from_checkpoint=True.*"
+        r"overwrite=True",
+    ):
         _trainer(out, 6).train()
     assert _tree(out) == before, "no folder rotated, no step deleted, no ledger of the refused attempt"
 
@@ -186,10 +208,20 @@ def test_load_best_model_at_end(tmp_path):
 
     out = tmp_path / "out"
     # eval loss rises here (the eval data differ): the best is the first evaluation (step 2), not the last step
-    trainer = _trainer(out, 6, args={"eval_strategy": "steps", "eval_steps": 2, "load_best_model_at_end": True,
-                                     "metric_for_best_model": "eval_loss", "greater_is_better": False,
-                                     "save_total_limit": 1, "learning_rate": 1e-2},
-                       eval_dataset=[{"input_ids": x, "labels": x} for x in torch.arange(32).reshape(4, 8)])
+    trainer = _trainer(
+        out,
+        6,
+        args={
+            "eval_strategy": "steps",
+            "eval_steps": 2,
+            "load_best_model_at_end": True,
+            "metric_for_best_model": "eval_loss",
+            "greater_is_better": False,
+            "save_total_limit": 1,
+            "learning_rate": 1e-2,
+        },
+        eval_dataset=[{"input_ids": x, "labels": x} for x in torch.arange(32).reshape(4, 8)],
+    )
     trainer.train()
     assert trainer.state.best_model_checkpoint == str(out / "checkpoint-2")
     best, last = {"model": None}, {"model": None}
@@ -273,8 +305,11 @@ def test_resume_is_bitwise_only_with_the_rng_restored(tmp_path, rng):
             """The control: HF's own RNG seeding and batch skipping only."""
 
     runs = {}
-    for name, cls, callbacks, resume in (("straight", LossLog, [], None), ("first", LossLog, [_StopAt(2)], None),
-                                         ("resumed", LossLog if rng else WithoutRngRestore, [], True)):
+    for name, cls, callbacks, resume in (
+        ("straight", LossLog, [], None),
+        ("first", LossLog, [_StopAt(2)], None),
+        ("resumed", LossLog if rng else WithoutRngRestore, [], True),
+    ):
         trainer = _trainer(tmp_path / ("straight" if name == "straight" else "job"), 6, cls=cls)
         for callback in callbacks:
             trainer.add_callback(callback)

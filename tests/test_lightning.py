@@ -24,6 +24,7 @@ from kill_resume import assert_reported, assert_same_bits, finish, losses, start
 def committed_steps(root) -> list[int]:
     return layout.committed_steps(open_storage(str(root)))
 
+
 CHILD = Path(__file__).parent / "procs" / "lightning_train.py"
 STEPS, KILL_AT = 16, 10  # the child saves every 4 steps: the resume is from step 8
 
@@ -55,9 +56,15 @@ def test_copied_run_resumes_twice_bitwise_without_duplicate_or_stale_pointers(tm
     straight = start(CHILD, tmp_path / "straight", tmp_path / "straight.npz", STEPS)
     first = start(CHILD, job, tmp_path / "x.npz", STEPS, 6)
     reference, _ = losses(finish(straight)), finish(first)
-    assert pointers(job) == {"epoch=0-step=4.ckpt": 4, "last.ckpt": 4} and layout.committed_steps(open_storage(job))[-1] == 4
+    assert (
+        pointers(job) == {"epoch=0-step=4.ckpt": 4, "last.ckpt": 4}
+        and layout.committed_steps(open_storage(job))[-1] == 4
+    )
     finish(start(CHILD, job, tmp_path / "x.npz", STEPS, 10))  # resumes from 4: its dict predates last.ckpt
-    assert pointers(job) == {"epoch=0-step=8.ckpt": 8, "last.ckpt": 8} and layout.committed_steps(open_storage(job))[-1] == 8
+    assert (
+        pointers(job) == {"epoch=0-step=8.ckpt": 8, "last.ckpt": 8}
+        and layout.committed_steps(open_storage(job))[-1] == 8
+    )
 
     shutil.copytree(job, copy)
     before = sorted((p.relative_to(job), p.stat().st_mtime_ns) for p in job.rglob("*"))
@@ -82,9 +89,20 @@ def test_saveable_drops_what_needs_pickle():
     class Opaque:
         pass
 
-    clean, dropped = saveable({"state_dict": {"w": torch.ones(2)}, "hyper_parameters": {
-        "lr": 0.1, "path": Path("/x"), "act": Opaque(), "sizes": (1, 2), "objs": [1, Opaque()], 3: "int key",
-        (1, 2): "tuple key"}})
+    clean, dropped = saveable(
+        {
+            "state_dict": {"w": torch.ones(2)},
+            "hyper_parameters": {
+                "lr": 0.1,
+                "path": Path("/x"),
+                "act": Opaque(),
+                "sizes": (1, 2),
+                "objs": [1, Opaque()],
+                3: "int key",
+                (1, 2): "tuple key",
+            },
+        }
+    )
     assert dropped == ["hyper_parameters.act", "hyper_parameters.objs", "hyper_parameters.(1, 2)"]
     assert clean["hyper_parameters"] == {"lr": 0.1, "path": "/x", "sizes": (1, 2), 3: "int key"}
 
@@ -94,7 +112,8 @@ def test_pointer_of_a_step_that_never_committed_falls_back(tmp_path):
     io.save_checkpoint({"global_step": 4, "w": torch.arange(3.0)}, tmp_path / "p" / "a.ckpt")
     io.teardown()
     (tmp_path / "p" / "b.ckpt").write_text(
-        (tmp_path / "p" / "a.ckpt").read_text().replace('"step": 4', '"step": 8'))  # as if killed mid-write
+        (tmp_path / "p" / "a.ckpt").read_text().replace('"step": 4', '"step": 8')
+    )  # as if killed mid-write
     with pytest.warns(RuntimeWarning, match="step 8 was never committed"):
         loaded = io.load_checkpoint(tmp_path / "p" / "b.ckpt")
     assert loaded["global_step"] == 4 and torch.equal(loaded["w"], torch.arange(3.0))
@@ -121,13 +140,22 @@ def test_pointers_are_relative_and_the_next_writer_drops_those_of_steps_that_nev
     with pytest.warns(RuntimeWarning, match="not committed") as removed:
         io.save_checkpoint({"global_step": 5, "w": torch.zeros(3)}, folder / "c.ckpt")
     io.teardown()
-    assert sorted(str(w.message).split(":")[0] for w in removed) == [f"removing {folder / n}"
-                                                                      for n in ("b.ckpt", "last.ckpt")]
+    assert sorted(str(w.message).split(":")[0] for w in removed) == [
+        f"removing {folder / n}" for n in ("b.ckpt", "last.ckpt")
+    ]
     assert sorted(p.name for p in folder.iterdir()) == ["a.ckpt", "c.ckpt", "old.ckpt"]
 
 
-def _fit(root: Path, steps: int, ckpt_path: str | None = None, without: str | None = None, strategy: object = "auto",
-         accelerator: str = "cpu", callbacks: tuple = (), **io_options) -> dict[str, torch.Tensor]:
+def _fit(
+    root: Path,
+    steps: int,
+    ckpt_path: str | None = None,
+    without: str | None = None,
+    strategy: object = "auto",
+    accelerator: str = "cpu",
+    callbacks: tuple = (),
+    **io_options,
+) -> dict[str, torch.Tensor]:
     """A tiny fit through CkptCheckpointIO + GoodputCallback (the child's model and data); returns its final weights.
     `callbacks` replace the ModelCheckpoint saving every 4 steps. Negative controls: `without="rng"` leaves the RNG
     state out of the checkpoint, `without="sampler"` leaves the sampler where it is on a resume instead of loading
@@ -141,13 +169,25 @@ def _fit(root: Path, steps: int, ckpt_path: str | None = None, without: str | No
 
     torch.manual_seed(0)
     sampler = ShuffledSampler(64, 8, seed=1)
-    trainer = Trainer(accelerator=accelerator, devices=1, max_steps=steps, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                      deterministic=True, strategy=strategy, plugins=[CkptCheckpointIO(root, **io_options)],
-                      callbacks=[(_forgets_samplers() if without == "sampler" else GoodputCallback)(
-                                     samplers={"train": sampler}, rng=without != "rng"),
-                                 *(callbacks or [ModelCheckpoint(dirpath=root / "pointers", every_n_train_steps=4,
-                                                                 save_last=True)])])
+    trainer = Trainer(
+        accelerator=accelerator,
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        deterministic=True,
+        strategy=strategy,
+        plugins=[CkptCheckpointIO(root, **io_options)],
+        callbacks=[
+            (_forgets_samplers() if without == "sampler" else GoodputCallback)(
+                samplers={"train": sampler}, rng=without != "rng"
+            ),
+            *(callbacks or [ModelCheckpoint(dirpath=root / "pointers", every_n_train_steps=4, save_last=True)]),
+        ],
+    )
     model = Net()
     trainer.fit(model, train_dataloaders=make_loader(Points(), sampler), ckpt_path=ckpt_path)
     assert trainer.global_step == steps

@@ -43,8 +43,9 @@ def train(root: str, tokens: str, every: int, overlap: bool) -> None:
     sampler = RandomWindowSampler(dataset.n_tokens, WINDOW, 3, BATCH, seed=3, fingerprint=dataset.fingerprint())
     try:
         tracker = GoodputTracker(root, flush_interval=0)  # every step reaches the ledger before its "step" line
-        with TrainLoop(root, {"model": model, "optim": optim}, sampler=sampler, every_steps=every, overlap=overlap,
-                       tracker=tracker) as loop:
+        with TrainLoop(
+            root, {"model": model, "optim": optim}, sampler=sampler, every_steps=every, overlap=overlap, tracker=tracker
+        ) as loop:
             print(f"restored {loop.start_step}", flush=True)
             for step, batch in zip(loop.steps(TOTAL), sampler.track(make_loader(dataset, sampler))):
                 x = batch["tokens"] % VOCAB
@@ -62,8 +63,9 @@ def train(root: str, tokens: str, every: int, overlap: bool) -> None:
     Path(root, "final.bin").write_bytes(b"".join(t.numpy().tobytes() for t in model.state_dict().values()))
 
 
-def run_child(root: Path, tokens: Path, *, every: int = EVERY, overlap: bool = False,
-              signal_on: tuple[str, int] | None = None) -> tuple[int, list[str]]:
+def run_child(
+    root: Path, tokens: Path, *, every: int = EVERY, overlap: bool = False, signal_on: tuple[str, int] | None = None
+) -> tuple[int, list[str]]:
     """Run the child; send `signal_on[1]` when it prints `signal_on[0]`. Returns its exit status and lines."""
     cmd = [sys.executable, __file__, str(root), str(tokens), str(every)] + (["--overlap"] if overlap else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent)
@@ -96,14 +98,24 @@ def test_explain_shows_the_batch_of_the_step_training_logged(reference):
     root, lines = reference
     logged = {int(step): digest for kind, step, digest in (l.split() for l in lines if l.startswith("batch"))}
     assert sorted(logged) == list(range(1, TOTAL + 1))
-    assert ettr_steps(root) == (1, TOTAL) and layout.committed_steps(open_storage(root)) == list(range(EVERY, TOTAL + 1, EVERY))
+    assert ettr_steps(root) == (1, TOTAL) and layout.committed_steps(open_storage(root)) == list(
+        range(EVERY, TOTAL + 1, EVERY)
+    )
     for step, checkpoint in ((1, []), (TOTAL, []), (13, ["--checkpoint", "8"])):  # past, last, and after a checkpoint
-        out = subprocess.run([sys.executable, "-m", "ckpt", "explain", str(root), "--step", str(step), *checkpoint],
-                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        out = subprocess.run(
+            [sys.executable, "-m", "ckpt", "explain", str(root), "--step", str(step), *checkpoint],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         assert out.returncode == 0, out.stderr
         assert f"\nstep {step}: " in out.stdout and f"batch hash {logged[step]}\n" in out.stdout, out.stdout
-    out = subprocess.run([sys.executable, "-m", "ckpt", "explain", str(root), "--step", "0"], capture_output=True,
-                         text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = subprocess.run(
+        [sys.executable, "-m", "ckpt", "explain", str(root), "--step", "0"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert out.returncode == 2 and "steps count from 1" in out.stderr
 
 

@@ -16,6 +16,7 @@ STEPS = list(range(1, 11))
 
 # -- retention ------------------------------------------------------------------------------------------------
 
+
 def test_each_retention_policy_keeps_exactly_its_steps():
     loss = {s: {"loss": abs(s - 4) + 0.5} for s in STEPS}  # best at 4, then 3 and 5 (tie: the newer, 5)
     assert KeepLast(3).keep(STEPS, {}) == {8, 9, 10}
@@ -90,6 +91,7 @@ def test_manager_refuses_a_policy_with_shorthands_or_a_non_policy(tmp_path):
 
 # -- save decisions (time is an argument: a fake clock) ----------------------------------------------------------
 
+
 def _run(decision: ckpt.SaveDecision, times: dict[int, float]) -> list[int]:
     """The steps saved over steps 1..max(times), telling the decision of each save as a loop does."""
     saved = []
@@ -147,8 +149,12 @@ def test_preemption_asks_for_one_save_per_signal_and_restores_the_handler():
 
 
 def test_save_decisions_check_their_arguments():
-    for bad in (lambda: ckpt.EveryNSteps(0), lambda: ckpt.EveryNSteps(True), lambda: ckpt.EveryNSeconds(0),
-                lambda: ckpt.EveryNSeconds(math.inf)):
+    for bad in (
+        lambda: ckpt.EveryNSteps(0),
+        lambda: ckpt.EveryNSteps(True),
+        lambda: ckpt.EveryNSeconds(0),
+        lambda: ckpt.EveryNSeconds(math.inf),
+    ):
         with pytest.raises(ValueError):
             bad()
     with pytest.raises(TypeError, match="SaveDecision"):

@@ -25,7 +25,13 @@ def _generators() -> dict[str, object]:
 
 def _draw(gens: dict[str, object]) -> list[float]:
     """A few numbers from every global source and every registered generator (gauss caches included)."""
-    out = [random.random(), random.gauss(0, 1), float(np.random.rand()), float(np.random.randn()), torch.rand(3).tolist()]
+    out = [
+        random.random(),
+        random.gauss(0, 1),
+        float(np.random.rand()),
+        float(np.random.randn()),
+        torch.rand(3).tolist(),
+    ]
     for g in gens.values():
         if isinstance(g, random.Random):
             out += [g.random(), g.gauss(0, 1)]

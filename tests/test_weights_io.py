@@ -57,10 +57,13 @@ def _io() -> int:
 
 # -- ckpt.load ------------------------------------------------------------------------------------------------
 
+
 def test_load_reads_only_the_chunks_of_the_selected_tensor(tmp_path):
     g = torch.Generator().manual_seed(0)
-    state = {"model": {f"layer{i}.weight": torch.randn(256, 1024, generator=g) for i in range(12)},  # 1 MiB each
-             "optim": {"big": torch.randn(1024, 1024, generator=g)}}
+    state = {
+        "model": {f"layer{i}.weight": torch.randn(256, 1024, generator=g) for i in range(12)},  # 1 MiB each
+        "optim": {"big": torch.randn(1024, 1024, generator=g)},
+    }
     with ckpt.CheckpointManager(tmp_path, chunk_bytes=256 << 10) as m:  # 4 chunks per layer, 16 for "big"
         m.save(1, state)
     ckpt.load(tmp_path, keys=["model.layer0.weight"])  # imports and caches warm
@@ -96,7 +99,10 @@ def test_load_gives_plain_values_tied_weights_tied_and_names_a_missing_key(tmp_p
     part = ckpt.load(tmp_path, keys=["optim.state.0.exp_avg", "meta.epoch"])
     assert part == {"optim": {"state": {0: part["optim"]["state"][0]}}, "meta": {"epoch": 2}}
     assert _bits(part["optim"]["state"][0]["exp_avg"]) == _bits(saved["state"][0]["exp_avg"])
-    with pytest.raises(KeyError, match=r"'model.embed.bias' is not in checkpoint step 3: no 'embed.bias' under model \(it has \[.*'embed.weight'"):
+    with pytest.raises(
+        KeyError,
+        match=r"'model.embed.bias' is not in checkpoint step 3: no 'embed.bias' under model \(it has \[.*'embed.weight'",
+    ):
         ckpt.load(tmp_path, keys=["model.embed.bias"])
     with pytest.raises(ValueError, match="part of one tensor"):
         ckpt.load(tmp_path, keys=["model"], region=(slice(0, 1),))
@@ -112,12 +118,16 @@ def test_load_falls_back_from_a_damaged_newest_step_and_leaves_the_root_alone(tm
     chunk.write_bytes(bytes(data))
     with pytest.warns(RuntimeWarning, match=r"step 2 is damaged.*crc32c.*loading the previous"):
         assert torch.equal(ckpt.load(tmp_path)["w"], torch.ones(64))
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step_00000001", "step_00000002"]  # nothing moved
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
+        "step_00000001",
+        "step_00000002",
+    ]  # nothing moved
     with pytest.raises(CorruptCheckpointError, match=str(chunk)):
         ckpt.load(tmp_path, step=2)
 
 
 # -- export ---------------------------------------------------------------------------------------------------
+
 
 def test_export_safetensors_loads_bitwise_ties_as_hf_and_shards_with_an_index(tmp_path):
     from safetensors import safe_open
@@ -161,7 +171,9 @@ def test_export_safetensors_streams_a_tensor_in_bands(tmp_path, monkeypatch):
     info = read_manifest(open_storage(tmp_path / "root"), 1).arrays["model/big"]
     assert [box[0] for box in exporter.bands(info)] == [(0, 224), (224, 448), (448, 672), (672, 896), (896, 1000)]
     ckpt.export(tmp_path / "root", tmp_path / "st", format="safetensors")
-    _same(load_file(tmp_path / "st" / "model.safetensors"), {"big": big, "scalar": torch.tensor(1.5, dtype=torch.float64)})
+    _same(
+        load_file(tmp_path / "st" / "model.safetensors"), {"big": big, "scalar": torch.tensor(1.5, dtype=torch.float64)}
+    )
 
 
 def test_export_torch_loads_with_weights_only_bitwise_with_ties(tmp_path):
@@ -191,8 +203,9 @@ def test_export_hf_loads_with_from_pretrained_and_equal_logits(tmp_path):
     from ckpt.exporter import model_config_metadata
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8,
-                                       bos_token_id=0, eos_token_id=0)).eval()
+    model = GPT2LMHeadModel(
+        GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8, bos_token_id=0, eos_token_id=0)
+    ).eval()
     assert model.lm_head.weight is model.transformer.wte.weight  # tied
     with ckpt.CheckpointManager(tmp_path / "root") as m:
         m.save(2, {"model": model}, metadata=model_config_metadata(model))
@@ -223,8 +236,15 @@ def test_hf_trainer_steps_export_to_from_pretrained_without_flags(tmp_path):
     torch.manual_seed(0)
     ds = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 32, (8, 8))]
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), save_steps=2, max_steps=2, disable_tqdm=True,
-                             report_to=[], use_cpu=True, per_device_train_batch_size=4)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        save_steps=2,
+        max_steps=2,
+        disable_tqdm=True,
+        report_to=[],
+        use_cpu=True,
+        per_device_train_batch_size=4,
+    )
     CkptTrainer(model=model, args=args, train_dataset=ds).train()
     assert cli.main(["export", str(tmp_path / "out" / "ckpt"), "--format", "hf", "-o", str(tmp_path / "hf"), "-q"]) == 0
     loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
@@ -240,10 +260,12 @@ def test_cli_errors_are_one_line_and_leave_nothing(tmp_path, capsys):
     root, out = str(tmp_path / "root"), tmp_path / "out"
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("keep me")
-    cases = [(["--format", "onnx"], "unknown export format 'onnx' (choose from safetensors, torch, hf)"),
-             (["--format", "safetensors", "--keys", "optim"], "key 'optim' is not in checkpoint step 1"),
-             (["--format", "torch", "--keys", "model.embed.weight.x"], "no 'x' under model.embed.weight"),
-             (["--format", "safetensors", "--max-shard-size", "lots"], "not a size: 'lots'")]
+    cases = [
+        (["--format", "onnx"], "unknown export format 'onnx' (choose from safetensors, torch, hf)"),
+        (["--format", "safetensors", "--keys", "optim"], "key 'optim' is not in checkpoint step 1"),
+        (["--format", "torch", "--keys", "model.embed.weight.x"], "no 'x' under model.embed.weight"),
+        (["--format", "safetensors", "--max-shard-size", "lots"], "not a size: 'lots'"),
+    ]
     for extra, message in cases:
         assert cli.main(["export", root, "-o", str(out), *extra]) == 1
         err = capsys.readouterr().err
@@ -258,6 +280,7 @@ def test_cli_errors_are_one_line_and_leave_nothing(tmp_path, capsys):
 
 
 # -- import ---------------------------------------------------------------------------------------------------
+
 
 def _restored(root, step: int, keys=None, seed: int = 1):
     model, optim = Tied(seed), None

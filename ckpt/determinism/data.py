@@ -75,7 +75,9 @@ class _CounterSampler(Sampler[list[Any]]):
         rank = found_rank if rank is None else rank
         world_size = found_world if world_size is None else world_size
         if global_batch_size < 1 or global_batch_size % world_size:
-            raise ValueError(f"global_batch_size {global_batch_size} must be a positive multiple of world_size {world_size}")
+            raise ValueError(
+                f"global_batch_size {global_batch_size} must be a positive multiple of world_size {world_size}"
+            )
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, {world_size})")
         if seed < 0:
@@ -173,7 +175,9 @@ class _CounterSampler(Sampler[list[Any]]):
     def _check_generation(self, generation: int) -> None:
         """Refuse to continue an iterator created before `load_state_dict` (it would silently ignore the state)."""
         if generation != self._generation:
-            raise RuntimeError("sampler state was loaded (or skips added) after iter(); create a new DataLoader iterator")
+            raise RuntimeError(
+                "sampler state was loaded (or skips added) after iter(); create a new DataLoader iterator"
+            )
 
     # ----- state ----------------------------------------------------------------------------------------
     def _config(self) -> dict[str, Any]:
@@ -259,7 +263,9 @@ class RandomWindowSampler(_CounterSampler):
         allow_data_change: bool = False,
     ) -> None:
         if window < 1 or stride < 1 or n_tokens < window:
-            raise ValueError(f"need window >= 1, stride >= 1, n_tokens >= window; got n={n_tokens} L={window} c={stride}")
+            raise ValueError(
+                f"need window >= 1, stride >= 1, n_tokens >= window; got n={n_tokens} L={window} c={stride}"
+            )
         self.n_tokens, self.window, self.stride = n_tokens, window, stride
         super().__init__(
             (n_tokens - window) // stride + 1,
@@ -345,7 +351,9 @@ def is_sampler_state(tree: Any) -> bool:
 def explain(state: Mapping[str, Any], step: int) -> Explanation:
     """The global batch of step `step` (from 1, as in logs and checkpoint names) from a saved sampler state."""
     if not is_sampler_state(state):
-        raise ValueError(f"not a sampler state: key 'kind' is {state.get('kind')!r}, expected one of {list(SAMPLER_KINDS)}")
+        raise ValueError(
+            f"not a sampler state: key 'kind' is {state.get('kind')!r}, expected one of {list(SAMPLER_KINDS)}"
+        )
     return SAMPLER_KINDS[state["kind"]].from_state(state).explain(step)
 
 
@@ -377,7 +385,9 @@ class TokenWindowDataset(Dataset[dict[str, Any]]):
         self.dtype = np.dtype(dtype)
         size = os.path.getsize(self.path)
         if size % self.dtype.itemsize:
-            raise ValueError(f"{self.path}: size {size} is not a multiple of {self.dtype} itemsize {self.dtype.itemsize}")
+            raise ValueError(
+                f"{self.path}: size {size} is not a multiple of {self.dtype} itemsize {self.dtype.itemsize}"
+            )
         self.n_tokens = size // self.dtype.itemsize
         self.window, self.seed, self.transform = window, seed, transform
         self._tokens: np.memmap | None = None
@@ -397,7 +407,11 @@ class TokenWindowDataset(Dataset[dict[str, Any]]):
         tokens = np.array(self._tokens[start : start + self.window])
         if len(tokens) != self.window:
             raise IndexError(f"window [{start}, {start + self.window}) exceeds {self.n_tokens} tokens in {self.path}")
-        out = self.transform(tokens, sample_rng(self.seed, t)) if self.transform else torch.from_numpy(tokens.astype(np.int64))
+        out = (
+            self.transform(tokens, sample_rng(self.seed, t))
+            if self.transform
+            else torch.from_numpy(tokens.astype(np.int64))
+        )
         return {"t": t, "start": start, "tokens": out}
 
 

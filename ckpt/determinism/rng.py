@@ -27,13 +27,18 @@ def _python_restore(rng: Any, state: Mapping[str, Any]) -> None:
 
 def _numpy_capture(state: Mapping[str, Any]) -> dict[str, Any]:
     """A numpy bit-generator state dict with its arrays copied (ints, strings and uint arrays only)."""
-    return {k: _numpy_capture(v) if isinstance(v, Mapping) else (v.copy() if isinstance(v, np.ndarray) else v) for k, v in state.items()}
+    return {
+        k: _numpy_capture(v) if isinstance(v, Mapping) else (v.copy() if isinstance(v, np.ndarray) else v)
+        for k, v in state.items()
+    }
 
 
 def _byte_tensor(value: Any, key: str) -> torch.Tensor:
     """A torch RNG state as the CPU uint8 tensor torch expects, or a TypeError naming the key."""
     if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8:
-        raise TypeError(f"RNG state {key!r}: expected a uint8 tensor, got {type(value).__name__} {getattr(value, 'dtype', '')}")
+        raise TypeError(
+            f"RNG state {key!r}: expected a uint8 tensor, got {type(value).__name__} {getattr(value, 'dtype', '')}"
+        )
     return value.to("cpu").contiguous()
 
 
@@ -42,7 +47,9 @@ def _kind(generator: Any) -> str:
     for kind, cls in (("python", random.Random), ("numpy", np.random.Generator), ("torch", torch.Generator)):
         if isinstance(generator, cls):
             return kind
-    raise TypeError(f"cannot capture a {type(generator).__name__}: expected random.Random, numpy.random.Generator or torch.Generator")
+    raise TypeError(
+        f"cannot capture a {type(generator).__name__}: expected random.Random, numpy.random.Generator or torch.Generator"
+    )
 
 
 def _capture(generator: Generator) -> dict[str, Any]:
@@ -59,7 +66,9 @@ def _restore(name: str, generator: Generator, saved: Mapping[str, Any]) -> None:
     """Put a registered generator back to its saved state; the saved kind must match."""
     kind = _kind(generator)
     if saved["kind"] != kind:
-        raise TypeError(f"RNG generator {name!r}: checkpoint has a {saved['kind']} generator, this run registered a {kind} one")
+        raise TypeError(
+            f"RNG generator {name!r}: checkpoint has a {saved['kind']} generator, this run registered a {kind} one"
+        )
     if isinstance(generator, random.Random):
         _python_restore(generator, saved["state"])
     elif isinstance(generator, np.random.Generator):
@@ -127,7 +136,9 @@ class RNGState:
         if self.sources["cuda"]:
             devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if len(state["cuda"]) != devices:
-                raise ValueError(f"RNG state 'cuda': checkpoint has {len(state['cuda'])} CUDA devices, this process sees {devices}")
+                raise ValueError(
+                    f"RNG state 'cuda': checkpoint has {len(state['cuda'])} CUDA devices, this process sees {devices}"
+                )
             if devices:
                 torch.cuda.set_rng_state_all([_byte_tensor(s, f"cuda.{i}") for i, s in enumerate(state["cuda"])])
         if self.sources["python"]:

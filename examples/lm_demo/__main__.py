@@ -22,7 +22,9 @@ from .corpus import write_corpus
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m examples.lm_demo", description=__doc__)
     parser.add_argument("--run-dir", type=Path, default=Path("runs/demo"), help="where corpus, checkpoints and PNG go")
-    parser.add_argument("--chaos", type=int, default=3, help="SIGKILLs of the chaos run (torchrun restarts it each time)")
+    parser.add_argument(
+        "--chaos", type=int, default=3, help="SIGKILLs of the chaos run (torchrun restarts it each time)"
+    )
     parser.add_argument("--corpus-mb", type=float, default=4.0, help="megabytes of standard-library source to train on")
     parser.add_argument("--quick", action="store_true", help=f"a tiny run for tests: {QUICK}, 1 kill")
     add_training_args(parser)
@@ -33,9 +35,22 @@ def torchrun(args: argparse.Namespace, name: str, corpus: Path, kills: int) -> P
     """Run the worker under torch's elastic agent with `kills` restarts allowed; returns the run's checkpoint root."""
     root = args.run_dir / name
     shutil.rmtree(root, ignore_errors=True)  # a fresh job: never resume a previous demo's checkpoints
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-           f"--max-restarts={kills}", "--monitor-interval=0.2", "-m", "examples.lm_demo.worker",
-           f"--root={root}", f"--corpus={corpus}", f"--name={name}", f"--chaos={kills}", *training_argv(args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=1",
+        f"--max-restarts={kills}",
+        "--monitor-interval=0.2",
+        "-m",
+        "examples.lm_demo.worker",
+        f"--root={root}",
+        f"--corpus={corpus}",
+        f"--name={name}",
+        f"--chaos={kills}",
+        *training_argv(args),
+    ]
     print(f"\n$ torchrun {' '.join(cmd[3:])}", flush=True)
     t0 = time.monotonic()
     code = subprocess.call(cmd)
@@ -63,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     ettr.plot_timeline(attribution, str(png))
     expected, got = (json.loads((root / "final.json").read_text()) for root in (reference, chaos))
     same = expected == got
-    print(f"\ngoodput of the chaos run ({args.chaos} SIGKILLs, restarted by torchrun), demo wall time "
-          f"{time.monotonic() - t0:.1f} s:\n")
+    print(
+        f"\ngoodput of the chaos run ({args.chaos} SIGKILLs, restarted by torchrun), demo wall time "
+        f"{time.monotonic() - t0:.1f} s:\n"
+    )
     print(ettr.report_text(attribution, ettr.advise(attribution)))
     print(f"\nreference weights sha256 {expected['sha256']} after {expected['steps']} steps")
     print(f"resumed   weights sha256 {got['sha256']} after {got['steps']} steps")

@@ -24,7 +24,9 @@ QUICK = {"steps": 40, "every": 5, "batch": 8, "context": 32, "d_model": 32, "log
 def add_training_args(parser: argparse.ArgumentParser) -> None:
     """The training flags, identical in driver and worker."""
     for name, kind, default, text in TRAINING:
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default, help=f"{text} (default {default})")
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=kind, default=default, help=f"{text} (default {default})"
+        )
     parser.add_argument("--advise", action="store_true", help="after each save, use the interval ettr.advise fits")
 
 

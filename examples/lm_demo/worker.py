@@ -41,13 +41,20 @@ def train(args: argparse.Namespace) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     tag = f"[{args.name} attempt {attempt + 1}]"
     dataset = TokenWindowDataset(args.corpus, np.uint8, args.context + 1, args.seed)
-    sampler = RandomWindowSampler(dataset.n_tokens, args.context + 1, args.context // 2, args.batch, args.seed,
-                                  fingerprint=dataset.fingerprint())
+    sampler = RandomWindowSampler(
+        dataset.n_tokens, args.context + 1, args.context // 2, args.batch, args.seed, fingerprint=dataset.fingerprint()
+    )
     model = TinyCausalLM(args.context, args.d_model, args.layers)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
     tracker = GoodputTracker(args.root, flush_interval=1.0)  # a SIGKILL loses at most 1 s of the ledger
-    with TrainLoop(args.root, {"model": model, "optim": optim}, sampler=sampler, every_steps=args.every,
-                   advise=args.advise, tracker=tracker) as loop:
+    with TrainLoop(
+        args.root,
+        {"model": model, "optim": optim},
+        sampler=sampler,
+        every_steps=args.every,
+        advise=args.advise,
+        tracker=tracker,
+    ) as loop:
         print(f"{tag} resumed from step {loop.start_step}" if loop.start_step else f"{tag} fresh start", flush=True)
         chaos = Chaos.for_attempt(args.chaos, args.seed, attempt, loop.start_step, args.steps)
         batches = sampler.track(make_loader(dataset, sampler, num_workers=args.workers))
@@ -61,8 +68,11 @@ def train(args: argparse.Namespace) -> None:
             optim.step()
             saved = loop.on_step_end(step, {"loss": loss.item()})
             if step % args.log_every == 0 or step == args.steps:
-                print(f"{tag} step {step:>5}/{args.steps}  loss {loss.item():.4f}  ETTR so far {loop.ettr():.3f}"
-                      f"  last checkpoint {loop.last_saved}", flush=True)
+                print(
+                    f"{tag} step {step:>5}/{args.steps}  loss {loss.item():.4f}  ETTR so far {loop.ettr():.3f}"
+                    f"  last checkpoint {loop.last_saved}",
+                    flush=True,
+                )
             if chaos is not None:
                 chaos.after_step(step, saved)
     final = {"steps": loop.step, "sha256": weights_sha256(model)}

@@ -13,5 +13,8 @@ os.environ["CKPT_RUN_ID"] = "doc-hf-run"
 torch.manual_seed(0)
 ds = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (64, 16))]
 model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
-CkptTrainer(model=model, args=TrainingArguments(output_dir="out", save_steps=4, max_steps=4, disable_tqdm=True),
-            train_dataset=ds).train()
+CkptTrainer(
+    model=model,
+    args=TrainingArguments(output_dir="out", save_steps=4, max_steps=4, disable_tqdm=True),
+    train_dataset=ds,
+).train()

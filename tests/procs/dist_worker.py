@@ -30,8 +30,9 @@ def run(mode: str, root: str, rank: int, world: int, port: int, log: str) -> Non
     """Entry point for one rank started from a forkserver: environment, output to `log`, then main."""
     global WORLD
     WORLD = world
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
@@ -43,7 +44,9 @@ def run(mode: str, root: str, rank: int, world: int, port: int, log: str) -> Non
 
 def build():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.GELU(), torch.nn.Linear(96, 40), torch.nn.Linear(40, 8))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 96), torch.nn.GELU(), torch.nn.Linear(96, 40), torch.nn.Linear(40, 8)
+    )
     if WORLD > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -147,8 +150,11 @@ def main(mode: str, root: str) -> None:
                 # one topology: the checkpoint group, the RNG state and a sampler all see this rank and world size
                 rng = RNGState().state_dict()
                 sampler = ckpt.ShuffledSampler(8, 2 * WORLD, seed=0)
-                seen = {(m.ranks.rank, m.ranks.world_size), (rng["rank"], rng["world_size"]),
-                        (sampler.rank, sampler.world_size)}
+                seen = {
+                    (m.ranks.rank, m.ranks.world_size),
+                    (rng["rank"], rng["world_size"]),
+                    (sampler.rank, sampler.world_size),
+                }
                 assert seen == {(rank, WORLD)}, seen
                 torch.manual_seed(1000 + rank)  # a distinct RNG stream per rank
                 m.save(2, state_of(model, opt)).wait()

@@ -48,10 +48,22 @@ def main(output_dir: str, out: str, max_steps: int, hang_at: int | None) -> None
     g = torch.Generator().manual_seed(7)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (40, 16), generator=g)]
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
-    args = TrainingArguments(output_dir=output_dir, max_steps=max_steps, per_device_train_batch_size=4,
-                             gradient_accumulation_steps=1, learning_rate=1e-3, warmup_steps=2, save_steps=4,
-                             save_total_limit=2, logging_steps=1, seed=0, use_cpu=True, report_to=[],
-                             dataloader_num_workers=0, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=output_dir,
+        max_steps=max_steps,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        learning_rate=1e-3,
+        warmup_steps=2,
+        save_steps=4,
+        save_total_limit=2,
+        logging_steps=1,
+        seed=0,
+        use_cpu=True,
+        report_to=[],
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     callbacks = [HangAt(hang_at)] if hang_at is not None else []
     trainer = LossPrinter(model=model, args=args, train_dataset=data, callbacks=callbacks)
     for cb in callbacks:

@@ -21,8 +21,14 @@ REPO = Path(__file__).resolve().parents[2]
 def start(child: Path, root: Path, out: Path, steps: int, hang_at: int | None = None) -> subprocess.Popen:
     """Start one training attempt as a child process."""
     args = [sys.executable, str(child), str(root), str(out), str(steps)] + ([str(hang_at)] if hang_at else [])
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"})
+    return subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"},
+    )
 
 
 def finish(proc: subprocess.Popen) -> list[list[str]]:

@@ -39,8 +39,9 @@ class Net(LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.save_hyperparameters({"hidden": 32, "activation": torch.nn.ReLU()})  # the module is dropped on save
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
-                                       torch.nn.Linear(32, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1)
+        )
 
     def training_step(self, batch, batch_idx):
         x, y, index = batch
@@ -51,8 +52,10 @@ class Net(LightningModule):
 
     def configure_optimizers(self):
         opt = torch.optim.Adam(self.parameters(), lr=1e-2)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 3, 0.5),
-                                                   "interval": "step"}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 3, 0.5), "interval": "step"},
+        }
 
 
 class HangAt(Callback):
@@ -74,13 +77,25 @@ def main(root: str, out: str, max_steps: int, hang_at: int | None) -> None:
     sampler = ShuffledSampler(64, 8, seed=1)
     io = CkptCheckpointIO(root)
     goodput = GoodputCallback(samplers={"train": sampler})
-    callbacks = [goodput, ModelCheckpoint(dirpath=os.path.join(root, "pointers"), every_n_train_steps=4,
-                                          save_last=True)]
+    callbacks = [
+        goodput,
+        ModelCheckpoint(dirpath=os.path.join(root, "pointers"), every_n_train_steps=4, save_last=True),
+    ]
     if hang_at is not None:
         callbacks.insert(1, HangAt(hang_at, io, goodput))
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, deterministic=True,
-                      plugins=[io], callbacks=callbacks)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        deterministic=True,
+        plugins=[io],
+        callbacks=callbacks,
+    )
     model = Net()
     trainer.fit(model, train_dataloaders=make_loader(Points(), sampler), ckpt_path="last")
     np.savez(out, **{k: v.numpy() for k, v in model.state_dict().items()})
