@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ettr
-from ckpt import CheckpointManager, SaveHandle, StepExistsError
+from ckpt import CheckpointManager, SaveHandle
 from ettr import GoodputTracker
 
 KEYS = "keys"  # metadata entry listing a checkpoint's top-level keys, so it can be read without a template
@@ -92,11 +92,7 @@ def save_once(
     """
     if step in skip:
         return None
-    if step in manager.steps():
-        raise StepExistsError(
-            f"step {step} is already committed in {manager.storage.url} by another run; resume "
-            f"from the newest step or use a fresh root"
-        )
+    # a step committed before (by another run) is refused by manager.save itself (StepExistsError): one check
     return manager.save(step, state, metadata={**(metadata or {}), KEYS: sorted(state)})
 
 
