@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 
 from ettr import (
     FakeClock,
     GoodputTracker,
+    TwoTierCosts,
     advise,
     attribute_root,
+    best_single_interval,
     cluster_ettr,
     daly_interval,
     expected_ettr,
     mttf_from_rate,
+    optimal_two_tier,
     seed_ettr,
     simulate,
+    simulate_two_tier,
+    two_tier_ettr,
     young_interval,
 )
 
@@ -94,3 +100,88 @@ def test_advise_fits_costs_from_ledger(tmp_path):
     assert adv.interval_s == pytest.approx(100.0)
     assert adv.recommended_interval_s == pytest.approx(daly_interval(4.0, adv.mttf_s))
     assert adv.gain > 0 and "rests on 2 failure(s)" in adv.text()
+
+
+# -- two tiers -----------------------------------------------------------------------------------------------------
+
+
+def test_two_tier_model_reduces_to_the_one_tier_form():
+    inf = float("inf")
+    # one failure class, persisting every save: the exact one-tier form with that class's restart cost
+    assert two_tier_ettr(600, 1, TwoTierCosts(5, 0, 60, 900, 14_400, inf)) == pytest.approx(
+        expected_ettr(600, 5, 60, 14_400), rel=1e-12
+    )
+    assert two_tier_ettr(600, 1, TwoTierCosts(5, 20, 60, 900, inf, 14_400)) == pytest.approx(
+        expected_ettr(600, 25, 900, 14_400), rel=1e-12
+    )
+    # both classes with equal restarts and persisting every save: one class of the summed rate
+    assert two_tier_ettr(600, 1, TwoTierCosts(5, 0, 300, 300, 7_200, 21_600)) == pytest.approx(
+        expected_ettr(600, 5, 300, 5_400), rel=1e-12
+    )
+    # no failures at all: only the saves cost
+    assert two_tier_ettr(600, 4, TwoTierCosts(5, 20, 60, 900, inf, inf)) == pytest.approx(2400 / (4 * 605 + 20))
+
+
+TWO_TIER_GRID = list(
+    itertools.product(
+        ((3_600.0, 86_400.0), (14_400.0, 14_400.0), (7_200.0, 43_200.0)), (300.0, 1200.0), (1, 5, 20), (0.0, 60.0)
+    )
+)
+
+
+@pytest.mark.parametrize("mttfs,interval,k,persist", TWO_TIER_GRID)
+def test_two_tier_simulator_agrees_with_the_closed_form(mttfs, interval, k, persist):
+    costs = TwoTierCosts(5.0, persist, 60.0, 600.0, *mttfs)
+    model = two_tier_ettr(interval, k, costs)
+    sim = simulate_two_tier(interval, k, costs, cycles=max(20_000, 100_000 // k), seed=k + int(interval + persist))
+    assert abs(sim.ettr - model) / model <= 0.01
+    assert abs(sim.ettr - model) <= 4 * sim.stderr  # and within the simulation's own noise
+
+
+def test_optimal_pair_is_the_argmax_and_follows_young_per_tier():
+    costs = TwoTierCosts(5.0, 20.0, 60.0, 600.0, 14_400.0, 86_400.0)
+    plan = optimal_two_tier(costs)
+    brute = max((two_tier_ettr(t, k, costs), t, k) for k in range(1, 30) for t in range(100, 2000, 5))
+    assert plan.persist_every == brute[2] == 5
+    assert plan.ettr >= brute[0] and plan.interval_s == pytest.approx(brute[1], abs=5)
+    # first order: the local interval is Young's on local failures, the durable one Young's on node losses
+    assert plan.interval_s == pytest.approx(young_interval(5.0, 14_400.0), rel=0.05)
+    assert plan.durable_interval_s == pytest.approx(young_interval(20.0, 86_400.0), rel=0.05)
+    single_t, single = best_single_interval(25.0, 600.0, 1 / (1 / 14_400 + 1 / 86_400))
+    assert (plan.single_interval_s, plan.single_ettr) == (single_t, single)
+    assert plan.gain == plan.ettr - single > 0.04
+
+
+LOCAL_DOMINATES = list(
+    itertools.product(
+        ((3_600.0, 86_400.0), (7_200.0, 21_600.0), (1_800.0, 43_200.0)),  # local-class failures 3-24x as frequent
+        ((5.0, 0.0), (1.0, 30.0), (10.0, 120.0)),  # (local stall, persist cost)
+        ((30.0, 300.0), (120.0, 120.0), (60.0, 1_800.0)),  # (local restart, durable restart)
+    )
+)
+
+
+@pytest.mark.parametrize("mttfs,writes,restarts", LOCAL_DOMINATES)
+def test_advised_pair_beats_the_best_single_tier_interval_in_the_simulator(mttfs, writes, restarts):
+    costs = TwoTierCosts(*writes, *restarts, *mttfs)
+    plan = optimal_two_tier(costs)
+    if writes[1] == 0 and restarts[0] == restarts[1]:  # tiers that cost the same: the plans are one and the same
+        assert plan.persist_every == 1 and plan.interval_s == pytest.approx(plan.single_interval_s, rel=1e-6)
+        assert plan.gain == pytest.approx(0.0, abs=1e-12)
+        return
+    two = simulate_two_tier(plan.interval_s, plan.persist_every, costs, cycles=20_000, seed=1)
+    write, restart, mttf = costs.single_tier()
+    one = simulate(plan.single_interval_s, write, restart, mttf, segments=100_000, seed=2)
+    assert two.ettr - one.ettr > 4 * math.hypot(two.stderr, one.stderr), (plan, two, one)
+
+
+def test_two_tier_bad_input_names_the_parameter():
+    with pytest.raises(ValueError, match="persist_s must be a finite non-negative number of seconds, got -1"):
+        TwoTierCosts(5, -1, 60, 600, 3600, 3600)
+    with pytest.raises(ValueError, match="node_mttf_s must be a positive number of seconds .* got 0"):
+        TwoTierCosts(5, 1, 60, 600, 3600, 0)
+    costs = TwoTierCosts(5, 1, 60, 600, 3600, 3600)
+    with pytest.raises(ValueError, match="persist_every must be a positive integer, got 0"):
+        two_tier_ettr(600, 0, costs)
+    with pytest.raises(ValueError, match="not simulated"):
+        simulate_two_tier(600, 1, TwoTierCosts(5, 1, 60, 600, 60, 60))
