@@ -10,6 +10,8 @@ from typing import Any, Iterable, Sequence
 
 from .ledger import Ledger, read_ledgers
 
+LOCAL_TIERS = ("local", "peer")  # a restore from these means the local tier (with its replicas) survived
+
 CATEGORIES = (
     "productive",
     "checkpoint_save",
@@ -53,6 +55,9 @@ class AttemptSummary:
     lost_steps: int
     micros: dict[str, int]
     torn: bool
+    restored_tier: str | None = None  # the restore record's tier (None: one tier, or nothing restored)
+    restore_us: int = 0  # its checkpoint_restore spans, end minus begin
+    failure_class: str | None = None  # a failed attempt's class: "local", "node" or None (unknown); see failure_class
 
     @property
     def failed(self) -> bool:
@@ -89,6 +94,26 @@ class Attribution:
     def failures(self) -> int:
         """Attempts that ended in a failure."""
         return sum(a.failed for a in self.attempts)
+
+    @property
+    def failure_classes(self) -> dict[str, int]:
+        """Failed attempts per class: the local tier survived them, or not (node), or the ledgers cannot tell."""
+        classes = [a.failure_class for a in self.attempts if a.failed]
+        return {
+            "local": classes.count("local"),
+            "node": classes.count("node"),
+            "unclassified": classes.count(None),
+        }
+
+    @property
+    def restores_per_tier(self) -> dict[str | None, tuple[int, float]]:
+        """Tier (None: untiered) -> (restores of a step from it, their checkpoint_restore seconds)."""
+        out: dict[str | None, tuple[int, float]] = {}
+        for a in self.attempts:
+            if a.restored_step is not None:
+                n, us = out.get(a.restored_tier, (0, 0))
+                out[a.restored_tier] = (n + 1, us + a.restore_us)
+        return {tier: (n, us / 1e6) for tier, (n, us) in out.items()}
 
     @property
     def ettr(self) -> float:
@@ -128,6 +153,10 @@ class Attribution:
             "ettr_window": self.ettr_window(),
             "window_seconds": self.window_s,
             "failures": self.failures,
+            "failure_classes": self.failure_classes,
+            "restores_per_tier": {
+                tier or "untiered": {"restores": n, "seconds": sec} for tier, (n, sec) in self.restores_per_tier.items()
+            },
             "committed_steps": list(self.committed_steps),
             "attempts": [
                 {
@@ -137,6 +166,8 @@ class Attribution:
                     "start_us": a.start_us,
                     "end_us": a.end_us,
                     "restored_step": a.restored_step,
+                    "restored_tier": a.restored_tier,
+                    "failure_class": a.failure_class,
                     "first_step": a.first_step,
                     "last_step": a.last_step,
                     "steps": a.steps,
@@ -159,7 +190,8 @@ class _Attempt:
     seen: int  # its first record after the start: when it began recording
     intervals: list[tuple[int, int, int, str, int | None]]  # begin, end, order, category or "step", step
     restored: tuple[bool, int | None]  # (had a restore record, step)
-    commits: list[tuple[int, int]]  # (step, background microseconds)
+    restored_tier: str | None
+    commits: list[tuple[int, int, str | None]]  # (step, background microseconds, tier)
     commit_times: dict[int, int]  # step -> wall time of its commit record
     status: str | None
     save_us: list[int]
@@ -179,6 +211,7 @@ def _gather(ledger: Ledger) -> _Attempt:
     start = ledger.records[0]["t"]
     last = start
     restored: tuple[bool, int | None] = (False, None)
+    restored_tier = None
     commits, save_us, restore_us, status = [], [], [], None
     commit_times: dict[int, int] = {}
     for r in ledger.records:
@@ -194,10 +227,10 @@ def _gather(ledger: Ledger) -> _Attempt:
         elif k == "alive":
             open_ = {o: (kind, name, b) for kind, name, b, o in r["open"]}
         elif k == "commit":
-            commits.append((r["s"], round(r["bg"] * 1e6)))
+            commits.append((r["s"], round(r["bg"] * 1e6), r.get("tier")))
             commit_times[r["s"]] = r["t"]
         elif k == "restore":
-            restored = (True, r["s"])
+            restored, restored_tier = (True, r["s"]), r.get("tier")
         elif k == "end":
             status = r["status"]
     intervals = list(closed.values())
@@ -205,7 +238,20 @@ def _gather(ledger: Ledger) -> _Attempt:
         if o not in closed:
             intervals.append((b, last, o, "step" if kind == "step" else name, name if kind == "step" else None))
     seen = min((r["t"] if "t" in r else r.get("b", start) for r in ledger.records[1:]), default=start)
-    return _Attempt(ledger, start, last, seen, intervals, restored, commits, commit_times, status, save_us, restore_us)
+    return _Attempt(
+        ledger,
+        start,
+        last,
+        seen,
+        intervals,
+        restored,
+        restored_tier,
+        commits,
+        commit_times,
+        status,
+        save_us,
+        restore_us,
+    )
 
 
 def _shifted(a: _Attempt, delta: int) -> _Attempt:
@@ -231,18 +277,29 @@ def _timeline(attempts: list[_Attempt]) -> list[_Attempt]:
     the same process, starts at the previous one's last record.
     """
     order = sorted(attempts, key=lambda a: (a.start, a.ledger.attempt))
-    committer = {s: a for a in order for s in a.commit_times}
+    committers: dict[int, list[_Attempt]] = {}
+    for a in order:
+        for s in a.commit_times:
+            committers.setdefault(s, []).append(a)
 
     def source(a: _Attempt) -> _Attempt | None:
-        src = committer.get(a.restored[1]) if a.restored[0] else None
-        return src if src is not a else None
+        """The attempt whose commit `a` restored. A step re-run after a rollback is committed again: of its
+        committers, the latest one placed before `a`, else the first."""
+        if not a.restored[0]:
+            return None
+        candidates = [c for c in committers.get(a.restored[1], ()) if c is not a]
+        before = [c for c in candidates if order.index(c) < order.index(a)]
+        if before:
+            return max(before, key=order.index)
+        return candidates[0] if candidates else None
 
     for _ in range(len(order)):  # each move puts an attempt after its source; a cycle cannot loop forever
         late = next((a for i, a in enumerate(order) if source(a) is not None and order.index(source(a)) > i), None)
         if late is None:
             break
+        src = source(late)
         order.remove(late)
-        order.insert(order.index(source(late)) + 1, late)
+        order.insert(order.index(src) + 1, late)
     placed: dict[int, _Attempt] = {}  # id of the original -> the attempt as placed on the timeline
     out: list[_Attempt] = []
     offset = 0
@@ -281,6 +338,26 @@ def _resume_point(a: _Attempt, committed: Sequence[int]) -> float:
         return _INF
     earlier = [c for c in committed if c < first[1]]
     return max(earlier) if earlier else -_INF
+
+
+def failure_class(before: Sequence[_Attempt], after: _Attempt) -> str | None:
+    """The class of the failure that ended the last of `before`, told by the restore of `after`, the next attempt.
+
+    "local": restored from the local tier or a peer's replica of it (the local tier survived). "node": restored from
+    the durable tier while, before the failure, the ledgers show a step newer than the restored one committed, or one
+    at least as new committed to the local tier; that newer local copy was lost (node loss, or local files damaged).
+    None (unknown): no restore record, a fresh start, no tier (one tier), or a durable restore without that evidence.
+    """
+    had_restore, step = after.restored
+    if not had_restore or step is None:
+        return None
+    if after.restored_tier in LOCAL_TIERS:
+        return "local"
+    if after.restored_tier == "durable" and any(
+        s > step or (s == step and tier in LOCAL_TIERS) for a in before for s, _, tier in a.commits
+    ):
+        return "node"
+    return None
 
 
 def _sweep(a: _Attempt, end: int, lost_after: float) -> tuple[list[tuple[int, int, str]], int]:
@@ -341,7 +418,7 @@ def attribute(
     if not attempts:
         raise ValueError(f"no ledger for rank {rank}")
     commits = [c for a in attempts for c in a.commits]
-    all_committed = tuple(sorted({*committed, *(s for s, _ in commits)}))
+    all_committed = tuple(sorted({*committed, *(s for s, _, _ in commits)}))
     resume = [_resume_point(a, all_committed) for a in attempts]
     totals = {c: 0 for c in CATEGORIES}
     segments: list[Segment] = []
@@ -362,6 +439,7 @@ def attribute(
         steps = [s for *_, c, s in a.intervals if c == "step"]
         last = k + 1 == len(attempts)
         status = a.status or ("running" if last else "failed")
+        failed = status in ("failed", "error") and not last
         summaries.append(
             AttemptSummary(
                 a.ledger.attempt,
@@ -377,6 +455,9 @@ def attribute(
                 lost_steps,
                 micros,
                 a.ledger.torn,
+                a.restored_tier,
+                sum(a.restore_us),
+                failure_class(attempts[: k + 1], attempts[k + 1]) if failed else None,
             )
         )
     return Attribution(
@@ -385,7 +466,7 @@ def attribute(
         micros=totals,
         attempts=tuple(summaries),
         segments=tuple(segments),
-        background_us=sum(bg for _, bg in commits),
+        background_us=sum(bg for _, bg, _ in commits),
         committed_steps=all_committed,
         save_us=tuple(x for a in attempts for x in a.save_us),
         restore_us=tuple(x for a in attempts for x in a.restore_us),

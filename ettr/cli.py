@@ -7,9 +7,18 @@ import json
 import os
 import sys
 
-from .attribution import attribute_root
+from .attribution import Attribution, attribute_root
 from .ledger import LedgerError
-from .model import advise, check_seconds, daly_interval, expected_ettr, seed_ettr, simulate, young_interval
+from .model import (
+    TwoTierInputs,
+    advise,
+    check_seconds,
+    daly_interval,
+    expected_ettr,
+    seed_ettr,
+    simulate,
+    young_interval,
+)
 from .report import plot_timeline, report_json, report_text
 
 
@@ -61,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument("-o", "--output", default="timeline.png")
         else:
             s.add_argument("--json", action="store_true", help="machine-readable output")
+            _two_tier_flags(s)
     s = sub.add_parser("simulate", help="Monte Carlo ETTR for an interval, beside the closed forms")
     s.add_argument("--interval", type=_seconds(True), required=True, help="compute seconds between checkpoints")
     s.add_argument("--write", type=_seconds(False), default=0.0, help="blocking seconds per checkpoint")
@@ -70,6 +80,27 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", action="store_true")
     return p
+
+
+def _two_tier_flags(s: argparse.ArgumentParser) -> None:
+    """The two-tier plan's inputs: each overrides what the ledger tells (docs/goodput.md, two tiers)."""
+    g = s.add_argument_group("two tiers (default: fitted from the ledger where it can tell)")
+    g.add_argument("--local-write", type=_seconds(False), help="seconds training stalls per local save")
+    g.add_argument("--persist-cost", type=_seconds(False), help="seconds of training each persist costs (default 0)")
+    g.add_argument("--local-read", type=_seconds(False), help="seconds per restore from the local tier")
+    g.add_argument("--durable-read", type=_seconds(False), help="seconds per restore from the durable tier")
+    g.add_argument("--local-mttf", type=_seconds(True), help="MTTF of failures the local tier survives, seconds")
+    g.add_argument("--node-mttf", type=_seconds(True), help="MTTF of node losses (the local tier is lost), seconds")
+
+
+def _two_tier_inputs(args: argparse.Namespace, a: Attribution) -> TwoTierInputs | None:
+    """The flags as TwoTierInputs; for `report`, None unless a flag is given or the ledger names tiers."""
+    inputs = TwoTierInputs(
+        args.local_write, args.persist_cost, args.local_read, args.durable_read, args.local_mttf, args.node_mttf
+    )
+    if args.cmd == "report" and inputs == TwoTierInputs() and set(a.restores_per_tier) <= {None}:
+        return None
+    return inputs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,10 +133,10 @@ def _run(args: argparse.Namespace) -> str:
         }
         return json.dumps(out, indent=2) if args.json else "\n".join(f"{k:<16}{v:.6g}" for k, v in out.items())
     a = attribute_root(args.root, rank=args.rank, window_s=args.window)
-    adv = advise(a, mttf_s=args.mttf)
     if args.cmd == "plot":
         plot_timeline(a, args.output)
         return args.output
+    adv = advise(a, mttf_s=args.mttf, two_tier=_two_tier_inputs(args, a))
     if args.cmd == "report":
         return report_json(a, adv) if args.json else report_text(a, adv)
-    return json.dumps({**adv.__dict__, "gain": adv.gain}, indent=2) if args.json else adv.text()
+    return json.dumps(adv.to_dict(), indent=2) if args.json else adv.text()

@@ -27,6 +27,8 @@ REQUIRED: dict[str, tuple[str, ...]] = {
 }
 
 
+# Where a commit or restore record's optional `tier` says the checkpoint went or came from (absent: one tier).
+TIERS = ("local", "peer", "durable")
 _INT, _NUM, _STR = "an integer", "a number", "a string"
 # The type of every field attribution reads; a line with another type is an error naming its file and line.
 FIELD_TYPES: dict[str, str] = {
@@ -148,6 +150,8 @@ def _check(rec: Any, source: str, line: int) -> None:
         value, kind = rec[name], FIELD_TYPES.get(name)
         if kind and not _has_type(value, kind) and not (rec["k"] == "restore" and name == "s" and value is None):
             raise LedgerError(f"{source}:{line}: field {name!r} of a {rec['k']!r} record must be {kind}, got {value!r}")
+    if rec.get("tier") is not None and not _has_type(rec["tier"], _STR):
+        raise LedgerError(f"{source}:{line}: field 'tier' of a {rec['k']!r} record must be {_STR}, got {rec['tier']!r}")
     if rec["k"] == "alive" and not (isinstance(rec["open"], list) and all(_open_entry(x) for x in rec["open"])):
         raise LedgerError(
             f"{source}:{line}: field 'open' must be a list of [kind, name, begin, order], got {rec['open']!r}"

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from .attribution import CATEGORIES, DOWNTIME, Attribution
+from .ledger import TIERS
 from .model import Advice
 
 COLORS = {
@@ -37,6 +38,7 @@ def report_text(a: Attribution, advice: Advice | None = None) -> str:
         "",
         f"ETTR {a.ettr:.4f} cumulative, {a.ettr_window():.4f} over the last {a.window_s:g} s; "
         f"{a.failures} failure(s); committed steps: {_steps(a.committed_steps)}",
+        *_tier_lines(a),
         "",
         f"{'attempt':<32}{'status':<9}{'restored':>9}{'steps':>12}{'lost':>6}{'productive s':>14}{'lost s':>10}",
     ]
@@ -52,6 +54,21 @@ def report_text(a: Attribution, advice: Advice | None = None) -> str:
     return "\n".join(lines)
 
 
+def _tier_lines(a: Attribution) -> list[str]:
+    """Restores and restore seconds per tier and the failures per class, when the ledgers name tiers."""
+    tiers = a.restores_per_tier
+    if not any(tier is not None for tier in tiers):
+        return []
+    order = [t for t in TIERS if t in tiers] + [t for t in tiers if t not in TIERS]
+    per_tier = ", ".join(f"{t or 'untiered'} {tiers[t][0]} ({tiers[t][1]:.3f} s)" for t in order)
+    classes = a.failure_classes
+    return [
+        f"restores per tier: {per_tier}",
+        f"failures by class: {classes['local']} the local tier survived, {classes['node']} it did not (node), "
+        f"{classes['unclassified']} unclassified",
+    ]
+
+
 def _steps(steps: tuple[int, ...]) -> str:
     """A short list of steps."""
     return ", ".join(map(str, steps)) if len(steps) <= 8 else f"{steps[0]} ... {steps[-1]} ({len(steps)})"
@@ -61,7 +78,7 @@ def report_json(a: Attribution, advice: Advice | None = None) -> str:
     """The attribution (and advice) as JSON."""
     out: dict[str, Any] = a.to_dict()
     if advice is not None:
-        out["advice"] = {**advice.__dict__, "gain": advice.gain}
+        out["advice"] = advice.to_dict()
     return json.dumps(out, indent=2)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from .attribution import Attribution, attribute
 from .clock import Clock, SystemClock
-from .ledger import FORMAT_VERSION, LedgerWriter, read_ledgers
+from .ledger import FORMAT_VERSION, TIERS, LedgerWriter, read_ledgers
 from .telemetry import GoodputMetrics
 
 FLUSHED_SPANS = frozenset({"checkpoint_save", "checkpoint_restore"})
@@ -39,6 +39,15 @@ def _new_attempt_id(wall_us: int) -> str:
     return (
         time.strftime("%Y%m%dT%H%M%S", time.gmtime(wall_us / 1e6)) + f"{wall_us % 1_000_000:06d}-{uuid.uuid4().hex[:6]}"
     )
+
+
+def _tier(tier: str | None) -> dict[str, str]:
+    """The optional `tier` field of a commit or restore record; a ValueError for an unknown tier."""
+    if tier is None:
+        return {}
+    if tier not in TIERS:
+        raise ValueError(f"tier must be one of {', '.join(TIERS)} or None, got {tier!r}")
+    return {"tier": tier}
 
 
 _STEP = '{"k":"step","s":%d,"b":%d,"e":%d,"o":%d}\n'
@@ -275,17 +284,20 @@ class GoodputTracker:
         raise ValueError(f"step_end({step}) without a matching step_begin({step})")
 
     # -- the checkpoint manager's hooks (may run on its writer thread) ----------------------------------------
-    def checkpoint_committed(self, step: int, background_seconds: float, nbytes: int | None = None) -> None:
+    def checkpoint_committed(
+        self, step: int, background_seconds: float, nbytes: int | None = None, *, tier: str | None = None
+    ) -> None:
         """The manager made the checkpoint of `step` (`nbytes` of tensor data) durable after `background_seconds`
-        of background work."""
+        of background work; `tier` names the tier it reached (TIERS; None: the only one)."""
         t = self._now()
-        self._buf.append({"k": "commit", "s": step, "t": t, "bg": background_seconds})
+        self._buf.append({"k": "commit", "s": step, "t": t, "bg": background_seconds, **_tier(tier)})
         self.metrics.committed(step, t, background_seconds, nbytes)
         self.flush()
 
-    def checkpoint_restored(self, step: int | None) -> None:
-        """The manager restored `step` (None: no checkpoint, a fresh start)."""
-        self._buf.append({"k": "restore", "s": step, "t": self._now()})
+    def checkpoint_restored(self, step: int | None, *, tier: str | None = None) -> None:
+        """The manager restored `step` (None: no checkpoint, a fresh start) from `tier` (TIERS; None: the only one);
+        attribution classes the failure before it by the tier (docs/goodput.md)."""
+        self._buf.append({"k": "restore", "s": step, "t": self._now(), **_tier(tier)})
         self._resume_known = True
         self.flush()
 

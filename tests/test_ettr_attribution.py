@@ -340,3 +340,91 @@ def test_a_second_tracker_in_the_same_process_starts_where_the_first_ended(tmp_p
     ]
     assert not [w for w in recwarn if "clock went back" in str(w.message)]
     check_sum(a)
+
+
+def test_restores_per_tier_and_failure_classes(tmp_path):
+    """A two-tier job, four attempts: a crash the local tier survives (restored from it), a node loss (restored from
+    the durable tier although the local tier held a newer step), a loss a peer replica covered; restore seconds and
+    counts per tier, and each failure's class, exactly."""
+    clock = FakeClock(1000.0)
+
+    def commit(tr, step, tier):
+        save(tr, clock, step, 0.5)
+        tr.checkpoint_committed(step, 0.25, tier=tier)
+
+    def restore_from(tr, step, seconds, tier):
+        with tr.span("checkpoint_restore"):
+            clock.advance(seconds)
+        tr.checkpoint_restored(step, tier=tier)
+
+    tr = attempt(tmp_path, clock, "a1")
+    restore_from(tr, None, 0.5, None)  # fresh start: nothing restored, no tier
+    steps(tr, clock, 1, 2, 1.0)
+    commit(tr, 2, "local")
+    tr.checkpoint_committed(2, 3.0, tier="durable")  # the persist of step 2
+    steps(tr, clock, 3, 4, 1.0)
+    commit(tr, 4, "local")
+    steps(tr, clock, 5, 5, 1.0)  # process crash
+    tr = attempt(tmp_path, clock, "a2", at=1020.0)
+    restore_from(tr, 4, 1.0, "local")
+    steps(tr, clock, 5, 6, 1.0)
+    commit(tr, 6, "local")
+    steps(tr, clock, 7, 7, 1.0)  # node lost: local step 6 gone with it
+    tr = attempt(tmp_path, clock, "a3", at=1040.0)
+    restore_from(tr, 2, 4.0, "durable")
+    steps(tr, clock, 3, 4, 1.0)
+    commit(tr, 4, "local")
+    steps(tr, clock, 5, 5, 1.0)  # node lost again, its shard restored from the peer replica
+    tr = attempt(tmp_path, clock, "a4", at=1060.0)
+    restore_from(tr, 4, 2.0, "peer")
+    steps(tr, clock, 5, 6, 1.0)
+    tr.end()
+    a = attribute_root(str(tmp_path))
+    assert [at.restored_tier for at in a.attempts] == [None, "local", "durable", "peer"]
+    assert [at.failure_class for at in a.attempts] == ["local", "node", "local", None]
+    assert a.failure_classes == {"local": 2, "node": 1, "unclassified": 0}
+    assert a.restores_per_tier == {"local": (1, 1.0), "durable": (1, 4.0), "peer": (1, 2.0)}
+    assert a.micros == expected(checkpoint_restore=7.5, checkpoint_save=2.0, productive=6.0, lost=7.0, downtime=41.5)
+    check_sum(a)
+    d = a.to_dict()
+    assert d["restores_per_tier"] == {
+        "local": {"restores": 1, "seconds": 1.0},
+        "durable": {"restores": 1, "seconds": 4.0},
+        "peer": {"restores": 1, "seconds": 2.0},
+    }
+    assert d["failure_classes"] == {"local": 2, "node": 1, "unclassified": 0}
+    assert [x["restored_tier"] for x in d["attempts"]] == [None, "local", "durable", "peer"]
+
+
+def test_a_durable_restore_is_a_node_loss_only_with_a_local_step_at_least_as_new(tmp_path):
+    """One-tier ledgers (no tier anywhere) and a durable restore of the newest step without local commits tell
+    nothing: unclassified; old ledgers read as before."""
+    two_attempts(tmp_path)
+    a = attribute_root(str(tmp_path))
+    assert a.failure_classes == {"local": 0, "node": 0, "unclassified": 1}
+    assert a.restores_per_tier == {None: (1, 1.0)} and a.attempts[1].restored_tier is None
+    clock = FakeClock(1000.0)
+    tr = attempt(tmp_path / "b", clock, "a1")
+    steps(tr, clock, 1, 2, 1.0)
+    save(tr, clock, 2, 0.5)
+    tr.checkpoint_committed(2, 0.5, tier="durable")
+    tr = attempt(tmp_path / "b", clock, "a2", at=1010.0)
+    tr.checkpoint_restored(2, tier="durable")
+    tr.end()
+    assert attribute_root(str(tmp_path / "b")).failure_classes == {"local": 0, "node": 0, "unclassified": 1}
+
+
+def test_a_tier_is_named_or_the_record_is_refused(tmp_path):
+    clock = FakeClock(1000.0)
+    tr = attempt(tmp_path, clock, "a1")
+    with pytest.raises(ValueError, match="tier must be one of local, peer, durable or None, got 'nvme'"):
+        tr.checkpoint_restored(None, tier="nvme")
+    tr.checkpoint_restored(None, tier="local")
+    tr.end()
+    [ledger] = read_ledgers(str(tmp_path))
+    lines = open(ledger.source).read().splitlines(keepends=True)
+    line = next(i for i, text in enumerate(lines, 1) if '"tier"' in text)
+    lines[line - 1] = lines[line - 1].replace('"local"', "7")
+    open(ledger.source, "w").write("".join(lines))
+    with pytest.raises(LedgerError, match=rf"ledger-a1-rank0\.jsonl:{line}: field 'tier' of a 'restore' record must be"):
+        attribute_root(str(tmp_path))
