@@ -462,7 +462,7 @@ class TwoTierAdvice:
         """A few readable lines: inputs with their sources, both intervals, the gain over one tier."""
         v, src, c = self.values, self.sources, self.failure_classes
         lines = [
-            f"two tiers: failures by class: {c['local']} the local tier survived, {c['node']} node, "
+            f"two tiers: failures by class: {c['local']} the local tier survived, {c['node']} it did not (node), "
             f"{c['unclassified']} unclassified"
         ]
         for name in ("local_write_s", "persist_s", "local_read_s", "durable_read_s", "restart_overhead_s"):

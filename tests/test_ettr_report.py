@@ -217,3 +217,121 @@ def test_configure_metrics_in_memory(tmp_path):
     assert seen["ettr.checkpoint_restore.duration"] == {"count": 1, "sum": 0.5}
     with pytest.raises(ValueError, match="unknown exporter"):
         configure_metrics("carrier-pigeon")
+
+
+def two_tier_job(root: str) -> None:
+    """Three attempts on a fake clock: 10 s steps, a 2 s local save every 6 steps, every 3rd persisted; a crash the
+    local tier survives (restore 5 s from it), then a node loss (restore 50 s from the durable tier)."""
+    clock = FakeClock(0.0)
+    plan = [(0.0, None, None, 1.0, 1, 40), (500.0, 36, "local", 5.0, 37, 80), (1600.0, 72, "durable", 50.0, 73, 100)]
+    for k, (at, resume, tier, restore_s, first, last) in enumerate(plan):
+        clock.set(at)
+        tr = GoodputTracker(root, attempt_id=f"a{k}", rank=0, clock=clock, flush_interval=600.0).start()
+        clock.advance(20.0)
+        with tr.span("checkpoint_restore"):
+            clock.advance(restore_s)
+        tr.checkpoint_restored(resume, tier=tier)
+        for s in range(first, last + 1):
+            with tr.step(s):
+                clock.advance(10.0)
+            if s % 6 == 0:
+                with tr.span("checkpoint_save", step=s):
+                    clock.advance(2.0)
+                tr.checkpoint_committed(s, 1.0, tier="local")
+                if s % 18 == 0:
+                    tr.checkpoint_committed(s, 30.0, tier="durable")
+        tr.flush()
+    tr.end()
+
+
+# By hand: a0 ends at 20 + 1 + 40 * 10 + 6 * 2 = 433, a1 at 500 + 20 + 5 + 44 * 10 + 7 * 2 = 979, a2 at
+# 1600 + 20 + 50 + 28 * 10 + 4 * 2 = 1958; overhead per failure = downtime + startup = (67 + 20 + 621 + 20) / 2;
+# running time 1958 - 688 = 1270 s with one failure of each class.
+TWO_TIER_FIT = {
+    "restart_overhead_s": 364.0,
+    "local_write_s": 2.0,
+    "persist_s": 30.0,
+    "local_read_s": 5.0,
+    "durable_read_s": 50.0,
+    "local_mttf_s": 1270.0,
+    "node_mttf_s": 1270.0,
+}
+
+
+@pytest.fixture(scope="module")
+def tiered(tmp_path_factory) -> str:
+    root = str(tmp_path_factory.mktemp("tiered"))
+    two_tier_job(root)
+    return root
+
+
+def test_advise_prints_both_intervals_and_the_gain_from_the_ledger(tiered):
+    from ettr import TwoTierCosts, optimal_two_tier
+
+    out = cli("advise", tiered, "--persist-cost", "30", "--json")
+    assert out.returncode == 0, out.stderr
+    two = json.loads(out.stdout)["two_tier"]
+    assert two["values"] == pytest.approx(TWO_TIER_FIT)
+    assert two["failure_classes"] == {"local": 1, "node": 1, "unclassified": 0} and two["missing"] == []
+    assert two["sources"]["persist_s"] == "given (--persist-cost)"
+    assert two["sources"]["durable_read_s"] == "ledger: mean of 1 restore(s) from durable"
+    f = TWO_TIER_FIT
+    plan = optimal_two_tier(
+        TwoTierCosts(2.0, 30.0, 364.0 + 5.0, 364.0 + 50.0, f["local_mttf_s"], f["node_mttf_s"]), min_interval_s=10.0
+    )
+    assert two["plan"]["interval_s"] == pytest.approx(plan.interval_s)
+    assert two["plan"]["persist_every"] == plan.persist_every > 1
+    assert two["plan"]["gain"] == pytest.approx(plan.gain) and plan.gain > 0
+    text = cli("advise", tiered, "--persist-cost", "30").stdout
+    assert (
+        f"two-tier plan: local every {plan.interval_s:.1f} s (~{round(plan.interval_s / 10)} steps), durable every "
+        f"{plan.persist_every} local saves ({plan.durable_interval_s:.1f} s) -> expected ETTR {plan.ettr:.4f}"
+    ) in text
+    assert (
+        f"best single tier: every {plan.single_interval_s:.1f} s (~{round(plan.single_interval_s / 10)} steps) to "
+        f"the durable tier -> expected ETTR {plan.single_ettr:.4f}; two tiers gain {plan.gain:+.4f}"
+    ) in text
+    # flags override the ledger
+    two = json.loads(cli("advise", tiered, "--local-read", "1", "--node-mttf", "86400", "--json").stdout)["two_tier"]
+    assert (two["values"]["local_read_s"], two["values"]["node_mttf_s"], two["values"]["persist_s"]) == (1, 86400, 0)
+    assert two["sources"]["node_mttf_s"] == "given (--node-mttf)"
+
+
+def test_report_shows_restores_per_tier_and_failure_classes(tiered, job):
+    out = cli("report", tiered)
+    assert out.returncode == 0, out.stderr
+    assert "restores per tier: local 1 (5.000 s), durable 1 (50.000 s)" in out.stdout
+    assert "failures by class: 1 the local tier survived, 1 it did not (node), 0 unclassified" in out.stdout
+    assert "two-tier plan: local every" in out.stdout
+    report = json.loads(cli("report", tiered, "--json").stdout)
+    assert report["restores_per_tier"] == {
+        "local": {"restores": 1, "seconds": 5.0},
+        "durable": {"restores": 1, "seconds": 50.0},
+    }
+    one_tier = cli("report", job).stdout  # a one-tier ledger: no tier lines, no two-tier advice
+    assert "restores per tier" not in one_tier and "two tiers" not in one_tier
+
+
+def test_advise_names_what_a_one_tier_ledger_cannot_tell(job):
+    out = cli("advise", job)
+    assert out.returncode == 0, out.stderr
+    assert (
+        "no two-tier plan: the ledger does not tell --local-read, --local-mttf, --node-mttf (pass them)" in out.stdout
+    )
+    out = cli("advise", job, "--local-read", "5", "--local-mttf", "7200", "--node-mttf", "86400")
+    assert out.returncode == 0 and "two tiers gain +" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    "flag,value,says",
+    [
+        ("--persist-cost", "-1", "'-1' must be a finite non-negative number of seconds"),
+        ("--local-read", "nan", "'nan' must be a finite non-negative number of seconds"),
+        ("--node-mttf", "0", "'0' must be a finite positive number of seconds"),
+        ("--local-mttf", "inf", "'inf' must be a finite positive number of seconds"),
+        ("--local-write", "fast", "could not convert string to float: 'fast'"),
+    ],
+)
+def test_advise_bad_two_tier_input_names_the_flag_and_value(job, flag, value, says):
+    out = cli("advise", job, flag, value)
+    assert out.returncode == 2 and f"argument {flag}: {says}" in out.stderr, out.stderr
