@@ -10,13 +10,17 @@ import sys
 from .attribution import Attribution, attribute_root
 from .ledger import LedgerError
 from .model import (
+    TwoTierCosts,
     TwoTierInputs,
     advise,
     check_seconds,
     daly_interval,
     expected_ettr,
+    optimal_two_tier,
     seed_ettr,
     simulate,
+    simulate_two_tier,
+    two_tier_ettr,
     young_interval,
 )
 from .report import plot_timeline, report_json, report_text
@@ -75,7 +79,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--interval", type=_seconds(True), required=True, help="compute seconds between checkpoints")
     s.add_argument("--write", type=_seconds(False), default=0.0, help="blocking seconds per checkpoint")
     s.add_argument("--restart", type=_seconds(False), default=300.0, help="seconds per failure besides lost work")
-    s.add_argument("--mttf", type=_seconds(True), required=True, help="mean time to failure, seconds")
+    s.add_argument("--mttf", type=_seconds(True), help="mean time to failure, seconds (one tier)")
+    g = s.add_argument_group("two tiers (--local-mttf and --node-mttf instead of --mttf; --restart: durable)")
+    g.add_argument("--local-mttf", type=_seconds(True), help="MTTF of failures the local tier survives, seconds")
+    g.add_argument("--node-mttf", type=_seconds(True), help="MTTF of node losses (the local tier is lost), seconds")
+    g.add_argument("--local-restart", type=_seconds(False), help="seconds per local-class failure (default --restart)")
+    g.add_argument("--persist-every", type=_count, default=1, help="every K-th save is persisted (default 1)")
+    g.add_argument("--persist-cost", type=_seconds(False), default=0.0, help="seconds of training per persist")
     s.add_argument("--segments", type=_count, default=200_000)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", action="store_true")
@@ -120,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> str:
     """The output of one subcommand."""
+    if args.cmd == "simulate" and (args.local_mttf or args.node_mttf):
+        return _simulate_two_tier(args)
     if args.cmd == "simulate":
+        if args.mttf is None:
+            raise ValueError("simulate needs --mttf (one tier), or --local-mttf and --node-mttf (two tiers)")
         sim = simulate(args.interval, args.write, args.restart, args.mttf, segments=args.segments, seed=args.seed)
         out = {
             "simulated": sim.ettr,
@@ -140,3 +154,27 @@ def _run(args: argparse.Namespace) -> str:
     if args.cmd == "report":
         return report_json(a, adv) if args.json else report_text(a, adv)
     return json.dumps(adv.to_dict(), indent=2) if args.json else adv.text()
+
+
+def _simulate_two_tier(args: argparse.Namespace) -> str:
+    """`simulate` with two tiers: the given plan simulated beside its exact form, the optimal pair, the best one tier."""
+    if args.mttf is not None or not (args.local_mttf and args.node_mttf):
+        raise ValueError("two tiers need --local-mttf and --node-mttf, and not --mttf (that is the one-tier MTTF)")
+    local_restart = args.restart if args.local_restart is None else args.local_restart
+    costs = TwoTierCosts(args.write, args.persist_cost, local_restart, args.restart, args.local_mttf, args.node_mttf)
+    k = args.persist_every
+    sim = simulate_two_tier(args.interval, k, costs, cycles=max(1, args.segments // k), seed=args.seed)
+    plan = optimal_two_tier(costs)
+    out = {
+        "simulated": sim.ettr,
+        "stderr": sim.stderr,
+        "failures": sim.failures,
+        "expected_exact": two_tier_ettr(args.interval, k, costs),
+        "optimal_interval": plan.interval_s,
+        "optimal_persist_every": plan.persist_every,
+        "optimal_ettr": plan.ettr,
+        "single_interval": plan.single_interval_s,
+        "single_ettr": plan.single_ettr,
+        "gain": plan.gain,
+    }
+    return json.dumps(out, indent=2) if args.json else "\n".join(f"{k:<22}{v:.6g}" for k, v in out.items())

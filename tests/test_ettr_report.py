@@ -335,3 +335,23 @@ def test_advise_names_what_a_one_tier_ledger_cannot_tell(job):
 def test_advise_bad_two_tier_input_names_the_flag_and_value(job, flag, value, says):
     out = cli("advise", job, flag, value)
     assert out.returncode == 2 and f"argument {flag}: {says}" in out.stderr, out.stderr
+
+
+def test_simulate_two_tiers():
+    out = cli(
+        "simulate", "--interval", "370", "--persist-every", "5", "--write", "5", "--persist-cost", "20",
+        "--local-restart", "60", "--restart", "600", "--local-mttf", "14400", "--node-mttf", "86400", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    sim = json.loads(out.stdout)
+    assert sim["simulated"] == pytest.approx(sim["expected_exact"], rel=0.01)
+    assert (sim["optimal_persist_every"], round(sim["optimal_interval"])) == (5, 369)
+    assert sim["gain"] == pytest.approx(sim["optimal_ettr"] - sim["single_ettr"]) and sim["gain"] > 0.04
+    for args, says in [
+        (("--local-mttf", "14400"), "two tiers need --local-mttf and --node-mttf, and not --mttf"),
+        (("--local-mttf", "1", "--node-mttf", "1", "--mttf", "5"), "two tiers need"),
+        ((), "simulate needs --mttf (one tier), or --local-mttf and --node-mttf (two tiers)"),
+        (("--mttf", "5", "--persist-every", "0"), "argument --persist-every: must be a positive integer, got '0'"),
+    ]:
+        out = cli("simulate", "--interval", "370", *args)
+        assert out.returncode == 2 and says in out.stderr, out.stderr
