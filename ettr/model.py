@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -171,6 +171,7 @@ class TwoTierCosts:
 
 
 def _check_plan(interval_s: float, persist_every: int) -> None:
+    """A ValueError naming a plan's bad interval or K."""
     check_seconds("interval", interval_s, positive=True)
     if isinstance(persist_every, bool) or not isinstance(persist_every, int) or persist_every < 1:
         raise ValueError(f"persist_every must be a positive integer, got {persist_every!r}")
@@ -195,20 +196,22 @@ def two_tier_ettr(interval_s: float, persist_every: int, costs: TwoTierCosts) ->
         local_restart = miss / lam / leave  # expected seconds in a local restart until it ends
         durable_restart = math.expm1(lam * c.durable_restart_s) / lam  # redone until one completes
 
-        def segment(length: float) -> tuple[float, float, float]:
-            """(g, pi, 1 - pi): expected seconds spent on a segment before it completes or a node loss resets the
-            cycle, the chance it completes first, and its complement (computed without cancellation)."""
+        def segment(length: float) -> tuple[float, float]:
+            """(g, 1 - pi): expected seconds spent on a segment until it completes or a node loss resets the cycle,
+            and the chance of the reset (computed without cancellation, so tiny rates stay exact)."""
             hit = -math.expm1(-lam * length)
             a = 1.0 - hit * p_l * done
-            reset = hit * p_n * (1.0 + p_l * miss / leave) / a
-            return (hit / lam + hit * p_l * local_restart) / a, (1.0 - hit) / a, reset
+            return (hit / lam + hit * p_l * local_restart) / a, hit * p_n * (1.0 + p_l * miss / leave) / a
 
-        g, pi, reset = segment(t + c.local_write_s)
-        g_last, pi_last, reset_last = segment(t + c.local_write_s + c.persist_s)
-        log_pi = math.log1p(-reset) if reset < 1.0 else -math.inf
-        geometric = (k - 1) if reset == 0.0 else -math.expm1((k - 1) * log_pi) / reset if k > 1 else 0.0
-        big_g = g * geometric + g_last * math.exp((k - 1) * log_pi if k > 1 else 0.0)
-        log_big_pi = ((k - 1) * log_pi if k > 1 else 0.0) + (math.log1p(-reset_last) if reset_last < 1 else -math.inf)
+        g, reset = segment(t + c.local_write_s)
+        g_last, reset_last = segment(t + c.local_write_s + c.persist_s)
+        if reset_last >= 1.0 or (k > 1 and reset >= 1.0):
+            return 0.0  # a node loss always comes first: no cycle ever completes
+        n = k - 1
+        log_pi = math.log1p(-reset) if n else 0.0
+        geometric = n if reset == 0.0 else -math.expm1(n * log_pi) / reset  # sum of pi^j for j < K - 1
+        big_g = g * geometric + g_last * math.exp(n * log_pi)
+        log_big_pi = n * log_pi + math.log1p(-reset_last)
         big_pi = math.exp(log_big_pi)  # the chance a cycle completes before a node loss resets it
         if big_pi == 0.0:
             return 0.0
@@ -221,7 +224,7 @@ def two_tier_ettr(interval_s: float, persist_every: int, costs: TwoTierCosts) ->
 MAX_PERSIST_EVERY = 10_000  # optimal_two_tier(): the largest K it considers (without node losses K grows unbounded)
 
 
-def _golden_max(f, lo: float, hi: float, iterations: int = 90) -> tuple[float, float]:
+def _golden_max(f: Callable[[float], float], lo: float, hi: float, iterations: int = 90) -> tuple[float, float]:
     """(x, f(x)) maximising a unimodal f on [lo, hi], searched on a log scale (golden section)."""
     a, b = math.log(lo), math.log(hi)
     inv = (math.sqrt(5.0) - 1.0) / 2.0
@@ -246,7 +249,9 @@ def _interval_bounds(mttf_s: float, min_interval_s: float) -> tuple[float, float
     return lo, max(lo, 4.0 * mttf_s)
 
 
-def best_single_interval(write_s: float, restart_s: float, mttf_s: float, *, min_interval_s: float = 0.0):
+def best_single_interval(
+    write_s: float, restart_s: float, mttf_s: float, *, min_interval_s: float = 0.0
+) -> tuple[float, float]:
     """(interval, ETTR): the argmax of the exact one-tier form `expected_ettr` (Daly's formula approximates it)."""
     lo, hi = _interval_bounds(mttf_s, min_interval_s)
     return _golden_max(lambda t: expected_ettr(t, write_s, restart_s, mttf_s), lo, hi)
@@ -278,7 +283,9 @@ def optimal_two_tier(costs: TwoTierCosts, *, min_interval_s: float = 0.0) -> Two
     from 1 to MAX_PERSIST_EVERY): golden section in the interval for each K, ternary search over K."""
     lam_l, lam_n = costs.rates
     if lam_l + lam_n == 0.0:
-        raise ValueError("no failures (both MTTFs infinite): any interval is optimal, checkpoints only cost time")
+        raise ValueError(
+            "no failures (both MTTFs infinite): every checkpoint only costs time, there is no optimal interval"
+        )
     lo, hi = _interval_bounds(1.0 / (lam_l + lam_n), min_interval_s)
     memo: dict[int, tuple[float, float]] = {}
 
@@ -296,7 +303,7 @@ def optimal_two_tier(costs: TwoTierCosts, *, min_interval_s: float = 0.0) -> Two
             b = m2
     k = max(range(a, b + 1), key=lambda k: best(k)[1])
     t, ettr = best(k)
-    single_t, single = best_single_interval(*costs.single_tier()[:2], costs.single_tier()[2], min_interval_s=lo)
+    single_t, single = best_single_interval(*costs.single_tier(), min_interval_s=lo)
     return TwoTierPlan(t, k, ettr, single_t, single)
 
 
