@@ -329,8 +329,9 @@ def simulate_two_tier(
     if lam * longest > math.log(MAX_TRIES) or draws > MAX_DRAWS:
         raise ValueError(
             f"not simulated: {cycles} cycles of {k} segments of {seg:g} s (restarts {c.local_restart_s:g} s local, "
-            f"{c.durable_restart_s:g} s durable) would need ~{draws:.3g} random draws "
-            f"(exact expected ETTR {expected:.3g})"
+            f"{c.durable_restart_s:g} s durable; MTTF {c.local_mttf_s:g} s local, {c.node_mttf_s:g} s node): the "
+            f"longest of them succeeds once in ~{math.exp(min(lam * longest, 700)):.3g} tries and all cycles "
+            f"would need ~{draws:.3g} random draws (exact expected ETTR {expected:.3g})"
         )
     rng = np.random.default_rng(seed)
     wall = np.zeros(cycles)
