@@ -92,9 +92,10 @@ def test_every_save_is_local_and_every_kth_is_persisted_with_its_own_retention(t
     for root, s in ((local, 5), (durable, 4)):
         assert list(catalog.verify(open_storage(root), s)) == []
     # the durable copy is the local step's files: same manifest, same chunk bytes
-    with open(os.path.join(durable, layout.manifest_path(4)), "rb") as a, open(
-        os.path.join(local, layout.manifest_path(4)), "rb"
-    ) as b:
+    with (
+        open(os.path.join(durable, layout.manifest_path(4)), "rb") as a,
+        open(os.path.join(local, layout.manifest_path(4)), "rb") as b,
+    ):
         assert a.read() == b.read()
 
 
