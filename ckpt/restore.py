@@ -114,6 +114,14 @@ def plan_restore(
         nodes[k] = node
     reads: dict[tuple[str, Box], ArrayRead] = {}
 
+    def read(name: str, box: Box) -> ArrayRead:
+        """The read of a region, planned once; its files checked first (before a fresh tensor is allocated)."""
+        if (name, box) not in reads:
+            if files is not None:
+                _check_files(manifest.arrays[name], box, files, step)
+            reads[name, box] = ArrayRead(manifest.arrays[name], box)
+        return reads[name, box]
+
     def plan_read(name: str, template: Any, as_numpy: bool) -> Any:
         """A tensor reference met by `state.decode`: plan its read (no IO) and give the value the state will hold."""
         info = manifest.arrays[name]
@@ -122,10 +130,10 @@ def plan_restore(
         if shard is not None:
             dtensor, box = shard
             _check_match(info, dtensor, step)
-            _add_target(reads.setdefault((name, box), ArrayRead(info, box)), dtensor.to_local())
+            _add_target(read(name, box), dtensor.to_local())
             return dtensor
         whole = tuple((0, n) for n in info.shape)
-        r = reads.setdefault((name, whole), ArrayRead(info, whole))
+        r = read(name, whole)
         if isinstance(tmpl, torch.Tensor):
             _check_match(info, tmpl, step)
             _add_target(r, tmpl)
@@ -139,9 +147,6 @@ def plan_restore(
         return value.numpy() if as_numpy else value
 
     values = {k: state_mod.decode(node, plan_read, target[k], k, strict=True) for k, node in nodes.items()}
-    if files is not None:
-        for r in reads.values():
-            _check_files(r.info, r.box, files, step)
     if keys is None:
         extra = [k for k in tree if k not in target]
         if extra:
