@@ -219,3 +219,26 @@ def test_sigkill_during_a_persist_leaves_no_partial_durable_step_and_a_valid_loc
         assert torch.equal(got["w"], torch.randn(1 << 18, generator=g))
         m.save(newest + 1, got).wait()  # both leases are free again
     assert catalog.collect_garbage(d)  # the half-persisted step is garbage, removed by gc
+
+
+def test_cli_ls_verify_gc_cover_both_tiers(tmp_path, capsys):
+    from ckpt import cli
+
+    durable, local = saved(tmp_path, [1, 2, 3], persist_every=2)
+    assert cli.main(["ls", durable, "--local", local]) == 0
+    out = capsys.readouterr().out
+    durable_part, local_part = out.split(f"== local tier {local}")
+    assert durable_part.startswith(f"== durable tier {durable}")
+    assert [line.split()[0] for line in durable_part.splitlines()[2:]] == ["2"]
+    assert [line.split()[0] for line in local_part.splitlines()[2:]] == ["2", "3"]
+
+    flip_byte(chunk(local, 3))
+    assert cli.main(["verify", "-q", durable, "--local", local]) == 1
+    out = capsys.readouterr().out
+    assert "step 2: ok" in out.split("== local tier")[0]
+    assert f"step 3: DAMAGED: chunk checksum (crc32c) mismatch (step=3, key=w, file={chunk(local, 3)})" in out
+
+    os.makedirs(os.path.join(local, layout.step_dir(9), "arrays"))  # a crashed local save's leftovers
+    assert cli.main(["gc", durable, "--local", local]) == 0
+    assert "removed incomplete step 9" in capsys.readouterr().out.split("== local tier")[1]
+    assert layout.step_dirs(open_storage(local)) == [2, 3]

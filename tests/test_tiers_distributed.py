@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 import tiers_worker  # noqa: E402
-from ckpt import layout  # noqa: E402
+from ckpt import cli, layout  # noqa: E402
 from ckpt.storage import open_storage  # noqa: E402
 from test_distributed import _ok, run_ranks  # noqa: E402
 
@@ -23,7 +23,7 @@ def _restored(results) -> list[tuple[int, str, bool]]:
     return out
 
 
-def test_lost_local_tier_comes_back_from_the_peer_and_two_lost_fall_back_to_durable(tmp_path):
+def test_lost_local_tier_comes_back_from_the_peer_and_two_lost_fall_back_to_durable(tmp_path, capsys):
     root = str(tmp_path)
     _ok(run_ranks(4, "save", root, worker=tiers_worker))
     durable = open_storage(os.path.join(root, "durable"))
@@ -35,6 +35,9 @@ def test_lost_local_tier_comes_back_from_the_peer_and_two_lost_fall_back_to_dura
         assert layout.committed_steps(
             open_storage(os.path.join(root, f"local{r}", layout.replica_root((r - 1) % 4)))
         ) == [2, 3]
+
+    assert cli.main(["ls", os.path.join(root, "durable"), "--local", os.path.join(root, "local2")]) == 0
+    assert f"== replica of rank 1 in {os.path.join(root, 'local2')}" in capsys.readouterr().out
 
     shutil.rmtree(os.path.join(root, "local1"))  # node 1 is lost
     durable_files = sorted(os.listdir(os.path.join(root, "durable")))
