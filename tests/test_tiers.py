@@ -242,3 +242,16 @@ def test_cli_ls_verify_gc_cover_both_tiers(tmp_path, capsys):
     assert cli.main(["gc", durable, "--local", local]) == 0
     assert "removed incomplete step 9" in capsys.readouterr().out.split("== local tier")[1]
     assert layout.step_dirs(open_storage(local)) == [2, 3]
+
+
+def test_a_failed_persist_is_raised_by_the_next_call_and_the_local_step_stays(tmp_path):
+    durable, local = tmp_path / "durable", str(tmp_path / "local")
+    durable.mkdir()
+    (durable / layout.step_dir(1)).write_text("in the way")  # the persist of step 1 cannot create its directory
+    m = ckpt.CheckpointManager(durable, local=local, persist_every=1)
+    m.save(1, state(1)).wait()  # committed locally
+    with pytest.raises(ckpt.CheckpointWriteError, match=r"saving step 1 failed: .*persisting to"):
+        m.wait()
+    assert [(int(s), s.tiers) for s in m.steps()] == [(1, ("local",))]
+    m.close()
+    assert list(catalog.verify(open_storage(local), 1)) == []
