@@ -17,7 +17,7 @@ from .distributed import Box, Ranks
 from .errors import CorruptCheckpointError
 from .format import Manifest, chunk_key, zarr_mismatch
 from .lease import Lease
-from .save import begin_step, commit_step
+from .save import begin_step, commit_step, raise_outcome
 from .storage import Storage, where
 
 
@@ -102,15 +102,10 @@ class PersistJob:
                 commit_step(self.dst, self.step, manifest_bytes, self.lease)
             except Exception as e:
                 commit_error = e
-        verdict = self.ranks.all_gather_json(
-            None if commit_error is None else f"rank 0 could not commit: {commit_error}"
-        )[0]
-        if self.ranks.leader and (failures or verdict) and not layout.is_committed(self.dst, self.step):
-            self.dst.delete_tree(layout.step_dir(self.step))  # nothing partial stays behind a failed persist
-        if error is not None:
-            raise error
-        if commit_error is not None:
-            raise commit_error
-        if failures or verdict:
-            raise RuntimeError("; ".join(failures) or verdict)
+        try:
+            raise_outcome(self.ranks, error, commit_error, failures)
+        except BaseException:
+            if self.ranks.leader and not layout.is_committed(self.dst, self.step):
+                self.dst.delete_tree(layout.step_dir(self.step))  # nothing partial stays behind a failed persist
+            raise
         return copied

@@ -199,18 +199,7 @@ class SaveJob:
                 self.commit(digests)
             except Exception as e:
                 commit_error = e
-        verdicts = self.ranks.all_gather_json(
-            None
-            if commit_error is None
-            else f"rank {rank} could not commit: {type(commit_error).__name__}: {commit_error}"
-        )
-        verdict = next((v for v in verdicts if v), None)
-        if error is not None:
-            raise error
-        if commit_error is not None:
-            raise commit_error
-        if failures or verdict:
-            raise RuntimeError("; ".join(failures) or verdict)
+        raise_outcome(self.ranks, error, commit_error, failures)
 
     def manifest(self, digests: Mapping[str, Mapping[int, int]]) -> Manifest:
         """The manifest of this save, every array with the digest of each of its chunks (from all ranks)."""
@@ -240,6 +229,25 @@ class SaveJob:
     def commit(self, digests: Mapping[str, Mapping[int, int]]) -> None:
         """Make every directory entry durable, then write the manifest last (atomically): from now on the step exists."""
         commit_step(self.storage, self.plan.step, self.manifest(digests).to_bytes(), self.lease)
+
+
+def raise_outcome(
+    ranks: Ranks, error: BaseException | None, commit_error: BaseException | None, failures: list
+) -> None:
+    """After a commit among ranks: every rank learns whether any commit failed; a rank raises its own error (its
+    write's, then its commit's), else the others' (`failures`: their write errors), else nothing."""
+    verdicts = ranks.all_gather_json(
+        None
+        if commit_error is None
+        else f"rank {ranks.rank} could not commit: {type(commit_error).__name__}: {commit_error}"
+    )
+    verdict = next((v for v in verdicts if v), None)
+    if error is not None:
+        raise error
+    if commit_error is not None:
+        raise commit_error
+    if failures or verdict:
+        raise RuntimeError("; ".join(failures) or verdict)
 
 
 def begin_step(storage: Storage, step: int, lease: Lease | None) -> None:

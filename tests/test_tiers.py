@@ -19,6 +19,9 @@ from ckpt.errors import CorruptCheckpointError
 from ckpt.persist import PersistJob
 from ckpt.storage import open_storage
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
+from tiers_worker import Restores  # noqa: E402
+
 
 def state(step: int) -> dict:
     g = torch.Generator().manual_seed(step)
@@ -35,27 +38,6 @@ def blank() -> dict:
 
 def same(a: dict, b: dict) -> bool:
     return torch.equal(a["w"], b["w"]) and torch.equal(a["b"], b["b"]) and a["meta"] == b["meta"]
-
-
-class Restores:
-    """A CheckpointObserver that records each restore and its tier."""
-
-    def __init__(self):
-        self.restored = []
-
-    def span(self, category, **attrs):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def checkpoint_committed(self, step, background_seconds, nbytes):
-        pass
-
-    def checkpoint_restored(self, step, *, tier=None):
-        self.restored.append((step, tier))
-
-    def checkpoint_failed(self, step, error):
-        pass
 
 
 def saved(tmp_path, steps, **kw) -> tuple[str, str]:

@@ -18,8 +18,8 @@ import ckpt
 from dist_worker import redirect
 
 
-class Tiers:
-    """Records the tier each restore was read from."""
+class Restores:
+    """A CheckpointObserver that records each restore and the tier it read."""
 
     def __init__(self):
         self.restored = []
@@ -56,7 +56,7 @@ def run(mode: str, root: str, rank: int, world: int, port: int, log: str) -> Non
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (world,))
     durable, local = os.path.join(root, "durable"), os.path.join(root, "local{rank}")
-    tracker = Tiers()
+    tracker = Restores()
     with ckpt.CheckpointManager(
         durable, local=local, persist_every=2, keep_local=2, tracker=tracker, collective_timeout=30
     ) as m:
