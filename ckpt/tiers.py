@@ -25,8 +25,9 @@ import fsspec
 
 from . import catalog, layout
 from . import lease as lease_mod
+from . import run as run_mod
 from .distributed import Box, Ranks
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, LeaseHeldError
 from .persist import PersistJob
 from .replica import transfer
 from .save import WritePlan
@@ -91,6 +92,15 @@ def default_offset(world_size: int) -> int:
     return per_node if 0 < per_node < world_size else 1
 
 
+def _run_id(storage: Storage) -> str | None:
+    """The id of the run a root records, if it records a readable one."""
+    try:
+        run = run_mod.recorded_run(storage)
+    except CorruptCheckpointError:
+        return None
+    return run.id if run else None
+
+
 class Tiers:
     """This rank's local tier beside the durable root: local commits, background persists, replicas, retention."""
 
@@ -128,7 +138,15 @@ class Tiers:
     def take_lease(self) -> lease_mod.Lease:
         """This rank's local tier's lease (held until `close`): one writer per local tier."""
         if self.lease is None:
-            self.lease = lease_mod.acquire(self.local)
+            try:
+                self.lease = lease_mod.acquire(self.local)
+            except LeaseHeldError as e:
+                hint = (
+                    "; each rank needs a local tier of its own: put {rank} in local="
+                    if self.ranks.world_size > 1
+                    else ""
+                )
+                raise LeaseHeldError(f"local tier: {e}{hint}", holder=e.holder) from None
         else:
             self.lease.check()
         return self.lease
@@ -224,7 +242,18 @@ class Tiers:
     # -- restoring ----------------------------------------------------------------------------------
 
     def inventory(self) -> dict:
-        """What this rank holds: its local tier's committed steps and those of each replica it keeps."""
+        """What this rank holds: its local tier's committed steps and those of each replica it keeps; nothing
+        when the local tier belongs to another run than the durable root (a run never resumes another's steps)."""
+        mine, durable = _run_id(self.local), _run_id(self.durable)
+        if mine and durable and mine != durable:
+            log.warning(
+                "the local tier %s belongs to run %r, the durable root %s to run %r: its steps are not restored",
+                self.local.url,
+                mine,
+                self.durable.url,
+                durable,
+            )
+            return {"local": [], "replica": {}}
         return {
             "local": layout.committed_steps(self.local),
             "replica": {str(r): layout.committed_steps(self.replica(r)) for r in layout.replica_ranks(self.local)},

@@ -237,3 +237,14 @@ def test_a_failed_persist_is_raised_by_the_next_call_and_the_local_step_stays(tm
     assert [(int(s), s.tiers) for s in m.steps()] == [(1, ("local",))]
     m.close()
     assert list(catalog.verify(open_storage(local), 1)) == []
+
+
+def test_a_local_tier_of_another_run_is_never_resumed(tmp_path):
+    from ckpt import run
+
+    durable, local = saved(tmp_path, [1, 2, 3], persist_every=2, run_id="first")
+    run.claim(open_storage(durable), run.Run("second", "run_id"))  # the durable root was taken over by another run
+    with ckpt.CheckpointManager(durable, local=local, run_id="second") as m:
+        got = blank()
+        assert m.restore(got) == 2  # its durable step, not the first run's local step 3
+    assert same(got, state(2))
