@@ -248,3 +248,18 @@ def test_a_local_tier_of_another_run_is_never_resumed(tmp_path):
         got = blank()
         assert m.restore(got) == 2  # its durable step, not the first run's local step 3
     assert same(got, state(2))
+
+
+def test_the_durable_tier_can_be_an_object_store(tmp_path):
+    durable, local = "memory://tiers-object-store/run", str(tmp_path / "local")
+    with ckpt.CheckpointManager(durable, local=local, persist_every=2) as m:
+        for s in (1, 2, 3):
+            m.save(s, state(s)).wait()
+        m.wait()
+        assert [(int(s), s.tiers) for s in m.steps()] == [(2, ("local", "durable")), (3, ("local",))]
+        assert list(catalog.verify(m.storage, 2)) == []
+    shutil.rmtree(local)
+    with ckpt.CheckpointManager(durable, local=local) as m:
+        got = blank()
+        assert m.restore(got) == 2
+    assert same(got, state(2))
