@@ -64,7 +64,11 @@ def transfer(
 
     sending = send_to is not None
     receiving = recv_from is not None
-    files = _files(source, step) if sending else []
+    read_error: BaseException | None = None
+    try:
+        files = _files(source, step) if sending else []
+    except OSError as e:  # the receiver still gets a header (no files, no manifest) and fails, instead of hanging
+        files, read_error = [], e
     header = json.dumps(files).encode()
     length = torch.zeros(1, dtype=torch.int64)
     exchange(torch.tensor([len(header)], dtype=torch.int64) if sending else None, length if receiving else None)
@@ -81,7 +85,6 @@ def transfer(
             write_error = e
     out_msgs = [(i, a, b) for i, (_, size) in enumerate(files) for a, b in _pieces(size)]
     in_msgs = [(i, a, b) for i, (_, size) in enumerate(incoming) for a, b in _pieces(size)]
-    read_error: BaseException | None = None
     current: tuple[int, bytes] | None = None  # the file being sent
     received: dict[int, bytearray] = {i: bytearray(size) for i, (_, size) in enumerate(incoming) if size == 0}
     pending: bytearray | None = None
