@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -159,6 +160,8 @@ class CheckpointManager:
         self._writer_agreed = False  # every rank knows the lease is held
         self.tiers: Tiers | None = None  # with local=: the local tier beside `root`, the durable one
         if local is not None:
+            # every rank's local tier records the run the durable root records: rank 0's (a generated id is per process)
+            self.run = run_mod.Run(**self.ranks.all_gather_json(dataclasses.asdict(self.run))[0])
             self.tiers = Tiers(
                 self.storage,
                 local,
