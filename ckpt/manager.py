@@ -101,8 +101,9 @@ class CheckpointManager:
             environment, else a new random id); see `ckpt.run`. Integrations compare it at a fresh start.
         local: a directory on this machine (NVMe, ``/dev/shm``) for a fast local tier: every save commits there,
             and `root` becomes the durable tier. ``{rank}`` in it is replaced by the rank (each rank needs its own).
-        persist_every: with `local`, every K-th committed save is also persisted to `root` in the background,
-            copied from the local tier's committed files (verified); `retention` applies to `root`.
+        persist_every: with `local`, every K-th committed save (counted from this manager's start) is also
+            persisted to `root` in the background, copied from the local tier's committed files (verified);
+            `retention` applies to `root`.
         keep_local: with `local`, how many committed steps the local tier keeps.
         replica_offset: with `local` and torch.distributed, each rank's local step is also sent to the local tier
             of rank ``(rank + replica_offset) % world`` (default: the ranks per node, from LOCAL_WORLD_SIZE, else 1),

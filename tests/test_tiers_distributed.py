@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 import tiers_worker  # noqa: E402
-from ckpt import cli, layout  # noqa: E402
+from ckpt import catalog, cli, layout  # noqa: E402
 from ckpt.storage import open_storage  # noqa: E402
 from test_distributed import _ok, run_ranks  # noqa: E402
 
@@ -28,6 +28,7 @@ def test_lost_local_tier_comes_back_from_the_peer_and_two_lost_fall_back_to_dura
     _ok(run_ranks(4, "save", root, worker=tiers_worker))
     durable = open_storage(os.path.join(root, "durable"))
     assert layout.committed_steps(durable) == [2]
+    assert list(catalog.verify(durable, 2)) == []  # the ranks' persisted regions make the whole step
     for r in range(4):
         local = open_storage(os.path.join(root, f"local{r}"))
         assert layout.committed_steps(local) == [2, 3]
