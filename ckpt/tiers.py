@@ -160,9 +160,16 @@ class Tiers:
     def committed(
         self, plan: WritePlan, durable_lease: lease_mod.Lease | None, done: Callable[[int, BaseException | None], None]
     ) -> None:
-        """A step committed locally on every rank: replicate it to the peer, queue its persist if it is the K-th,
-        apply local retention. `done(step, error)` is called on the persist thread when a persist ends."""
+        """A step committed locally on every rank: queue its persist if it is the K-th (counted alike on every rank,
+        whatever happens next), replicate it to the peer, apply local retention. `done(step, error)` is called on the persist thread when a persist ends."""
         step = plan.step
+        self._commits += 1
+        if self._commits % self.persist_every == 0:
+            if self._persisting is not None:  # one persist at a time: a slower durable tier holds the writer back
+                futures_wait([self._persisting[1]])
+            regions = {name: plan.boxes[name] for name in plan.designated}
+            future = self._persister.submit(self._persist, step, regions, durable_lease, done)
+            self._persisting = (step, future)
         if self.offset:
             world, rank = self.ranks.world_size, self.ranks.rank
             source = (rank - self.offset) % world
@@ -182,13 +189,6 @@ class Tiers:
                 source,
             )
             self._retain(self.replica(source), set())
-        self._commits += 1
-        if self._commits % self.persist_every == 0:
-            if self._persisting is not None:  # one persist at a time: a slower durable tier holds the writer back
-                futures_wait([self._persisting[1]])
-            regions = {name: plan.boxes[name] for name in plan.designated}
-            future = self._persister.submit(self._persist, step, regions, durable_lease, done)
-            self._persisting = (step, future)
         self._retain(
             self.local, {self._persisting[0]} if self._persisting and not self._persisting[1].done() else set()
         )
