@@ -57,14 +57,6 @@ class PersistJob:
 
     def run(self) -> int | None:
         """Copy and commit; returns the bytes this rank copied, or None when the step was already durable."""
-        manifest_bytes = self.src.read(layout.manifest_path(self.step))
-        if manifest_bytes is None:
-            raise CorruptCheckpointError(
-                "manifest vanished from the local tier",
-                step=self.step,
-                file=where(self.src, layout.manifest_path(self.step)),
-            )
-        manifest = Manifest.from_bytes(manifest_bytes, file=where(self.src, layout.manifest_path(self.step)))
         began: str | None = None
         if self.ranks.leader:
             if layout.is_committed(self.dst, self.step):
@@ -79,8 +71,10 @@ class PersistJob:
             return None
         if began:
             raise RuntimeError(began)
-        copied, error = 0, None
-        try:
+        copied, error, manifest_bytes = 0, None, b""
+        try:  # every rank reaches the collectives below, whatever fails here
+            manifest_bytes = self.src.read(layout.manifest_path(self.step)) or b""
+            manifest = Manifest.from_bytes(manifest_bytes, file=where(self.src, layout.manifest_path(self.step)))
             with ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-persist-io") as pool:
                 futures = [
                     pool.submit(copy_region, self.src, self.dst, self.step, manifest, name, box)
