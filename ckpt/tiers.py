@@ -27,7 +27,7 @@ from . import catalog, layout
 from . import lease as lease_mod
 from . import run as run_mod
 from .distributed import Box, Ranks
-from .errors import CorruptCheckpointError, LeaseHeldError
+from .errors import CorruptCheckpointError, LeaseHeldError, StepNotFoundError
 from .persist import PersistJob
 from .replica import transfer
 from .save import WritePlan
@@ -255,9 +255,25 @@ class Tiers:
             )
             return {"local": [], "replica": {}}
         return {
-            "local": layout.committed_steps(self.local),
-            "replica": {str(r): layout.committed_steps(self.replica(r)) for r in layout.replica_ranks(self.local)},
+            "local": self._restorable(self.local),
+            "replica": {str(r): self._restorable(self.replica(r)) for r in layout.replica_ranks(self.local)},
         }
+
+    def _restorable(self, storage: Storage) -> list[int]:
+        """Committed steps of a local root saved at this world size: a rank's local copy holds only the regions it
+        held then, so after a change of world size the durable tier is read (a damaged manifest is left in, so
+        that the restore reports it)."""
+        steps = []
+        for s in layout.committed_steps(storage):
+            try:
+                world = layout.read_manifest(storage, s).world_size
+            except CorruptCheckpointError:
+                world = self.ranks.world_size
+            except StepNotFoundError:
+                continue
+            if world == self.ranks.world_size:
+                steps.append(s)
+        return steps
 
     def sources(self, durable: list[int]) -> list[Source]:
         """The restore order every rank agrees on (rank 0's view of the durable root, every rank's inventory)."""

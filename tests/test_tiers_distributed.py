@@ -40,6 +40,11 @@ def test_lost_local_tier_comes_back_from_the_peer_and_two_lost_fall_back_to_dura
     assert cli.main(["ls", os.path.join(root, "durable"), "--local", os.path.join(root, "local2")]) == 0
     assert f"== replica of rank 1 in {os.path.join(root, 'local2')}" in capsys.readouterr().out
 
+    results = run_ranks(2, "restore", root, worker=tiers_worker)  # at another world size: the local copies do not fit
+    _ok(results)
+    assert _restored(results) == [(2, "durable", True)] * 2
+    assert not os.path.exists(os.path.join(root, "local0", layout.QUARANTINE))  # and are no damage
+
     shutil.rmtree(os.path.join(root, "local1"))  # node 1 is lost
     durable_files = sorted(os.listdir(os.path.join(root, "durable")))
     results = run_ranks(4, "restore", root, worker=tiers_worker)
