@@ -185,12 +185,23 @@ class CheckpointManager:
 
     # -- saving -------------------------------------------------------------------------------------
 
-    def save(self, step: int, state: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None) -> SaveHandle:
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        persist: bool | None = None,
+    ) -> SaveHandle:
         """Snapshot `state` into host memory and write it in the background; returns once the snapshot is taken.
 
         A save still writing is waited for first (never two interleaved). An error of an earlier
         background write is raised here, before anything new is written. The first save takes the root's
         lease (one writer per root): `LeaseHeldError` names the live writer holding it.
+
+        With a local tier, `persist=True` also persists this step to the durable root (the last save of a job, a
+        save before a preemption: the node and its local tier may not come back), `False` never; by default
+        every `persist_every`-th save is.
         """
         self._check_open()
         self._raise_error()
@@ -216,11 +227,11 @@ class CheckpointManager:
             )
             stall = time.perf_counter() - t0
         committed: Future = Future()
-        self._writer.submit(self._background, job, stall, committed)
+        self._writer.submit(self._background, job, stall, committed, persist)
         self._inflight = SaveHandle(step, committed, self)
         return self._inflight
 
-    def _background(self, job: SaveJob, stall: float, committed: Future) -> None:
+    def _background(self, job: SaveJob, stall: float, committed: Future, persist: bool | None = None) -> None:
         """Record the run once, write and commit (resolving `committed`), then queue retention's deletes."""
         step, t0 = job.plan.step, time.perf_counter()
         try:
@@ -231,7 +242,7 @@ class CheckpointManager:
                 self._run_recorded = True
             job.run()
             if self.tiers is not None:  # replicate to the peer, persist the K-th, local retention
-                self.tiers.committed(job.plan, self._lease, self._persisted)
+                self.tiers.committed(job.plan, self._lease, self._persisted, persist)
         except BaseException as e:
             err = CheckpointWriteError(step, e)
             with self._lock:

@@ -158,13 +158,18 @@ class Tiers:
     # -- after a local commit (the writer thread) ---------------------------------------------------
 
     def committed(
-        self, plan: WritePlan, durable_lease: lease_mod.Lease | None, done: Callable[[int, BaseException | None], None]
+        self,
+        plan: WritePlan,
+        durable_lease: lease_mod.Lease | None,
+        done: Callable[[int, BaseException | None], None],
+        persist: bool | None = None,
     ) -> None:
         """A step committed locally on every rank: queue its persist if it is the K-th (counted alike on every rank,
-        whatever happens next), replicate it to the peer, apply local retention. `done(step, error)` is called on the persist thread when a persist ends."""
+        whatever happens next) or `persist` says so, replicate it to the peer, apply local retention.
+        `done(step, error)` is called on the persist thread when a persist ends."""
         step = plan.step
         self._commits += 1
-        if self._commits % self.persist_every == 0:
+        if persist or (persist is None and self._commits % self.persist_every == 0):
             if self._persisting is not None:  # one persist at a time: a slower durable tier holds the writer back
                 futures_wait([self._persisting[1]])
             regions = {name: plan.boxes[name] for name in plan.designated}

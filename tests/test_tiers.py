@@ -263,3 +263,12 @@ def test_the_durable_tier_can_be_an_object_store(tmp_path):
         got = blank()
         assert m.restore(got) == 2
     assert same(got, state(2))
+
+
+def test_save_with_persist_true_makes_that_step_durable_and_false_keeps_it_local(tmp_path):
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    with ckpt.CheckpointManager(durable, local=local, persist_every=2) as m:
+        m.save(1, state(1), persist=True).wait()  # the last save before a preemption
+        m.save(2, state(2), persist=False).wait()  # the K-th, but not this time
+        m.wait()
+        assert [(int(s), s.tiers) for s in m.steps()] == [(1, ("local", "durable")), (2, ("local",))]
