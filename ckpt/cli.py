@@ -39,6 +39,35 @@ def _when(t: float) -> str:
     return datetime.datetime.fromtimestamp(t).isoformat(" ", "seconds")
 
 
+def _tiers(storage: Storage, args: argparse.Namespace) -> list[tuple[str, Storage]]:
+    """The roots a command covers, each with the line that heads its part: the root alone (no heading), or with
+    ``--local DIR`` (a rank's local tier, repeatable) the durable root, each local tier and each peer replica in it."""
+    if not getattr(args, "local", None):
+        return [("", storage)]
+    out = [(f"durable tier {storage.url}", storage)]
+    for path in args.local:
+        local = _open(path)
+        out.append((f"local tier {local.url}", local))
+        for rank in layout.replica_ranks(local):
+            replica = open_storage(os.path.join(local.url, layout.replica_root(rank)))
+            out.append((f"replica of rank {rank} in {local.url}", replica))
+    return out
+
+
+def _each_tier(command: Any) -> Any:
+    """Run a one-root command on every root of `_tiers`, each part under its heading; exit status: the worst."""
+
+    def run(storage: Storage, args: argparse.Namespace) -> int:
+        code = 0
+        for heading, root in _tiers(storage, args):
+            if heading:
+                print(f"== {heading}")
+            code = max(code, command(root, args))
+        return code
+
+    return run
+
+
 def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
     rows: list[tuple[int, str, str, str]] = []  # step, state, size, time or remark
     holder = lease.live_holder(storage)
@@ -269,8 +298,10 @@ def _open(root: str) -> Storage:
 def main(argv: list[str] | None = None) -> int:
     p = _Parser(prog="python -m ckpt", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
+    local_help = "a rank's local tier (the manager's local=): shown beside the durable root, with its peer replicas"
     s = sub.add_parser("ls", help="steps, sizes, committed or not, time")
     s.add_argument("root")
+    s.add_argument("--local", action="append", metavar="DIR", help=local_help + "; repeatable")
     s = sub.add_parser("inspect", help="the state tree with dtypes and shapes")
     s.add_argument("root")
     s.add_argument("--step", type=_step)
@@ -279,12 +310,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("root")
     s.add_argument("--step", type=_step)
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--local", action="append", metavar="DIR", help=local_help + ", verified too; repeatable")
     s = sub.add_parser("gc", help="remove incomplete steps left by crashed saves (never a live save)")
     s.add_argument("root")
     s.add_argument("--force", action="store_true", help="also remove steps that look in progress")
     s.add_argument("--damaged", action="store_true", help="remove quarantined (damaged) steps instead")
     s.add_argument("--incomplete", action="store_true", help="with --damaged: incomplete steps too")
     s.add_argument("--dry-run", action="store_true")
+    s.add_argument("--local", action="append", metavar="DIR", help=local_help + ", collected too; repeatable")
     s = sub.add_parser("explain", help="the samples that formed a step's global batch, from a saved sampler state")
     s.add_argument("root")
     s.add_argument(
@@ -321,10 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     handler = {
-        "ls": cmd_ls,
+        "ls": _each_tier(cmd_ls),
         "inspect": cmd_inspect,
-        "verify": cmd_verify,
-        "gc": cmd_gc,
+        "verify": _each_tier(cmd_verify),
+        "gc": _each_tier(cmd_gc),
         "explain": cmd_explain,
         "export": cmd_export,
         "import": cmd_import,

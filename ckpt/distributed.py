@@ -101,12 +101,14 @@ def _whole(shape: tuple[int, ...]) -> Box:
 
 
 def plan_arrays(
-    ranks: Ranks, tensors: Mapping[str, torch.Tensor], chunk_bytes: int
-) -> tuple[dict[str, ArrayInfo], dict[str, torch.Tensor], dict[str, Box]]:
-    """Agree with every rank on the global arrays; returns (arrays, what this rank writes, its boxes).
+    ranks: Ranks, tensors: Mapping[str, torch.Tensor], chunk_bytes: int, *, every_holder: bool = False
+) -> tuple[dict[str, ArrayInfo], dict[str, torch.Tensor], dict[str, Box], frozenset[str]]:
+    """Agree with every rank on the global arrays; returns (arrays, what this rank writes, its boxes, the names
+    of the arrays whose box this rank is the designated writer of).
 
-    A box held by several ranks (replicated tensors, DTensor Replicate) is written by one of them,
-    chosen by a hash of the array name so that the writing is spread over the ranks.
+    A box held by several ranks (replicated tensors, DTensor Replicate) has one designated writer, chosen by a
+    hash of the array name so that the writing is spread over the ranks. A shared root gets only the designated
+    writes; with `every_holder` (a root of this rank's own: the local tier) each rank writes every box it holds.
     """
     mine = {name: local_box(t) for name, t in tensors.items()}
     described = {name: (dtype_name(t.dtype, key=name), tuple(t.shape), mine[name][1]) for name, t in tensors.items()}
@@ -119,7 +121,7 @@ def plan_arrays(
             if entry[0] != dt or entry[1] != shape:
                 raise ValueError(f"ranks disagree on tensor {name!r}: {entry[:2]} vs {(dt, shape)} on rank {rank}")
             entry[2].setdefault(box, []).append(rank)
-    arrays, writes, boxes = {}, {}, {}
+    arrays, writes, boxes, designated = {}, {}, {}, set()
     for name, (dt, shape, by_box) in held.items():
         ordered = tuple(sorted(by_box))
         if sum(map(_volume, ordered)) != math.prod(shape):
@@ -132,8 +134,10 @@ def plan_arrays(
         for box, rks in by_box.items():
             writer = rks[0] if len(rks) == 1 else rks[zlib.crc32(name.encode()) % len(rks)]
             if writer == ranks.rank:
+                designated.add(name)
+            if writer == ranks.rank or (every_holder and ranks.rank in rks):
                 writes[name], boxes[name] = mine[name][0], box
-    return arrays, writes, boxes
+    return arrays, writes, boxes, frozenset(designated)
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -8,6 +8,7 @@ Layout of a root::
     _quarantine/step_00001200-<unix ms>/   a damaged step moved aside: its files and _DAMAGED (reason, time, host, pid)
     _LEASE, _GC_LOCK                 the writer's lease and gc's lock (see lease.py)
     run.json                         the run the root belongs to (see run.py)
+    _replica/rank_00003/             (local tier) a peer's local tier replicated here: a root of the same layout
 
 Every other module builds a path of a root through these functions. A step is committed when its manifest
 exists: `is_committed` asks, `read_manifest` reads it (validated) or raises `StepNotFoundError`.
@@ -30,6 +31,7 @@ DAMAGED = "_DAMAGED"
 LEASE = "_LEASE"
 GC_LOCK = "_GC_LOCK"
 RUN_FILE = "run.json"
+REPLICA = "_replica"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _QUARANTINED_RE = re.compile(r"^step_(\d{8,})-(\d+)$")
 
@@ -65,6 +67,16 @@ def array_dir(name: str) -> str:
 def array_path(step: int, name: str) -> str:
     """The directory of an array of a step, relative to the root."""
     return f"{step_dir(step)}/{array_dir(name)}"
+
+
+def replica_root(rank: int) -> str:
+    """Where a local tier keeps the replica of rank `rank`'s local tier (a root of the same layout)."""
+    return f"{REPLICA}/rank_{rank:05d}"
+
+
+def replica_ranks(storage: Storage) -> list[int]:
+    """The ranks whose local tier has a replica in this local tier."""
+    return sorted(int(n[5:]) for n in storage.list_dirs(REPLICA) if re.fullmatch(r"rank_\d{5,}", n))
 
 
 def quarantine_path(step: int, unix_ms: int) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -33,6 +34,7 @@ from .retention import RetentionPolicy, StepMetadata, from_keywords
 from .save import SaveJob, plan
 from .staging import StagingArena
 from .storage import Storage, context, open_storage
+from .tiers import DURABLE, LOCAL, PEER, Source, Step, Tiers
 
 log = logging.getLogger("ckpt")
 _MAX_RELISTS = 100  # steps vanishing under a restore, in a row, before it gives up
@@ -43,7 +45,7 @@ class CheckpointObserver(Protocol):
 
     def span(self, category: str, **attrs: Any) -> ContextManager[Any]: ...
     def checkpoint_committed(self, step: int, background_seconds: float, nbytes: int) -> None: ...
-    def checkpoint_restored(self, step: int | None) -> None: ...
+    def checkpoint_restored(self, step: int | None, *, tier: str | None = None) -> None: ...
     def checkpoint_failed(self, step: int, error: BaseException) -> None: ...
 
 
@@ -54,7 +56,7 @@ class _NoTracker:
     def checkpoint_committed(self, step: int, background_seconds: float, nbytes: int) -> None:
         pass
 
-    def checkpoint_restored(self, step: int | None) -> None:
+    def checkpoint_restored(self, step: int | None, *, tier: str | None = None) -> None:
         pass
 
     def checkpoint_failed(self, step: int, error: BaseException) -> None:
@@ -97,6 +99,15 @@ class CheckpointManager:
         collective_timeout: seconds a rank waits for the others during a save or restore before failing.
         run_id: this run's id, recorded in ROOT/run.json by the first save (default: from the launcher's
             environment, else a new random id); see `ckpt.run`. Integrations compare it at a fresh start.
+        local: a directory on this machine (NVMe, ``/dev/shm``) for a fast local tier: every save commits there,
+            and `root` becomes the durable tier. ``{rank}`` in it is replaced by the rank (each rank needs its own).
+        persist_every: with `local`, every K-th committed save (counted from this manager's start) is also
+            persisted to `root` in the background, copied from the local tier's committed files (verified);
+            `retention` applies to `root`.
+        keep_local: with `local`, how many committed steps the local tier keeps.
+        replica_offset: with `local` and torch.distributed, each rank's local step is also sent to the local tier
+            of rank ``(rank + replica_offset) % world`` (default: the ranks per node, from LOCAL_WORLD_SIZE, else 1),
+            so that a lost node's steps come back from its peer; 0: no replica.
 
     With torch.distributed initialized, every rank creates the manager (it makes a gloo group for its
     own collectives) and calls `save`/`restore` with the same step: each rank writes only its slices.
@@ -118,6 +129,10 @@ class CheckpointManager:
         io_threads: int = 8,
         collective_timeout: float = 600.0,
         run_id: str | None = None,
+        local: str | os.PathLike | None = None,
+        persist_every: int = 1,
+        keep_local: int = 2,
+        replica_offset: int | None = None,
     ):
         self.storage: Storage = open_storage(root)
         self.run = run_mod.Run.current(run_id)
@@ -144,6 +159,19 @@ class CheckpointManager:
         self._metadata: dict[int, dict[str, Any]] = {}
         self._lease: lease_mod.Lease | None = None  # the root's lease (rank 0's), taken at the first save
         self._writer_agreed = False  # every rank knows the lease is held
+        self.tiers: Tiers | None = None  # with local=: the local tier beside `root`, the durable one
+        if local is not None:
+            # every rank's local tier records the run the durable root records: rank 0's (a generated id is per process)
+            self.run = run_mod.Run(**self.ranks.all_gather_json(dataclasses.asdict(self.run))[0])
+            self.tiers = Tiers(
+                self.storage,
+                local,
+                persist_every=persist_every,
+                keep_local=keep_local,
+                ranks=self.ranks,
+                timeout=timedelta(seconds=collective_timeout),
+                replica_offset=replica_offset,
+            )
         self._closed = False
 
     @property
@@ -157,12 +185,23 @@ class CheckpointManager:
 
     # -- saving -------------------------------------------------------------------------------------
 
-    def save(self, step: int, state: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None) -> SaveHandle:
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        persist: bool | None = None,
+    ) -> SaveHandle:
         """Snapshot `state` into host memory and write it in the background; returns once the snapshot is taken.
 
         A save still writing is waited for first (never two interleaved). An error of an earlier
         background write is raised here, before anything new is written. The first save takes the root's
         lease (one writer per root): `LeaseHeldError` names the live writer holding it.
+
+        With a local tier, `persist=True` also persists this step to the durable root (the last save of a job, a
+        save before a preemption: the node and its local tier may not come back), `False` never; by default
+        every `persist_every`-th save is.
         """
         self._check_open()
         self._raise_error()
@@ -172,34 +211,38 @@ class CheckpointManager:
             pending = self._deleting.get(step)
             if pending is not None:  # a delete of this very step number must finish before it is written again
                 futures_wait([pending])
-            if layout.is_committed(self.storage, step):
+            target, lease = (self.tiers.local, self.tiers.take_lease()) if self.tiers else (self.storage, self._lease)
+            if layout.is_committed(target, step):
                 raise StepExistsError(
-                    f"step {step} is already committed in {self.storage.url}; "
-                    f"a committed checkpoint is never overwritten"
+                    f"step {step} is already committed in {target.url}; a committed checkpoint is never overwritten"
                 )
             t0 = time.perf_counter()
             job = SaveJob(
-                self.storage,
-                plan(step, state, metadata, self.chunk_bytes, self.ranks),
+                target,
+                plan(step, state, metadata, self.chunk_bytes, self.ranks, private=self.tiers is not None),
                 self._arena,
                 context(),
                 self.ranks,
-                self._lease,
+                lease,
             )
             stall = time.perf_counter() - t0
         committed: Future = Future()
-        self._writer.submit(self._background, job, stall, committed)
+        self._writer.submit(self._background, job, stall, committed, persist)
         self._inflight = SaveHandle(step, committed, self)
         return self._inflight
 
-    def _background(self, job: SaveJob, stall: float, committed: Future) -> None:
+    def _background(self, job: SaveJob, stall: float, committed: Future, persist: bool | None = None) -> None:
         """Record the run once, write and commit (resolving `committed`), then queue retention's deletes."""
         step, t0 = job.plan.step, time.perf_counter()
         try:
-            if job.leader and not self._run_recorded:
-                run_mod.claim(self.storage, self.run)
+            if not self._run_recorded:
+                for storage, writer in ((job.storage, job.leader), (self.storage, self.tiers and self.ranks.leader)):
+                    if writer:
+                        run_mod.claim(storage, self.run)
                 self._run_recorded = True
             job.run()
+            if self.tiers is not None:  # replicate to the peer, persist the K-th, local retention
+                self.tiers.committed(job.plan, self._lease, self._persisted, persist)
         except BaseException as e:
             err = CheckpointWriteError(step, e)
             with self._lock:
@@ -223,10 +266,25 @@ class CheckpointManager:
         )
         self.tracker.checkpoint_committed(step, seconds, nbytes)
         committed.set_result(step)
+        if self.tiers is not None:
+            return  # the durable tier's retention runs after each persist
         try:
             self._apply_retention()
         except Exception as e:  # a checkpoint left behind is no data loss: report, go on
             log.warning("retention after step %d failed: %s", step, e)
+
+    def _persisted(self, step: int, error: BaseException | None) -> None:
+        """Persist thread: a persist ended; its error is raised by the next call, else the durable tier's retention."""
+        if error is not None:
+            with self._lock:
+                self._error = self._error or CheckpointWriteError(
+                    step, RuntimeError(f"persisting to {self.storage.url}: {error}")
+                )
+            return
+        try:
+            self._apply_retention()
+        except Exception as e:
+            log.warning("retention after persisting step %d failed: %s", step, e)
 
     def _apply_retention(self) -> None:
         """Queue the deletion of the committed steps the policy does not keep; never the newest, whatever it says."""
@@ -319,6 +377,8 @@ class CheckpointManager:
         self._drain()
         if not self._closed:
             self._writer.submit(lambda: None).result()  # retention of the last commit has queued its deletes
+        if self.tiers is not None:
+            self.tiers.wait()  # the persist in flight, and the durable retention it queued
         with self._lock:
             deletes = list(self._deleting.values())
         futures_wait(deletes)
@@ -347,6 +407,10 @@ class CheckpointManager:
         (``rank_map="modulo"``, the default) or are left as they are (``"skip"``: the caller reseeds).
         `track=False` keeps the restore from the tracker: a load for evaluation (best model, weights only)
         is not where the job resumed.
+
+        With a local tier (``local=``) the newest intact step of either tier is taken, the local tier first for
+        the same step; a rank whose local copy is lost gets it back from its peer's replica first, and a damaged
+        local step falls back to the durable tier. The tier read from is logged and told to the tracker.
         """
         if rank_map not in ("modulo", "skip"):
             raise ValueError(f"rank_map must be 'modulo' or 'skip', got {rank_map!r}")
@@ -357,12 +421,14 @@ class CheckpointManager:
         with tracker.span("checkpoint_restore"):
             prepare_optimizers(state, keys)
             t0 = time.perf_counter()
-            damaged: dict[int, CorruptCheckpointError] = {}
-            candidates, relists = self._candidates(step, damaged), 0
+            damaged: dict[tuple[int, str], CorruptCheckpointError] = {}
+            candidates, relists, tier = self._candidates(step, damaged), 0, None
             while candidates:
-                s = candidates.pop(0)
-                plan, error = self._read(s, state, keys, rank_map)  # manifest -> plan -> verified reads
-                outcome = self._agree(s, error)  # one decision for every rank
+                source = candidates.pop(0)
+                s, storage = source.step, self._storage(source)
+                error = self.tiers.heal(source) if source.heal else None  # a lost local copy back from its peer
+                plan, error = self._read(storage, s, state, keys, rank_map) if error is None else (None, error)
+                outcome = self._agree(storage, s, error)  # one decision for every rank
                 if outcome == "vanished":
                     if step is not None:
                         raise StepNotFoundError(f"step {step} is not committed in {self.storage.url}")
@@ -376,23 +442,27 @@ class CheckpointManager:
                     candidates = self._candidates(step, damaged)
                     continue
                 if isinstance(outcome, CorruptCheckpointError):
-                    if step is not None:
+                    damaged[(s, source.tier)] = outcome
+                    if step is not None and not candidates:
                         raise outcome
-                    damaged[s] = outcome
+                    where = f" in the {source.tier} tier" if self.tiers else ""
+                    aside = self._set_aside(source, outcome, error)
                     warnings.warn(
-                        f"checkpoint step {s} is damaged: {outcome}; {self._set_aside(s, outcome)}; "
-                        f"falling back to the previous committed step",
+                        f"checkpoint step {s}{where} is damaged: {outcome}; {aside}; falling back to the "
+                        f"{'durable copy of the step' if candidates and candidates[0].step == s else 'previous committed step'}",
                         RuntimeWarning,
                         stacklevel=2,
                     )
                     continue
                 restore_mod.apply(plan, state)
                 restored = s
+                tier = PEER if self.ranks.rank in source.heal else source.tier
                 sizes = [r.nbytes for r in plan.reads.values()]
                 log.info(
-                    "restored step %d from %s: %.1f MB in %.2fs",
+                    "restored step %d from %s (%s tier): %.1f MB in %.2fs",
                     s,
-                    self.storage.url,
+                    storage.url,
+                    tier,
                     sum(sizes) / 1e6,
                     time.perf_counter() - t0,
                 )
@@ -406,20 +476,26 @@ class CheckpointManager:
                 )
         if damaged and restored is not None:
             log.warning("restored step %d after skipping %d damaged step(s)", restored, len(damaged))
-        tracker.checkpoint_restored(restored)
+        tracker.checkpoint_restored(restored, tier=tier)
         return restored
 
-    def _candidates(self, step: int | None, damaged: Mapping[int, Any]) -> list[int]:
-        """Steps to try, newest first: `step`, or every committed one not found damaged (rank 0's list for all)."""
-        candidates = (
-            [step]
-            if step is not None
-            else [s for s in sorted(layout.committed_steps(self.storage), reverse=True) if s not in damaged]
-        )
-        return self.ranks.all_gather_json(candidates)[0]
+    def _candidates(self, step: int | None, damaged: Mapping[tuple[int, str], Any]) -> list[Source]:
+        """Where to try, newest first: `step`, or every committed step not found damaged, in its tiers (one list for
+        all ranks: rank 0's view of the durable root, and with a local tier every rank's inventory)."""
+        durable = self.ranks.all_gather_json(layout.committed_steps(self.storage))[0]
+        if self.tiers is None:
+            sources = [Source(s, DURABLE) for s in sorted(durable, reverse=True)]
+        else:
+            sources = self.tiers.sources(durable)
+        sources = [c for c in sources if (c.step, c.tier) not in damaged and step in (None, c.step)]
+        return sources if sources or step is None else [Source(step, DURABLE)]
+
+    def _storage(self, source: Source) -> Storage:
+        """The root a rank reads a source from: its own local tier, or the durable root."""
+        return self.tiers.local if source.tier == LOCAL else self.storage
 
     def _read(
-        self, s: int, state: dict[str, Any], keys: Sequence[str] | None, rank_map: str
+        self, storage: Storage, s: int, state: dict[str, Any], keys: Sequence[str] | None, rank_map: str
     ) -> tuple[restore_mod.ReadPlan | None, CorruptCheckpointError | StepNotFoundError | None]:
         """This rank's read of step `s`, the mirror of a save: manifest, plan, verified reads; or why it failed.
 
@@ -427,17 +503,17 @@ class CheckpointManager:
         anything is read. Nothing is applied to `state`.
         """
         try:
-            manifest = layout.read_manifest(self.storage, s)
+            manifest = layout.read_manifest(storage, s)
             plan = restore_mod.plan_restore(
-                manifest, state, keys, self.ranks, rank_map=rank_map, files=restore_mod.step_files(self.storage, s)
+                manifest, state, keys, self.ranks, rank_map=rank_map, files=restore_mod.step_files(storage, s)
             )
-            restore_mod.execute(self.storage, plan, self._readers, self._arena)
+            restore_mod.execute(storage, plan, self._readers, self._arena)
             return plan, None
         except (CorruptCheckpointError, StepNotFoundError) as e:
             return None, e
 
     def _agree(
-        self, s: int, error: CorruptCheckpointError | StepNotFoundError | None
+        self, storage: Storage, s: int, error: CorruptCheckpointError | StepNotFoundError | None
     ) -> CorruptCheckpointError | str | None:
         """Every rank's outcome of reading step `s`, one decision for all: None (read everywhere), "vanished" (it
         was deleted meanwhile, e.g. by another process's retention: no damage) or its damage."""
@@ -445,9 +521,7 @@ class CheckpointManager:
             "ok"
             if error is None
             else (
-                "vanished"
-                if isinstance(error, StepNotFoundError) or not layout.is_committed(self.storage, s)
-                else "damaged"
+                "vanished" if isinstance(error, StepNotFoundError) or not layout.is_committed(storage, s) else "damaged"
             )
         )
         reports = self.ranks.all_gather_json([verdict, None if error is None else str(error)])
@@ -462,8 +536,18 @@ class CheckpointManager:
             f"another rank found damage: {next(m for v, m in reports if v == 'damaged')}", step=s
         )
 
-    def _set_aside(self, s: int, error: CorruptCheckpointError) -> str:
-        """Quarantine a damaged step (rank 0 only) and say where it went, or why it could not be moved."""
+    def _set_aside(self, source: Source, error: CorruptCheckpointError, own: BaseException | None) -> str:
+        """Quarantine a damaged step and say where it went, or why it could not be moved: in the durable root
+        rank 0 does it for all; in the local tier each rank whose own copy is damaged moves it aside."""
+        s = source.step
+        if source.tier == LOCAL:
+            if not isinstance(own, CorruptCheckpointError) or not layout.is_committed(self.tiers.local, s):
+                return "another rank's local copy is damaged"
+            try:
+                self.tiers.take_lease()
+                return f"quarantined to {catalog.quarantine(self.tiers.local, s, str(error))}"
+            except (LeaseHeldError, OSError) as e:
+                return f"could not be quarantined ({e})"
         if not self.ranks.leader:
             return "quarantined by rank 0"
         borrowed = None
@@ -482,11 +566,13 @@ class CheckpointManager:
 
     # -- queries and lifetime -----------------------------------------------------------------------
 
-    def steps(self) -> list[int]:
-        """Committed steps, ascending (a step queued for deletion is no longer listed)."""
+    def steps(self) -> list[Step]:
+        """Committed steps, ascending (a step queued for deletion is no longer listed); each is an int whose
+        `tiers` says where it is: ``("durable",)`` without a local tier, else ``"local"``, ``"durable"`` or both."""
         with self._lock:
             deleting = set(self._deleting)
-        return [s for s in layout.committed_steps(self.storage) if s not in deleting]
+        durable = [s for s in layout.committed_steps(self.storage) if s not in deleting]
+        return self.tiers.steps(durable) if self.tiers else [Step(s, (DURABLE,)) for s in durable]
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -507,12 +593,18 @@ class CheckpointManager:
             )
         if step == committed[-1]:
             raise ValueError(f"step {step} is the newest committed step; it is never deleted")
-        self._take_lease(collective=False)
-        self._queue_delete(step, report=True)
+        tiers = committed[committed.index(step)].tiers
+        if LOCAL in tiers:
+            self.tiers.take_lease()
+            catalog.delete_step(self.tiers.local, step)
+        if DURABLE in tiers:
+            self._take_lease(collective=False)
+            self._queue_delete(step, report=True)
 
     def metadata(self, step: int) -> dict[str, Any]:
-        """The user metadata saved with a committed step."""
-        return read_manifest(self.storage, step).metadata
+        """The user metadata saved with a committed step (from the local tier when it holds the step)."""
+        local = self.tiers is not None and layout.is_committed(self.tiers.local, step)
+        return read_manifest(self.tiers.local if local else self.storage, step).metadata
 
     def close(self) -> None:
         """Drain writes (raising a background error, if any), release threads and the root's lease."""
@@ -525,6 +617,8 @@ class CheckpointManager:
             self._writer.shutdown(wait=True)
             self._deleter.shutdown(wait=True)
             self._readers.shutdown(wait=True)
+            if self.tiers is not None:
+                self.tiers.close()
             if self._lease is not None:
                 self._lease.release()
                 self._lease = None

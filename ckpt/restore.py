@@ -93,7 +93,8 @@ def plan_restore(
     DTensor targets read only their own shard's region of each global array (any world size); other
     tensors read whole arrays. Per-rank entries follow `state.select_rank`. Key, shape and dtype mismatches
     raise here (StateKeyError, StateMismatchError naming the key). With `files` (of a local step), every chunk of every
-    array read must be there at its exact size before anything is allocated (else CorruptCheckpointError).
+    region read must be there at its exact size before a byte is read (else CorruptCheckpointError); a rank's
+    local tier holds only the regions that rank holds.
     """
     tree, step = manifest.tree, manifest.step
     selected = list(keys) if keys is not None else list(target)
@@ -111,10 +112,15 @@ def plan_restore(
             if node is None:
                 continue
         nodes[k] = node
-    if files is not None:
-        for name in dict.fromkeys(n for node in nodes.values() for n in state_mod.tensor_refs(node)):
-            _check_files(manifest.arrays[name], files, step)
     reads: dict[tuple[str, Box], ArrayRead] = {}
+
+    def read(name: str, box: Box) -> ArrayRead:
+        """The read of a region, planned once; its files checked first (before a fresh tensor is allocated)."""
+        if (name, box) not in reads:
+            if files is not None:
+                _check_files(manifest.arrays[name], box, files, step)
+            reads[name, box] = ArrayRead(manifest.arrays[name], box)
+        return reads[name, box]
 
     def plan_read(name: str, template: Any, as_numpy: bool) -> Any:
         """A tensor reference met by `state.decode`: plan its read (no IO) and give the value the state will hold."""
@@ -124,10 +130,10 @@ def plan_restore(
         if shard is not None:
             dtensor, box = shard
             _check_match(info, dtensor, step)
-            _add_target(reads.setdefault((name, box), ArrayRead(info, box)), dtensor.to_local())
+            _add_target(read(name, box), dtensor.to_local())
             return dtensor
         whole = tuple((0, n) for n in info.shape)
-        r = reads.setdefault((name, whole), ArrayRead(info, whole))
+        r = read(name, whole)
         if isinstance(tmpl, torch.Tensor):
             _check_match(info, tmpl, step)
             _add_target(r, tmpl)
@@ -151,13 +157,13 @@ def plan_restore(
     return ReadPlan(manifest, reads, values)
 
 
-def _check_files(info: ArrayInfo, files: StepFiles, step: int) -> None:
+def _check_files(info: ArrayInfo, box: Box, files: StepFiles, step: int) -> None:
     base = layout.array_dir(info.name)
     if f"{base}/zarr.json" not in files.sizes:
         raise CorruptCheckpointError(
             "zarr.json is missing", step=step, key=info.name, file=f"{files.dir}/{base}/zarr.json"
         )
-    for index in info.chunks(tuple((0, n) for n in info.shape)):
+    for index in info.chunks(box):
         size = files.sizes.get(f"{base}/{chunk_key(index)}")
         if size != info.chunk_nbytes + 4:
             raise CorruptCheckpointError(

@@ -54,15 +54,27 @@ class WritePlan:
     boxes: dict[str, tuple[tuple[int, int], ...]]  # name -> box of the global array this rank writes
     metadata: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
+    private: bool = False  # each rank writes into a root of its own (the local tier), every box it holds
+    designated: frozenset[str] = frozenset()  # arrays whose box this rank alone writes to a shared root
 
 
 def plan(
-    step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, chunk_bytes: int, ranks: Ranks
+    step: int,
+    state: Mapping[str, Any],
+    metadata: Mapping[str, Any] | None,
+    chunk_bytes: int,
+    ranks: Ranks,
+    *,
+    private: bool = False,
 ) -> WritePlan:
-    """What this process writes for `step`: alone, every tensor is a whole array; among ranks, its slices."""
+    """What this process writes for `step`: alone, every tensor is a whole array; among ranks, its slices.
+
+    `private`: each rank writes into a root of its own (the local tier), so it writes every box it holds and
+    commits its own copy of the manifest; the root then holds what this rank needs to restore at this topology.
+    """
     flat = state_mod.flatten(state, rank=ranks.rank)
     meta = _json_metadata(metadata)
-    arrays, writes, boxes = plan_arrays(ranks, flat.tensors, chunk_bytes)
+    arrays, writes, boxes, designated = plan_arrays(ranks, flat.tensors, chunk_bytes, every_holder=private)
     per_rank = state_mod.per_rank_entries(flat.tree)
     tree = flat.tree
     if per_rank:  # every rank's entries, side by side in the one manifest
@@ -70,7 +82,7 @@ def plan(
         tree = dict(flat.tree)
         for k in per_rank:
             tree[k] = state_mod.per_rank_node([entry for g in gathered for entry in g[k]])
-    return WritePlan(step, tree, arrays, writes, boxes, meta, world_size=ranks.world_size)
+    return WritePlan(step, tree, arrays, writes, boxes, meta, ranks.world_size, private, designated)
 
 
 def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -103,8 +115,8 @@ class SaveJob:
         lease: Lease | None = None,
     ):
         self.storage, self.plan, self.arena, self.context, self.ranks = storage, plan, arena, context, ranks
-        self.lease = lease  # the root's lease (the leader's); None on other ranks
-        self.leader = ranks.leader
+        self.lease = lease  # the root's lease (the leader's, or each rank's own root's); None on other ranks
+        self.leader = ranks.leader or plan.private  # who prepares and commits the root
         self.dir = layout.step_dir(plan.step)
         self.digests = store.ChunkDigests()
         self._reference = storage.kvstore_spec("")["driver"] != "memory"  # see store.write
@@ -121,17 +133,7 @@ class SaveJob:
             return
         self._prepared = True
         if self.leader:
-            with self.lease.preparing() if self.lease else contextlib.nullcontext():  # gc waits meanwhile
-                if layout.is_committed(self.storage, self.plan.step):
-                    raise StepExistsError(f"step {self.plan.step} is already committed in {self.storage.url}")
-                self.storage.delete_tree(self.dir)  # leftovers of a crashed earlier attempt at this step
-                marker = {
-                    "pid": os.getpid(),
-                    "host": socket.gethostname(),
-                    "time": time.time(),
-                    "lease": self.lease.id if self.lease else None,
-                }
-                self.storage.write_atomic(layout.in_progress_path(self.plan.step), json.dumps(marker).encode())
+            begin_step(self.storage, self.plan.step, self.lease)
         self.ranks.barrier()
 
     def _open_arrays(self) -> dict[str, ts.Future]:
@@ -197,15 +199,7 @@ class SaveJob:
                 self.commit(digests)
             except Exception as e:
                 commit_error = e
-        verdict = self.ranks.all_gather_json(
-            None if commit_error is None else f"rank 0 could not commit: {type(commit_error).__name__}: {commit_error}"
-        )[0]
-        if error is not None:
-            raise error
-        if commit_error is not None:
-            raise commit_error
-        if failures or verdict:
-            raise RuntimeError("; ".join(failures) or verdict)
+        raise_outcome(self.ranks, error, commit_error, failures)
 
     def manifest(self, digests: Mapping[str, Mapping[int, int]]) -> Manifest:
         """The manifest of this save, every array with the digest of each of its chunks (from all ranks)."""
@@ -234,8 +228,50 @@ class SaveJob:
 
     def commit(self, digests: Mapping[str, Mapping[int, int]]) -> None:
         """Make every directory entry durable, then write the manifest last (atomically): from now on the step exists."""
-        self.storage.sync_tree(self.dir)
-        if self.lease:
-            self.lease.check()  # a writer that lost the root's lease never commits
-        self.storage.write_atomic(layout.manifest_path(self.plan.step), self.manifest(digests).to_bytes())
-        self.storage.delete_file(layout.in_progress_path(self.plan.step))
+        commit_step(self.storage, self.plan.step, self.manifest(digests).to_bytes(), self.lease)
+
+
+def raise_outcome(
+    ranks: Ranks, error: BaseException | None, commit_error: BaseException | None, failures: list
+) -> None:
+    """After a commit among ranks: every rank learns whether any commit failed; a rank raises its own error (its
+    write's, then its commit's), else the others' (`failures`: their write errors), else nothing."""
+    verdicts = ranks.all_gather_json(
+        None
+        if commit_error is None
+        else f"rank {ranks.rank} could not commit: {type(commit_error).__name__}: {commit_error}"
+    )
+    verdict = next((v for v in verdicts if v), None)
+    if error is not None:
+        raise error
+    if commit_error is not None:
+        raise commit_error
+    if failures or verdict:
+        raise RuntimeError("; ".join(failures) or verdict)
+
+
+def begin_step(storage: Storage, step: int, lease: Lease | None) -> None:
+    """Start writing a step into a root (its writer only): clear leftovers of a crashed attempt, mark it in progress.
+
+    Under the lease's `preparing()`, so that gc never deletes a save it did not see start.
+    """
+    with lease.preparing() if lease else contextlib.nullcontext():
+        if layout.is_committed(storage, step):
+            raise StepExistsError(f"step {step} is already committed in {storage.url}")
+        storage.delete_tree(layout.step_dir(step))
+        marker = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "time": time.time(),
+            "lease": lease.id if lease else None,
+        }
+        storage.write_atomic(layout.in_progress_path(step), json.dumps(marker).encode())
+
+
+def commit_step(storage: Storage, step: int, manifest: bytes, lease: Lease | None) -> None:
+    """Make every directory entry of the step durable, check the lease, then write the manifest last (atomically)."""
+    storage.sync_tree(layout.step_dir(step))
+    if lease:
+        lease.check()  # a writer that lost the root's lease never commits
+    storage.write_atomic(layout.manifest_path(step), manifest)
+    storage.delete_file(layout.in_progress_path(step))

@@ -178,6 +178,17 @@ def _read_chunk(
     box: Box,
     step: int | None,
 ) -> None:
+    data = read_chunk_file(storage, path, info, index, step=step)
+    if out is not None:
+        chunk = np.frombuffer(data, dtype=numpy_dtype(info.dtype), count=math.prod(info.chunk)).reshape(info.chunk)
+        part = [(max(a, i * c), min(b, (i + 1) * c)) for (a, b), i, c in zip(box, index, info.chunk)]
+        out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(part, box))] = chunk[
+            tuple(slice(lo - i * c, hi - i * c) for (lo, hi), i, c in zip(part, index, info.chunk))
+        ]
+
+
+def read_chunk_file(storage: Storage, path: str, info: ArrayInfo, index: tuple[int, ...], *, step: int | None) -> bytes:
+    """A chunk file's bytes (content + crc32c), checked: size, its crc32c, the manifest's digest."""
     file_path = f"{path}/{chunk_key(index)}"
     data = _read_file(storage, file_path, info, step=step, what="chunk file")
     if len(data) != info.chunk_nbytes + 4:
@@ -189,12 +200,7 @@ def _read_chunk(
         )
     view = memoryview(data)
     _check(view[:-4], int.from_bytes(view[-4:], "little"), info, index, step=step, file=where(storage, file_path))
-    if out is not None:
-        chunk = np.frombuffer(data, dtype=numpy_dtype(info.dtype), count=math.prod(info.chunk)).reshape(info.chunk)
-        part = [(max(a, i * c), min(b, (i + 1) * c)) for (a, b), i, c in zip(box, index, info.chunk)]
-        out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(part, box))] = chunk[
-            tuple(slice(lo - i * c, hi - i * c) for (lo, hi), i, c in zip(part, index, info.chunk))
-        ]
+    return data
 
 
 def direct_rows(info: ArrayInfo, box: Box) -> tuple[int, int] | None:

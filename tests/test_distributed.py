@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 import dist_worker  # noqa: E402
 
 _CTX = multiprocessing.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed.fsdp", "ckpt", "dist_worker"])
+_CTX.set_forkserver_preload(["torch", "torch.distributed.fsdp", "ckpt", "dist_worker", "tiers_worker"])
 
 
 def _free_port() -> int:
@@ -27,11 +27,11 @@ class RankResult:
     stdout: str
 
 
-def run_ranks(world: int, mode: str, root: str, timeout: float = 240) -> list[RankResult]:
-    """Start `world` rank processes (forked from a torch-preloaded server) and wait for all of them."""
+def run_ranks(world: int, mode: str, root: str, timeout: float = 240, worker=dist_worker) -> list[RankResult]:
+    """Start `world` rank processes (forked from a torch-preloaded server) running `worker.run`, and wait for all."""
     port = _free_port()
     logs = [f"{root}.{mode}.{world}.rank{r}.log" for r in range(world)]
-    procs = [_CTX.Process(target=dist_worker.run, args=(mode, root, r, world, port, logs[r])) for r in range(world)]
+    procs = [_CTX.Process(target=worker.run, args=(mode, root, r, world, port, logs[r])) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:

@@ -30,6 +30,12 @@ def run(mode: str, root: str, rank: int, world: int, port: int, log: str) -> Non
     """Entry point for one rank started from a forkserver: environment, output to `log`, then main."""
     global WORLD
     WORLD = world
+    redirect(rank, world, port, log)
+    main(mode, root)
+
+
+def redirect(rank: int, world: int, port: int, log: str) -> None:
+    """A rank's environment for torch.distributed on 127.0.0.1, one thread, stdout and stderr into `log`."""
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
@@ -39,7 +45,6 @@ def run(mode: str, root: str, rank: int, world: int, port: int, log: str) -> Non
     os.dup2(fd, 2)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
-    main(mode, root)
 
 
 def build():

@@ -1,0 +1,145 @@
+"""Mechanism of the peer replica: a step committed in one rank's local tier sent over gloo into another rank's.
+
+A rank's local tier holds what that rank needs to restore, and a node's loss takes it away. So after each local
+commit every rank sends its step's files to its peer (a ring, r -> r+1 by default), which keeps them under
+``_replica/rank_<r>/`` of its own local tier: a root of the same layout, its manifest written last. When a
+rank's local tier is lost, its peer sends the copy back (`transfer` the other way) and the restore reads it as
+a local step. Bytes travel as uint8 tensors on the manager's own gloo group (no pickle); the received files are
+checked, like any local step, when a restore reads them. The tiers policy decides who sends what to whom.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from . import layout
+from .distributed import Ranks
+from .save import begin_step, commit_step
+from .storage import LocalStorage
+
+PIECE = 64 << 20  # bytes per message: a file larger than this goes in several
+
+
+def _files(storage: LocalStorage, step: int) -> list[tuple[str, int]]:
+    """(path relative to the step directory, size) of a committed local step's files, the manifest last."""
+    base = storage.local_path(layout.step_dir(step))
+    skip = {layout.MANIFEST, layout.IN_PROGRESS}
+    files = [
+        (f, os.path.getsize(os.path.join(base, f))) for f in storage.list_files(layout.step_dir(step)) if f not in skip
+    ]
+    manifest = os.path.join(base, layout.MANIFEST)
+    return files + [(layout.MANIFEST, os.path.getsize(manifest))]
+
+
+def _pieces(size: int) -> list[tuple[int, int]]:
+    return [(a, min(a + PIECE, size)) for a in range(0, size, PIECE)]
+
+
+def transfer(
+    ranks: Ranks,
+    step: int,
+    *,
+    send_to: int | None = None,
+    source: LocalStorage | None = None,
+    recv_from: int | None = None,
+    dest: LocalStorage | None = None,
+) -> int:
+    """Send `source`'s step to rank `send_to` and/or receive rank `recv_from`'s into `dest`, both at once.
+
+    The receiver writes every file, then the manifest last, only if the sender read every file it sent; a step
+    already committed in `dest` is replaced (a replica is a copy). Returns the bytes received.
+    """
+    group = getattr(ranks, "group", None)
+
+    def exchange(out: torch.Tensor | None, into: torch.Tensor | None) -> None:
+        request = dist.isend(out, dst=send_to, group=group) if out is not None else None
+        if into is not None:
+            dist.recv(into, src=recv_from, group=group)
+        if request is not None:
+            request.wait()
+
+    sending = send_to is not None
+    receiving = recv_from is not None
+    read_error: BaseException | None = None
+    try:
+        files = _files(source, step) if sending else []
+    except OSError as e:  # the receiver still gets a header (no files, no manifest) and fails, instead of hanging
+        files, read_error = [], e
+    header = json.dumps(files).encode()
+    length = torch.zeros(1, dtype=torch.int64)
+    exchange(torch.tensor([len(header)], dtype=torch.int64) if sending else None, length if receiving else None)
+    theirs = torch.zeros(int(length.item()) if receiving else 0, dtype=torch.uint8)
+    exchange(_tensor(header) if sending else None, theirs if receiving else None)
+    incoming = json.loads(bytes(theirs.numpy())) if receiving else []
+    write_error: BaseException | None = None
+    if receiving:
+        try:
+            if layout.is_committed(dest, step):
+                dest.delete_file(layout.manifest_path(step))
+            begin_step(dest, step, None)
+        except Exception as e:
+            write_error = e
+    out_msgs = [(i, a, b) for i, (_, size) in enumerate(files) for a, b in _pieces(size)]
+    in_msgs = [(i, a, b) for i, (_, size) in enumerate(incoming) for a, b in _pieces(size)]
+    current: tuple[int, bytes] | None = None  # the file being sent
+    received: dict[int, bytearray] = {i: bytearray(size) for i, (_, size) in enumerate(incoming) if size == 0}
+    pending: bytearray | None = None
+    manifest: bytes | None = None
+    for k in range(max(len(out_msgs), len(in_msgs))):
+        out = None
+        if k < len(out_msgs):
+            i, a, b = out_msgs[k]
+            if current is None or current[0] != i:
+                current = (i, source.read(f"{layout.step_dir(step)}/{files[i][0]}") or b"")
+                if len(current[1]) != files[i][1]:
+                    read_error = read_error or OSError(f"{files[i][0]} of step {step} changed while being sent")
+                    current = (i, bytes(files[i][1]))
+            out = _tensor(current[1][a:b])
+        into = None
+        if k < len(in_msgs):
+            into = torch.empty(in_msgs[k][2] - in_msgs[k][1], dtype=torch.uint8)
+        exchange(out, into)
+        if into is not None:
+            i, a, b = in_msgs[k]
+            if a == 0:
+                pending = bytearray(incoming[i][1])
+            pending[a:b] = into.numpy().tobytes()
+            if b == incoming[i][1]:
+                received[i], pending = pending, None
+        for i in sorted(received):
+            data = received.pop(i)
+            if incoming[i][0] == layout.MANIFEST:
+                manifest = bytes(data)
+            elif write_error is None:
+                try:
+                    dest.write_atomic(f"{layout.step_dir(step)}/{incoming[i][0]}", bytes(data))
+                except Exception as e:
+                    write_error = e
+    status = torch.zeros(1, dtype=torch.int64)
+    exchange(
+        torch.tensor([0 if read_error is None else 1], dtype=torch.int64) if sending else None,
+        status if receiving else None,
+    )
+    if receiving and write_error is None:
+        if int(status.item()) != 0 or manifest is None:
+            write_error = OSError(f"rank {recv_from} could not read its copy of step {step}")
+        else:
+            try:
+                commit_step(dest, step, manifest, None)
+            except Exception as e:
+                write_error = e
+        if write_error is not None:
+            dest.delete_tree(layout.step_dir(step))
+    if read_error is not None:
+        raise read_error
+    if write_error is not None:
+        raise write_error
+    return sum(size for _, size in incoming)
+
+
+def _tensor(data: bytes | bytearray) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)

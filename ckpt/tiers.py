@@ -1,0 +1,321 @@
+"""Two tiers: every save commits to this rank's local tier, every K-th one is also persisted to the durable root.
+
+The policy of the tiers: what each tier keeps, which step a persist copies and when, where a restore reads
+first (the newest intact step, the local tier before the durable one for the same step) and which peer sends a
+lost local copy back. The bytes move in `persist.py` (local tier -> durable root, verified, manifest last) and
+`replica.py` (a rank's local step -> its peer's local tier, over gloo).
+
+Who holds which lease: each rank holds its own local tier's (a directory of its own: ``{rank}`` in the path
+is replaced by the rank), rank 0 holds the durable root's for all, as in a single-tier save. A peer's replica
+lives inside the holder's local tier, under its lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Callable, Iterable
+
+import fsspec
+
+from . import catalog, layout
+from . import lease as lease_mod
+from . import run as run_mod
+from .distributed import Box, Ranks
+from .errors import CorruptCheckpointError, LeaseHeldError, StepNotFoundError
+from .persist import PersistJob
+from .replica import transfer
+from .save import WritePlan
+from .storage import LocalStorage, Storage
+
+log = logging.getLogger("ckpt")
+
+LOCAL, PEER, DURABLE = "local", "peer", "durable"
+
+
+class Step(int):
+    """A committed step (an int, compared and sorted as one) and the tiers holding it, e.g. ``("local", "durable")``."""
+
+    tiers: tuple[str, ...]
+
+    def __new__(cls, step: int, tiers: Iterable[str]) -> "Step":
+        self = super().__new__(cls, step)
+        self.tiers = tuple(tiers)
+        return self
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a restore reads a step: its tier and, for the local tier, the ranks that first get their lost copy
+    back from the rank holding their replica (rank -> holder)."""
+
+    step: int
+    tier: str
+    heal: dict[int, int] = field(default_factory=dict)
+
+
+def restore_order(durable: Iterable[int], inventories: list[dict]) -> list[Source]:
+    """Every source a restore may try, newest step first; for a step in both tiers, the local tier first.
+
+    A step is in the local tier when every rank holds it in its own local tier or a peer holds a replica of it;
+    `inventories` are the ranks' `Tiers.inventory()`, in rank order.
+    """
+    own = [set(inv["local"]) for inv in inventories]
+    held = [{int(r): set(steps) for r, steps in inv["replica"].items()} for inv in inventories]
+    durable = set(durable)
+    out = []
+    for s in sorted(durable.union(*own), reverse=True):
+        heal: dict[int, int] | None = {}
+        for r in range(len(inventories)):
+            if s in own[r]:
+                continue
+            holder = next((h for h in range(len(inventories)) if h != r and s in held[h].get(r, ())), None)
+            if holder is None:
+                heal = None
+                break
+            heal[r] = holder
+        if heal is not None:
+            out.append(Source(s, LOCAL, heal))
+        if s in durable:
+            out.append(Source(s, DURABLE))
+    return out
+
+
+def default_offset(world_size: int) -> int:
+    """Replicate to the same local rank of the next node (torchrun's LOCAL_WORLD_SIZE), else to the next rank."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return per_node if 0 < per_node < world_size else 1
+
+
+def _run_id(storage: Storage) -> str | None:
+    """The id of the run a root records, if it records a readable one."""
+    try:
+        run = run_mod.recorded_run(storage)
+    except CorruptCheckpointError:
+        return None
+    return run.id if run else None
+
+
+class Tiers:
+    """This rank's local tier beside the durable root: local commits, background persists, replicas, retention."""
+
+    def __init__(
+        self,
+        durable: Storage,
+        local: str | os.PathLike,
+        *,
+        persist_every: int,
+        keep_local: int,
+        ranks: Ranks,
+        timeout: timedelta,
+        replica_offset: int | None,
+    ):
+        path = os.fspath(local).replace("{rank}", str(ranks.rank))
+        protocol, path = fsspec.core.split_protocol(path)
+        if protocol not in (None, "file", "local"):
+            raise ValueError(f"local= must be a directory on this machine (NVMe, /dev/shm), got {local!r}")
+        if persist_every < 1 or keep_local < 1:
+            raise ValueError(f"persist_every and keep_local must be >= 1, got {persist_every} and {keep_local}")
+        self.local = LocalStorage(path)
+        if durable.local_path("") == self.local.root:
+            raise ValueError(f"the local tier {self.local.root} must not be the durable root")
+        self.durable, self.ranks = durable, ranks
+        self.persist_every, self.keep_local = persist_every, keep_local
+        offset = default_offset(ranks.world_size) if replica_offset is None else replica_offset
+        self.offset = offset % ranks.world_size if ranks.world_size > 1 else 0
+        # persists run beside the next save: collectives of their own, on a group of their own
+        self._persist_ranks = Ranks.current(timeout) if ranks.world_size > 1 else ranks
+        self._persister = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
+        self._persisting: tuple[int, Future] | None = None
+        self._commits = 0
+        self.lease: lease_mod.Lease | None = None
+
+    def take_lease(self) -> lease_mod.Lease:
+        """This rank's local tier's lease (held until `close`): one writer per local tier."""
+        if self.lease is None:
+            try:
+                self.lease = lease_mod.acquire(self.local)
+            except LeaseHeldError as e:
+                hint = (
+                    "; each rank needs a local tier of its own: put {rank} in local="
+                    if self.ranks.world_size > 1
+                    else ""
+                )
+                raise LeaseHeldError(f"local tier: {e}{hint}", holder=e.holder) from None
+        else:
+            self.lease.check()
+        return self.lease
+
+    def replica(self, rank: int) -> LocalStorage:
+        """The replica of rank `rank`'s local tier kept in this one."""
+        return LocalStorage(os.path.join(self.local.root, layout.replica_root(rank)))
+
+    # -- after a local commit (the writer thread) ---------------------------------------------------
+
+    def committed(
+        self,
+        plan: WritePlan,
+        durable_lease: lease_mod.Lease | None,
+        done: Callable[[int, BaseException | None], None],
+        persist: bool | None = None,
+    ) -> None:
+        """A step committed locally on every rank: queue its persist if it is the K-th (counted alike on every rank,
+        whatever happens next) or `persist` says so, replicate it to the peer, apply local retention.
+        `done(step, error)` is called on the persist thread when a persist ends."""
+        step = plan.step
+        self._commits += 1
+        if persist or (persist is None and self._commits % self.persist_every == 0):
+            if self._persisting is not None:  # one persist at a time: a slower durable tier holds the writer back
+                futures_wait([self._persisting[1]])
+            regions = {name: plan.boxes[name] for name in plan.designated}
+            future = self._persister.submit(self._persist, step, regions, durable_lease, done)
+            self._persisting = (step, future)
+        if self.offset:
+            world, rank = self.ranks.world_size, self.ranks.rank
+            source = (rank - self.offset) % world
+            received = transfer(
+                self.ranks,
+                step,
+                send_to=(rank + self.offset) % world,
+                source=self.local,
+                recv_from=source,
+                dest=self.replica(source),
+            )
+            log.info(
+                "replicated step %d: sent to rank %d, %d bytes of rank %d's kept",
+                step,
+                (rank + self.offset) % world,
+                received,
+                source,
+            )
+            self._retain(self.replica(source), set())
+        self._retain(
+            self.local, {self._persisting[0]} if self._persisting and not self._persisting[1].done() else set()
+        )
+
+    def _persist(
+        self,
+        step: int,
+        regions: dict[str, Box],
+        lease: lease_mod.Lease | None,
+        done: Callable[[int, BaseException | None], None],
+    ) -> None:
+        t0 = time.perf_counter()
+        try:
+            copied = PersistJob(self.local, self.durable, step, regions, self._persist_ranks, lease).run()
+        except BaseException as e:
+            log.error("persisting step %d to %s failed: %s", step, self.durable.url, e)
+            done(step, e)
+            return
+        if copied is None:
+            log.warning("step %d is already in the durable tier %s: not persisted again", step, self.durable.url)
+        else:
+            log.info(
+                "persisted step %d to %s: %.1f MB in %.2fs",
+                step,
+                self.durable.url,
+                copied / 1e6,
+                time.perf_counter() - t0,
+            )
+        done(step, None)
+
+    def _retain(self, storage: Storage, protected: set[int]) -> None:
+        """Keep the newest `keep_local` committed steps of a local root (and any step being persisted)."""
+        steps = layout.committed_steps(storage)
+        for s in steps[: -self.keep_local]:
+            if s not in protected:
+                catalog.delete_step(storage, s)
+
+    def wait(self) -> None:
+        """Until the persist in flight, if any, has ended."""
+        if self._persisting is not None:
+            futures_wait([self._persisting[1]])
+
+    def close(self) -> None:
+        """Wait for the persist in flight, stop its thread, release this rank's local tier."""
+        self.wait()
+        self._persister.shutdown(wait=True)
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
+    # -- restoring ----------------------------------------------------------------------------------
+
+    def inventory(self) -> dict:
+        """What this rank holds: its local tier's committed steps and those of each replica it keeps; nothing
+        when the local tier belongs to another run than the durable root (a run never resumes another's steps)."""
+        mine, durable = _run_id(self.local), _run_id(self.durable)
+        if mine and durable and mine != durable:
+            log.warning(
+                "the local tier %s belongs to run %r, the durable root %s to run %r: its steps are not restored",
+                self.local.url,
+                mine,
+                self.durable.url,
+                durable,
+            )
+            return {"local": [], "replica": {}}
+        return {
+            "local": self._restorable(self.local),
+            "replica": {str(r): self._restorable(self.replica(r)) for r in layout.replica_ranks(self.local)},
+        }
+
+    def _restorable(self, storage: Storage) -> list[int]:
+        """Committed steps of a local root saved at this world size: a rank's local copy holds only the regions it
+        held then, so after a change of world size the durable tier is read (a damaged manifest is left in, so
+        that the restore reports it)."""
+        steps = []
+        for s in layout.committed_steps(storage):
+            try:
+                world = layout.read_manifest(storage, s).world_size
+            except CorruptCheckpointError:
+                world = self.ranks.world_size
+            except StepNotFoundError:
+                continue
+            if world == self.ranks.world_size:
+                steps.append(s)
+        return steps
+
+    def sources(self, durable: list[int]) -> list[Source]:
+        """The restore order every rank agrees on (rank 0's view of the durable root, every rank's inventory)."""
+        inventories = self.ranks.all_gather_json(self.inventory())
+        return restore_order(durable, inventories)
+
+    def heal(self, source: Source) -> CorruptCheckpointError | None:
+        """Bring back the local copies `source` says are lost, each from the rank holding its replica, one pair
+        at a time in rank order (every rank walks the same pairs). Returns this rank's failure, if any."""
+        error = None
+        me = self.ranks.rank
+        for rank, holder in sorted(source.heal.items()):
+            if me not in (rank, holder):
+                continue
+            try:
+                if me == holder:
+                    transfer(self.ranks, source.step, send_to=rank, source=self.replica(rank))
+                else:
+                    self.take_lease()
+                    got = transfer(self.ranks, source.step, recv_from=holder, dest=self.local)
+                    log.warning(
+                        "step %d was missing from this rank's local tier: %d bytes back from rank %d's replica",
+                        source.step,
+                        got,
+                        holder,
+                    )
+            except Exception as e:
+                error = CorruptCheckpointError(
+                    f"could not bring back rank {rank}'s local copy from rank {holder}: {type(e).__name__}: {e}",
+                    step=source.step,
+                )
+        return error
+
+    def steps(self, durable: Iterable[int]) -> list[Step]:
+        """This rank's committed steps in either tier, ascending, each with its tiers."""
+        local, durable = set(layout.committed_steps(self.local)), set(durable)
+        return [
+            Step(s, [t for t, held in ((LOCAL, s in local), (DURABLE, s in durable)) if held])
+            for s in sorted(local | durable)
+        ]

@@ -1,0 +1,81 @@
+"""One rank of the two-tier distributed tests (gloo on 127.0.0.1, a row-sharded DTensor on a CPU mesh).
+
+Each rank has its own local tier ``ROOT/local<rank>`` (``{rank}`` in the path) and all share the durable root
+``ROOT/durable``. Modes: "save" saves steps 1, 2, 3 with persist_every=2 (step 2 is durable; the local tiers and
+their peer replicas keep 2 and 3); "restore" restores into zeros and prints the step, the tier and whether every
+value is bitwise the saved one. Started through `tests/test_distributed.run_ranks(..., worker=tiers_worker)`.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import ckpt
+from dist_worker import redirect
+
+
+class Restores:
+    """A CheckpointObserver that records each restore and the tier it read."""
+
+    def __init__(self):
+        self.restored = []
+
+    def span(self, category, **attrs):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def checkpoint_committed(self, step, background_seconds, nbytes):
+        pass
+
+    def checkpoint_restored(self, step, *, tier=None):
+        self.restored.append((step, tier))
+
+    def checkpoint_failed(self, step, error):
+        pass
+
+
+def full(step: int) -> torch.Tensor:
+    return torch.arange(8 * 16, dtype=torch.float32).reshape(8, 16) * step + 0.5
+
+
+def state(step: int, mesh) -> dict:
+    return {
+        "shard": distribute_tensor(full(step), mesh, [Shard(0)]),
+        "table": torch.full((300,), float(step)),
+        "step": step,
+    }
+
+
+def run(mode: str, root: str, rank: int, world: int, port: int, log: str) -> None:
+    redirect(rank, world, port, log)
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (world,))
+    durable, local = os.path.join(root, "durable"), os.path.join(root, "local{rank}")
+    tracker = Restores()
+    with ckpt.CheckpointManager(
+        durable, local=local, persist_every=2, keep_local=2, tracker=tracker, collective_timeout=30
+    ) as m:
+        if mode == "save":
+            for step in (1, 2, 3):
+                m.save(step, state(step, mesh)).wait()
+            m.wait()
+            print(f"rank {rank} steps {[(int(s), s.tiers) for s in m.steps()]}", flush=True)
+        else:
+            got = state(0, mesh)
+            got["shard"].to_local().zero_()
+            got["table"].zero_()
+            step = m.restore(got)
+            want = state(step, mesh)
+            ok = (
+                torch.equal(got["shard"].to_local(), want["shard"].to_local())
+                and torch.equal(got["table"], want["table"])
+                and got["step"] == step
+            )
+            print(f"rank {rank} restored {step} tier {tracker.restored[-1][1]} bitwise {ok}", flush=True)
+    dist.destroy_process_group()
+    sys.exit(0)

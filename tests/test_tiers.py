@@ -1,0 +1,274 @@
+"""Two tiers: every save commits to a local tier, every K-th is persisted to the durable root from the local
+files; restore takes the newest intact step, local first; a lost or damaged local copy falls back to the durable one."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import catalog, layout
+from ckpt.distributed import Ranks
+from ckpt.errors import CorruptCheckpointError
+from ckpt.persist import PersistJob
+from ckpt.storage import open_storage
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
+from tiers_worker import Restores  # noqa: E402
+
+
+def state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "w": torch.randn(64, 33, generator=g),
+        "b": torch.randint(0, 1 << 30, (17,), generator=g),
+        "meta": {"step": step, "name": f"s{step}"},
+    }
+
+
+def blank() -> dict:
+    return {"w": torch.zeros(64, 33), "b": torch.zeros(17, dtype=torch.int64), "meta": None}
+
+
+def same(a: dict, b: dict) -> bool:
+    return torch.equal(a["w"], b["w"]) and torch.equal(a["b"], b["b"]) and a["meta"] == b["meta"]
+
+
+def saved(tmp_path, steps, **kw) -> tuple[str, str]:
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    with ckpt.CheckpointManager(durable, local=local, **kw) as m:
+        for s in steps:
+            m.save(s, state(s)).wait()
+    return durable, local
+
+
+def flip_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(5)
+        b = f.read(1)
+        f.seek(5)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def chunk(root: str, step: int) -> str:
+    return os.path.join(root, layout.step_dir(step), "arrays", "w", "c", "0", "0")
+
+
+def test_every_save_is_local_and_every_kth_is_persisted_with_its_own_retention(tmp_path):
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    with ckpt.CheckpointManager(durable, local=local, persist_every=2, keep_local=2, keep_last=1) as m:
+        for s in range(1, 6):
+            m.save(s, state(s)).wait()
+        m.wait()
+        steps = m.steps()
+        assert steps == [4, 5]
+        assert [(int(s), s.tiers) for s in steps] == [(4, ("local", "durable")), (5, ("local",))]
+    assert layout.committed_steps(open_storage(local)) == [4, 5]  # keep_local=2
+    assert layout.committed_steps(open_storage(durable)) == [4]  # persisted 2 and 4, keep_last=1 there
+    for root, s in ((local, 5), (durable, 4)):
+        assert list(catalog.verify(open_storage(root), s)) == []
+    # the durable copy is the local step's files: same manifest, same chunk bytes
+    with (
+        open(os.path.join(durable, layout.manifest_path(4)), "rb") as a,
+        open(os.path.join(local, layout.manifest_path(4)), "rb") as b,
+    ):
+        assert a.read() == b.read()
+
+
+def test_restore_takes_the_newest_step_local_first_and_tells_the_tracker(tmp_path):
+    durable, local = saved(tmp_path, [1, 2, 3], persist_every=1)
+    tracker = Restores()
+    with ckpt.CheckpointManager(durable, local=local, tracker=tracker) as m:
+        got = blank()
+        assert m.restore(got) == 3
+    assert same(got, state(3))
+    assert tracker.restored == [(3, "local")]
+
+
+def test_lost_local_tier_restores_from_the_durable_tier_bitwise(tmp_path):
+    durable, local = saved(tmp_path, [1, 2, 3, 4, 5], persist_every=2)
+    shutil.rmtree(local)
+    tracker = Restores()
+    with ckpt.CheckpointManager(durable, local=local, tracker=tracker) as m:
+        got = blank()
+        assert m.restore(got) == 4
+    assert same(got, state(4))
+    assert tracker.restored == [(4, "durable")]
+
+
+def test_damaged_local_step_falls_back_to_its_durable_copy_and_is_quarantined(tmp_path):
+    durable, local = saved(tmp_path, [1, 2], persist_every=1)
+    flip_byte(chunk(local, 2))
+    tracker = Restores()
+    with ckpt.CheckpointManager(durable, local=local, tracker=tracker) as m:
+        got = blank()
+        with pytest.warns(RuntimeWarning, match=r"step 2 in the local tier is damaged.*durable copy"):
+            assert m.restore(got) == 2
+        assert [(int(s), s.tiers) for s in m.steps()] == [(1, ("local", "durable")), (2, ("durable",))]
+    assert same(got, state(2))
+    assert tracker.restored == [(2, "durable")]
+    assert [q.step for q in catalog.quarantined(open_storage(local))] == [2]
+
+
+def test_newer_local_step_wins_over_an_older_durable_one_and_damage_falls_back_to_the_older(tmp_path):
+    durable, local = saved(tmp_path, [1, 2, 3], persist_every=2, keep_local=3)
+    flip_byte(chunk(local, 3))
+    with ckpt.CheckpointManager(durable, local=local) as m:
+        got = blank()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert m.restore(got) == 2  # local step 2 (equal to the durable one: local first)
+    assert same(got, state(2))
+
+
+def test_a_persist_never_copies_a_damaged_local_file(tmp_path):
+    durable, local = saved(tmp_path, [1], persist_every=5)  # nothing persisted
+    flip_byte(chunk(local, 1))
+    src, dst = open_storage(local), open_storage(durable)
+    job = PersistJob(src, dst, 1, {"w": ((0, 64), (0, 33)), "b": ((0, 17),)}, Ranks.local(), None)
+    with pytest.raises(CorruptCheckpointError, match="crc32c"):
+        job.run()
+    assert layout.step_dirs(dst) == []  # nothing partial left behind
+
+
+def test_restore_into_a_fresh_root_with_nothing_anywhere_returns_none(tmp_path):
+    tracker = Restores()
+    with ckpt.CheckpointManager(tmp_path / "d", local=tmp_path / "l", tracker=tracker) as m:
+        assert m.restore(blank()) is None
+        assert m.steps() == []
+    assert tracker.restored == [(None, None)]
+
+
+def test_local_tier_has_its_own_lease(tmp_path):
+    with ckpt.CheckpointManager(tmp_path / "d", local=tmp_path / "l") as m:
+        m.save(1, state(1)).wait()
+        with ckpt.CheckpointManager(tmp_path / "d2", local=tmp_path / "l") as other:
+            with pytest.raises(ckpt.LeaseHeldError):
+                other.save(2, state(2))
+
+
+_PERSISTER = r"""
+import sys, torch, ckpt
+durable, local = sys.argv[1], sys.argv[2]
+with ckpt.CheckpointManager(durable, local=local, persist_every=1, keep_local=3, chunk_bytes=4096) as m:
+    for s in range(1, 1000):
+        g = torch.Generator().manual_seed(s)
+        m.save(s, {"w": torch.randn(1 << 18, generator=g)})
+        print(s, flush=True)
+"""
+
+
+def test_sigkill_during_a_persist_leaves_no_partial_durable_step_and_a_valid_local_tier(tmp_path):
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    script = tmp_path / "persister.py"
+    script.write_text(_PERSISTER)
+    proc = subprocess.Popen([sys.executable, str(script), durable, local], stdout=subprocess.PIPE, env=os.environ)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # a persist in flight: marked, some of its files copied, no manifest yet
+            partial = [
+                s
+                for s in layout.step_dirs(open_storage(durable))
+                if os.path.exists(os.path.join(durable, layout.in_progress_path(s)))
+                and os.path.isdir(os.path.join(durable, layout.step_dir(s), "arrays", "w", "c"))
+                and not layout.is_committed(open_storage(durable), s)
+            ]
+            if partial and layout.committed_steps(open_storage(durable)):
+                break
+            time.sleep(0.005)
+        else:
+            pytest.fail("never saw a persist in flight")
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    d, lo = open_storage(durable), open_storage(local)
+    assert set(partial) - set(layout.committed_steps(d))  # it died with a persist half done
+    for root in (d, lo):
+        for s in layout.committed_steps(root):
+            assert list(catalog.verify(root, s)) == [], (root.url, s)
+    newest = max(layout.committed_steps(lo) + layout.committed_steps(d))
+    with ckpt.CheckpointManager(durable, local=local) as m:
+        got = {"w": torch.zeros(1 << 18)}
+        assert m.restore(got) == newest
+        g = torch.Generator().manual_seed(newest)
+        assert torch.equal(got["w"], torch.randn(1 << 18, generator=g))
+        m.save(newest + 1, got).wait()  # both leases are free again
+    assert catalog.collect_garbage(d)  # the half-persisted step is garbage, removed by gc
+
+
+def test_cli_ls_verify_gc_cover_both_tiers(tmp_path, capsys):
+    from ckpt import cli
+
+    durable, local = saved(tmp_path, [1, 2, 3], persist_every=2)
+    assert cli.main(["ls", durable, "--local", local]) == 0
+    out = capsys.readouterr().out
+    durable_part, local_part = out.split(f"== local tier {local}")
+    assert durable_part.startswith(f"== durable tier {durable}")
+    assert [line.split()[0] for line in durable_part.splitlines()[2:]] == ["2"]
+    assert [line.split()[0] for line in local_part.splitlines()[2:]] == ["2", "3"]
+
+    flip_byte(chunk(local, 3))
+    assert cli.main(["verify", "-q", durable, "--local", local]) == 1
+    out = capsys.readouterr().out
+    assert "step 2: ok" in out.split("== local tier")[0]
+    assert f"step 3: DAMAGED: chunk checksum (crc32c) mismatch (step=3, key=w, file={chunk(local, 3)})" in out
+
+    os.makedirs(os.path.join(local, layout.step_dir(9), "arrays"))  # a crashed local save's leftovers
+    assert cli.main(["gc", durable, "--local", local]) == 0
+    assert "removed incomplete step 9" in capsys.readouterr().out.split("== local tier")[1]
+    assert layout.step_dirs(open_storage(local)) == [2, 3]
+
+
+def test_a_failed_persist_is_raised_by_the_next_call_and_the_local_step_stays(tmp_path):
+    durable, local = tmp_path / "durable", str(tmp_path / "local")
+    durable.mkdir()
+    (durable / layout.step_dir(1)).write_text("in the way")  # the persist of step 1 cannot create its directory
+    m = ckpt.CheckpointManager(durable, local=local, persist_every=1)
+    m.save(1, state(1)).wait()  # committed locally
+    with pytest.raises(ckpt.CheckpointWriteError, match=r"saving step 1 failed: .*persisting to"):
+        m.wait()
+    assert [(int(s), s.tiers) for s in m.steps()] == [(1, ("local",))]
+    m.close()
+    assert list(catalog.verify(open_storage(local), 1)) == []
+
+
+def test_a_local_tier_of_another_run_is_never_resumed(tmp_path):
+    from ckpt import run
+
+    durable, local = saved(tmp_path, [1, 2, 3], persist_every=2, run_id="first")
+    run.claim(open_storage(durable), run.Run("second", "run_id"))  # the durable root was taken over by another run
+    with ckpt.CheckpointManager(durable, local=local, run_id="second") as m:
+        got = blank()
+        assert m.restore(got) == 2  # its durable step, not the first run's local step 3
+    assert same(got, state(2))
+
+
+def test_the_durable_tier_can_be_an_object_store(tmp_path):
+    durable, local = "memory://tiers-object-store/run", str(tmp_path / "local")
+    with ckpt.CheckpointManager(durable, local=local, persist_every=2) as m:
+        for s in (1, 2, 3):
+            m.save(s, state(s)).wait()
+        m.wait()
+        assert [(int(s), s.tiers) for s in m.steps()] == [(2, ("local", "durable")), (3, ("local",))]
+        assert list(catalog.verify(m.storage, 2)) == []
+    shutil.rmtree(local)
+    with ckpt.CheckpointManager(durable, local=local) as m:
+        got = blank()
+        assert m.restore(got) == 2
+    assert same(got, state(2))
+
+
+def test_save_with_persist_true_makes_that_step_durable_and_false_keeps_it_local(tmp_path):
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    with ckpt.CheckpointManager(durable, local=local, persist_every=2) as m:
+        m.save(1, state(1), persist=True).wait()  # the last save before a preemption
+        m.save(2, state(2), persist=False).wait()  # the K-th, but not this time
+        m.wait()
+        assert [(int(s), s.tiers) for s in m.steps()] == [(1, ("local", "durable")), (2, ("local",))]

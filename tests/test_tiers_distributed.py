@@ -1,0 +1,59 @@
+"""The peer replica with 4 gloo ranks on 127.0.0.1, each with its own local tier: a lost local tier comes back
+bitwise from its peer's replica without the durable tier; two adjacent lost tiers fall back to the durable tier."""
+
+import os
+import re
+import shutil
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
+import tiers_worker  # noqa: E402
+from ckpt import catalog, cli, layout  # noqa: E402
+from ckpt.storage import open_storage  # noqa: E402
+from test_distributed import _ok, run_ranks  # noqa: E402
+
+
+def _restored(results) -> list[tuple[int, str, bool]]:
+    out = []
+    for r in results:
+        found = re.findall(r"restored (\d+) tier (\w+) bitwise (\w+)", r.stdout)  # the log of the latest run is last
+        assert found, r.stdout[-3000:]
+        step, tier, ok = found[-1]
+        out.append((int(step), tier, ok == "True"))
+    return out
+
+
+def test_lost_local_tier_comes_back_from_the_peer_and_two_lost_fall_back_to_durable(tmp_path, capsys):
+    root = str(tmp_path)
+    _ok(run_ranks(4, "save", root, worker=tiers_worker))
+    durable = open_storage(os.path.join(root, "durable"))
+    assert layout.committed_steps(durable) == [2]
+    assert list(catalog.verify(durable, 2)) == []  # the ranks' persisted regions make the whole step
+    for r in range(4):
+        local = open_storage(os.path.join(root, f"local{r}"))
+        assert layout.committed_steps(local) == [2, 3]
+        assert layout.replica_ranks(local) == [(r - 1) % 4]  # the ring: rank r keeps rank r-1's steps
+        assert layout.committed_steps(
+            open_storage(os.path.join(root, f"local{r}", layout.replica_root((r - 1) % 4)))
+        ) == [2, 3]
+
+    assert cli.main(["ls", os.path.join(root, "durable"), "--local", os.path.join(root, "local2")]) == 0
+    assert f"== replica of rank 1 in {os.path.join(root, 'local2')}" in capsys.readouterr().out
+
+    results = run_ranks(2, "restore", root, worker=tiers_worker)  # at another world size: the local copies do not fit
+    _ok(results)
+    assert _restored(results) == [(2, "durable", True)] * 2
+    assert not os.path.exists(os.path.join(root, "local0", layout.QUARANTINE))  # and are no damage
+
+    shutil.rmtree(os.path.join(root, "local1"))  # node 1 is lost
+    durable_files = sorted(os.listdir(os.path.join(root, "durable")))
+    results = run_ranks(4, "restore", root, worker=tiers_worker)
+    _ok(results)
+    assert _restored(results) == [(3, "local", True), (3, "peer", True), (3, "local", True), (3, "local", True)]
+    assert sorted(os.listdir(os.path.join(root, "durable"))) == durable_files  # the durable tier was not touched
+
+    shutil.rmtree(os.path.join(root, "local1"))
+    shutil.rmtree(os.path.join(root, "local2"))  # rank 1's replica was on rank 2: both copies of its shard gone
+    results = run_ranks(4, "restore", root, worker=tiers_worker)
+    _ok(results)
+    assert _restored(results) == [(2, "durable", True)] * 4
