@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -9,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
 LEDGER_DIR = "ettr"
 FORMAT_VERSION = 1
@@ -60,42 +60,93 @@ def ledger_dir(root: str) -> str:
     return root.rstrip("/") + "/" + LEDGER_DIR
 
 
+# Object-store defaults: one PUT a minute at most for step records, segments rolled at 1 MiB (docs/goodput.md
+# counts the objects and requests these make).
+UPLOAD_INTERVAL_S = 60.0
+SEGMENT_BYTES = 1 << 20
+
+
+def local_root(root: str) -> str | None:
+    """The local directory of a root given as a path or ``file://`` URL; None for any other URL."""
+    protocol, path = fsspec.core.split_protocol(root)
+    return path if protocol in (None, "file", "local") else None
+
+
+def open_url_store(root: str, storage_options: dict[str, Any] | None = None) -> Any:
+    """ckpt's storage of an object-store (or ``memory://``) root: one storage stack, configured once per root
+    (endpoint, credentials, timeouts from ``storage_options`` and the standard environment variables)."""
+    from ckpt.storage import open_storage  # the one exception to "no arrow between ckpt and ettr": IO mechanism
+
+    return open_storage(root)  # TMP until s3core: storage_options
+
+
 class LedgerWriter:
     """Appends whole lines: each `append` reaches the OS at once on local disks, `sync` makes them durable.
 
     Locally a line handed to the kernel with one write(2) survives a SIGKILL of the process (not a power loss,
-    which `sync`'s fsync covers). Object stores cannot append: there lines wait in memory and each `sync` is a
-    single PUT of a new numbered segment (atomic, never torn).
+    which `sync`'s fsync covers). Object stores cannot append: there lines wait in memory and `sync` PUTs the
+    whole current segment ``ledger-<attempt>-rank<r>.NNNNNN.jsonl`` again (one atomic PUT, never torn), at most
+    every `upload_interval` seconds unless forced; a segment that reached `segment_bytes` is sealed and the next
+    one starts, so a rank's object count grows with its ledger's size, not with its flushes.
     """
 
-    def __init__(self, root: str, attempt: str, rank: int, storage_options: dict[str, Any] | None = None) -> None:
-        self._fs, base = fsspec.core.url_to_fs(ledger_dir(root), **(storage_options or {}))
-        self._fs.makedirs(base, exist_ok=True)
-        self._stem = f"{base}/ledger-{attempt}-rank{rank}"
-        self._segment = 0
-        self._pending: list[str] = []
+    def __init__(
+        self,
+        root: str,
+        attempt: str,
+        rank: int,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        upload_interval: float = UPLOAD_INTERVAL_S,
+        segment_bytes: int = SEGMENT_BYTES,
+    ) -> None:
+        name = f"ledger-{attempt}-rank{rank}"
         self._fd: int | None = None
-        if isinstance(self._fs, LocalFileSystem):
-            self._fd = os.open(self._stem + ".jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        local = local_root(root)
+        if local is not None:
+            os.makedirs(os.path.join(local, LEDGER_DIR), exist_ok=True)
+            self._fd = os.open(
+                os.path.join(local, LEDGER_DIR, name + ".jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644
+            )
+            return
+        self._store = open_url_store(root, storage_options)
+        self._stem = f"{LEDGER_DIR}/{name}"
+        self._upload_us = round(upload_interval * 1e6)
+        self._segment_bytes = segment_bytes
+        self._segment = 0
+        self._lines: list[str] = []  # the current segment's text, PUT whole at every sync
+        self._size = 0
+        self._synced = 0  # how many of `_lines` the last PUT held
+        self._last_put: int | None = None
 
     def append(self, text: str) -> None:
         """Hand whole lines to the OS now (local) or keep them for the next `sync` (object stores)."""
         if self._fd is None:
-            self._pending.append(text)
+            self._lines.append(text)
+            self._size += len(text)
             return
         data = text.encode()
         written = os.write(self._fd, data)
         while written < len(data):  # a regular file takes it in one call; loop for the rare short write
             written += os.write(self._fd, data[written:])
 
-    def sync(self) -> None:
-        """Make every appended line durable (fsync, or one segment PUT)."""
+    def due(self, now_us: int) -> bool:
+        """Whether a periodic `sync` at `now_us` should run: always locally, once per `upload_interval` on objects."""
+        return self._fd is not None or self._last_put is None or now_us - self._last_put >= self._upload_us
+
+    def sync(self, now_us: int) -> None:
+        """Make every appended line durable: fsync, or one PUT of the current segment (nothing new: no PUT)."""
         if self._fd is not None:
             os.fsync(self._fd)
-        elif self._pending:
-            self._fs.pipe_file(f"{self._stem}.{self._segment:06d}.jsonl", "".join(self._pending).encode())
-            self._pending.clear()
+            return
+        if len(self._lines) == self._synced:
+            return
+        self._store.write_atomic(f"{self._stem}.{self._segment:06d}.jsonl", "".join(self._lines).encode())
+        self._last_put = now_us
+        self._synced = len(self._lines)
+        if self._size >= self._segment_bytes:  # sealed: later lines go to the next segment
             self._segment += 1
+            self._lines, self._size, self._synced = [], 0, 0
 
     def close(self) -> None:
         """Release the local file descriptor (segments need nothing)."""
@@ -167,26 +218,49 @@ def _open_entry(x: Any) -> bool:
     )
 
 
-def read_ledgers(root: str, storage_options: dict[str, Any] | None = None) -> list[Ledger]:
-    """Read every attempt's ledger under ROOT/ettr/, segments joined in order."""
-    fs, base = fsspec.core.url_to_fs(ledger_dir(root), **(storage_options or {}))
-    if not fs.exists(base):
-        return []
+def read_ledgers(root: str, storage_options: dict[str, Any] | None = None, *, rank: int | None = None) -> list[Ledger]:
+    """Read every attempt's ledger under ROOT/ettr/ (only rank `rank`'s when given), segments joined in order.
+
+    An object-store root costs one LIST (a page per 1,000 objects) and one GET per segment read.
+    """
+    local = local_root(root)
+    if local is not None:
+        base = os.path.abspath(os.path.join(local, LEDGER_DIR))
+        names = sorted(os.listdir(base)) if os.path.isdir(base) else []
+        where = functools.partial(os.path.join, base)
+
+        def read(name: str) -> bytes:
+            with open(os.path.join(base, name), "rb") as f:
+                return f.read()
+    else:
+        store = open_url_store(root, storage_options)
+        names = store.list_files(LEDGER_DIR)
+        url = ledger_dir(root)
+
+        def where(name: str) -> str:
+            return f"{url}/{name}"
+
+        def read(name: str) -> bytes:
+            data = store.read(f"{LEDGER_DIR}/{name}")
+            if data is None:
+                raise LedgerError(f"{where(name)}: listed but gone when read (deleted meanwhile?)")
+            return data
+
     groups: dict[tuple[str, int], list[tuple[int, str]]] = {}
-    for path in fs.ls(base, detail=False):
-        m = _NAME.match(path.rsplit("/", 1)[-1])
-        if m:
+    for name in names:
+        m = _NAME.match(name)
+        if m and (rank is None or int(m["rank"]) == rank):
             seg = int(m["seg"]) if m["seg"] else -1
-            groups.setdefault((m["attempt"], int(m["rank"])), []).append((seg, path))
+            groups.setdefault((m["attempt"], int(m["rank"])), []).append((seg, name))
     ledgers = []
-    for (attempt, rank), parts in sorted(groups.items()):
+    for (attempt, r), parts in sorted(groups.items()):
         records: list[dict[str, Any]] = []
         torn = False
-        for _, path in sorted(parts):
-            part, part_torn = parse_lines(fs.cat_file(path).decode("utf-8", errors="replace"), path)
+        for _, name in sorted(parts):
+            part, part_torn = parse_lines(read(name).decode("utf-8", errors="replace"), where(name))
             records.extend(part)
             torn = torn or part_torn
         if not records or records[0]["k"] != "start":
-            raise LedgerError(f"{parts[0][1]}:1: a ledger must begin with a 'start' record")
-        ledgers.append(Ledger(parts[0][1], attempt, rank, tuple(records), torn))
+            raise LedgerError(f"{where(parts[0][1])}:1: a ledger must begin with a 'start' record")
+        ledgers.append(Ledger(where(parts[0][1]), attempt, r, tuple(records), torn))
     return ledgers
