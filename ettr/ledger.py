@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -85,7 +84,7 @@ class LedgerWriter:
 
     Locally a line handed to the kernel with one write(2) survives a SIGKILL of the process (not a power loss,
     which `sync`'s fsync covers). Object stores cannot append: there lines wait in memory and `sync` PUTs the
-    whole current segment ``ledger-<attempt>-rank<r>.NNNNNN.jsonl`` again (one atomic PUT, never torn), at most
+    whole current segment ``rank<r>/ledger-<attempt>-rank<r>.NNNNNN.jsonl`` again (one atomic PUT, never torn), at most
     every `upload_interval` seconds unless forced; a segment that reached `segment_bytes` is sealed and the next
     one starts, so a rank's object count grows with its ledger's size, not with its flushes.
     """
@@ -110,7 +109,7 @@ class LedgerWriter:
             )
             return
         self._store = open_url_store(root, storage_options)
-        self._stem = f"{LEDGER_DIR}/{name}"
+        self._stem = f"{LEDGER_DIR}/rank{rank}/{name}"
         self._upload_us = round(upload_interval * 1e6)
         self._segment_bytes = segment_bytes
         self._segment = 0
@@ -218,49 +217,70 @@ def _open_entry(x: Any) -> bool:
     )
 
 
+class _Files:
+    """The ledger files of a root: a local folder (flat), or an object store's keys under ettr/rank<r>/ (one LIST
+    prefix per rank, so a rank's reader never pages through the other ranks' segments)."""
+
+    def __init__(self, root: str, storage_options: dict[str, Any] | None) -> None:
+        local = local_root(root)
+        self._base = os.path.abspath(os.path.join(local, LEDGER_DIR)) if local is not None else None
+        self._store = open_url_store(root, storage_options) if local is None else None
+        self._url = ledger_dir(root)
+
+    def names(self, rank: int | None = None) -> list[str]:
+        """Paths relative to ettr/ of the ledgers (of `rank` only when given)."""
+        if self._store is None:
+            return sorted(os.listdir(self._base)) if os.path.isdir(self._base) else []
+        return [
+            n if rank is None else f"rank{rank}/{n}"
+            for n in self._store.list_files(LEDGER_DIR if rank is None else f"{LEDGER_DIR}/rank{rank}")
+        ]
+
+    def read(self, name: str) -> bytes:
+        if self._store is None:
+            with open(os.path.join(self._base, name), "rb") as f:
+                return f.read()
+        data = self._store.read(f"{LEDGER_DIR}/{name}")
+        if data is None:
+            raise LedgerError(f"{self.where(name)}: listed but gone when read (deleted meanwhile?)")
+        return data
+
+    def where(self, name: str) -> str:
+        """The path or URL a user finds the file at."""
+        return os.path.join(self._base, name) if self._store is None else f"{self._url}/{name}"
+
+
+def _grouped(names: list[str], rank: int | None = None) -> dict[tuple[str, int], list[tuple[int, str]]]:
+    """(attempt, rank) -> [(segment, name)] of the names that are ledgers (of `rank` only when given)."""
+    groups: dict[tuple[str, int], list[tuple[int, str]]] = {}
+    for name in names:
+        m = _NAME.match(name.rsplit("/", 1)[-1])
+        if m and (rank is None or int(m["rank"]) == rank):
+            groups.setdefault((m["attempt"], int(m["rank"])), []).append((int(m["seg"]) if m["seg"] else -1, name))
+    return groups
+
+
+def ledger_ranks(root: str, storage_options: dict[str, Any] | None = None) -> list[int]:
+    """The ranks that have a ledger under ROOT/ettr/ (a LIST, no GET)."""
+    return sorted({r for _, r in _grouped(_Files(root, storage_options).names())})
+
+
 def read_ledgers(root: str, storage_options: dict[str, Any] | None = None, *, rank: int | None = None) -> list[Ledger]:
     """Read every attempt's ledger under ROOT/ettr/ (only rank `rank`'s when given), segments joined in order.
 
-    An object-store root costs one LIST (a page per 1,000 objects) and one GET per segment read.
+    An object-store root costs one LIST (a page per 1,000 objects; with `rank`, of that rank's objects only) and
+    one GET per segment.
     """
-    local = local_root(root)
-    if local is not None:
-        base = os.path.abspath(os.path.join(local, LEDGER_DIR))
-        names = sorted(os.listdir(base)) if os.path.isdir(base) else []
-        where = functools.partial(os.path.join, base)
-
-        def read(name: str) -> bytes:
-            with open(os.path.join(base, name), "rb") as f:
-                return f.read()
-    else:
-        store = open_url_store(root, storage_options)
-        names = store.list_files(LEDGER_DIR)
-        url = ledger_dir(root)
-
-        def where(name: str) -> str:
-            return f"{url}/{name}"
-
-        def read(name: str) -> bytes:
-            data = store.read(f"{LEDGER_DIR}/{name}")
-            if data is None:
-                raise LedgerError(f"{where(name)}: listed but gone when read (deleted meanwhile?)")
-            return data
-
-    groups: dict[tuple[str, int], list[tuple[int, str]]] = {}
-    for name in names:
-        m = _NAME.match(name)
-        if m and (rank is None or int(m["rank"]) == rank):
-            seg = int(m["seg"]) if m["seg"] else -1
-            groups.setdefault((m["attempt"], int(m["rank"])), []).append((seg, name))
+    files = _Files(root, storage_options)
     ledgers = []
-    for (attempt, r), parts in sorted(groups.items()):
+    for (attempt, r), parts in sorted(_grouped(files.names(rank), rank).items()):
         records: list[dict[str, Any]] = []
         torn = False
         for _, name in sorted(parts):
-            part, part_torn = parse_lines(read(name).decode("utf-8", errors="replace"), where(name))
+            part, part_torn = parse_lines(files.read(name).decode("utf-8", errors="replace"), files.where(name))
             records.extend(part)
             torn = torn or part_torn
         if not records or records[0]["k"] != "start":
-            raise LedgerError(f"{where(parts[0][1])}:1: a ledger must begin with a 'start' record")
-        ledgers.append(Ledger(where(parts[0][1]), attempt, r, tuple(records), torn))
+            raise LedgerError(f"{files.where(parts[0][1])}:1: a ledger must begin with a 'start' record")
+        ledgers.append(Ledger(files.where(parts[0][1]), attempt, r, tuple(records), torn))
     return ledgers
