@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
-from ettr import FakeClock, GoodputTracker, attribute_root
+from ettr import CATEGORIES, FakeClock, GoodputTracker, attribute_root
 from ettr.clock import to_us
 from ettr.ledger import LEDGER_DIR, SEGMENT_BYTES, UPLOAD_INTERVAL_S, open_url_store, read_ledgers
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_six_hours_of_one_step_a_second_make_two_objects_and_one_upload_a_minute():
@@ -45,3 +52,80 @@ def test_each_rank_lists_and_reads_only_its_own_prefix():
     assert [l.rank for l in read_ledgers(root, rank=1)] == [1]
     assert attribute_root(root).micros["productive"] == to_us(1.0)  # the lowest rank by default
     assert attribute_root(root, rank=2).micros["productive"] == to_us(3.0)
+
+
+# One attempt on a fake clock from START s: a 0.5 s restore of RESTORED (none: a fresh start), three steps of 0.1 s,
+# a 0.2 s save committed at once, three more steps; then it ends cleanly, or waits to be SIGKILLed.
+CHILD = r"""
+import sys, time
+from ettr import FakeClock, GoodputTracker
+root, attempt, start, upload, then, restored = sys.argv[1:7]
+clock = FakeClock(float(start))
+tracker = GoodputTracker(
+    root, attempt_id=attempt, rank=0, job_id="job", clock=clock, flush_interval=0, upload_interval=float(upload)
+).start()
+with tracker.span("checkpoint_restore"):
+    clock.advance(0.5)
+step = 0 if restored == "none" else int(restored)
+tracker.checkpoint_restored(None if restored == "none" else step)
+for i in range(6):
+    step += 1
+    tracker.step_begin(step)
+    clock.advance(0.1)
+    tracker.step_end(step)
+    if i == 2:
+        with tracker.span("checkpoint_save"):
+            clock.advance(0.2)
+        tracker.checkpoint_committed(step, 0.5)
+if then == "end":
+    tracker.end()
+    sys.exit()
+print("hanging", flush=True)
+time.sleep(600)
+"""
+
+# Killed after step 6 (committed 3): steps 4-6 lost; the restart 10 s after the first began resumes from 3.
+KILLED_AND_RESUMED = {
+    "checkpoint_restore": 1.0,
+    "productive": 0.9,
+    "checkpoint_save": 0.4,
+    "lost": 0.3,
+    "downtime": 8.7,
+}
+
+
+def killed_and_resumed(tmp_path, root: str, upload_interval: float) -> dict[str, int]:
+    """Attempt 1 SIGKILLed after its sixth step, attempt 2 resumes from step 3 and ends: micros per category."""
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def attempt(name, start, then, restored):
+        return subprocess.Popen(
+            [sys.executable, str(script), root, name, str(start), str(upload_interval), then, restored],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+
+    first = attempt("a1", 1000.0, "hang", "none")
+    assert first.stdout.readline() == "hanging\n"
+    os.kill(first.pid, signal.SIGKILL)
+    assert first.wait(timeout=60) == -signal.SIGKILL
+    assert attempt("a2", 1010.0, "end", "3").wait(timeout=120) == 0
+    return attribute_root(root).micros
+
+
+def test_a_killed_and_resumed_run_on_s3_reports_what_a_local_root_reports(tmp_path, s3_bucket):
+    """With every record uploaded (upload_interval=0) an s3:// root attributes exactly like a local one."""
+    want = {c: to_us(KILLED_AND_RESUMED.get(c, 0.0)) for c in CATEGORIES}
+    assert killed_and_resumed(tmp_path, str(tmp_path / "local"), 0.0) == want
+    assert killed_and_resumed(tmp_path, f"s3://{s3_bucket}/run", 0.0) == want
+
+
+def test_a_kill_on_s3_turns_the_unuploaded_steps_into_downtime(tmp_path, s3_bucket):
+    """With the default upload interval the steps after the last commit were still in memory at the kill: 0.3 s
+    moves from lost to downtime, every other category and the total stay as on a local root."""
+    got = killed_and_resumed(tmp_path, f"s3://{s3_bucket}/run", UPLOAD_INTERVAL_S)
+    want = {**KILLED_AND_RESUMED, "lost": 0.0, "downtime": 9.0}
+    assert got == {c: to_us(want.get(c, 0.0)) for c in CATEGORIES}
