@@ -104,6 +104,8 @@ class SeaweedServer:
                 "-s3.port.iceberg=0",  # side servers on fixed default ports would clash between concurrent servers
                 "-s3.port.lance=0",
                 "-master.volumeSizeLimitMB=1024",
+                "-s3.autoCreateBucket=false",  # as S3: a PUT to a missing bucket fails (NoSuchBucket)
+                "-volume.max=1000",  # each bucket grows 7 volumes (sparse files); the default 8 fits one bucket
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
