@@ -133,3 +133,28 @@ def test_sigkill_mid_upload_commits_nothing_partial_and_gc_cleans_once_the_lease
         _assert_state(target, committed[-1])
         assert torch.equal(target["pad"], torch.full((4 << 20,), float(committed[-1])))
         m.save(committed[-1] + 1, state_for(committed[-1] + 1)).wait()
+
+
+def test_a_throttled_gateway_slows_saves_and_restores_without_failing_them():
+    """SeaweedFS's upload limits hold requests in a queue (slow answers; it never answers 503 SlowDown, so a
+    throttling error cannot be produced here): saves and restores wait for it, each request within the timeout."""
+    from seaweed import SeaweedServer
+
+    server = SeaweedServer(extra_args=("-s3.concurrentFileUploadLimit=1", "-s3.concurrentUploadLimitMB=1"))
+    server.start()
+    try:
+        server.make_bucket("throttled")
+        options = {"endpoint": server.endpoint, **TIMEOUT}
+        options |= {
+            "access_key_id": server.env()["AWS_ACCESS_KEY_ID"],
+            "secret_access_key": server.env()["AWS_SECRET_ACCESS_KEY"],
+        }
+        with ckpt.CheckpointManager("s3://throttled/run", chunk_bytes=256 << 10, storage_options=options) as m:
+            for step in (1, 2):
+                m.save(step, state_for(step))
+            m.wait()
+            target = state_for(0)
+            assert m.restore(target) == 2
+            _assert_state(target, 2)
+    finally:
+        server.close()
