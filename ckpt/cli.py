@@ -42,11 +42,16 @@ def _when(t: float) -> str:
 def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
     rows: list[tuple[int, str, str, str]] = []  # step, state, size, time or remark
     holder = lease.live_holder(storage)
+    # an object store lists no sizes here: a committed step's size comes from its manifest (its tensors' bytes),
+    # never from reading every object (that would download the whole root)
+    remote = storage.local_path("") is None
     for e in catalog.entries(storage):
-        when = ""
+        when, size = "", "-"
         if e.committed:
             try:
-                when = _when(read_manifest(storage, e.step).time)
+                manifest = read_manifest(storage, e.step)
+                when = _when(manifest.time)
+                size = _human(sum(a.nbytes for a in manifest.arrays.values())) if remote else size
             except StepNotFoundError:  # deleted since it was listed (another process's retention)
                 continue
             except CheckpointError as err:
@@ -54,10 +59,12 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
         state = (
             "committed" if e.committed else ("in progress" if holder and e.owner == holder.get("id") else "incomplete")
         )
-        rows.append((e.step, state, _human(storage.size(layout.step_dir(e.step))), when))
+        rows.append((e.step, state, size if remote else _human(storage.size(layout.step_dir(e.step))), when))
     for q in catalog.quarantined(storage):
         when = f"quarantined {_when(q.time)}" if q.time is not None else "quarantined"
-        rows.append((q.step, "damaged", _human(storage.size(q.path)), f"{when} in {q.path}: {q.reason}"))
+        rows.append(
+            (q.step, "damaged", "-" if remote else _human(storage.size(q.path)), f"{when} in {q.path}: {q.reason}")
+        )
     if not rows:
         print(f"no checkpoints in {storage.url}")
         return 0

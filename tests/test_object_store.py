@@ -174,6 +174,14 @@ def test_a_missing_bucket_fails_when_the_root_is_opened_naming_the_bucket(s3_buc
     assert "does not exist" in capsys.readouterr().err
 
 
+def _s3_bytes_read() -> int:
+    """Bytes this process has read from S3 so far (tensorstore's own counter)."""
+    import tensorstore as ts
+
+    found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/s3/bytes_read")
+    return sum(v.get("value", 0) for m in found for v in m.get("values", []))
+
+
 def _cli(capsys, *argv):
     code = cli.main(list(argv))
     out, err = capsys.readouterr()
@@ -193,8 +201,11 @@ def test_ckpt_commands_work_on_an_s3_root_from_the_variables_or_from_options(s3_
     storage = open_storage(root)
     storage.write_atomic(f"{layout.step_dir(9)}/arrays/x/c/0", b"half a save")  # a crashed save's leftover
 
+    read_before = _s3_bytes_read()
     code, out, err = _cli(capsys, "ls", root)
     assert code == 0, err
+    assert _s3_bytes_read() - read_before < 64 * 33 * 4, "ls downloaded the tensors to size them"
+    assert "8.5 KiB" in out  # the committed step's tensors, from its manifest
     assert "committed" in out and "incomplete" in out and " 5 " in f" {out} " and " 9 " in f" {out} "
     code, out, err = _cli(capsys, "inspect", root)
     assert code == 0 and "model" in out and "float32" in out, err
