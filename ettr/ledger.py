@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +78,7 @@ def open_url_store(root: str, storage_options: dict[str, Any] | None = None) -> 
     (endpoint, credentials, timeouts from ``storage_options`` and the standard environment variables)."""
     from ckpt.storage import open_storage  # the one exception to "no arrow between ckpt and ettr": IO mechanism
 
-    return open_storage(root)  # TMP until s3core: storage_options
+    return open_storage(root, storage_options)
 
 
 class LedgerWriter:
@@ -224,23 +226,37 @@ class _Files:
     def __init__(self, root: str, storage_options: dict[str, Any] | None) -> None:
         local = local_root(root)
         self._base = os.path.abspath(os.path.join(local, LEDGER_DIR)) if local is not None else None
-        self._store = open_url_store(root, storage_options) if local is None else None
         self._url = ledger_dir(root)
+        with self._unreachable():
+            self._store = open_url_store(root, storage_options) if local is None else None
+
+    @contextlib.contextmanager
+    def _unreachable(self) -> Iterator[None]:
+        """A store that cannot be read (unreachable, refused, timed out) is a LedgerError naming it."""
+        if self._base is not None:
+            yield
+            return
+        from ckpt.storage import StorageError
+
+        try:
+            yield
+        except StorageError as err:
+            raise LedgerError(f"cannot read the ledgers in {self._url}: {err}") from err
 
     def names(self, rank: int | None = None) -> list[str]:
         """Paths relative to ettr/ of the ledgers (of `rank` only when given)."""
         if self._store is None:
             return sorted(os.listdir(self._base)) if os.path.isdir(self._base) else []
-        return [
-            n if rank is None else f"rank{rank}/{n}"
-            for n in self._store.list_files(LEDGER_DIR if rank is None else f"{LEDGER_DIR}/rank{rank}")
-        ]
+        with self._unreachable():
+            names = self._store.list_files(LEDGER_DIR if rank is None else f"{LEDGER_DIR}/rank{rank}")
+        return [n if rank is None else f"rank{rank}/{n}" for n in names]
 
     def read(self, name: str) -> bytes:
         if self._store is None:
             with open(os.path.join(self._base, name), "rb") as f:
                 return f.read()
-        data = self._store.read(f"{LEDGER_DIR}/{name}")
+        with self._unreachable():
+            data = self._store.read(f"{LEDGER_DIR}/{name}")
         if data is None:
             raise LedgerError(f"{self.where(name)}: listed but gone when read (deleted meanwhile?)")
         return data

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -129,3 +130,26 @@ def test_a_kill_on_s3_turns_the_unuploaded_steps_into_downtime(tmp_path, s3_buck
     got = killed_and_resumed(tmp_path, f"s3://{s3_bucket}/run", UPLOAD_INTERVAL_S)
     want = {**KILLED_AND_RESUMED, "lost": 0.0, "downtime": 9.0}
     assert got == {c: to_us(want.get(c, 0.0)) for c in CATEGORIES}
+
+
+def test_ettr_report_on_s3_takes_the_ckpt_cli_options(tmp_path, s3_bucket, s3_server, monkeypatch):
+    """`python -m ettr report s3://...` with --endpoint (no AWS_ENDPOINT_URL) reports the ledger; an unreachable
+    endpoint is one line naming the root, exit status 2, within the --timeout."""
+    root, clock = f"s3://{s3_bucket}/run", FakeClock(1000.0)
+    tr = GoodputTracker(root, attempt_id="a1", rank=0, job_id="job", clock=clock).start()
+    tr.step_begin(1)
+    clock.advance(2.0)
+    tr.step_end(1)
+    tr.end()
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def report(*options):
+        cmd = [sys.executable, "-m", "ettr", "report", root, "--json", *options]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+
+    out = report("--endpoint", s3_server.endpoint)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["seconds"]["productive"] == 2.0
+    out = report("--endpoint", "http://127.0.0.1:1", "--timeout", "2")
+    assert out.returncode == 2 and out.stderr.startswith(f"error: cannot read the ledgers in {root}/ettr: "), out.stderr
