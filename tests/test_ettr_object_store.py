@@ -153,3 +153,20 @@ def test_ettr_report_on_s3_takes_the_ckpt_cli_options(tmp_path, s3_bucket, s3_se
     assert json.loads(out.stdout)["seconds"]["productive"] == 2.0
     out = report("--endpoint", "http://127.0.0.1:1", "--timeout", "2")
     assert out.returncode == 2 and out.stderr.startswith(f"error: cannot read the ledgers in {root}/ettr: "), out.stderr
+
+
+def test_train_loop_gives_its_tracker_the_managers_storage_options(s3_bucket, s3_server, monkeypatch):
+    """TrainLoop(root, storage_options=...) without AWS_ENDPOINT_URL: checkpoints and the ledger reach the same
+    store (one configuration per root), and the report reads it with the same options."""
+    import torch
+
+    from integrations import TrainLoop
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    root, options = f"s3://{s3_bucket}/loop", {"endpoint": s3_server.endpoint, "timeout": 10}
+    with TrainLoop(root, {"model": torch.nn.Linear(2, 2)}, every_steps=2, rng=False, storage_options=options) as loop:
+        for step in loop.steps(4):
+            loop.on_step_end(step)
+    assert loop.manager.steps() == [2, 4]
+    a = attribute_root(root, storage_options=options)
+    assert a.committed_steps == (2, 4) and a.attempts[0].status == "ok"
