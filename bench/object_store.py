@@ -59,13 +59,16 @@ def s3fs_options(endpoint: str) -> dict:
 
 
 class DcpS3fs:
-    """dcp.save / dcp.load through FsspecWriter / FsspecReader on s3://bucket/dcp/stepN (DCP's defaults otherwise:
-    one file per rank, thread_count=1 unless --dcp-threads)."""
+    """dcp.save / dcp.load through FsspecWriter / FsspecReader on s3://bucket/<method>/stepN: one file per rank,
+    thread_count=1 (DCP's defaults, --dcp-threads), sync_files=False unless --dcp-sync-files: an s3fs stream has
+    no fileno, so DCP's fsync falls back to os.sync(), which here would flush the loopback server's own volume
+    files (and every other process's dirty pages) to disk, a cost no remote store puts on the trainer."""
 
     asynchronous = False
 
     def __init__(self, url, endpoint, model, optim, args):
-        self.url, self.endpoint, self.model, self.optim, self.threads = url, endpoint, model, optim, args.dcp_threads
+        self.url, self.endpoint, self.model, self.optim = url, endpoint, model, optim
+        self.threads, self.sync = args.dcp_threads, args.dcp_sync_files
 
     def path(self, step):
         return f"{self.url}/step{step}"
@@ -78,7 +81,9 @@ class DcpS3fs:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         t0 = time.perf_counter()
-        writer = FsspecWriter(self.path(step), thread_count=self.threads, **s3fs_options(self.endpoint))
+        writer = FsspecWriter(
+            self.path(step), thread_count=self.threads, sync_files=self.sync, **s3fs_options(self.endpoint)
+        )
         if self.asynchronous:
             fut = dcp.async_save(self.sd(), storage_writer=writer)
             stall = time.perf_counter() - t0
@@ -259,7 +264,7 @@ def report(floor: dict | None, rows: list[dict], args) -> str:
     lines = [
         f"SeaweedFS on 127.0.0.1 (one `weed server`), state {nbytes / (1 << 30):.2f} GiB in "
         f"{rows[0]['tensors'] if rows else '?'} tensors, medians of {args.repeats} run(s), ckpt chunks "
-        f"{args.chunk_mb} MiB, DCP thread_count={args.dcp_threads}; restores "
+        f"{args.chunk_mb:g} MiB, DCP thread_count={args.dcp_threads} sync_files={args.dcp_sync_files}; restores "
         + ("after dropping the page cache (the server's own memory stays warm)" if cold else "warm (server caches)"),
         "",
         "| method | stall s | durable s | restore s | durable MB/s | restore MB/s |",
@@ -304,6 +309,12 @@ def main(argv=None) -> None:
     ap.add_argument("--only", default=None, help=f"comma list from {','.join(METHODS)},floor")
     ap.add_argument("--chunk-mb", type=float, default=64, help="ckpt chunk size in MiB")
     ap.add_argument("--dcp-threads", type=int, default=1, help="FsspecWriter thread_count (DCP's default: 1)")
+    ap.add_argument(
+        "--dcp-sync-files",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="FsspecWriter sync_files (DCP's default True: an os.sync() per file on s3fs streams; see DcpS3fs)",
+    )
     ap.add_argument("--part-mb", type=float, default=16, help="floor: multipart part size in MiB")
     ap.add_argument("--concurrency", type=int, default=8, help="floor: parts in flight")
     ap.add_argument(
@@ -347,6 +358,7 @@ def main(argv=None) -> None:
                 for k in ("size-gb", "repeats", "chunk-mb", "dcp-threads", "part-mb", "concurrency", "seed")
             ),
             "--drop-caches" if args.drop_caches else "--no-drop-caches",
+            "--dcp-sync-files" if args.dcp_sync_files else "--no-dcp-sync-files",
             f"--_bucket={args.bucket}",
             f"--_endpoint={args.endpoint}",
         ]
