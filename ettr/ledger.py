@@ -102,6 +102,7 @@ class LedgerWriter:
         segment_bytes: int = SEGMENT_BYTES,
     ) -> None:
         name = f"ledger-{attempt}-rank{rank}"
+        self._name, self._closed = name, False
         self._fd: int | None = None
         local = local_root(root)
         if local is not None:
@@ -122,6 +123,7 @@ class LedgerWriter:
 
     def append(self, text: str) -> None:
         """Hand whole lines to the OS now (local) or keep them for the next `sync` (object stores)."""
+        self._check_open()
         if self._fd is None:
             self._lines.append(text)
             self._size += len(text)
@@ -137,6 +139,7 @@ class LedgerWriter:
 
     def sync(self, now_us: int) -> None:
         """Make every appended line durable: fsync, or one PUT of the current segment (nothing new: no PUT)."""
+        self._check_open()
         if self._fd is not None:
             os.fsync(self._fd)
             return
@@ -150,10 +153,14 @@ class LedgerWriter:
             self._lines, self._size, self._synced = [], 0, 0
 
     def close(self) -> None:
-        """Release the local file descriptor (segments need nothing)."""
-        if self._fd is not None:
+        """Release the local file descriptor (segments need nothing); later records are an error."""
+        if self._fd is not None and not self._closed:
             os.close(self._fd)
-            self._fd = None
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"{self._name}: the ledger is closed (the tracker's end() was called); record refused")
 
 
 @dataclass(frozen=True)

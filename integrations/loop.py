@@ -106,6 +106,7 @@ class TrainLoop:
             raise ValueError("give decision= or every_steps/every_seconds/advise, not both")
         self.root = str(root)
         self.mttf_s = mttf_s
+        self._storage_options = manager_options.get("storage_options")  # one configuration for the root's store
         self.decision = decision if decision is not None else self._interval(every_steps, every_seconds, advise)
         self.rng = RNGState() if rng is True else (rng or None)
         self.sampler = sampler
@@ -115,7 +116,6 @@ class TrainLoop:
             **({"sampler": sampler} if sampler is not None else {}),
         }
         self.preemption = Preemption(signals)
-        self._storage_options = manager_options.get("storage_options")  # one configuration for the root's store
         self.tracker = (
             tracker if tracker is not None else GoodputTracker(self.root, storage_options=self._storage_options)
         )

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ettr import CATEGORIES, FakeClock, GoodputTracker, attribute_root
 from ettr.clock import to_us
 from ettr.ledger import LEDGER_DIR, SEGMENT_BYTES, UPLOAD_INTERVAL_S, open_url_store, read_ledgers
@@ -170,3 +172,16 @@ def test_train_loop_gives_its_tracker_the_managers_storage_options(s3_bucket, s3
     assert loop.manager.steps() == [2, 4]
     a = attribute_root(root, storage_options=options)
     assert a.committed_steps == (2, 4) and a.attempts[0].status == "ok"
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_record_after_end_is_refused_not_lost(tmp_path, where):
+    """A commit reported after end() names the closed ledger instead of vanishing (or landing in a stray file)."""
+    root = str(tmp_path) if where == "local" else "memory://ettr-closed"
+    tr = GoodputTracker(root, attempt_id="a1", rank=0, job_id="job", clock=FakeClock(1000.0)).start()
+    tr.end()
+    with pytest.raises(ValueError, match=r"ledger-a1-rank0: the ledger is closed"):
+        tr.checkpoint_committed(1, 0.5)
+    (ledger,) = read_ledgers(root)
+    kinds = [r["k"] for r in ledger.records]
+    assert "end" in kinds and "commit" not in kinds
