@@ -14,6 +14,7 @@ from .errors import (
     StateMismatchError,
     StepExistsError,
     StepNotFoundError,
+    StorageError,
 )
 from .exporter import export
 from .importers import import_checkpoint
@@ -47,6 +48,7 @@ __all__ = [
     "LeaseHeldError",
     "StepNotFoundError",
     "StepExistsError",
+    "StorageError",
     "StateMismatchError",
     "StateKeyError",
     "RNGState",

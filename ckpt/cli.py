@@ -17,7 +17,7 @@ from . import state as state_mod
 from .determinism import data
 from .errors import CheckpointError, StepNotFoundError
 from .layout import read_manifest
-from .storage import Storage, open_storage
+from .storage import STORAGE_OPTIONS, Storage, open_storage
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,7 +46,7 @@ def _tiers(storage: Storage, args: argparse.Namespace) -> list[tuple[str, Storag
         return [("", storage)]
     out = [(f"durable tier {storage.url}", storage)]
     for path in args.local:
-        local = _open(path)
+        local = _open(path, args.storage_options)
         out.append((f"local tier {local.url}", local))
         for rank in layout.replica_ranks(local):
             replica = open_storage(os.path.join(local.url, layout.replica_root(rank)))
@@ -71,11 +71,16 @@ def _each_tier(command: Any) -> Any:
 def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
     rows: list[tuple[int, str, str, str]] = []  # step, state, size, time or remark
     holder = lease.live_holder(storage)
+    # an object store lists no sizes here: a committed step's size comes from its manifest (its tensors' bytes),
+    # never from reading every object (that would download the whole root)
+    remote = storage.local_path("") is None
     for e in catalog.entries(storage):
-        when = ""
+        when, size = "", "-"
         if e.committed:
             try:
-                when = _when(read_manifest(storage, e.step).time)
+                manifest = read_manifest(storage, e.step)
+                when = _when(manifest.time)
+                size = _human(sum(a.nbytes for a in manifest.arrays.values())) if remote else size
             except StepNotFoundError:  # deleted since it was listed (another process's retention)
                 continue
             except CheckpointError as err:
@@ -83,10 +88,12 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
         state = (
             "committed" if e.committed else ("in progress" if holder and e.owner == holder.get("id") else "incomplete")
         )
-        rows.append((e.step, state, _human(storage.size(layout.step_dir(e.step))), when))
+        rows.append((e.step, state, size if remote else _human(storage.size(layout.step_dir(e.step))), when))
     for q in catalog.quarantined(storage):
         when = f"quarantined {_when(q.time)}" if q.time is not None else "quarantined"
-        rows.append((q.step, "damaged", _human(storage.size(q.path)), f"{when} in {q.path}: {q.reason}"))
+        rows.append(
+            (q.step, "damaged", "-" if remote else _human(storage.size(q.path)), f"{when} in {q.path}: {q.reason}")
+        )
     if not rows:
         print(f"no checkpoints in {storage.url}")
         return 0
@@ -258,6 +265,7 @@ def cmd_export(storage: Storage, args: argparse.Namespace) -> int:
             max_shard_size=args.max_shard_size,
             config=args.config,
             progress=False if args.quiet else None,
+            storage_options=args.storage_options,
         )
     except (KeyError, ValueError, TypeError, FileExistsError) as e:
         print(f"error: {_one_line(e)}", file=sys.stderr)
@@ -268,7 +276,9 @@ def cmd_export(storage: Storage, args: argparse.Namespace) -> int:
 
 def cmd_import(storage: Storage, args: argparse.Namespace) -> int:
     try:
-        kind = importers.import_checkpoint(args.src, args.root, step=args.step, key=args.key)
+        kind = importers.import_checkpoint(
+            args.src, args.root, step=args.step, key=args.key, storage_options=args.storage_options
+        )
     except (KeyError, ValueError, TypeError) as e:
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 1
@@ -284,9 +294,9 @@ def _training_step(text: str) -> int:
     return step
 
 
-def _open(root: str) -> Storage:
+def _open(root: str, storage_options: dict[str, str]) -> Storage:
     """The root's storage; a local root must be an existing directory (a typo is not an empty root)."""
-    storage = open_storage(root)
+    storage = open_storage(root, storage_options)
     local = storage.local_path("")
     if local is not None and not os.path.isdir(local):
         raise FileNotFoundError(
@@ -295,30 +305,67 @@ def _open(root: str) -> Storage:
     return storage
 
 
+def _storage_option(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value
+
+
+def _store_parser() -> argparse.ArgumentParser:
+    """Options of object-store roots (s3://, gs://), shared by every command; the AWS variables apply without them."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("object stores (s3://, gs://; default: the standard AWS_* variables)")
+    g.add_argument("--endpoint", help="S3 endpoint URL, e.g. http://127.0.0.1:8333 (default: AWS_ENDPOINT_URL)")
+    g.add_argument("--region", help="S3 region (default: AWS_REGION)")
+    g.add_argument("--timeout", type=float, help="seconds one storage request may take, retries included (default 30)")
+    g.add_argument(
+        "--storage-option",
+        dest="options",
+        metavar="KEY=VALUE",
+        type=_storage_option,
+        action="append",
+        default=[],
+        help=f"any storage option ({', '.join(STORAGE_OPTIONS)}); repeatable",
+    )
+    return p
+
+
+def _options_of(args: argparse.Namespace) -> dict[str, str]:
+    options = dict(args.options)
+    for key in ("endpoint", "region", "timeout"):
+        if getattr(args, key) is not None:
+            options[key] = getattr(args, key)
+    return options
+
+
 def main(argv: list[str] | None = None) -> int:
     p = _Parser(prog="python -m ckpt", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     local_help = "a rank's local tier (the manager's local=): shown beside the durable root, with its peer replicas"
-    s = sub.add_parser("ls", help="steps, sizes, committed or not, time")
+    store = [_store_parser()]
+    s = sub.add_parser("ls", parents=store, help="steps, sizes, committed or not, time")
     s.add_argument("root")
     s.add_argument("--local", action="append", metavar="DIR", help=local_help + "; repeatable")
-    s = sub.add_parser("inspect", help="the state tree with dtypes and shapes")
+    s = sub.add_parser("inspect", parents=store, help="the state tree with dtypes and shapes")
     s.add_argument("root")
     s.add_argument("--step", type=_step)
     s.add_argument("--json", action="store_true", help="the whole manifest as JSON")
-    s = sub.add_parser("verify", help="read every chunk and check every checksum; exit 1 on damage")
+    s = sub.add_parser("verify", parents=store, help="read every chunk and check every checksum; exit 1 on damage")
     s.add_argument("root")
     s.add_argument("--step", type=_step)
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.add_argument("--local", action="append", metavar="DIR", help=local_help + ", verified too; repeatable")
-    s = sub.add_parser("gc", help="remove incomplete steps left by crashed saves (never a live save)")
+    s = sub.add_parser("gc", parents=store, help="remove incomplete steps left by crashed saves (never a live save)")
     s.add_argument("root")
     s.add_argument("--force", action="store_true", help="also remove steps that look in progress")
     s.add_argument("--damaged", action="store_true", help="remove quarantined (damaged) steps instead")
     s.add_argument("--incomplete", action="store_true", help="with --damaged: incomplete steps too")
     s.add_argument("--dry-run", action="store_true")
     s.add_argument("--local", action="append", metavar="DIR", help=local_help + ", collected too; repeatable")
-    s = sub.add_parser("explain", help="the samples that formed a step's global batch, from a saved sampler state")
+    s = sub.add_parser(
+        "explain", parents=store, help="the samples that formed a step's global batch, from a saved sampler state"
+    )
     s.add_argument("root")
     s.add_argument(
         "--step",
@@ -330,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--checkpoint", type=_step, help="checkpoint to read the sampler state from (default: newest)")
     s.add_argument("--key", help="key path of the sampler in the state, when there are several")
     s = sub.add_parser(
-        "export", help="weights out: safetensors shards, one torch.save file, or a folder for from_pretrained"
+        "export",
+        parents=store,
+        help="weights out: safetensors shards, one torch.save file, or a folder for from_pretrained",
     )
     s.add_argument("root")
     s.add_argument("--step", type=_step, help="default: the newest committed step")
@@ -342,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s = sub.add_parser(
         "import",
+        parents=store,
         help="checkpoints in: a torch.save file, a DCP folder, safetensors or an HF folder becomes a committed step",
     )
     s.add_argument("src")
@@ -363,7 +413,9 @@ def main(argv: list[str] | None = None) -> int:
         "import": cmd_import,
     }[args.cmd]
     try:
-        code = handler(open_storage(args.root) if args.cmd == "import" else _open(args.root), args)
+        args.storage_options = _options_of(args)
+        storage = (open_storage if args.cmd == "import" else _open)(args.root, args.storage_options)
+        code = handler(storage, args)
         sys.stdout.flush()  # here, not at exit: a reader gone (`| head`) is handled below
         return code
     except BrokenPipeError:  # the reader left (`| head`): stop quietly, like other tools

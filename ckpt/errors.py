@@ -67,3 +67,13 @@ class StateKeyError(CheckpointError, KeyError):
 
 class DataMismatchError(CheckpointError, ValueError):
     """A sampler state saved for other data or another configuration is being resumed."""
+
+
+class StorageError(CheckpointError):
+    """An object store could not be reached or refused a request: unreachable endpoint, refused credentials, missing
+    bucket, or no answer within the root's timeout. The message names the root, endpoint and bucket, and what to check.
+    """
+
+    def __init__(self, message: str, *, url: str, endpoint: str | None, bucket: str | None, key: str = ""):
+        super().__init__(message)
+        self.url, self.endpoint, self.bucket, self.key = url, endpoint, bucket, key

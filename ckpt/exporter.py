@@ -93,6 +93,7 @@ def export(
     max_shard_size: str | int = "5GB",
     config: str | os.PathLike | Mapping[str, Any] | None = None,
     progress: bool | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> int:
     """Export the tensors under `keys` (default ``["model"]``) of `step` (default: the newest committed) to `out`;
     returns the step exported.
@@ -112,7 +113,7 @@ def export(
     shard_bytes = parse_size(max_shard_size)
     out = os.path.abspath(os.fspath(out))
     _check_out(out, format)
-    storage = open_storage(root)
+    storage = open_storage(root, storage_options)
     if step is None:
         steps = layout.committed_steps(storage)
         if not steps:

@@ -33,7 +33,14 @@ IMPORTED = "imported_from"  # step metadata: {"path": ..., "kind": ...}
 _STAGING = 256 << 20  # the import copies through a staging buffer of at most this size
 
 
-def import_checkpoint(src: str | os.PathLike, root: str | os.PathLike, *, step: int, key: str | None = None) -> str:
+def import_checkpoint(
+    src: str | os.PathLike,
+    root: str | os.PathLike,
+    *,
+    step: int,
+    key: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> str:
     """Write the checkpoint at `src` as step `step` of `root` (committed when this returns); returns the kind of
     source found ("torch", "dcp", "safetensors" or "hf").
 
@@ -49,7 +56,7 @@ def import_checkpoint(src: str | os.PathLike, root: str | os.PathLike, *, step: 
     elif not _is_entries(state):
         state = {DEFAULT_KEY: state}
     metadata[IMPORTED] = {"path": os.path.abspath(src), "kind": kind}
-    with CheckpointManager(root, max_staging_bytes=_STAGING) as manager:
+    with CheckpointManager(root, max_staging_bytes=_STAGING, storage_options=storage_options) as manager:
         manager.save(step, state, metadata=metadata).wait()
     return kind
 

@@ -27,6 +27,7 @@ from .errors import (
     LeaseHeldError,
     StepExistsError,
     StepNotFoundError,
+    StorageError,
 )
 from .format import MAX_CHUNK_BYTES
 from .layout import read_manifest
@@ -108,6 +109,10 @@ class CheckpointManager:
         replica_offset: with `local` and torch.distributed, each rank's local step is also sent to the local tier
             of rank ``(rank + replica_offset) % world`` (default: the ranks per node, from LOCAL_WORLD_SIZE, else 1),
             so that a lost node's steps come back from its peer; 0: no replica.
+        storage_options: object-store settings (endpoint, region, credentials, timeout...; see
+            docs/object_stores.md); the standard AWS variables apply without them.
+        lease_ttl: object stores: seconds after which a writer that stopped renewing its lease (a crash) loses
+            it, so gc may clean its leftovers and another writer take the root; renewed every ttl/4.
 
     With torch.distributed initialized, every rank creates the manager (it makes a gloo group for its
     own collectives) and calls `save`/`restore` with the same step: each rank writes only its slices.
@@ -133,8 +138,13 @@ class CheckpointManager:
         persist_every: int = 1,
         keep_local: int = 2,
         replica_offset: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        lease_ttl: float = lease_mod.TTL_S,
     ):
-        self.storage: Storage = open_storage(root)
+        if not lease_ttl > 0:
+            raise ValueError(f"lease_ttl must be positive seconds, got {lease_ttl!r}")
+        self.storage: Storage = open_storage(root, storage_options)
+        self.lease_ttl = float(lease_ttl)
         self.run = run_mod.Run.current(run_id)
         self._run_recorded = False
         shorthand = from_keywords(keep_last, keep_every, keep_best, best_metric, best_mode)
@@ -337,10 +347,10 @@ class CheckpointManager:
         if self.ranks.leader:
             try:
                 if self._lease is None:
-                    self._lease = lease_mod.acquire(self.storage)
+                    self._lease = lease_mod.acquire(self.storage, ttl=self.lease_ttl)
                 else:
                     self._lease.check()
-            except LeaseHeldError as e:
+            except (LeaseHeldError, StorageError) as e:  # every rank learns it, none waits in the gather below
                 error = e
         if collective and not self._writer_agreed:
             verdict = self.ranks.all_gather_json(None if error is None else str(error))[0]

@@ -121,6 +121,7 @@ def load(
     device: str | torch.device = "cpu",
     region: Sequence[slice] | None = None,
     io_threads: int = 8,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A checkpoint's state as a plain nested dict, without the training objects; only what `keys` selects is read.
 
@@ -128,9 +129,10 @@ def load(
     nesting above them (``load(root, keys=["model.embed.weight"])["model"]["embed.weight"]``). `region` (slices,
     e.g. ``(slice(0, 128),)``) reads that part of the one tensor `keys` names, touching only its chunks. Without
     `step`, the newest committed step; a damaged one is reported (RuntimeWarning) and the previous one read, as
-    restore does (but nothing is moved aside: loading never changes the root).
+    restore does (but nothing is moved aside: loading never changes the root). `storage_options`: as for
+    `CheckpointManager` (object stores).
     """
-    storage = open_storage(root)
+    storage = open_storage(root, storage_options)
     with ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-load") as pool:
         if step is not None:
             return StepReader(storage, step, pool).read(keys, region=region, device=device)

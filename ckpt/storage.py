@@ -9,17 +9,21 @@ single PUT of the manifest is the atomic commit.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import os
 import shutil
 import stat
+import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
 import fsspec
 import tensorstore as ts
 
+from .errors import StorageError
 from .format import validate_array_name
 
 
@@ -211,12 +215,22 @@ def makedirs_durable(path: str) -> None:
 
 
 class KvStorage:
-    """A root in any tensorstore kvstore (memory, GCS, S3, HTTP...), addressed by URL."""
+    """A root in any tensorstore kvstore (memory, GCS, S3, HTTP...), addressed by URL.
 
-    def __init__(self, url: str, context: ts.Context):
+    Every operation is bounded: it fails within the root's timeout (`storage_options`, default 30 s) with a
+    `StorageError` that names the root, the endpoint and what to check, never hangs.
+    """
+
+    def __init__(self, url: str, context: ts.Context, storage_options: Mapping[str, Any] | None = None):
         self.url = url.rstrip("/") + "/"
-        self._kv = ts.KvStore.open(self.url, context=context).result()
-        self._base = self._kv.spec().to_json()
+        options = _options(storage_options)
+        self.timeout = float(options.get("timeout", DEFAULT_TIMEOUT_S))
+        self._base = kvstore_spec(self.url, options)
+        self.endpoint = self._base.get("endpoint")
+        self.bucket = self._base.get("bucket")
+        self._kv = self._wait(ts.KvStore.open(self._base, context=context), "open")
+        if self._base["driver"] in _REMOTE:  # reachable, credentials accepted, bucket there: fail here, not later
+            self._wait(self._kv.list(ts.KvStore.KeyRange(_PROBE, _PROBE + "\x00")), "list", _PROBE)
 
     def kvstore_spec(self, path: str) -> dict[str, Any]:
         spec = dict(self._base)
@@ -226,9 +240,19 @@ class KvStorage:
     def local_path(self, path: str) -> str | None:
         return None
 
+    def _wait(self, future: Any, what: str, key: str = "") -> Any:
+        """The future's result within the root's timeout; any failure becomes a `StorageError` saying what to check."""
+        try:
+            return future.result(timeout=self.timeout)
+        except TimeoutError as e:
+            future.cancel()
+            raise _storage_error(self, what, key, f"no answer within {self.timeout:g} s", e) from e
+        except (ValueError, OSError, RuntimeError) as e:  # tensorstore's error statuses
+            raise _storage_error(self, what, key, str(e), e) from e
+
     def _keys(self, prefix: str) -> list[str]:
         rng = ts.KvStore.KeyRange(prefix, prefix + "\xff") if prefix else ts.KvStore.KeyRange()
-        return sorted(k.decode() for k in self._kv.list(rng).result())
+        return sorted(k.decode() for k in self._wait(self._kv.list(rng), "list", prefix))
 
     def list_dirs(self, path: str = "") -> list[str]:
         prefix = _check(path).rstrip("/") + "/" if path else ""
@@ -239,35 +263,38 @@ class KvStorage:
         return [k[len(prefix) :] for k in self._keys(prefix)]
 
     def read(self, path: str) -> bytes | None:
-        r = self._kv.read(_check(path)).result()
+        r = self._wait(self._kv.read(_check(path)), "read", path)
         return r.value if r.state == "value" else None
 
     def write_atomic(self, path: str, data: bytes) -> None:
-        self._kv.write(_check(path), data).result()
+        """One PUT: on an object store the object appears whole or not at all (see docs/object_stores.md)."""
+        self._wait(self._kv.write(_check(path), data), "write", path)
 
     def delete_tree(self, path: str) -> None:
         prefix = _check(path).rstrip("/") + "/"
-        self._kv.delete_range(ts.KvStore.KeyRange(prefix, prefix + "\xff")).result()
+        self._wait(self._kv.delete_range(ts.KvStore.KeyRange(prefix, prefix + "\xff")), "delete", prefix)
 
     def delete_file(self, path: str) -> None:
-        self._kv.delete_range(ts.KvStore.KeyRange(_check(path), _check(path) + "\x00")).result()
+        self._wait(self._kv.delete_range(ts.KvStore.KeyRange(_check(path), _check(path) + "\x00")), "delete", path)
 
     def move_tree(self, src: str, dst: str) -> None:
         """Copy every key under `src` to `dst`, then delete `src` (object stores have no rename)."""
         for k in self.list_files(src):
-            self.write_atomic(f"{dst}/{k}", self._kv.read(f"{_check(src)}/{k}").result().value)
+            data = self.read(f"{src}/{k}")
+            if data is not None:
+                self.write_atomic(f"{dst}/{k}", data)
         self.delete_tree(src)
 
     def size(self, path: str) -> int:
-        prefix = _check(path).rstrip("/") + "/"
-        return sum(len(self._kv.read(prefix + k).result().value) for k in self.list_files(path))
+        """Bytes under `path`: every object is read (an object store lists no sizes here), so it costs a GET each."""
+        return sum(len(self.read(f"{path.rstrip('/')}/{k}") or b"") for k in self.list_files(path))
 
     def sync_tree(self, path: str) -> None:
         """Nothing to do: an object store has no directory entries, and each PUT is durable when it returns."""
 
     def read_versioned(self, path: str) -> tuple[bytes | None, bytes]:
         """A key's value (None when absent) and its storage generation, for a later `write_if`."""
-        r = self._kv.read(_check(path)).result()
+        r = self._wait(self._kv.read(_check(path)), "read", path)
         return (r.value if r.state == "value" else None), r.stamp.generation
 
     def write_if(self, path: str, data: bytes | None, generation: bytes) -> bytes | None:
@@ -275,8 +302,61 @@ class KvStorage:
 
         Returns the new generation, or None when another writer changed the key first (nothing written).
         """
-        stamp = self._kv.write(_check(path), data, if_equal=generation).result()
+        stamp = self._wait(self._kv.write(_check(path), data, if_equal=generation), "write", path)
         return stamp.generation or None
+
+
+def _storage_error(storage: KvStorage, what: str, key: str, detail: str, cause: BaseException) -> StorageError:
+    """The error of a failed request, naming the root, endpoint and bucket, and what to check."""
+    server = f"endpoint {storage.endpoint}" if storage.endpoint else "the provider's default endpoint"
+    first = detail.splitlines()[0][:300] if detail else type(cause).__name__
+    message = f"{what} {storage.url}{key} failed ({server}, bucket {storage.bucket!r}): {_hint(detail, storage, what)}; {first}"
+    return StorageError(message, url=storage.url, endpoint=storage.endpoint, bucket=storage.bucket, key=key)
+
+
+def _hint(detail: str, storage: KvStorage, what: str) -> str:
+    """What a user should check, from the store's answer."""
+    text = detail.lower()
+    if any(
+        s in text
+        for s in (
+            "permission_denied",
+            "unauthenticated",
+            "403",
+            "signaturedoesnotmatch",
+            "accessdenied",
+            "invalidaccesskeyid",
+            "credentials",
+        )
+    ):
+        return (
+            "the store refused the credentials: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / "
+            "AWS_SESSION_TOKEN / AWS_PROFILE or storage_options"
+        )
+    if "nosuchbucket" in text or ("not_found" in text and "bucket" in text):
+        return f"bucket {storage.bucket!r} does not exist: create it or fix the root's URL"
+    if any(
+        s in text
+        for s in (
+            "curl error",
+            "could not connect",
+            "couldn't connect",
+            "unavailable",
+            "timed out",
+            "no answer within",
+            "resolve host",
+        )
+    ):
+        return (
+            "the endpoint cannot be reached: check AWS_ENDPOINT_URL / storage_options['endpoint'], the "
+            "network, and that the server is up"
+        )
+    if what == "write":
+        return (
+            f"check that bucket {storage.bucket!r} exists and the credentials may write to it "
+            f"(some S3-compatible servers answer a PUT to a missing bucket with an internal error)"
+        )
+    return "check the endpoint, the credentials and the bucket"
 
 
 # One context per process, so that every handle of a memory:// root sees the same store. 32 concurrent
@@ -284,15 +364,176 @@ class KvStorage:
 _CONTEXT = ts.Context({"file_io_concurrency": {"limit": 32}})
 
 
-def open_storage(root: str | os.PathLike) -> Storage:
-    """The storage of a root given as a local path, ``file://`` URL, or any URL tensorstore has a kvstore for."""
+def open_storage(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> Storage:
+    """The storage of a root given as a local path, ``file://`` URL, or any URL tensorstore has a kvstore for.
+
+    `storage_options` configure object stores (see `kvstore_spec`); unknown keys are a ValueError, and a local
+    root ignores the valid ones. An object-store root is probed once here: an unreachable endpoint or refused
+    credentials fail now, within the timeout, with a `StorageError`.
+    """
     root = os.fspath(root)
+    options = _options(storage_options)
     protocol, path = fsspec.core.split_protocol(root)
     if protocol in (None, "file", "local"):
         return LocalStorage(path)
-    return KvStorage(root, _CONTEXT)
+    return KvStorage(root, _CONTEXT, options)
 
 
 def context() -> ts.Context:
     """The tensorstore context shared by all roots of this process."""
     return _CONTEXT
+
+
+# -- object stores: the one place that turns a URL, storage_options and the environment into a kvstore spec --------
+
+DEFAULT_TIMEOUT_S = 30.0  # the longest any one storage operation may take (retries included) before it fails
+STORAGE_OPTIONS = {
+    "endpoint": "S3 endpoint URL (default: AWS_ENDPOINT_URL_S3, then AWS_ENDPOINT_URL, then AWS itself)",
+    "region": "S3 region used in request signatures (default: AWS_REGION, then AWS_DEFAULT_REGION)",
+    "access_key_id": "S3 access key (with secret_access_key; default: AWS_ACCESS_KEY_ID)",
+    "secret_access_key": "S3 secret key (default: AWS_SECRET_ACCESS_KEY)",
+    "session_token": "S3 session token of temporary credentials (default: AWS_SESSION_TOKEN)",
+    "profile": "a profile of ~/.aws/credentials and ~/.aws/config (default: AWS_PROFILE)",
+    "anonymous": "true: unsigned requests (public buckets)",
+    "requester_pays": "true: allow requests to a requester-pays bucket",
+    "host_header": "S3 Host header to send instead of the endpoint's host",
+    "timeout": f"seconds one storage operation may take, retries included, before it fails (default {DEFAULT_TIMEOUT_S:g})",
+}
+_REMOTE = ("s3", "gcs")
+_PROBE = ".ckpt-probe"  # a prefix listed once when a root is opened (one LIST, nothing written)
+_S3_ONLY = set(STORAGE_OPTIONS) - {"timeout"}
+_TRUE = ("1", "true", "yes", "on")
+
+
+def _options(storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Validated storage options: known keys, typed values (strings from a command line are accepted)."""
+    options = dict(storage_options or {})
+    unknown = sorted(set(options) - set(STORAGE_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown storage option(s) {', '.join(unknown)}; known: {', '.join(STORAGE_OPTIONS)}")
+    if "timeout" in options:
+        try:
+            options["timeout"] = float(options["timeout"])
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"storage option timeout must be a number of seconds, got {options['timeout']!r}"
+            ) from None
+        if not 0 < options["timeout"] < 1e6:
+            raise ValueError(f"storage option timeout must be positive seconds, got {options['timeout']!r}")
+    for flag in ("anonymous", "requester_pays"):
+        if isinstance(options.get(flag), str):
+            options[flag] = options[flag].lower() in _TRUE
+    if ("access_key_id" in options) != ("secret_access_key" in options):
+        raise ValueError("storage options access_key_id and secret_access_key go together")
+    return options
+
+
+def retries(timeout: float) -> dict[str, Any]:
+    """tensorstore's retry parameters (``*_request_retries``) whose exponential backoff fits in `timeout` seconds.
+
+    tensorstore waits min(initial * 2**attempt + jitter, max) between attempts; we keep the sum of the waits
+    under half the timeout, so that the requests themselves have the other half.
+    """
+    initial, most = min(1.0, timeout / 100), min(32.0, max(timeout / 8, 0.05))
+    attempts, waited = 1, 0.0
+    while attempts < 32:
+        wait = min(initial * 2 ** (attempts - 1) * 1.5, most)  # 1.5: room for the jitter
+        if waited + wait > timeout / 2:
+            break
+        waited += wait
+        attempts += 1
+    return {"max_retries": attempts, "initial_delay": f"{initial:g}s", "max_delay": f"{most:g}s"}
+
+
+def kvstore_spec(url: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The tensorstore kvstore spec of a root URL: the one place that reads storage options and AWS variables.
+
+    ``s3://bucket/path``: endpoint, region and credentials from `storage_options`, else the standard
+    variables (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, AWS_REGION / AWS_DEFAULT_REGION, AWS_ACCESS_KEY_ID +
+    AWS_SECRET_ACCESS_KEY (+ AWS_SESSION_TOKEN), AWS_PROFILE, else the default AWS chain), and retries bounded
+    by the timeout. ``gs://bucket/path``: tensorstore's own GCS configuration (Application Default
+    Credentials) with the same bounded retries. Other URLs: as tensorstore parses them.
+    """
+    options = _options(storage_options)
+    timeout = float(options.get("timeout", DEFAULT_TIMEOUT_S))
+    protocol, rest = fsspec.core.split_protocol(url)
+    bucket, _, path = (rest or "").partition("/")
+    path = path.strip("/") + "/" if path.strip("/") else ""
+    if protocol == "s3":
+        if not bucket:
+            raise ValueError(f"{url}: an s3:// root names a bucket (s3://bucket/path)")
+        return _s3_spec(bucket, path, options, timeout)
+    s3_only = sorted(_S3_ONLY & set(options))
+    if s3_only:
+        raise ValueError(f"storage option(s) {', '.join(s3_only)} apply to s3:// roots only, not {url}")
+    if protocol in ("gs", "gcs"):
+        if not bucket:
+            raise ValueError(f"{url}: a gs:// root names a bucket (gs://bucket/path)")
+        return {"driver": "gcs", "bucket": bucket, "path": path, "gcs_request_retries": retries(timeout)}
+    return ts.KvStore.Spec(url.rstrip("/") + "/").to_json()
+
+
+def _s3_spec(bucket: str, path: str, options: Mapping[str, Any], timeout: float) -> dict[str, Any]:
+    env = os.environ
+    spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": path}
+    endpoint = options.get("endpoint") or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        if not str(endpoint).startswith(("http://", "https://")):
+            raise ValueError(f"S3 endpoint must be an http:// or https:// URL, got {endpoint!r}")
+        spec["endpoint"] = str(endpoint).rstrip("/")
+    region = options.get("region") or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+    if region:
+        spec["aws_region"] = str(region)
+    elif endpoint:
+        spec["aws_region"] = "us-east-1"  # S3-compatible servers sign with any region; AWS's default one
+    if options.get("host_header"):
+        spec["host_header"] = str(options["host_header"])
+    if options.get("requester_pays"):
+        spec["requester_pays"] = True
+    spec["aws_credentials"] = _aws_credentials(options)
+    spec["s3_request_retries"] = retries(timeout)
+    return spec
+
+
+def _aws_credentials(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Which credentials sign the requests, in the AWS SDKs' order: explicit keys, a named profile, the key
+    variables, AWS_PROFILE, then the default chain (files, ECS, instance metadata). Naming the source also
+    keeps the default chain from printing errors about a missing ~/.aws/config."""
+    env = os.environ
+    if options.get("anonymous"):
+        return {"type": "anonymous"}
+    if "access_key_id" in options:
+        return _static_credentials(
+            str(options["access_key_id"]), str(options["secret_access_key"]), options.get("session_token")
+        )
+    if options.get("profile"):
+        return {"type": "profile", "profile": str(options["profile"])}
+    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+        return {"type": "environment"}  # AWS_SESSION_TOKEN too
+    if env.get("AWS_PROFILE"):
+        return {"type": "profile", "profile": env["AWS_PROFILE"]}
+    return {"type": "default"}
+
+
+_static_files: dict[tuple[str, str, str | None], dict[str, Any]] = {}
+_static_lock = threading.Lock()
+
+
+def _static_credentials(key: str, secret: str, token: Any) -> dict[str, Any]:
+    """Explicit keys as tensorstore takes them: a private credentials file (mode 0600 in a 0700 directory,
+    removed at exit), since its S3 driver has no inline-keys provider."""
+    token = str(token) if token else None
+    with _static_lock:
+        found = _static_files.get((key, secret, token))
+        if found is None:
+            folder = tempfile.mkdtemp(prefix="ckpt-aws-")
+            atexit.register(shutil.rmtree, folder, True)
+            creds, config = os.path.join(folder, "credentials"), os.path.join(folder, "config")
+            lines = ["[ckpt]", f"aws_access_key_id = {key}", f"aws_secret_access_key = {secret}"]
+            lines += [f"aws_session_token = {token}"] if token else []
+            for name, text in ((creds, "\n".join(lines) + "\n"), (config, "[profile ckpt]\n")):
+                with open(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                    f.write(text)
+            found = {"type": "profile", "profile": "ckpt", "credentials_file": creds, "config_file": config}
+            _static_files[(key, secret, token)] = found
+        return dict(found)

@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from .ledger import Ledger, read_ledgers
+from .ledger import Ledger, ledger_ranks, read_ledgers
 
 LOCAL_TIERS = ("local", "peer")  # a restore from these means the local tier (with its replicas) survived
 
@@ -483,4 +483,8 @@ def attribute_root(
     committed: Iterable[int] = (),
 ) -> Attribution:
     """Attribute from the ledgers under ROOT/ettr/ (and `committed`, as in `attribute`)."""
-    return attribute(read_ledgers(root, storage_options), committed, rank=rank, window_s=window_s)
+    ranks = ledger_ranks(root, storage_options)  # a LIST; then only the chosen rank's ledgers are read
+    if rank is not None and ranks and rank not in ranks:
+        raise ValueError(f"no ledger for rank {rank}")
+    rank = min(ranks, default=None) if rank is None else rank
+    return attribute(read_ledgers(root, storage_options, rank=rank), committed, rank=rank, window_s=window_s)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
 LEDGER_DIR = "ettr"
 FORMAT_VERSION = 1
@@ -62,48 +63,106 @@ def ledger_dir(root: str) -> str:
     return root.rstrip("/") + "/" + LEDGER_DIR
 
 
+# Object-store defaults: one PUT a minute at most for step records, segments rolled at 1 MiB (docs/goodput.md
+# counts the objects and requests these make).
+UPLOAD_INTERVAL_S = 60.0
+SEGMENT_BYTES = 1 << 20
+
+
+def local_root(root: str) -> str | None:
+    """The local directory of a root given as a path or ``file://`` URL; None for any other URL."""
+    protocol, path = fsspec.core.split_protocol(root)
+    return path if protocol in (None, "file", "local") else None
+
+
+def open_url_store(root: str, storage_options: dict[str, Any] | None = None) -> Any:
+    """ckpt's storage of an object-store (or ``memory://``) root: one storage stack, configured once per root
+    (endpoint, credentials, timeouts from ``storage_options`` and the standard environment variables)."""
+    from ckpt.storage import open_storage  # the one exception to "no arrow between ckpt and ettr": IO mechanism
+
+    return open_storage(root, storage_options)
+
+
 class LedgerWriter:
     """Appends whole lines: each `append` reaches the OS at once on local disks, `sync` makes them durable.
 
     Locally a line handed to the kernel with one write(2) survives a SIGKILL of the process (not a power loss,
-    which `sync`'s fsync covers). Object stores cannot append: there lines wait in memory and each `sync` is a
-    single PUT of a new numbered segment (atomic, never torn).
+    which `sync`'s fsync covers). Object stores cannot append: there lines wait in memory and `sync` PUTs the
+    whole current segment ``rank<r>/ledger-<attempt>-rank<r>.NNNNNN.jsonl`` again (one atomic PUT, never torn), at most
+    every `upload_interval` seconds unless forced; a segment that reached `segment_bytes` is sealed and the next
+    one starts, so a rank's object count grows with its ledger's size, not with its flushes.
     """
 
-    def __init__(self, root: str, attempt: str, rank: int, storage_options: dict[str, Any] | None = None) -> None:
-        self._fs, base = fsspec.core.url_to_fs(ledger_dir(root), **(storage_options or {}))
-        self._fs.makedirs(base, exist_ok=True)
-        self._stem = f"{base}/ledger-{attempt}-rank{rank}"
-        self._segment = 0
-        self._pending: list[str] = []
+    def __init__(
+        self,
+        root: str,
+        attempt: str,
+        rank: int,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        upload_interval: float = UPLOAD_INTERVAL_S,
+        segment_bytes: int = SEGMENT_BYTES,
+    ) -> None:
+        name = f"ledger-{attempt}-rank{rank}"
+        self._name, self._closed = name, False
         self._fd: int | None = None
-        if isinstance(self._fs, LocalFileSystem):
-            self._fd = os.open(self._stem + ".jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        local = local_root(root)
+        if local is not None:
+            os.makedirs(os.path.join(local, LEDGER_DIR), exist_ok=True)
+            self._fd = os.open(
+                os.path.join(local, LEDGER_DIR, name + ".jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644
+            )
+            return
+        self._store = open_url_store(root, storage_options)
+        self._stem = f"{LEDGER_DIR}/rank{rank}/{name}"
+        self._upload_us = round(upload_interval * 1e6)
+        self._segment_bytes = segment_bytes
+        self._segment = 0
+        self._lines: list[str] = []  # the current segment's text, PUT whole at every sync
+        self._size = 0
+        self._synced = 0  # how many of `_lines` the last PUT held
+        self._last_put: int | None = None
 
     def append(self, text: str) -> None:
         """Hand whole lines to the OS now (local) or keep them for the next `sync` (object stores)."""
+        self._check_open()
         if self._fd is None:
-            self._pending.append(text)
+            self._lines.append(text)
+            self._size += len(text)
             return
         data = text.encode()
         written = os.write(self._fd, data)
         while written < len(data):  # a regular file takes it in one call; loop for the rare short write
             written += os.write(self._fd, data[written:])
 
-    def sync(self) -> None:
-        """Make every appended line durable (fsync, or one segment PUT)."""
+    def due(self, now_us: int) -> bool:
+        """Whether a periodic `sync` at `now_us` should run: always locally, once per `upload_interval` on objects."""
+        return self._fd is not None or self._last_put is None or now_us - self._last_put >= self._upload_us
+
+    def sync(self, now_us: int) -> None:
+        """Make every appended line durable: fsync, or one PUT of the current segment (nothing new: no PUT)."""
+        self._check_open()
         if self._fd is not None:
             os.fsync(self._fd)
-        elif self._pending:
-            self._fs.pipe_file(f"{self._stem}.{self._segment:06d}.jsonl", "".join(self._pending).encode())
-            self._pending.clear()
+            return
+        if len(self._lines) == self._synced:
+            return
+        self._store.write_atomic(f"{self._stem}.{self._segment:06d}.jsonl", "".join(self._lines).encode())
+        self._last_put = now_us
+        self._synced = len(self._lines)
+        if self._size >= self._segment_bytes:  # sealed: later lines go to the next segment
             self._segment += 1
+            self._lines, self._size, self._synced = [], 0, 0
 
     def close(self) -> None:
-        """Release the local file descriptor (segments need nothing)."""
-        if self._fd is not None:
+        """Release the local file descriptor (segments need nothing); later records are an error."""
+        if self._fd is not None and not self._closed:
             os.close(self._fd)
-            self._fd = None
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"{self._name}: the ledger is closed (the tracker's end() was called); record refused")
 
 
 @dataclass(frozen=True)
@@ -171,26 +230,84 @@ def _open_entry(x: Any) -> bool:
     )
 
 
-def read_ledgers(root: str, storage_options: dict[str, Any] | None = None) -> list[Ledger]:
-    """Read every attempt's ledger under ROOT/ettr/, segments joined in order."""
-    fs, base = fsspec.core.url_to_fs(ledger_dir(root), **(storage_options or {}))
-    if not fs.exists(base):
-        return []
+class _Files:
+    """The ledger files of a root: a local folder (flat), or an object store's keys under ettr/rank<r>/ (one LIST
+    prefix per rank, so a rank's reader never pages through the other ranks' segments)."""
+
+    def __init__(self, root: str, storage_options: dict[str, Any] | None) -> None:
+        local = local_root(root)
+        self._base = os.path.abspath(os.path.join(local, LEDGER_DIR)) if local is not None else None
+        self._url = ledger_dir(root)
+        with self._unreachable():
+            self._store = open_url_store(root, storage_options) if local is None else None
+
+    @contextlib.contextmanager
+    def _unreachable(self) -> Iterator[None]:
+        """A store that cannot be read (unreachable, refused, timed out) is a LedgerError naming it."""
+        if self._base is not None:
+            yield
+            return
+        from ckpt.storage import StorageError
+
+        try:
+            yield
+        except StorageError as err:
+            raise LedgerError(f"cannot read the ledgers in {self._url}: {err}") from err
+
+    def names(self, rank: int | None = None) -> list[str]:
+        """Paths relative to ettr/ of the ledgers (of `rank` only when given)."""
+        if self._store is None:
+            return sorted(os.listdir(self._base)) if os.path.isdir(self._base) else []
+        with self._unreachable():
+            names = self._store.list_files(LEDGER_DIR if rank is None else f"{LEDGER_DIR}/rank{rank}")
+        return [n if rank is None else f"rank{rank}/{n}" for n in names]
+
+    def read(self, name: str) -> bytes:
+        if self._store is None:
+            with open(os.path.join(self._base, name), "rb") as f:
+                return f.read()
+        with self._unreachable():
+            data = self._store.read(f"{LEDGER_DIR}/{name}")
+        if data is None:
+            raise LedgerError(f"{self.where(name)}: listed but gone when read (deleted meanwhile?)")
+        return data
+
+    def where(self, name: str) -> str:
+        """The path or URL a user finds the file at."""
+        return os.path.join(self._base, name) if self._store is None else f"{self._url}/{name}"
+
+
+def _grouped(names: list[str], rank: int | None = None) -> dict[tuple[str, int], list[tuple[int, str]]]:
+    """(attempt, rank) -> [(segment, name)] of the names that are ledgers (of `rank` only when given)."""
     groups: dict[tuple[str, int], list[tuple[int, str]]] = {}
-    for path in fs.ls(base, detail=False):
-        m = _NAME.match(path.rsplit("/", 1)[-1])
-        if m:
-            seg = int(m["seg"]) if m["seg"] else -1
-            groups.setdefault((m["attempt"], int(m["rank"])), []).append((seg, path))
+    for name in names:
+        m = _NAME.match(name.rsplit("/", 1)[-1])
+        if m and (rank is None or int(m["rank"]) == rank):
+            groups.setdefault((m["attempt"], int(m["rank"])), []).append((int(m["seg"]) if m["seg"] else -1, name))
+    return groups
+
+
+def ledger_ranks(root: str, storage_options: dict[str, Any] | None = None) -> list[int]:
+    """The ranks that have a ledger under ROOT/ettr/ (a LIST, no GET)."""
+    return sorted({r for _, r in _grouped(_Files(root, storage_options).names())})
+
+
+def read_ledgers(root: str, storage_options: dict[str, Any] | None = None, *, rank: int | None = None) -> list[Ledger]:
+    """Read every attempt's ledger under ROOT/ettr/ (only rank `rank`'s when given), segments joined in order.
+
+    An object-store root costs one LIST (a page per 1,000 objects; with `rank`, of that rank's objects only) and
+    one GET per segment.
+    """
+    files = _Files(root, storage_options)
     ledgers = []
-    for (attempt, rank), parts in sorted(groups.items()):
+    for (attempt, r), parts in sorted(_grouped(files.names(rank), rank).items()):
         records: list[dict[str, Any]] = []
         torn = False
-        for _, path in sorted(parts):
-            part, part_torn = parse_lines(fs.cat_file(path).decode("utf-8", errors="replace"), path)
+        for _, name in sorted(parts):
+            part, part_torn = parse_lines(files.read(name).decode("utf-8", errors="replace"), files.where(name))
             records.extend(part)
             torn = torn or part_torn
         if not records or records[0]["k"] != "start":
-            raise LedgerError(f"{parts[0][1]}:1: a ledger must begin with a 'start' record")
-        ledgers.append(Ledger(parts[0][1], attempt, rank, tuple(records), torn))
+            raise LedgerError(f"{files.where(parts[0][1])}:1: a ledger must begin with a 'start' record")
+        ledgers.append(Ledger(files.where(parts[0][1]), attempt, r, tuple(records), torn))
     return ledgers

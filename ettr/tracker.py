@@ -14,7 +14,7 @@ from typing import Any
 
 from .attribution import Attribution, attribute
 from .clock import Clock, SystemClock
-from .ledger import FORMAT_VERSION, TIERS, LedgerWriter, read_ledgers
+from .ledger import FORMAT_VERSION, TIERS, UPLOAD_INTERVAL_S, LedgerWriter, read_ledgers
 from .telemetry import GoodputMetrics
 
 FLUSHED_SPANS = frozenset({"checkpoint_save", "checkpoint_restore"})
@@ -107,7 +107,9 @@ class GoodputTracker:
 
     The step path reads the clock and hands the step's ledger line to the OS with one write(2), so the steps before
     a SIGKILL count as lost work, not downtime; every `flush_interval` seconds, at every checkpoint save/restore
-    and at end() a heartbeat is added and the ledger fsynced (object stores: one segment). Also the duck-typed tracker
+    and at end() a heartbeat is added and the ledger fsynced. Object stores cannot
+    append: there records wait in memory and the periodic flush PUTs them once per `upload_interval` (60 s), the
+    checkpoint events and end() at once (docs/goodput.md: objects and requests). Also the duck-typed tracker
     that ckpt.CheckpointManager reports to (span, checkpoint_committed/restored/failed); every method is
     thread-safe, since those may come from the manager's writer thread.
     """
@@ -124,6 +126,7 @@ class GoodputTracker:
         window_s: float = 3600.0,
         metrics: GoodputMetrics | None = None,
         storage_options: dict[str, Any] | None = None,
+        upload_interval: float = UPLOAD_INTERVAL_S,
     ) -> None:
         self.root = root
         self.clock = clock or SystemClock()
@@ -134,6 +137,7 @@ class GoodputTracker:
         self.metrics = metrics if metrics is not None else GoodputMetrics()
         self._flush_us = round(flush_interval * 1e6)
         self._storage_options = storage_options
+        self._upload_interval = upload_interval
         self._buf: deque[Any] = deque()
         self._stack: list[list[Any]] = []  # open intervals, oldest first: [order, category, step, begin, attrs]
         self._acc: defaultdict[str, int] = defaultdict(int)
@@ -154,7 +158,9 @@ class GoodputTracker:
         wall = self.clock.wall_us() - self.clock.process_age_us()  # the attempt starts when the process did
         self._mono = self.clock.monotonic_us
         self._offset = self.clock.wall_us() - self._mono()
-        self._writer = LedgerWriter(self.root, self.attempt_id, self.rank, self._storage_options)
+        self._writer = LedgerWriter(
+            self.root, self.attempt_id, self.rank, self._storage_options, upload_interval=self._upload_interval
+        )
         self._start = self._last = self._last_flush = wall
         self._order = 0
         self._gap = "startup"
@@ -228,7 +234,7 @@ class GoodputTracker:
                 return
             self._buf.append(record)
             if due:
-                self.flush()
+                self.flush(force=False)
             else:
                 self._hand_off()
 
@@ -310,18 +316,24 @@ class GoodputTracker:
     def _hand_off(self, *extra: str) -> None:
         """Hand the buffered records (and `extra` lines) to the ledger writer; call with the lock held."""
         buf = self._buf
-        # popleft only what is there now: a record another thread appends meanwhile goes with the next hand-off
-        self._writer.append("".join([_encode(buf.popleft()) for _ in range(len(buf))] + list(extra)))
+        if buf or extra:  # popleft only what is there now: a record appended meanwhile goes with the next hand-off
+            self._writer.append("".join([_encode(buf.popleft()) for _ in range(len(buf))] + list(extra)))
 
-    def flush(self) -> None:
-        """Write buffered records and a heartbeat listing open intervals, fsync; export live totals to OpenTelemetry."""
+    def flush(self, force: bool = True) -> None:
+        """Write buffered records and a heartbeat listing open intervals, make them durable (fsync, or a segment
+        PUT); export live totals to OpenTelemetry. `force=False` (the periodic flush) lets an object-store ledger
+        wait for its `upload_interval`: the records stay in memory, no heartbeat is added."""
         with self._lock:
             t = self._now()
-            stack = [
-                (("step", e[2]) if e[1] == "productive" else ("span", e[1])) + (e[3], e[0]) for e in list(self._stack)
-            ]
-            self._hand_off(_encode({"k": "alive", "t": t, "open": stack}))
-            self._writer.sync()
+            if force or self._writer.due(t):
+                stack = [
+                    (("step", e[2]) if e[1] == "productive" else ("span", e[1])) + (e[3], e[0])
+                    for e in list(self._stack)
+                ]
+                self._hand_off(_encode({"k": "alive", "t": t, "open": stack}))
+                self._writer.sync(t)
+            else:
+                self._hand_off()
             self._last_flush = t
             if self._prior_done or self._load_prior():
                 self._export(t)
@@ -331,7 +343,7 @@ class GoodputTracker:
         if not (self._resume_known or self._gap == "other"):
             return False
         self._prior_done = True
-        ledgers = [l for l in read_ledgers(self.root, self._storage_options) if l.rank == self.rank]
+        ledgers = read_ledgers(self.root, self._storage_options, rank=self.rank)
         commits = [(r["s"], r["t"]) for l in ledgers for r in l.records if r["k"] == "commit"]
         if commits:  # the job's newest checkpoint so far, for the last-step and age gauges
             self.metrics.committed(*max(commits))

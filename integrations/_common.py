@@ -41,16 +41,19 @@ class TrackerLease:
             self.tracker.end(status)
 
 
-def advised_interval(root: str, mttf_s: float | None = None) -> Callable[[], float | None]:
+def advised_interval(
+    root: str, mttf_s: float | None = None, storage_options: dict[str, Any] | None = None
+) -> Callable[[], float | None]:
     """The interval provider of a `ckpt.AdvisedInterval`: the seconds `ettr.advise` fits to the job's ledgers in
-    `root` (`mttf_s` overrides the fitted MTTF), or None until they hold a save to fit T_write from.
+    `root` (`mttf_s` overrides the fitted MTTF; `storage_options` as the manager's), or None until they hold a save
+    to fit T_write from.
 
     ckpt does not import ettr: this is where the two meet. A save still being written may not be in the ledger yet;
     the next answer includes it.
     """
 
     def interval_s() -> float | None:
-        attribution = ettr.attribute_root(root)
+        attribution = ettr.attribute_root(root, storage_options=storage_options)
         if not attribution.save_us:
             return None
         return ettr.advise(attribution, mttf_s=mttf_s).recommended_interval_s

@@ -77,7 +77,8 @@ class TrainLoop:
         signals: preemption signals; one sets a flag, the next `on_step_end` saves that step and raises `Preempted`.
         overlap: run the snapshot on a thread so it overlaps the next forward/backward; call `wait_for_staging()`
             before anything that mutates the saved state (``optimizer.step()``).
-        tracker: an unstarted GoodputTracker (e.g. with OpenTelemetry metrics); default ``GoodputTracker(root)``.
+        tracker: an unstarted GoodputTracker (e.g. with OpenTelemetry metrics); default ``GoodputTracker(root)`` with
+            the manager's ``storage_options``.
         manager_options: passed to `CheckpointManager` (retention, staging cap, chunk size).
     """
 
@@ -105,6 +106,7 @@ class TrainLoop:
             raise ValueError("give decision= or every_steps/every_seconds/advise, not both")
         self.root = str(root)
         self.mttf_s = mttf_s
+        self._storage_options = manager_options.get("storage_options")  # one configuration for the root's store
         self.decision = decision if decision is not None else self._interval(every_steps, every_seconds, advise)
         self.rng = RNGState() if rng is True else (rng or None)
         self.sampler = sampler
@@ -114,7 +116,9 @@ class TrainLoop:
             **({"sampler": sampler} if sampler is not None else {}),
         }
         self.preemption = Preemption(signals)
-        self.tracker = tracker if tracker is not None else GoodputTracker(self.root)
+        self.tracker = (
+            tracker if tracker is not None else GoodputTracker(self.root, storage_options=self._storage_options)
+        )
         self._manager_options = manager_options
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="loop-staging") if overlap else None
         self._staging: Future[Any] | None = None
@@ -132,7 +136,11 @@ class TrainLoop:
         if not parts:
             raise ValueError("give every_steps or every_seconds (with advise=True: the interval it starts from)")
         interval = parts[0] if len(parts) == 1 else AnyOf(*parts)
-        return AdvisedInterval(advised_interval(self.root, self.mttf_s), interval) if advise else interval
+        return (
+            AdvisedInterval(advised_interval(self.root, self.mttf_s, self._storage_options), interval)
+            if advise
+            else interval
+        )
 
     # -- lifetime ------------------------------------------------------------------------------------------
     def __enter__(self) -> TrainLoop:

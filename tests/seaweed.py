@@ -44,8 +44,9 @@ def _free_ports(n: int) -> list[int]:
 class SeaweedServer:
     """One `weed server` process (master, volume, filer, S3 gateway) with its data in a temp dir."""
 
-    def __init__(self, workdir: str | None = None):
+    def __init__(self, workdir: str | None = None, extra_args: tuple[str, ...] = ()):
         self._own_dir = workdir is None
+        self.extra_args = tuple(extra_args)  # more `weed server` flags, e.g. limits that make the gateway throttle
         self.workdir = workdir or tempfile.mkdtemp(prefix="seaweed-")
         self.data = os.path.join(self.workdir, "data")
         os.makedirs(self.data, exist_ok=True)
@@ -104,6 +105,9 @@ class SeaweedServer:
                 "-s3.port.iceberg=0",  # side servers on fixed default ports would clash between concurrent servers
                 "-s3.port.lance=0",
                 "-master.volumeSizeLimitMB=1024",
+                "-s3.autoCreateBucket=false",  # as S3: a PUT to a missing bucket fails (NoSuchBucket)
+                "-volume.max=1000",  # each bucket grows 7 volumes (sparse files); the default 8 fits one bucket
+                *self.extra_args,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -164,12 +168,15 @@ class SeaweedServer:
         self.proc = None
 
     def close(self) -> None:
-        """Stop the server and remove its data and the unix sockets it leaves in /tmp."""
-        self.stop()
+        """Stop the server and remove its data and the unix sockets it leaves in /tmp (a SIGKILL: the data goes anyway,
+        and weed takes over 10 s to stop gracefully)."""
+        if self._own_dir:
+            self.kill()
+        else:
+            self.stop()
         for port in (self.master, self.volume, self.filer, self.s3, *self.grpc):
             for leftover in glob.glob(f"/tmp/seaweedfs-*-{port}.sock"):
                 with contextlib.suppress(OSError):
                     os.remove(leftover)
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
-

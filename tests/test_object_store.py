@@ -1,0 +1,232 @@
+"""Object-store roots against a real S3 server (SeaweedFS, the session's `s3_server`): configuration from the AWS
+variables or `storage_options`, bounded failures, the commit, retention, verify and the `ckpt` commands."""
+
+import time
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import catalog, cli, layout, lease
+from ckpt.storage import kvstore_spec, open_storage
+
+AWS_VARS = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_PROFILE",
+)
+# A bound far above the timeouts the tests configure: a hang fails the test instead of stalling the suite.
+HANG_S = 30.0
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {"w": torch.randn(64, 33, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16)},
+        "opt": {"m": torch.randn(5, 5, generator=g).double(), "step": step, "lr": 0.1 * step},
+        "zero": torch.zeros(3),
+    }
+
+
+def _assert_equal(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], dict):
+            _assert_equal(a[k], b[k])
+        elif isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
+        else:
+            assert a[k] == b[k] and type(a[k]) is type(b[k]), k
+
+
+def _without_aws_env(monkeypatch):
+    for name in AWS_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_s3_root_from_the_aws_variables_saves_restores_keeps_and_verifies_bitwise(s3_bucket, capfd):
+    root = f"s3://{s3_bucket}/run/a"
+    with ckpt.CheckpointManager(root, keep_last=2) as m:
+        for step in (1, 2, 3):
+            m.save(step, _state(step), metadata={"loss": 1.0 / step})
+        m.wait()
+        assert m.steps() == [2, 3]  # retention deleted step 1 through the store
+        target = _state(0)
+        assert m.restore(target) == 3
+        _assert_equal(target, _state(3))
+        assert m.restore(target, step=2) == 2
+        _assert_equal(target, _state(2))
+    storage = open_storage(root)
+    assert layout.step_dirs(storage) == [2, 3]  # nothing of step 1 left, no leftovers
+    assert storage.list_files(layout.step_dir(3))[-1] == layout.MANIFEST
+    assert layout.IN_PROGRESS not in storage.list_files(layout.step_dir(3))
+    assert not list(catalog.verify(storage, 3))
+    loaded = ckpt.load(root, keys=["model"])
+    _assert_equal(loaded["model"], _state(3)["model"])
+    assert lease.live_holder(storage) is None  # released at close
+    # keys in the environment name their source: tensorstore's default chain would print errors about ~/.aws/config
+    assert ".aws/config" not in capfd.readouterr().err
+
+
+def test_storage_options_configure_a_root_without_any_aws_variable(s3_server, s3_bucket, monkeypatch):
+    _without_aws_env(monkeypatch)
+    from seaweed import ACCESS_KEY, SECRET_KEY
+
+    options = {
+        "endpoint": s3_server.endpoint,
+        "region": "us-east-1",
+        "access_key_id": ACCESS_KEY,
+        "secret_access_key": SECRET_KEY,
+        "timeout": 10,
+    }
+    root = f"s3://{s3_bucket}/explicit"
+    with ckpt.CheckpointManager(root, storage_options=options) as m:
+        m.save(5, _state(5)).wait()
+    _assert_equal(ckpt.load(root, storage_options=options), _state(5))
+
+
+def test_the_spec_takes_options_first_then_the_standard_variables(monkeypatch):
+    _without_aws_env(monkeypatch)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://general:1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://s3-only:2")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-3")
+    spec = kvstore_spec("s3://bucket/some/path")
+    assert (spec["bucket"], spec["path"], spec["endpoint"], spec["aws_region"]) == (
+        "bucket",
+        "some/path/",
+        "http://s3-only:2",
+        "eu-west-3",
+    )
+    assert spec["aws_credentials"] == {"type": "default"}
+    monkeypatch.setenv("AWS_PROFILE", "team")
+    assert kvstore_spec("s3://bucket")["aws_credentials"] == {"type": "profile", "profile": "team"}
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    assert kvstore_spec("s3://bucket")["aws_credentials"] == {"type": "environment"}
+    monkeypatch.setenv("AWS_REGION", "ap-south-1")
+    spec = kvstore_spec("s3://bucket", {"endpoint": "https://explicit:3", "region": "us-west-2", "anonymous": "true"})
+    assert (spec["endpoint"], spec["aws_region"], spec["aws_credentials"]) == (
+        "https://explicit:3",
+        "us-west-2",
+        {"type": "anonymous"},
+    )
+    assert kvstore_spec("s3://bucket", {"profile": "p"})["aws_credentials"] == {"type": "profile", "profile": "p"}
+    # every wait is bounded: tensorstore's default (32 retries, up to 32 s apart) would retry for many minutes
+    retries = kvstore_spec("s3://bucket", {"timeout": 4})["s3_request_retries"]
+    assert retries["max_retries"] < 32 and float(retries["max_delay"].rstrip("s")) <= 4
+    assert "gcs_request_retries" in kvstore_spec("gs://bucket/p")
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"endpiont": "http://x"}, "unknown storage option(s) endpiont"),
+        ({"timeout": "soon"}, "timeout must be a number"),
+        ({"timeout": 0}, "timeout must be positive"),
+        ({"access_key_id": "k"}, "go together"),
+        ({"endpoint": "127.0.0.1:9000"}, "http:// or https://"),
+    ],
+)
+def test_bad_storage_options_are_named(options, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        kvstore_spec("s3://bucket/x", options)
+
+
+def test_s3_only_options_are_refused_for_other_stores():
+    with pytest.raises(ValueError, match="apply to s3:// roots only"):
+        kvstore_spec("gs://bucket/x", {"endpoint": "http://x"})
+
+
+def _fails_fast(call):
+    t0 = time.monotonic()
+    with pytest.raises(ckpt.StorageError) as info:
+        call()
+    assert time.monotonic() - t0 < HANG_S, "a failure must come within the configured timeout, not hang"
+    return info.value
+
+
+def test_an_unreachable_endpoint_fails_fast_naming_the_endpoint(s3_bucket, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # discard port: nothing listens
+    root = f"s3://{s3_bucket}/x"
+    err = _fails_fast(lambda: ckpt.CheckpointManager(root, storage_options={"timeout": 2}))
+    assert err.endpoint == "http://127.0.0.1:9" and err.bucket == s3_bucket
+    assert "http://127.0.0.1:9" in str(err) and "cannot be reached" in str(err) and root in str(err)
+    err = _fails_fast(lambda: ckpt.load(root, storage_options={"timeout": 2}))
+    assert "cannot be reached" in str(err)
+
+
+def test_bad_credentials_fail_fast_saying_to_check_them(s3_bucket, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    err = _fails_fast(lambda: open_storage(f"s3://{s3_bucket}/x", {"timeout": 2}))
+    assert "refused the credentials" in str(err) and "AWS_SECRET_ACCESS_KEY" in str(err)
+
+
+def test_a_missing_bucket_fails_when_the_root_is_opened_naming_the_bucket(s3_bucket, capsys):
+    root = f"s3://{s3_bucket}-missing/x"
+    err = _fails_fast(lambda: ckpt.CheckpointManager(root, storage_options={"timeout": 2}))
+    assert err.bucket == f"{s3_bucket}-missing" and f"bucket '{s3_bucket}-missing' does not exist" in str(err)
+    assert cli.main(["ls", root]) == 1  # not "no checkpoints": the bucket is not there
+    assert "does not exist" in capsys.readouterr().err
+
+
+def _s3_bytes_read() -> int:
+    """Bytes this process has read from S3 so far (tensorstore's own counter)."""
+    import tensorstore as ts
+
+    found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/s3/bytes_read")
+    return sum(v.get("value", 0) for m in found for v in m.get("values", []))
+
+
+def _cli(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_ckpt_commands_work_on_an_s3_root_from_the_variables_or_from_options(s3_server, s3_bucket, capsys, monkeypatch):
+    from ckpt import RandomWindowSampler
+
+    sampler = RandomWindowSampler(10_000, 16, 8, global_batch_size=4, seed=3, rank=0, world_size=1)
+    it = iter(sampler)
+    for _ in range(5):
+        next(it)
+    root = f"s3://{s3_bucket}/cli"
+    with ckpt.CheckpointManager(root) as m:
+        m.save(5, {"data": {"sampler": sampler}, **_state(5)}).wait()
+    storage = open_storage(root)
+    storage.write_atomic(f"{layout.step_dir(9)}/arrays/x/c/0", b"half a save")  # a crashed save's leftover
+
+    read_before = _s3_bytes_read()
+    code, out, err = _cli(capsys, "ls", root)
+    assert code == 0, err
+    assert _s3_bytes_read() - read_before < 64 * 33 * 4, "ls downloaded the tensors to size them"
+    assert "8.5 KiB" in out  # the committed step's tensors, from its manifest
+    assert "committed" in out and "incomplete" in out and " 5 " in f" {out} " and " 9 " in f" {out} "
+    code, out, err = _cli(capsys, "inspect", root)
+    assert code == 0 and "model" in out and "float32" in out, err
+    code, out, err = _cli(capsys, "verify", root, "-q")
+    assert code == 0, err
+    code, out, err = _cli(capsys, "explain", root, "--step", "7")
+    assert code == 0 and sampler.explain(7).batch_hash in out, err
+
+    from seaweed import ACCESS_KEY, SECRET_KEY
+
+    _without_aws_env(monkeypatch)  # the same through command-line options
+    opts = ["--endpoint", s3_server.endpoint, "--region", "us-east-1", "--timeout", "10"]
+    opts += ["--storage-option", f"access_key_id={ACCESS_KEY}", "--storage-option", f"secret_access_key={SECRET_KEY}"]
+    code, out, err = _cli(capsys, "gc", root, *opts)
+    assert code == 0 and "removed incomplete step 9" in out, err
+    options = {"endpoint": s3_server.endpoint, "access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY}
+    assert layout.step_dirs(open_storage(root, options)) == [5]
+    code, out, err = _cli(capsys, "ls", root, *opts)
+    assert code == 0 and "incomplete" not in out and "committed" in out, err
+
+    code, out, err = _cli(capsys, "ls", root, "--endpoint", "http://127.0.0.1:9", "--timeout", "1")
+    assert code == 1 and "cannot be reached" in err and "http://127.0.0.1:9" in err
+    code, out, err = _cli(capsys, "ls", root, "--storage-option", "nonsense=1")
+    assert code == 1 and "unknown storage option" in err

@@ -1,0 +1,160 @@
+"""Faults of an object-store root against a real S3 server (SeaweedFS): the server killed in the middle of a save,
+and the saving process SIGKILLed in the middle of an upload."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import catalog, layout, lease
+from ckpt.storage import open_storage
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
+from saver import state_for  # noqa: E402
+
+TIMEOUT = {"timeout": 3}  # seconds a request may take, retries included: faults surface within a few of them
+HANG_S = 60.0  # far above what the timeout allows: a hang fails the test instead of stalling the suite
+
+
+def _assert_state(got: dict, step: int) -> None:
+    want = state_for(step)
+    for part in ("model", "opt"):
+        for k, v in want[part].items():
+            assert got[part][k].dtype == v.dtype and torch.equal(got[part][k], v), (step, part, k)
+    assert got["step"] == step
+
+
+def test_server_killed_mid_save_fails_the_save_in_bounded_time_and_the_store_recovers(s3_server, s3_bucket):
+    root = f"s3://{s3_bucket}/killed"
+    m = ckpt.CheckpointManager(root, chunk_bytes=256 << 10, storage_options=TIMEOUT)
+    watcher = open_storage(root)
+    try:
+        m.save(1, state_for(1)).wait()
+        failed, step = None, 2
+        while failed is None and step < 6:  # the kill must land inside a save: retry if a save won the race
+            handle = m.save(step, state_for(step))
+            marker = layout.in_progress_path(step)
+            while not handle.done() and watcher.read(marker) is None:  # its arrays are being uploaded now
+                time.sleep(0.005)
+            s3_server.kill()
+            t0 = time.monotonic()
+            try:
+                handle.wait()
+            except ckpt.CheckpointWriteError as e:
+                failed = e
+            assert time.monotonic() - t0 < HANG_S, "a dead store must fail the save within its timeout, not hang"
+            if failed is None:  # committed before the kill: bring the server back and try the next step
+                s3_server.start()
+                step += 1
+        assert failed is not None and failed.step == step, "no save was in flight when the server died"
+        with pytest.raises(ckpt.CheckpointError):  # while the store is down, a restore fails: it never skips
+            m.restore(state_for(0))  # ... the newest step as "damaged" (nothing is quarantined)
+        s3_server.start()
+
+        target = state_for(0)
+        assert m.restore(target) == step - 1  # the previous step, bitwise; the failed one is invisible
+        _assert_state(target, step - 1)
+        m.save(step, state_for(step)).wait()  # the next save, even of the failed step's number, works
+        assert m.steps() == list(range(1, step + 1))
+    finally:
+        if s3_server.proc is None:
+            s3_server.start()
+        m.close()
+    storage = open_storage(root)
+    assert not list(catalog.verify(storage, step))
+    assert not catalog.quarantined(storage)
+
+
+CHILD = """
+import sys
+sys.path.insert(0, {procs!r})
+import torch
+import ckpt
+from saver import state_for
+with ckpt.CheckpointManager({root!r}, keep_last=2, chunk_bytes=256 << 10, lease_ttl={ttl}) as m:
+    step = 1
+    while True:  # 16 MB more per step: an upload lasts long enough to be killed in the middle
+        m.save(step, dict(state_for(step), pad=torch.full((4 << 20,), float(step))))
+        step += 1
+"""
+
+
+def test_sigkill_mid_upload_commits_nothing_partial_and_gc_cleans_once_the_lease_expires(s3_bucket):
+    root, ttl = f"s3://{s3_bucket}/sigkill", 2.0
+    code = CHILD.format(procs=os.path.join(os.path.dirname(__file__), "procs"), root=root, ttl=ttl)
+    storage = open_storage(root)
+    for _ in range(3):  # a save may still win the race against the kill: then kill the next saver
+        child = subprocess.Popen([sys.executable, "-c", code], env=os.environ.copy())
+        try:
+            deadline = time.monotonic() + HANG_S
+            while True:  # kill once a step is committed and the next one is under way
+                assert child.poll() is None, "the saver died on its own"
+                assert time.monotonic() < deadline, "the saver never got a step committed and another under way"
+                steps = layout.step_dirs(storage)
+                if (
+                    len(steps) >= 2
+                    and layout.is_committed(storage, steps[-2])
+                    and not layout.is_committed(storage, steps[-1])
+                ):
+                    break
+                time.sleep(0.01)
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+        if [e for e in catalog.entries(storage) if not e.committed]:
+            break
+        while lease.live_holder(storage) is not None:  # the next saver waits for the dead one's lease anyway
+            time.sleep(0.2)
+    partial = [e.step for e in catalog.entries(storage) if not e.committed]
+    assert partial, "three kills all landed between saves"
+
+    holder = lease.live_holder(storage)
+    if holder is not None:  # the dead writer's lease still runs: its leftovers look like a live save's
+        assert catalog.collect_garbage(storage) == []
+    deadline = time.monotonic() + HANG_S
+    while lease.live_holder(storage) is not None:
+        assert time.monotonic() < deadline, "the dead writer's lease never expired"
+        time.sleep(0.2)
+    committed = layout.committed_steps(storage)
+    removed = catalog.collect_garbage(storage)
+    assert removed and not set(removed) & set(committed)
+    assert layout.step_dirs(storage) == committed  # nothing uncommitted left
+
+    for s in committed:
+        assert not list(catalog.verify(storage, s)), s
+    with ckpt.CheckpointManager(root) as m:  # a new writer takes the root over and resumes from the newest step
+        target = dict(state_for(0), pad=torch.zeros(4 << 20))
+        assert m.restore(target) == committed[-1]
+        _assert_state(target, committed[-1])
+        assert torch.equal(target["pad"], torch.full((4 << 20,), float(committed[-1])))
+        m.save(committed[-1] + 1, state_for(committed[-1] + 1)).wait()
+
+
+def test_a_throttled_gateway_slows_saves_and_restores_without_failing_them():
+    """SeaweedFS's upload limits hold requests in a queue (slow answers; it never answers 503 SlowDown, so a
+    throttling error cannot be produced here): saves and restores wait for it, each request within the timeout."""
+    from seaweed import SeaweedServer
+
+    server = SeaweedServer(extra_args=("-s3.concurrentFileUploadLimit=1", "-s3.concurrentUploadLimitMB=1"))
+    server.start()
+    try:
+        server.make_bucket("throttled")
+        options = {"endpoint": server.endpoint, **TIMEOUT}
+        options |= {
+            "access_key_id": server.env()["AWS_ACCESS_KEY_ID"],
+            "secret_access_key": server.env()["AWS_SECRET_ACCESS_KEY"],
+        }
+        with ckpt.CheckpointManager("s3://throttled/run", chunk_bytes=256 << 10, storage_options=options) as m:
+            for step in (1, 2):
+                m.save(step, state_for(step))
+            m.wait()
+            target = state_for(0)
+            assert m.restore(target) == 2
+            _assert_state(target, 2)
+    finally:
+        server.close()
