@@ -188,7 +188,9 @@ def _cli(capsys, *argv):
     return code, out, err
 
 
-def test_ckpt_commands_work_on_an_s3_root_from_the_variables_or_from_options(s3_server, s3_bucket, capsys, monkeypatch):
+def test_ckpt_commands_work_on_an_s3_root_from_the_variables_or_from_options(
+    s3_server, s3_bucket, capsys, monkeypatch, tmp_path
+):
     from ckpt import RandomWindowSampler
 
     sampler = RandomWindowSampler(10_000, 16, 8, global_batch_size=4, seed=3, rank=0, world_size=1)
@@ -225,6 +227,10 @@ def test_ckpt_commands_work_on_an_s3_root_from_the_variables_or_from_options(s3_
     assert layout.step_dirs(open_storage(root, options)) == [5]
     code, out, err = _cli(capsys, "ls", root, *opts)
     assert code == 0 and "incomplete" not in out and "committed" in out, err
+    code, out, err = _cli(capsys, "export", root, "--format", "torch", "-o", str(tmp_path / "w.pt"), "-q", *opts)
+    assert code == 0, err
+    exported = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert torch.equal(exported["w"], _state(5)["model"]["w"]) and torch.equal(exported["b"], _state(5)["model"]["b"])
 
     code, out, err = _cli(capsys, "ls", root, "--endpoint", "http://127.0.0.1:9", "--timeout", "1")
     assert code == 1 and "cannot be reached" in err and "http://127.0.0.1:9" in err
