@@ -310,53 +310,33 @@ def _storage_error(storage: KvStorage, what: str, key: str, detail: str, cause: 
     """The error of a failed request, naming the root, endpoint and bucket, and what to check."""
     server = f"endpoint {storage.endpoint}" if storage.endpoint else "the provider's default endpoint"
     first = detail.splitlines()[0][:300] if detail else type(cause).__name__
-    message = f"{what} {storage.url}{key} failed ({server}, bucket {storage.bucket!r}): {_hint(detail, storage, what)}; {first}"
+    message = (
+        f"{what} {storage.url}{key} failed ({server}, bucket {storage.bucket!r}): {_hint(detail, storage)}; {first}"
+    )
     return StorageError(message, url=storage.url, endpoint=storage.endpoint, bucket=storage.bucket, key=key)
 
 
-def _hint(detail: str, storage: KvStorage, what: str) -> str:
+_REFUSED = ("permission_denied", "unauthenticated", "response_code='403'", "signaturedoesnotmatch", "accessdenied")
+_REFUSED += ("invalidaccesskeyid", "credentials")
+_UNREACHABLE = ("curl error", "could not connect", "couldn't connect", "resolve host", "timed out", "no answer within")
+
+
+def _hint(detail: str, storage: KvStorage) -> str:
     """What a user should check, from the store's answer."""
     text = detail.lower()
-    if any(
-        s in text
-        for s in (
-            "permission_denied",
-            "unauthenticated",
-            "403",
-            "signaturedoesnotmatch",
-            "accessdenied",
-            "invalidaccesskeyid",
-            "credentials",
-        )
-    ):
+    if any(s in text for s in _REFUSED):
         return (
             "the store refused the credentials: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / "
             "AWS_SESSION_TOKEN / AWS_PROFILE or storage_options"
         )
     if "nosuchbucket" in text or ("not_found" in text and "bucket" in text):
         return f"bucket {storage.bucket!r} does not exist: create it or fix the root's URL"
-    if any(
-        s in text
-        for s in (
-            "curl error",
-            "could not connect",
-            "couldn't connect",
-            "unavailable",
-            "timed out",
-            "no answer within",
-            "resolve host",
-        )
-    ):
+    if any(s in text for s in _UNREACHABLE):
         return (
             "the endpoint cannot be reached: check AWS_ENDPOINT_URL / storage_options['endpoint'], the "
             "network, and that the server is up"
         )
-    if what == "write":
-        return (
-            f"check that bucket {storage.bucket!r} exists and the credentials may write to it "
-            f"(some S3-compatible servers answer a PUT to a missing bucket with an internal error)"
-        )
-    return "check the endpoint, the credentials and the bucket"
+    return "check the server's health, the endpoint, the credentials and the bucket"
 
 
 # One context per process, so that every handle of a memory:// root sees the same store. 32 concurrent
