@@ -4,6 +4,7 @@ variables or `storage_options`, bounded failures, the commit, retention, verify 
 import time
 
 import pytest
+import tensorstore as ts
 import torch
 
 import ckpt
@@ -120,6 +121,11 @@ def test_the_spec_takes_options_first_then_the_standard_variables(monkeypatch):
     retries = kvstore_spec("s3://bucket", {"timeout": 4})["s3_request_retries"]
     assert retries["max_retries"] < 32 and float(retries["max_delay"].rstrip("s")) <= 4
     assert "gcs_request_retries" in kvstore_spec("gs://bucket/p")
+    for spec in (
+        kvstore_spec("gs://bucket/p"),
+        kvstore_spec("s3://bucket", {"host_header": "h", "requester_pays": "1"}),
+    ):
+        ts.KvStore.Spec(spec)  # tensorstore takes every spec built here
 
 
 @pytest.mark.parametrize(
