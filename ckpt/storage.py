@@ -347,8 +347,8 @@ _CONTEXT = ts.Context({"file_io_concurrency": {"limit": 32}})
 def open_storage(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> Storage:
     """The storage of a root given as a local path, ``file://`` URL, or any URL tensorstore has a kvstore for.
 
-    `storage_options` configure object stores (see `kvstore_spec`); unknown keys are a ValueError, and a local
-    root ignores the valid ones. An object-store root is probed once here: an unreachable endpoint or refused
+    `storage_options` configure object stores (see `kvstore_spec`); unknown keys are a ValueError, and a local or
+    ``memory://`` root ignores the valid ones. An object-store root is probed once here: an unreachable endpoint or refused
     credentials fail now, within the timeout, with a `StorageError`.
     """
     root = os.fspath(root)
@@ -443,10 +443,10 @@ def kvstore_spec(url: str, storage_options: Mapping[str, Any] | None = None) -> 
         if not bucket:
             raise ValueError(f"{url}: an s3:// root names a bucket (s3://bucket/path)")
         return _s3_spec(bucket, path, options, timeout)
-    s3_only = sorted(_S3_ONLY & set(options))
-    if s3_only:
-        raise ValueError(f"storage option(s) {', '.join(s3_only)} apply to s3:// roots only, not {url}")
     if protocol in ("gs", "gcs"):
+        s3_only = sorted(_S3_ONLY & set(options))
+        if s3_only:  # GCS is configured through tensorstore's own variables: an S3 option here is a mistake
+            raise ValueError(f"storage option(s) {', '.join(s3_only)} apply to s3:// roots only, not {url}")
         if not bucket:
             raise ValueError(f"{url}: a gs:// root names a bucket (gs://bucket/path)")
         return {"driver": "gcs", "bucket": bucket, "path": path, "gcs_request_retries": retries(timeout)}
