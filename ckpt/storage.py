@@ -367,6 +367,25 @@ def context() -> ts.Context:
 # -- object stores: the one place that turns a URL, storage_options and the environment into a kvstore spec --------
 
 DEFAULT_TIMEOUT_S = 30.0  # the longest any one storage operation may take (retries included) before it fails
+
+
+def _curl_defaults() -> None:
+    """A request that moves no byte for 30 s, or cannot connect within 30 s, is cut and retried (bounded retries).
+
+    Without these, a server that accepts a connection and never answers stalls an array write forever (curl's
+    defaults: no low-speed limit, 300 s to connect). tensorstore reads them once, at its first HTTP request; a
+    user's own values win.
+    """
+    for name, value in (
+        ("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "30"),
+        ("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1"),
+        ("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS", "30"),
+    ):
+        os.environ.setdefault(name, value)
+
+
+_curl_defaults()
+
 STORAGE_OPTIONS = {
     "endpoint": "S3 endpoint URL (default: AWS_ENDPOINT_URL_S3, then AWS_ENDPOINT_URL, then AWS itself)",
     "region": "S3 region used in request signatures (default: AWS_REGION, then AWS_DEFAULT_REGION)",
