@@ -310,53 +310,33 @@ def _storage_error(storage: KvStorage, what: str, key: str, detail: str, cause: 
     """The error of a failed request, naming the root, endpoint and bucket, and what to check."""
     server = f"endpoint {storage.endpoint}" if storage.endpoint else "the provider's default endpoint"
     first = detail.splitlines()[0][:300] if detail else type(cause).__name__
-    message = f"{what} {storage.url}{key} failed ({server}, bucket {storage.bucket!r}): {_hint(detail, storage, what)}; {first}"
+    message = (
+        f"{what} {storage.url}{key} failed ({server}, bucket {storage.bucket!r}): {_hint(detail, storage)}; {first}"
+    )
     return StorageError(message, url=storage.url, endpoint=storage.endpoint, bucket=storage.bucket, key=key)
 
 
-def _hint(detail: str, storage: KvStorage, what: str) -> str:
+_REFUSED = ("permission_denied", "unauthenticated", "response_code='403'", "signaturedoesnotmatch", "accessdenied")
+_REFUSED += ("invalidaccesskeyid", "credentials")
+_UNREACHABLE = ("curl error", "could not connect", "couldn't connect", "resolve host", "timed out", "no answer within")
+
+
+def _hint(detail: str, storage: KvStorage) -> str:
     """What a user should check, from the store's answer."""
     text = detail.lower()
-    if any(
-        s in text
-        for s in (
-            "permission_denied",
-            "unauthenticated",
-            "403",
-            "signaturedoesnotmatch",
-            "accessdenied",
-            "invalidaccesskeyid",
-            "credentials",
-        )
-    ):
+    if any(s in text for s in _REFUSED):
         return (
             "the store refused the credentials: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / "
             "AWS_SESSION_TOKEN / AWS_PROFILE or storage_options"
         )
     if "nosuchbucket" in text or ("not_found" in text and "bucket" in text):
         return f"bucket {storage.bucket!r} does not exist: create it or fix the root's URL"
-    if any(
-        s in text
-        for s in (
-            "curl error",
-            "could not connect",
-            "couldn't connect",
-            "unavailable",
-            "timed out",
-            "no answer within",
-            "resolve host",
-        )
-    ):
+    if any(s in text for s in _UNREACHABLE):
         return (
             "the endpoint cannot be reached: check AWS_ENDPOINT_URL / storage_options['endpoint'], the "
             "network, and that the server is up"
         )
-    if what == "write":
-        return (
-            f"check that bucket {storage.bucket!r} exists and the credentials may write to it "
-            f"(some S3-compatible servers answer a PUT to a missing bucket with an internal error)"
-        )
-    return "check the endpoint, the credentials and the bucket"
+    return "check the server's health, the endpoint, the credentials and the bucket"
 
 
 # One context per process, so that every handle of a memory:// root sees the same store. 32 concurrent
@@ -367,8 +347,8 @@ _CONTEXT = ts.Context({"file_io_concurrency": {"limit": 32}})
 def open_storage(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> Storage:
     """The storage of a root given as a local path, ``file://`` URL, or any URL tensorstore has a kvstore for.
 
-    `storage_options` configure object stores (see `kvstore_spec`); unknown keys are a ValueError, and a local
-    root ignores the valid ones. An object-store root is probed once here: an unreachable endpoint or refused
+    `storage_options` configure object stores (see `kvstore_spec`); unknown keys are a ValueError, and a local or
+    ``memory://`` root ignores the valid ones. An object-store root is probed once here: an unreachable endpoint or refused
     credentials fail now, within the timeout, with a `StorageError`.
     """
     root = os.fspath(root)
@@ -387,6 +367,25 @@ def context() -> ts.Context:
 # -- object stores: the one place that turns a URL, storage_options and the environment into a kvstore spec --------
 
 DEFAULT_TIMEOUT_S = 30.0  # the longest any one storage operation may take (retries included) before it fails
+
+
+def _curl_defaults() -> None:
+    """A request that moves no byte for 30 s, or cannot connect within 30 s, is cut and retried (bounded retries).
+
+    Without these, a server that accepts a connection and never answers stalls an array write forever (curl's
+    defaults: no low-speed limit, 300 s to connect). tensorstore reads them once, at its first HTTP request; a
+    user's own values win.
+    """
+    for name, value in (
+        ("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "30"),
+        ("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1"),
+        ("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS", "30"),
+    ):
+        os.environ.setdefault(name, value)
+
+
+_curl_defaults()
+
 STORAGE_OPTIONS = {
     "endpoint": "S3 endpoint URL (default: AWS_ENDPOINT_URL_S3, then AWS_ENDPOINT_URL, then AWS itself)",
     "region": "S3 region used in request signatures (default: AWS_REGION, then AWS_DEFAULT_REGION)",
@@ -463,10 +462,10 @@ def kvstore_spec(url: str, storage_options: Mapping[str, Any] | None = None) -> 
         if not bucket:
             raise ValueError(f"{url}: an s3:// root names a bucket (s3://bucket/path)")
         return _s3_spec(bucket, path, options, timeout)
-    s3_only = sorted(_S3_ONLY & set(options))
-    if s3_only:
-        raise ValueError(f"storage option(s) {', '.join(s3_only)} apply to s3:// roots only, not {url}")
     if protocol in ("gs", "gcs"):
+        s3_only = sorted(_S3_ONLY & set(options))
+        if s3_only:  # GCS is configured through tensorstore's own variables: an S3 option here is a mistake
+            raise ValueError(f"storage option(s) {', '.join(s3_only)} apply to s3:// roots only, not {url}")
         if not bucket:
             raise ValueError(f"{url}: a gs:// root names a bucket (gs://bucket/path)")
         return {"driver": "gcs", "bucket": bucket, "path": path, "gcs_request_retries": retries(timeout)}

@@ -158,3 +158,22 @@ def test_a_throttled_gateway_slows_saves_and_restores_without_failing_them():
             _assert_state(target, 2)
     finally:
         server.close()
+
+
+def test_a_frozen_server_fails_reads_within_the_timeout_and_is_usable_once_it_resumes(s3_server, s3_bucket):
+    """A server that accepts connections and never answers (SIGSTOP: a hung process, a half-dead network path)."""
+    root = f"s3://{s3_bucket}/frozen"
+    with ckpt.CheckpointManager(root, storage_options=TIMEOUT) as m:
+        m.save(1, state_for(1)).wait()
+        os.killpg(s3_server.proc.pid, signal.SIGSTOP)
+        try:
+            for call in (lambda: m.restore(state_for(0)), lambda: ckpt.load(root, storage_options=TIMEOUT)):
+                t0 = time.monotonic()
+                with pytest.raises(ckpt.StorageError, match="no answer within 3 s"):
+                    call()
+                assert time.monotonic() - t0 < HANG_S
+        finally:
+            os.killpg(s3_server.proc.pid, signal.SIGCONT)
+        target = state_for(0)
+        assert m.restore(target) == 1
+        _assert_state(target, 1)
