@@ -54,15 +54,28 @@ class WritePlan:
     boxes: dict[str, tuple[tuple[int, int], ...]]  # name -> box of the global array this rank writes
     metadata: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
+    packs: dict[str, ArrayInfo] = field(default_factory=dict)  # every rank's pack array (see `plan_arrays`)
+    rank: int = 0
+
+    @property
+    def pack(self) -> ArrayInfo | None:
+        """The pack array this rank writes, if it packs any tensor."""
+        return self.packs.get(layout.pack_name(self.rank))
 
 
 def plan(
-    step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, chunk_bytes: int, ranks: Ranks
+    step: int,
+    state: Mapping[str, Any],
+    metadata: Mapping[str, Any] | None,
+    chunk_bytes: int,
+    ranks: Ranks,
+    pack_bytes: int = 0,
 ) -> WritePlan:
-    """What this process writes for `step`: alone, every tensor is a whole array; among ranks, its slices."""
+    """What this process writes for `step`: alone, every tensor is a whole array; among ranks, its slices.
+    Tensors of at most `pack_bytes` that a rank writes whole go into its pack array."""
     flat = state_mod.flatten(state, rank=ranks.rank)
     meta = _json_metadata(metadata)
-    arrays, writes, boxes = plan_arrays(ranks, flat.tensors, chunk_bytes)
+    arrays, writes, boxes, packs = plan_arrays(ranks, flat.tensors, chunk_bytes, pack_bytes)
     per_rank = state_mod.per_rank_entries(flat.tree)
     tree = flat.tree
     if per_rank:  # every rank's entries, side by side in the one manifest
@@ -70,7 +83,7 @@ def plan(
         tree = dict(flat.tree)
         for k in per_rank:
             tree[k] = state_mod.per_rank_node([entry for g in gathered for entry in g[k]])
-    return WritePlan(step, tree, arrays, writes, boxes, meta, world_size=ranks.world_size)
+    return WritePlan(step, tree, arrays, writes, boxes, meta, ranks.world_size, packs, ranks.rank)
 
 
 def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -106,7 +119,11 @@ class SaveJob:
         self.lease = lease  # the root's lease (the leader's); None on other ranks
         self.leader = ranks.leader
         self.dir = layout.step_dir(plan.step)
-        self.digests = store.ChunkDigests()
+        self.digests = store.ChunkDigests()  # of arrays' chunks, and of each packed tensor's bytes
+        self.pack_digests = store.ChunkDigests()  # of the chunks of this rank's pack array
+        pack = plan.pack
+        self._pack = np.zeros(pack.shape[0], np.uint8) if pack is not None else None  # packed tensors gather here
+        self._pack_left = sum(i.nbytes for n, i in plan.arrays.items() if i.pack and n in plan.boxes)
         self._reference = storage.kvstore_spec("")["driver"] != "memory"  # see store.write
         self._arrays: dict[str, ts.Future] | None = None
         self._prepared = False
@@ -135,20 +152,23 @@ class SaveJob:
         self.ranks.barrier()
 
     def _open_arrays(self) -> dict[str, ts.Future]:
-        """Start creating the arrays this rank writes (once); writes chain on each array as it opens."""
+        """Start creating the arrays this rank writes (once), its pack among them; writes chain on each as it opens."""
         if self._arrays is None:
             self._prepare()
+            step, spec = self.plan.step, self.storage.kvstore_spec
             self._arrays = {
-                name: store.create(
-                    self.storage.kvstore_spec(layout.array_path(self.plan.step, name)), info, self.context
-                )
+                name: store.create(spec(layout.array_path(step, name)), info, self.context)
                 for name, info in self.plan.arrays.items()
-                if name in self.plan.boxes
+                if name in self.plan.boxes and info.pack is None
             }
+            pack = self.plan.pack
+            if pack is not None:
+                self._arrays[pack.name] = store.create(spec(layout.pack_path(step, pack.name)), pack, self.context)
         return self._arrays
 
     def _write_staged(self, staged: Sequence[Staged]) -> None:
-        """Write staged pieces and, while tensorstore writes them, compute their chunks' digests."""
+        """Write staged pieces and, while tensorstore writes them, compute their chunks' digests. Packed tensors
+        are copied to their place in the pack, which is written once its last one is there."""
         arrays = self._open_arrays()
         futures, pieces = [], []
         for s in staged:
@@ -158,8 +178,19 @@ class SaveJob:
             if any(b == a for a, b in box):
                 continue
             data = store.typed(s.host, info.dtype, tuple(b - a for a, b in box))
+            if info.pack is not None:
+                at = info.pack[1] + (s.rows[0] * info.nbytes // info.shape[0] if s.rows is not None else 0)
+                self._pack[at : at + s.host.size] = s.host
+                self._pack_left -= s.host.size
+                self.digests.add(info, box, data)
+                continue
             futures.append(store.write(arrays[s.name].result(), box, data, reference=self._reference))
             pieces.append((info, box, data))
+        pack = self.plan.pack
+        if pack is not None and self._pack_left == 0 and pack.name not in self.pack_digests.done:
+            box = pack.boxes[0]
+            futures.append(store.write(arrays[pack.name].result(), box, self._pack, reference=self._reference))
+            self.pack_digests.add(pack, box, self._pack)
         try:
             for info, box, data in pieces:
                 self.digests.add(info, box, data)
@@ -184,17 +215,20 @@ class SaveJob:
             {
                 "error": None if error is None else f"rank {rank}: {type(error).__name__}: {error}",
                 "digests": {name: list(d.items()) for name, d in self.digests.done.items()},
+                "packs": {name: list(d.items()) for name, d in self.pack_digests.done.items()},
             }
         )
         failures = [r["error"] for r in reports if r["error"]]
         commit_error: Exception | None = None
         if not failures and self.leader:
             digests: dict[str, dict[int, int]] = {}
+            packs: dict[str, dict[int, int]] = {}
             for r in reports:
-                for name, pairs in r["digests"].items():
-                    digests.setdefault(name, {}).update((int(i), int(c)) for i, c in pairs)
+                for into, got in ((digests, r["digests"]), (packs, r["packs"])):
+                    for name, pairs in got.items():
+                        into.setdefault(name, {}).update((int(i), int(c)) for i, c in pairs)
             try:
-                self.commit(digests)
+                self.commit(digests, packs)
             except Exception as e:
                 commit_error = e
         verdict = self.ranks.all_gather_json(
@@ -207,24 +241,32 @@ class SaveJob:
         if failures or verdict:
             raise RuntimeError("; ".join(failures) or verdict)
 
-    def manifest(self, digests: Mapping[str, Mapping[int, int]]) -> Manifest:
-        """The manifest of this save, every array with the digest of each of its chunks (from all ranks)."""
-        p, arrays = self.plan, {}
-        for name, info in p.arrays.items():
-            sums = [digests.get(name, {}).get(i) for i in range(math.prod(info.grid))]
-            if None in sums:
-                raise RuntimeError(
-                    f"array {name!r}: digests of {sums.count(None)} of its {len(sums)} chunks were not computed"
-                )
-            arrays[name] = dataclasses.replace(info, digests=tuple(sums))
+    def manifest(
+        self, digests: Mapping[str, Mapping[int, int]], packs: Mapping[str, Mapping[int, int]] | None = None
+    ) -> Manifest:
+        """The manifest of this save, every array and pack with the digest of each of its chunks (from all ranks)."""
+        p = self.plan
+
+        def summed(infos: Mapping[str, ArrayInfo], digests: Mapping[str, Mapping[int, int]]) -> dict[str, ArrayInfo]:
+            out = {}
+            for name, info in infos.items():
+                sums = [digests.get(name, {}).get(i) for i in range(math.prod(info.grid))]
+                if None in sums:
+                    raise RuntimeError(
+                        f"array {name!r}: digests of {sums.count(None)} of its {len(sums)} chunks were not computed"
+                    )
+                out[name] = dataclasses.replace(info, digests=tuple(sums))
+            return out
+
         return Manifest(
             step=p.step,
             tree=p.tree,
-            arrays=arrays,
+            arrays=summed(p.arrays, digests),
             metadata=p.metadata,
             time=time.time(),
             world_size=p.world_size,
             versions=versions(),
+            packs=summed(p.packs, packs or {}),
         )
 
     def abandon(self) -> None:
@@ -232,10 +274,10 @@ class SaveJob:
         if self.leader and self._prepared and not layout.is_committed(self.storage, self.plan.step):
             self.storage.delete_tree(self.dir)
 
-    def commit(self, digests: Mapping[str, Mapping[int, int]]) -> None:
+    def commit(self, digests: Mapping[str, Mapping[int, int]], packs: Mapping[str, Mapping[int, int]]) -> None:
         """Make every directory entry durable, then write the manifest last (atomically): from now on the step exists."""
         self.storage.sync_tree(self.dir)
         if self.lease:
             self.lease.check()  # a writer that lost the root's lease never commits
-        self.storage.write_atomic(layout.manifest_path(self.plan.step), self.manifest(digests).to_bytes())
+        self.storage.write_atomic(layout.manifest_path(self.plan.step), self.manifest(digests, packs).to_bytes())
         self.storage.delete_file(layout.in_progress_path(self.plan.step))
