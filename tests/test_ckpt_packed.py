@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+import uuid
 
 import pytest
 import torch
@@ -108,17 +109,25 @@ def test_many_small_tensors_round_trip_bitwise_in_a_few_files(tmp_path, kw):
     assert not list(catalog.verify(open_storage(str(tmp_path)), 1))
 
 
-def test_damaged_packed_tensor_is_named_and_restore_falls_back(tmp_path):
-    with ckpt.CheckpointManager(tmp_path) as m:
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_damaged_packed_tensor_is_named_and_restore_falls_back(tmp_path, where):
+    root = str(tmp_path) if where == "local" else f"memory://{uuid.uuid4().hex}"
+    with ckpt.CheckpointManager(root) as m:
         m.save(1, _small(1)).wait()
         m.save(2, _small(2)).wait()
-    path, at = _packed_byte(tmp_path, 2, "layers/7.bias")
-    _flip(path, at + 5)
-    problems = list(catalog.verify(open_storage(str(tmp_path)), 2))
+    storage = open_storage(root)
+    body = json.loads(storage.read("step_00000002/manifest.json"))["body"]
+    pack, offset = body["arrays"]["layers/7.bias"]["pack"]
+    chunk = f"step_00000002/packs/{pack}/c/{offset // body['packs'][pack]['chunk'][0]}"
+    data = bytearray(storage.read(chunk))
+    data[offset % body["packs"][pack]["chunk"][0] + 5] ^= 0x10
+    storage.write_atomic(chunk, bytes(data))
+    path = storage.local_path(chunk) or f"{storage.url}{chunk}"
+    problems = list(catalog.verify(storage, 2))
     assert problems[0].key == "layers/7.bias" and problems[0].file == path, problems
     target = _zeros(_small(0))
     before = {k: _bits(v) for k, v in target["layers"].items()}
-    with ckpt.CheckpointManager(tmp_path) as m:
+    with ckpt.CheckpointManager(root) as m:
         with pytest.raises(CorruptCheckpointError, match="packed tensor checksum") as info:
             m.restore(target, step=2)
         assert info.value.key == "layers/7.bias" and info.value.file == path
