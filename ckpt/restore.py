@@ -239,7 +239,9 @@ def execute(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: S
         elif r.buffer.numel():
             futures += store.read_chunks(storage, path, r.info, r.buffer, r.box, pool, step=step)
     for name in dict.fromkeys(name for name, _ in packed):
-        futures.append(pool.submit(store.check_zarr_json, storage, layout.pack_path(step, name), packs[name], step=step))
+        futures.append(
+            pool.submit(store.check_zarr_json, storage, layout.pack_path(step, name), packs[name], step=step)
+        )
     for (name, _), members in packed.items():
         path = layout.pack_path(step, name)
         futures.append(pool.submit(store.read_packed, storage, path, packs[name], members, step=step))
