@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+import crc32c
 import numpy as np
 import tensorstore as ts
 import torch
@@ -121,9 +122,11 @@ class SaveJob:
         self.dir = layout.step_dir(plan.step)
         self.digests = store.ChunkDigests()  # of arrays' chunks, and of each packed tensor's bytes
         self.pack_digests = store.ChunkDigests()  # of the chunks of this rank's pack array
-        pack = plan.pack
-        self._pack = np.zeros(pack.shape[0], np.uint8) if pack is not None else None  # packed tensors gather here
+        self._pack: np.ndarray | None = (
+            None  # this rank's pack: its packed tensors gather here (allocated when written)
+        )
         self._pack_left = sum(i.nbytes for n, i in plan.arrays.items() if i.pack and n in plan.boxes)
+        self._packed_crc: dict[str, tuple[int, int]] = {}  # packed tensor -> (crc32c so far, bytes so far)
         self._reference = storage.kvstore_spec("")["driver"] != "memory"  # see store.write
         self._arrays: dict[str, ts.Future] | None = None
         self._prepared = False
@@ -179,10 +182,7 @@ class SaveJob:
                 continue
             data = store.typed(s.host, info.dtype, tuple(b - a for a, b in box))
             if info.pack is not None:
-                at = info.pack[1] + (s.rows[0] * info.nbytes // info.shape[0] if s.rows is not None else 0)
-                self._pack[at : at + s.host.size] = s.host
-                self._pack_left -= s.host.size
-                self.digests.add(info, box, data)
+                self._gather(info, s)
                 continue
             futures.append(store.write(arrays[s.name].result(), box, data, reference=self._reference))
             pieces.append((info, box, data))
@@ -197,6 +197,21 @@ class SaveJob:
         finally:  # never leave writes that reference the arena behind
             for f in futures:
                 f.result()  # resolves once the chunk is written and fsync'd (file kvstore's file_io_sync)
+
+    def _gather(self, info: ArrayInfo, s: Staged) -> None:
+        """Copy a staged packed tensor (or rows of it, in order) to its place in the pack, and extend its crc32c: its
+        bytes in C order are its one chunk's (chunk == shape, no padding)."""
+        if self._pack is None:
+            self._pack = np.zeros(self.plan.pack.shape[0], np.uint8)  # zeros between tensors moved to a next chunk
+        crc, done = self._packed_crc.pop(info.name, (0, 0))
+        at = info.pack[1] + done
+        self._pack[at : at + s.host.size] = s.host
+        self._pack_left -= s.host.size
+        crc, done = crc32c.crc32c(s.host, crc), done + s.host.size
+        if done < info.nbytes:
+            self._packed_crc[info.name] = (crc, done)
+        else:
+            self.digests.done.setdefault(info.name, {})[0] = crc
 
     def run(self) -> None:
         """Background part: write the last wave, wait until durable, then commit — once, for all ranks.
