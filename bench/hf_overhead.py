@@ -126,13 +126,16 @@ def main() -> None:
     cpu = {kind: statistics.median(c for _, c, _ in rs) for kind, rs in runs.items()}
     print(
         f"{a.steps} steps, save_steps=10, save_total_limit=2, tiny GPT-2 (2 layers, 32 wide), CPU; train() "
-        f"seconds, median of {a.runs} fresh processes each (cpu: all threads, less sensitive to a busy machine)"
+        f"seconds, median of {a.runs} fresh processes each (cpu: all threads, less sensitive to a busy machine; "
+        f"paired: median over rounds of the ratio to that round's stock run)"
     )
+    # each round runs every kind back to back: the ratio within a round shares the machine's load of the moment
+    paired = {kind: statistics.median(r[0] / s[0] for r, s in zip(rs, runs["stock"])) for kind, rs in runs.items()}
     for kind, rs in runs.items():
-        ratio = "" if kind == "stock" else f" ({wall[kind] / wall['stock']:.2f}x)"
+        ratio = "" if kind == "stock" else f" ({wall[kind] / wall['stock']:.2f}x; paired {paired[kind]:.2f}x)"
         cratio = "" if kind == "stock" else f" ({cpu[kind] / cpu['stock']:.2f}x)"
         print(
-            f"  {kind:<9} wall {wall[kind]:6.3f} s{ratio:<8} cpu {cpu[kind]:6.3f} s{cratio:<8} "
+            f"  {kind:<9} wall {wall[kind]:6.3f} s{ratio:<23} cpu {cpu[kind]:6.3f} s{cratio:<8} "
             f"runs (wall): {', '.join(f'{w:.3f}' for w, _, _ in rs)}"
         )
     for kind, rs in runs.items():
