@@ -122,9 +122,8 @@ class SaveJob:
         self.dir = layout.step_dir(plan.step)
         self.digests = store.ChunkDigests()  # of arrays' chunks, and of each packed tensor's bytes
         self.pack_digests = store.ChunkDigests()  # of the chunks of this rank's pack array
-        self._pack: np.ndarray | None = (
-            None  # this rank's pack: its packed tensors gather here (allocated when written)
-        )
+        # this rank's pack: its packed tensors gather here (allocated by the first of them, off the stall)
+        self._pack: np.ndarray | None = None
         self._pack_left = sum(i.nbytes for n, i in plan.arrays.items() if i.pack and n in plan.boxes)
         self._packed_crc: dict[str, tuple[int, int]] = {}  # packed tensor -> (crc32c so far, bytes so far)
         self._reference = storage.kvstore_spec("")["driver"] != "memory"  # see store.write
@@ -180,10 +179,10 @@ class SaveJob:
                 box = ((box[0][0] + s.rows[0], box[0][0] + s.rows[1]),) + box[1:]
             if any(b == a for a, b in box):
                 continue
-            data = store.typed(s.host, info.dtype, tuple(b - a for a, b in box))
             if info.pack is not None:
                 self._gather(info, s)
                 continue
+            data = store.typed(s.host, info.dtype, tuple(b - a for a, b in box))
             futures.append(store.write(arrays[s.name].result(), box, data, reference=self._reference))
             pieces.append((info, box, data))
         pack = self.plan.pack
@@ -256,9 +255,7 @@ class SaveJob:
         if failures or verdict:
             raise RuntimeError("; ".join(failures) or verdict)
 
-    def manifest(
-        self, digests: Mapping[str, Mapping[int, int]], packs: Mapping[str, Mapping[int, int]] | None = None
-    ) -> Manifest:
+    def manifest(self, digests: Mapping[str, Mapping[int, int]], packs: Mapping[str, Mapping[int, int]]) -> Manifest:
         """The manifest of this save, every array and pack with the digest of each of its chunks (from all ranks)."""
         p = self.plan
 
@@ -281,7 +278,7 @@ class SaveJob:
             time=time.time(),
             world_size=p.world_size,
             versions=versions(),
-            packs=summed(p.packs, packs or {}),
+            packs=summed(p.packs, packs),
         )
 
     def abandon(self) -> None:
