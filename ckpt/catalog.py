@@ -89,7 +89,8 @@ def verify(
     storage: Storage, step: int, on_bytes: Callable[[int], None] | None = None
 ) -> Iterator[CorruptCheckpointError]:
     """Check a committed step as restore does: its manifest, no special files, every array's zarr.json
-    and every chunk (size, crc32c, the manifest's digest); yields each problem found."""
+    and every chunk (size, crc32c, the manifest's digest), every packed tensor's bytes against its digest and
+    every chunk of the packs; yields each problem found."""
     try:
         manifest = layout.read_manifest(storage, step)
         step_files(storage, step)
@@ -98,7 +99,18 @@ def verify(
         return
     for name, info in manifest.arrays.items():
         try:
-            store.verify_array(storage, layout.array_path(step, name), info, step=step, on_bytes=on_bytes)
+            if info.pack is None:
+                store.verify_array(storage, layout.array_path(step, name), info, step=step, on_bytes=on_bytes)
+                continue
+            pack = manifest.packs[info.pack[0]]
+            store.read_packed(storage, layout.pack_path(step, pack.name), pack, [(info, None, None)], step=step)
+            if on_bytes:
+                on_bytes(info.nbytes)
+        except CorruptCheckpointError as e:
+            yield e
+    for name, pack in manifest.packs.items():  # zarr.json, and the bytes no tensor's digest covers (padding)
+        try:
+            store.verify_array(storage, layout.pack_path(step, name), pack, step=step)
         except CorruptCheckpointError as e:
             yield e
 

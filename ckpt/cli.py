@@ -134,7 +134,8 @@ def _entry_lines(label: str, tree: Any, arrays: dict, indent: str) -> list[str]:
     node = state_mod.node_of(tree)
     if node.kind == state_mod.TENSOR:
         a = arrays[node.name]
-        return [f"{indent}{label}: {a.dtype}{list(a.shape)}  ({_human(a.nbytes)}, array {node.name})"]
+        where = f"array {node.name}" if a.pack is None else f"packed in {a.pack[0]} at byte {a.pack[1]}"
+        return [f"{indent}{label}: {a.dtype}{list(a.shape)}  ({_human(a.nbytes)}, {where})"]
     if node.kind in _BRANCHES:
         kind = f" <{node.name}>" if node.kind == state_mod.STATE else ""
         return [f"{indent}{label}:{kind}"] + _tree_lines(tree, arrays, indent + "  ")
@@ -148,7 +149,12 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
         print(json.dumps(m.to_json(), indent=1))
         return 0
     total = sum(a.nbytes for a in m.arrays.values())
-    print(f"step {m.step}  world_size {m.world_size}  {len(m.arrays)} arrays, {_human(total)}  versions {m.versions}")
+    packed = sum(a.pack is not None for a in m.arrays.values())
+    packs = f" ({packed} packed in {len(m.packs)} pack{'s' * (len(m.packs) != 1)})" if m.packs else ""
+    print(
+        f"step {m.step}  world_size {m.world_size}  {len(m.arrays)} arrays{packs}, {_human(total)}  "
+        f"versions {m.versions}"
+    )
     if m.metadata:
         print(f"metadata: {json.dumps(m.metadata)}")
     print("\n".join(_tree_lines(m.tree, m.arrays)))

@@ -7,6 +7,7 @@ and a dead rank turns into an error after the timeout instead of a hang.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -18,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from .errors import StateMismatchError
-from .format import ArrayInfo, chunk_shape, dtype_name, torch_dtype
+from .format import ArrayInfo, chunk_shape, dtype_name, pack_layout, torch_dtype
+from .layout import pack_name
 from .state import is_dtensor
 
 Box = tuple[tuple[int, int], ...]
@@ -101,14 +103,23 @@ def _whole(shape: tuple[int, ...]) -> Box:
 
 
 def plan_arrays(
-    ranks: Ranks, tensors: Mapping[str, torch.Tensor], chunk_bytes: int, *, every_holder: bool = False
-) -> tuple[dict[str, ArrayInfo], dict[str, torch.Tensor], dict[str, Box], frozenset[str]]:
+    ranks: Ranks,
+    tensors: Mapping[str, torch.Tensor],
+    chunk_bytes: int,
+    pack_bytes: int = 0,
+    *,
+    every_holder: bool = False,
+) -> tuple[dict[str, ArrayInfo], dict[str, torch.Tensor], dict[str, Box], frozenset[str], dict[str, ArrayInfo]]:
     """Agree with every rank on the global arrays; returns (arrays, what this rank writes, its boxes, the names
-    of the arrays whose box this rank is the designated writer of).
+    of the arrays whose box this rank is the designated writer of, packs).
 
     A box held by several ranks (replicated tensors, DTensor Replicate) has one designated writer, chosen by a
     hash of the array name so that the writing is spread over the ranks. A shared root gets only the designated
     writes; with `every_holder` (a root of this rank's own: the local tier) each rank writes every box it holds.
+    A tensor its writer writes whole, of at most `pack_bytes` (and `chunk_bytes`), goes into that rank's pack
+    (`format.pack_layout`): every rank computes every rank's packs alike from what they agreed, so nothing more is
+    exchanged. A rank's own root (`every_holder`) is not packed: it holds boxes that other ranks' packs would hold,
+    and a persist copies its files as they are into the shared layout.
     """
     mine = {name: local_box(t) for name, t in tensors.items()}
     described = {name: (dtype_name(t.dtype, key=name), tuple(t.shape), mine[name][1]) for name, t in tensors.items()}
@@ -122,6 +133,8 @@ def plan_arrays(
                 raise ValueError(f"ranks disagree on tensor {name!r}: {entry[:2]} vs {(dt, shape)} on rank {rank}")
             entry[2].setdefault(box, []).append(rank)
     arrays, writes, boxes, designated = {}, {}, {}, set()
+    packed: dict[int, list[str]] = {}  # writer rank -> the arrays it packs, in the agreed order
+    limit = 0 if every_holder else min(pack_bytes, chunk_bytes)
     for name, (dt, shape, by_box) in held.items():
         ordered = tuple(sorted(by_box))
         if sum(map(_volume, ordered)) != math.prod(shape):
@@ -137,7 +150,16 @@ def plan_arrays(
                 designated.add(name)
             if writer == ranks.rank or (every_holder and ranks.rank in rks):
                 writes[name], boxes[name] = mine[name][0], box
-    return arrays, writes, boxes, frozenset(designated)
+            if len(ordered) == 1 and 0 < arrays[name].nbytes <= limit:
+                packed.setdefault(writer, []).append(name)
+    packs = {}
+    for writer, names in sorted(packed.items()):
+        pack = pack_name(writer)
+        offsets, total, chunk = pack_layout([arrays[n].nbytes for n in names], chunk_bytes)
+        packs[pack] = ArrayInfo(pack, "uint8", (total,), (chunk,), (((0, total),),))
+        for n, offset in zip(names, offsets):
+            arrays[n] = dataclasses.replace(arrays[n], chunk=arrays[n].shape, pack=(pack, offset))
+    return arrays, writes, boxes, frozenset(designated), packs
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -21,8 +21,11 @@ import torch
 
 from .errors import CheckpointError, CorruptCheckpointError
 
-FORMAT = "ckpt/2"  # ckpt/2: a crc32c digest per chunk in the manifest
-_READABLE = ("ckpt/1", FORMAT)  # ckpt/1 steps are still read; their chunks are checked by their own crc32c only
+FORMAT = "ckpt/3"  # ckpt/3: small tensors packed into one byte array per rank (`Manifest.packs`)
+# ckpt/2 (a crc32c digest per chunk in the manifest, one array per tensor) is still read; so is ckpt/1, whose
+# chunks are checked by their own crc32c only.
+_READABLE = ("ckpt/1", "ckpt/2", FORMAT)
+PACK_BYTES = 1 << 20  # default: tensors up to this size are packed (see `pack_layout`)
 # An array name: '/'-separated segments of safe characters; no empty, '.' or '..' segment, nothing absolute.
 _SEGMENT_RE = re.compile(r"^[A-Za-z0-9_%+=@,~-][A-Za-z0-9_.%+=@,~-]*$")
 _MAX_SEGMENT = 200
@@ -69,6 +72,7 @@ def torch_dtype(name: str) -> torch.dtype:
         raise CorruptCheckpointError(f"unknown dtype {name!r} in manifest") from None
 
 
+@functools.lru_cache(maxsize=None)
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype tensorstore uses for an on-disk dtype name (bfloat16, float8 via ml_dtypes)."""
     return np.dtype(ts.dtype(name).numpy_dtype)
@@ -203,8 +207,12 @@ class ArrayInfo:
     chunk: tuple[int, ...]
     boxes: tuple[tuple[tuple[int, int], ...], ...]  # written regions: per box, per dim (start, stop)
     # crc32c of each chunk file's content (the value zarr's crc32c codec appends), chunks in C order of
-    # the chunk grid; None only in manifests of format ckpt/1, which had none.
+    # the chunk grid; None only in manifests of format ckpt/1, which had none. A packed tensor has one
+    # "chunk", itself: its digest is the crc32c of its bytes.
     digests: tuple[int, ...] | None = None
+    # Packed (ckpt/3): the tensor's bytes are those at this byte offset of the pack array of this name
+    # (`Manifest.packs`), never crossing one of its chunks; chunk == shape. None: an array of its own.
+    pack: tuple[str, int] | None = None
 
     @property
     def itemsize(self) -> int:
@@ -235,14 +243,22 @@ class ArrayInfo:
             out = out * n + i
         return out
 
+    def packed_at(self, pack: "ArrayInfo") -> tuple[tuple[int, ...], int]:
+        """Where a packed tensor's bytes are in `pack`: (chunk index, byte offset inside that chunk file)."""
+        offset = self.pack[1]
+        return (offset // pack.chunk[0],), offset % pack.chunk[0]
+
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "dtype": self.dtype,
             "shape": list(self.shape),
             "chunk": list(self.chunk),
             "boxes": [[list(r) for r in box] for box in self.boxes],
             "digests": list(self.digests or ()),
         }
+        if self.pack is not None:
+            out["pack"] = list(self.pack)
+        return out
 
     @classmethod
     def from_json(cls, name: str, d: Any, *, digests: bool = True) -> "ArrayInfo":
@@ -283,12 +299,45 @@ class ArrayInfo:
             return info
         sums = d.get("digests")
         need(_ints(sums, 0, (1 << 32) - 1) and len(sums) == count, f"needs {count} chunk digests (crc32c values)")
-        return dataclasses.replace(info, digests=tuple(sums))
+        pack = d.get("pack")
+        if pack is not None:
+            need(
+                isinstance(pack, list) and len(pack) == 2 and isinstance(pack[0], str) and _ints(pack[1:], 0, _MAX_DIM),
+                f"bad pack {pack!r} (expected [pack name, byte offset])",
+            )
+            need(info.chunk == info.shape and count == 1 and info.nbytes > 0, "a packed tensor is one non-empty chunk")
+            pack = (validate_array_name(pack[0]), pack[1])
+        return dataclasses.replace(info, digests=tuple(sums), pack=pack)
 
 
 def _ints(v: Any, lo: int, hi: int) -> bool:
     """A list of ints (not bools) within [lo, hi]."""
     return isinstance(v, list) and all(type(x) is int and lo <= x <= hi for x in v)
+
+
+def pack_layout(sizes: Sequence[int], chunk_bytes: int) -> tuple[list[int], int, int]:
+    """Byte offsets of tensors of these sizes (each at most `chunk_bytes`) packed back to back into one
+    uint8 array, a tensor never crossing a chunk: (offsets, total bytes, chunk bytes). One chunk when all fit."""
+    total = sum(sizes)
+    chunk = max(1, min(total, chunk_bytes))
+    offsets, at = [], 0
+    for n in sizes:
+        if at % chunk + n > chunk:  # would cross into the next chunk: start there (zeros between)
+            at += chunk - at % chunk
+        offsets.append(at)
+        at += n
+    return offsets, at, chunk
+
+
+def pack_mismatch(info: ArrayInfo, packs: dict[str, ArrayInfo]) -> str | None:
+    """Why a packed tensor's place in its pack is impossible (no such pack, out of it, across a chunk); else None."""
+    pack = packs.get(info.pack[0])
+    if pack is None:
+        return f"names pack {info.pack[0]!r}, which the manifest does not list"
+    offset, n = info.pack[1], info.nbytes
+    if offset + n > pack.shape[0] or offset // pack.chunk[0] != (offset + n - 1) // pack.chunk[0]:
+        return f"bytes [{offset}, {offset + n}) do not lie in one chunk of pack {pack.name!r} {list(pack.shape)}"
+    return None
 
 
 @dataclass
@@ -303,6 +352,8 @@ class Manifest:
     world_size: int = 1
     versions: dict[str, str] | None = None
     format: str = FORMAT  # as read; a manifest this version writes is always FORMAT
+    # ckpt/3: the byte arrays (uint8, 1-D) holding packed tensors, one per rank that packed any, by name
+    packs: dict[str, ArrayInfo] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The manifest's body: what `to_bytes` checksums and writes (and `ckpt inspect --json` prints)."""
@@ -315,6 +366,7 @@ class Manifest:
             "metadata": self.metadata,
             "tree": self.tree,
             "arrays": {k: v.to_json() for k, v in self.arrays.items()},
+            **({"packs": {k: v.to_json() for k, v in self.packs.items()}} if self.format == FORMAT else {}),
         }
 
     def to_bytes(self) -> bytes:
@@ -354,11 +406,24 @@ class Manifest:
         for k, ok in fields.items():
             if not ok(body.get(k)):
                 raise CorruptCheckpointError(f"malformed manifest: bad {k} {str(body.get(k))[:100]!r}", file=file)
+        packs_json = body.get("packs", {}) if body["format"] == FORMAT else {}
+        if not isinstance(packs_json, dict):
+            raise CorruptCheckpointError("malformed manifest: bad packs", file=file)
         try:
             arrays = {
                 name: ArrayInfo.from_json(name, d, digests=body["format"] != "ckpt/1")
                 for name, d in body["arrays"].items()
             }
+            packs = {name: ArrayInfo.from_json(name, d) for name, d in packs_json.items()}
+            for name, info in packs.items():
+                if info.dtype != "uint8" or len(info.shape) != 1 or info.pack is not None:
+                    raise CorruptCheckpointError("malformed pack entry in manifest: not a 1-D uint8 array", key=name)
+            for name, info in arrays.items():
+                if info.pack is not None and body["format"] != FORMAT:
+                    raise CorruptCheckpointError(f"malformed array entry: packed in format {body['format']}", key=name)
+                mismatch = info.pack is not None and pack_mismatch(info, packs)
+                if mismatch:
+                    raise CorruptCheckpointError(f"malformed array entry in manifest: {mismatch}", key=name)
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(str(e), key=e.key, file=file) from None
         return cls(
@@ -370,4 +435,5 @@ class Manifest:
             world_size=body["world_size"],
             versions=body["versions"],
             format=body["format"],
+            packs=packs,
         )

@@ -4,6 +4,7 @@ Layout of a root::
 
     step_00001200/manifest.json      written last; its presence is the commit
     step_00001200/arrays/<name>/     one zarr3 array per tensor (zarr.json + chunk files c/...)
+    step_00001200/packs/rank_00000/  one zarr3 uint8 array per rank holding its small tensors back to back
     step_00001200/_IN_PROGRESS       marker of a save in flight (pid, host, time, lease); never read on restore
     _quarantine/step_00001200-<unix ms>/   a damaged step moved aside: its files and _DAMAGED (reason, time, host, pid)
     _LEASE, _GC_LOCK                 the writer's lease and gc's lock (see lease.py)
@@ -26,6 +27,7 @@ from .storage import Storage, UnsafeFileError, where
 MANIFEST = "manifest.json"
 IN_PROGRESS = "_IN_PROGRESS"
 ARRAYS = "arrays"
+PACKS = "packs"
 QUARANTINE = "_quarantine"
 DAMAGED = "_DAMAGED"
 LEASE = "_LEASE"
@@ -77,6 +79,21 @@ def replica_root(rank: int) -> str:
 def replica_ranks(storage: Storage) -> list[int]:
     """The ranks whose local tier has a replica in this local tier."""
     return sorted(int(n[5:]) for n in storage.list_dirs(REPLICA) if re.fullmatch(r"rank_\d{5,}", n))
+
+
+def pack_name(rank: int) -> str:
+    """The name of the pack array a rank writes its small tensors into."""
+    return f"rank_{rank:05d}"
+
+
+def pack_dir(name: str) -> str:
+    """The directory of a pack array, relative to its step directory."""
+    return f"{PACKS}/{name}"
+
+
+def pack_path(step: int, name: str) -> str:
+    """The directory of a pack array of a step, relative to the root."""
+    return f"{step_dir(step)}/{pack_dir(name)}"
 
 
 def quarantine_path(step: int, unix_ms: int) -> str:

@@ -29,7 +29,7 @@ from .errors import (
     StepNotFoundError,
     StorageError,
 )
-from .format import MAX_CHUNK_BYTES
+from .format import MAX_CHUNK_BYTES, PACK_BYTES
 from .layout import read_manifest
 from .retention import RetentionPolicy, StepMetadata, from_keywords
 from .save import SaveJob, plan
@@ -95,6 +95,9 @@ class CheckpointManager:
             `KeepBest`, kept together (`Keep`) when several are given; not together with `retention`.
         max_staging_bytes: cap on the host snapshot buffer; larger states are snapshotted in waves.
         chunk_bytes: target size of one chunk file (one chunk per tensor up to this size; at most 4 GiB).
+        pack_bytes: tensors of at most this size (and `chunk_bytes`) that a rank writes whole are packed into
+            one byte array per rank instead of an array each: a model of many small tensors writes a few files
+            per step, not thousands. 0: every tensor its own array.
         tracker: a `CheckpointObserver` (such as `ettr.GoodputTracker`) told about saves and restores.
         io_threads: concurrent chunk reads on restore.
         collective_timeout: seconds a rank waits for the others during a save or restore before failing.
@@ -130,6 +133,7 @@ class CheckpointManager:
         best_mode: str = "min",
         max_staging_bytes: int | None = None,
         chunk_bytes: int = 64 << 20,
+        pack_bytes: int = PACK_BYTES,
         tracker: CheckpointObserver | None = None,
         io_threads: int = 8,
         collective_timeout: float = 600.0,
@@ -156,6 +160,9 @@ class CheckpointManager:
         if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in [1, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
+        if pack_bytes < 0:
+            raise ValueError(f"pack_bytes must be >= 0, got {pack_bytes}")
+        self.pack_bytes = pack_bytes
         self.tracker = tracker
         self._arena = StagingArena(max_staging_bytes)
         self.ranks: Ranks = Ranks.current(timedelta(seconds=collective_timeout))
@@ -229,7 +236,9 @@ class CheckpointManager:
             t0 = time.perf_counter()
             job = SaveJob(
                 target,
-                plan(step, state, metadata, self.chunk_bytes, self.ranks, private=self.tiers is not None),
+                plan(
+                    step, state, metadata, self.chunk_bytes, self.ranks, self.pack_bytes, private=self.tiers is not None
+                ),
                 self._arena,
                 context(),
                 self.ranks,

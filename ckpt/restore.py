@@ -118,7 +118,7 @@ def plan_restore(
         """The read of a region, planned once; its files checked first (before a fresh tensor is allocated)."""
         if (name, box) not in reads:
             if files is not None:
-                _check_files(manifest.arrays[name], box, files, step)
+                _check_files(manifest.arrays[name], box, manifest, files)
             reads[name, box] = ArrayRead(manifest.arrays[name], box)
         return reads[name, box]
 
@@ -157,19 +157,26 @@ def plan_restore(
     return ReadPlan(manifest, reads, values)
 
 
-def _check_files(info: ArrayInfo, box: Box, files: StepFiles, step: int) -> None:
-    base = layout.array_dir(info.name)
+def _check_files(info: ArrayInfo, box: Box, manifest: Manifest, files: StepFiles) -> None:
+    """Every chunk file the read of `box` of `info` needs is there at its exact size, beside its zarr.json (a
+    pack's, when packed)."""
+    step = manifest.step
+    if info.pack is None:
+        base, expected, indices = layout.array_dir(info.name), info, info.chunks(box)
+    else:
+        expected = manifest.packs[info.pack[0]]
+        base, indices = layout.pack_dir(expected.name), [info.packed_at(expected)[0]]
     if f"{base}/zarr.json" not in files.sizes:
         raise CorruptCheckpointError(
             "zarr.json is missing", step=step, key=info.name, file=f"{files.dir}/{base}/zarr.json"
         )
-    for index in info.chunks(box):
+    for index in indices:
         size = files.sizes.get(f"{base}/{chunk_key(index)}")
-        if size != info.chunk_nbytes + 4:
+        if size != expected.chunk_nbytes + 4:
             raise CorruptCheckpointError(
                 "chunk file is missing"
                 if size is None
-                else f"chunk file has {size} bytes, expected {info.chunk_nbytes + 4}",
+                else f"chunk file has {size} bytes, expected {expected.chunk_nbytes + 4}",
                 step=step,
                 key=info.name,
                 file=f"{files.dir}/{base}/{chunk_key(index)}",
@@ -214,16 +221,22 @@ def execute(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: S
 
     Regions with caller tensors are read into scratch (the staging arena); regions without, into their
     own fresh tensors. Local whole-row regions go straight from the chunk files (`preadv`), others chunk
-    by chunk. Every read runs to its end, so the error raised is the first damaged array's, not a random one.
+    by chunk; packed tensors one task per chunk of their pack. Every read runs to its end, so the error raised
+    is the first damaged array's, not a random one.
     """
-    step = plan.manifest.step
+    step, packs = plan.manifest.step, plan.manifest.packs
     pending = [r for r in plan.reads.values() if r.fresh is None]
     for r, buf in zip(pending, arena.scratch([r.nbytes for r in pending])):
         r.buffer = buf.view(torch_dtype(r.info.dtype)).view(r.shape)
     futures: list[Future] = []
+    packed: dict[tuple[str, tuple[int, ...]], list[tuple[ArrayInfo, torch.Tensor, Box]]] = {}
     for r in plan.reads.values():
         if r.fresh is not None:
             r.buffer = r.fresh
+        if r.info.pack is not None:
+            pack = packs[r.info.pack[0]]
+            packed.setdefault((pack.name, r.info.packed_at(pack)[0]), []).append((r.info, r.buffer, r.box))
+            continue
         path = layout.array_path(step, r.info.name)
         futures.append(pool.submit(store.check_zarr_json, storage, path, r.info, step=step))
         local = storage.local_path(path)
@@ -232,6 +245,13 @@ def execute(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: S
             futures += store.read_direct(local, r.info, r.buffer, rows, pool, step=step)
         elif r.buffer.numel():
             futures += store.read_chunks(storage, path, r.info, r.buffer, r.box, pool, step=step)
+    for name in dict.fromkeys(name for name, _ in packed):
+        futures.append(
+            pool.submit(store.check_zarr_json, storage, layout.pack_path(step, name), packs[name], step=step)
+        )
+    for (name, _), members in packed.items():
+        path = layout.pack_path(step, name)
+        futures.append(pool.submit(store.read_packed, storage, path, packs[name], members, step=step))
     errors = []
     for f in futures:
         try:

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+import crc32c
 import numpy as np
 import tensorstore as ts
 import torch
@@ -56,6 +57,13 @@ class WritePlan:
     world_size: int = 1
     private: bool = False  # each rank writes into a root of its own (the local tier), every box it holds
     designated: frozenset[str] = frozenset()  # arrays whose box this rank alone writes to a shared root
+    packs: dict[str, ArrayInfo] = field(default_factory=dict)  # every rank's pack array (see `plan_arrays`)
+    rank: int = 0
+
+    @property
+    def pack(self) -> ArrayInfo | None:
+        """The pack array this rank writes, if it packs any tensor."""
+        return self.packs.get(layout.pack_name(self.rank))
 
 
 def plan(
@@ -64,17 +72,21 @@ def plan(
     metadata: Mapping[str, Any] | None,
     chunk_bytes: int,
     ranks: Ranks,
+    pack_bytes: int = 0,
     *,
     private: bool = False,
 ) -> WritePlan:
     """What this process writes for `step`: alone, every tensor is a whole array; among ranks, its slices.
+    Tensors of at most `pack_bytes` that a rank writes whole go into its pack array.
 
     `private`: each rank writes into a root of its own (the local tier), so it writes every box it holds and
     commits its own copy of the manifest; the root then holds what this rank needs to restore at this topology.
     """
     flat = state_mod.flatten(state, rank=ranks.rank)
     meta = _json_metadata(metadata)
-    arrays, writes, boxes, designated = plan_arrays(ranks, flat.tensors, chunk_bytes, every_holder=private)
+    arrays, writes, boxes, designated, packs = plan_arrays(
+        ranks, flat.tensors, chunk_bytes, pack_bytes, every_holder=private
+    )
     per_rank = state_mod.per_rank_entries(flat.tree)
     tree = flat.tree
     if per_rank:  # every rank's entries, side by side in the one manifest
@@ -82,7 +94,7 @@ def plan(
         tree = dict(flat.tree)
         for k in per_rank:
             tree[k] = state_mod.per_rank_node([entry for g in gathered for entry in g[k]])
-    return WritePlan(step, tree, arrays, writes, boxes, meta, ranks.world_size, private, designated)
+    return WritePlan(step, tree, arrays, writes, boxes, meta, ranks.world_size, private, designated, packs, ranks.rank)
 
 
 def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -118,7 +130,12 @@ class SaveJob:
         self.lease = lease  # the root's lease (the leader's, or each rank's own root's); None on other ranks
         self.leader = ranks.leader or plan.private  # who prepares and commits the root
         self.dir = layout.step_dir(plan.step)
-        self.digests = store.ChunkDigests()
+        self.digests = store.ChunkDigests()  # of arrays' chunks, and of each packed tensor's bytes
+        self.pack_digests = store.ChunkDigests()  # of the chunks of this rank's pack array
+        # this rank's pack: its packed tensors gather here (allocated by the first of them, off the stall)
+        self._pack: np.ndarray | None = None
+        self._pack_left = sum(i.nbytes for n, i in plan.arrays.items() if i.pack and n in plan.boxes)
+        self._packed_crc: dict[str, tuple[int, int]] = {}  # packed tensor -> (crc32c so far, bytes so far)
         self._reference = storage.kvstore_spec("")["driver"] != "memory"  # see store.write
         self._arrays: dict[str, ts.Future] | None = None
         self._prepared = False
@@ -137,20 +154,23 @@ class SaveJob:
         self.ranks.barrier()
 
     def _open_arrays(self) -> dict[str, ts.Future]:
-        """Start creating the arrays this rank writes (once); writes chain on each array as it opens."""
+        """Start creating the arrays this rank writes (once), its pack among them; writes chain on each as it opens."""
         if self._arrays is None:
             self._prepare()
+            step, spec = self.plan.step, self.storage.kvstore_spec
             self._arrays = {
-                name: store.create(
-                    self.storage.kvstore_spec(layout.array_path(self.plan.step, name)), info, self.context
-                )
+                name: store.create(spec(layout.array_path(step, name)), info, self.context)
                 for name, info in self.plan.arrays.items()
-                if name in self.plan.boxes
+                if name in self.plan.boxes and info.pack is None
             }
+            pack = self.plan.pack
+            if pack is not None:
+                self._arrays[pack.name] = store.create(spec(layout.pack_path(step, pack.name)), pack, self.context)
         return self._arrays
 
     def _write_staged(self, staged: Sequence[Staged]) -> None:
-        """Write staged pieces and, while tensorstore writes them, compute their chunks' digests."""
+        """Write staged pieces and, while tensorstore writes them, compute their chunks' digests. Packed tensors
+        are copied to their place in the pack, which is written once its last one is there."""
         arrays = self._open_arrays()
         futures, pieces = [], []
         for s in staged:
@@ -159,15 +179,38 @@ class SaveJob:
                 box = ((box[0][0] + s.rows[0], box[0][0] + s.rows[1]),) + box[1:]
             if any(b == a for a, b in box):
                 continue
+            if info.pack is not None:
+                self._gather(info, s)
+                continue
             data = store.typed(s.host, info.dtype, tuple(b - a for a, b in box))
             futures.append(store.write(arrays[s.name].result(), box, data, reference=self._reference))
             pieces.append((info, box, data))
+        pack = self.plan.pack
+        if pack is not None and self._pack_left == 0 and pack.name not in self.pack_digests.done:
+            box = pack.boxes[0]
+            futures.append(store.write(arrays[pack.name].result(), box, self._pack, reference=self._reference))
+            self.pack_digests.add(pack, box, self._pack)
         try:
             for info, box, data in pieces:
                 self.digests.add(info, box, data)
         finally:  # never leave writes that reference the arena behind
             for f in futures:
                 f.result()  # resolves once the chunk is written and fsync'd (file kvstore's file_io_sync)
+
+    def _gather(self, info: ArrayInfo, s: Staged) -> None:
+        """Copy a staged packed tensor (or rows of it, in order) to its place in the pack, and extend its crc32c: its
+        bytes in C order are its one chunk's (chunk == shape, no padding)."""
+        if self._pack is None:
+            self._pack = np.zeros(self.plan.pack.shape[0], np.uint8)  # zeros between tensors moved to a next chunk
+        crc, done = self._packed_crc.pop(info.name, (0, 0))
+        at = info.pack[1] + done
+        self._pack[at : at + s.host.size] = s.host
+        self._pack_left -= s.host.size
+        crc, done = crc32c.crc32c(s.host, crc), done + s.host.size
+        if done < info.nbytes:
+            self._packed_crc[info.name] = (crc, done)
+        else:
+            self.digests.done.setdefault(info.name, {})[0] = crc
 
     def run(self) -> None:
         """Background part: write the last wave, wait until durable, then commit — once, for all ranks.
@@ -186,39 +229,48 @@ class SaveJob:
             {
                 "error": None if error is None else f"rank {rank}: {type(error).__name__}: {error}",
                 "digests": {name: list(d.items()) for name, d in self.digests.done.items()},
+                "packs": {name: list(d.items()) for name, d in self.pack_digests.done.items()},
             }
         )
         failures = [r["error"] for r in reports if r["error"]]
         commit_error: Exception | None = None
         if not failures and self.leader:
             digests: dict[str, dict[int, int]] = {}
+            packs: dict[str, dict[int, int]] = {}
             for r in reports:
-                for name, pairs in r["digests"].items():
-                    digests.setdefault(name, {}).update((int(i), int(c)) for i, c in pairs)
+                for into, got in ((digests, r["digests"]), (packs, r["packs"])):
+                    for name, pairs in got.items():
+                        into.setdefault(name, {}).update((int(i), int(c)) for i, c in pairs)
             try:
-                self.commit(digests)
+                self.commit(digests, packs)
             except Exception as e:
                 commit_error = e
         raise_outcome(self.ranks, error, commit_error, failures)
 
-    def manifest(self, digests: Mapping[str, Mapping[int, int]]) -> Manifest:
-        """The manifest of this save, every array with the digest of each of its chunks (from all ranks)."""
-        p, arrays = self.plan, {}
-        for name, info in p.arrays.items():
-            sums = [digests.get(name, {}).get(i) for i in range(math.prod(info.grid))]
-            if None in sums:
-                raise RuntimeError(
-                    f"array {name!r}: digests of {sums.count(None)} of its {len(sums)} chunks were not computed"
-                )
-            arrays[name] = dataclasses.replace(info, digests=tuple(sums))
+    def manifest(self, digests: Mapping[str, Mapping[int, int]], packs: Mapping[str, Mapping[int, int]]) -> Manifest:
+        """The manifest of this save, every array and pack with the digest of each of its chunks (from all ranks)."""
+        p = self.plan
+
+        def summed(infos: Mapping[str, ArrayInfo], digests: Mapping[str, Mapping[int, int]]) -> dict[str, ArrayInfo]:
+            out = {}
+            for name, info in infos.items():
+                sums = [digests.get(name, {}).get(i) for i in range(math.prod(info.grid))]
+                if None in sums:
+                    raise RuntimeError(
+                        f"array {name!r}: digests of {sums.count(None)} of its {len(sums)} chunks were not computed"
+                    )
+                out[name] = dataclasses.replace(info, digests=tuple(sums))
+            return out
+
         return Manifest(
             step=p.step,
             tree=p.tree,
-            arrays=arrays,
+            arrays=summed(p.arrays, digests),
             metadata=p.metadata,
             time=time.time(),
             world_size=p.world_size,
             versions=versions(),
+            packs=summed(p.packs, packs),
         )
 
     def abandon(self) -> None:
@@ -226,9 +278,9 @@ class SaveJob:
         if self.leader and self._prepared and not layout.is_committed(self.storage, self.plan.step):
             self.storage.delete_tree(self.dir)
 
-    def commit(self, digests: Mapping[str, Mapping[int, int]]) -> None:
+    def commit(self, digests: Mapping[str, Mapping[int, int]], packs: Mapping[str, Mapping[int, int]]) -> None:
         """Make every directory entry durable, then write the manifest last (atomically): from now on the step exists."""
-        commit_step(self.storage, self.plan.step, self.manifest(digests).to_bytes(), self.lease)
+        commit_step(self.storage, self.plan.step, self.manifest(digests, packs).to_bytes(), self.lease)
 
 
 def raise_outcome(

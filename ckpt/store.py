@@ -260,12 +260,7 @@ def read_direct(
 def _read_direct_chunk(
     path: str, valid: memoryview, pad: int, info: ArrayInfo, index: tuple[int, ...], step: int | None
 ) -> None:
-    try:
-        fd = open_regular(path)
-    except (FileNotFoundError, NotADirectoryError):
-        raise CorruptCheckpointError("chunk file is missing", step=step, key=info.name, file=path) from None
-    except UnsafeFileError as e:
-        raise CorruptCheckpointError(f"chunk file is {e.strerror}", step=step, key=info.name, file=path) from None
+    fd = _open_chunk(path, info, step)
     try:
         size = os.fstat(fd).st_size
         expected = len(valid) + pad + 4
@@ -289,6 +284,77 @@ def _pread_exact(fd: int, buf: memoryview, offset: int) -> None:
         if n <= 0:
             raise OSError(f"short read at offset {offset + done}")
         done += n
+
+
+def read_packed(
+    storage: Storage,
+    path: str,
+    pack: ArrayInfo,
+    members: list[tuple[ArrayInfo, torch.Tensor | None, Box | None]],
+    *,
+    step: int | None,
+) -> None:
+    """Read packed tensors that lie in one chunk of the pack array at `path`: from a local chunk file only their
+    bytes (pread), from any other root the chunk once. Each is checked against its own digest in the manifest
+    (an error names its key), then the `box` of it copied into `dest` (None: checked only)."""
+    index = members[0][0].packed_at(pack)[0]
+    file_path = f"{path}/{chunk_key(index)}"
+    local, first = storage.local_path(file_path), members[0][0]
+    file = where(storage, file_path)
+    expected = pack.chunk_nbytes + 4
+    if local is None:
+        data = _read_file(storage, file_path, first, step=step, what="pack chunk file")
+        if len(data) != expected:
+            raise CorruptCheckpointError(
+                f"pack chunk file has {len(data)} bytes, expected {expected}", step=step, key=first.name, file=file
+            )
+        for info, dest, box in members:
+            at = info.packed_at(pack)[1]
+            _place(memoryview(data)[at : at + info.nbytes], info, dest, box, step=step, file=file)
+        return
+    fd = _open_chunk(local, first, step)
+    try:
+        size = os.fstat(fd).st_size
+        if size != expected:
+            raise CorruptCheckpointError(
+                f"pack chunk file has {size} bytes, expected {expected}", step=step, key=first.name, file=file
+            )
+        for info, dest, box in members:
+            buf = memoryview(bytearray(info.nbytes))
+            _pread_exact(fd, buf, info.packed_at(pack)[1])
+            _place(buf, info, dest, box, step=step, file=file)
+    finally:
+        os.close(fd)
+
+
+def _place(
+    data: memoryview, info: ArrayInfo, dest: torch.Tensor | None, box: Box | None, *, step: int | None, file: str
+) -> None:
+    """A packed tensor's bytes against the manifest's digest of them, then its `box` into `dest`."""
+    crc = crc32c.crc32c(data)
+    if info.digests is not None and crc != info.digests[0]:
+        raise CorruptCheckpointError(
+            f"packed tensor checksum (crc32c) mismatch: the manifest expects {info.digests[0]:08x}, its "
+            f"{info.nbytes} bytes at offset {info.pack[1]} of the pack hold {crc:08x}",
+            step=step,
+            key=info.name,
+            file=file,
+        )
+    if dest is None:
+        return
+    value = np.frombuffer(data, dtype=numpy_dtype(info.dtype)).reshape(info.shape)
+    out = typed(as_bytes(dest), info.dtype, tuple(b - a for a, b in box))
+    out[...] = value[tuple(slice(a, b) for a, b in box)]
+
+
+def _open_chunk(path: str, info: ArrayInfo, step: int | None) -> int:
+    """A chunk file's fd; a missing or special file is damage naming the key and the file."""
+    try:
+        return open_regular(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise CorruptCheckpointError("chunk file is missing", step=step, key=info.name, file=path) from None
+    except UnsafeFileError as e:
+        raise CorruptCheckpointError(f"chunk file is {e.strerror}", step=step, key=info.name, file=path) from None
 
 
 def verify_array(

@@ -263,9 +263,10 @@ class CkptTrainerMixin:
         try:
             path = self._resolve_resume(resume, trial)
             output = super().train(resume_from_checkpoint=path, trial=trial, **kwargs)
-            self._finish_files()
-            self._delete_rotated(self._get_output_dir(trial=trial))
-            manager.close()
+            with self._span("checkpoint_save"):  # waiting for the last commit and its folder files is checkpoint time
+                self._finish_files()
+                self._delete_rotated(self._get_output_dir(trial=trial))
+                manager.close()
         except BaseException:
             for finish in (self._finish_files, manager.close):
                 try:
@@ -469,7 +470,8 @@ class CkptTrainerMixin:
 
     def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
         """Folder files are complete before HF loads the best model and removes folders at the end of training."""
-        self._finish_files()
+        with self._span("checkpoint_save"):
+            self._finish_files()
         return super()._finalize_training(*args, **kwargs)
 
     def _write_folder_files(self, folder: str, model_state: dict[str, Any]) -> None:

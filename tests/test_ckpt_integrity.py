@@ -34,8 +34,13 @@ def _state(step: int) -> dict:
     }
 
 
+# Most tests here damage the files of one array: their tensors are small, so they are saved one array each
+# (UNPACKED); packed tensors have the same checks in test_ckpt_packed.py.
+UNPACKED = {"pack_bytes": 0}
+
+
 def _save(root, steps, state=_state, **kw) -> None:
-    with ckpt.CheckpointManager(root, **kw) as m:
+    with ckpt.CheckpointManager(root, **{**UNPACKED, **kw}) as m:
         for s in steps:
             m.save(s, state(s))
 
@@ -96,7 +101,7 @@ def test_failed_restore_leaves_every_target_bitwise_unchanged(tmp_path):
 
 def test_failed_restore_leaves_a_module_unchanged(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
-    with ckpt.CheckpointManager(tmp_path) as m:
+    with ckpt.CheckpointManager(tmp_path, **UNPACKED) as m:
         m.save(1, {"model": model}).wait()
     _flip(os.path.join(_step(tmp_path, 1), "arrays", "model", "1.weight", "c", "0", "0"), 60)
     fresh = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
@@ -164,12 +169,12 @@ def test_chunk_copied_from_another_step_is_detected(tmp_path, layout):
 
 def test_manifest_records_a_digest_per_chunk_that_equals_the_chunk_crc(tmp_path):
     x = torch.randn(1000, 30)
-    with ckpt.CheckpointManager(tmp_path, chunk_bytes=16 * 1024, max_staging_bytes=64 * 1024) as m:
+    with ckpt.CheckpointManager(tmp_path, chunk_bytes=16 * 1024, max_staging_bytes=64 * 1024, **UNPACKED) as m:
         m.save(
             1, {"x": x, "wide": torch.randn(3, 5000), "zero_d": torch.tensor(2.5), "empty": torch.zeros(0, 4)}
         ).wait()
     body = json.loads((tmp_path / "step_00000001" / "manifest.json").read_bytes())["body"]
-    assert body["format"] == "ckpt/2"
+    assert body["format"] == "ckpt/3"
     for name, info in body["arrays"].items():
         grid = [-(-s // c) for s, c in zip(info["shape"], info["chunk"])]
         keys = ["c"] if not grid else ["c/" + "/".join(map(str, i)) for i in np.ndindex(*grid)]
@@ -583,7 +588,7 @@ def test_checkpoint_keys_missing_from_the_target_are_a_key_error_before_anything
 
 @pytest.mark.parametrize("chunk_bytes", [4096, 64 << 20])
 def test_damage_under_a_module_named_fc_names_the_right_file(tmp_path, chunk_bytes):
-    with ckpt.CheckpointManager(tmp_path, chunk_bytes=chunk_bytes) as m:
+    with ckpt.CheckpointManager(tmp_path, chunk_bytes=chunk_bytes, **UNPACKED) as m:
         m.save(1, {"fc": {"c": torch.randn(1, 3000)}}).wait()
     array = tmp_path / "step_00000001" / "arrays" / "fc" / "c"
     chunk = array / "c" / "0" / ("1" if chunk_bytes == 4096 else "0")

@@ -24,8 +24,13 @@ def _state(step: int) -> dict:
     return {"w": torch.randn(300, 200, generator=g), "b": torch.randn(7, generator=g), "step": step}
 
 
+# Tests here that damage or list the files of one array save unpacked (the tensors are small enough to be packed);
+# packed tensors have their own in test_ckpt_packed.py.
+UNPACKED = {"pack_bytes": 0}
+
+
 def _save_steps(root, steps, **kw):
-    with ckpt.CheckpointManager(root, **kw) as m:
+    with ckpt.CheckpointManager(root, **{**UNPACKED, **kw}) as m:
         for s in steps:
             m.save(s, _state(s), metadata={"loss": 1.0 / (s + 1)})
 
@@ -216,13 +221,15 @@ def test_resaving_a_step_over_a_crashed_attempts_leftovers(tmp_path, attempt):
     root = tmp_path / "ck"
     _save_steps(str(root), [1])
     crashed = tmp_path / "crashed"
-    with ckpt.CheckpointManager(crashed, chunk_bytes=4096 if attempt == "other_chunking" else 64 << 20) as m:
+    with ckpt.CheckpointManager(
+        crashed, chunk_bytes=4096 if attempt == "other_chunking" else 64 << 20, **UNPACKED
+    ) as m:
         m.save(2, {**_state(22), **({"extra": torch.ones(5)} if attempt == "other_keys" else {})}).wait()
     shutil.copytree(crashed / "step_00000002", root / "step_00000002", ignore=shutil.ignore_patterns("manifest.json"))
     (root / "step_00000002" / "_IN_PROGRESS").write_text(
         json.dumps({"pid": 1 << 22, "host": "gone", "time": 0.0, "lease": "a-dead-writer"})
     )
-    with ckpt.CheckpointManager(root) as m:
+    with ckpt.CheckpointManager(root, **UNPACKED) as m:
         m.save(2, _state(2)).wait()
         t = _state(0)
         assert m.restore(t) == 2 and torch.equal(t["w"], _state(2)["w"]) and t["step"] == 2

@@ -68,6 +68,14 @@ def test_fsdp2_save_then_restore_at_1_2_4_ranks(tmp_path, save_world):
     assert unique <= on_disk <= unique * 1.05, (unique, on_disk)
     rng = manifest.tree["rng"]["$per_rank"]
     assert sorted(r for r, _ in rng) == list(range(save_world))
+    # each rank packed its own small tensors (its RNG state, restored bitwise above) into a pack of its own;
+    # sharded arrays stay global arrays, written box by box
+    assert sorted(manifest.packs) == [f"rank_{r:05d}" for r in range(save_world)]
+    for name, info in manifest.arrays.items():
+        if name.startswith("rng/rank_"):
+            assert info.pack == (f"rank_{int(name.split('/')[1][5:]):05d}", info.pack[1]), name
+        if name.startswith("model/"):
+            assert info.pack is None and len(info.boxes) == save_world, name
 
 
 def test_rank_killed_during_save_fails_the_others_and_keeps_previous_step(tmp_path):

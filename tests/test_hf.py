@@ -203,6 +203,21 @@ def test_checkpoint_folders_load_with_from_pretrained(tmp_path):
     assert sorted(p.name for p in (bare / "checkpoint-2").iterdir()) == ["trainer_state.json"]
 
 
+def test_the_end_of_train_waiting_for_the_last_checkpoint_is_checkpoint_time(tmp_path):
+    """train() ends by waiting for the last commit and its folder files: the ledger has that wait in a
+    checkpoint_save span (ending after the last commit record), not in 'other'."""
+    from ettr.ledger import read_ledgers
+
+    out = tmp_path / "out"
+    _trainer(out, 4).train()
+    (ledger,) = read_ledgers(str(out / "ckpt"))
+    commits = [r for r in ledger.records if r["k"] == "commit"]
+    saves = [r for r in ledger.records if r["k"] == "span" and r["c"] == "checkpoint_save"]
+    last_step_end = max(r["e"] for r in ledger.records if r["k"] == "step")
+    assert [c["s"] for c in commits] == [2, 4]
+    assert saves[-1]["b"] >= last_step_end and saves[-1]["e"] >= commits[-1]["t"], (saves[-1], commits[-1])
+
+
 def test_load_best_model_at_end(tmp_path):
     import ckpt
 

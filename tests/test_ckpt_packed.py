@@ -1,0 +1,196 @@
+"""Small tensors are packed into one byte array per rank (format ckpt/3): bitwise round trips of every dtype and
+shape, a few files per step, each packed tensor checked by its own digest (damage names its key), a load of one
+reads only its bytes, and steps of the formats before are still read."""
+
+import hashlib
+import json
+import math
+import os
+import uuid
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import catalog
+from ckpt.errors import CorruptCheckpointError
+from ckpt.format import numpy_dtype
+from ckpt.storage import open_storage
+
+
+def _small(step: int) -> dict:
+    """Many small tensors of mixed dtypes and shapes (0-d, empty, odd sizes), values depending on the step."""
+    g = torch.Generator().manual_seed(step)
+    return {
+        "f32": torch.randn(7, 3, generator=g),
+        "bf16": torch.randn(5, 9, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(3, generator=g).half(),
+        "f64": torch.randn(2, 2, generator=g, dtype=torch.float64),
+        "c64": torch.randn(4, generator=g, dtype=torch.complex64),
+        "bool": torch.rand(13, generator=g) > 0.5,
+        "i8": torch.randint(-128, 127, (11,), generator=g, dtype=torch.int8),
+        "i64": torch.randint(0, 1 << 40, (3, 1), generator=g),
+        "u8": torch.randint(0, 255, (1, 1, 5), generator=g, dtype=torch.uint8),
+        "fp8": torch.randn(6, generator=g).to(torch.float8_e4m3fn),
+        "zero_d": torch.tensor(float(step)),
+        "zero_d_int": torch.tensor(step, dtype=torch.int32),
+        "empty": torch.zeros(0, 4),
+        "layers": {f"{i}.bias": torch.randn(i + 1, generator=g) for i in range(40)},
+        "n": step,
+    }
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and _bits(a) == _bits(b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _zeros(state):
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    if isinstance(state, dict):
+        return {k: _zeros(v) for k, v in state.items()}
+    return None
+
+
+def _manifest(root, step: int) -> dict:
+    return json.loads((root / f"step_{step:08d}" / "manifest.json").read_bytes())["body"]
+
+
+def _flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def _packed_byte(root, step: int, name: str) -> tuple[str, int]:
+    """The pack chunk file holding a packed tensor, and the offset of its first byte in that file."""
+    body = _manifest(root, step)
+    pack, offset = body["arrays"][name]["pack"]
+    chunk = body["packs"][pack]["chunk"][0]
+    return str(root / f"step_{step:08d}" / "packs" / pack / "c" / str(offset // chunk)), offset % chunk
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"chunk_bytes": 64}, {"max_staging_bytes": 64 << 10}],
+    ids=["one_chunk", "many_chunks", "staged_in_waves"],
+)
+def test_many_small_tensors_round_trip_bitwise_in_a_few_files(tmp_path, kw):
+    # big (1.4 MB) is an array of its own; mid (80 kB) is packed, and cut by rows when staged in waves of 64 kB
+    saved = {**_small(1), "mid": torch.randn(100, 200)}
+    if "chunk_bytes" not in kw:
+        saved["big"] = torch.randn(40, 9000)
+    with ckpt.CheckpointManager(tmp_path, **kw) as m:
+        m.save(1, saved).wait()
+    body = _manifest(tmp_path, 1)
+    assert body["format"] == "ckpt/3"
+    limit = min(kw.get("chunk_bytes", 1 << 20), 1 << 20)
+    sizes = {n: math.prod(a["shape"]) * numpy_dtype(a["dtype"]).itemsize for n, a in body["arrays"].items()}
+    assert {n for n, a in body["arrays"].items() if "pack" in a} == {n for n, b in sizes.items() if 0 < b <= limit}
+    assert len(body["packs"]) == 1 and "empty" in sizes
+    files = [f for _, _, fs in os.walk(tmp_path / "step_00000001") for f in fs]
+    if not kw:  # manifest, the pack (zarr.json + one chunk), big (zarr.json + one chunk), empty (zarr.json)
+        assert len(files) == 6, files
+    target = _zeros(saved)
+    with ckpt.CheckpointManager(tmp_path) as m:
+        assert m.restore(target) == 1
+    assert _same(target, saved)
+    assert _same(ckpt.load(tmp_path), saved)
+    assert not list(catalog.verify(open_storage(str(tmp_path)), 1))
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_damaged_packed_tensor_is_named_and_restore_falls_back(tmp_path, where):
+    root = str(tmp_path) if where == "local" else f"memory://{uuid.uuid4().hex}"
+    with ckpt.CheckpointManager(root) as m:
+        m.save(1, _small(1)).wait()
+        m.save(2, _small(2)).wait()
+    storage = open_storage(root)
+    body = json.loads(storage.read("step_00000002/manifest.json"))["body"]
+    pack, offset = body["arrays"]["layers/7.bias"]["pack"]
+    chunk = f"step_00000002/packs/{pack}/c/{offset // body['packs'][pack]['chunk'][0]}"
+    data = bytearray(storage.read(chunk))
+    data[offset % body["packs"][pack]["chunk"][0] + 5] ^= 0x10
+    storage.write_atomic(chunk, bytes(data))
+    path = storage.local_path(chunk) or f"{storage.url}{chunk}"
+    problems = list(catalog.verify(storage, 2))
+    assert problems[0].key == "layers/7.bias" and problems[0].file == path, problems
+    target = _zeros(_small(0))
+    before = {k: _bits(v) for k, v in target["layers"].items()}
+    with ckpt.CheckpointManager(root) as m:
+        with pytest.raises(CorruptCheckpointError, match="packed tensor checksum") as info:
+            m.restore(target, step=2)
+        assert info.value.key == "layers/7.bias" and info.value.file == path
+        assert {k: _bits(v) for k, v in target["layers"].items()} == before  # all or nothing
+        with pytest.warns(RuntimeWarning, match=r"step 2 is damaged.*key=layers/7.bias"):
+            assert m.restore(target) == 1
+    assert _same(target, _small(1))
+
+
+def test_load_of_one_packed_tensor_reads_only_its_bytes(tmp_path):
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, _small(1)).wait()
+    path, at = _packed_byte(tmp_path, 1, "layers/3.bias")
+    _flip(path, at)  # damage beside it in the same chunk file: not read, not reported
+    got = ckpt.load(tmp_path, step=1, keys=["layers.4.bias"])
+    assert _same(got["layers"]["4.bias"], _small(1)["layers"]["4.bias"])
+    region = ckpt.load(tmp_path, step=1, keys=["bf16"], region=(slice(1, 3),))
+    assert _same(region["bf16"], _small(1)["bf16"][1:3])
+    with pytest.raises(CorruptCheckpointError) as info:
+        ckpt.load(tmp_path, step=1, keys=["layers.3.bias"])
+    assert info.value.key == "layers/3.bias" and info.value.file == path
+
+
+def _resign(root, step: int, mutate) -> None:
+    path = root / f"step_{step:08d}" / "manifest.json"
+    body = json.loads(path.read_bytes())["body"]
+    mutate(body)
+    text = json.dumps(body, separators=(",", ":"))
+    path.write_text(json.dumps({"sha256": hashlib.sha256(text.encode()).hexdigest(), "body": body}))
+
+
+def test_format_2_steps_are_still_read(tmp_path):
+    with ckpt.CheckpointManager(tmp_path, pack_bytes=0) as m:  # one array per tensor, as ckpt/2 wrote
+        m.save(1, _small(1)).wait()
+
+    def downgrade(body):
+        assert body.pop("packs") == {}
+        body["format"] = "ckpt/2"
+
+    _resign(tmp_path, 1, downgrade)
+    assert not list(catalog.verify(open_storage(str(tmp_path)), 1))
+    assert _same(ckpt.load(tmp_path), _small(1))
+
+
+@pytest.mark.parametrize("craft", ["outside_the_pack", "across_chunks", "unknown_pack", "in_format_2"])
+def test_crafted_pack_entries_are_damage(tmp_path, craft):
+    with ckpt.CheckpointManager(tmp_path, chunk_bytes=64) as m:
+        m.save(1, _small(1)).wait()
+
+    def mutate(body):
+        entry = body["arrays"]["f64"]  # 32 bytes
+        pack = body["packs"][entry["pack"][0]]
+        if craft == "outside_the_pack":
+            entry["pack"][1] = pack["shape"][0] - 4
+        elif craft == "across_chunks":
+            entry["pack"][1] = 60  # 32 bytes from 60 cross the chunk boundary at 64
+        elif craft == "unknown_pack":
+            entry["pack"][0] = "rank_00009"
+        else:
+            body["format"] = "ckpt/2"
+            del body["packs"]
+
+    _resign(tmp_path, 1, mutate)
+    with pytest.raises(CorruptCheckpointError, match="malformed") as info:
+        ckpt.load(tmp_path, step=1)
+    assert info.value.key == ("f16" if craft == "in_format_2" else "f64")  # in_format_2: the first packed one
