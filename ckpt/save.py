@@ -193,9 +193,8 @@ class SaveJob:
         try:
             for info, box, data in pieces:
                 self.digests.add(info, box, data)
-        finally:  # never leave writes that reference the arena behind
-            for f in futures:
-                f.result()  # resolves once the chunk is written and fsync'd (file kvstore's file_io_sync)
+        finally:  # never leave writes that reference the arena behind: wait for each, then raise the first error
+            _settle(futures)  # each resolves once its chunk is written and fsync'd (file kvstore's file_io_sync)
 
     def _gather(self, info: ArrayInfo, s: Staged) -> None:
         """Copy a staged packed tensor (or rows of it, in order) to its place in the pack, and extend its crc32c: its
@@ -275,12 +274,26 @@ class SaveJob:
 
     def abandon(self) -> None:
         """After a failed write: remove what this save left, unless it got as far as committing."""
+        with contextlib.suppress(Exception):  # arrays still being created would write their files after the delete
+            _settle(list((self._arrays or {}).values()))
         if self.leader and self._prepared and not layout.is_committed(self.storage, self.plan.step):
             self.storage.delete_tree(self.dir)
 
     def commit(self, digests: Mapping[str, Mapping[int, int]], packs: Mapping[str, Mapping[int, int]]) -> None:
         """Make every directory entry durable, then write the manifest last (atomically): from now on the step exists."""
         commit_step(self.storage, self.plan.step, self.manifest(digests, packs).to_bytes(), self.lease)
+
+
+def _settle(futures: Sequence[ts.Future]) -> None:
+    """Wait for every future, then raise the first one's error, if any: none is left running behind an error."""
+    first: BaseException | None = None
+    for f in futures:
+        try:
+            f.result()
+        except BaseException as e:
+            first = first or e
+    if first is not None:
+        raise first
 
 
 def raise_outcome(
