@@ -44,7 +44,9 @@ class CheckpointObserver(Protocol):
     """What the manager tells a goodput tracker (e.g. `ettr.GoodputTracker`); every method must be thread-safe."""
 
     def span(self, category: str, **attrs: Any) -> ContextManager[Any]: ...
-    def checkpoint_committed(self, step: int, background_seconds: float, nbytes: int) -> None: ...
+    def checkpoint_committed(
+        self, step: int, background_seconds: float, nbytes: int, *, tier: str | None = None
+    ) -> None: ...
     def checkpoint_restored(self, step: int | None, *, tier: str | None = None) -> None: ...
     def checkpoint_failed(self, step: int, error: BaseException) -> None: ...
 
@@ -53,7 +55,9 @@ class _NoTracker:
     def span(self, category: str, **attrs: Any) -> ContextManager[Any]:
         return contextlib.nullcontext()
 
-    def checkpoint_committed(self, step: int, background_seconds: float, nbytes: int) -> None:
+    def checkpoint_committed(
+        self, step: int, background_seconds: float, nbytes: int, *, tier: str | None = None
+    ) -> None:
         pass
 
     def checkpoint_restored(self, step: int | None, *, tier: str | None = None) -> None:
@@ -264,7 +268,8 @@ class CheckpointManager:
             seconds,
             nbytes / max(seconds, 1e-9) / 1e9,
         )
-        self.tracker.checkpoint_committed(step, seconds, nbytes)
+        # with two tiers every commit names its tier (one tier: no tier=, as observers written for one tier expect)
+        self.tracker.checkpoint_committed(step, seconds, nbytes, **({"tier": LOCAL} if self.tiers else {}))
         committed.set_result(step)
         if self.tiers is not None:
             return  # the durable tier's retention runs after each persist
@@ -273,14 +278,17 @@ class CheckpointManager:
         except Exception as e:  # a checkpoint left behind is no data loss: report, go on
             log.warning("retention after step %d failed: %s", step, e)
 
-    def _persisted(self, step: int, error: BaseException | None) -> None:
-        """Persist thread: a persist ended; its error is raised by the next call, else the durable tier's retention."""
+    def _persisted(self, step: int, error: BaseException | None, seconds: float = 0.0, nbytes: int | None = None) -> None:
+        """Persist thread: a persist ended; its error is raised by the next call, else the tracker hears of the durable
+        commit (`nbytes` copied in `seconds`; None: the step was durable already) and the durable tier's retention runs."""
         if error is not None:
             with self._lock:
                 self._error = self._error or CheckpointWriteError(
                     step, RuntimeError(f"persisting to {self.storage.url}: {error}")
                 )
             return
+        if nbytes is not None:
+            self.tracker.checkpoint_committed(step, seconds, nbytes, tier=DURABLE)
         try:
             self._apply_retention()
         except Exception as e:
