@@ -78,7 +78,8 @@ class TrainLoop:
         overlap: run the snapshot on a thread so it overlaps the next forward/backward; call `wait_for_staging()`
             before anything that mutates the saved state (``optimizer.step()``).
         tracker: an unstarted GoodputTracker (e.g. with OpenTelemetry metrics); default ``GoodputTracker(root)``.
-        manager_options: passed to `CheckpointManager` (retention, staging cap, chunk size).
+        manager_options: passed to `CheckpointManager` (retention, staging cap, chunk size, and two tiers:
+            ``local=DIR, persist_every=K, keep_local=N``; the preemption save is then persisted too).
     """
 
     def __init__(
@@ -203,8 +204,8 @@ class TrainLoop:
         self._open_step = None
         self.step = step
         signum = self.preemption.signum
-        if signum is not None:
-            self.save(step, metrics)
+        if signum is not None:  # with two tiers also persisted: the job may come back on another node
+            self.save(step, metrics, persist=True)
             self.wait_for_staging()
             self.manager.wait()
             raise Preempted(signum, step)
@@ -212,16 +213,21 @@ class TrainLoop:
             return self.save(step, metrics)
         return False
 
-    def save(self, step: int, metrics: Mapping[str, Any] | None = None) -> bool:
-        """Checkpoint `step` now unless it is already saved (restored or saved by this loop); True if started."""
+    def save(self, step: int, metrics: Mapping[str, Any] | None = None, *, persist: bool | None = None) -> bool:
+        """Checkpoint `step` now unless it is already saved (restored or saved by this loop); True if started.
+
+        With two tiers (``local=``), `persist` is `CheckpointManager.save`'s: True also persists the step to the
+        durable root, None leaves it to ``persist_every``."""
         if step == self.last_saved:
             return False
         self.wait_for_staging()
         if self._stager is None:
-            self.manager.save(step, self.state, metadata=metrics)
+            self.manager.save(step, self.state, metadata=metrics, persist=persist)
         else:  # RNG and sampler positions are captured now; tensors are copied on the staging thread
             frozen = {k: _Snapshot(self.state[k].state_dict()) for k in ("rng", "sampler") if k in self.state}
-            self._staging = self._stager.submit(self.manager.save, step, {**self.state, **frozen}, metadata=metrics)
+            self._staging = self._stager.submit(
+                self.manager.save, step, {**self.state, **frozen}, metadata=metrics, persist=persist
+            )
         self.last_saved = step
         self.decision.saved(step, time.monotonic())
         return True
