@@ -484,7 +484,7 @@ class CheckpointManager:
                 )
         if damaged and restored is not None:
             log.warning("restored step %d after skipping %d damaged step(s)", restored, len(damaged))
-        tracker.checkpoint_restored(restored, tier=tier)
+        tracker.checkpoint_restored(restored, tier=tier if self.tiers else None)  # one tier: None, as ettr reads it
         return restored
 
     def _candidates(self, step: int | None, damaged: Mapping[tuple[int, str], Any]) -> list[Source]:

@@ -80,3 +80,16 @@ def test_two_tier_commits_name_their_tier_so_a_lost_local_tier_reads_as_a_node_l
     # the durable step 4 equals the newest local commit: only the commit tiers tell that the local copy was lost
     assert attribution.failure_classes["node"] == 1
     assert attribution.restores_per_tier["durable"][0] == 1
+
+
+def test_a_one_tier_restore_names_no_tier(tmp_path):
+    state = {"w": torch.arange(4.0)}
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, state).wait()
+    tracker = ettr.GoodputTracker(str(tmp_path)).start()
+    with ckpt.CheckpointManager(tmp_path, tracker=tracker) as m:
+        assert m.restore(state) == 1
+    tracker.end()
+    assert [(r["s"], r.get("tier")) for r in _records(tmp_path) if r.get("k") == "restore"] == [(1, None)]
+    # so a one-tier job's report has no per-tier lines and no two-tier advice
+    assert list(ettr.attribute_root(str(tmp_path)).restores_per_tier) == [None]

@@ -49,7 +49,7 @@ def add_tier_args(parser: argparse.ArgumentParser, local_flag: str = "--local") 
         "every --persist-every-th is persisted to the run's root (default: one tier)",
     )
     parser.add_argument(
-        "--persist-every", type=int, default=5, help="with --local: persist every this many local saves (default 5)"
+        "--persist-every", type=int, default=3, help="with --local: persist every this many local saves (default 3)"
     )
     parser.add_argument(
         "--node-loss",
