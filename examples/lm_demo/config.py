@@ -43,16 +43,18 @@ def add_tier_args(parser: argparse.ArgumentParser, local_flag: str = "--local") 
     parser.add_argument(
         local_flag,
         dest="local",
+        metavar="DIR",
         type=Path,
         default=None,
         help="two tiers: every checkpoint commits to a local tier under this directory (e.g. /dev/shm/lm_demo), "
         "every --persist-every-th is persisted to the run's root (default: one tier)",
     )
     parser.add_argument(
-        "--persist-every", type=int, default=3, help="with --local: persist every this many local saves (default 3)"
+        "--persist-every", metavar="K", type=int, default=3, help="with --local: persist every this many local saves (default 3)"
     )
     parser.add_argument(
         "--node-loss",
+        metavar="N",
         type=int,
         default=0,
         help="with --local: the N-th SIGKILL also loses the node, so the next attempt finds the local tier wiped "
