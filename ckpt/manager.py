@@ -105,9 +105,10 @@ class CheckpointManager:
             environment, else a new random id); see `ckpt.run`. Integrations compare it at a fresh start.
         local: a directory on this machine (NVMe, ``/dev/shm``) for a fast local tier: every save commits there,
             and `root` becomes the durable tier. ``{rank}`` in it is replaced by the rank (each rank needs its own).
-        persist_every: with `local`, every K-th committed save (counted from this manager's start) is also
-            persisted to `root` in the background, copied from the local tier's committed files (verified);
-            `retention` applies to `root`.
+        persist_every: with `local`, every K-th committed save (counted from this manager's start, or from its first
+            save when `restore` took a local step the durable tier lacks: that save is persisted) is also persisted
+            to `root` in the background, copied from the local tier's committed files (verified); `retention`
+            applies to `root`.
         keep_local: with `local`, how many committed steps the local tier keeps.
         replica_offset: with `local` and torch.distributed, each rank's local step is also sent to the local tier
             of rank ``(rank + replica_offset) % world`` (default: the ranks per node, from LOCAL_WORLD_SIZE, else 1),
@@ -464,6 +465,8 @@ class CheckpointManager:
                     continue
                 restore_mod.apply(plan, state)
                 restored = s
+                if self.tiers is not None and track:  # where the job resumes: may the durable tier lag behind?
+                    self.tiers.resumed(source.tier == LOCAL and Source(s, DURABLE) not in candidates)
                 tier = PEER if self.ranks.rank in source.heal else source.tier
                 sizes = [r.nbytes for r in plan.reads.values()]
                 log.info(

@@ -155,6 +155,11 @@ class Tiers:
         """The replica of rank `rank`'s local tier kept in this one."""
         return LocalStorage(os.path.join(self.local.root, layout.replica_root(rank)))
 
+    def resumed(self, lagging: bool) -> None:
+        """A job resumed here: when it restored a local step the durable tier lacks (`lagging`), its first save is
+        persisted, else the K-th; so a job whose attempts die before their K-th save still reaches the durable tier."""
+        self._commits = self.persist_every - 1 if lagging else 0
+
     # -- after a local commit (the writer thread) ---------------------------------------------------
 
     def committed(
