@@ -279,7 +279,9 @@ class CheckpointManager:
         except Exception as e:  # a checkpoint left behind is no data loss: report, go on
             log.warning("retention after step %d failed: %s", step, e)
 
-    def _persisted(self, step: int, error: BaseException | None, seconds: float = 0.0, nbytes: int | None = None) -> None:
+    def _persisted(
+        self, step: int, error: BaseException | None, seconds: float = 0.0, nbytes: int | None = None
+    ) -> None:
         """Persist thread: a persist ended; its error is raised by the next call, else the tracker hears of the durable
         commit (`nbytes` copied in `seconds`; None: the step was durable already) and the durable tier's retention runs."""
         if error is not None:

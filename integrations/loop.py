@@ -122,6 +122,7 @@ class TrainLoop:
         self._open_step: int | None = None
         self.manager: CheckpointManager | None = None
         self.start_step = self.step = self.last_saved = 0
+        self._total: int | None = None  # the last step of the job, once steps(total) gave it
 
     def _interval(self, every_steps: int | None, every_seconds: float | None, advise: bool) -> SaveDecision:
         """The save decision the interval arguments describe (each part checks its own value)."""
@@ -178,6 +179,7 @@ class TrainLoop:
     # -- the step path ------------------------------------------------------------------------------------
     def steps(self, total: int) -> Iterator[int]:
         """Step numbers start_step + 1 .. total, each timed as productive until its `on_step_end`."""
+        self._total = total
         for step in range(self.start_step + 1, total + 1):
             self.step_begin(step)
             yield step
@@ -209,8 +211,8 @@ class TrainLoop:
             self.wait_for_staging()
             self.manager.wait()
             raise Preempted(signum, step)
-        if self.decision.should_save(step, time.monotonic()):
-            return self.save(step, metrics)
+        if self.decision.should_save(step, time.monotonic()):  # the job's last save is persisted with two tiers
+            return self.save(step, metrics, persist=True if step == self._total else None)
         return False
 
     def save(self, step: int, metrics: Mapping[str, Any] | None = None, *, persist: bool | None = None) -> bool:

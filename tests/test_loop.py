@@ -169,6 +169,16 @@ def test_sigterm_with_two_tiers_persists_the_preemption_save_so_a_new_node_resum
     assert attribute_root(str(root)).restores_per_tier["durable"][0] == 1
 
 
+def test_with_two_tiers_the_save_of_the_last_step_is_persisted(tmp_path):
+    root, local = tmp_path / "run", tmp_path / "local"
+    with TrainLoop(
+        str(root), {"w": torch.zeros(2)}, every_steps=2, rng=False, local=str(local), persist_every=100
+    ) as loop:
+        for step in loop.steps(6):
+            loop.on_step_end(step)
+    assert layout.committed_steps(open_storage(root)) == [6]  # 2 and 4 stayed local; the job's end is durable
+
+
 def test_sigkill_resume_is_bitwise_identical_and_the_report_shows_it(tmp_path, tokens, reference):
     reference, run = reference[0], tmp_path / "run"
     code, killed = run_child(run, tokens, overlap=True, signal_on=("step 10", signal.SIGKILL))

@@ -46,7 +46,9 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.persist_every < 1:
         parser.error(f"--persist-every must be >= 1, got {args.persist_every}")
     if not 0 <= args.node_loss <= args.chaos:
-        parser.error(f"--node-loss must name one of the {args.chaos} SIGKILL(s) (1..{args.chaos}), got {args.node_loss}")
+        parser.error(
+            f"--node-loss must name one of the {args.chaos} SIGKILL(s) (1..{args.chaos}), got {args.node_loss}"
+        )
 
 
 def torchrun(

@@ -50,7 +50,11 @@ def add_tier_args(parser: argparse.ArgumentParser, local_flag: str = "--local") 
         "every --persist-every-th is persisted to the run's root (default: one tier)",
     )
     parser.add_argument(
-        "--persist-every", metavar="K", type=int, default=3, help="with --local: persist every this many local saves (default 3)"
+        "--persist-every",
+        metavar="K",
+        type=int,
+        default=3,
+        help="with --local: persist every this many local saves (default 3)",
     )
     parser.add_argument(
         "--node-loss",

@@ -74,7 +74,9 @@ def train(args: argparse.Namespace) -> None:
         **tiers,
     ) as loop:
         tier = f" ({tracker.restored_tier} tier)" if tracker.restored_tier else ""
-        print(f"{tag} resumed from step {loop.start_step}{tier}" if loop.start_step else f"{tag} fresh start", flush=True)
+        print(
+            f"{tag} resumed from step {loop.start_step}{tier}" if loop.start_step else f"{tag} fresh start", flush=True
+        )
         chaos = Chaos.for_attempt(args.chaos, args.seed, attempt, loop.start_step, args.steps, args.node_loss)
         batches = sampler.track(make_loader(dataset, sampler, num_workers=args.workers))
         for step, batch in zip(loop.steps(args.steps), batches):
