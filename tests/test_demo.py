@@ -10,17 +10,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+def run_demo(*argv: str) -> str:
+    """`python -m examples.lm_demo ARGV`; its stdout, once it exited 0."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "examples.lm_demo", *argv], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
 def test_quick_demo_crashes_resumes_and_proves_determinism(tmp_path):
     run_dir = tmp_path / "demo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "examples.lm_demo", "--quick", f"--run-dir={run_dir}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    out = proc.stdout
-    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    out = run_demo("--quick", f"--run-dir={run_dir}")
     assert "chaos: SIGKILL during the background write" in out
     assert "[chaos attempt 2] resumed from step" in out
     lines = out.rstrip().splitlines()
@@ -32,16 +33,10 @@ def test_quick_demo_crashes_resumes_and_proves_determinism(tmp_path):
 
 def test_quick_demo_with_two_tiers_restores_locally_then_from_durable_after_a_node_loss(tmp_path):
     run_dir = tmp_path / "demo"
-    argv = ["--quick", f"--run-dir={run_dir}", f"--local={tmp_path / 'nvme'}", "--persist-every=2", "--chaos=2"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "examples.lm_demo", *argv, "--node-loss=2", "--compare"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    local = f"--local={tmp_path / 'nvme'}"
+    out = run_demo(
+        "--quick", f"--run-dir={run_dir}", local, "--persist-every=2", "--chaos=2", "--node-loss=2", "--compare"
     )
-    out = proc.stdout
-    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert re.search(r"\[chaos attempt 2\] resumed from step \d+ \(local tier\)", out), out
     assert "chaos: SIGKILL in step" in out and "and the node is lost" in out
     assert re.search(r"\[chaos attempt 3\] resumed from step \d+ \(durable tier\)", out), out
