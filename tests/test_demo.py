@@ -42,6 +42,7 @@ def test_quick_demo_with_two_tiers_restores_locally_then_from_durable_after_a_no
     assert re.search(r"\[chaos attempt 3\] resumed from step \d+ \(durable tier\)", out), out
     assert re.search(r"restores per tier: local 1 \(.*\), durable 1 \(", out)
     assert "failures by class: 1 the local tier survived, 1 it did not (node), 0 unclassified" in out
+    assert re.search(r"\n\S+ +ok +\d+  durable +\d+-40 ", out), out  # the attempt table: where each restore read
     assert "two-tier plan: local every" in out and "best single tier" in out
     assert "the same chaos at the same durable interval (10 steps):" in out
     assert re.search(r"one tier, every 10 steps +ETTR [\d.]+ +lost", out)
