@@ -45,7 +45,9 @@ class CheckpointObserver(Protocol):
     """What the manager tells a goodput tracker (e.g. `ettr.GoodputTracker`); every method must be thread-safe."""
 
     def span(self, category: str, **attrs: Any) -> ContextManager[Any]: ...
-    def checkpoint_committed(self, step: int, background_seconds: float, nbytes: int) -> None: ...
+    def checkpoint_committed(
+        self, step: int, background_seconds: float, nbytes: int, *, tier: str | None = None
+    ) -> None: ...
     def checkpoint_restored(self, step: int | None, *, tier: str | None = None) -> None: ...
     def checkpoint_failed(self, step: int, error: BaseException) -> None: ...
 
@@ -54,7 +56,9 @@ class _NoTracker:
     def span(self, category: str, **attrs: Any) -> ContextManager[Any]:
         return contextlib.nullcontext()
 
-    def checkpoint_committed(self, step: int, background_seconds: float, nbytes: int) -> None:
+    def checkpoint_committed(
+        self, step: int, background_seconds: float, nbytes: int, *, tier: str | None = None
+    ) -> None:
         pass
 
     def checkpoint_restored(self, step: int | None, *, tier: str | None = None) -> None:
@@ -105,9 +109,10 @@ class CheckpointManager:
             environment, else a new random id); see `ckpt.run`. Integrations compare it at a fresh start.
         local: a directory on this machine (NVMe, ``/dev/shm``) for a fast local tier: every save commits there,
             and `root` becomes the durable tier. ``{rank}`` in it is replaced by the rank (each rank needs its own).
-        persist_every: with `local`, every K-th committed save (counted from this manager's start) is also
-            persisted to `root` in the background, copied from the local tier's committed files (verified);
-            `retention` applies to `root`.
+        persist_every: with `local`, every K-th committed save (counted from this manager's start, or from its first
+            save when `restore` took a local step the durable tier lacks: that save is persisted) is also persisted
+            to `root` in the background, copied from the local tier's committed files (verified); `retention`
+            applies to `root`.
         keep_local: with `local`, how many committed steps the local tier keeps.
         replica_offset: with `local` and torch.distributed, each rank's local step is also sent to the local tier
             of rank ``(rank + replica_offset) % world`` (default: the ranks per node, from LOCAL_WORLD_SIZE, else 1),
@@ -283,7 +288,8 @@ class CheckpointManager:
             seconds,
             nbytes / max(seconds, 1e-9) / 1e9,
         )
-        self.tracker.checkpoint_committed(step, seconds, nbytes)
+        # with two tiers every commit names its tier (one tier: no tier=, as observers written for one tier expect)
+        self.tracker.checkpoint_committed(step, seconds, nbytes, **({"tier": LOCAL} if self.tiers else {}))
         committed.set_result(step)
         if self.tiers is not None:
             return  # the durable tier's retention runs after each persist
@@ -292,14 +298,19 @@ class CheckpointManager:
         except Exception as e:  # a checkpoint left behind is no data loss: report, go on
             log.warning("retention after step %d failed: %s", step, e)
 
-    def _persisted(self, step: int, error: BaseException | None) -> None:
-        """Persist thread: a persist ended; its error is raised by the next call, else the durable tier's retention."""
+    def _persisted(
+        self, step: int, error: BaseException | None, seconds: float = 0.0, nbytes: int | None = None
+    ) -> None:
+        """Persist thread: a persist ended; its error is raised by the next call, else the tracker hears of the durable
+        commit (`nbytes` copied in `seconds`; None: the step was durable already) and the durable tier's retention runs."""
         if error is not None:
             with self._lock:
                 self._error = self._error or CheckpointWriteError(
                     step, RuntimeError(f"persisting to {self.storage.url}: {error}")
                 )
             return
+        if nbytes is not None:
+            self.tracker.checkpoint_committed(step, seconds, nbytes, tier=DURABLE)
         try:
             self._apply_retention()
         except Exception as e:
@@ -475,6 +486,8 @@ class CheckpointManager:
                     continue
                 restore_mod.apply(plan, state)
                 restored = s
+                if self.tiers is not None and track:  # where the job resumes: may the durable tier lag behind?
+                    self.tiers.resumed(source.tier == LOCAL and Source(s, DURABLE) not in candidates)
                 tier = PEER if self.ranks.rank in source.heal else source.tier
                 sizes = [r.nbytes for r in plan.reads.values()]
                 log.info(
@@ -495,7 +508,7 @@ class CheckpointManager:
                 )
         if damaged and restored is not None:
             log.warning("restored step %d after skipping %d damaged step(s)", restored, len(damaged))
-        tracker.checkpoint_restored(restored, tier=tier)
+        tracker.checkpoint_restored(restored, tier=tier if self.tiers else None)  # one tier: None, as ettr reads it
         return restored
 
     def _candidates(self, step: int | None, damaged: Mapping[tuple[int, str], Any]) -> list[Source]:

@@ -155,18 +155,24 @@ class Tiers:
         """The replica of rank `rank`'s local tier kept in this one."""
         return LocalStorage(os.path.join(self.local.root, layout.replica_root(rank)))
 
+    def resumed(self, lagging: bool) -> None:
+        """A job resumed here: when it restored a local step the durable tier lacks (`lagging`), its first save is
+        persisted, else the K-th; so a job whose attempts die before their K-th save still reaches the durable tier."""
+        self._commits = self.persist_every - 1 if lagging else 0
+
     # -- after a local commit (the writer thread) ---------------------------------------------------
 
     def committed(
         self,
         plan: WritePlan,
         durable_lease: lease_mod.Lease | None,
-        done: Callable[[int, BaseException | None], None],
+        done: Callable[[int, BaseException | None, float, int | None], None],
         persist: bool | None = None,
     ) -> None:
         """A step committed locally on every rank: queue its persist if it is the K-th (counted alike on every rank,
         whatever happens next) or `persist` says so, replicate it to the peer, apply local retention.
-        `done(step, error)` is called on the persist thread when a persist ends."""
+        `done(step, error, seconds, bytes copied)` is called on the persist thread when a persist ends (bytes None: the
+        step was durable already)."""
         step = plan.step
         self._commits += 1
         if persist or (persist is None and self._commits % self.persist_every == 0):
@@ -203,26 +209,21 @@ class Tiers:
         step: int,
         regions: dict[str, Box],
         lease: lease_mod.Lease | None,
-        done: Callable[[int, BaseException | None], None],
+        done: Callable[[int, BaseException | None, float, int | None], None],
     ) -> None:
         t0 = time.perf_counter()
         try:
             copied = PersistJob(self.local, self.durable, step, regions, self._persist_ranks, lease).run()
         except BaseException as e:
             log.error("persisting step %d to %s failed: %s", step, self.durable.url, e)
-            done(step, e)
+            done(step, e, time.perf_counter() - t0, None)
             return
+        seconds = time.perf_counter() - t0
         if copied is None:
             log.warning("step %d is already in the durable tier %s: not persisted again", step, self.durable.url)
         else:
-            log.info(
-                "persisted step %d to %s: %.1f MB in %.2fs",
-                step,
-                self.durable.url,
-                copied / 1e6,
-                time.perf_counter() - t0,
-            )
-        done(step, None)
+            log.info("persisted step %d to %s: %.1f MB in %.2fs", step, self.durable.url, copied / 1e6, seconds)
+        done(step, None, seconds, copied)
 
     def _retain(self, storage: Storage, protected: set[int]) -> None:
         """Keep the newest `keep_local` committed steps of a local root (and any step being persisted)."""

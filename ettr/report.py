@@ -29,6 +29,8 @@ def _ordered(micros: dict[str, int]) -> list[str]:
 def report_text(a: Attribution, advice: Advice | None = None) -> str:
     """A table per category, one line per attempt, ETTR, and the advice."""
     wall = a.wall_us
+    tiered = any(at.restored_tier is not None for at in a.attempts)  # a "from" column: the tier each restore read
+    from_column = f"{'  from':<10}" if tiered else ""
     lines = [f"{'category':<20}{'seconds':>14}{'share':>9}"]
     for cat in _ordered(a.micros):
         lines.append(f"{cat:<20}{a.micros[cat] / 1e6:>14.6f}{a.micros[cat] / wall if wall else 0:>9.2%}")
@@ -40,12 +42,14 @@ def report_text(a: Attribution, advice: Advice | None = None) -> str:
         f"{a.failures} failure(s); committed steps: {_steps(a.committed_steps)}",
         *_tier_lines(a),
         "",
-        f"{'attempt':<32}{'status':<9}{'restored':>9}{'steps':>12}{'lost':>6}{'productive s':>14}{'lost s':>10}",
+        f"{'attempt':<32}{'status':<9}{'restored':>9}{from_column}{'steps':>12}{'lost':>6}"
+        f"{'productive s':>14}{'lost s':>10}",
     ]
     for at in a.attempts:
         span = f"{at.first_step}-{at.last_step}" if at.steps else "-"
+        tier = f"{'  ' + (at.restored_tier or '-'):<10}" if tiered else ""
         lines.append(
-            f"{at.attempt[:31]:<32}{at.status:<9}{str(at.restored_step):>9}{span:>12}{at.lost_steps:>6}"
+            f"{at.attempt[:31]:<32}{at.status:<9}{str(at.restored_step):>9}{tier}{span:>12}{at.lost_steps:>6}"
             f"{at.micros.get('productive', 0) / 1e6:>14.3f}{at.micros.get('lost', 0) / 1e6:>10.3f}"
             + ("  (torn last line dropped)" if at.torn else "")
         )

@@ -79,7 +79,8 @@ class TrainLoop:
             before anything that mutates the saved state (``optimizer.step()``).
         tracker: an unstarted GoodputTracker (e.g. with OpenTelemetry metrics); default ``GoodputTracker(root)`` with
             the manager's ``storage_options``.
-        manager_options: passed to `CheckpointManager` (retention, staging cap, chunk size).
+        manager_options: passed to `CheckpointManager` (retention, staging cap, chunk size, and two tiers:
+            ``local=DIR, persist_every=K, keep_local=N``; the preemption save is then persisted too).
     """
 
     def __init__(
@@ -125,6 +126,7 @@ class TrainLoop:
         self._open_step: int | None = None
         self.manager: CheckpointManager | None = None
         self.start_step = self.step = self.last_saved = 0
+        self._total: int | None = None  # the last step of the job, once steps(total) gave it
 
     def _interval(self, every_steps: int | None, every_seconds: float | None, advise: bool) -> SaveDecision:
         """The save decision the interval arguments describe (each part checks its own value)."""
@@ -185,6 +187,7 @@ class TrainLoop:
     # -- the step path ------------------------------------------------------------------------------------
     def steps(self, total: int) -> Iterator[int]:
         """Step numbers start_step + 1 .. total, each timed as productive until its `on_step_end`."""
+        self._total = total
         for step in range(self.start_step + 1, total + 1):
             self.step_begin(step)
             yield step
@@ -211,25 +214,30 @@ class TrainLoop:
         self._open_step = None
         self.step = step
         signum = self.preemption.signum
-        if signum is not None:
-            self.save(step, metrics)
+        if signum is not None:  # with two tiers also persisted: the job may come back on another node
+            self.save(step, metrics, persist=True)
             self.wait_for_staging()
             self.manager.wait()
             raise Preempted(signum, step)
-        if self.decision.should_save(step, time.monotonic()):
-            return self.save(step, metrics)
+        if self.decision.should_save(step, time.monotonic()):  # the job's last save is persisted with two tiers
+            return self.save(step, metrics, persist=True if step == self._total else None)
         return False
 
-    def save(self, step: int, metrics: Mapping[str, Any] | None = None) -> bool:
-        """Checkpoint `step` now unless it is already saved (restored or saved by this loop); True if started."""
+    def save(self, step: int, metrics: Mapping[str, Any] | None = None, *, persist: bool | None = None) -> bool:
+        """Checkpoint `step` now unless it is already saved (restored or saved by this loop); True if started.
+
+        With two tiers (``local=``), `persist` is `CheckpointManager.save`'s: True also persists the step to the
+        durable root, None leaves it to ``persist_every``."""
         if step == self.last_saved:
             return False
         self.wait_for_staging()
         if self._stager is None:
-            self.manager.save(step, self.state, metadata=metrics)
+            self.manager.save(step, self.state, metadata=metrics, persist=persist)
         else:  # RNG and sampler positions are captured now; tensors are copied on the staging thread
             frozen = {k: _Snapshot(self.state[k].state_dict()) for k in ("rng", "sampler") if k in self.state}
-            self._staging = self._stager.submit(self.manager.save, step, {**self.state, **frozen}, metadata=metrics)
+            self._staging = self._stager.submit(
+                self.manager.save, step, {**self.state, **frozen}, metadata=metrics, persist=persist
+            )
         self.last_saved = step
         self.decision.saved(step, time.monotonic())
         return True

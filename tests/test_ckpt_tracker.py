@@ -53,3 +53,43 @@ def test_a_tracker_set_to_none_reports_to_nobody(tmp_path):
         m.save(2, {"w": torch.ones(3)}).wait()
     tracker.end()
     assert [r["s"] for r in _records(tmp_path) if r.get("k") == "commit"] == [2]
+
+
+def test_two_tier_commits_name_their_tier_so_a_lost_local_tier_reads_as_a_node_loss(tmp_path):
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    state = {"w": torch.arange(10.0)}
+    tracker = ettr.GoodputTracker(str(durable)).start()
+    with ckpt.CheckpointManager(durable, local=local, persist_every=2, tracker=tracker) as m:
+        m.restore(state)
+        for s in range(1, 5):
+            tracker.step_begin(s)
+            tracker.step_end(s)
+            m.save(s, state).wait()
+        m.wait()  # the persist of step 4
+    tracker.end("error")  # the node dies after step 4: its local tier with it
+    commits = [(r["s"], r.get("tier")) for r in _records(durable) if r.get("k") == "commit"]
+    assert sorted(commits) == [(1, "local"), (2, "durable"), (2, "local"), (3, "local"), (4, "durable"), (4, "local")]
+    import shutil
+
+    shutil.rmtree(local)
+    tracker = ettr.GoodputTracker(str(durable)).start()
+    with ckpt.CheckpointManager(durable, local=local, persist_every=2, tracker=tracker) as m:
+        assert m.restore(state) == 4
+    tracker.end()
+    attribution = ettr.attribute_root(str(durable))
+    # the durable step 4 equals the newest local commit: only the commit tiers tell that the local copy was lost
+    assert attribution.failure_classes["node"] == 1
+    assert attribution.restores_per_tier["durable"][0] == 1
+
+
+def test_a_one_tier_restore_names_no_tier(tmp_path):
+    state = {"w": torch.arange(4.0)}
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, state).wait()
+    tracker = ettr.GoodputTracker(str(tmp_path)).start()
+    with ckpt.CheckpointManager(tmp_path, tracker=tracker) as m:
+        assert m.restore(state) == 1
+    tracker.end()
+    assert [(r["s"], r.get("tier")) for r in _records(tmp_path) if r.get("k") == "restore"] == [(1, None)]
+    # so a one-tier job's report has no per-tier lines and no two-tier advice
+    assert list(ettr.attribute_root(str(tmp_path)).restores_per_tier) == [None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,17 +10,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+def run_demo(*argv: str) -> str:
+    """`python -m examples.lm_demo ARGV`; its stdout, once it exited 0."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "examples.lm_demo", *argv], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
 def test_quick_demo_crashes_resumes_and_proves_determinism(tmp_path):
     run_dir = tmp_path / "demo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "examples.lm_demo", "--quick", f"--run-dir={run_dir}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    out = proc.stdout
-    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    out = run_demo("--quick", f"--run-dir={run_dir}")
     assert "chaos: SIGKILL during the background write" in out
     assert "[chaos attempt 2] resumed from step" in out
     lines = out.rstrip().splitlines()
@@ -27,3 +29,21 @@ def test_quick_demo_crashes_resumes_and_proves_determinism(tmp_path):
     assert lines[-2:] == [f"timeline: {png}", "deterministic: yes"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "1 failure(s)" in out and "recommended interval" in out
+
+
+def test_quick_demo_with_two_tiers_restores_locally_then_from_durable_after_a_node_loss(tmp_path):
+    run_dir = tmp_path / "demo"
+    local = f"--local={tmp_path / 'nvme'}"
+    out = run_demo(
+        "--quick", f"--run-dir={run_dir}", local, "--persist-every=2", "--chaos=2", "--node-loss=2", "--compare"
+    )
+    assert re.search(r"\[chaos attempt 2\] resumed from step \d+ \(local tier\)", out), out
+    assert "chaos: SIGKILL in step" in out and "and the node is lost" in out
+    assert re.search(r"\[chaos attempt 3\] resumed from step \d+ \(durable tier\)", out), out
+    assert re.search(r"restores per tier: local 1 \(.*\), durable 1 \(", out)
+    assert "failures by class: 1 the local tier survived, 1 it did not (node), 0 unclassified" in out
+    assert re.search(r"\n\S+ +ok +\d+  durable +\d+-40 ", out), out  # the attempt table: where each restore read
+    assert "two-tier plan: local every" in out and "best single tier" in out
+    assert "the same chaos at the same durable interval (10 steps):" in out
+    assert re.search(r"one tier, every 10 steps +ETTR [\d.]+ +lost", out)
+    assert out.rstrip().endswith("deterministic: yes")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,8 +33,10 @@ def tiny_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Embedding(VOCAB, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, VOCAB))
 
 
-def train(root: str, tokens: str, every: int, overlap: bool) -> None:
-    """The child: resume, train to TOTAL printing each step, write the final weights to ROOT/final.bin."""
+def train(root: str, tokens: str, every: int, overlap: bool, local: str | None = None) -> None:
+    """The child: resume, train to TOTAL printing each step, write the final weights to ROOT/final.bin.
+
+    With `local`, two tiers: every save to the local tier LOCAL, none persisted by the interval (persist_every)."""
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -43,8 +46,15 @@ def train(root: str, tokens: str, every: int, overlap: bool) -> None:
     sampler = RandomWindowSampler(dataset.n_tokens, WINDOW, 3, BATCH, seed=3, fingerprint=dataset.fingerprint())
     try:
         tracker = GoodputTracker(root, flush_interval=0)  # every step reaches the ledger before its "step" line
+        tiers = {"local": local, "persist_every": 1000} if local else {}
         with TrainLoop(
-            root, {"model": model, "optim": optim}, sampler=sampler, every_steps=every, overlap=overlap, tracker=tracker
+            root,
+            {"model": model, "optim": optim},
+            sampler=sampler,
+            every_steps=every,
+            overlap=overlap,
+            tracker=tracker,
+            **tiers,
         ) as loop:
             print(f"restored {loop.start_step}", flush=True)
             for step, batch in zip(loop.steps(TOTAL), sampler.track(make_loader(dataset, sampler))):
@@ -64,10 +74,17 @@ def train(root: str, tokens: str, every: int, overlap: bool) -> None:
 
 
 def run_child(
-    root: Path, tokens: Path, *, every: int = EVERY, overlap: bool = False, signal_on: tuple[str, int] | None = None
+    root: Path,
+    tokens: Path,
+    *,
+    every: int = EVERY,
+    overlap: bool = False,
+    signal_on: tuple[str, int] | None = None,
+    local: Path | None = None,
 ) -> tuple[int, list[str]]:
     """Run the child; send `signal_on[1]` when it prints `signal_on[0]`. Returns its exit status and lines."""
     cmd = [sys.executable, __file__, str(root), str(tokens), str(every)] + (["--overlap"] if overlap else [])
+    cmd += [f"--local={local}"] if local else []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent)
     lines = []
     for line in proc.stdout:
@@ -138,6 +155,28 @@ def test_sigterm_saves_the_current_step_and_restart_loses_nothing(tmp_path, toke
     assert [at.lost_steps for at in a.attempts] == [0, 0] and a.micros["lost"] == 0
     assert [at.restored_step for at in a.attempts] == [None, saved]
     assert a.committed_steps == (saved,)
+
+
+def test_sigterm_with_two_tiers_persists_the_preemption_save_so_a_new_node_resumes_from_it(tmp_path, tokens):
+    root, local = tmp_path / "run", tmp_path / "local"
+    code, lines = run_child(root, tokens, every=2, local=local, signal_on=("step 7", signal.SIGTERM))
+    assert code == 128 + signal.SIGTERM and lines[-1].startswith("preempted"), lines[-3:]
+    saved = int(lines[-1].split()[1])
+    assert layout.committed_steps(open_storage(root)) == [saved]  # the interval saves stayed local
+    shutil.rmtree(local)  # the job comes back on another node: the local tier is gone
+    code, resumed = run_child(root, tokens, every=2, local=local)
+    assert code == 0 and resumed[0] == f"restored {saved}", resumed[:2]
+    assert attribute_root(str(root)).restores_per_tier["durable"][0] == 1
+
+
+def test_with_two_tiers_the_save_of_the_last_step_is_persisted(tmp_path):
+    root, local = tmp_path / "run", tmp_path / "local"
+    with TrainLoop(
+        str(root), {"w": torch.zeros(2)}, every_steps=2, rng=False, local=str(local), persist_every=100
+    ) as loop:
+        for step in loop.steps(6):
+            loop.on_step_end(step)
+    assert layout.committed_steps(open_storage(root)) == [6]  # 2 and 4 stayed local; the job's end is durable
 
 
 def test_sigkill_resume_is_bitwise_identical_and_the_report_shows_it(tmp_path, tokens, reference):
@@ -222,5 +261,6 @@ if __name__ == "__main__":
     parser.add_argument("tokens")
     parser.add_argument("every", type=int)
     parser.add_argument("--overlap", action="store_true")
+    parser.add_argument("--local", help="a local tier: two tiers")
     args = parser.parse_args()
-    train(args.root, args.tokens, args.every, args.overlap)
+    train(args.root, args.tokens, args.every, args.overlap, args.local)

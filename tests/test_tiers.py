@@ -272,3 +272,20 @@ def test_save_with_persist_true_makes_that_step_durable_and_false_keeps_it_local
         m.save(2, state(2), persist=False).wait()  # the K-th, but not this time
         m.wait()
         assert [(int(s), s.tiers) for s in m.steps()] == [(1, ("local", "durable")), (2, ("local",))]
+
+
+def test_an_attempt_restored_from_a_local_step_the_durable_tier_lacks_persists_its_first_save(tmp_path):
+    """persist_every counts each manager's saves: without this, jobs that crash before their K-th save never persist."""
+    durable, local = saved(tmp_path, [1, 2], persist_every=3)  # an attempt dies before its 3rd save: nothing durable
+    with ckpt.CheckpointManager(durable, local=local, persist_every=3) as m:
+        got = blank()
+        assert m.restore(got) == 2
+        for s in range(3, 7):
+            m.save(s, state(s)).wait()
+            m.wait()
+    assert layout.committed_steps(open_storage(durable)) == [3, 6]  # the first save, then every 3rd after it
+    with ckpt.CheckpointManager(durable, local=local, persist_every=3) as m:
+        assert m.restore(blank()) == 6  # local, and durable too: the counting starts afresh
+        for s in range(7, 10):
+            m.save(s, state(s)).wait()
+    assert layout.committed_steps(open_storage(durable)) == [3, 6, 9]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 # name, type, default, help; --quick replaces some defaults (see QUICK)
 TRAINING = (
@@ -34,3 +35,32 @@ def training_argv(args: argparse.Namespace) -> list[str]:
     """The training flags of `args` as a command line for the worker."""
     argv = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name, *_ in TRAINING]
     return argv + (["--advise"] if args.advise else [])
+
+
+def add_tier_args(parser: argparse.ArgumentParser, local_flag: str = "--local") -> None:
+    """The two-tier flags of driver and worker (the driver gives each run a local tier of its own, as the worker's
+    `--local-tier`: torchrun would take `--local` for an abbreviation of its own `--local-addr`)."""
+    parser.add_argument(
+        local_flag,
+        dest="local",
+        metavar="DIR",
+        type=Path,
+        default=None,
+        help="two tiers: every checkpoint commits to a local tier under this directory (e.g. /dev/shm/lm_demo), "
+        "every --persist-every-th is persisted to the run's root (default: one tier)",
+    )
+    parser.add_argument(
+        "--persist-every",
+        metavar="K",
+        type=int,
+        default=3,
+        help="with --local: persist every this many local saves (default 3)",
+    )
+    parser.add_argument(
+        "--node-loss",
+        metavar="N",
+        type=int,
+        default=0,
+        help="with --local: the N-th SIGKILL also loses the node, so the next attempt finds the local tier wiped "
+        "and restores from the durable tier (default 0: none)",
+    )

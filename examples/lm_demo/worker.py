@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from ettr import GoodputTracker
 from integrations import TrainLoop
 
 from .chaos import Chaos
-from .config import add_training_args
+from .config import add_tier_args, add_training_args
 from .model import TinyCausalLM
 
 
@@ -29,6 +30,16 @@ def weights_sha256(model: torch.nn.Module) -> str:
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
         digest.update(tensor.detach().contiguous().numpy().tobytes())
     return digest.hexdigest()
+
+
+class DemoTracker(GoodputTracker):
+    """A GoodputTracker that also keeps the tier the restore read, for the progress line."""
+
+    restored_tier: str | None = None
+
+    def checkpoint_restored(self, step: int | None, *, tier: str | None = None) -> None:
+        self.restored_tier = tier
+        super().checkpoint_restored(step, tier=tier)
 
 
 def train(args: argparse.Namespace) -> None:
@@ -46,7 +57,13 @@ def train(args: argparse.Namespace) -> None:
     )
     model = TinyCausalLM(args.context, args.d_model, args.layers)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    tracker = GoodputTracker(args.root, flush_interval=1.0)  # a SIGKILL loses at most 1 s of the ledger
+    tiers = {}
+    if args.local is not None:
+        tiers = {"local": str(args.local), "persist_every": args.persist_every}
+        if args.node_loss and attempt == args.node_loss:  # after the node-loss kill: a new node, no local tier
+            shutil.rmtree(args.local, ignore_errors=True)
+            print(f"{tag} on a new node: the local tier {args.local} is gone", flush=True)
+    tracker = DemoTracker(args.root, flush_interval=1.0)  # a SIGKILL loses at most 1 s of the ledger
     with TrainLoop(
         args.root,
         {"model": model, "optim": optim},
@@ -54,9 +71,13 @@ def train(args: argparse.Namespace) -> None:
         every_steps=args.every,
         advise=args.advise,
         tracker=tracker,
+        **tiers,
     ) as loop:
-        print(f"{tag} resumed from step {loop.start_step}" if loop.start_step else f"{tag} fresh start", flush=True)
-        chaos = Chaos.for_attempt(args.chaos, args.seed, attempt, loop.start_step, args.steps)
+        tier = f" ({tracker.restored_tier} tier)" if tracker.restored_tier else ""
+        print(
+            f"{tag} resumed from step {loop.start_step}{tier}" if loop.start_step else f"{tag} fresh start", flush=True
+        )
+        chaos = Chaos.for_attempt(args.chaos, args.seed, attempt, loop.start_step, args.steps, args.node_loss)
         batches = sampler.track(make_loader(dataset, sampler, num_workers=args.workers))
         for step, batch in zip(loop.steps(args.steps), batches):
             tokens = batch["tokens"]
@@ -74,7 +95,7 @@ def train(args: argparse.Namespace) -> None:
                     flush=True,
                 )
             if chaos is not None:
-                chaos.after_step(step, saved)
+                chaos.after_step(step, saved, settle=loop.manager.wait)
     final = {"steps": loop.step, "sha256": weights_sha256(model)}
     Path(args.root, "final.json").write_text(json.dumps(final))
     print(f"{tag} done: {loop.step} steps, weights sha256 {final['sha256'][:16]}...", flush=True)
@@ -88,6 +109,7 @@ def main() -> None:
     parser.add_argument("--name", default="run", help="label of progress lines")
     parser.add_argument("--chaos", type=int, default=0, help="SIGKILL the first this many attempts")
     add_training_args(parser)
+    add_tier_args(parser, "--local-tier")
     train(parser.parse_args())
 
 

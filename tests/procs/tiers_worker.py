@@ -29,7 +29,7 @@ class Restores:
 
         return contextlib.nullcontext()
 
-    def checkpoint_committed(self, step, background_seconds, nbytes):
+    def checkpoint_committed(self, step, background_seconds, nbytes, *, tier=None):
         pass
 
     def checkpoint_restored(self, step, *, tier=None):
