@@ -6,10 +6,11 @@ of work, as the Python side of a GPU job) runs while each method saves the state
 
 - thread: the loop runs in the saving process's main thread. It calls save, then steps until the save is
   durable. stall = time in the save call; background = from there until durable; kept = steps/s during
-  the background / steps/s of the idle loop just before; lost = stall + (1 - kept) x background.
+  the background / idle steps/s (the mean of the idle loop just before and just after the save: other
+  load drifts); lost = stall + (1 - kept) x background.
 - process: the loop runs in another process (spawned; its step count and worst step read through shared
   memory), while this process saves and waits. kept = its steps/s from the save call until durable / its
-  idle steps/s just before; lost = (1 - kept) x durable (the save call stalls nobody there).
+  idle steps/s (before and after, as above); lost = (1 - kept) x durable (the save call stalls nobody there).
 
 Per save also: durable = stall + background, and the worst latency of one training step during it. Every
 figure is the median of the measured saves (`--repeats` per child x `--rounds` children per variant, the
@@ -236,6 +237,7 @@ def run_child(args) -> dict:
                 stall, done, wait = impl.save(step)
                 n, bg, worst = trainer.run_until(done)
                 wait()
+                idle = (idle + trainer.rate(args.idle_s)) / 2  # before and after: other load drifts
                 kept = n / bg / idle
                 lost = stall + (1 - kept) * bg
             else:
@@ -245,11 +247,20 @@ def run_child(args) -> dict:
                 stall, done, wait = impl.save(step)
                 wait()
                 n, durable, worst = other.since(mark)
+                idle = (idle + other.rate(args.idle_s)) / 2
                 bg = durable - stall
                 kept = n / durable / idle
                 lost = (1 - kept) * durable
             rows[mode].append(
-                {"stall": stall, "bg": bg, "durable": stall + bg, "kept": kept, "worst": worst, "lost": lost, "idle": idle}
+                {
+                    "stall": stall,
+                    "bg": bg,
+                    "durable": stall + bg,
+                    "kept": kept,
+                    "worst": worst,
+                    "lost": lost,
+                    "idle": idle,
+                }
             )
             impl.delete(step)
             step += 1
@@ -317,7 +328,7 @@ def report(size: float, results: dict[str, list[dict]], args) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default="1,2", help="state sizes in GiB, comma separated (default 1,2)")
+    ap.add_argument("--sizes", default=None, help="state sizes in GiB, comma separated (default 1,2; quick 0.125)")
     ap.add_argument("--variants", default="dcp_async,ckpt", help="dcp_async, ckpt, ckpt:cores=X:files=N:nice=N")
     ap.add_argument("--repeats", type=int, default=3, help="measured saves per mode per child")
     ap.add_argument("--rounds", type=int, default=1, help="children per variant, interleaved across variants")
@@ -334,7 +345,8 @@ def main(argv=None) -> None:
         print(json.dumps(run_child(args)))
         return
     if args.quick:
-        args.sizes, args.idle_s, args.first_after = "0.125", 0.5, 2.0
+        args.sizes, args.idle_s, args.first_after = args.sizes or "0.125", 0.5, 2.0
+    args.sizes = args.sizes or "1,2"
     own_dir = args.dir is None
     args.dir = args.dir or tempfile.mkdtemp(prefix="ckpt-interference-")
     variants = args.variants.split(",")
@@ -351,7 +363,7 @@ def main(argv=None) -> None:
         if own_dir:
             shutil.rmtree(args.dir, ignore_errors=True)
     print(
-        "\nkept = training steps/s during the write / idle steps/s just before; lost = training seconds lost per "
+        "\nkept = training steps/s during the write / idle steps/s (mean of just before and just after); lost = training seconds lost per "
         "checkpoint (thread: stall + (1 - kept) x bg; process: (1 - kept) x durable); max step = worst single step "
         "during the write; 1st stall = the first save of a fresh process"
     )
