@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 
@@ -139,6 +140,38 @@ class OtherProcess:
         self.proc.join(10)
 
 
+def thread_times() -> dict[int, tuple[str, float, float]]:
+    """Per thread of this process: (name, CPU seconds, seconds runnable but waiting for a CPU); Linux procfs."""
+    tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                waited = int(f.read().split()[1]) / 1e9
+        except (OSError, IndexError):  # ended meanwhile, or no schedstat
+            continue
+        out[int(tid)] = (names.get(int(tid), comm), (int(fields[11]) + int(fields[12])) / tick, waited)
+    return out
+
+
+def where_cpu_went(before: dict, after: dict, main: int) -> dict[str, float]:
+    """CPU seconds per group of threads between two `thread_times`, and the training thread's run-queue wait."""
+    out = {"train_cpu": 0.0, "train_wait": 0.0, "pool_cpu": 0.0, "ckpt_cpu": 0.0, "other_cpu": 0.0}
+    for tid, (name, cpu, waited) in after.items():
+        _, cpu0, waited0 = before.get(tid, (name, 0.0, 0.0))
+        if tid == main:
+            out["train_cpu"], out["train_wait"] = cpu - cpu0, waited - waited0
+        else:
+            group = "pool" if name == "ts_pool_worker" else "ckpt" if name.startswith("ckpt-") else "other"
+            out[f"{group}_cpu"] += cpu - cpu0
+    return out
+
+
 # -- methods --------------------------------------------------------------------------------------------
 
 
@@ -234,9 +267,11 @@ def run_child(args) -> dict:
             other.pause(mode == "thread")
             if mode == "thread":
                 idle = trainer.rate(args.idle_s)
+                before = thread_times()
                 stall, done, wait = impl.save(step)
                 n, bg, worst = trainer.run_until(done)
                 wait()
+                cpu = where_cpu_went(before, thread_times(), threading.get_native_id())
                 idle = (idle + trainer.rate(args.idle_s)) / 2  # before and after: other load drifts
                 kept = n / bg / idle
                 lost = stall + (1 - kept) * bg
@@ -251,6 +286,7 @@ def run_child(args) -> dict:
                 bg = durable - stall
                 kept = n / durable / idle
                 lost = (1 - kept) * durable
+                cpu = {}
             rows[mode].append(
                 {
                     "stall": stall,
@@ -261,6 +297,7 @@ def run_child(args) -> dict:
                     "lost": lost,
                     "idle": idle,
                 }
+                | cpu
             )
             impl.delete(step)
             step += 1
@@ -312,6 +349,20 @@ def report(size: float, results: dict[str, list[dict]], args) -> str:
                 f"{m['label']:<28}{m['stall']:>9.3f}{m['bg']:>8.3f}{m['durable']:>11.3f}{m['kept']:>8.2f}"
                 f"{m['worst'] * 1e3:>13.0f}{m['lost']:>8.3f}{ratio:>10}{m['first']:>13.3f}{m['idle']:>11.0f}"
             )
+        if mode == "thread":
+            lines.append(
+                "  CPU s during the write: training thread on CPU / waiting to run | tensorstore pool | ckpt | other"
+            )
+            for variant, runs in results.items():
+                rows = [r for run in runs for r in run["rows"][mode]]
+                c = {
+                    k: med([r[k] for r in rows])
+                    for k in ("train_cpu", "train_wait", "pool_cpu", "ckpt_cpu", "other_cpu")
+                }
+                lines.append(
+                    f"  {meds[variant]['label']:<26}{c['train_cpu']:>6.2f} /{c['train_wait']:>6.2f} |{c['pool_cpu']:>6.2f}"
+                    f" |{c['ckpt_cpu']:>6.2f} |{c['other_cpu']:>6.2f}"
+                )
         ck = meds.get("ckpt")
         if ck and ref:
             lines.append(
