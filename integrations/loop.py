@@ -210,6 +210,8 @@ class TrainLoop:
             raise Preempted(signum, step)
         if self.decision.should_save(step, time.monotonic()):
             return self.save(step, metrics)
+        if step == self.start_step + 1:  # the optimizer's state exists now: the first save copies into warm memory
+            self.manager.reserve(self.state)
         return False
 
     def save(self, step: int, metrics: Mapping[str, Any] | None = None) -> bool:
