@@ -439,7 +439,10 @@ class CheckpointManager:
                     f"(newest error: {next(iter(damaged.values()))})"
                 )
             if restored is None and keys is None:  # a fresh start: the first save should not fault in its arena
-                self.reserve(state)
+                try:
+                    self.reserve(state)
+                except (TypeError, ValueError) as e:  # a state `save` would refuse: the save says so, naming the key
+                    log.debug("no staging reserved ahead of the first save: %s", e)
         if damaged and restored is not None:
             log.warning("restored step %d after skipping %d damaged step(s)", restored, len(damaged))
         tracker.checkpoint_restored(restored)
