@@ -1,5 +1,6 @@
 """ckpt: save and restore the whole training state, asynchronously and sharded, through tensorstore."""
 
+from .budget import WriteBudget
 from .determinism.data import RandomWindowSampler, ShuffledSampler, TokenWindowDataset, explain, make_loader
 from .determinism.rng import RNGState
 from .errors import (
@@ -28,6 +29,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointObserver",
     "SaveHandle",
+    "WriteBudget",
     "Stateful",
     "RetentionPolicy",
     "KeepLast",

@@ -18,7 +18,9 @@ from . import catalog, layout
 from . import lease as lease_mod
 from . import restore as restore_mod
 from . import run as run_mod
-from .distributed import Ranks, prepare_optimizers
+from . import state as state_mod
+from .budget import WriteBudget
+from .distributed import Ranks, local_box, prepare_optimizers
 from .errors import (
     CheckpointDeleteError,
     CheckpointError,
@@ -98,6 +100,10 @@ class CheckpointManager:
         keep_last, keep_every, keep_best, best_metric, best_mode: shorthands for `KeepLast`, `KeepEvery` and
             `KeepBest`, kept together (`Keep`) when several are given; not together with `retention`.
         max_staging_bytes: cap on the host snapshot buffer; larger states are snapshotted in waves.
+        write_budget: what a background write may use of the machine: a `WriteBudget` (share of the CPUs,
+            file operations per core, niceness of the write's threads) or a number, the share of the CPUs.
+            Default `WriteBudget()`: every core, 4 file operations per core, threads at nice 5, so that
+            training comes first when both want the CPU (docs/checkpointing.md, "Background writes and training").
         chunk_bytes: target size of one chunk file (one chunk per tensor up to this size; at most 4 GiB).
         pack_bytes: tensors of at most this size (and `chunk_bytes`) that a rank writes whole are packed into
             one byte array per rank instead of an array each: a model of many small tensors writes a few files
@@ -137,6 +143,7 @@ class CheckpointManager:
         best_metric: str | None = None,
         best_mode: str = "min",
         max_staging_bytes: int | None = None,
+        write_budget: WriteBudget | float | None = None,
         chunk_bytes: int = 64 << 20,
         pack_bytes: int = PACK_BYTES,
         tracker: CheckpointObserver | None = None,
@@ -170,10 +177,13 @@ class CheckpointManager:
         self.pack_bytes = pack_bytes
         self.tracker = tracker
         self._arena = StagingArena(max_staging_bytes)
+        self.write_budget = WriteBudget.of(write_budget)
+        self._write_context = self.write_budget.context(context())
         self.ranks: Ranks = Ranks.current(timedelta(seconds=collective_timeout))
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer")
+        lower = self.write_budget.lower_this_thread  # background threads yield the CPU to training
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer", initializer=lower)
         self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-reader")
-        self._deleter = ThreadPoolExecutor(1, thread_name_prefix="ckpt-deleter")  # no save ever waits for it
+        self._deleter = ThreadPoolExecutor(1, "ckpt-deleter", initializer=lower)  # no save ever waits for it
         self._deleting: dict[int, Future] = {}
         self._inflight: SaveHandle | None = None
         self._error: CheckpointError | None = None
@@ -245,7 +255,7 @@ class CheckpointManager:
                     step, state, metadata, self.chunk_bytes, self.ranks, self.pack_bytes, private=self.tiers is not None
                 ),
                 self._arena,
-                context(),
+                self._write_context,
                 self.ranks,
                 lease,
             )
@@ -264,9 +274,11 @@ class CheckpointManager:
                     if writer:
                         run_mod.claim(storage, self.run)
                 self._run_recorded = True
+            self.write_budget.lower_pool_threads()
             job.run()
             if self.tiers is not None:  # replicate to the peer, persist the K-th, local retention
                 self.tiers.committed(job.plan, self._lease, self._persisted, persist)
+            self.write_budget.lower_pool_threads()  # workers tensorstore started during this write
         except BaseException as e:
             err = CheckpointWriteError(step, e)
             with self._lock:
@@ -414,6 +426,28 @@ class CheckpointManager:
         futures_wait(deletes)
         self._raise_error()
 
+    def reserve(self, state: Mapping[str, Any]) -> None:
+        """Allocate and pre-fault the host snapshot buffer for `state` in the background, so that the next save
+        copies into warm memory (a first save into fresh pages stalls ~10x longer). Returns at once.
+
+        `restore` does it by itself, also on a fresh start, sized from the state it was given; call this once the
+        state has its full size, e.g. after the first optimizer step (an optimizer's state appears there).
+        """
+        self._check_open()
+        self._reserve_sizes(
+            [local_box(t)[0].nbytes for t in state_mod.flatten(state, rank=self.ranks.rank).tensors.values()]
+        )
+
+    def _reserve_sizes(self, sizes: list[int]) -> None:
+        self._writer.submit(self._reserve_now, sizes)
+
+    def _reserve_now(self, sizes: list[int]) -> None:
+        """Writer thread: a failed reservation loses nothing (the next save allocates); it is reported, not raised."""
+        try:
+            self._arena.reserve(sizes)
+        except Exception as e:
+            log.warning("could not reserve %.1f MB of staging memory ahead of the next save: %s", sum(sizes) / 1e6, e)
+
     # -- restoring ----------------------------------------------------------------------------------
 
     def restore(
@@ -499,13 +533,18 @@ class CheckpointManager:
                     time.perf_counter() - t0,
                 )
                 if keys is None:  # the arena now holds what was read; grow it to the whole state in the background
-                    self._writer.submit(self._arena.reserve, sizes)
+                    self._reserve_sizes(sizes)
                 break
             if restored is None and damaged:
                 raise CorruptCheckpointError(
                     f"no intact checkpoint in {self.storage.url}: {len(damaged)} damaged "
                     f"(newest error: {next(iter(damaged.values()))})"
                 )
+            if restored is None and keys is None:  # a fresh start: the first save should not fault in its arena
+                try:
+                    self.reserve(state)
+                except (TypeError, ValueError) as e:  # a state `save` would refuse: the save says so, naming the key
+                    log.debug("no staging reserved ahead of the first save: %s", e)
         if damaged and restored is not None:
             log.warning("restored step %d after skipping %d damaged step(s)", restored, len(damaged))
         tracker.checkpoint_restored(restored, tier=tier if self.tiers else None)  # one tier: None, as ettr reads it

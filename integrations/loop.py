@@ -221,6 +221,8 @@ class TrainLoop:
             raise Preempted(signum, step)
         if self.decision.should_save(step, time.monotonic()):  # the job's last save is persisted with two tiers
             return self.save(step, metrics, persist=True if step == self._total else None)
+        if step == self.start_step + 1:  # the optimizer's state exists now: the first save copies into warm memory
+            self.manager.reserve(self.state)
         return False
 
     def save(self, step: int, metrics: Mapping[str, Any] | None = None, *, persist: bool | None = None) -> bool:

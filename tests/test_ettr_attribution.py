@@ -428,5 +428,7 @@ def test_a_tier_is_named_or_the_record_is_refused(tmp_path):
     line = next(i for i, text in enumerate(lines, 1) if '"tier"' in text)
     lines[line - 1] = lines[line - 1].replace('"local"', "7")
     open(ledger.source, "w").write("".join(lines))
-    with pytest.raises(LedgerError, match=rf"ledger-a1-rank0\.jsonl:{line}: field 'tier' of a 'restore' record must be"):
+    with pytest.raises(
+        LedgerError, match=rf"ledger-a1-rank0\.jsonl:{line}: field 'tier' of a 'restore' record must be"
+    ):
         attribute_root(str(tmp_path))

@@ -241,6 +241,19 @@ def test_a_save_decision_object_drives_the_loop(tmp_path):
         TrainLoop(str(tmp_path), {}, decision=EveryNSteps(3), every_steps=2)
 
 
+def test_after_its_first_step_a_fresh_loop_reserves_staging_for_the_optimizers_state_too(tmp_path):
+    model = torch.nn.Linear(64, 64)
+    optim = torch.optim.Adam(model.parameters())
+    with TrainLoop(str(tmp_path), {"model": model, "optim": optim}, every_steps=5, rng=False) as loop:
+        for step in loop.steps(1):
+            model(torch.randn(4, 64)).sum().backward()
+            optim.step()
+            loop.on_step_end(step)
+        loop.manager.wait()  # the reservation runs on the writer thread
+        params = sum(p.nbytes for p in model.parameters())
+        assert loop.manager._arena.capacity >= 3 * params  # parameters, exp_avg and exp_avg_sq
+
+
 def test_misuse_fails_loudly(tmp_path):
     with pytest.raises(ValueError, match="reserved"):
         TrainLoop(str(tmp_path), {"rng": 1}, every_steps=1)

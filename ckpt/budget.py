@@ -1,0 +1,127 @@
+"""How much of the machine a background write may take: its concurrency and its threads' CPU priority.
+
+Measured on 2 cores (docs/benchmarks.md, `bench/interference.py`): what starves a training thread while a
+save writes is CPU contention, not the GIL. The writer thread holds the GIL for ~5% of the write (planning,
+crc32c of small chunks; crc32c releases it from 32 KiB on), while tensorstore's pool threads, each doing
+the kernel's copy into the page cache, get an equal share of the CPU per thread: the training thread spends
+most of the write runnable but waiting in the run queue. Hence two levers, both here:
+
+- concurrency: tensorstore's `data_copy_concurrency` and `file_io_concurrency` for the writes, in a child
+  context of the root's (which keeps the root's other resources, e.g. the ``memory://`` store itself);
+- priority: the threads of a write run at a raised nice value, so that under contention the training
+  thread's CPU share comes first, yet the write still progresses (nice, not SCHED_IDLE, which starved the
+  write for 20 s on a loaded machine; and 5, not 10 or 19, which made writes 2-7x slower when other
+  processes wanted the CPU too). That covers the library's threads (writer, deleter, the commit's
+  fsyncs, which inherit the writer's) and tensorstore's pool workers, found by name (``ts_pool_worker``).
+
+Tensorstore's workers are shared by every tensorstore user of the process and a raised nice value cannot be
+lowered again without CAP_SYS_NICE: once a save ran, other tensorstore work in this process (a data loader
+reading through tensorstore, say) also runs at that priority. Set ``nice=0`` to leave every thread alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import tensorstore as ts
+
+log = logging.getLogger("ckpt")
+_POOL_THREAD = "ts_pool_worker"  # the name tensorstore gives its pool's worker threads (Linux comm)
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (its affinity mask; cgroup quotas are not seen)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class WriteBudget:
+    """What a background save may use of the machine; `CheckpointManager(write_budget=...)`.
+
+    Args:
+        cores: share of this process's CPUs that the write's data copies and file operations may keep busy
+            (at least one thread each): tensorstore's ``data_copy_concurrency``; ``file_io_concurrency`` is
+            `file_ops_per_core` times as many, since a file operation mostly waits for the disk.
+        file_ops_per_core: concurrent file operations per budgeted core: more overlap the fsyncs of many
+            chunk files (durable sooner), but each is a thread copying into the page cache (CPU), and the
+            scheduler shares a core per runnable thread.
+        nice: niceness (0-19) of the write's threads: at 5 a training thread gets ~3x the CPU share of each
+            (scheduler weights 1024 vs 335), at 10 ~9x, at 19 ~68x; 0 leaves every thread's priority alone.
+            Raising it is one-way without CAP_SYS_NICE.
+    """
+
+    cores: float = 1.0
+    file_ops_per_core: int = 4
+    nice: int = 5
+
+    def __post_init__(self) -> None:
+        if not 0 < self.cores <= 1:
+            raise ValueError(f"WriteBudget.cores is a share of the CPUs, in (0, 1]; got {self.cores}")
+        if self.file_ops_per_core < 1:
+            raise ValueError(f"WriteBudget.file_ops_per_core must be at least 1, got {self.file_ops_per_core}")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"WriteBudget.nice must be in [0, 19], got {self.nice}")
+
+    @classmethod
+    def of(cls, budget: "WriteBudget | float | None") -> "WriteBudget":
+        """A budget from the manager's argument: None is the default, a number the share of cores."""
+        if budget is None:
+            return cls()
+        if isinstance(budget, WriteBudget):
+            return budget
+        if isinstance(budget, (int, float)) and not isinstance(budget, bool):
+            return cls(cores=float(budget))
+        raise TypeError(f"write_budget must be a WriteBudget or a share of the CPUs in (0, 1], got {budget!r}")
+
+    def threads(self) -> tuple[int, int]:
+        """(data copy threads, concurrent file operations) on this machine."""
+        copies = max(1, math.floor(self.cores * cpu_count()))
+        return copies, copies * self.file_ops_per_core
+
+    def context(self, parent: ts.Context) -> ts.Context:
+        """The tensorstore context of the writes: the root's, with this budget's concurrency."""
+        copies, files = self.threads()
+        spec: dict[str, Any] = {"data_copy_concurrency": {"limit": copies}, "file_io_concurrency": {"limit": files}}
+        return ts.Context(ts.Context.Spec(spec), parent)
+
+    def lower_this_thread(self) -> None:
+        """Run the calling thread (one of the library's background threads) at the budget's niceness."""
+        _renice(threading.get_native_id(), self.nice)
+
+    def lower_pool_threads(self) -> None:
+        """Lower tensorstore's pool workers to the budget's niceness (those alive now; see the module doc)."""
+        if self.nice == 0:
+            return
+        try:
+            tids = os.listdir("/proc/self/task")
+        except OSError:  # no procfs: tensorstore's threads cannot be found
+            return
+        for tid in tids:
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if f.read().strip() != _POOL_THREAD:
+                        continue
+            except OSError:  # the thread ended meanwhile
+                continue
+            _renice(int(tid), self.nice)
+
+
+def _renice(tid: int, nice: int) -> None:
+    """Raise one thread's nice value to `nice` (never lowers it: that would need privileges)."""
+    if nice == 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except ProcessLookupError:  # the thread ended meanwhile
+        pass
+    except OSError as e:
+        log.debug("could not lower the priority of thread %d: %s", tid, e)

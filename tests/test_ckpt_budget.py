@@ -1,0 +1,118 @@
+"""A background write yields to training (its threads' priority, its concurrency), and a fresh job's first save
+copies into a staging arena reserved ahead of it instead of faulting in fresh memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from ckpt import CheckpointManager, WriteBudget
+from ckpt.budget import cpu_count
+
+
+def _state() -> dict:
+    torch.manual_seed(0)
+    return {"model": {"w": torch.randn(256, 128), "b": torch.randn(128)}, "step": 3}
+
+
+def _nbytes(state: dict) -> int:
+    return sum(t.nbytes for t in state["model"].values())
+
+
+def test_a_fresh_start_restore_reserves_the_arena_and_the_first_save_does_not_allocate(tmp_path):
+    state = _state()
+    with CheckpointManager(tmp_path / "ck") as m:
+        assert m.restore(state) is None  # nothing to resume from: a fresh job
+        m.wait()  # the reservation runs on the writer thread
+        arena = m._arena
+        reserved = arena._buf
+        assert arena.capacity >= _nbytes(state)
+        m.save(1, state).wait()
+        assert arena._buf is reserved  # the snapshot went into the reserved (pre-faulted) buffer
+
+
+def test_reserve_sizes_the_arena_from_the_state_and_the_next_save_reuses_it(tmp_path):
+    state = _state()
+    with CheckpointManager(tmp_path / "ck") as m:
+        m.reserve(state)
+        m.wait()
+        reserved = m._arena._buf
+        assert m._arena.capacity >= _nbytes(state)
+        m.save(1, state).wait()
+        assert m._arena._buf is reserved
+    with CheckpointManager(tmp_path / "ck") as m:
+        assert m.restore(_state()) == 1  # what the reserved arena held was written and reads back
+        m.wait()
+
+
+def test_a_partial_restore_of_a_fresh_root_reserves_nothing(tmp_path):
+    with CheckpointManager(tmp_path / "ck") as m:
+        assert m.restore(_state(), keys=["model"]) is None
+        m.wait()
+        assert m._arena.capacity == 0  # a subset of the state says nothing about the size of a save
+
+
+def test_write_budget_sets_the_concurrency_of_the_writes_and_keeps_the_roots_store(tmp_path):
+    root = f"memory://budget-{os.getpid()}"
+    state = _state()
+    with CheckpointManager(root, write_budget=WriteBudget(cores=0.5, file_ops_per_core=3)) as m:
+        copies = max(1, int(0.5 * cpu_count()))
+        assert m._write_context["data_copy_concurrency"].to_json() == {"limit": copies}
+        assert m._write_context["file_io_concurrency"].to_json() == {"limit": 3 * copies}
+        m.save(1, state).wait()
+    back = {"model": {"w": torch.zeros(256, 128), "b": torch.zeros(128)}, "step": 0}
+    with CheckpointManager(root) as m:  # the writes went to the root's own memory store
+        assert m.restore(back) == 1
+    assert torch.equal(back["model"]["w"], state["model"]["w"]) and back["step"] == 3
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, -1, True, "half"])
+def test_write_budget_rejects_what_is_not_a_share_of_the_cpus(tmp_path, bad):
+    with pytest.raises((ValueError, TypeError), match="write_budget|WriteBudget"):
+        CheckpointManager(tmp_path / "ck", write_budget=bad)
+
+
+def test_write_budget_rejects_a_niceness_outside_0_19():
+    with pytest.raises(ValueError, match="nice"):
+        WriteBudget(nice=20)
+
+
+_PRIORITIES = textwrap.dedent(
+    """
+    import json, os, sys, threading, torch
+    from ckpt import CheckpointManager, WriteBudget
+    budget = WriteBudget(nice=int(sys.argv[2]))
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # what this process was started at
+    with CheckpointManager(sys.argv[1], write_budget=budget) as m:
+        m.save(1, {"w": torch.ones(1 << 20)}).wait()
+        writer = [t.native_id for t in threading.enumerate() if t.name.startswith("ckpt-writer")]
+        pool = [int(t) for t in os.listdir("/proc/self/task")
+                if open(f"/proc/self/task/{t}/comm").read().strip() == "ts_pool_worker"]
+        main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        print(json.dumps([base, main, [os.getpriority(os.PRIO_PROCESS, t) for t in writer], len(pool),
+                          sorted({os.getpriority(os.PRIO_PROCESS, t) for t in pool})]))
+    """
+)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="finds threads through procfs (Linux)")
+@pytest.mark.parametrize("nice", [19, 0])
+def test_the_writes_threads_run_at_the_budgets_niceness_and_training_keeps_its_own(tmp_path, nice):
+    """In a fresh process: tensorstore's pool threads are process-wide and their niceness cannot be lowered back."""
+    out = subprocess.run(
+        [sys.executable, "-c", _PRIORITIES, str(tmp_path / "ck"), str(nice)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    base, main, writer, pool_threads, pool = json.loads(out)
+    assert main == base  # the training thread is never touched
+    assert writer == [max(base, nice)]  # raised to the budget's niceness, never lowered
+    assert pool_threads > 0 and pool == [max(base, nice)]
