@@ -10,8 +10,10 @@ most of the write runnable but waiting in the run queue. Hence two levers, both 
   context of the root's (which keeps the root's other resources, e.g. the ``memory://`` store itself);
 - priority: the threads of a write run at a raised nice value, so that under contention the training
   thread's CPU share comes first, yet the write still progresses (nice, not SCHED_IDLE, which starved the
-  write for 20 s on a loaded machine; and 5, not 10 or 19, which made writes 2-7x slower when other
-  processes wanted the CPU too). That covers the library's threads (writer, deleter, the commit's
+  write for 20 s on a loaded machine). The default, half the cores at nice 10, lost the least training time
+  per checkpoint on an otherwise idle machine with durable time within 1.2x of DCP's (docs/benchmarks.md);
+  where other processes at nice 0 want the CPU too (busy data-loader workers), nice 10 slows the write
+  (2-7x measured on a loaded machine): use ``WriteBudget(nice=5)`` or 0 there. That covers the library's threads (writer, deleter, the commit's
   fsyncs, which inherit the writer's) and tensorstore's pool workers, found by name (``ts_pool_worker``).
 
 Tensorstore's workers are shared by every tensorstore user of the process and a raised nice value cannot be
@@ -53,14 +55,14 @@ class WriteBudget:
         file_ops_per_core: concurrent file operations per budgeted core: more overlap the fsyncs of many
             chunk files (durable sooner), but each is a thread copying into the page cache (CPU), and the
             scheduler shares a core per runnable thread.
-        nice: niceness (0-19) of the write's threads: at 5 a training thread gets ~3x the CPU share of each
-            (scheduler weights 1024 vs 335), at 10 ~9x, at 19 ~68x; 0 leaves every thread's priority alone.
+        nice: niceness (0-19) of the write's threads: at 10 a training thread gets ~9x the CPU share of each
+            (scheduler weights 1024 vs 110), at 5 ~3x, at 19 ~68x; 0 leaves every thread's priority alone.
             Raising it is one-way without CAP_SYS_NICE.
     """
 
-    cores: float = 1.0
+    cores: float = 0.5
     file_ops_per_core: int = 4
-    nice: int = 5
+    nice: int = 10
 
     def __post_init__(self) -> None:
         if not 0 < self.cores <= 1:
