@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import socket
@@ -29,6 +30,8 @@ from .format import ArrayInfo, Manifest
 from .lease import Lease
 from .staging import Staged, StagingArena
 from .storage import Storage
+
+log = logging.getLogger("ckpt")
 
 
 def versions() -> dict[str, str]:
@@ -339,4 +342,7 @@ def commit_step(storage: Storage, step: int, manifest: bytes, lease: Lease | Non
     if lease:
         lease.check()  # a writer that lost the root's lease never commits
     storage.write_atomic(layout.manifest_path(step), manifest)
-    storage.delete_file(layout.in_progress_path(step))
+    try:  # committed now: a marker left behind (a store that went away this instant) is harmless, never read
+        storage.delete_file(layout.in_progress_path(step))
+    except Exception as e:
+        log.warning("step %d is committed, but its %s marker could not be removed: %s", step, layout.IN_PROGRESS, e)

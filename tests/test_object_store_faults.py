@@ -177,3 +177,26 @@ def test_a_frozen_server_fails_reads_within_the_timeout_and_is_usable_once_it_re
         target = state_for(0)
         assert m.restore(target) == 1
         _assert_state(target, 1)
+
+
+def test_a_step_whose_manifest_is_written_is_committed_even_if_its_marker_cannot_be_removed(s3_bucket, caplog):
+    """The manifest PUT is the commit: a store that fails right after it (the marker's DELETE) must not make the
+    save report a failure for a step that every reader already sees as committed."""
+    m = ckpt.CheckpointManager(f"s3://{s3_bucket}/marker", storage_options=TIMEOUT)
+    delete_file = m.storage.delete_file
+
+    def store_gone_after_the_manifest(path: str) -> None:
+        if path.endswith(layout.IN_PROGRESS):
+            raise OSError("the store went away after the manifest PUT")
+        delete_file(path)
+
+    m.storage.delete_file = store_gone_after_the_manifest  # fault injection on the real store
+    try:
+        m.save(1, state_for(1)).wait()  # no CheckpointWriteError: step 1 is committed
+        assert m.steps() == [1]
+        assert "is committed, but its _IN_PROGRESS marker could not be removed" in caplog.text
+        target = state_for(0)
+        assert m.restore(target) == 1
+        _assert_state(target, 1)
+    finally:
+        m.close()
