@@ -10,7 +10,7 @@ most of the write runnable but waiting in the run queue. Hence two levers, both 
   context of the root's (which keeps the root's other resources, e.g. the ``memory://`` store itself);
 - priority: the threads of a write run at a raised nice value, so that under contention the training
   thread's CPU share comes first, yet the write still progresses (nice, not SCHED_IDLE, which starved the
-  write for 20 s on a loaded machine). The default, half the cores at nice 10, lost the least training time
+  write for 20 s on a loaded machine). The default, half the cores with two file operations each at nice 10, lost the least training time
   per checkpoint on an otherwise idle machine with durable time within 1.2x of DCP's (docs/benchmarks.md);
   where other processes at nice 0 want the CPU too (busy data-loader workers), nice 10 slows the write
   (2-7x measured on a loaded machine): use ``WriteBudget(nice=5)`` or 0 there. That covers the library's threads (writer, deleter, the commit's
@@ -61,7 +61,7 @@ class WriteBudget:
     """
 
     cores: float = 0.5
-    file_ops_per_core: int = 4
+    file_ops_per_core: int = 2
     nice: int = 10
 
     def __post_init__(self) -> None:

@@ -102,7 +102,7 @@ class CheckpointManager:
         max_staging_bytes: cap on the host snapshot buffer; larger states are snapshotted in waves.
         write_budget: what a background write may use of the machine: a `WriteBudget` (share of the CPUs,
             file operations per core, niceness of the write's threads) or a number, the share of the CPUs.
-            Default `WriteBudget()`: half the cores, 4 file operations per core, threads at nice 10, so that
+            Default `WriteBudget()`: half the cores, 2 file operations per core, threads at nice 10, so that
             training comes first when both want the CPU (docs/checkpointing.md, "Background writes and training").
         chunk_bytes: target size of one chunk file (one chunk per tensor up to this size; at most 4 GiB).
         pack_bytes: tensors of at most this size (and `chunk_bytes`) that a rank writes whole are packed into
