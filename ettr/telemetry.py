@@ -111,16 +111,23 @@ class GoodputMetrics:
         self._durations[category].record(seconds, self._attempt)
 
     def committed(
-        self, step: int, at_us: int, background_seconds: float | None = None, nbytes: int | None = None
+        self,
+        step: int,
+        at_us: int,
+        background_seconds: float | None = None,
+        nbytes: int | None = None,
+        tier: str | None = None,
     ) -> None:
         """A checkpoint of `step` committed at `at_us` (job timeline); this attempt's own commits give the write
-        time and size, an earlier attempt's (read from its ledger) only the step and time."""
+        time and size, an earlier attempt's (read from its ledger) only the step and time. With two tiers the
+        write and size carry ``ettr.tier`` (a persist is a second write of the same step: a series of its own)."""
         if self._last_commit is None or step >= self._last_commit[0]:
             self._last_commit = step, at_us
+        attrs = {**self._attempt, "ettr.tier": tier} if tier else self._attempt
         if background_seconds is not None:
-            self.record_duration("checkpoint_write", background_seconds)
+            self._durations["checkpoint_write"].record(background_seconds, attrs)
         if nbytes is not None:
-            self._size.record(nbytes, self._attempt)
+            self._size.record(nbytes, attrs)
 
     def _observe_last_step(self, options: Any) -> Iterable[metrics.Observation]:
         last = self._last_commit

@@ -297,7 +297,7 @@ class GoodputTracker:
         of background work; `tier` names the tier it reached (TIERS; None: the only one)."""
         t = self._now()
         self._buf.append({"k": "commit", "s": step, "t": t, "bg": background_seconds, **_tier(tier)})
-        self.metrics.committed(step, t, background_seconds, nbytes)
+        self.metrics.committed(step, t, background_seconds, nbytes, tier)
         self.flush()
 
     def checkpoint_restored(self, step: int | None, *, tier: str | None = None) -> None:

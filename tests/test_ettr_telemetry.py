@@ -72,6 +72,29 @@ def go_on(tr: GoodputTracker, clock: FakeClock) -> None:
     clock.advance(5.0)
 
 
+def test_with_two_tiers_a_persist_is_a_write_series_of_its_own(tmp_path):
+    """A step saved locally and then persisted is two writes of one step: the histograms tell them apart by tier,
+    so a dashboard neither counts the step's bytes twice nor mixes local and durable write times."""
+    clock = FakeClock(1000.0)
+    tr = GoodputTracker(str(tmp_path), job_id=JOB, attempt_id="a1", rank=0, clock=clock, flush_interval=0)
+    provider, reader = configure_metrics("memory", tracker=tr, set_global=False)
+    tr.start()
+    tr.checkpoint_committed(5, 0.25, 4096, tier="local")
+    tr.checkpoint_committed(5, 2.0, 4096, tier="durable")
+    tr.checkpoint_committed(6, 0.5, 4096)  # one tier: no tier attribute
+    (resource_metrics,) = reader.get_metrics_data().resource_metrics
+    points = {
+        m.name: {p.attributes.get("ettr.tier"): (p.count, p.sum) for p in m.data.data_points}
+        for sm in resource_metrics.scope_metrics
+        for m in sm.metrics
+        if m.name in ("ettr.checkpoint_write.duration", "ettr.checkpoint.size")
+    }
+    assert points["ettr.checkpoint_write.duration"] == {"local": (1, 0.25), "durable": (1, 2.0), None: (1, 0.5)}
+    assert points["ettr.checkpoint.size"] == {"local": (1, 4096), "durable": (1, 4096), None: (1, 4096)}
+    tr.end()
+    provider.shutdown()
+
+
 def test_in_memory_reader_sees_identity_attempt_counters_and_job_gauges(tmp_path):
     root = str(tmp_path)
     crashed_attempt(root)
