@@ -12,12 +12,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from . import catalog, exporter, importers, layout, lease
+from . import catalog, exporter, importers, layout, lease, storage_args
 from . import state as state_mod
 from .determinism import data
 from .errors import CheckpointError, StepNotFoundError
 from .layout import read_manifest
-from .storage import STORAGE_OPTIONS, Storage, open_storage
+from .storage import Storage, open_storage
 
 
 class _Parser(argparse.ArgumentParser):
@@ -311,45 +311,11 @@ def _open(root: str, storage_options: dict[str, str]) -> Storage:
     return storage
 
 
-def _storage_option(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key.strip(), value
-
-
-def _store_parser() -> argparse.ArgumentParser:
-    """Options of object-store roots (s3://, gs://), shared by every command; the AWS variables apply without them."""
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("object stores (s3://, gs://; default: the standard AWS_* variables)")
-    g.add_argument("--endpoint", help="S3 endpoint URL, e.g. http://127.0.0.1:8333 (default: AWS_ENDPOINT_URL)")
-    g.add_argument("--region", help="S3 region (default: AWS_REGION)")
-    g.add_argument("--timeout", type=float, help="seconds one storage request may take, retries included (default 30)")
-    g.add_argument(
-        "--storage-option",
-        dest="options",
-        metavar="KEY=VALUE",
-        type=_storage_option,
-        action="append",
-        default=[],
-        help=f"any storage option ({', '.join(STORAGE_OPTIONS)}); repeatable",
-    )
-    return p
-
-
-def _options_of(args: argparse.Namespace) -> dict[str, str]:
-    options = dict(args.options)
-    for key in ("endpoint", "region", "timeout"):
-        if getattr(args, key) is not None:
-            options[key] = getattr(args, key)
-    return options
-
-
 def main(argv: list[str] | None = None) -> int:
     p = _Parser(prog="python -m ckpt", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     local_help = "a rank's local tier (the manager's local=): shown beside the durable root, with its peer replicas"
-    store = [_store_parser()]
+    store = [storage_args.parser()]
     s = sub.add_parser("ls", parents=store, help="steps, sizes, committed or not, time")
     s.add_argument("root")
     s.add_argument("--local", action="append", metavar="DIR", help=local_help + "; repeatable")
@@ -419,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         "import": cmd_import,
     }[args.cmd]
     try:
-        args.storage_options = _options_of(args)
+        args.storage_options = storage_args.options(args)
         storage = (open_storage if args.cmd == "import" else _open)(args.root, args.storage_options)
         code = handler(storage, args)
         sys.stdout.flush()  # here, not at exit: a reader gone (`| head`) is handled below

@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+import ckpt.storage_args as storage_args
+
 from .attribution import Attribution, attribute_root
 from .ledger import LedgerError
 from .model import (
@@ -56,42 +58,6 @@ def _count(text: str) -> int:
     return value
 
 
-def _storage_option(text: str) -> tuple[str, str]:
-    """An argparse type: KEY=VALUE."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key.strip(), value
-
-
-def _store_parser() -> argparse.ArgumentParser:
-    """The object-store options of `python -m ckpt` (same names, same meaning): ckpt's storage validates them."""
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("object stores (s3://, gs://; default: the standard AWS_* variables)")
-    g.add_argument("--endpoint", help="S3 endpoint URL, e.g. http://127.0.0.1:8333 (default: AWS_ENDPOINT_URL)")
-    g.add_argument("--region", help="S3 region (default: AWS_REGION)")
-    g.add_argument("--timeout", type=float, help="seconds one storage request may take, retries included (default 30)")
-    g.add_argument(
-        "--storage-option",
-        dest="options",
-        metavar="KEY=VALUE",
-        type=_storage_option,
-        action="append",
-        default=[],
-        help="any storage option of ckpt.storage (see docs/checkpointing.md); repeatable",
-    )
-    return p
-
-
-def _options_of(args: argparse.Namespace) -> dict[str, object] | None:
-    """The storage options given on the command line (None: none, the environment alone)."""
-    options: dict[str, object] = dict(args.options)
-    for key in ("endpoint", "region", "timeout"):
-        if getattr(args, key) is not None:
-            options[key] = getattr(args, key)
-    return options or None
-
-
 def _parser() -> argparse.ArgumentParser:
     """Subcommands and their options."""
     p = _Parser(prog="python -m ettr", description=__doc__)
@@ -101,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
         ("plot", "timeline PNG of attempts and categories"),
         ("advise", "fitted costs and a recommended checkpoint interval"),
     ):
-        s = sub.add_parser(name, help=help_, parents=[_store_parser()])
+        s = sub.add_parser(name, help=help_, parents=[storage_args.parser()])
         s.add_argument("root", help="checkpoint root: a path, or an object-store URL (s3://bucket/path, gs://...)")
         s.add_argument("--rank", type=int, default=None, help="rank whose ledger to attribute (default: lowest)")
         s.add_argument("--window", type=_seconds(True), default=3600.0, help="sliding ETTR window in seconds")
@@ -182,7 +148,9 @@ def _run(args: argparse.Namespace) -> str:
             "daly_interval": daly_interval(args.write, args.mttf),
         }
         return json.dumps(out, indent=2) if args.json else "\n".join(f"{k:<16}{v:.6g}" for k, v in out.items())
-    a = attribute_root(args.root, rank=args.rank, window_s=args.window, storage_options=_options_of(args))
+    a = attribute_root(
+        args.root, rank=args.rank, window_s=args.window, storage_options=storage_args.options(args) or None
+    )
     if args.cmd == "plot":
         plot_timeline(a, args.output)
         return args.output

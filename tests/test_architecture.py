@@ -25,8 +25,9 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 
 # One storage stack per root: ettr's ledger opens object-store roots through ckpt's storage mechanism (endpoint,
-# credentials, timeouts configured once), never its policy or layout.
-ALLOWED = {("ettr/ledger.py", "ckpt.storage")}
+# credentials, timeouts configured once), and ettr's CLI takes the same storage options as ckpt's (one parser),
+# never ckpt's policy or layout.
+ALLOWED = {("ettr/ledger.py", "ckpt.storage"), ("ettr/cli.py", "ckpt.storage_args")}
 
 
 @pytest.mark.parametrize(
