@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "bench"), os.path.join(ROOT, "tests")]
 
+import save_restore  # noqa: E402
 from save_restore import (  # noqa: E402  (the state builder of the local benchmark, reused)
     build_state,
     drop_caches,
@@ -112,42 +113,11 @@ class DcpAsyncS3fs(DcpS3fs):
     asynchronous = True
 
 
-class Ckpt:
-    """CheckpointManager on s3://bucket/ckpt, configured by the standard AWS variables alone."""
+class Ckpt(save_restore.Ckpt):
+    """bench/save_restore.py's ckpt method on s3://bucket/ckpt, configured by the standard AWS variables alone."""
 
     def __init__(self, url, endpoint, model, optim, args):
-        import ckpt
-
-        self.ckpt, self.url, self.model, self.optim, self.chunk_bytes = ckpt, url, model, optim, args.chunk_bytes
-        self.m = ckpt.CheckpointManager(url, chunk_bytes=self.chunk_bytes)
-
-    def state(self):
-        return {"model": self.model, "optim": self.optim}
-
-    def save(self, step):
-        t0 = time.perf_counter()
-        h = self.m.save(step, self.state())
-        stall = time.perf_counter() - t0
-        h.wait()
-        return stall, time.perf_counter() - t0
-
-    def delete(self, step):
-        from ckpt import catalog
-
-        catalog.delete_step(self.m.storage, step)
-
-    def end_saves(self):
-        self.m.close()
-        self.m = None
-        gc.collect()
-
-    def restore(self, step):
-        self.m = self.ckpt.CheckpointManager(self.url, chunk_bytes=self.chunk_bytes)
-        got = self.m.restore(self.state())
-        assert got == step, (got, step)
-
-    def end_restore(self):
-        self.end_saves()
+        super().__init__(url, model, optim, args)
 
 
 CLASSES = {"dcp_s3fs": DcpS3fs, "dcp_async_s3fs": DcpAsyncS3fs, "ckpt": Ckpt}
