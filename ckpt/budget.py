@@ -1,20 +1,22 @@
 """How much of the machine a background write may take: its concurrency and its threads' CPU priority.
 
 Measured on 2 cores (docs/benchmarks.md, `bench/interference.py`): what starves a training thread while a
-save writes is CPU contention, not the GIL. The writer thread holds the GIL for ~5% of the write (planning,
-crc32c of small chunks; crc32c releases it from 32 KiB on), while tensorstore's pool threads, each doing
-the kernel's copy into the page cache, get an equal share of the CPU per thread: the training thread spends
-most of the write runnable but waiting in the run queue. Hence two levers, both here:
+save writes is CPU contention, not the GIL: runnable write threads beside it, each copying into the page
+cache. So the write is kept to one busy thread where it can be, with the rest waiting on the disk:
 
-- concurrency: tensorstore's `data_copy_concurrency` and `file_io_concurrency` for the writes, in a child
-  context of the root's (which keeps the root's other resources, e.g. the ``memory://`` store itself);
+- a local root's chunk files are written by the save's own thread, from the arena, O_DIRECT where the
+  filesystem allows (`chunk_files.py`); `file_ops_per_core` x `cores` threads overlap their fsyncs, which
+  wait for the disk and take next to no CPU. With a training thread per core busy this costs it ~1-7%
+  of its speed during a write that is ~3x shorter than before (measured in docs/benchmarks.md);
+- what tensorstore writes (object stores, the memory root, arrays not chunked by whole rows) runs in a
+  child context of the root's with `data_copy_concurrency` = `cores` x the CPUs and `file_io_concurrency`
+  `file_ops_per_core` times that (the child keeps the root's other resources, e.g. the ``memory://`` store);
 - priority: the threads of a write run at a raised nice value, so that under contention the training
   thread's CPU share comes first, yet the write still progresses (nice, not SCHED_IDLE, which starved the
-  write for 20 s on a loaded machine). The default, half the cores with two file operations each at nice 10, lost the least training time
-  per checkpoint on an otherwise idle machine with durable time within 1.2x of DCP's (docs/benchmarks.md);
-  where other processes at nice 0 want the CPU too (busy data-loader workers), nice 10 slows the write
-  (2-7x measured on a loaded machine): use ``WriteBudget(nice=5)`` or 0 there. That covers the library's threads (writer, deleter, the commit's
-  fsyncs, which inherit the writer's) and tensorstore's pool workers, found by name (``ts_pool_worker``).
+  write for 20 s on a loaded machine). Where other processes at nice 0 want the CPU too (busy data-loader
+  workers), nice 10 slows the write (2-7x measured on a loaded machine): use ``WriteBudget(nice=5)`` or 0
+  there. That covers the library's threads (writer, fsyncs, deleter) and tensorstore's pool workers, found by
+  name (``ts_pool_worker``).
 
 Tensorstore's workers are shared by every tensorstore user of the process and a raised nice value cannot be
 lowered again without CAP_SYS_NICE: once a save ran, other tensorstore work in this process (a data loader
@@ -49,12 +51,13 @@ class WriteBudget:
     """What a background save may use of the machine; `CheckpointManager(write_budget=...)`.
 
     Args:
-        cores: share of this process's CPUs that the write's data copies and file operations may keep busy
-            (at least one thread each): tensorstore's ``data_copy_concurrency``; ``file_io_concurrency`` is
-            `file_ops_per_core` times as many, since a file operation mostly waits for the disk.
-        file_ops_per_core: concurrent file operations per budgeted core: more overlap the fsyncs of many
-            chunk files (durable sooner), but each is a thread copying into the page cache (CPU), and the
-            scheduler shares a core per runnable thread.
+        cores: share of this process's CPUs that tensorstore's writes may keep busy (at least one thread):
+            its ``data_copy_concurrency``; ``file_io_concurrency`` is `file_ops_per_core` times as many. A local
+            root's chunk files are written by one thread whatever the share (see the module doc).
+        file_ops_per_core: concurrent file operations per budgeted core: the fsyncs of a local root's chunk
+            files (they wait for the disk), tensorstore's file operations elsewhere; more overlap more fsyncs
+            (durable sooner), but a tensorstore file operation is also a thread copying into the page cache
+            (CPU), and the scheduler shares a core per runnable thread.
         nice: niceness (0-19) of the write's threads: at 10 a training thread gets ~9x the CPU share of each
             (scheduler weights 1024 vs 110), at 5 ~3x, at 19 ~68x; 0 leaves every thread's priority alone.
             Raising it is one-way without CAP_SYS_NICE.

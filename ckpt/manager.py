@@ -258,6 +258,7 @@ class CheckpointManager:
                 self._write_context,
                 self.ranks,
                 lease,
+                self.write_budget,
             )
             stall = time.perf_counter() - t0
         committed: Future = Future()

@@ -24,6 +24,8 @@ import torch
 
 from . import layout, store
 from . import state as state_mod
+from .budget import WriteBudget
+from .chunk_files import ChunkWriter
 from .distributed import Ranks, plan_arrays
 from .errors import StepExistsError
 from .format import ArrayInfo, Manifest
@@ -128,6 +130,7 @@ class SaveJob:
         context: ts.Context,
         ranks: Ranks,
         lease: Lease | None = None,
+        budget: WriteBudget | None = None,
     ):
         self.storage, self.plan, self.arena, self.context, self.ranks = storage, plan, arena, context, ranks
         self.lease = lease  # the root's lease (the leader's, or each rank's own root's); None on other ranks
@@ -140,6 +143,11 @@ class SaveJob:
         self._pack_left = sum(i.nbytes for n, i in plan.arrays.items() if i.pack and n in plan.boxes)
         self._packed_crc: dict[str, tuple[int, int]] = {}  # packed tensor -> (crc32c so far, bytes so far)
         self._reference = storage.kvstore_spec("")["driver"] != "memory"  # see store.write
+        budget = budget or WriteBudget()
+        # a local root's row-chunked arrays: their chunk files written by this thread, not tensorstore's pool
+        self._files = (
+            ChunkWriter(budget.threads()[1], budget.lower_this_thread) if storage.local_path("") is not None else None
+        )
         self._arrays: dict[str, ts.Future] | None = None
         self._prepared = False
         waves = arena.plan(plan.tensors)
@@ -156,26 +164,28 @@ class SaveJob:
             begin_step(self.storage, self.plan.step, self.lease)
         self.ranks.barrier()
 
+    def _array_path(self, info: ArrayInfo) -> str:
+        """Where an array of this step lives in the root: a pack, or an array of its own."""
+        at = layout.pack_path if info.name in self.plan.packs else layout.array_path
+        return at(self.plan.step, info.name)
+
     def _open_arrays(self) -> dict[str, ts.Future]:
         """Start creating the arrays this rank writes (once), its pack among them; writes chain on each as it opens."""
         if self._arrays is None:
             self._prepare()
-            step, spec = self.plan.step, self.storage.kvstore_spec
+            spec = self.storage.kvstore_spec
+            mine = [info for name, info in self.plan.arrays.items() if name in self.plan.boxes and info.pack is None]
             self._arrays = {
-                name: store.create(spec(layout.array_path(step, name)), info, self.context)
-                for name, info in self.plan.arrays.items()
-                if name in self.plan.boxes and info.pack is None
+                info.name: store.create(spec(self._array_path(info)), info, self.context)
+                for info in mine + ([self.plan.pack] if self.plan.pack is not None else [])
             }
-            pack = self.plan.pack
-            if pack is not None:
-                self._arrays[pack.name] = store.create(spec(layout.pack_path(step, pack.name)), pack, self.context)
         return self._arrays
 
     def _write_staged(self, staged: Sequence[Staged]) -> None:
         """Write staged pieces and, while tensorstore writes them, compute their chunks' digests. Packed tensors
         are copied to their place in the pack, which is written once its last one is there."""
         arrays = self._open_arrays()
-        futures, pieces = [], []
+        futures, pieces, direct = [], [], []
         for s in staged:
             info, box = self.plan.arrays[s.name], self.plan.boxes[s.name]
             if s.rows is not None:
@@ -186,14 +196,24 @@ class SaveJob:
                 self._gather(info, s)
                 continue
             data = store.typed(s.host, info.dtype, tuple(b - a for a, b in box))
+            if self._files is not None and store.direct_rows(info, self.plan.boxes[s.name]) is not None:
+                direct.append((info, box, data, self.digests))
+                continue
             futures.append(store.write(arrays[s.name].result(), box, data, reference=self._reference))
             pieces.append((info, box, data))
         pack = self.plan.pack
         if pack is not None and self._pack_left == 0 and pack.name not in self.pack_digests.done:
             box = pack.boxes[0]
-            futures.append(store.write(arrays[pack.name].result(), box, self._pack, reference=self._reference))
-            self.pack_digests.add(pack, box, self._pack)
+            if self._files is not None:
+                direct.append((pack, box, self._pack, self.pack_digests))
+            else:
+                futures.append(store.write(arrays[pack.name].result(), box, self._pack, reference=self._reference))
+                self.pack_digests.add(pack, box, self._pack)
         try:
+            for info, box, data, digests in direct:  # while tensorstore writes the others
+                path = self.storage.local_path(self._array_path(info))
+                done = self._files.write(path, info, box[0] if box else (0, 1), data)
+                digests.done.setdefault(info.name, {}).update(done)
             for info, box, data in pieces:
                 self.digests.add(info, box, data)
         finally:  # never leave writes that reference the arena behind: wait for each, then raise the first error
@@ -224,6 +244,9 @@ class SaveJob:
         error: BaseException | None = None
         try:
             self._write_staged(self.staged)
+            _settle(list(self._open_arrays().values()))  # zarr.json of the arrays whose chunks were written directly
+            if self._files is not None:
+                self._files.close()  # every chunk file written here is durable
         except BaseException as e:
             error = e
         rank = self.ranks.rank
@@ -279,6 +302,9 @@ class SaveJob:
         """After a failed write: remove what this save left, unless it got as far as committing."""
         with contextlib.suppress(Exception):  # arrays still being created would write their files after the delete
             _settle(list((self._arrays or {}).values()))
+        if self._files is not None:
+            with contextlib.suppress(Exception):  # as would fsyncs in flight
+                self._files.close()
         if self.leader and self._prepared and not layout.is_committed(self.storage, self.plan.step):
             self.storage.delete_tree(self.dir)
 

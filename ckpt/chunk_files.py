@@ -1,0 +1,210 @@
+"""Chunk files of a local root, written straight from the staging arena: one thread, O_DIRECT where allowed.
+
+Why not through tensorstore: on 2 cores (docs/benchmarks.md, `bench/interference.py`) tensorstore's pool
+copies each chunk into a buffer of its own and then into the page cache, on several threads: ~0.5-1 CPU-s
+per GiB that the training thread has to compete for. Here a chunk costs its crc32c, computed once for the
+file's trailer and the manifest's digest alike, and a DMA from the arena (`O_DIRECT`: no page-cache copy, no
+writeback, no page cache filled with checkpoint bytes), all on the calling thread; the fsyncs, which mostly
+wait for the disk, overlap on a few threads. The bytes are zarr3's (`format.zarr_metadata`: codecs `bytes` +
+`crc32c`): the chunk's raw bytes, zero-padded at the array's edge, then their crc32c, little endian.
+Tensorstore still creates every array (its zarr.json) and reads these files like its own
+(tests/test_ckpt_chunk_files.py); object stores and the memory root are written through it.
+
+Only row-chunked arrays written in whole rows qualify (`store.direct_rows`, the same test the direct reads
+use): a chunk is then one contiguous run of the staged bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import math
+import mmap
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import crc32c
+import numpy as np
+
+from .format import ArrayInfo, chunk_key
+
+ALIGN = 4096  # O_DIRECT: address, offset and length in multiples of this (every block size up to 4 KiB)
+PIECE = 8 << 20  # bytes per write call: the bounce buffer's size
+_ZEROS = memoryview(bytes(PIECE))  # the zero padding of edge chunks
+
+
+class ChunkFile:
+    """One chunk file written from pieces that arrive in order (a chunk may span staging waves)."""
+
+    def __init__(self, path: str, writer: "ChunkWriter"):
+        self.path, self.writer = path, writer
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.fd, self.direct = writer.open(path)
+        self.offset = 0  # bytes on disk so far (a multiple of ALIGN while direct)
+        self.carry = bytearray()  # bytes not yet written: less than ALIGN of them while direct
+        self.crc = 0
+
+    def feed(self, data: memoryview) -> None:
+        """Append bytes to the chunk's content."""
+        self.crc = crc32c.crc32c(data, self.crc)
+        if not self.direct:
+            self._pwrite(data)
+            return
+        if self.carry:
+            take = min(ALIGN - len(self.carry), len(data))
+            self.carry += data[:take]
+            data = data[take:]
+            if len(self.carry) < ALIGN:
+                return
+            self._pwrite_aligned(memoryview(self.carry))
+            self.carry = bytearray()
+        whole = len(data) // ALIGN * ALIGN
+        for at in range(0, whole, PIECE):
+            self._pwrite_aligned(data[at : min(at + PIECE, whole)])
+        self.carry += data[whole:]
+
+    def pad(self, nbytes: int) -> None:
+        """Append `nbytes` zeros (the edge chunk's padding to the full chunk shape)."""
+        while nbytes:
+            n = min(nbytes, PIECE)
+            self.feed(_ZEROS[:n])
+            nbytes -= n
+
+    def finish(self) -> int:
+        """Write what is left and the crc32c trailer; returns the content's crc32c (the manifest's digest)."""
+        tail = bytes(self.carry) + self.crc.to_bytes(4, "little")
+        self.carry = bytearray()
+        self._buffered()
+        self._pwrite(memoryview(tail))
+        os.close(self.fd)
+        self.fd = -1
+        return self.crc
+
+    def close(self) -> None:
+        """Give up on this file (the save failed); the step directory is removed by its owner."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def _pwrite_aligned(self, data: memoryview) -> None:
+        """An aligned run of bytes, straight from memory when it is aligned there too, else via the bounce buffer."""
+        if _address(data) % ALIGN:
+            bounce = self.writer.bounce(len(data))
+            ctypes.memmove(_address(bounce), _address(data), len(data))  # releases the GIL
+            data = bounce
+        try:
+            self._pwrite(data)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self.writer.direct = False  # the filesystem took O_DIRECT at open but not this write: go buffered
+            self._buffered()
+            self._pwrite(data)
+
+    def _buffered(self) -> None:
+        if self.direct:
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self.direct = False
+
+    def _pwrite(self, data: memoryview) -> None:
+        while len(data):
+            n = os.pwrite(self.fd, data, self.offset)
+            if n == 0:
+                raise OSError(errno.EIO, "write made no progress", self.path)
+            self.offset += n
+            data = data[n:]
+
+
+class ChunkWriter:
+    """Writes the chunk files of one save into a local root; fsyncs each finished file on `sync_threads` threads."""
+
+    def __init__(self, sync_threads: int, initializer: Callable[[], None] | None = None):
+        self.direct = hasattr(os, "O_DIRECT")  # cleared for good by a filesystem that refuses it
+        self._sync = ThreadPoolExecutor(sync_threads, thread_name_prefix="ckpt-fsync", initializer=initializer)
+        self._syncs: list[Future] = []
+        self._partial: dict[str, ChunkFile] = {}  # path -> a chunk whose remaining rows come in a later wave
+        self._bounce: mmap.mmap | None = None
+
+    def open(self, path: str) -> tuple[int, bool]:
+        """Create (truncate) a chunk file for writing; (fd, whether it is opened with O_DIRECT)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        if self.direct:
+            try:
+                return os.open(path, flags | os.O_DIRECT, 0o644), True
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # EINVAL: this filesystem has no O_DIRECT (tmpfs before Linux 6.6)
+                    raise
+                self.direct = False
+        return os.open(path, flags, 0o644), False
+
+    def bounce(self, nbytes: int) -> memoryview:
+        """An aligned buffer for source bytes that are not aligned in memory."""
+        if self._bounce is None:
+            self._bounce = mmap.mmap(-1, PIECE)
+        return memoryview(self._bounce)[:nbytes]
+
+    def write(self, array_dir: str, info: ArrayInfo, rows: tuple[int, int], data: np.ndarray) -> dict[int, int]:
+        """Write rows [a, b) of a row-chunked array (`data`: their bytes, C order) into its chunk files; returns
+        the digest of each chunk this completed, by its ordinal. A chunk whose last rows are not among them stays
+        open for the next call (its rows must come next, in order)."""
+        raw = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        n_rows = info.shape[0] if info.shape else 1
+        per_chunk = info.chunk[0] if info.shape else 1
+        row = info.itemsize * math.prod(info.shape[1:])
+        a, b = rows
+        done = {}
+        for i in range(a // per_chunk, math.ceil(b / per_chunk)):
+            first, end = i * per_chunk, min((i + 1) * per_chunk, n_rows)
+            index = (i,) + (0,) * (len(info.shape) - 1) if info.shape else ()
+            path = os.path.join(array_dir, chunk_key(index))
+            f = self._partial.pop(path, None)
+            try:
+                f = f or ChunkFile(path, self)
+                lo, hi = max(a, first), min(b, end)
+                f.feed(raw[(lo - a) * row : (hi - a) * row])
+                if hi < end:
+                    self._partial[path] = f
+                    continue
+                f.pad((first + per_chunk - end) * row)
+                done[info.ordinal(index)] = f.finish()
+            except OSError as e:
+                if f is not None:
+                    f.close()
+                raise OSError(e.errno, f"{e.strerror} (chunk {index} of array {info.name!r})", path) from None
+            self._syncs.append(self._sync.submit(_fsync, path))
+        return done
+
+    def close(self) -> None:
+        """Wait until every written file is durable (raising the first error), and release the threads."""
+        try:
+            first = None
+            for f in self._syncs:
+                try:
+                    f.result()
+                except OSError as e:
+                    first = first or e
+            if first is not None:
+                raise first
+            if self._partial:
+                raise RuntimeError(f"chunk files left incomplete: {sorted(self._partial)[:3]}")
+        finally:
+            for f in self._partial.values():
+                f.close()
+            self._partial.clear()
+            self._sync.shutdown(wait=True)
+
+
+def _fsync(path: str) -> None:
+    """Make a finished chunk file durable (its data; the directory entries are synced at the commit)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def _address(data: memoryview | mmap.mmap) -> int:
+    """Where a buffer's bytes start in memory."""
+    return np.frombuffer(data, np.uint8).ctypes.data if len(data) else 0
