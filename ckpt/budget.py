@@ -6,8 +6,9 @@ cache. So the write is kept to one busy thread where it can be, with the rest wa
 
 - a local root's chunk files are written by the save's own thread, from the arena, O_DIRECT where the
   filesystem allows (`chunk_files.py`); `file_ops_per_core` x `cores` threads overlap their fsyncs, which
-  wait for the disk and take next to no CPU. With a training thread per core busy this costs it ~1-7%
-  of its speed during a write that is ~3x shorter than before (measured in docs/benchmarks.md);
+  wait for the disk and take next to no CPU. A training thread beside it keeps 0.88-0.99x of its speed
+  while the write runs (about what the disk IO itself costs on that VM), and the write is ~3x shorter than
+  through tensorstore's pool (docs/benchmarks.md);
 - what tensorstore writes (object stores, the memory root, arrays not chunked by whole rows) runs in a
   child context of the root's with `data_copy_concurrency` = `cores` x the CPUs and `file_io_concurrency`
   `file_ops_per_core` times that (the child keeps the root's other resources, e.g. the ``memory://`` store);

@@ -179,14 +179,9 @@ class ChunkWriter:
     def close(self) -> None:
         """Wait until every written file is durable (raising the first error), and release the threads."""
         try:
-            first = None
-            for f in self._syncs:
-                try:
-                    f.result()
-                except OSError as e:
-                    first = first or e
-            if first is not None:
-                raise first
+            errors = [e for e in map(Future.exception, self._syncs) if e is not None]  # waits for each
+            if errors:
+                raise errors[0]
             if self._partial:
                 raise RuntimeError(f"chunk files left incomplete: {sorted(self._partial)[:3]}")
         finally:
