@@ -10,6 +10,8 @@ wait for the disk, overlap on a few threads. The bytes are zarr3's (`format.zarr
 Tensorstore still creates every array (its zarr.json) and reads these files like its own
 (tests/test_ckpt_chunk_files.py); object stores and the memory root are written through it.
 
+A persist (`persist.py`) copies a local tier's chunk files into a local durable root the same way.
+
 Only row-chunked arrays written in whole rows qualify (`store.direct_rows`, the same test the direct reads
 use): a chunk is then one contiguous run of the staged bytes.
 """
@@ -22,6 +24,7 @@ import fcntl
 import math
 import mmap
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -125,7 +128,7 @@ class ChunkWriter:
         self._sync = ThreadPoolExecutor(sync_threads, thread_name_prefix="ckpt-fsync", initializer=initializer)
         self._syncs: list[Future] = []
         self._partial: dict[str, ChunkFile] = {}  # path -> a chunk whose remaining rows come in a later wave
-        self._bounce: mmap.mmap | None = None
+        self._bounce = threading.local()  # a buffer per thread (`copy` may run on several)
 
     def open(self, path: str) -> tuple[int, bool]:
         """Create (truncate) a chunk file for writing; (fd, whether it is opened with O_DIRECT)."""
@@ -141,9 +144,9 @@ class ChunkWriter:
 
     def bounce(self, nbytes: int) -> memoryview:
         """An aligned buffer for source bytes that are not aligned in memory."""
-        if self._bounce is None:
-            self._bounce = mmap.mmap(-1, PIECE)
-        return memoryview(self._bounce)[:nbytes]
+        if not hasattr(self._bounce, "buf"):
+            self._bounce.buf = mmap.mmap(-1, PIECE)
+        return memoryview(self._bounce.buf)[:nbytes]
 
     def write(self, array_dir: str, info: ArrayInfo, rows: tuple[int, int], data: np.ndarray) -> dict[int, int]:
         """Write rows [a, b) of a row-chunked array (`data`: their bytes, C order) into its chunk files; returns
@@ -175,6 +178,21 @@ class ChunkWriter:
                 raise OSError(e.errno, f"{e.strerror} (chunk {index} of array {info.name!r})", path) from None
             self._syncs.append(self._sync.submit(_fsync, path))
         return done
+
+    def copy(self, path: str, data: bytes) -> None:
+        """Write a whole chunk file whose bytes (content + crc32c trailer) were read and checked elsewhere (a
+        persist's copy of a local tier's file); its trailer is computed again on the way, and must agree."""
+        f = None
+        try:
+            f = ChunkFile(path, self)
+            f.feed(memoryview(data)[:-4])
+            if f.finish().to_bytes(4, "little") != data[-4:]:
+                raise OSError(errno.EIO, "chunk bytes changed while being copied", path)
+        except OSError as e:
+            if f is not None:
+                f.close()
+            raise OSError(e.errno, e.strerror, path) from None
+        self._syncs.append(self._sync.submit(_fsync, path))
 
     def close(self) -> None:
         """Wait until every written file is durable (raising the first error), and release the threads."""

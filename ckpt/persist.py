@@ -9,10 +9,12 @@ writer of (replicated tensors once), and the leader commits for all, exactly as 
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping
 
 from . import layout, store
+from .chunk_files import ChunkWriter
 from .distributed import Box, Ranks
 from .errors import CorruptCheckpointError
 from .format import Manifest, chunk_key, zarr_mismatch
@@ -21,9 +23,12 @@ from .save import begin_step, commit_step, raise_outcome
 from .storage import Storage, where
 
 
-def copy_region(src: Storage, dst: Storage, step: int, manifest: Manifest, name: str, box: Box) -> int:
+def copy_region(
+    src: Storage, dst: Storage, step: int, manifest: Manifest, name: str, box: Box, files: ChunkWriter | None = None
+) -> int:
     """Copy one region of an array (its zarr.json and every chunk it touches) from `src` to `dst`, each file
-    checked before it is written; returns the bytes copied."""
+    checked before it is written; returns the bytes copied. `files`: writes the chunk files of a local `dst`
+    (O_DIRECT, fsync'd by its threads: durable once it is closed); else each is written atomically."""
     info = manifest.arrays[name]
     path = layout.array_path(step, name)
     meta = src.read(f"{path}/zarr.json")
@@ -34,7 +39,10 @@ def copy_region(src: Storage, dst: Storage, step: int, manifest: Manifest, name:
     copied = len(meta)
     for index in info.chunks(box):
         data = store.read_chunk_file(src, path, info, index, step=step)
-        dst.write_atomic(f"{path}/{chunk_key(index)}", data)
+        if files is not None:
+            files.copy(dst.local_path(f"{path}/{chunk_key(index)}"), data)
+        else:
+            dst.write_atomic(f"{path}/{chunk_key(index)}", data)
         copied += len(data)
     return copied
 
@@ -72,17 +80,23 @@ class PersistJob:
         if began:
             raise RuntimeError(began)
         copied, error, manifest_bytes = 0, None, b""
+        files = ChunkWriter(self.threads) if self.dst.local_path("") is not None else None
         try:  # every rank reaches the collectives below, whatever fails here
             manifest_bytes = self.src.read(layout.manifest_path(self.step)) or b""
             manifest = Manifest.from_bytes(manifest_bytes, file=where(self.src, layout.manifest_path(self.step)))
             with ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-persist-io") as pool:
                 futures = [
-                    pool.submit(copy_region, self.src, self.dst, self.step, manifest, name, box)
+                    pool.submit(copy_region, self.src, self.dst, self.step, manifest, name, box, files)
                     for name, box in self.regions.items()
                 ]
                 copied = sum(f.result() for f in futures)
+            if files is not None:
+                files.close()  # every chunk file copied is durable
         except Exception as e:
             error = e
+            if files is not None:
+                with contextlib.suppress(Exception):
+                    files.close()
         failures = [
             f
             for f in self.ranks.all_gather_json(

@@ -100,3 +100,19 @@ def test_a_failed_chunk_write_names_the_array_and_the_file(tmp_path):
     with pytest.raises(OSError, match=r"array 'layers.0.weight'.*arr/c/0"):
         w.write(str(tmp_path / "arr"), info, (0, 10), np.zeros(10, np.uint8))
     w.close()
+
+
+def test_a_copied_chunk_file_is_byte_identical_and_a_trailer_that_disagrees_is_refused(tmp_path):
+    """A persist copies a local tier's chunk files with `ChunkWriter.copy`: content and trailer come out as they
+    went in (here from a file this writer made), and bytes whose crc32c is not their trailer are never written."""
+    info = ArrayInfo("x", "uint8", (5000,), (5000,), (((0, 5000),),))
+    data = np.frombuffer(np.random.default_rng(1).bytes(5000), np.uint8)
+    w = ChunkWriter(1)
+    w.write(str(tmp_path / "src"), info, (0, 5000), data)
+    original = (tmp_path / "src" / "c" / "0").read_bytes()
+    w.copy(str(tmp_path / "dst" / "c" / "0"), original)
+    damaged = original[:100] + bytes([original[100] ^ 1]) + original[101:]
+    with pytest.raises(OSError, match="changed while being copied"):
+        w.copy(str(tmp_path / "bad" / "c" / "0"), damaged)
+    w.close()
+    assert (tmp_path / "dst" / "c" / "0").read_bytes() == original
