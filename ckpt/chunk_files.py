@@ -3,8 +3,9 @@
 Why not through tensorstore: on 2 cores (docs/benchmarks.md, `bench/interference.py`) tensorstore's pool
 copies each chunk into a buffer of its own and then into the page cache, on several threads: ~0.5-1 CPU-s
 per GiB that the training thread has to compete for. Here a chunk costs its crc32c, computed once for the
-file's trailer and the manifest's digest alike, and a DMA from the arena (`O_DIRECT`: no page-cache copy, no
-writeback, no page cache filled with checkpoint bytes), all on the calling thread; the fsyncs, which mostly
+file's trailer and the manifest's digest alike, and a DMA from the arena (`O_DIRECT`, for files of at least
+`DIRECT_MIN`: no page-cache copy, no writeback, no page cache filled with checkpoint bytes), all on the calling
+thread; the fsyncs, which mostly
 wait for the disk, overlap on a few threads. The bytes are zarr3's (`format.zarr_metadata`: codecs `bytes` +
 `crc32c`): the chunk's raw bytes, zero-padded at the array's edge, then their crc32c, little endian.
 Tensorstore still creates every array (its zarr.json) and reads these files like its own
@@ -26,7 +27,6 @@ import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 import crc32c
 import numpy as np
@@ -35,16 +35,17 @@ from .format import ArrayInfo, chunk_key
 
 ALIGN = 4096  # O_DIRECT: address, offset and length in multiples of this (every block size up to 4 KiB)
 PIECE = 8 << 20  # bytes per write call: the bounce buffer's size
+DIRECT_MIN = 1 << 20  # smaller files are written through the page cache: O_DIRECT would only add system calls
 _ZEROS = memoryview(bytes(PIECE))  # the zero padding of edge chunks
 
 
 class ChunkFile:
     """One chunk file written from pieces that arrive in order (a chunk may span staging waves)."""
 
-    def __init__(self, path: str, writer: "ChunkWriter"):
+    def __init__(self, path: str, writer: "ChunkWriter", size: int):
         self.path, self.writer = path, writer
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        self.fd, self.direct = writer.open(path)
+        self.fd, self.direct = writer.open(path, direct=size >= DIRECT_MIN)
         self.offset = 0  # bytes on disk so far (a multiple of ALIGN while direct)
         self.carry = bytearray()  # bytes not yet written: less than ALIGN of them while direct
         self.crc = 0
@@ -121,19 +122,19 @@ class ChunkFile:
 
 
 class ChunkWriter:
-    """Writes the chunk files of one save into a local root; fsyncs each finished file on `sync_threads` threads."""
+    """Writes the chunk files of one save into a local root; each finished file is fsync'd on `fsyncs`."""
 
-    def __init__(self, sync_threads: int, initializer: Callable[[], None] | None = None):
+    def __init__(self, fsyncs: ThreadPoolExecutor):
         self.direct = hasattr(os, "O_DIRECT")  # cleared for good by a filesystem that refuses it
-        self._sync = ThreadPoolExecutor(sync_threads, thread_name_prefix="ckpt-fsync", initializer=initializer)
+        self._sync = fsyncs  # the owner's: it outlives this writer
         self._syncs: list[Future] = []
         self._partial: dict[str, ChunkFile] = {}  # path -> a chunk whose remaining rows come in a later wave
         self._bounce = threading.local()  # a buffer per thread (`copy` may run on several)
 
-    def open(self, path: str) -> tuple[int, bool]:
+    def open(self, path: str, direct: bool = True) -> tuple[int, bool]:
         """Create (truncate) a chunk file for writing; (fd, whether it is opened with O_DIRECT)."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-        if self.direct:
+        if direct and self.direct:
             try:
                 return os.open(path, flags | os.O_DIRECT, 0o644), True
             except OSError as e:
@@ -164,7 +165,7 @@ class ChunkWriter:
             path = os.path.join(array_dir, chunk_key(index))
             f = self._partial.pop(path, None)
             try:
-                f = f or ChunkFile(path, self)
+                f = f or ChunkFile(path, self, per_chunk * row + 4)
                 lo, hi = max(a, first), min(b, end)
                 f.feed(raw[(lo - a) * row : (hi - a) * row])
                 if hi < end:
@@ -184,7 +185,7 @@ class ChunkWriter:
         persist's copy of a local tier's file); its trailer is computed again on the way, and must agree."""
         f = None
         try:
-            f = ChunkFile(path, self)
+            f = ChunkFile(path, self, len(data))
             f.feed(memoryview(data)[:-4])
             if f.finish().to_bytes(4, "little") != data[-4:]:
                 raise OSError(errno.EIO, "chunk bytes changed while being copied", path)
@@ -195,7 +196,7 @@ class ChunkWriter:
         self._syncs.append(self._sync.submit(_fsync, path))
 
     def close(self) -> None:
-        """Wait until every written file is durable (raising the first error), and release the threads."""
+        """Wait until every written file is durable (raising the first error)."""
         try:
             errors = [e for e in map(Future.exception, self._syncs) if e is not None]  # waits for each
             if errors:
@@ -206,7 +207,6 @@ class ChunkWriter:
             for f in self._partial.values():
                 f.close()
             self._partial.clear()
-            self._sync.shutdown(wait=True)
 
 
 def _fsync(path: str) -> None:

@@ -184,6 +184,8 @@ class CheckpointManager:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer", initializer=lower)
         self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-reader")
         self._deleter = ThreadPoolExecutor(1, "ckpt-deleter", initializer=lower)  # no save ever waits for it
+        # fsyncs of the chunk files a save writes itself (a local root): they wait for the disk, side by side
+        self._fsyncs = ThreadPoolExecutor(self.write_budget.threads()[1], "ckpt-fsync", initializer=lower)
         self._deleting: dict[int, Future] = {}
         self._inflight: SaveHandle | None = None
         self._error: CheckpointError | None = None
@@ -258,7 +260,7 @@ class CheckpointManager:
                 self._write_context,
                 self.ranks,
                 lease,
-                self.write_budget,
+                self._fsyncs,
             )
             stall = time.perf_counter() - t0
         committed: Future = Future()
@@ -688,6 +690,7 @@ class CheckpointManager:
             self._closed = True
             self._writer.shutdown(wait=True)
             self._deleter.shutdown(wait=True)
+            self._fsyncs.shutdown(wait=True)
             self._readers.shutdown(wait=True)
             if self.tiers is not None:
                 self.tiers.close()

@@ -80,7 +80,8 @@ class PersistJob:
         if began:
             raise RuntimeError(began)
         copied, error, manifest_bytes = 0, None, b""
-        files = ChunkWriter(self.threads) if self.dst.local_path("") is not None else None
+        fsyncs = ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-persist-fsync")
+        files = ChunkWriter(fsyncs) if self.dst.local_path("") is not None else None
         try:  # every rank reaches the collectives below, whatever fails here
             manifest_bytes = self.src.read(layout.manifest_path(self.step)) or b""
             manifest = Manifest.from_bytes(manifest_bytes, file=where(self.src, layout.manifest_path(self.step)))
@@ -97,6 +98,8 @@ class PersistJob:
             if files is not None:
                 with contextlib.suppress(Exception):
                     files.close()
+        finally:
+            fsyncs.shutdown(wait=True)
         failures = [
             f
             for f in self.ranks.all_gather_json(

@@ -14,6 +14,7 @@ import math
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -24,7 +25,6 @@ import torch
 
 from . import layout, store
 from . import state as state_mod
-from .budget import WriteBudget
 from .chunk_files import ChunkWriter
 from .distributed import Ranks, plan_arrays
 from .errors import StepExistsError
@@ -130,7 +130,7 @@ class SaveJob:
         context: ts.Context,
         ranks: Ranks,
         lease: Lease | None = None,
-        budget: WriteBudget | None = None,
+        fsyncs: ThreadPoolExecutor | None = None,
     ):
         self.storage, self.plan, self.arena, self.context, self.ranks = storage, plan, arena, context, ranks
         self.lease = lease  # the root's lease (the leader's, or each rank's own root's); None on other ranks
@@ -143,11 +143,9 @@ class SaveJob:
         self._pack_left = sum(i.nbytes for n, i in plan.arrays.items() if i.pack and n in plan.boxes)
         self._packed_crc: dict[str, tuple[int, int]] = {}  # packed tensor -> (crc32c so far, bytes so far)
         self._reference = storage.kvstore_spec("")["driver"] != "memory"  # see store.write
-        budget = budget or WriteBudget()
-        # a local root's row-chunked arrays: their chunk files written by this thread, not tensorstore's pool
-        self._files = (
-            ChunkWriter(budget.threads()[1], budget.lower_this_thread) if storage.local_path("") is not None else None
-        )
+        # a local root's row-chunked arrays: their chunk files written by this thread (fsync'd on `fsyncs`), not by
+        # tensorstore's pool
+        self._files = ChunkWriter(fsyncs) if fsyncs is not None and storage.local_path("") is not None else None
         self._arrays: dict[str, ts.Future] | None = None
         self._prepared = False
         waves = arena.plan(plan.tensors)
