@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import math
 import mmap
 import os
 import threading
@@ -154,24 +153,19 @@ class ChunkWriter:
         the digest of each chunk this completed, by its ordinal. A chunk whose last rows are not among them stays
         open for the next call (its rows must come next, in order)."""
         raw = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
-        n_rows = info.shape[0] if info.shape else 1
-        per_chunk = info.chunk[0] if info.shape else 1
-        row = info.itemsize * math.prod(info.shape[1:])
-        a, b = rows
+        row, (a, b) = info.row_nbytes, rows
         done = {}
-        for i in range(a // per_chunk, math.ceil(b / per_chunk)):
-            first, end = i * per_chunk, min((i + 1) * per_chunk, n_rows)
-            index = (i,) + (0,) * (len(info.shape) - 1) if info.shape else ()
+        for index, first, end in info.row_chunks(rows):
             path = os.path.join(array_dir, chunk_key(index))
             f = self._partial.pop(path, None)
             try:
-                f = f or ChunkFile(path, self, per_chunk * row + 4)
+                f = f or ChunkFile(path, self, info.chunk_nbytes + 4)
                 lo, hi = max(a, first), min(b, end)
                 f.feed(raw[(lo - a) * row : (hi - a) * row])
                 if hi < end:
                     self._partial[path] = f
                     continue
-                f.pad((first + per_chunk - end) * row)
+                f.pad(info.chunk_nbytes - (end - first) * row)
                 done[info.ordinal(index)] = f.finish()
             except OSError as e:
                 if f is not None:

@@ -236,6 +236,23 @@ class ArrayInfo:
         """Grid indices of the chunks that hold part of `box`, in C order."""
         return list(itertools.product(*(range(a // c, -(-b // c)) for (a, b), c in zip(box, self.chunk))))
 
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one row (one index of the first dimension); a 0-d array is one row of one item."""
+        return math.prod(self.shape[1:]) * self.itemsize
+
+    def row_chunks(self, rows: tuple[int, int]) -> list[tuple[tuple[int, ...], int, int]]:
+        """For an array chunked by whole rows (`store.direct_rows`): (grid index, first row, end row) of each chunk
+        holding part of rows [a, b), the end cut at the array's last row; a 0-d array is one chunk of one row."""
+        if not self.shape:
+            return [((), 0, 1)]
+        per_chunk, a, b = self.chunk[0], *rows
+        pad = (0,) * (len(self.shape) - 1)
+        return [
+            ((i, *pad), i * per_chunk, min((i + 1) * per_chunk, self.shape[0]))
+            for i in range(a // per_chunk, -(-b // per_chunk))
+        ]
+
     def ordinal(self, index: Sequence[int]) -> int:
         """Position of a chunk in C order of the grid (its entry in `digests`)."""
         out = 0

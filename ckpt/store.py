@@ -234,21 +234,16 @@ def read_direct(
     """Submit reads of the local chunk files of rows [a, b) straight into `dest`; each checks size, crc32c
     and digest. `dest` must be memory that may hold damaged bytes until every read verified (scratch)."""
     raw = as_bytes(dest)
-    row = info.itemsize * math.prod(info.shape[1:])
-    per_chunk = info.chunk[0] if info.shape else 1
-    n_rows = info.shape[0] if info.shape else 1
-    a, b = rows
+    row, a = info.row_nbytes, rows[0]
     futures = []
-    for i in range(a // per_chunk, math.ceil(b / per_chunk)):
-        first, last = i * per_chunk, min((i + 1) * per_chunk, n_rows)
+    for index, first, last in info.row_chunks(rows):
         valid = memoryview(raw[(first - a) * row : (last - a) * row])
-        index = (i,) + (0,) * (len(info.shape) - 1) if info.shape else ()
         futures.append(
             pool.submit(
                 _read_direct_chunk,
                 os.path.join(array_dir, chunk_key(index)),
                 valid,
-                per_chunk * row - len(valid),
+                info.chunk_nbytes - len(valid),
                 info,
                 index,
                 step,
