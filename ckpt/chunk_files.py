@@ -5,8 +5,7 @@ copies each chunk into a buffer of its own and then into the page cache, on seve
 per GiB that the training thread has to compete for. Here a chunk costs its crc32c, computed once for the
 file's trailer and the manifest's digest alike, and a DMA from the arena (`O_DIRECT`, for files of at least
 `DIRECT_MIN`: no page-cache copy, no writeback, no page cache filled with checkpoint bytes), all on the calling
-thread; the fsyncs, which mostly
-wait for the disk, overlap on a few threads. The bytes are zarr3's (`format.zarr_metadata`: codecs `bytes` +
+thread; the fsyncs, which mostly wait for the disk, overlap on a few threads. The bytes are zarr3's (`format.zarr_metadata`: codecs `bytes` +
 `crc32c`): the chunk's raw bytes, zero-padded at the array's edge, then their crc32c, little endian.
 Tensorstore still creates every array (its zarr.json) and reads these files like its own
 (tests/test_ckpt_chunk_files.py); object stores and the memory root are written through it.
