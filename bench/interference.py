@@ -58,20 +58,31 @@ _PY_LOOP = 4000  # iterations of pure Python per step
 
 
 class Trainer:
-    """One training step: a matmul (torch, one thread) and some pure-Python work, about 1 ms on this machine."""
+    """One training step: a matmul (torch, one thread) and some pure-Python work, about 1 ms on this machine.
 
-    def __init__(self):
+    With `optim_ms`, every `optim_ms` ms the stand-in also takes an optimizer step (SGD on a tensor of its own):
+    the end of a GPU step that long. ckpt's overlapped snapshot makes every optimizer step wait for its copy, so
+    this measures what that wait costs; without it the saved state is never stepped (the issue's stand-in)."""
+
+    def __init__(self, optim_ms: float = 0.0):
         import torch
 
         torch.set_num_threads(1)
         torch.manual_seed(1)
         self.a = torch.randn(256, 256)
+        self.w = torch.zeros(8, requires_grad=True)
+        self.w.grad = torch.ones(8)
+        self.opt = torch.optim.SGD([self.w], lr=1e-3)
+        self.optim_s, self.last_opt = optim_ms / 1e3, time.perf_counter()
 
     def step(self) -> None:
         self.a.matmul(self.a)
         s = 0
         for i in range(_PY_LOOP):
             s += i
+        if self.optim_s and time.perf_counter() - self.last_opt >= self.optim_s:
+            self.opt.step()
+            self.last_opt = time.perf_counter()
 
     def rate(self, seconds: float) -> float:
         """Idle steps per second, over `seconds`."""
@@ -214,9 +225,9 @@ class Ckpt:
     def __init__(self, workdir, state, spec):
         import ckpt
 
-        budget = budget_of(spec)
+        budget, snapshot = options_of(spec)
         self.label = "ckpt" + (f" [{spec}]" if spec else "")
-        self.m = ckpt.CheckpointManager(workdir, write_budget=budget)
+        self.m = ckpt.CheckpointManager(workdir, write_budget=budget, snapshot=snapshot)
         self.state = {"model": state[0], "optim": state[1]}
 
     def start(self) -> None:
@@ -233,17 +244,21 @@ class Ckpt:
         catalog.delete_step(self.m.storage, step)
 
 
-def budget_of(spec: str):
-    """`cores=0.5:files=4:nice=0` -> WriteBudget(cores=0.5, file_ops_per_core=4, nice=0); "" -> the default."""
+def options_of(spec: str):
+    """`cores=0.5:files=4:nice=0:snapshot=sync` -> (WriteBudget(cores=0.5, file_ops_per_core=4, nice=0), "sync");
+    "" -> the defaults."""
     from ckpt import WriteBudget
 
     names = {"cores": ("cores", float), "files": ("file_ops_per_core", int), "nice": ("nice", int)}
-    kw = {}
+    kw, snapshot = {}, "overlap"
     for part in filter(None, spec.split(":")):
         key, value = part.split("=")
+        if key == "snapshot":
+            snapshot = value
+            continue
         name, kind = names[key]
         kw[name] = kind(value)
-    return WriteBudget(**kw)
+    return WriteBudget(**kw), snapshot
 
 
 def run_child(args) -> dict:
@@ -254,7 +269,7 @@ def run_child(args) -> dict:
     state = build_state(args.size, args.seed)
     work = tempfile.mkdtemp(dir=args.dir, prefix=f"{method}-")
     impl = (Ckpt if method == "ckpt" else DcpAsync)(work, state, spec)
-    trainer = Trainer()
+    trainer = Trainer(args.optim_ms)
     impl.start()
     other = OtherProcess()
     other.pause(True)
@@ -321,7 +336,7 @@ def run_child(args) -> dict:
 def child(args, variant: str, size: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--_child", variant, "--size", str(size)]
     cmd += ["--repeats", str(args.repeats), "--idle-s", str(args.idle_s), "--first-after", str(args.first_after)]
-    cmd += ["--seed", str(args.seed), "--dir", args.dir]
+    cmd += ["--seed", str(args.seed), "--dir", args.dir, "--optim-ms", str(args.optim_ms)]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if out.returncode:
@@ -340,7 +355,8 @@ def report(size: float, results: dict[str, list[dict]], args) -> str:
         ("process", "training loop in another process"),
     ):
         n = len(results[next(iter(results))][0]["rows"][mode]) * len(results[next(iter(results))])
-        lines.append(f"\n{size:g} GiB, {mode} mode ({title}), medians of {n}")
+        optim = f", an optimizer step every {args.optim_ms:g} ms" if args.optim_ms and mode == "thread" else ""
+        lines.append(f"\n{size:g} GiB, {mode} mode ({title}{optim}), medians of {n}")
         lines.append(
             f"{'method':<28}{'stall s':>9}{'bg s':>8}{'durable s':>11}{'kept x':>8}{'max step ms':>13}"
             f"{'lost s':>8}{'noise s':>9}{'lost/dcp':>10}{'1st stall s':>13}{'idle st/s':>11}"
@@ -397,7 +413,9 @@ def report(size: float, results: dict[str, list[dict]], args) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default=None, help="state sizes in GiB, comma separated (default 1,2; quick 0.125)")
-    ap.add_argument("--variants", default="dcp_async,ckpt", help="dcp_async, ckpt, ckpt:cores=X:files=N:nice=N")
+    ap.add_argument(
+        "--variants", default="dcp_async,ckpt", help="dcp_async, ckpt, ckpt:cores=X:files=N:nice=N:snapshot=sync"
+    )
     ap.add_argument("--repeats", type=int, default=3, help="measured saves per mode per child")
     ap.add_argument("--rounds", type=int, default=1, help="children per variant, interleaved across variants")
     ap.add_argument("--idle-s", type=float, default=1.0, help="seconds of idle rate measured before each save")
@@ -405,6 +423,12 @@ def main(argv=None) -> None:
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp, deleted after)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 0.125 GiB, 3 saves, 0.5 s idle, first at 2 s")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--optim-ms",
+        type=float,
+        default=0.0,
+        help="thread mode: the stand-in also takes an optimizer step every this many ms (0: never)",
+    )
     ap.add_argument("--json", default=None, help="also write the raw per-save figures to this file")
     ap.add_argument("--size", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)

@@ -25,6 +25,11 @@ class CheckpointWriteError(CheckpointError):
         self.__cause__ = cause
 
 
+class StateChangedError(CheckpointError):
+    """A tensor of an overlapped snapshot was changed in place before its copy was taken (see `ckpt.snapshot`): the
+    save fails, naming the keys, instead of committing a state mixed from before and after the change."""
+
+
 class CheckpointDeleteError(CheckpointError):
     """A background deletion failed; the step may be partly deleted (its manifest goes first, so it is not restored)."""
 

@@ -18,6 +18,7 @@ from . import catalog, layout
 from . import lease as lease_mod
 from . import restore as restore_mod
 from . import run as run_mod
+from . import snapshot as snapshot_mod
 from . import state as state_mod
 from .budget import WriteBudget
 from .distributed import Ranks, local_box, prepare_optimizers
@@ -74,13 +75,25 @@ _NO_TRACKER = _NoTracker()
 
 
 class SaveHandle:
-    """A save in flight: `done()` polls, `wait()` blocks until committed and raises its error, if any."""
+    """A save in flight: `done()` polls, `wait()` blocks until committed and raises its error, if any;
+    `wait_snapshot()` blocks until its host snapshot is complete (the state may then change in any way)."""
 
-    def __init__(self, step: int, future: Future, manager: "CheckpointManager"):
-        self.step, self._future, self._manager = step, future, manager
+    def __init__(
+        self, step: int, future: Future, manager: "CheckpointManager", pending: snapshot_mod.Pending | None = None
+    ):
+        self.step, self._future, self._manager, self._pending = step, future, manager, pending
 
     def done(self) -> bool:
         return self._future.done()
+
+    def wait_snapshot(self) -> None:
+        """Wait until every tensor of this save is copied to host memory (timed as checkpoint_save).
+
+        With ``snapshot="overlap"`` (the default) an optimizer's `step()` does this by itself; call it before
+        changing the parameters or optimizer state in place any other way (an EMA swap, ``p.data`` writes). It
+        never raises: a failed save is raised by `wait()` or the manager's next call.
+        """
+        self._manager._await_snapshot(self._pending)
 
     def wait(self, timeout: float | None = None) -> None:
         try:
@@ -127,6 +140,11 @@ class CheckpointManager:
             docs/object_stores.md); the standard AWS variables apply without them.
         lease_ttl: object stores: seconds after which a writer that stopped renewing its lease (a crash) loses
             it, so gc may clean its leftovers and another writer take the root; renewed every ttl/4.
+        snapshot: ``"overlap"`` (default): the parameters and state tensors of the torch optimizers in a saved
+            state are copied to host memory after `save` returns, beside the next forward and backward, and the
+            next ``optimizer.step()`` waits for that copy (`ckpt.snapshot`); a tensor changed in place otherwise
+            before it is copied fails the save (`StateChangedError`), never a mixed checkpoint. ``"sync"``: every
+            tensor is copied inside `save`.
 
     With torch.distributed initialized, every rank creates the manager (it makes a gloo group for its
     own collectives) and calls `save`/`restore` with the same step: each rank writes only its slices.
@@ -156,7 +174,11 @@ class CheckpointManager:
         replica_offset: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
         lease_ttl: float = lease_mod.TTL_S,
+        snapshot: str = "overlap",
     ):
+        if snapshot not in snapshot_mod.MODES:
+            raise ValueError(f"snapshot must be one of {snapshot_mod.MODES}, got {snapshot!r}")
+        self.snapshot = snapshot
         if not lease_ttl > 0:
             raise ValueError(f"lease_ttl must be positive seconds, got {lease_ttl!r}")
         self.storage: Storage = open_storage(root, storage_options)
@@ -184,6 +206,10 @@ class CheckpointManager:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer", initializer=lower)
         self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-reader")
         self._deleter = ThreadPoolExecutor(1, "ckpt-deleter", initializer=lower)  # no save ever waits for it
+        # the overlapped part of a snapshot: at training's priority, as an optimizer step may be waiting for it
+        self._snapshotter = ThreadPoolExecutor(1, "ckpt-snapshot")
+        self._pending: snapshot_mod.Pending | None = None  # the copies of the save in flight not yet made
+        self._fence: snapshot_mod.Fence | None = None  # makes optimizer steps wait for them
         # fsyncs of the chunk files a save writes itself (a local root): they wait for the disk, side by side
         self._fsyncs = ThreadPoolExecutor(self.write_budget.threads()[1], "ckpt-fsync", initializer=lower)
         self._deleting: dict[int, Future] = {}
@@ -251,22 +277,33 @@ class CheckpointManager:
                     f"step {step} is already committed in {target.url}; a committed checkpoint is never overwritten"
                 )
             t0 = time.perf_counter()
-            job = SaveJob(
-                target,
-                plan(
-                    step, state, metadata, self.chunk_bytes, self.ranks, self.pack_bytes, private=self.tiers is not None
-                ),
-                self._arena,
-                self._write_context,
-                self.ranks,
-                lease,
-                self._fsyncs,
+            owned = snapshot_mod.optimizer_owned(state) if self.snapshot == "overlap" else set()
+            written = plan(
+                step, state, metadata, self.chunk_bytes, self.ranks, self.pack_bytes, private=self.tiers is not None
             )
+            defer = snapshot_mod.versions(written.tensors, owned)
+            job = SaveJob(
+                target, written, self._arena, self._write_context, self.ranks, lease, self._fsyncs, defer=defer
+            )
+            if job.pending is not None:
+                if self._fence is None:
+                    self._fence = snapshot_mod.Fence(self._await_snapshot)
+                self._snapshotter.submit(job.pending.run)
+                self._pending = job.pending
             stall = time.perf_counter() - t0
         committed: Future = Future()
         self._writer.submit(self._background, job, stall, committed, persist)
-        self._inflight = SaveHandle(step, committed, self)
+        self._inflight = SaveHandle(step, committed, self, job.pending)
         return self._inflight
+
+    def _await_snapshot(self, pending: snapshot_mod.Pending | None = None) -> None:
+        """Wait for a save's overlapped copies (default: the save in flight's), timed as checkpoint_save; the fence
+        of every optimizer step. Never raises: the save's error reaches the loop through the manager's calls."""
+        pending = pending or self._pending
+        if pending is None or pending.done():
+            return
+        with self.tracker.span("checkpoint_save", step=pending.step):
+            pending.wait()
 
     def _background(self, job: SaveJob, stall: float, committed: Future, persist: bool | None = None) -> None:
         """Record the run once, write and commit (resolving `committed`), then queue retention's deletes."""
@@ -690,6 +727,9 @@ class CheckpointManager:
             self._closed = True
             self._writer.shutdown(wait=True)
             self._deleter.shutdown(wait=True)
+            self._snapshotter.shutdown(wait=True)
+            if self._fence is not None:
+                self._fence.close()
             self._fsyncs.shutdown(wait=True)
             self._readers.shutdown(wait=True)
             if self.tiers is not None:

@@ -30,6 +30,7 @@ from .distributed import Ranks, plan_arrays
 from .errors import StepExistsError
 from .format import ArrayInfo, Manifest
 from .lease import Lease
+from .snapshot import Pending
 from .staging import Staged, StagingArena
 from .storage import Storage
 
@@ -120,7 +121,12 @@ def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 class SaveJob:
-    """One save in flight: the snapshot is taken in the constructor, `run()` writes and commits in the background."""
+    """One save in flight: the snapshot is taken in the constructor, `run()` writes and commits in the background.
+
+    `defer`: tensors whose copy may be made after the constructor returns (name -> version counter now; see
+    `ckpt.snapshot`): they are left to `pending`, which the caller runs, and `run()` waits for it before writing.
+    Only when the whole snapshot fits the arena at once; past the staging cap every copy is made here.
+    """
 
     def __init__(
         self,
@@ -131,6 +137,7 @@ class SaveJob:
         ranks: Ranks,
         lease: Lease | None = None,
         fsyncs: ThreadPoolExecutor | None = None,
+        defer: Mapping[str, int] | None = None,
     ):
         self.storage, self.plan, self.arena, self.context, self.ranks = storage, plan, arena, context, ranks
         self.lease = lease  # the root's lease (the leader's, or each rank's own root's); None on other ranks
@@ -150,8 +157,10 @@ class SaveJob:
         self._prepared = False
         waves = arena.plan(plan.tensors)
         for wave in waves[:-1]:  # beyond the staging cap: write earlier waves before returning
-            self._write_staged(arena.stage(plan.tensors, wave))
-        self.staged = arena.stage(plan.tensors, waves[-1])
+            self._write_staged(arena.stage(plan.tensors, wave)[0])
+        defer = dict(defer or {}) if len(waves) == 1 else {}
+        self.staged, later = arena.stage(plan.tensors, waves[-1], later=defer)
+        self.pending = Pending(plan.step, later, plan.tensors, defer) if defer else None
 
     def _prepare(self) -> None:
         """Once per save, before any array write: the leader clears leftovers and marks the save in flight."""
@@ -241,6 +250,8 @@ class SaveJob:
         """
         error: BaseException | None = None
         try:
+            if self.pending is not None:
+                self.pending.result()  # the copies overlapped with training, unchanged meanwhile
             self._write_staged(self.staged)
             _settle(list(self._open_arrays().values()))  # zarr.json of the arrays whose chunks were written directly
             if self._files is not None:

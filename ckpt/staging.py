@@ -13,6 +13,7 @@ import ctypes
 import mmap
 import threading
 from dataclasses import dataclass
+from typing import Container
 
 import numpy as np
 import torch
@@ -61,6 +62,9 @@ class Staged:
     name: str
     rows: tuple[int, int] | None  # row range of the source's first dim, None = whole tensor
     host: np.ndarray  # uint8 view into the arena
+
+
+Copy = tuple[torch.Tensor, torch.Tensor]  # (uint8 view of the arena, source tensor)
 
 
 class StagingArena:
@@ -131,27 +135,39 @@ class StagingArena:
         return out
 
     def stage(
-        self, tensors: dict[str, torch.Tensor], wave: list[tuple[str, tuple[int, int] | None, int]]
-    ) -> list[Staged]:
-        """Copy one wave into the arena (growing it once if needed); returns views valid until the next stage."""
+        self,
+        tensors: dict[str, torch.Tensor],
+        wave: list[tuple[str, tuple[int, int] | None, int]],
+        later: Container[str] = (),
+    ) -> tuple[list[Staged], list[Copy]]:
+        """Lay one wave out in the arena (growing it once if needed) and copy it there, except the tensors named in
+        `later`: their copies are returned, for `copy` to make before their views are read. Views stay valid until
+        the next stage."""
         with self.lock:
             need = sum(_round_up(n) for _, _, n in wave)
             if need > self.capacity:
                 self._buf = _allocate(need)
                 self._np = self._buf.numpy()
             out, off = [], 0
-            copies = []
+            now: list[Copy] = []
+            deferred: list[Copy] = []
             for name, rows, n in wave:
                 src = tensors[name]
                 if rows is not None:
                     src = src[rows[0] : rows[1]]
                 dst = self._buf[off : off + n]
                 if n:
-                    copies.append((dst, src))
+                    (deferred if name in later else now).append((dst, src))
                 out.append(Staged(name, rows, self._np[off : off + n]))
                 off += _round_up(n)
-            for dst, src in copies:
-                dst.view(src.dtype).view(src.shape).copy_(src, non_blocking=src.is_cuda)
-            if any(src.is_cuda for _, src in copies):
-                torch.cuda.synchronize()
-            return out
+            copy(now)
+            return out, deferred
+
+
+def copy(copies: list[Copy]) -> None:
+    """Make staged copies; returns once they are in host memory (a CUDA source: its own device synchronized, as
+    the calling thread's current device may be another)."""
+    for dst, src in copies:
+        dst.view(src.dtype).view(src.shape).copy_(src, non_blocking=src.is_cuda)
+    for device in {src.device for _, src in copies if src.is_cuda}:
+        torch.cuda.synchronize(device)

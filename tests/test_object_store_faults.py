@@ -77,7 +77,7 @@ import torch
 import ckpt
 from saver import state_for
 with ckpt.CheckpointManager({root!r}, keep_last=2, chunk_bytes=256 << 10, lease_ttl={ttl}) as m:
-    step = 1
+    step = (m.latest_step() or 0) + 1  # a saver after one killed between saves goes on from its last step
     while True:  # 16 MB more per step: an upload lasts long enough to be killed in the middle
         m.save(step, dict(state_for(step), pad=torch.full((4 << 20,), float(step))))
         step += 1

@@ -1,0 +1,139 @@
+"""The overlapped snapshot: tensors that only an optimizer's step changes are copied after `save` returns.
+
+Between one optimizer step and the next, a model's parameters and its optimizer's state do not change: forward
+and backward read them and write activations and gradients. So their copy into the host arena can run beside
+the next step's forward and backward instead of inside `save`, and the next ``optimizer.step()`` of any torch
+optimizer waits for that copy first (`Fence`, a global step pre-hook): no step changes a tensor while it is
+copied. Everything else (buffers such as BatchNorm's running statistics, which forward changes; plain tensors;
+RNG and JSON leaves) is still copied inside `save`.
+
+A tensor changed in place by anything else before its copy is taken (``p.mul_()`` outside a step,
+``load_state_dict``) has its version counter bumped; the copy compares the counters afterwards and fails the save,
+naming the keys, instead of committing a mixed state. Writes through ``p.data`` bypass version counters: call
+`SaveHandle.wait_snapshot()` before them, or use ``snapshot="sync"``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Any, Callable, Mapping
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .errors import StateChangedError
+from .staging import Copy, copy
+from .state import is_dtensor
+
+MODES = ("overlap", "sync")
+
+
+def optimizer_owned(state: Mapping[str, Any]) -> set[int]:
+    """Storage addresses of the parameters and state tensors of every torch optimizer in `state` (at any depth of
+    its dicts, lists and tuples; wrappers such as accelerate's delegate `param_groups` and `state`)."""
+    owned: set[int] = set()
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            owned.add((t.to_local() if is_dtensor(t) else t).untyped_storage().data_ptr())
+
+    def visit(x: Any, depth: int) -> None:
+        if depth > 16:
+            return
+        if isinstance(x, torch.optim.Optimizer):
+            for group in x.param_groups:
+                for p in group["params"]:
+                    add(p)
+            for per_param in x.state.values():
+                for t in per_param.values() if isinstance(per_param, Mapping) else ():
+                    add(t)
+        elif isinstance(x, Mapping):
+            for v in x.values():
+                visit(v, depth + 1)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                visit(v, depth + 1)
+
+    visit(state, 0)
+    return owned
+
+
+def versions(tensors: Mapping[str, torch.Tensor], owned: set[int]) -> dict[str, int]:
+    """The tensors whose copy may wait for the next optimizer step: name -> version counter now. Only tensors in
+    `owned` storages, and only those with a version counter (inference tensors have none: copied at once)."""
+    if not owned:
+        return {}
+    out = {}
+    for name, t in tensors.items():
+        if t.untyped_storage().data_ptr() in owned and not t.is_inference():
+            out[name] = t._version
+    return out
+
+
+class Pending:
+    """The deferred copies of one save: `run` makes them on the snapshot thread and checks that none of their
+    sources changed meanwhile; `wait` blocks until then (the fence, the write before it reads the arena)."""
+
+    def __init__(
+        self, step: int, copies: list[Copy], tensors: Mapping[str, torch.Tensor], saved_versions: dict[str, int]
+    ):
+        self.step, self._copies, self._tensors, self._versions = step, copies, tensors, saved_versions
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            copy(self._copies)
+            changed = [
+                f"{name!r} (version {v} -> {self._tensors[name]._version})"
+                for name, v in self._versions.items()
+                if self._tensors[name]._version != v
+            ]
+            if changed:
+                raise StateChangedError(
+                    f"tensors were changed in place after save(step={self.step}) returned, before their snapshot "
+                    f"was copied: {', '.join(changed[:5])}{f' and {len(changed) - 5} more' if len(changed) > 5 else ''}."
+                    " Only an optimizer's step() waits for the snapshot: call SaveHandle.wait_snapshot() before "
+                    "changing them otherwise, or use CheckpointManager(snapshot='sync')"
+                )
+        except BaseException as e:
+            self.error = e
+        finally:
+            self._copies, self._tensors = [], {}  # the sources are no longer referenced once copied
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        self._done.wait()
+
+    def result(self) -> None:
+        """Wait, then raise the copy's error (the write path: nothing of a torn snapshot is committed)."""
+        self.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class Fence:
+    """A global optimizer step pre-hook: every ``optimizer.step()`` first waits for the snapshot in flight.
+
+    Registered once per manager and removed by `close` (never from inside a step, whose hooks are being iterated);
+    it holds the manager's waiting function weakly, so a manager dropped without `close` leaves a no-op hook, and a
+    forked child (which has no snapshot thread) never waits.
+    """
+
+    def __init__(self, wait: Callable[[], None]):
+        ref, pid = weakref.WeakMethod(wait), os.getpid()
+
+        def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            waiting = ref()
+            if waiting is not None and os.getpid() == pid:
+                waiting()
+
+        self._handle = register_optimizer_step_pre_hook(hook)
+
+    def close(self) -> None:
+        self._handle.remove()
