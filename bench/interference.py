@@ -273,6 +273,8 @@ def run_child(args) -> dict:
     impl.start()
     other = OtherProcess()
     other.pause(True)
+    gc.collect()  # prepared as every measured save is (a collection due inside the save call is not the save)
+    os.sync()
     time.sleep(max(0.0, args.first_after - (time.perf_counter() - t_start)))
     first, _, wait = impl.save(0)
     wait()

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ckpt import (
@@ -23,6 +23,7 @@ from ckpt import (
     Preemption,
     RNGState,
     SaveDecision,
+    SaveHandle,
     Stateful,
 )
 from ckpt.schedule import PREEMPTION_SIGNALS
@@ -39,19 +40,6 @@ class Preempted(SystemExit):
         self.signum, self.step = signum, step
 
 
-class _Snapshot:
-    """A Stateful frozen at capture time, so an overlapped save writes the RNG/sampler state of its own step."""
-
-    def __init__(self, state: dict[str, Any]) -> None:
-        self._state = state
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise TypeError("a snapshot is write-only")
-
-
 class TrainLoop:
     """Owns a CheckpointManager, a GoodputTracker and the RNG/data state of one training process.
 
@@ -60,8 +48,7 @@ class TrainLoop:
         with TrainLoop(root, {"model": model, "optim": optim}, sampler=sampler, every_steps=100) as loop:
             for step in loop.steps(total_steps):        # resumes after loop.start_step
                 ...forward, backward...
-                loop.wait_for_staging()                 # only needed with overlap=True
-                optim.step()
+                optim.step()                            # waits for the copy of the last save's parameters
                 loop.on_step_end(step, {"loss": loss.item()})
 
     Args:
@@ -75,8 +62,9 @@ class TrainLoop:
             (seconds; `mttf_s` overrides the fitted MTTF). The intervals above are its starting point.
         decision: a `ckpt.schedule.SaveDecision` instead of the three above (e.g. one shared with other code).
         signals: preemption signals; one sets a flag, the next `on_step_end` saves that step and raises `Preempted`.
-        overlap: run the snapshot on a thread so it overlaps the next forward/backward; call `wait_for_staging()`
-            before anything that mutates the saved state (``optimizer.step()``).
+        overlap: deprecated, and ignored: the manager copies the parameters and optimizer state of every save
+            beside the next forward and backward by itself, and ``optimizer.step()`` waits for that copy
+            (``CheckpointManager(snapshot="overlap")``, the default).
         tracker: an unstarted GoodputTracker (e.g. with OpenTelemetry metrics); default ``GoodputTracker(root)`` with
             the manager's ``storage_options``.
         manager_options: passed to `CheckpointManager` (retention, staging cap, chunk size, and two tiers:
@@ -121,8 +109,14 @@ class TrainLoop:
             tracker if tracker is not None else GoodputTracker(self.root, storage_options=self._storage_options)
         )
         self._manager_options = manager_options
-        self._stager = ThreadPoolExecutor(1, thread_name_prefix="loop-staging") if overlap else None
-        self._staging: Future[Any] | None = None
+        if overlap:
+            warnings.warn(
+                "TrainLoop(overlap=True) is deprecated and ignored: the manager overlaps the copy of the parameters and "
+                "optimizer state with the next forward and backward by itself, and optimizer.step() waits for it",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        self._handle: SaveHandle | None = None  # the last save, whose snapshot `wait_for_staging` waits for
         self._open_step: int | None = None
         self.manager: CheckpointManager | None = None
         self.start_step = self.step = self.last_saved = 0
@@ -159,25 +153,17 @@ class TrainLoop:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
-        """Finish staging, drain writes, restore the previous signal handlers, end the ledger."""
+        """Drain writes, restore the previous signal handlers, end the ledger."""
         try:
             if exc_type is None:
-                self.wait_for_staging()
                 self.manager.close()
             elif self.manager is not None:  # keep the loop's exception; still drain what can be drained
-                self._drain_quietly()
+                with contextlib.suppress(Exception):  # the loop's own exception is the one to report
+                    self.manager.close()
         finally:
             self.preemption.uninstall()
-            if self._stager is not None:
-                self._stager.shutdown(wait=True)
             status = "ok" if exc_type is None else "preempted" if isinstance(exc, Preempted) else "error"
             self.tracker.end(status)
-
-    def _drain_quietly(self) -> None:
-        """Wait for staging and writes after a failure without masking it."""
-        for finish in (self.wait_for_staging, self.manager.close):
-            with contextlib.suppress(Exception):  # the loop's own exception is the one to report
-                finish()
 
     @property
     def preempted(self) -> bool:
@@ -216,7 +202,6 @@ class TrainLoop:
         signum = self.preemption.signum
         if signum is not None:  # with two tiers also persisted: the job may come back on another node
             self.save(step, metrics, persist=True)
-            self.wait_for_staging()
             self.manager.wait()
             raise Preempted(signum, step)
         if self.decision.should_save(step, time.monotonic()):  # the job's last save is persisted with two tiers
@@ -232,23 +217,16 @@ class TrainLoop:
         durable root, None leaves it to ``persist_every``."""
         if step == self.last_saved:
             return False
-        self.wait_for_staging()
-        if self._stager is None:
-            self.manager.save(step, self.state, metadata=metrics, persist=persist)
-        else:  # RNG and sampler positions are captured now; tensors are copied on the staging thread
-            frozen = {k: _Snapshot(self.state[k].state_dict()) for k in ("rng", "sampler") if k in self.state}
-            self._staging = self._stager.submit(
-                self.manager.save, step, {**self.state, **frozen}, metadata=metrics, persist=persist
-            )
+        self._handle = self.manager.save(step, self.state, metadata=metrics, persist=persist)
         self.last_saved = step
         self.decision.saved(step, time.monotonic())
         return True
 
     def wait_for_staging(self) -> None:
-        """Block until the snapshot of an overlapped save is taken (call before optimizer.step()); raises its error."""
-        staging, self._staging = self._staging, None
-        if staging is not None:
-            staging.result()
+        """Block until the last save's snapshot is complete (`SaveHandle.wait_snapshot`): needed only before changing
+        the parameters or optimizer state in place other than by ``optimizer.step()``, which waits by itself."""
+        if self._handle is not None:
+            self._handle.wait_snapshot()
 
     # -- live goodput ----------------------------------------------------------------------------------------
     def ettr(self) -> float:

@@ -33,7 +33,7 @@ def tiny_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Embedding(VOCAB, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, VOCAB))
 
 
-def train(root: str, tokens: str, every: int, overlap: bool, local: str | None = None) -> None:
+def train(root: str, tokens: str, every: int, local: str | None = None) -> None:
     """The child: resume, train to TOTAL printing each step, write the final weights to ROOT/final.bin.
 
     With `local`, two tiers: every save to the local tier LOCAL, none persisted by the interval (persist_every)."""
@@ -52,7 +52,6 @@ def train(root: str, tokens: str, every: int, overlap: bool, local: str | None =
             {"model": model, "optim": optim},
             sampler=sampler,
             every_steps=every,
-            overlap=overlap,
             tracker=tracker,
             **tiers,
         ) as loop:
@@ -62,8 +61,7 @@ def train(root: str, tokens: str, every: int, overlap: bool, local: str | None =
                 loss = F.cross_entropy(model(x[:, :-1]).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
                 optim.zero_grad()
                 loss.backward()
-                loop.wait_for_staging()
-                optim.step()
+                optim.step()  # waits for the last save's copy of the parameters (no call of ours)
                 loop.on_step_end(step, {"loss": loss.item()})
                 print(f"step {step}", flush=True)
                 print(f"batch {step} {hash_batch(batch['t'].tolist(), batch['start'].tolist())}", flush=True)
@@ -78,12 +76,11 @@ def run_child(
     tokens: Path,
     *,
     every: int = EVERY,
-    overlap: bool = False,
     signal_on: tuple[str, int] | None = None,
     local: Path | None = None,
 ) -> tuple[int, list[str]]:
     """Run the child; send `signal_on[1]` when it prints `signal_on[0]`. Returns its exit status and lines."""
-    cmd = [sys.executable, __file__, str(root), str(tokens), str(every)] + (["--overlap"] if overlap else [])
+    cmd = [sys.executable, __file__, str(root), str(tokens), str(every)]
     cmd += [f"--local={local}"] if local else []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent)
     lines = []
@@ -181,9 +178,9 @@ def test_with_two_tiers_the_save_of_the_last_step_is_persisted(tmp_path):
 
 def test_sigkill_resume_is_bitwise_identical_and_the_report_shows_it(tmp_path, tokens, reference):
     reference, run = reference[0], tmp_path / "run"
-    code, killed = run_child(run, tokens, overlap=True, signal_on=("step 10", signal.SIGKILL))
+    code, killed = run_child(run, tokens, signal_on=("step 10", signal.SIGKILL))
     assert code == -signal.SIGKILL
-    code, resumed = run_child(run, tokens, overlap=True)
+    code, resumed = run_child(run, tokens)
     restored = int(resumed[0].split()[1])
     assert code == 0 and restored > 0 and restored % EVERY == 0  # 8, or 4 while 8 was still being written
     assert (run / "final.bin").read_bytes() == (reference / "final.bin").read_bytes()
@@ -273,7 +270,6 @@ if __name__ == "__main__":
     parser.add_argument("root")
     parser.add_argument("tokens")
     parser.add_argument("every", type=int)
-    parser.add_argument("--overlap", action="store_true")
     parser.add_argument("--local", help="a local tier: two tiers")
     args = parser.parse_args()
-    train(args.root, args.tokens, args.every, args.overlap, args.local)
+    train(args.root, args.tokens, args.every, args.local)

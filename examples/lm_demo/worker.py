@@ -85,8 +85,7 @@ def train(args: argparse.Namespace) -> None:
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
             optim.zero_grad(set_to_none=True)
             loss.backward()
-            loop.wait_for_staging()
-            optim.step()
+            optim.step()  # waits for the last save's copy of the parameters, if it is still being made
             saved = loop.on_step_end(step, {"loss": loss.item()})
             if step % args.log_every == 0 or step == args.steps:
                 print(

@@ -163,9 +163,13 @@ def main(mode: str, root: str) -> None:
                 }
                 assert seen == {(rank, WORLD)}, seen
                 torch.manual_seed(1000 + rank)  # a distinct RNG stream per rank
-                m.save(2, state_of(model, opt)).wait()
+                ref = flat_reference(model, opt)  # the state at the save (full_tensor() is a collective)
+                h = m.save(2, state_of(model, opt))
+                deferred = h._pending._versions if h._pending is not None else {}
+                assert any(k.startswith("model/") for k in deferred) and any(k.startswith("opt/") for k in deferred)
                 torch.save(torch.get_rng_state(), os.path.join(root, "..", f"rng{rank}.pt"))
-                ref = flat_reference(model, opt)
+                train(model, opt, g)  # a step right after the save: waits for the copy of this rank's shards
+                h.wait()
                 if rank == 0:
                     torch.save(ref, os.path.join(root, "..", "reference.pt"))
             else:
