@@ -302,8 +302,14 @@ class CheckpointManager:
         pending = pending or self._pending
         if pending is None or pending.done():
             return
+        t0 = time.perf_counter()
         with self.tracker.span("checkpoint_save", step=pending.step):
             pending.wait()
+        log.debug(
+            "waited %.3fs for the snapshot of step %d before changing its tensors",
+            time.perf_counter() - t0,
+            pending.step,
+        )
 
     def _background(self, job: SaveJob, stall: float, committed: Future, persist: bool | None = None) -> None:
         """Record the run once, write and commit (resolving `committed`), then queue retention's deletes."""
