@@ -6,6 +6,7 @@ The snapshot thread is held back by a gate submitted ahead of the save (the real
 the loop provably acts while the copy is still to be made.
 """
 
+import contextlib
 import threading
 
 import pytest
@@ -57,6 +58,18 @@ def restored(root, step):
     return {"model": model.state_dict(), "optim": _optim_tensors(optim)}
 
 
+@contextlib.contextmanager
+def held_save(root):
+    """A trained model and Adam, a manager on `root` with its snapshot thread held, and save(1) of them under way:
+    yields (model, optim, gate, handle, a copy of the state at the save); the manager closes after the block."""
+    model, optim = make()
+    train_step(model, optim)
+    with ckpt.CheckpointManager(root) as m:
+        gate = Gate(m)
+        before = saved_copy(model, optim)
+        yield model, optim, gate, m.save(1, {"model": model, "optim": optim}), before
+
+
 def assert_same(a, b):
     for part in ("model", "optim"):
         assert a[part].keys() == b[part].keys()
@@ -65,12 +78,7 @@ def assert_same(a, b):
 
 
 def test_an_optimizer_step_right_after_save_waits_and_the_checkpoint_holds_the_state_at_save(tmp_path):
-    model, optim = make()
-    train_step(model, optim)
-    with ckpt.CheckpointManager(tmp_path) as m:
-        gate = Gate(m)
-        before = saved_copy(model, optim)
-        handle = m.save(1, {"model": model, "optim": optim})
+    with held_save(tmp_path) as (model, optim, gate, handle, before):
         stepper = threading.Thread(target=train_step, args=(model, optim, 2))
         stepper.start()
         stepper.join(0.5)
@@ -107,12 +115,7 @@ def test_a_change_outside_an_optimizer_step_fails_the_save_naming_the_key_and_no
 
 
 def test_wait_snapshot_makes_any_change_safe(tmp_path):
-    model, optim = make()
-    train_step(model, optim)
-    with ckpt.CheckpointManager(tmp_path) as m:
-        gate = Gate(m)
-        before = saved_copy(model, optim)
-        handle = m.save(1, {"model": model, "optim": optim})
+    with held_save(tmp_path) as (model, optim, gate, handle, before):
         threading.Timer(0.3, gate.open).start()
         handle.wait_snapshot()
         with torch.no_grad():
@@ -123,12 +126,7 @@ def test_wait_snapshot_makes_any_change_safe(tmp_path):
 
 def test_buffers_that_forward_changes_are_copied_inside_save(tmp_path):
     """BatchNorm's running statistics change in forward, before any optimizer step: they are never deferred."""
-    model, optim = make()
-    train_step(model, optim)
-    with ckpt.CheckpointManager(tmp_path) as m:
-        gate = Gate(m)
-        before = saved_copy(model, optim)
-        handle = m.save(1, {"model": model, "optim": optim})
+    with held_save(tmp_path) as (model, optim, gate, handle, before):
         model(torch.randn(8, 16)).sum().backward()  # running_mean/var change; parameters do not
         assert not torch.equal(model[1].running_mean, before["model"]["1.running_mean"])
         gate.open()
