@@ -93,7 +93,8 @@ class SaveHandle:
         changing the parameters or optimizer state in place any other way (an EMA swap, ``p.data`` writes). It
         never raises: a failed save is raised by `wait()` or the manager's next call.
         """
-        self._manager._await_snapshot(self._pending)
+        if self._pending is not None:  # else everything was copied inside save
+            self._manager._await_snapshot(self._pending)
 
     def wait(self, timeout: float | None = None) -> None:
         try:
