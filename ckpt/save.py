@@ -309,6 +309,8 @@ class SaveJob:
 
     def abandon(self) -> None:
         """After a failed write: remove what this save left, unless it got as far as committing."""
+        if self.pending is not None:  # deferred copies still writing into the arena, which the next save reuses
+            self.pending.wait()
         with contextlib.suppress(Exception):  # arrays still being created would write their files after the delete
             _settle(list((self._arrays or {}).values()))
         if self._files is not None:

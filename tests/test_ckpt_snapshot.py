@@ -114,6 +114,19 @@ def test_a_change_outside_an_optimizer_step_fails_the_save_naming_the_key_and_no
     assert_same(restored(tmp_path, 1), first)
 
 
+def test_a_save_failing_before_its_write_is_reported_only_once_its_deferred_copies_are_made(tmp_path):
+    """The next save reuses the arena: copies of a failed save still running would overwrite what it staged."""
+    (tmp_path / "run.json").mkdir()  # the first save cannot record its run: it fails before writing any array
+    (tmp_path / "run.json" / "x").write_text("")
+    with held_save(tmp_path) as (model, optim, gate, handle, before):
+        with pytest.raises(TimeoutError):
+            handle.wait(timeout=0.5)  # not reported while its copies are held back
+        gate.open()
+        with pytest.raises(ckpt.CheckpointWriteError):
+            handle.wait()
+        assert handle._pending.done()
+
+
 def test_wait_snapshot_makes_any_change_safe(tmp_path):
     with held_save(tmp_path) as (model, optim, gate, handle, before):
         threading.Timer(0.3, gate.open).start()
