@@ -1,68 +1,97 @@
-"""ckpt: save and restore the whole training state, asynchronously and sharded, through tensorstore."""
+"""ckpt: save and restore the whole training state, asynchronously and sharded, through tensorstore.
 
-from .budget import WriteBudget
-from .determinism.data import RandomWindowSampler, ShuffledSampler, TokenWindowDataset, explain, make_loader
-from .determinism.rng import RNGState
-from .errors import (
-    CheckpointDeleteError,
-    CheckpointError,
-    CheckpointWriteError,
-    CorruptCheckpointError,
-    DataMismatchError,
-    LeaseHeldError,
-    RunMismatchError,
-    StateChangedError,
-    StateKeyError,
-    StateMismatchError,
-    StepExistsError,
-    StepNotFoundError,
-    StorageError,
-)
-from .exporter import export
-from .importers import import_checkpoint
-from .manager import CheckpointManager, CheckpointObserver, SaveHandle
-from .reader import load
-from .retention import Keep, KeepBest, KeepEvery, KeepLast, RetentionPolicy
-from .schedule import AdvisedInterval, AnyOf, EveryNSeconds, EveryNSteps, Preemption, SaveDecision
-from .state import Stateful
+The public names load on first use (PEP 562): `import ckpt.storage_args` (ettr's CLI) or `python -m ckpt --help`
+does not pay for torch, which the modules behind most of these names import (~2 s per process).
+"""
 
-__all__ = [
-    "CheckpointManager",
-    "CheckpointObserver",
-    "SaveHandle",
-    "WriteBudget",
-    "Stateful",
-    "RetentionPolicy",
-    "KeepLast",
-    "KeepEvery",
-    "KeepBest",
-    "Keep",
-    "SaveDecision",
-    "EveryNSteps",
-    "EveryNSeconds",
-    "AnyOf",
-    "AdvisedInterval",
-    "Preemption",
-    "CheckpointError",
-    "CheckpointWriteError",
-    "CheckpointDeleteError",
-    "CorruptCheckpointError",
-    "RunMismatchError",
-    "LeaseHeldError",
-    "StepNotFoundError",
-    "StepExistsError",
-    "StorageError",
-    "StateMismatchError",
-    "StateChangedError",
-    "StateKeyError",
-    "RNGState",
-    "RandomWindowSampler",
-    "ShuffledSampler",
-    "TokenWindowDataset",
-    "make_loader",
-    "explain",
-    "DataMismatchError",
-    "load",
-    "export",
-    "import_checkpoint",
-]
+# ruff: noqa: F401  (the TYPE_CHECKING imports at the end are re-exports, for type checkers and IDEs)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> the module that defines it; __all__, the lazy loader and the type checkers' imports below agree
+# (tests/test_architecture.py)
+_HOME = {
+    "CheckpointManager": "manager",
+    "CheckpointObserver": "manager",
+    "SaveHandle": "manager",
+    "WriteBudget": "budget",
+    "Stateful": "state",
+    "RetentionPolicy": "retention",
+    "KeepLast": "retention",
+    "KeepEvery": "retention",
+    "KeepBest": "retention",
+    "Keep": "retention",
+    "SaveDecision": "schedule",
+    "EveryNSteps": "schedule",
+    "EveryNSeconds": "schedule",
+    "AnyOf": "schedule",
+    "AdvisedInterval": "schedule",
+    "Preemption": "schedule",
+    "CheckpointError": "errors",
+    "CheckpointWriteError": "errors",
+    "CheckpointDeleteError": "errors",
+    "CorruptCheckpointError": "errors",
+    "RunMismatchError": "errors",
+    "LeaseHeldError": "errors",
+    "StepNotFoundError": "errors",
+    "StepExistsError": "errors",
+    "StorageError": "errors",
+    "StateMismatchError": "errors",
+    "StateChangedError": "errors",
+    "StateKeyError": "errors",
+    "DataMismatchError": "errors",
+    "RNGState": "determinism.rng",
+    "RandomWindowSampler": "determinism.data",
+    "ShuffledSampler": "determinism.data",
+    "TokenWindowDataset": "determinism.data",
+    "make_loader": "determinism.data",
+    "explain": "determinism.data",
+    "load": "reader",
+    "export": "exporter",
+    "import_checkpoint": "importers",
+}
+__all__ = list(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    """Load a public name's module on first use; the name is then a plain attribute of the package."""
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'ckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from .budget import WriteBudget
+    from .determinism.data import RandomWindowSampler, ShuffledSampler, TokenWindowDataset, explain, make_loader
+    from .determinism.rng import RNGState
+    from .errors import (
+        CheckpointDeleteError,
+        CheckpointError,
+        CheckpointWriteError,
+        CorruptCheckpointError,
+        DataMismatchError,
+        LeaseHeldError,
+        RunMismatchError,
+        StateChangedError,
+        StateKeyError,
+        StateMismatchError,
+        StepExistsError,
+        StepNotFoundError,
+        StorageError,
+    )
+    from .exporter import export
+    from .importers import import_checkpoint
+    from .manager import CheckpointManager, CheckpointObserver, SaveHandle
+    from .reader import load
+    from .retention import Keep, KeepBest, KeepEvery, KeepLast, RetentionPolicy
+    from .schedule import AdvisedInterval, AnyOf, EveryNSeconds, EveryNSteps, Preemption, SaveDecision
+    from .state import Stateful

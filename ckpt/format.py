@@ -13,13 +13,15 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import tensorstore as ts
-import torch
 
 from .errors import CheckpointError, CorruptCheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "ckpt/3"  # ckpt/3: small tensors packed into one byte array per rank (`Manifest.packs`)
 # ckpt/2 (a crc32c digest per chunk in the manifest, one array per tensor) is still read; so is ckpt/1, whose
@@ -30,46 +32,41 @@ PACK_BYTES = 1 << 20  # default: tensors up to this size are packed (see `pack_l
 _SEGMENT_RE = re.compile(r"^[A-Za-z0-9_%+=@,~-][A-Za-z0-9_.%+=@,~-]*$")
 _MAX_SEGMENT = 200
 
-# torch dtype <-> zarr3 data_type; the numpy dtype views the raw bytes for tensorstore.
-_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "float64",
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.complex64: "complex64",
-    torch.complex128: "complex128",
-    torch.int64: "int64",
-    torch.int32: "int32",
-    torch.int16: "int16",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-    torch.uint16: "uint16",
-    torch.uint32: "uint32",
-    torch.uint64: "uint64",
-    torch.bool: "bool",
-    torch.float8_e4m3fn: "float8_e4m3fn",
-    torch.float8_e5m2: "float8_e5m2",
-}
-_BY_NAME = {v: k for k, v in _DTYPES.items()}
+# The zarr3 data_types a tensor may have; each is also the name of its torch dtype (torch.float64, ...). The numpy
+# dtype views the raw bytes for tensorstore.
+_DTYPE_NAMES = (
+    "float64", "float32", "float16", "bfloat16", "complex64", "complex128", "int64", "int32", "int16", "int8",
+    "uint8", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2",
+)  # fmt: skip
+
+
+@functools.cache
+def _torch_dtypes() -> dict[torch.dtype, str]:
+    """torch dtype -> on-disk name; torch is imported on first use, so that reading a root's files (ettr's ledger,
+    the CLI's listing) does not import it."""
+    import torch
+
+    return {getattr(torch, name): name for name in _DTYPE_NAMES}
 
 
 def dtype_name(dtype: torch.dtype, *, key: str = "?") -> str:
     """The on-disk name of a torch dtype; TypeError naming the key when it has none."""
     try:
-        return _DTYPES[dtype]
+        return _torch_dtypes()[dtype]
     except KeyError:
         raise TypeError(
             f"tensor at key {key!r} has dtype {dtype}, which has no on-disk form "
-            f"(supported: {', '.join(sorted(_BY_NAME))})"
+            f"(supported: {', '.join(sorted(_DTYPE_NAMES))})"
         ) from None
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of an on-disk dtype name."""
-    try:
-        return _BY_NAME[name]
-    except KeyError:
-        raise CorruptCheckpointError(f"unknown dtype {name!r} in manifest") from None
+    if name not in _DTYPE_NAMES:
+        raise CorruptCheckpointError(f"unknown dtype {name!r} in manifest")
+    import torch
+
+    return getattr(torch, name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -287,7 +284,7 @@ class ArrayInfo:
                 raise CorruptCheckpointError(f"malformed array entry in manifest: {what}", key=name)
 
         need(isinstance(d, dict), "not an object")
-        need(isinstance(d.get("dtype"), str) and d["dtype"] in _BY_NAME, f"unknown dtype {d.get('dtype')!r}")
+        need(isinstance(d.get("dtype"), str) and d["dtype"] in _DTYPE_NAMES, f"unknown dtype {d.get('dtype')!r}")
         shape, chunk = d.get("shape"), d.get("chunk")
         need(_ints(shape, 0, _MAX_DIM) and len(shape) <= MAX_RANK, f"bad shape {shape!r}")
         need(

@@ -3,6 +3,8 @@
 import ast
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -79,3 +81,28 @@ def test_only_layout_spells_the_names_of_a_root():
             and names.search(n.value)
         ]
     assert not found, found
+
+
+def test_the_lazy_package_root_and_its_type_checking_imports_name_the_same_homes():
+    """`ckpt`'s public names load on first use: each loads from the module `_HOME` names, and the imports for type
+    checkers say the same (a name moved to another module must move in both)."""
+    import ckpt
+
+    init = ROOT / "ckpt" / "__init__.py"
+    guarded = next(
+        n for n in ast.parse(init.read_text()).body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"
+    )
+    typed = {a.name: node.module for node in guarded.body for a in node.names}
+    assert typed == ckpt._HOME
+    assert sorted(ckpt.__all__) == sorted(ckpt._HOME) == sorted(n for n in dir(ckpt) if n in ckpt._HOME)
+    for name, home in ckpt._HOME.items():
+        assert getattr(ckpt, name).__module__ == f"ckpt.{home}", name
+    with pytest.raises(AttributeError, match="no attribute 'CheckpointManagr'"):
+        ckpt.CheckpointManagr  # noqa: B018
+
+
+def test_ettrs_cli_and_ckpts_storage_do_not_import_torch():
+    """ettr's report/advise CLI reads ledgers through ckpt.storage: neither may pay torch's import (~2 s a call)."""
+    code = "import sys, ettr.cli, ckpt.storage; print(sorted(m for m in ('torch', 'ckpt.manager') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
