@@ -1,5 +1,5 @@
 """Entry point of `python -m ckpt`."""
 
-from .cli import main
+from .cli import run
 
-raise SystemExit(main())
+run()

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from tqdm import tqdm
 
@@ -397,3 +398,11 @@ def main(argv: list[str] | None = None) -> int:
         known = isinstance(e, (CheckpointError, OSError, ValueError))
         print(f"error: {e if known and str(e) else f'{type(e).__name__}: {e}'}", file=sys.stderr)
         return 1
+
+
+def run() -> NoReturn:
+    """The `ckpt` command (and `python -m ckpt`): `main`, then exit without the interpreter's final collections
+    over torch's objects (gc.freeze: ~0.4 s of a 1.7 s call); `main` itself is for callers that go on."""
+    code = main()
+    gc.freeze()
+    sys.exit(code)

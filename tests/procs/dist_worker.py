@@ -10,6 +10,7 @@ compares with step 1. Run as a script (RANK/WORLD_SIZE/MASTER_* in the environme
 `run(...)` from a forkserver that has torch preloaded.
 """
 
+import gc
 import os
 import shutil
 import signal
@@ -204,3 +205,4 @@ def main(mode: str, root: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    gc.freeze()  # the rank ends here: no final collections over torch's objects (~0.8 s a rank)

@@ -5,6 +5,7 @@ root. Runs as a script or, to skip the interpreter and torch start-up on every o
 preloaded forkserver.
 """
 
+import gc
 import sys
 
 import torch
@@ -42,3 +43,4 @@ def main(root: str, start: int, log_path: str, writer: int = 0) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    gc.freeze()  # the child ends here: no final collections over torch's objects (~0.8 s)
