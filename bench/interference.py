@@ -22,11 +22,14 @@ variants' children interleaved round by round). Each variant runs in fresh child
 of each child is not in the medians: it is reported as "1st stall", taken `--first-after` seconds after the
 child's start (ckpt: after a fresh-start `restore`, which reserves the staging arena in the background).
 DCP async_save uses a FileSystemWriter with sync_files=True (every file fsync'd; ckpt fsyncs every chunk).
+`raw` writes the same bytes with no library (`RawWrite`: a copy into a warm buffer, then one thread's crc32c, O_DIRECT
+writes and fdatasyncs of 64 MiB files): the floor of what the disk IO itself costs a training thread on this machine.
 
     .venv/bin/python bench/interference.py                          # 1 and 2 GiB, medians of 3
     .venv/bin/python bench/interference.py --quick                  # 0.125 GiB, 3 saves (~1-2 min)
     .venv/bin/python bench/interference.py --sizes 0.25 --rounds 3 --repeats 1 \\
         --variants dcp_async,ckpt,ckpt:nice=0,ckpt:cores=0.5        # compare write budgets, interleaved
+    .venv/bin/python bench/interference.py --sizes 2 --rounds 2 --variants dcp_async,ckpt,raw   # against the floor
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import warnings
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from save_restore import build_state, fsync_path  # noqa: E402  (the state builder of the save benchmark)
+from save_restore import build_state, fsync_path, state_tensors  # noqa: E402  (the state builder of the save benchmark)
 
 GIB = 1 << 30
 _PY_LOOP = 4000  # iterations of pure Python per step
@@ -244,6 +247,81 @@ class Ckpt:
         catalog.delete_step(self.m.storage, step)
 
 
+class RawWrite:
+    """The floor of what writing the state costs, with no library: its bytes copied into a pre-touched buffer (the
+    stall), then written by one thread at nice 0 as 64 MiB files, each with its crc32c computed, O_DIRECT pwrites of
+    8 MiB and an fdatasync (the same system calls ckpt makes for a local root), then the directory fsync'd."""
+
+    label = "raw O_DIRECT write"
+    CHUNK, PIECE = 64 << 20, 8 << 20
+
+    def __init__(self, workdir, state, spec):
+        import mmap
+
+        import torch
+
+        self.dir, self.tensors = workdir, state_tensors(*state)
+        nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
+        self.nbytes = -(-nbytes // 4096) * 4096  # O_DIRECT: whole blocks
+        self.buf = mmap.mmap(-1, self.nbytes)
+        self.buf.madvise(mmap.MADV_HUGEPAGE)
+        self.arena = torch.frombuffer(self.buf, dtype=torch.uint8)
+        self.arena.zero_()  # touched: the copy goes to warm memory, as into ckpt's reserved arena
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        pass
+
+    def save(self, step: int):
+        import torch
+
+        t0 = time.perf_counter()
+        at = 0
+        for t in self.tensors:
+            n = t.numel() * t.element_size()
+            self.arena[at : at + n].copy_(t.detach().reshape(-1).view(torch.uint8))
+            at += n
+        self.thread = threading.Thread(target=self._write, args=(step,))
+        self.thread.start()
+        stall = time.perf_counter() - t0
+        return stall, lambda: not self.thread.is_alive(), self.wait
+
+    def _write(self, step: int) -> None:
+        import crc32c
+
+        try:
+            path = os.path.join(self.dir, f"step{step}")
+            os.makedirs(path)
+            view = memoryview(self.buf)
+            for i, at in enumerate(range(0, self.nbytes, self.CHUNK)):
+                chunk = view[at : at + self.CHUNK]
+                crc32c.crc32c(chunk)
+                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                try:
+                    fd = os.open(os.path.join(path, str(i)), flags | os.O_DIRECT, 0o644)
+                except OSError:  # no O_DIRECT on this filesystem
+                    fd = os.open(os.path.join(path, str(i)), flags, 0o644)
+                try:
+                    for p in range(0, len(chunk), self.PIECE):
+                        os.pwrite(fd, chunk[p : p + self.PIECE], p)
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+            fsync_path(path)
+            fsync_path(self.dir)
+        except BaseException as e:
+            self.error = e
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def delete(self, step: int) -> None:
+        shutil.rmtree(os.path.join(self.dir, f"step{step}"))
+
+
 def options_of(spec: str):
     """`cores=0.5:files=4:nice=0:snapshot=sync` -> (WriteBudget(cores=0.5, file_ops_per_core=4, nice=0), "sync");
     "" -> the defaults."""
@@ -268,7 +346,7 @@ def run_child(args) -> dict:
     method, _, spec = args._child.partition(":")
     state = build_state(args.size, args.seed)
     work = tempfile.mkdtemp(dir=args.dir, prefix=f"{method}-")
-    impl = (Ckpt if method == "ckpt" else DcpAsync)(work, state, spec)
+    impl = {"ckpt": Ckpt, "dcp_async": DcpAsync, "raw": RawWrite}[method](work, state, spec)
     trainer = Trainer(args.optim_ms)
     impl.start()
     other = OtherProcess()
@@ -416,7 +494,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default=None, help="state sizes in GiB, comma separated (default 1,2; quick 0.125)")
     ap.add_argument(
-        "--variants", default="dcp_async,ckpt", help="dcp_async, ckpt, ckpt:cores=X:files=N:nice=N:snapshot=sync"
+        "--variants",
+        default="dcp_async,ckpt",
+        help="dcp_async, ckpt, ckpt:cores=X:files=N:nice=N:snapshot=sync, raw (no library: the floor)",
     )
     ap.add_argument("--repeats", type=int, default=3, help="measured saves per mode per child")
     ap.add_argument("--rounds", type=int, default=1, help="children per variant, interleaved across variants")
