@@ -35,6 +35,7 @@ writes and fdatasyncs of 64 MiB files): the floor of what the disk IO itself cos
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import json
 import multiprocessing as mp
@@ -300,7 +301,9 @@ class RawWrite:
                 flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
                 try:
                     fd = os.open(os.path.join(path, str(i)), flags | os.O_DIRECT, 0o644)
-                except OSError:  # no O_DIRECT on this filesystem
+                except OSError as e:
+                    if e.errno != errno.EINVAL:  # EINVAL: no O_DIRECT on this filesystem
+                        raise
                     fd = os.open(os.path.join(path, str(i)), flags, 0o644)
                 try:
                     for p in range(0, len(chunk), self.PIECE):
@@ -320,6 +323,9 @@ class RawWrite:
 
     def delete(self, step: int) -> None:
         shutil.rmtree(os.path.join(self.dir, f"step{step}"))
+
+
+METHODS = {"ckpt": Ckpt, "dcp_async": DcpAsync, "raw": RawWrite}  # a variant's name before its first ':'
 
 
 def options_of(spec: str):
@@ -346,7 +352,7 @@ def run_child(args) -> dict:
     method, _, spec = args._child.partition(":")
     state = build_state(args.size, args.seed)
     work = tempfile.mkdtemp(dir=args.dir, prefix=f"{method}-")
-    impl = {"ckpt": Ckpt, "dcp_async": DcpAsync, "raw": RawWrite}[method](work, state, spec)
+    impl = METHODS[method](work, state, spec)
     trainer = Trainer(args.optim_ms)
     impl.start()
     other = OtherProcess()
@@ -521,9 +527,12 @@ def main(argv=None) -> None:
     if args.quick:
         args.sizes, args.idle_s, args.first_after = args.sizes or "0.125", 0.5, 2.0
     args.sizes = args.sizes or "1,2"
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v.partition(":")[0] not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {', '.join(unknown)}: the methods are {', '.join(METHODS)}")
     own_dir = args.dir is None
     args.dir = args.dir or tempfile.mkdtemp(prefix="ckpt-interference-")
-    variants = args.variants.split(",")
     raw = {}
     try:
         for size in map(float, args.sizes.split(",")):
