@@ -9,11 +9,11 @@ allocating past the cap). A restore reads into the arena before it applies anyth
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import mmap
 import threading
 from dataclasses import dataclass
-from typing import Container
+from typing import Callable, Container, Iterator
 
 import numpy as np
 import torch
@@ -25,9 +25,9 @@ def _round_up(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _allocate(nbytes: int, populate: bool = True) -> torch.Tensor:
-    """A uint8 host tensor of `nbytes`, pinned when CUDA is available; with `populate` every page is
-    faulted in now (else by its first writer, e.g. the parallel reads of a restore)."""
+def _allocate(nbytes: int, populate: bool = True, stop: Callable[[], bool] = lambda: False) -> torch.Tensor:
+    """A uint8 host tensor of `nbytes`, pinned when CUDA is available; with `populate` its pages are faulted
+    in now (else by their first writer, e.g. the parallel reads of a restore), unless `stop()` turns true."""
     if torch.cuda.is_available():
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     if nbytes == 0:
@@ -35,24 +35,27 @@ def _allocate(nbytes: int, populate: bool = True) -> torch.Tensor:
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages where THP is "madvise": first touches ~4x cheaper here
         buf.madvise(mmap.MADV_HUGEPAGE)
-    out = torch.frombuffer(buf, dtype=torch.uint8)
-    if populate and not _populate(buf, nbytes):
-        out.zero_()  # touches every page, also without the GIL
-    return out
+    if populate:
+        _touch(np.frombuffer(buf, dtype=np.uint8), stop)
+    return torch.frombuffer(buf, dtype=torch.uint8)
 
 
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_TOUCH_PIECE = 16 << 20
 
 
-def _populate(buf: mmap.mmap, nbytes: int) -> bool:
-    """Fault in all pages at once (~0.8 s for 2 GiB here, against ~2 s of faults during a first copy).
+def _touch(fresh: np.ndarray, stop: Callable[[], bool]) -> None:
+    """Fault in the pages of fresh memory, which nothing else writes yet, by writing a zero byte to each, 16 MiB
+    at a time until `stop()`.
 
-    Through ctypes, which releases the GIL, so a reservation on the writer thread never freezes training
-    (MAP_POPULATE would hold the GIL inside mmap()).
+    numpy writes without the GIL, and each page fault holds the memory map (at most its lock) for that one fault.
+    ``MADV_POPULATE_WRITE`` (or ``MAP_POPULATE``) holds the process's memory-map lock for the range it is given
+    instead: every mmap, munmap and thread start of another thread then waits for it (over 2 GiB in one call,
+    2-7 s in this VM; even in 16 MiB pieces a training step that allocates its activations fell to 8 steps/s).
     """
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(ctypes.addressof(ctypes.c_char.from_buffer(buf)), nbytes, _MADV_POPULATE_WRITE) == 0
+    for start in range(0, fresh.size, _TOUCH_PIECE):
+        if stop():
+            return
+        fresh[start : start + _TOUCH_PIECE : mmap.PAGESIZE] = 0
 
 
 @dataclass
@@ -76,7 +79,9 @@ class StagingArena:
         self.max_bytes = max_bytes
         self._buf = _allocate(0)
         self._np = self._buf.numpy()
-        self.lock = threading.Lock()  # serialises a background `reserve` with `stage`
+        self._lock = threading.Lock()  # serialises a background `reserve` with `stage` and `scratch`
+        self._count = threading.Lock()
+        self._wanted = 0  # saves waiting for `_lock`: a reservation in progress hands the arena over to them
 
     @property
     def capacity(self) -> int:
@@ -109,13 +114,27 @@ class StagingArena:
                 used += _round_up(n)
         return waves
 
+    @contextlib.contextmanager
+    def _taken(self) -> Iterator[None]:
+        """The arena, for a save: a reservation faulting pages in meanwhile stops at its current 16 MiB and hands
+        the arena over (its copies fault the rest in), so that a save coming early never waits for all of it."""
+        with self._count:
+            self._wanted += 1
+        try:
+            with self._lock:
+                yield
+        finally:
+            with self._count:
+                self._wanted -= 1
+
     def reserve(self, sizes: list[int]) -> None:
-        """Allocate the arena for tensors of these byte sizes ahead of the first save (within the cap)."""
+        """Allocate the arena for tensors of these byte sizes ahead of the first save (within the cap) and fault
+        its pages in, unless a save takes it over first."""
         nbytes = sum(_round_up(n) for n in sizes)
         nbytes = nbytes if self.max_bytes is None else min(nbytes, self.max_bytes)
-        with self.lock:
+        with self._lock:
             if nbytes > self.capacity:
-                self._buf = _allocate(nbytes)
+                self._buf = _allocate(nbytes, stop=lambda: self._wanted > 0)
                 self._np = self._buf.numpy()
 
     def scratch(self, sizes: list[int]) -> list[torch.Tensor]:
@@ -123,7 +142,7 @@ class StagingArena:
         the arena (grown within the cap: the next save then copies into touched memory), else temporary.
         Valid until the next `stage` or `reserve`."""
         need = sum(_round_up(n) for n in sizes)
-        with self.lock:
+        with self._lock:
             if self.capacity < need <= (self.max_bytes or need):
                 self._buf = _allocate(need, populate=False)
                 self._np = self._buf.numpy()
@@ -143,7 +162,7 @@ class StagingArena:
         """Lay one wave out in the arena (growing it once if needed) and copy it there, except the tensors named in
         `later`: their copies are returned, for `copy` to make before their views are read. Views stay valid until
         the next stage."""
-        with self.lock:
+        with self._taken():
             need = sum(_round_up(n) for _, _, n in wave)
             if need > self.capacity:
                 self._buf = _allocate(need)

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from ckpt import CheckpointManager, WriteBudget
+from ckpt import CheckpointManager, WriteBudget, staging
 from ckpt.budget import cpu_count
 
 
@@ -49,6 +49,28 @@ def test_reserve_sizes_the_arena_from_the_state_and_the_next_save_reuses_it(tmp_
     with CheckpointManager(tmp_path / "ck") as m:
         assert m.restore(_state()) == 1  # what the reserved arena held was written and reads back
         m.wait()
+
+
+def _rss() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("Rss:"))
+
+
+def test_a_reservation_faults_the_arena_in_unless_a_save_is_waiting_for_it():
+    nbytes = 64 << 20
+    arena = staging.StagingArena()
+    before = _rss()
+    arena.reserve([nbytes])
+    assert arena.capacity >= nbytes and _rss() - before >= nbytes * 0.9  # faulted in ahead of the first save
+    early = staging.StagingArena()
+    early._wanted = 1  # a save is waiting for the arena: the reservation hands it over before faulting it in
+    before = _rss()
+    early.reserve([nbytes])
+    assert early.capacity >= nbytes and _rss() - before < nbytes * 0.5
+    early._wanted = 0
+    t = torch.arange(nbytes // 8, dtype=torch.int64)
+    staged, _ = early.stage({"t": t}, early.plan({"t": t})[0])
+    assert torch.equal(torch.from_numpy(staged[0].host).view(torch.int64), t)  # its copy faulted the pages in
 
 
 def test_a_partial_restore_of_a_fresh_root_reserves_nothing(tmp_path):

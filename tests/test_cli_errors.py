@@ -83,7 +83,9 @@ def test_ckpt_cli_reads_crafted_markers_without_a_traceback(roots, capsys):
 ETTR_ERRORS = [
     (["report", "{goodput}", "--mttf", "0"], "must be a finite positive"),
     (["advise", "{goodput}", "--window", "-5"], "must be a finite positive"),
-    (["report", "{missing}"], "no ledgers"),
+    (["report", "{missing}"], "nope: no such directory"),
+    (["report", "{empty}"], "no ledgers in"),
+    (["advise", "{file}"], "file: not a directory"),
     (["plot", "{goodput}", "-o", "/nonexistent/x.png"], "/nonexistent/x.png"),
 ]
 
