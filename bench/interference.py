@@ -419,15 +419,31 @@ def run_child(args) -> dict:
 # -- driver ---------------------------------------------------------------------------------------------
 
 
-def child(args, variant: str, size: float) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--_child", variant, "--size", str(size)]
-    cmd += ["--repeats", str(args.repeats), "--idle-s", str(args.idle_s), "--first-after", str(args.first_after)]
-    cmd += ["--seed", str(args.seed), "--dir", args.dir, "--optim-ms", str(args.optim_ms)]
+def spawn(script: str, variant: str, size: float, argv: list[str]) -> dict:
+    """Run one variant of a benchmark `script` in a fresh Python process; its last line of output is its JSON."""
+    cmd = [sys.executable, os.path.abspath(script), "--_child", variant, "--size", str(size), *argv]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if out.returncode:
         raise SystemExit(f"child {variant} ({size} GiB) failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def parse_or_run_child(ap: argparse.ArgumentParser, argv, run_child) -> argparse.Namespace | None:
+    """The driver's arguments; in a child spawned by `spawn`, runs `run_child` and prints its JSON instead (None)."""
+    ap.add_argument("--size", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args._child:
+        print(json.dumps(run_child(args)))
+        return None
+    return args
+
+
+def child(args, variant: str, size: float) -> dict:
+    argv = ["--repeats", str(args.repeats), "--idle-s", str(args.idle_s), "--first-after", str(args.first_after)]
+    argv += ["--seed", str(args.seed), "--dir", args.dir, "--optim-ms", str(args.optim_ms)]
+    return spawn(__file__, variant, size, argv)
 
 
 COLUMNS = ("stall", "bg", "durable", "kept", "worst", "lost", "noise")
@@ -518,11 +534,8 @@ def main(argv=None) -> None:
         help="thread mode: the stand-in also takes an optimizer step every this many ms (0: never)",
     )
     ap.add_argument("--json", default=None, help="also write the raw per-save figures to this file")
-    ap.add_argument("--size", type=float, help=argparse.SUPPRESS)
-    ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args._child:
-        print(json.dumps(run_child(args)))
+    args = parse_or_run_child(ap, argv, run_child)
+    if args is None:
         return
     if args.quick:
         args.sizes, args.idle_s, args.first_after = args.sizes or "0.125", 0.5, 2.0

@@ -12,7 +12,7 @@ its pages in) on the writer thread, so that the first save copies into warm memo
 
 The stand-in's step is bench/interference.py's (a matmul and some Python) plus its activations: a fresh 32 MiB
 tensor, which the allocator maps and unmaps each step, as a CPU step's large tensors are. Variants, interleaved:
-`touch` (ckpt's: a zero byte written to each page, 16 MiB at a time, without the GIL) and `populate` (the
+`touch` (ckpt's: a zero byte written to each page, 4 MiB at a time, without the GIL) and `populate` (the
 mechanism before: ``MADV_POPULATE_WRITE`` over the whole arena in one call). The kernel holds the process's
 memory-map lock for the range of one such call, and every mmap, munmap or thread start of another thread waits
 for it; a page fault holds it for one fault at most.
@@ -25,19 +25,16 @@ for it; a page fault holds it for one fault at most.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from interference import Trainer  # noqa: E402  (the training stand-in of the interference benchmark)
+from interference import Trainer, parse_or_run_child, spawn  # noqa: E402  (the interference benchmark's)
 from save_restore import build_state  # noqa: E402
 
 VARIANTS = ("touch", "populate")
@@ -96,13 +93,7 @@ def run_child(args) -> dict:
 
 
 def child(args, variant: str, size: float) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--_child", variant, "--size", str(size)]
-    cmd += ["--seed", str(args.seed), "--dir", args.dir]
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
-    if out.returncode:
-        raise SystemExit(f"child {variant} ({size} GiB) failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return spawn(__file__, variant, size, ["--seed", str(args.seed), "--dir", args.dir])
 
 
 def report(size: float, results: dict[str, list[dict]]) -> str:
@@ -128,11 +119,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dir", default=None, help="where the roots go (default: a temp dir, deleted after)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 0.25 GiB, one child per variant")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--size", type=float, help=argparse.SUPPRESS)
-    ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args._child:
-        print(json.dumps(run_child(args)))
+    args = parse_or_run_child(ap, argv, run_child)
+    if args is None:
         return
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]
