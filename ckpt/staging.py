@@ -122,11 +122,14 @@ class StagingArena:
         with self._count:
             self._wanted += 1
         try:
-            with self._lock:
-                yield
-        finally:
+            self._lock.acquire()
+        finally:  # counted while waiting only: a reservation that starts after this save faults all of it in
             with self._count:
                 self._wanted -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     def reserve(self, sizes: list[int]) -> None:
         """Allocate the arena for tensors of these byte sizes ahead of the first save (within the cap) and fault
