@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from .ledger import Ledger, ledger_dir, ledger_ranks, local_root, read_ledgers
+from .ledger import Ledger, ledger_ranks, no_ledgers, read_ledgers
 
 LOCAL_TIERS = ("local", "peer")  # a restore from these means the local tier (with its replicas) survived
 
@@ -486,11 +485,7 @@ def attribute_root(
     """Attribute from the ledgers under ROOT/ettr/ (and `committed`, as in `attribute`)."""
     ranks = ledger_ranks(root, storage_options)  # a LIST; then only the chosen rank's ledgers are read
     if not ranks:
-        local = local_root(root)
-        if local is not None and not os.path.isdir(local):
-            what = "not a directory" if os.path.exists(local) else "no such directory"
-            raise ValueError(f"{root}: {what} (give the checkpoint root the job's GoodputTracker wrote to)")
-        raise ValueError(f"no ledgers in {ledger_dir(root)}: a job's GoodputTracker on this root writes them there")
+        raise no_ledgers(root)
     if rank is not None and ranks and rank not in ranks:
         raise ValueError(f"no ledger for rank {rank}")
     rank = min(ranks, default=None) if rank is None else rank

@@ -292,6 +292,15 @@ def ledger_ranks(root: str, storage_options: dict[str, Any] | None = None) -> li
     return sorted({r for _, r in _grouped(_Files(root, storage_options).names())})
 
 
+def no_ledgers(root: str) -> LedgerError:
+    """The error for a root with no ledger to read: it does not exist, is not a directory, or holds none."""
+    local = local_root(root)
+    if local is not None and not os.path.isdir(local):
+        what = "not a directory" if os.path.exists(local) else "no such directory"
+        return LedgerError(f"{root}: {what} (give the checkpoint root the job's GoodputTracker wrote to)")
+    return LedgerError(f"no ledgers in {ledger_dir(root)}: a job's GoodputTracker on this root writes them there")
+
+
 def read_ledgers(root: str, storage_options: dict[str, Any] | None = None, *, rank: int | None = None) -> list[Ledger]:
     """Read every attempt's ledger under ROOT/ettr/ (only rank `rank`'s when given), segments joined in order.
 
