@@ -486,7 +486,7 @@ def attribute_root(
     ranks = ledger_ranks(root, storage_options)  # a LIST; then only the chosen rank's ledgers are read
     if not ranks:
         raise no_ledgers(root)
-    if rank is not None and ranks and rank not in ranks:
+    if rank is not None and rank not in ranks:
         raise ValueError(f"no ledger for rank {rank}")
-    rank = min(ranks, default=None) if rank is None else rank
+    rank = min(ranks) if rank is None else rank
     return attribute(read_ledgers(root, storage_options, rank=rank), committed, rank=rank, window_s=window_s)
