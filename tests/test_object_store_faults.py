@@ -94,8 +94,11 @@ def test_sigkill_mid_upload_commits_nothing_partial_and_gc_cleans_once_the_lease
             deadline = time.monotonic() + HANG_S
             while True:  # kill once a step is committed and the next one is under way
                 assert child.poll() is None, "the saver died on its own"
-                assert time.monotonic() < deadline, "the saver never got a step committed and another under way"
                 steps = layout.step_dirs(storage)
+                assert time.monotonic() < deadline, (
+                    "the saver never got a step committed and another under way; last seen: "
+                    f"{[(s, layout.is_committed(storage, s)) for s in steps]}, lease {lease.live_holder(storage)}"
+                )
                 if (
                     len(steps) >= 2
                     and layout.is_committed(storage, steps[-2])
@@ -118,7 +121,7 @@ def test_sigkill_mid_upload_commits_nothing_partial_and_gc_cleans_once_the_lease
         assert catalog.collect_garbage(storage) == []
     deadline = time.monotonic() + HANG_S
     while lease.live_holder(storage) is not None:
-        assert time.monotonic() < deadline, "the dead writer's lease never expired"
+        assert time.monotonic() < deadline, f"the dead writer's lease never expired: {lease.live_holder(storage)}"
         time.sleep(0.2)
     committed = layout.committed_steps(storage)
     removed = catalog.collect_garbage(storage)
