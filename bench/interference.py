@@ -20,7 +20,8 @@ Per save also: durable = stall + background, and the worst latency of one traini
 figure is the median of the measured saves (`--repeats` per child x `--rounds` children per variant, the
 variants' children interleaved round by round). Each variant runs in fresh child processes; the first save
 of each child is not in the medians: it is reported as "1st stall", taken `--first-after` seconds after the
-child's start (ckpt: after a fresh-start `restore`, which reserves the staging arena in the background).
+child's start (ckpt: after a fresh-start `restore`, which reserves the staging arena in the background), the
+stand-in training until then as a job does and as it does before every measured save.
 DCP async_save uses a FileSystemWriter with sync_files=True (every file fsync'd; ckpt fsyncs every chunk).
 `raw` writes the same bytes with no library (`RawWrite`: a copy into a warm buffer, then one thread's crc32c, O_DIRECT
 writes and fdatasyncs of 64 MiB files): the floor of what the disk IO itself costs a training thread on this machine.
@@ -357,9 +358,10 @@ def run_child(args) -> dict:
     impl.start()
     other = OtherProcess()
     other.pause(True)
+    trainer.rate(max(0.0, args.first_after - args.idle_s - (time.perf_counter() - t_start)))  # a job trains until then
     gc.collect()  # prepared as every measured save is (a collection due inside the save call is not the save)
     os.sync()
-    time.sleep(max(0.0, args.first_after - (time.perf_counter() - t_start)))
+    trainer.rate(args.idle_s)
     first, _, wait = impl.save(0)
     wait()
     impl.delete(0)
