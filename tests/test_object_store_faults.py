@@ -70,6 +70,13 @@ def test_server_killed_mid_save_fails_the_save_in_bounded_time_and_the_store_rec
     assert not catalog.quarantined(storage)
 
 
+def _wait_until_the_lease_expires(storage) -> None:
+    deadline = time.monotonic() + HANG_S
+    while lease.live_holder(storage) is not None:
+        assert time.monotonic() < deadline, f"the dead writer's lease never expired: {lease.live_holder(storage)}"
+        time.sleep(0.2)
+
+
 CHILD = """
 import sys
 sys.path.insert(0, {procs!r})
@@ -111,18 +118,14 @@ def test_sigkill_mid_upload_commits_nothing_partial_and_gc_cleans_once_the_lease
             child.wait()
         if [e for e in catalog.entries(storage) if not e.committed]:
             break
-        while lease.live_holder(storage) is not None:  # the next saver waits for the dead one's lease anyway
-            time.sleep(0.2)
+        _wait_until_the_lease_expires(storage)  # the next saver waits for the dead one's lease anyway
     partial = [e.step for e in catalog.entries(storage) if not e.committed]
     assert partial, "three kills all landed between saves"
 
     holder = lease.live_holder(storage)
     if holder is not None:  # the dead writer's lease still runs: its leftovers look like a live save's
         assert catalog.collect_garbage(storage) == []
-    deadline = time.monotonic() + HANG_S
-    while lease.live_holder(storage) is not None:
-        assert time.monotonic() < deadline, f"the dead writer's lease never expired: {lease.live_holder(storage)}"
-        time.sleep(0.2)
+    _wait_until_the_lease_expires(storage)
     committed = layout.committed_steps(storage)
     removed = catalog.collect_garbage(storage)
     assert removed and not set(removed) & set(committed)
