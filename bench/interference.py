@@ -49,6 +49,7 @@ import tempfile
 import threading
 import time
 import warnings
+from typing import Iterator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -442,6 +443,23 @@ def parse_or_run_child(ap: argparse.ArgumentParser, argv, run_child) -> argparse
     return args
 
 
+def interleaved(args, variants: list[str], child, prefix: str) -> Iterator[tuple[float, dict[str, list[dict]]]]:
+    """Per size of `args.sizes`: each variant's `args.rounds` children, interleaved round by round, in `args.dir`
+    (a temp dir with `prefix` unless given, deleted after)."""
+    own_dir = args.dir is None
+    args.dir = args.dir or tempfile.mkdtemp(prefix=prefix)
+    try:
+        for size in map(float, args.sizes.split(",")):
+            results: dict[str, list[dict]] = {v: [] for v in variants}
+            for _ in range(args.rounds):
+                for v in variants:
+                    results[v].append(child(args, v, size))
+            yield size, results
+    finally:
+        if own_dir:
+            shutil.rmtree(args.dir, ignore_errors=True)
+
+
 def child(args, variant: str, size: float) -> dict:
     argv = ["--repeats", str(args.repeats), "--idle-s", str(args.idle_s), "--first-after", str(args.first_after)]
     argv += ["--seed", str(args.seed), "--dir", args.dir, "--optim-ms", str(args.optim_ms)]
@@ -546,20 +564,10 @@ def main(argv=None) -> None:
     unknown = [v for v in variants if v.partition(":")[0] not in METHODS]
     if unknown:
         raise SystemExit(f"unknown variant(s) {', '.join(unknown)}: the methods are {', '.join(METHODS)}")
-    own_dir = args.dir is None
-    args.dir = args.dir or tempfile.mkdtemp(prefix="ckpt-interference-")
     raw = {}
-    try:
-        for size in map(float, args.sizes.split(",")):
-            results: dict[str, list[dict]] = {v: [] for v in variants}
-            for _ in range(args.rounds):
-                for v in variants:
-                    results[v].append(child(args, v, size))
-            raw[size] = results
-            print(report(size, results, args), flush=True)
-    finally:
-        if own_dir:
-            shutil.rmtree(args.dir, ignore_errors=True)
+    for size, results in interleaved(args, variants, child, "ckpt-interference-"):
+        raw[size] = results
+        print(report(size, results, args), flush=True)
     print(
         "\nkept = training steps/s during the write / idle steps/s (mean of just before and just after); lost = training seconds lost per "
         "checkpoint (thread: stall + (1 - kept) x bg; process: (1 - kept) x durable); max step = worst single step "

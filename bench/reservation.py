@@ -34,7 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from interference import Trainer, parse_or_run_child, spawn  # noqa: E402  (the interference benchmark's)
+from interference import Trainer, interleaved, parse_or_run_child, spawn  # noqa: E402  (the interference benchmark's)
 from save_restore import build_state  # noqa: E402
 
 VARIANTS = ("touch", "populate")
@@ -128,18 +128,9 @@ def main(argv=None) -> None:
         raise SystemExit(f"unknown variant(s) {', '.join(unknown)}: the variants are {', '.join(VARIANTS)}")
     if args.quick:
         args.sizes, args.rounds = args.sizes or "0.25", 1
-    own_dir = args.dir is None
-    args.dir = args.dir or tempfile.mkdtemp(prefix="ckpt-reservation-")
-    try:
-        for size in map(float, (args.sizes or "2").split(",")):
-            results: dict[str, list[dict]] = {v: [] for v in variants}
-            for _ in range(args.rounds):
-                for v in variants:
-                    results[v].append(child(args, v, size))
-            print(report(size, results), flush=True)
-    finally:
-        if own_dir:
-            shutil.rmtree(args.dir, ignore_errors=True)
+    args.sizes = args.sizes or "2"
+    for size, results in interleaved(args, variants, child, "ckpt-reservation-"):
+        print(report(size, results), flush=True)
     print(
         "\nrestore = the fresh-start restore call; reserve = from it until the arena is faulted in; kept = the "
         "stand-in's steps/s during the reservation / its idle steps/s after; max step = its worst step meanwhile"
