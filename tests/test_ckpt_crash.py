@@ -17,6 +17,7 @@ from ckpt.storage import open_storage
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 import saver  # noqa: E402
 import writer  # noqa: E402
+from child_logs import wait_for  # noqa: E402
 from saver import state_for  # noqa: E402
 
 
@@ -54,15 +55,6 @@ def _commits(*logs) -> list[int]:
     return [
         int(line.split()[1]) for log in logs for line in log.read_text().splitlines() if line.startswith("committed")
     ]
-
-
-def _wait_for_a_commit(log, saver_process, timeout: float = 60.0) -> None:
-    """Until the saver logs its first commit (however slow the machine); fails if it dies or never commits."""
-    deadline = time.monotonic() + timeout
-    while not _commits(log):
-        assert saver_process.is_alive(), f"the saver died on its own: {log.read_text()!r}"
-        assert time.monotonic() < deadline, "the saver never committed a step"
-        time.sleep(0.01)
 
 
 def _check(root: str, kill: int, commits: list[int]) -> list[int]:
@@ -148,7 +140,7 @@ def test_gc_and_a_saver_killed_at_random_instants_never_damage_committed_steps(t
         ]
         for c in children:
             c.start()
-        _wait_for_a_commit(log, children[0])  # then the saver is mid-save nearly always: its kill leaves leftovers
+        wait_for(log, "committed", 60.0, children[0])  # then the saver is mid-save nearly always: a kill leaves some
         time.sleep(rng.uniform(0.0, 0.5))
         kills += _kill(*rng.sample(children, 2))
         assert [c.exitcode for c in children] == [-signal.SIGKILL] * 2, "a save failed beside gc, or gc did"

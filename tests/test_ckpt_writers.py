@@ -19,6 +19,7 @@ from ckpt.storage import KvStorage, context, open_storage
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 import writer  # noqa: E402
+from child_logs import wait_for  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +34,6 @@ def _start(ctx, target, *args):
     p = ctx.Process(target=target, args=args)
     p.start()
     return p
-
-
-def _wait_for(path, text, timeout=120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        content = path.read_text() if path.exists() else ""
-        if text in content:
-            return content
-        time.sleep(0.02)
-    raise AssertionError(f"{path} never said {text!r}: {path.read_text() if path.exists() else '(no file)'}")
 
 
 def _assert_steps_exact(root, steps):
@@ -62,7 +53,7 @@ def test_second_writer_fails_at_once_naming_the_holder_readers_work_and_a_killed
 ):
     root = str(tmp_path / "ck")
     holder = _start(procs, writer.hold, root, str(tmp_path / "a"))
-    _wait_for(tmp_path / "a", "holding")
+    wait_for(tmp_path / "a", "holding")
 
     second = _start(procs, writer.save_once, root, 2, str(tmp_path / "b"))
     second.join(120)
@@ -90,7 +81,7 @@ def test_gc_in_a_loop_beside_a_live_saver_fails_no_save(tmp_path, procs):
     root = str(tmp_path / "ck")
     saves = 120
     saver = _start(procs, writer.save_loop, root, 0, saves, str(tmp_path / "saver"))
-    _wait_for(tmp_path / "saver", "committed 0")
+    wait_for(tmp_path / "saver", "committed 0")
     gc = _start(procs, writer.gc_loop, root, str(tmp_path / "stop"), str(tmp_path / "gc"))
     saver.join(600)
     (tmp_path / "stop").touch()
@@ -99,7 +90,7 @@ def test_gc_in_a_loop_beside_a_live_saver_fails_no_save(tmp_path, procs):
     failed = [line for line in log if line.startswith("failed")]
     assert not failed, f"{len(failed)} of {saves} saves failed beside gc, e.g. {failed[:3]}"
     assert log[-1] == "done" and sum(line.startswith("committed") for line in log) == saves
-    passes = int(_wait_for(tmp_path / "gc", "gc passes").split()[-1])
+    passes = int(wait_for(tmp_path / "gc", "gc passes").split()[-1])
     assert passes >= 5, f"gc ran only {passes} times beside the saver: the test exercised nothing"
     _assert_steps_exact(root, [saves - 2, saves - 1])
 
@@ -117,7 +108,7 @@ def _leftover(root, step, marker):
 def test_gc_beside_a_live_writer_removes_dead_writers_leftovers_only(tmp_path, procs, capsys):
     root = str(tmp_path / "ck")
     holder = _start(procs, writer.hold, root, str(tmp_path / "a"))
-    _wait_for(tmp_path / "a", "holding")
+    wait_for(tmp_path / "a", "holding")
     live_id = lease.live_holder(open_storage(root))["id"]
     mine = {"pid": holder.pid, "host": socket.gethostname(), "time": time.time(), "lease": live_id}
     _leftover(root, 7, mine)  # the live writer's save in flight
@@ -146,7 +137,7 @@ def test_object_store_lease_expires_after_its_holder_stops_and_a_paused_holder_l
     # tensorstore's file kvstore stands in for an object store: the same conditional writes, and real processes
     url = f"file://{tmp_path}/kv"
     child = _start(procs, writer.hold_kv, url, 1.0, str(tmp_path / "h"))
-    _wait_for(tmp_path / "h", "holding")
+    wait_for(tmp_path / "h", "holding")
     storage = KvStorage(url, context())
     with pytest.raises(LeaseHeldError, match=f"pid {child.pid} on host {socket.gethostname()}"):
         lease.acquire(storage, ttl=1.0)
@@ -162,7 +153,7 @@ def test_object_store_lease_expires_after_its_holder_stops_and_a_paused_holder_l
                 time.sleep(0.1)
     finally:
         os.kill(child.pid, signal.SIGCONT)
-    lost = _wait_for(tmp_path / "h", "lost:")
+    lost = wait_for(tmp_path / "h", "lost:")
     assert f"taken over by a writer: pid {os.getpid()}" in lost or "expired" in lost
     child.join(60)
     mine.check()  # the new holder keeps it: the old one's heartbeat could not overwrite it
