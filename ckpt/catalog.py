@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from . import layout, lease, store
-from .errors import CorruptCheckpointError, LeaseHeldError
+from .errors import CorruptCheckpointError, LeaseHeldError, StepNotFoundError
 from .restore import step_files
 from .storage import Storage, UnsafeFileError, where
 
@@ -100,17 +100,19 @@ def verify(
     for name, info in manifest.arrays.items():
         try:
             if info.pack is None:
-                store.verify_array(storage, layout.array_path(step, name), info, step=step, on_bytes=on_bytes)
+                path = layout.array_path(step, name, manifest.data)
+                store.verify_array(storage, path, info, step=step, on_bytes=on_bytes)
                 continue
             pack = manifest.packs[info.pack[0]]
-            store.read_packed(storage, layout.pack_path(step, pack.name), pack, [(info, None, None)], step=step)
+            path = layout.pack_path(step, pack.name, manifest.data)
+            store.read_packed(storage, path, pack, [(info, None, None)], step=step)
             if on_bytes:
                 on_bytes(info.nbytes)
         except CorruptCheckpointError as e:
             yield e
     for name, pack in manifest.packs.items():  # zarr.json, and the bytes no tensor's digest covers (padding)
         try:
-            store.verify_array(storage, layout.pack_path(step, name), pack, step=step)
+            store.verify_array(storage, layout.pack_path(step, name, manifest.data), pack, step=step)
         except CorruptCheckpointError as e:
             yield e
 
@@ -169,6 +171,43 @@ def collect_garbage(storage: Storage, *, force: bool = False) -> list[int]:
         return _delete_uncommitted(
             storage, [e for e in entries(storage) if not e.committed and e.owner != holder.get("id")]
         )
+
+
+def stale_data(storage: Storage) -> list[tuple[int, str]]:
+    """(step, directory) of every data directory in a committed step that its manifest does not name: the files of
+    another save of that step (one that lost the root's lease, or crashed beside a live writer of an object store).
+    Never read; a step whose manifest is damaged is left as it is."""
+    found = []
+    for step in layout.committed_steps(storage):
+        try:
+            named = layout.read_manifest(storage, step).data
+        except (CorruptCheckpointError, StepNotFoundError):
+            continue
+        found += [(step, d) for d in layout.data_dirs(storage, step) if d != named]
+    return found
+
+
+def collect_stale_data(storage: Storage, *, force: bool = False) -> list[tuple[int, str]]:
+    """Delete the data directories `stale_data` finds, only while no writer holds the root (its lease taken here;
+    a live writer's own saves never leave any); returns what was removed."""
+    stale = stale_data(storage)
+    if not stale:
+        return []
+    if force:
+        held = None
+    else:
+        try:
+            held = lease.acquire(storage, role="gc", wait_for_gc=0)
+        except LeaseHeldError:
+            return []
+    try:
+        stale = stale_data(storage)  # under the lease
+        for step, d in stale:
+            storage.delete_tree(layout.data_path(step, d))
+        return stale
+    finally:
+        if held is not None:
+            held.release()
 
 
 def _delete_uncommitted(storage: Storage, victims: list[StepEntry]) -> list[int]:

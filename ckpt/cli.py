@@ -231,12 +231,20 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
         for e in catalog.garbage(storage, force=args.force) if incomplete else []:
             print(f"would remove incomplete step {e.step}")
             removed += 1
+        for step, d in catalog.stale_data(storage) if incomplete else []:
+            print(
+                f"would remove another save's data {layout.data_path(step, d)} (committed step {step} does not use it)"
+            )
+            removed += 1
         for q in catalog.quarantined(storage) if args.damaged else []:
             print(f"would remove damaged step {q.step} ({q.path})")
             removed += 1
     else:
         for step in catalog.collect_garbage(storage, force=args.force) if incomplete else []:
             print(f"removed incomplete step {step}")
+            removed += 1
+        for step, d in catalog.collect_stale_data(storage, force=args.force) if incomplete else []:
+            print(f"removed another save's data {layout.data_path(step, d)} (committed step {step} does not use it)")
             removed += 1
         for q in catalog.collect_damaged(storage) if args.damaged else []:
             print(f"removed damaged step {q.step} ({q.path})")

@@ -23,10 +23,14 @@ from .errors import CheckpointError, CorruptCheckpointError
 if TYPE_CHECKING:
     import torch
 
-FORMAT = "ckpt/3"  # ckpt/3: small tensors packed into one byte array per rank (`Manifest.packs`)
-# ckpt/2 (a crc32c digest per chunk in the manifest, one array per tensor) is still read; so is ckpt/1, whose
-# chunks are checked by their own crc32c only.
-_READABLE = ("ckpt/1", "ckpt/2", FORMAT)
+FORMAT = "ckpt/4"  # ckpt/4: a save's arrays and packs live in a directory of its own (`Manifest.data`)
+# ckpt/3 (small tensors packed into one byte array per rank, `Manifest.packs`) and ckpt/2 (a crc32c digest per chunk
+# in the manifest, one array per tensor) are still read; so is ckpt/1, whose chunks are checked by their own crc32c
+# only. Older versions refuse ckpt/4 by its name instead of reading its arrays where they are not.
+_PACKED = ("ckpt/3", FORMAT)  # formats that have packs
+_READABLE = ("ckpt/1", "ckpt/2", *_PACKED)
+# The directory of one save's data inside its step directory: a token drawn by the save (see `layout.data_dir`)
+DATA_RE = re.compile(r"^w-[0-9a-f]{12}$")
 PACK_BYTES = 1 << 20  # default: tensors up to this size are packed (see `pack_layout`)
 # An array name: '/'-separated segments of safe characters; no empty, '.' or '..' segment, nothing absolute.
 _SEGMENT_RE = re.compile(r"^[A-Za-z0-9_%+=@,~-][A-Za-z0-9_.%+=@,~-]*$")
@@ -368,6 +372,10 @@ class Manifest:
     format: str = FORMAT  # as read; a manifest this version writes is always FORMAT
     # ckpt/3: the byte arrays (uint8, 1-D) holding packed tensors, one per rank that packed any, by name
     packs: dict[str, ArrayInfo] = dataclasses.field(default_factory=dict)
+    # ckpt/4: the directory of the step holding this save's arrays and packs ("": the step directory itself, as
+    # before ckpt/4); each save writes into one of its own, so a writer that lost the root's lease never touches
+    # the files of the step its successor commits
+    data: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """The manifest's body: what `to_bytes` checksums and writes (and `ckpt inspect --json` prints)."""
@@ -380,7 +388,8 @@ class Manifest:
             "metadata": self.metadata,
             "tree": self.tree,
             "arrays": {k: v.to_json() for k, v in self.arrays.items()},
-            **({"packs": {k: v.to_json() for k, v in self.packs.items()}} if self.format == FORMAT else {}),
+            **({"packs": {k: v.to_json() for k, v in self.packs.items()}} if self.format in _PACKED else {}),
+            **({"data": self.data} if self.format == FORMAT else {}),
         }
 
     def to_bytes(self) -> bytes:
@@ -420,9 +429,12 @@ class Manifest:
         for k, ok in fields.items():
             if not ok(body.get(k)):
                 raise CorruptCheckpointError(f"malformed manifest: bad {k} {str(body.get(k))[:100]!r}", file=file)
-        packs_json = body.get("packs", {}) if body["format"] == FORMAT else {}
+        packs_json = body.get("packs", {}) if body["format"] in _PACKED else {}
         if not isinstance(packs_json, dict):
             raise CorruptCheckpointError("malformed manifest: bad packs", file=file)
+        data = body.get("data") if body["format"] == FORMAT else ""
+        if data != "" and not (isinstance(data, str) and DATA_RE.match(data)):
+            raise CorruptCheckpointError(f"malformed manifest: bad data directory {str(data)[:100]!r}", file=file)
         try:
             arrays = {
                 name: ArrayInfo.from_json(name, d, digests=body["format"] != "ckpt/1")
@@ -433,7 +445,7 @@ class Manifest:
                 if info.dtype != "uint8" or len(info.shape) != 1 or info.pack is not None:
                     raise CorruptCheckpointError("malformed pack entry in manifest: not a 1-D uint8 array", key=name)
             for name, info in arrays.items():
-                if info.pack is not None and body["format"] != FORMAT:
+                if info.pack is not None and body["format"] not in _PACKED:
                     raise CorruptCheckpointError(f"malformed array entry: packed in format {body['format']}", key=name)
                 mismatch = info.pack is not None and pack_mismatch(info, packs)
                 if mismatch:
@@ -450,4 +462,5 @@ class Manifest:
             versions=body["versions"],
             format=body["format"],
             packs=packs,
+            data=data,
         )

@@ -2,9 +2,12 @@
 
 Layout of a root::
 
-    step_00001200/manifest.json      written last; its presence is the commit
-    step_00001200/arrays/<name>/     one zarr3 array per tensor (zarr.json + chunk files c/...)
-    step_00001200/packs/rank_00000/  one zarr3 uint8 array per rank holding its small tensors back to back
+    step_00001200/manifest.json      written last, never replaced; its presence is the commit
+    step_00001200/w-<token>/         one save's data (the manifest names it): each save of the step writes into a
+                                     directory of its own, so a writer that lost the lease never touches the files
+                                     its successor commits (before ckpt/4: arrays/ and packs/ in the step directory)
+    step_00001200/w-<token>/arrays/<name>/     one zarr3 array per tensor (zarr.json + chunk files c/...)
+    step_00001200/w-<token>/packs/rank_00000/  one zarr3 uint8 array per rank holding its small tensors back to back
     step_00001200/_IN_PROGRESS       marker of a save in flight (pid, host, time, lease); never read on restore
     _quarantine/step_00001200-<unix ms>/   a damaged step moved aside: its files and _DAMAGED (reason, time, host, pid)
     _LEASE, _GC_LOCK                 the writer's lease and gc's lock (see lease.py)
@@ -18,10 +21,11 @@ exists: `is_committed` asks, `read_manifest` reads it (validated) or raises `Ste
 from __future__ import annotations
 
 import re
+import secrets
 
 from . import state as state_mod
 from .errors import CorruptCheckpointError, StepNotFoundError
-from .format import Manifest
+from .format import DATA_RE, Manifest
 from .storage import Storage, UnsafeFileError, where
 
 MANIFEST = "manifest.json"
@@ -61,14 +65,34 @@ def in_progress_path(step: int) -> str:
     return f"{step_dir(step)}/{IN_PROGRESS}"
 
 
-def array_dir(name: str) -> str:
-    """The directory of an array, relative to its step directory (as a step's file listing names it)."""
-    return f"{ARRAYS}/{name}"
+def new_data_dir() -> str:
+    """A fresh directory name for one save's data inside its step directory (`Manifest.data`)."""
+    return f"w-{secrets.token_hex(6)}"
 
 
-def array_path(step: int, name: str) -> str:
+def data_dirs(storage: Storage, step: int) -> list[str]:
+    """The save data directories inside a step directory (its committed save's, and any left by other saves)."""
+    return [d for d in storage.list_dirs(step_dir(step)) if DATA_RE.match(d)]
+
+
+def data_path(step: int, data: str) -> str:
+    """A save's data directory of a step, relative to the root."""
+    return f"{step_dir(step)}/{data}"
+
+
+def _under(data: str, path: str) -> str:
+    return f"{data}/{path}" if data else path
+
+
+def array_dir(name: str, data: str = "") -> str:
+    """The directory of an array, relative to its step directory (as a step's file listing names it); `data`: the
+    save's data directory (`Manifest.data`; "" before ckpt/4)."""
+    return _under(data, f"{ARRAYS}/{name}")
+
+
+def array_path(step: int, name: str, data: str = "") -> str:
     """The directory of an array of a step, relative to the root."""
-    return f"{step_dir(step)}/{array_dir(name)}"
+    return f"{step_dir(step)}/{array_dir(name, data)}"
 
 
 def replica_root(rank: int) -> str:
@@ -86,14 +110,14 @@ def pack_name(rank: int) -> str:
     return f"rank_{rank:05d}"
 
 
-def pack_dir(name: str) -> str:
+def pack_dir(name: str, data: str = "") -> str:
     """The directory of a pack array, relative to its step directory."""
-    return f"{PACKS}/{name}"
+    return _under(data, f"{PACKS}/{name}")
 
 
-def pack_path(step: int, name: str) -> str:
+def pack_path(step: int, name: str, data: str = "") -> str:
     """The directory of a pack array of a step, relative to the root."""
-    return f"{step_dir(step)}/{pack_dir(name)}"
+    return f"{step_dir(step)}/{pack_dir(name, data)}"
 
 
 def quarantine_path(step: int, unix_ms: int) -> str:

@@ -19,6 +19,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import socket
 import threading
@@ -95,6 +96,8 @@ def _new_holder(role: str) -> dict[str, Any]:
 class FileLease:
     """The lease of a local root: an exclusive flock on ``ROOT/_LEASE`` held through an open descriptor."""
 
+    exclusive = True  # no other writer of the root lives while it is held: a save may clear any leftover
+
     def __init__(self, root: str, role: str):
         makedirs_durable(root)
         self.root, self.holder = root, _new_holder(role)
@@ -116,10 +119,26 @@ class FileLease:
     def id(self) -> str:
         return self.holder["id"]
 
-    def check(self) -> None:
-        """A flock cannot be lost while its descriptor is open."""
+    def check(self) -> float:
+        """Raise unless this writer still holds the root; returns how long it may go on writing (inf).
+
+        A flock cannot be lost while its descriptor is open, but the file can be: once ``_LEASE`` is removed or
+        replaced (by hand, by a clean-up script), another writer locks the new file, so the lock is ours only while
+        the path still names the file we locked.
+        """
         if self._fd is None:
             raise LeaseHeldError(f"the lease on {self.root} was released")
+        path = os.path.join(self.root, LEASE)
+        try:
+            same = os.path.samestat(os.fstat(self._fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise LeaseHeldError(
+                f"the lease file {path} was removed or replaced while this writer held it; now held by "
+                f"{_describe(current_holder_local(self.root))}"
+            )
+        return math.inf
 
     @contextlib.contextmanager
     def preparing(self) -> Iterator[None]:
@@ -166,6 +185,8 @@ def gc_lock(root: str) -> Iterator[None]:
 class KvLease:
     """The lease of an object-store root: a ``_LEASE`` object with an expiry, renewed by a heartbeat thread."""
 
+    exclusive = False  # a writer that lost it (paused, partitioned) may still be writing: leave its files alone
+
     def __init__(self, storage: KvStorage, role: str, ttl: float):
         self.storage, self.ttl, self.holder = storage, ttl, _new_holder(role)
         self._lost: str | None = None
@@ -205,12 +226,18 @@ class KvLease:
                     return
                 self._gen, self.holder = new, holder
 
-    def check(self) -> None:
-        """Raise if this writer may no longer write: the lease was taken over, or it expired unrenewed."""
+    def check(self) -> float:
+        """Raise if this writer may no longer write: the lease was taken over, or it expired unrenewed.
+
+        Returns the seconds within which a write must be done: until the expiry, less a margin of ttl/8 for
+        clocks that differ between hosts (at least ttl/8, as this passes only with ttl/4 left).
+        """
         if self._lost is not None:
             raise LeaseHeldError(self._lost)
-        if time.time() > self.holder["expires"] - self.ttl / 4:  # renewed every ttl/4: this one is overdue
+        left = self.holder["expires"] - time.time()
+        if left < self.ttl / 4:  # renewed every ttl/4: this one is overdue
             raise LeaseHeldError(f"the lease on {self.storage.url} expired (not renewed for {self.ttl:.0f} s)")
+        return left - self.ttl / 8
 
     @contextlib.contextmanager
     def preparing(self) -> Iterator[None]:

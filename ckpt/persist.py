@@ -19,7 +19,7 @@ from .distributed import Box, Ranks
 from .errors import CorruptCheckpointError
 from .format import Manifest, chunk_key, zarr_mismatch
 from .lease import Lease
-from .save import begin_step, commit_step, raise_outcome
+from .save import begin_step, clear_attempt, commit_step, raise_outcome
 from .storage import Storage, where
 
 
@@ -30,7 +30,7 @@ def copy_region(
     checked before it is written; returns the bytes copied. `files`: writes the chunk files of a local `dst`
     (O_DIRECT, fsync'd by its threads: durable once it is closed); else each is written atomically."""
     info = manifest.arrays[name]
-    path = layout.array_path(step, name)
+    path = layout.array_path(step, name, manifest.data)
     meta = src.read(f"{path}/zarr.json")
     problem = "is missing" if meta is None else zarr_mismatch(meta, info)
     if problem:
@@ -79,12 +79,13 @@ class PersistJob:
             return None
         if began:
             raise RuntimeError(began)
-        copied, error, manifest_bytes = 0, None, b""
+        copied, error, manifest_bytes, data = 0, None, b"", None
         fsyncs = ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-persist-fsync")
         files = ChunkWriter(fsyncs) if self.dst.local_path("") is not None else None
         try:  # every rank reaches the collectives below, whatever fails here
             manifest_bytes = self.src.read(layout.manifest_path(self.step)) or b""
             manifest = Manifest.from_bytes(manifest_bytes, file=where(self.src, layout.manifest_path(self.step)))
+            data = manifest.data  # the local save's data directory: the manifest, copied as it is, names it
             with ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-persist-io") as pool:
                 futures = [
                     pool.submit(copy_region, self.src, self.dst, self.step, manifest, name, box, files)
@@ -116,7 +117,7 @@ class PersistJob:
         try:
             raise_outcome(self.ranks, error, commit_error, failures)
         except BaseException:
-            if self.ranks.leader and not layout.is_committed(self.dst, self.step):
-                self.dst.delete_tree(layout.step_dir(self.step))  # nothing partial stays behind a failed persist
+            if self.ranks.leader and not layout.is_committed(self.dst, self.step):  # nothing partial stays behind
+                clear_attempt(self.dst, self.step, data, self.lease)
             raise
         return copied

@@ -162,10 +162,10 @@ def _check_files(info: ArrayInfo, box: Box, manifest: Manifest, files: StepFiles
     pack's, when packed)."""
     step = manifest.step
     if info.pack is None:
-        base, expected, indices = layout.array_dir(info.name), info, info.chunks(box)
+        base, expected, indices = layout.array_dir(info.name, manifest.data), info, info.chunks(box)
     else:
         expected = manifest.packs[info.pack[0]]
-        base, indices = layout.pack_dir(expected.name), [info.packed_at(expected)[0]]
+        base, indices = layout.pack_dir(expected.name, manifest.data), [info.packed_at(expected)[0]]
     if f"{base}/zarr.json" not in files.sizes:
         raise CorruptCheckpointError(
             "zarr.json is missing", step=step, key=info.name, file=f"{files.dir}/{base}/zarr.json"
@@ -237,7 +237,7 @@ def execute(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: S
             pack = packs[r.info.pack[0]]
             packed.setdefault((pack.name, r.info.packed_at(pack)[0]), []).append((r.info, r.buffer, r.box))
             continue
-        path = layout.array_path(step, r.info.name)
+        path = layout.array_path(step, r.info.name, plan.manifest.data)
         futures.append(pool.submit(store.check_zarr_json, storage, path, r.info, step=step))
         local = storage.local_path(path)
         rows = store.direct_rows(r.info, r.box) if local is not None else None
@@ -247,10 +247,12 @@ def execute(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: S
             futures += store.read_chunks(storage, path, r.info, r.buffer, r.box, pool, step=step)
     for name in dict.fromkeys(name for name, _ in packed):
         futures.append(
-            pool.submit(store.check_zarr_json, storage, layout.pack_path(step, name), packs[name], step=step)
+            pool.submit(
+                store.check_zarr_json, storage, layout.pack_path(step, name, plan.manifest.data), packs[name], step=step
+            )
         )
     for (name, _), members in packed.items():
-        path = layout.pack_path(step, name)
+        path = layout.pack_path(step, name, plan.manifest.data)
         futures.append(pool.submit(store.read_packed, storage, path, packs[name], members, step=step))
     errors = []
     for f in futures:

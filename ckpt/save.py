@@ -27,7 +27,7 @@ from . import layout, store
 from . import state as state_mod
 from .chunk_files import ChunkWriter
 from .distributed import Ranks, plan_arrays
-from .errors import StepExistsError
+from .errors import LeaseHeldError, StepExistsError, StorageError
 from .format import ArrayInfo, Manifest
 from .lease import Lease
 from .snapshot import Pending
@@ -143,6 +143,8 @@ class SaveJob:
         self.lease = lease  # the root's lease (the leader's, or each rank's own root's); None on other ranks
         self.leader = ranks.leader or plan.private  # who prepares and commits the root
         self.dir = layout.step_dir(plan.step)
+        # this save's data directory inside the step (rank 0's for every rank; see `_prepare`)
+        self.data = layout.new_data_dir()
         self.digests = store.ChunkDigests()  # of arrays' chunks, and of each packed tensor's bytes
         self.pack_digests = store.ChunkDigests()  # of the chunks of this rank's pack array
         # this rank's pack: its packed tensors gather here (allocated by the first of them, off the stall)
@@ -169,12 +171,14 @@ class SaveJob:
         self._prepared = True
         if self.leader:
             begin_step(self.storage, self.plan.step, self.lease)
-        self.ranks.barrier()
+        # rank 0's data directory for every rank (also with private roots: a persist copies every rank's regions under
+        # the one manifest's name); also the barrier: no rank writes before the step is begun
+        self.data = self.ranks.all_gather_json(self.data)[0]
 
     def _array_path(self, info: ArrayInfo) -> str:
-        """Where an array of this step lives in the root: a pack, or an array of its own."""
+        """Where an array of this step lives in the root: a pack, or an array of its own, in this save's directory."""
         at = layout.pack_path if info.name in self.plan.packs else layout.array_path
-        return at(self.plan.step, info.name)
+        return at(self.plan.step, info.name, self.data)
 
     def _open_arrays(self) -> dict[str, ts.Future]:
         """Start creating the arrays this rank writes (once), its pack among them; writes chain on each as it opens."""
@@ -305,10 +309,12 @@ class SaveJob:
             world_size=p.world_size,
             versions=versions(),
             packs=summed(p.packs, packs),
+            data=self.data,
         )
 
     def abandon(self) -> None:
-        """After a failed write: remove what this save left, unless it got as far as committing."""
+        """After a failed write: remove what this save left, unless it got as far as committing (the step committed by
+        another save, this one's data directory only)."""
         if self.pending is not None:  # deferred copies still writing into the arena, which the next save reuses
             self.pending.wait()
         with contextlib.suppress(Exception):  # arrays still being created would write their files after the delete
@@ -316,8 +322,12 @@ class SaveJob:
         if self._files is not None:
             with contextlib.suppress(Exception):  # as would fsyncs in flight
                 self._files.close()
-        if self.leader and self._prepared and not layout.is_committed(self.storage, self.plan.step):
-            self.storage.delete_tree(self.dir)
+        if not (self.leader and self._prepared):
+            return
+        if not layout.is_committed(self.storage, self.plan.step):
+            clear_attempt(self.storage, self.plan.step, self.data, self.lease)
+        elif layout.read_manifest(self.storage, self.plan.step).data != self.data:
+            self.storage.delete_tree(layout.data_path(self.plan.step, self.data))
 
     def commit(self, digests: Mapping[str, Mapping[int, int]], packs: Mapping[str, Mapping[int, int]]) -> None:
         """Make every directory entry durable, then write the manifest last (atomically): from now on the step exists."""
@@ -358,12 +368,16 @@ def raise_outcome(
 def begin_step(storage: Storage, step: int, lease: Lease | None) -> None:
     """Start writing a step into a root (its writer only): clear leftovers of a crashed attempt, mark it in progress.
 
-    Under the lease's `preparing()`, so that gc never deletes a save it did not see start.
+    Under the lease's `preparing()`, so that gc never deletes a save it did not see start. Where a writer that lost
+    the lease may still be writing (object stores), its data directory is left to gc: this save writes its own.
     """
     with lease.preparing() if lease else contextlib.nullcontext():
+        if lease:
+            lease.check()  # a writer that lost the root clears nothing
         if layout.is_committed(storage, step):
             raise StepExistsError(f"step {step} is already committed in {storage.url}")
-        storage.delete_tree(layout.step_dir(step))
+        if lease is None or lease.exclusive:
+            storage.delete_tree(layout.step_dir(step))
         marker = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -373,12 +387,54 @@ def begin_step(storage: Storage, step: int, lease: Lease | None) -> None:
         storage.write_atomic(layout.in_progress_path(step), json.dumps(marker).encode())
 
 
+def clear_attempt(storage: Storage, step: int, data: str | None, lease: Lease | None) -> None:
+    """Remove what a failed save of `step` wrote: the whole step directory where no other writer can be writing it
+    (this one still holds an exclusive lease), else only this save's data directory (`data`; None: not known, left to
+    gc) and its marker."""
+    if lease is None or (lease.exclusive and _holds(lease)):
+        storage.delete_tree(layout.step_dir(step))
+        return
+    if data:
+        storage.delete_tree(layout.data_path(step, data))
+    storage.delete_file(layout.in_progress_path(step))
+
+
+def _holds(lease: Lease) -> bool:
+    try:
+        lease.check()
+        return True
+    except LeaseHeldError:
+        return False
+
+
 def commit_step(storage: Storage, step: int, manifest: bytes, lease: Lease | None) -> None:
-    """Make every directory entry of the step durable, check the lease, then write the manifest last (atomically)."""
+    """Make every directory entry of the step durable, check the lease, then create the manifest last: atomically,
+    and only if the step has none, so a committed step is never overwritten, by anyone.
+
+    The manifest's write must end within the time the lease check leaves (its expiry less a margin): a writer that
+    stalls in between fails instead of committing after another writer took the root over. Should it commit late
+    anyway (a pause the bound cannot see), its manifest names its own data directory, never its successor's files.
+    """
     storage.sync_tree(layout.step_dir(step))
-    if lease:
-        lease.check()  # a writer that lost the root's lease never commits
-    storage.write_atomic(layout.manifest_path(step), manifest)
+    left = lease.check() if lease else math.inf  # a writer that lost the root's lease never commits
+    try:
+        storage.create(layout.manifest_path(step), manifest, timeout=None if math.isinf(left) else left)
+    except StorageError as e:
+        if math.isinf(left):
+            raise
+        raise StorageError(
+            f"{e}; the manifest's write was cut at the lease's deadline ({left:.1f} s after its check): should the "
+            f"store still apply it, step {step} becomes committed with this save's data (`ckpt ls` tells)",
+            url=e.url,
+            endpoint=e.endpoint,
+            bucket=e.bucket,
+            key=e.key,
+        ) from e
+    except FileExistsError:
+        raise StepExistsError(
+            f"step {step} was committed in {storage.url} by another writer while this save wrote it (did this writer "
+            f"lose the root's lease?); that step is left as it is, and nothing of this save is committed"
+        ) from None
     try:  # committed now: a marker left behind (a store that went away this instant) is harmless, never read
         storage.delete_file(layout.in_progress_path(step))
     except Exception as e:

@@ -17,6 +17,7 @@ import shutil
 import stat
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Protocol
 
@@ -38,6 +39,7 @@ class Storage(Protocol):
     def list_files(self, path: str) -> list[str]: ...
     def read(self, path: str) -> bytes | None: ...
     def write_atomic(self, path: str, data: bytes) -> None: ...
+    def create(self, path: str, data: bytes, timeout: float | None = None) -> None: ...
     def delete_tree(self, path: str) -> None: ...
     def delete_file(self, path: str) -> None: ...
     def move_tree(self, src: str, dst: str) -> None: ...
@@ -157,6 +159,25 @@ class LocalStorage:
         os.replace(tmp, final)
         fsync_dir(os.path.dirname(final))
 
+    def create(self, path: str, data: bytes, timeout: float | None = None) -> None:
+        """Write a file that does not exist yet, whole or not at all; `FileExistsError` (nothing written) when it
+        does: temp file + fsync, then a hard link, which never replaces an existing file (a rename would).
+
+        `timeout` is for stores whose requests can hang; a local write has none.
+        """
+        final = self._p(path)
+        makedirs_durable(os.path.dirname(final))
+        tmp = f"{final}.tmp-{os.getpid()}-{threading.get_ident()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, final)
+        finally:
+            os.remove(tmp)
+        fsync_dir(os.path.dirname(final))
+
     def delete_tree(self, path: str) -> None:
         shutil.rmtree(self._p(path), ignore_errors=True)
 
@@ -240,13 +261,15 @@ class KvStorage:
     def local_path(self, path: str) -> str | None:
         return None
 
-    def _wait(self, future: Any, what: str, key: str = "") -> Any:
-        """The future's result within the root's timeout; any failure becomes a `StorageError` saying what to check."""
+    def _wait(self, future: Any, what: str, key: str = "", timeout: float | None = None) -> Any:
+        """The future's result within the root's timeout (or `timeout`, when shorter); any failure becomes a
+        `StorageError` saying what to check."""
+        timeout = self.timeout if timeout is None else min(timeout, self.timeout)
         try:
-            return future.result(timeout=self.timeout)
+            return future.result(timeout=timeout)
         except TimeoutError as e:
             future.cancel()
-            raise _storage_error(self, what, key, f"no answer within {self.timeout:g} s", e) from e
+            raise _storage_error(self, what, key, f"no answer within {timeout:g} s", e) from e
         except (ValueError, OSError, RuntimeError) as e:  # tensorstore's error statuses
             raise _storage_error(self, what, key, str(e), e) from e
 
@@ -270,6 +293,15 @@ class KvStorage:
         """One PUT: on an object store the object appears whole or not at all (see docs/object_stores.md)."""
         self._wait(self._kv.write(_check(path), data), "write", path)
 
+    def create(self, path: str, data: bytes, timeout: float | None = None) -> None:
+        """One PUT that succeeds only if the key is absent (S3 ``If-None-Match: *``, a GCS generation precondition);
+        `FileExistsError` when it exists. Fails with a `StorageError` after `timeout` seconds (at most the root's)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        present, absent = self.read_versioned(path, timeout)  # the generation of a missing key, for the condition
+        left = None if end is None else max(end - time.monotonic(), 0.001)
+        if present is not None or self.write_if(path, data, absent, left) is None:
+            raise FileExistsError(errno.EEXIST, "already exists", f"{self.url}{path}")
+
     def delete_tree(self, path: str) -> None:
         prefix = _check(path).rstrip("/") + "/"
         self._wait(self._kv.delete_range(ts.KvStore.KeyRange(prefix, prefix + "\xff")), "delete", prefix)
@@ -292,17 +324,18 @@ class KvStorage:
     def sync_tree(self, path: str) -> None:
         """Nothing to do: an object store has no directory entries, and each PUT is durable when it returns."""
 
-    def read_versioned(self, path: str) -> tuple[bytes | None, bytes]:
+    def read_versioned(self, path: str, timeout: float | None = None) -> tuple[bytes | None, bytes]:
         """A key's value (None when absent) and its storage generation, for a later `write_if`."""
-        r = self._wait(self._kv.read(_check(path)), "read", path)
+        r = self._wait(self._kv.read(_check(path)), "read", path, timeout)
         return (r.value if r.state == "value" else None), r.stamp.generation
 
-    def write_if(self, path: str, data: bytes | None, generation: bytes) -> bytes | None:
+    def write_if(self, path: str, data: bytes | None, generation: bytes, timeout: float | None = None) -> bytes | None:
         """Write (or delete, with None) only if the key is still at `generation` (as read; absent included).
 
-        Returns the new generation, or None when another writer changed the key first (nothing written).
+        Returns the new generation, or None when another writer changed the key first (nothing written). The
+        condition is checked by the store itself (see `_s3_spec`: conditional writes), never by a read before.
         """
-        stamp = self._wait(self._kv.write(_check(path), data, if_equal=generation), "write", path)
+        stamp = self._wait(self._kv.write(_check(path), data, if_equal=generation), "write", path, timeout)
         return stamp.generation or None
 
 
@@ -489,6 +522,10 @@ def _s3_spec(bucket: str, path: str, options: Mapping[str, Any], timeout: float)
         spec["host_header"] = str(options["host_header"])
     if options.get("requester_pays"):
         spec["requester_pays"] = True
+    # The store checks a write's condition itself (If-Match / If-None-Match): the lease's renewals and the
+    # manifest's create-if-absent are atomic. Without this, tensorstore checks with a HEAD first, then PUTs
+    # unconditionally, for any endpoint but AWS's own, and two writers can both win.
+    spec["use_conditional_write"] = True
     spec["aws_credentials"] = _aws_credentials(options)
     spec["s3_request_retries"] = retries(timeout)
     return spec

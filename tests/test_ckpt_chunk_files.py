@@ -16,6 +16,8 @@ import ckpt
 from ckpt import catalog, layout
 from ckpt.chunk_files import ALIGN, DIRECT_MIN, PIECE, ChunkWriter
 from ckpt.format import ArrayInfo
+from ckpt.storage import open_storage
+from step_paths import array_path, pack_path
 
 
 @pytest.fixture
@@ -53,7 +55,7 @@ def test_tensorstore_reads_every_array_ckpt_wrote_itself(tmp_path, staging):
     assert chunked["emb"] == [667, 750] and chunked["w"][0] < 1024  # several chunks, the last ones padded
     for name, tensor in state.items():
         if isinstance(tensor, torch.Tensor):
-            got = _zarr(str(tmp_path / layout.array_path(1, name)))
+            got = _zarr(str(tmp_path / array_path(open_storage(str(tmp_path)), 1, name)))
             assert np.array_equal(got, tensor.numpy()), name
     restored = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
     with ckpt.CheckpointManager(tmp_path) as m:
@@ -66,7 +68,7 @@ def test_packed_small_tensors_are_read_back_through_tensorstore(tmp_path):
     state = {"a": torch.arange(10, dtype=torch.float32), "b": torch.ones(3, 3, dtype=torch.float16)}
     with ckpt.CheckpointManager(tmp_path) as m:
         m.save(1, state).wait()
-    pack = _zarr(str(tmp_path / layout.pack_path(1, layout.pack_name(0))))
+    pack = _zarr(str(tmp_path / pack_path(open_storage(str(tmp_path)), 1, layout.pack_name(0))))
     manifest = json.loads((tmp_path / layout.manifest_path(1)).read_text())["body"]
     for name, tensor in state.items():
         _, offset = manifest["arrays"][name]["pack"]

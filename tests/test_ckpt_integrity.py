@@ -10,15 +10,17 @@ import subprocess
 import sys
 import uuid
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import ckpt
-from ckpt import catalog
+from ckpt import catalog, layout
 from ckpt.errors import CorruptCheckpointError
 from ckpt.storage import open_storage
+from step_paths import array_path, data_dir, to_old_layout
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 
@@ -47,6 +49,12 @@ def _save(root, steps, state=_state, **kw) -> None:
 
 def _step(root, step) -> str:
     return os.path.join(str(root), f"step_{step:08d}")
+
+
+def _data(step_dir: str) -> str:
+    """A committed step's data directory, from its step directory."""
+    root, name = os.path.split(step_dir)
+    return data_dir(root, layout.parse_step_dir(name))
 
 
 def _flip(path: str, offset: int = 100) -> None:
@@ -84,7 +92,7 @@ def _damaged_warnings(record) -> list[str]:
 
 def test_failed_restore_leaves_every_target_bitwise_unchanged(tmp_path):
     _save(tmp_path, [1, 2])
-    _flip(os.path.join(_step(tmp_path, 2), "arrays", "b", "c", "0", "0"), 4000)  # the second of three arrays
+    _flip(os.path.join(data_dir(tmp_path, 2), "arrays", "b", "c", "0", "0"), 4000)  # the second of three arrays
     model = torch.nn.Linear(4, 3)
     with ckpt.CheckpointManager(tmp_path / "m") as m:
         m.save(1, {"model": model}).wait()
@@ -103,7 +111,7 @@ def test_failed_restore_leaves_a_module_unchanged(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
     with ckpt.CheckpointManager(tmp_path, **UNPACKED) as m:
         m.save(1, {"model": model}).wait()
-    _flip(os.path.join(_step(tmp_path, 1), "arrays", "model", "1.weight", "c", "0", "0"), 60)
+    _flip(os.path.join(data_dir(tmp_path, 1), "arrays", "model", "1.weight", "c", "0", "0"), 60)
     fresh = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
     before = {k: _bits(v) for k, v in fresh.state_dict().items()}
     with ckpt.CheckpointManager(tmp_path) as m, pytest.raises(CorruptCheckpointError, match="1.weight"):
@@ -152,8 +160,9 @@ def test_chunk_copied_from_another_step_is_detected(tmp_path, layout):
     _save(root, [1, 2], state, **kw)
     chunk = "c/0/1" if layout == "wide" else "c/0/0"
     storage = open_storage(root)
-    storage.write_atomic(f"step_00000002/arrays/b/{chunk}", storage.read(f"step_00000001/arrays/b/{chunk}"))
-    where = storage.local_path(f"step_00000002/arrays/b/{chunk}") or f"{storage.url}step_00000002/arrays/b/{chunk}"
+    two, one = (f"{array_path(storage, s, 'b')}/{chunk}" for s in (2, 1))
+    storage.write_atomic(two, storage.read(one))
+    where = storage.local_path(two) or f"{storage.url}{two}"
     problems = list(catalog.verify(storage, 2))
     assert len(problems) == 1 and problems[0].key == "b" and problems[0].file == where, problems
     assert not list(catalog.verify(storage, 1))
@@ -174,14 +183,15 @@ def test_manifest_records_a_digest_per_chunk_that_equals_the_chunk_crc(tmp_path)
             1, {"x": x, "wide": torch.randn(3, 5000), "zero_d": torch.tensor(2.5), "empty": torch.zeros(0, 4)}
         ).wait()
     body = json.loads((tmp_path / "step_00000001" / "manifest.json").read_bytes())["body"]
-    assert body["format"] == "ckpt/3"
+    assert body["format"] == "ckpt/4"
     for name, info in body["arrays"].items():
         grid = [-(-s // c) for s, c in zip(info["shape"], info["chunk"])]
         keys = ["c"] if not grid else ["c/" + "/".join(map(str, i)) for i in np.ndindex(*grid)]
         if 0 in info["shape"]:
             keys = []
         tails = [
-            int.from_bytes((tmp_path / "step_00000001" / "arrays" / name / k).read_bytes()[-4:], "little") for k in keys
+            int.from_bytes((Path(data_dir(tmp_path, 1)) / "arrays" / name / k).read_bytes()[-4:], "little")
+            for k in keys
         ]
         assert info["digests"] == tails, name
 
@@ -192,7 +202,7 @@ def test_manifest_records_a_digest_per_chunk_that_equals_the_chunk_crc(tmp_path)
 @pytest.mark.parametrize("edit", ["big_endian", "no_crc", "other_shape", "extra_codec"])
 def test_edited_zarr_json_is_damage(tmp_path, edit):
     _save(tmp_path, [1, 2])
-    path = os.path.join(_step(tmp_path, 2), "arrays", "a", "zarr.json")
+    path = os.path.join(data_dir(tmp_path, 2), "arrays", "a", "zarr.json")
     meta = json.loads(open(path).read())
     if edit == "big_endian":
         meta["codecs"][0]["configuration"]["endian"] = "big"
@@ -220,7 +230,7 @@ def test_damaged_newest_step_is_quarantined_and_can_be_saved_again(tmp_path, whe
     root = str(tmp_path) if where == "local" else f"memory://{uuid.uuid4().hex}"
     _save(root, [1, 2, 3])
     storage = open_storage(root)
-    chunk = "step_00000003/arrays/c/c/0/0"
+    chunk = f"{array_path(storage, 3, 'c')}/c/0/0"
     data = bytearray(storage.read(chunk))
     data[100] ^= 0x10
     storage.write_atomic(chunk, bytes(data))
@@ -396,22 +406,23 @@ _CRAFTED = {
 
 
 def _fifo(step_dir):
-    path = os.path.join(step_dir, "arrays", "a", "c", "0", "0")
+    path = os.path.join(_data(step_dir), "arrays", "a", "c", "0", "0")
     os.remove(path)
     os.mkfifo(path)
 
 
 def _symlink_chunk(step_dir):
-    path = os.path.join(step_dir, "arrays", "a", "c", "0", "0")
-    other = path.replace("step_00000002", "step_00000001")
+    path = os.path.join(_data(step_dir), "arrays", "a", "c", "0", "0")
+    other = os.path.join(_data(step_dir.replace("step_00000002", "step_00000001")), "arrays", "a", "c", "0", "0")
     os.remove(path)
     os.symlink(other, path)
 
 
 def _symlink_dir(step_dir):
-    path = os.path.join(step_dir, "arrays", "a")
+    path = os.path.join(_data(step_dir), "arrays", "a")
+    other = os.path.join(_data(step_dir.replace("step_00000002", "step_00000001")), "arrays", "a")
     shutil.rmtree(path)
-    os.symlink(path.replace("step_00000002", "step_00000001"), path)
+    os.symlink(other, path)
 
 
 def _json_too_deep(step_dir):
@@ -431,9 +442,10 @@ def _manifest_fifo(step_dir):
 
 
 def _zarr_json_symlink(step_dir):
-    path = os.path.join(step_dir, "arrays", "a", "zarr.json")
+    path = os.path.join(_data(step_dir), "arrays", "a", "zarr.json")
+    other = os.path.join(_data(step_dir.replace("step_00000002", "step_00000001")), "arrays", "a", "zarr.json")
     os.remove(path)
-    os.symlink(path.replace("step_00000002", "step_00000001"), path)
+    os.symlink(other, path)
 
 
 _FILES = {
@@ -480,9 +492,11 @@ def test_format_1_steps_without_digests_are_still_read(tmp_path):
 
     def downgrade(body):
         body["format"] = "ckpt/1"
+        del body["data"]
         for info in body["arrays"].values():
             del info["digests"]
 
+    to_old_layout(tmp_path, 1)
     _resign(tmp_path, 1, downgrade)
     assert not list(catalog.verify(open_storage(str(tmp_path)), 1))
     target = _target()
@@ -590,7 +604,7 @@ def test_checkpoint_keys_missing_from_the_target_are_a_key_error_before_anything
 def test_damage_under_a_module_named_fc_names_the_right_file(tmp_path, chunk_bytes):
     with ckpt.CheckpointManager(tmp_path, chunk_bytes=chunk_bytes, **UNPACKED) as m:
         m.save(1, {"fc": {"c": torch.randn(1, 3000)}}).wait()
-    array = tmp_path / "step_00000001" / "arrays" / "fc" / "c"
+    array = Path(data_dir(tmp_path, 1)) / "arrays" / "fc" / "c"
     chunk = array / "c" / "0" / ("1" if chunk_bytes == 4096 else "0")
     _flip(str(chunk), 8)
     problems = list(catalog.verify(open_storage(str(tmp_path)), 1))

@@ -16,6 +16,8 @@ from ckpt import catalog
 from ckpt.errors import CorruptCheckpointError
 from ckpt.format import numpy_dtype
 from ckpt.storage import open_storage
+from step_paths import data_dir, to_old_layout
+from step_paths import pack_path as step_pack_path
 
 
 def _small(step: int) -> dict:
@@ -77,7 +79,7 @@ def _packed_byte(root, step: int, name: str) -> tuple[str, int]:
     body = _manifest(root, step)
     pack, offset = body["arrays"][name]["pack"]
     chunk = body["packs"][pack]["chunk"][0]
-    return str(root / f"step_{step:08d}" / "packs" / pack / "c" / str(offset // chunk)), offset % chunk
+    return os.path.join(data_dir(root, step), "packs", pack, "c", str(offset // chunk)), offset % chunk
 
 
 @pytest.mark.parametrize(
@@ -93,7 +95,7 @@ def test_many_small_tensors_round_trip_bitwise_in_a_few_files(tmp_path, kw):
     with ckpt.CheckpointManager(tmp_path, **kw) as m:
         m.save(1, saved).wait()
     body = _manifest(tmp_path, 1)
-    assert body["format"] == "ckpt/3"
+    assert body["format"] == "ckpt/4"
     limit = min(kw.get("chunk_bytes", 1 << 20), 1 << 20)
     sizes = {n: math.prod(a["shape"]) * numpy_dtype(a["dtype"]).itemsize for n, a in body["arrays"].items()}
     assert {n for n, a in body["arrays"].items() if "pack" in a} == {n for n, b in sizes.items() if 0 < b <= limit}
@@ -118,7 +120,7 @@ def test_damaged_packed_tensor_is_named_and_restore_falls_back(tmp_path, where):
     storage = open_storage(root)
     body = json.loads(storage.read("step_00000002/manifest.json"))["body"]
     pack, offset = body["arrays"]["layers/7.bias"]["pack"]
-    chunk = f"step_00000002/packs/{pack}/c/{offset // body['packs'][pack]['chunk'][0]}"
+    chunk = f"{step_pack_path(storage, 2, pack)}/c/{offset // body['packs'][pack]['chunk'][0]}"
     data = bytearray(storage.read(chunk))
     data[offset % body["packs"][pack]["chunk"][0] + 5] ^= 0x10
     storage.write_atomic(chunk, bytes(data))
@@ -165,11 +167,32 @@ def test_format_2_steps_are_still_read(tmp_path):
 
     def downgrade(body):
         assert body.pop("packs") == {}
+        del body["data"]
         body["format"] = "ckpt/2"
 
+    to_old_layout(tmp_path, 1)
     _resign(tmp_path, 1, downgrade)
     assert not list(catalog.verify(open_storage(str(tmp_path)), 1))
     assert _same(ckpt.load(tmp_path), _small(1))
+
+
+def test_format_3_steps_are_still_read(tmp_path):
+    """ckpt/3 kept a step's arrays and packs in its step directory itself, and its manifest names no data directory."""
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, _small(1)).wait()
+
+    def downgrade(body):
+        assert body["packs"] and body.pop("data")
+        body["format"] = "ckpt/3"
+
+    to_old_layout(tmp_path, 1)
+    _resign(tmp_path, 1, downgrade)
+    assert not list(catalog.verify(open_storage(str(tmp_path)), 1))
+    assert _same(ckpt.load(tmp_path), _small(1))
+    target = _zeros(_small(0))
+    with ckpt.CheckpointManager(tmp_path) as m:
+        assert m.restore(target) == 1
+    assert _same(target, _small(1))
 
 
 @pytest.mark.parametrize("craft", ["outside_the_pack", "across_chunks", "unknown_pack", "in_format_2"])

@@ -4,12 +4,14 @@ import json
 import math
 import os
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import ckpt
+from step_paths import data_dir
 
 DTYPES = [
     torch.float32,
@@ -150,7 +152,7 @@ def test_a_file_url_and_its_path_are_one_root(tmp_path):
     assert reader.steps() == [2, 3] and reader.metadata(3) == {"loss": 1.0 / 3}
     with pytest.raises(FileNotFoundError, match="step 1 is not committed"):
         reader.metadata(1)  # deleted by retention
-    chunk = path / "step_00000003" / "arrays" / "x" / "c" / "0"
+    chunk = Path(data_dir(path, 3)) / "arrays" / "x" / "c" / "0"
     chunk.write_bytes(bytes([chunk.read_bytes()[0] ^ 1]) + chunk.read_bytes()[1:])
     target = {"x": torch.zeros(1000)}
     with pytest.warns(RuntimeWarning, match="step 3 is damaged"), ckpt.CheckpointManager(url) as m:
@@ -259,7 +261,7 @@ def test_chunking_keeps_file_count_sane_and_reads_back(tmp_path):
     x = torch.randn(1000, 300)  # 1.2 MB
     with ckpt.CheckpointManager(tmp_path, chunk_bytes=256 * 1024) as m:
         m.save(0, {"x": x}).wait()
-        chunks = os.listdir(tmp_path / "step_00000000" / "arrays" / "x" / "c")
+        chunks = os.listdir(Path(data_dir(tmp_path, 0)) / "arrays" / "x" / "c")
         assert 4 <= len(chunks) <= 6
         out = {"x": torch.zeros(1000, 300)}
         m.restore(out)

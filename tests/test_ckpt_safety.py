@@ -17,6 +17,7 @@ import ckpt
 from ckpt import catalog, lease
 from ckpt.errors import CheckpointWriteError, CorruptCheckpointError
 from ckpt.storage import open_storage
+from step_paths import data_dir
 
 
 def _state(step: int) -> dict:
@@ -36,7 +37,7 @@ def _save_steps(root, steps, **kw):
 
 
 def _chunk(root, step, key="w"):
-    d = os.path.join(root, f"step_{step:08d}", "arrays", key, "c")
+    d = os.path.join(data_dir(root, step), "arrays", key, "c")
     return os.path.join(d, *["0"] * (2 if key == "w" else 1))
 
 
@@ -235,8 +236,12 @@ def test_resaving_a_step_over_a_crashed_attempts_leftovers(tmp_path, attempt):
         assert m.restore(t) == 2 and torch.equal(t["w"], _state(2)["w"]) and t["step"] == 2
     storage = open_storage(str(root))
     assert not list(catalog.verify(storage, 2))
-    assert sorted(os.listdir(root / "step_00000002" / "arrays")) == ["b", "w"], "the crashed attempt's arrays are gone"
-    assert os.listdir(root / "step_00000002" / "arrays" / "w" / "c") == ["0"], "one chunk (64 MiB target), as saved"
+    data = data_dir(root, 2)
+    assert sorted(os.listdir(root / "step_00000002")) == sorted([os.path.basename(data), "manifest.json"]), (
+        "the crashed attempt's data and marker are gone"
+    )
+    assert sorted(os.listdir(os.path.join(data, "arrays"))) == ["b", "w"]
+    assert os.listdir(os.path.join(data, "arrays", "w", "c")) == ["0"], "one chunk (64 MiB target), as saved"
     assert [(e.step, e.committed, e.in_progress) for e in catalog.entries(storage)] == [
         (1, True, None),
         (2, True, None),

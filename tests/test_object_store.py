@@ -10,6 +10,7 @@ import torch
 import ckpt
 from ckpt import catalog, cli, layout, lease
 from ckpt.storage import kvstore_spec, open_storage
+from step_paths import pack_path
 
 AWS_VARS = (
     "AWS_ENDPOINT_URL",
@@ -250,11 +251,8 @@ def test_a_damaged_object_is_detected_named_set_aside_and_the_previous_step_rest
         m.save(1, _state(1))
         m.save(2, _state(2))
     storage = open_storage(root)
-    path = next(
-        f"{layout.step_dir(2)}/{f}"
-        for f in storage.list_files(layout.step_dir(2))
-        if f.startswith("packs/") and "/c/" in f
-    )  # the small tensors' pack
+    pack = pack_path(storage, 2, layout.pack_name(0))
+    path = next(f"{pack}/{f}" for f in storage.list_files(pack) if f.startswith("c/"))  # the small tensors' pack
     data = bytearray(storage.read(path))
     data[100] ^= 0xFF
     storage.write_atomic(path, bytes(data))  # as a torn or bit-flipped object would read

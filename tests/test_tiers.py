@@ -18,6 +18,7 @@ from ckpt.distributed import Ranks
 from ckpt.errors import CorruptCheckpointError
 from ckpt.persist import PersistJob
 from ckpt.storage import open_storage
+from step_paths import data_dir
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 from tiers_worker import Restores  # noqa: E402
@@ -57,7 +58,7 @@ def flip_byte(path: str) -> None:
 
 
 def chunk(root: str, step: int) -> str:
-    return os.path.join(root, layout.step_dir(step), "arrays", "w", "c", "0", "0")
+    return os.path.join(data_dir(root, step), "arrays", "w", "c", "0", "0")
 
 
 def test_every_save_is_local_and_every_kth_is_persisted_with_its_own_retention(tmp_path):
@@ -176,7 +177,10 @@ def test_sigkill_during_a_persist_leaves_no_partial_durable_step_and_a_valid_loc
                 s
                 for s in layout.step_dirs(open_storage(durable))
                 if os.path.exists(os.path.join(durable, layout.in_progress_path(s)))
-                and os.path.isdir(os.path.join(durable, layout.step_dir(s), "arrays", "w", "c"))
+                and any(
+                    os.path.isdir(os.path.join(durable, layout.data_path(s, d), "arrays", "w", "c"))
+                    for d in layout.data_dirs(open_storage(durable), s)
+                )
                 and not layout.is_committed(open_storage(durable), s)
             ]
             if partial and layout.committed_steps(open_storage(durable)):

@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from ckpt import cli
 from ckpt.errors import CorruptCheckpointError
 from ckpt.layout import read_manifest
 from ckpt.storage import open_storage
+from step_paths import data_dir
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -112,7 +114,7 @@ def test_load_falls_back_from_a_damaged_newest_step_and_leaves_the_root_alone(tm
     with ckpt.CheckpointManager(tmp_path) as m:
         m.save(1, {"w": torch.ones(64)})
         m.save(2, {"w": torch.full((64,), 2.0)})
-    chunk = tmp_path / "step_00000002" / "packs" / "rank_00000" / "c" / "0"  # w is small: packed, at offset 0
+    chunk = Path(data_dir(tmp_path, 2)) / "packs" / "rank_00000" / "c" / "0"  # w is small: packed, at offset 0
     data = bytearray(chunk.read_bytes())
     data[5] ^= 0x10
     chunk.write_bytes(bytes(data))

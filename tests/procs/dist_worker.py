@@ -95,13 +95,14 @@ def _damage(root: str, what: str) -> str:
     from ckpt.layout import read_manifest
     from ckpt.storage import open_storage
 
+    data = os.path.join(root, "step_00000002", read_manifest(open_storage(root), 2).data)  # the save's files
     if what == "replicated":
-        path = os.path.join(root, "step_00000002", "arrays", "table", "c", "0")
+        path = os.path.join(data, "arrays", "table", "c", "0")
     else:
         info = read_manifest(open_storage(root), 2).arrays["model/0.weight"]
         last = (info.shape[0] - 1) // info.chunk[0]
         assert last >= 1, f"one chunk for every shard: {info}"
-        path = os.path.join(root, "step_00000002", "arrays", "model", "0.weight", "c", str(last), "0")
+        path = os.path.join(data, "arrays", "model", "0.weight", "c", str(last), "0")
     with open(path, "r+b") as f:
         f.seek(10)
         byte = f.read(1)
