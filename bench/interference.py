@@ -23,6 +23,9 @@ of each child is not in the medians: it is reported as "1st stall", taken `--fir
 child's start (ckpt: after a fresh-start `restore`, which reserves the staging arena in the background), the
 stand-in training until then as a job does and as it does before every measured save.
 DCP async_save uses a FileSystemWriter with sync_files=True (every file fsync'd; ckpt fsyncs every chunk).
+`ckpt` is the manager's default (``snapshot="sync"``: every tensor copied inside save); `ckpt:snapshot=overlap` the
+opt-in overlapped snapshot (the parameters and Adam's state copied after save returns; the next optimizer step
+waits for that copy: see --optim-ms).
 `raw` writes the same bytes with no library (`RawWrite`: a copy into a warm buffer, then one thread's crc32c, O_DIRECT
 writes and fdatasyncs of 64 MiB files): the floor of what the disk IO itself costs a training thread on this machine.
 
@@ -30,6 +33,7 @@ writes and fdatasyncs of 64 MiB files): the floor of what the disk IO itself cos
     .venv/bin/python bench/interference.py --quick                  # 0.125 GiB, 3 saves (~1-2 min)
     .venv/bin/python bench/interference.py --sizes 0.25 --rounds 3 --repeats 1 \\
         --variants dcp_async,ckpt,ckpt:nice=0,ckpt:cores=0.5        # compare write budgets, interleaved
+    .venv/bin/python bench/interference.py --sizes 1,2 --rounds 2 --variants dcp_async,ckpt,ckpt:snapshot=overlap
     .venv/bin/python bench/interference.py --sizes 2 --rounds 2 --variants dcp_async,ckpt,raw   # against the floor
 """
 
@@ -67,8 +71,9 @@ class Trainer:
     """One training step: a matmul (torch, one thread) and some pure-Python work, about 1 ms on this machine.
 
     With `optim_ms`, every `optim_ms` ms the stand-in also takes an optimizer step (SGD on a tensor of its own):
-    the end of a GPU step that long. ckpt's overlapped snapshot makes every optimizer step wait for its copy, so
-    this measures what that wait costs; without it the saved state is never stepped (the issue's stand-in)."""
+    the end of a GPU step that long. ckpt's overlapped snapshot (`ckpt:snapshot=overlap`) makes every optimizer
+    step wait for its copy, so this measures what that wait costs; without it the saved state is never stepped
+    (the issue's stand-in)."""
 
     def __init__(self, optim_ms: float = 0.0):
         import torch
@@ -233,7 +238,8 @@ class Ckpt:
 
         budget, snapshot = options_of(spec)
         self.label = "ckpt" + (f" [{spec}]" if spec else "")
-        self.m = ckpt.CheckpointManager(workdir, write_budget=budget, snapshot=snapshot)
+        mode = {} if snapshot is None else {"snapshot": snapshot}  # None: the manager's default ("sync")
+        self.m = ckpt.CheckpointManager(workdir, write_budget=budget, **mode)
         self.state = {"model": state[0], "optim": state[1]}
 
     def start(self) -> None:
@@ -331,12 +337,12 @@ METHODS = {"ckpt": Ckpt, "dcp_async": DcpAsync, "raw": RawWrite}  # a variant's 
 
 
 def options_of(spec: str):
-    """`cores=0.5:files=4:nice=0:snapshot=sync` -> (WriteBudget(cores=0.5, file_ops_per_core=4, nice=0), "sync");
-    "" -> the defaults."""
+    """`cores=0.5:files=4:nice=0:snapshot=overlap` -> (WriteBudget(cores=0.5, file_ops_per_core=4, nice=0),
+    "overlap"); "" -> the defaults (snapshot None: the manager's own, "sync")."""
     from ckpt import WriteBudget
 
     names = {"cores": ("cores", float), "files": ("file_ops_per_core", int), "nice": ("nice", int)}
-    kw, snapshot = {}, "overlap"
+    kw, snapshot = {}, None
     for part in filter(None, spec.split(":")):
         key, value = part.split("=")
         if key == "snapshot":
@@ -538,7 +544,8 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--variants",
         default="dcp_async,ckpt",
-        help="dcp_async, ckpt, ckpt:cores=X:files=N:nice=N:snapshot=sync, raw (no library: the floor)",
+        help="dcp_async, ckpt (the manager's defaults: snapshot=sync), ckpt:cores=X:files=N:nice=N:snapshot=overlap"
+        " (or snapshot=sync), raw (no library: the floor)",
     )
     ap.add_argument("--repeats", type=int, default=3, help="measured saves per mode per child")
     ap.add_argument("--rounds", type=int, default=1, help="children per variant, interleaved across variants")

@@ -89,8 +89,9 @@ class SaveHandle:
     def wait_snapshot(self) -> None:
         """Wait until every tensor of this save is copied to host memory (timed as checkpoint_save).
 
-        With ``snapshot="overlap"`` (the default) an optimizer's `step()` does this by itself; call it before
-        changing the parameters or optimizer state in place any other way (an EMA swap, ``p.data`` writes). It
+        With ``snapshot="sync"`` (the default) `save` has copied everything already: this returns at once. With
+        ``snapshot="overlap"`` an optimizer's `step()` does this by itself; call it before changing the
+        parameters or optimizer state in place any other way (an EMA swap, ``p.data`` writes, a numpy view). It
         never raises: a failed save is raised by `wait()` or the manager's next call.
         """
         if self._pending is not None:  # else everything was copied inside save
@@ -141,11 +142,16 @@ class CheckpointManager:
             docs/object_stores.md); the standard AWS variables apply without them.
         lease_ttl: object stores: seconds after which a writer that stopped renewing its lease (a crash) loses
             it, so gc may clean its leftovers and another writer take the root; renewed every ttl/4.
-        snapshot: ``"overlap"`` (default): the parameters and state tensors of the torch optimizers in a saved
-            state are copied to host memory after `save` returns, beside the next forward and backward, and the
-            next ``optimizer.step()`` waits for that copy (`ckpt.snapshot`); a tensor changed in place otherwise
-            before it is copied fails the save (`StateChangedError`), never a mixed checkpoint. ``"sync"``: every
-            tensor is copied inside `save`.
+        snapshot: ``"sync"`` (default): every tensor is copied to host memory inside `save`, so a checkpoint holds
+            exactly the state at `save` whatever the code does next. ``"overlap"`` (opt-in: a shorter stall):
+            the parameters and state tensors of the torch optimizers in a saved state are copied after `save`
+            returns, beside the next forward and backward, and the next ``optimizer.step()`` waits for that copy
+            (`ckpt.snapshot`). Its contract: between `save` and the next ``optimizer.step()`` nothing but that
+            step writes those tensors, or `SaveHandle.wait_snapshot()` is called first. A write that bumps a
+            version counter (``p.mul_()`` under ``no_grad``, ``load_state_dict``, the in-place renorm of
+            ``nn.Embedding(max_norm=...)`` in forward) fails the save (`StateChangedError`) when it comes before
+            the copy: a race. One that bumps none (through ``p.data``, a numpy view, an EMA swap through
+            ``.data``, ``opt.state[p]["exp_avg"].data.zero_()``) is committed silently.
 
     With torch.distributed initialized, every rank creates the manager (it makes a gloo group for its
     own collectives) and calls `save`/`restore` with the same step: each rank writes only its slices.
@@ -175,7 +181,7 @@ class CheckpointManager:
         replica_offset: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
         lease_ttl: float = lease_mod.TTL_S,
-        snapshot: str = "overlap",
+        snapshot: str = "sync",
     ):
         if snapshot not in snapshot_mod.MODES:
             raise ValueError(f"snapshot must be one of {snapshot_mod.MODES}, got {snapshot!r}")

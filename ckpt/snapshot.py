@@ -1,4 +1,5 @@
-"""The overlapped snapshot: tensors that only an optimizer's step changes are copied after `save` returns.
+"""The overlapped snapshot (``CheckpointManager(snapshot="overlap")``, opt-in; the default ``"sync"`` copies every
+tensor inside `save`): tensors that only an optimizer's step changes are copied after `save` returns.
 
 Between one optimizer step and the next, a model's parameters and its optimizer's state do not change: forward
 and backward read them and write activations and gradients. So their copy into the host arena can run beside
@@ -7,10 +8,12 @@ optimizer waits for that copy first (`Fence`, a global step pre-hook): no step c
 copied. Everything else (buffers such as BatchNorm's running statistics, which forward changes; plain tensors;
 RNG and JSON leaves) is still copied inside `save`.
 
-A tensor changed in place by anything else before its copy is taken (``p.mul_()`` outside a step,
-``load_state_dict``) has its version counter bumped; the copy compares the counters afterwards and fails the save,
-naming the keys, instead of committing a mixed state. Writes through ``p.data`` bypass version counters: call
-`SaveHandle.wait_snapshot()` before them, or use ``snapshot="sync"``.
+The contract of the mode: between `save` and the next optimizer step nothing else writes those tensors (or
+`SaveHandle.wait_snapshot()` is called first). A tensor changed in place by anything else before its copy is
+taken (``p.mul_()`` outside a step, ``load_state_dict``, ``nn.Embedding(max_norm=...)``'s renorm in forward) has
+its version counter bumped; the copy compares the counters afterwards and fails the save, naming the keys,
+instead of committing a mixed state (whether the write or the copy comes first is a race). Writes through
+``p.data``, numpy views, EMA swaps through ``.data`` bypass version counters: they are committed silently.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ class Pending:
                     f"tensors were changed in place after save(step={self.step}) returned, before their snapshot "
                     f"was copied: {', '.join(changed[:5])}{f' and {len(changed) - 5} more' if len(changed) > 5 else ''}."
                     " Only an optimizer's step() waits for the snapshot: call SaveHandle.wait_snapshot() before "
-                    "changing them otherwise, or use CheckpointManager(snapshot='sync')"
+                    "changing them otherwise, or use the default CheckpointManager(snapshot='sync')"
                 )
         except BaseException as e:
             self.error = e

@@ -184,7 +184,11 @@ class CkptTrainerMixin:
             entry and ended with "ok" or, when train() raises, "error".
         manager_options: passed to `CheckpointManager` (staging cap, chunk size). Retention follows HF's
             rotation: a step is deleted (in the background) once its ``checkpoint-N`` folder is gone and a newer
-            step is committed.
+            step is committed. Saves copy the whole state before they return (the manager's default,
+            ``snapshot="sync"``): callbacks may change the weights between a save and the next optimizer step
+            (an EMA swap, clipping through ``.data``). ``{"snapshot": "overlap"}`` opts in to copying the
+            parameters and optimizer state beside the next forward and backward: a shorter stall, if nothing but
+            ``optimizer.step()`` writes them before that step.
         run_id: this run's id (default: the launcher's, from the environment; see `ckpt.run`). A ``train()``
             without ``resume_from_checkpoint`` into a root holding committed steps resumes them silently when they
             are this run's (a torchrun restart, a requeue), and raises `ckpt.RunMismatchError` otherwise.

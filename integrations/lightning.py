@@ -164,6 +164,8 @@ class CkptCheckpointIO(CheckpointIO):
     once no other pointer beside it names the step and a newer step is committed, the step itself;
     ``teardown()`` drains the writes. A `GoodputCallback` in the same Trainer reports saves and restores to its tracker.
     Values that cannot be stored without pickle (arbitrary hyper-parameters) are dropped with a warning.
+    Every tensor is copied before ``save_checkpoint`` returns: the manager's default (``snapshot="sync"``), and
+    Lightning hands a `CheckpointIO` state dicts, not optimizers, so ``snapshot="overlap"`` would defer nothing.
     Pointers and step metadata hold paths relative to the root, and callback paths under the root are rebased on
     load, so a run directory (root and pointer folders inside it) can be moved or copied and resumed there.
     """

@@ -48,8 +48,8 @@ class TrainLoop:
         with TrainLoop(root, {"model": model, "optim": optim}, sampler=sampler, every_steps=100) as loop:
             for step in loop.steps(total_steps):        # resumes after loop.start_step
                 ...forward, backward...
-                optim.step()                            # waits for the copy of the last save's parameters
-                loop.on_step_end(step, {"loss": loss.item()})
+                optim.step()
+                loop.on_step_end(step, {"loss": loss.item()})  # a due save copies the whole state, then returns
 
     Args:
         root: checkpoint root (path or URL); the goodput ledgers live in ROOT/ettr/.
@@ -62,13 +62,17 @@ class TrainLoop:
             (seconds; `mttf_s` overrides the fitted MTTF). The intervals above are its starting point.
         decision: a `ckpt.schedule.SaveDecision` instead of the three above (e.g. one shared with other code).
         signals: preemption signals; one sets a flag, the next `on_step_end` saves that step and raises `Preempted`.
-        overlap: deprecated, and ignored: the manager copies the parameters and optimizer state of every save
-            beside the next forward and backward by itself, and ``optimizer.step()`` waits for that copy
-            (``CheckpointManager(snapshot="overlap")``, the default).
+        overlap: deprecated: ``overlap=True`` is ``snapshot="overlap"`` (a manager option, below), unless
+            ``snapshot=`` is given. By default (``snapshot="sync"``) a save copies the whole state before it
+            returns, so whatever the loop's code does next (user hooks, an EMA swap, weight clipping through
+            ``.data``) cannot reach the checkpoint. ``snapshot="overlap"`` copies the parameters and optimizer
+            state beside the next forward and backward and makes ``optimizer.step()`` wait for that copy: a
+            shorter stall, on the condition that nothing but ``optimizer.step()`` writes them before that step
+            (or `wait_for_staging()` is called first; see `CheckpointManager`).
         tracker: an unstarted GoodputTracker (e.g. with OpenTelemetry metrics); default ``GoodputTracker(root)`` with
             the manager's ``storage_options``.
-        manager_options: passed to `CheckpointManager` (retention, staging cap, chunk size, and two tiers:
-            ``local=DIR, persist_every=K, keep_local=N``; the preemption save is then persisted too).
+        manager_options: passed to `CheckpointManager` (retention, staging cap, chunk size, ``snapshot``, and two
+            tiers: ``local=DIR, persist_every=K, keep_local=N``; the preemption save is then persisted too).
     """
 
     def __init__(
@@ -108,14 +112,16 @@ class TrainLoop:
         self.tracker = (
             tracker if tracker is not None else GoodputTracker(self.root, storage_options=self._storage_options)
         )
-        self._manager_options = manager_options
         if overlap:
             warnings.warn(
-                "TrainLoop(overlap=True) is deprecated and ignored: the manager overlaps the copy of the parameters and "
-                "optimizer state with the next forward and backward by itself, and optimizer.step() waits for it",
+                "TrainLoop(overlap=True) is deprecated: pass snapshot='overlap' (the manager's option: the parameters "
+                "and optimizer state are copied beside the next forward and backward, and optimizer.step() waits for "
+                "that copy; nothing else may write them before that step)",
                 DeprecationWarning,
                 stacklevel=2,
             )
+            manager_options.setdefault("snapshot", "overlap")
+        self._manager_options = manager_options
         self._handle: SaveHandle | None = None  # the last save, whose snapshot `wait_for_staging` waits for
         self._open_step: int | None = None
         self.manager: CheckpointManager | None = None
@@ -223,8 +229,10 @@ class TrainLoop:
         return True
 
     def wait_for_staging(self) -> None:
-        """Block until the last save's snapshot is complete (`SaveHandle.wait_snapshot`): needed only before changing
-        the parameters or optimizer state in place other than by ``optimizer.step()``, which waits by itself."""
+        """Block until the last save's snapshot is complete (`SaveHandle.wait_snapshot`). By default a save copies
+        everything before it returns, and this returns at once. With ``snapshot="overlap"`` it is needed before
+        changing the parameters or optimizer state in place other than by ``optimizer.step()``, which waits by
+        itself."""
         if self._handle is not None:
             self._handle.wait_snapshot()
 

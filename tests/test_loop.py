@@ -62,7 +62,7 @@ def train(root: str, tokens: str, every: int, local: str | None = None) -> None:
                 loss = F.cross_entropy(model(x[:, :-1]).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
                 optim.zero_grad()
                 loss.backward()
-                optim.step()  # waits for the last save's copy of the parameters (no call of ours)
+                optim.step()
                 loop.on_step_end(step, {"loss": loss.item()})
                 print(f"step {step}", flush=True)
                 print(f"batch {step} {hash_batch(batch['t'].tolist(), batch['start'].tolist())}", flush=True)
@@ -250,6 +250,35 @@ def test_after_its_first_step_a_fresh_loop_reserves_staging_for_the_optimizers_s
         loop.manager.wait()  # the reservation runs on the writer thread
         params = sum(p.nbytes for p in model.parameters())
         assert loop.manager._arena.capacity >= 3 * params  # parameters, exp_avg and exp_avg_sq
+
+
+def test_the_loop_copies_the_whole_state_inside_a_save_unless_overlap_is_asked_for(tmp_path):
+    """The loop cannot tell what the user's code writes between a save and the next optimizer step (weight
+    clipping through .data here): its saves use the manager's default, the exact `snapshot="sync"`."""
+    import copy
+
+    model = torch.nn.Linear(64, 64)
+    optim = torch.optim.Adam(model.parameters())
+    with TrainLoop(str(tmp_path / "a"), {"model": model, "optim": optim}, every_steps=1, rng=False) as loop:
+        assert loop.manager.snapshot == "sync"
+        for step in loop.steps(1):
+            model(torch.randn(4, 64)).sum().backward()
+            optim.step()
+            at_save = copy.deepcopy(model.state_dict())
+            assert loop.on_step_end(step)
+            model.weight.data.clamp_(-0.01, 0.01)  # right after the save, before any wait
+            loop.wait_for_staging()  # nothing left to copy: returns at once
+    fresh = torch.nn.Linear(64, 64)
+    state = {"model": fresh, "optim": torch.optim.Adam(fresh.parameters())}
+    with TrainLoop(str(tmp_path / "a"), state, every_steps=1, rng=False) as loop:
+        assert loop.start_step == 1
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in at_save.items())
+    with TrainLoop(str(tmp_path / "b"), {}, every_steps=1, snapshot="overlap") as loop:
+        assert loop.manager.snapshot == "overlap"  # the opt-in, through the manager's options
+    with pytest.warns(DeprecationWarning, match="snapshot='overlap'"):
+        loop = TrainLoop(str(tmp_path / "c"), {}, every_steps=1, overlap=True)
+    with loop:
+        assert loop.manager.snapshot == "overlap"
 
 
 def test_misuse_fails_loudly(tmp_path):

@@ -153,7 +153,8 @@ def main(mode: str, root: str) -> None:
             model(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-        with ckpt.CheckpointManager(root, collective_timeout=20) as m:
+        # the opt-in overlapped snapshot, whose deferred copies of this rank's shards the save below checks
+        with ckpt.CheckpointManager(root, collective_timeout=20, snapshot="overlap") as m:
             if mode == "save":
                 # one topology: the checkpoint group, the RNG state and a sampler all see this rank and world size
                 rng = RNGState().state_dict()
