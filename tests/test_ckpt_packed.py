@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import uuid
 
 import crc32c
@@ -260,5 +261,36 @@ def test_forged_packed_bytes_are_damage_on_every_read(tmp_path, trailer):
             m.restore(target, step=2)
         assert {k: _bits(v) for k, v in target["layers"].items()} == before  # all or nothing
         with pytest.warns(RuntimeWarning, match=f"step 2 is damaged: pack chunk {what} mismatch.*file={path}"):
+            assert m.restore(target) == 1
+    assert _same(target, _small(1))
+
+
+def test_overlapping_packed_tensors_are_refused_by_every_reader(tmp_path):
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, _small(1)).wait()
+        m.save(2, _small(2)).wait()
+    body = _manifest(tmp_path, 2)
+    pack, offset = body["arrays"]["layers/3.bias"]["pack"]
+
+    def overlap(body):  # layers/4.bias (20 bytes) starts inside layers/3.bias's 16, a digest that fits its bytes
+        entry = body["arrays"]["layers/4.bias"]
+        entry["pack"][1] = offset + 8
+        data = open(_packed_byte(tmp_path, 2, "layers/3.bias")[0], "rb").read()
+        start = (offset + 8) % body["packs"][pack]["chunk"][0]
+        entry["digests"] = [crc32c.crc32c(data[start : start + 20])]
+
+    _resign(tmp_path, 2, overlap)
+    match = f"packed tensors 'layers/3.bias' and 'layers/4.bias' overlap in pack '{pack}'"
+    problems = list(catalog.verify(open_storage(str(tmp_path)), 2))
+    assert len(problems) == 1 and re.search(match, str(problems[0])), problems
+    with pytest.raises(CorruptCheckpointError, match=match):
+        ckpt.load(tmp_path, step=2)
+    with pytest.warns(RuntimeWarning, match=f"step 2 is damaged.*{match}"):
+        assert _same(ckpt.load(tmp_path), _small(1))
+    target = _zeros(_small(0))
+    with ckpt.CheckpointManager(tmp_path) as m:
+        with pytest.raises(CorruptCheckpointError, match=match):
+            m.restore(target, step=2)
+        with pytest.warns(RuntimeWarning, match=f"step 2 is damaged.*{match}"):
             assert m.restore(target) == 1
     assert _same(target, _small(1))
