@@ -328,6 +328,10 @@ class ArrayInfo:
         return dataclasses.replace(info, digests=tuple(sums), pack=pack)
 
 
+def _span(info: ArrayInfo) -> str:
+    return f"bytes [{info.pack[1]}, {info.pack[1] + info.nbytes})"
+
+
 def _ints(v: Any, lo: int, hi: int) -> bool:
     """A list of ints (not bools) within [lo, hi]."""
     return isinstance(v, list) and all(type(x) is int and lo <= x <= hi for x in v)
@@ -355,6 +359,24 @@ def pack_mismatch(info: ArrayInfo, packs: dict[str, ArrayInfo]) -> str | None:
     offset, n = info.pack[1], info.nbytes
     if offset + n > pack.shape[0] or offset // pack.chunk[0] != (offset + n - 1) // pack.chunk[0]:
         return f"bytes [{offset}, {offset + n}) do not lie in one chunk of pack {pack.name!r} {list(pack.shape)}"
+    return None
+
+
+def pack_overlap(arrays: dict[str, ArrayInfo]) -> tuple[str, str, str] | None:
+    """Two packed tensors whose bytes share a byte of their pack: (pack, one key, the other); None when none do.
+    A writer lays them out back to back (`pack_layout`), so any overlap is a crafted or damaged manifest."""
+    by_pack: dict[str, list[tuple[int, int, str]]] = {}
+    for name, info in arrays.items():
+        if info.pack is not None:
+            by_pack.setdefault(info.pack[0], []).append((info.pack[1], info.pack[1] + info.nbytes, name))
+    for pack, members in by_pack.items():
+        members.sort()
+        end, last = 0, ""
+        for a, b, name in members:
+            if a < end:
+                return pack, last, name
+            if b > end:
+                end, last = b, name
     return None
 
 
@@ -450,6 +472,14 @@ class Manifest:
                 mismatch = info.pack is not None and pack_mismatch(info, packs)
                 if mismatch:
                     raise CorruptCheckpointError(f"malformed array entry in manifest: {mismatch}", key=name)
+            overlap = pack_overlap(arrays)
+            if overlap:
+                pack, a, b = overlap
+                raise CorruptCheckpointError(
+                    f"malformed manifest: packed tensors {a!r} and {b!r} overlap in pack {pack!r} "
+                    f"({_span(arrays[a])} and {_span(arrays[b])})",
+                    key=b,
+                )
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(str(e), key=e.key, file=file) from None
         return cls(

@@ -10,7 +10,8 @@ saved with torch.save or DCP) is put under ``model``; a dict of entries (``{"mod
 
 No code from a source runs: torch.save files load with ``weights_only=True``; safetensors headers are JSON; DCP's
 ``.metadata`` is a pickle, read with an unpickler that builds only DCP's own metadata classes (and torch sizes,
-dtypes, layouts), and its non-tensor values load with ``weights_only=True``.
+dtypes, layouts), and its non-tensor values load with ``weights_only=True``. Nothing outside a DCP folder is read:
+``.metadata`` naming a data file outside it is refused (a ValueError naming the file, the key and the path).
 """
 
 from __future__ import annotations
@@ -227,6 +228,7 @@ def read_dcp(folder: str) -> dict[str, Any]:
                     metadata = _MetadataUnpickler(f).load()
                 except (pickle.UnpicklingError, EOFError, AttributeError, TypeError) as e:
                     raise ValueError(f"{folder}/.metadata is not DCP metadata this can read: {e}") from None
+            _check_dcp_metadata(folder, metadata)
             metadata.storage_meta = metadata.storage_meta or StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
@@ -256,26 +258,131 @@ def read_dcp(folder: str) -> dict[str, Any]:
     state: dict[str, Any] = {}
     paths = metadata.planner_data or {}
     for fqn, value in flat.items():
-        _set(state, tuple(paths.get(fqn, (fqn,))), value)
+        path = tuple(paths.get(fqn, (fqn,)))
+        try:
+            _set(state, path, value)
+        except (TypeError, KeyError, IndexError, AttributeError):
+            raise ValueError(
+                f"{folder}/.metadata is not DCP metadata this can read: entry {fqn!r} is placed at "
+                f"{list(path)!r} in the state, which another entry's place contradicts"
+            ) from None
     return _int_param_ids(state)
 
 
+def _check_dcp_metadata(folder: str, metadata: Any) -> None:
+    """Refuses a ``.metadata`` that DCP would follow out of `folder` (a data file at ``../x`` or an absolute path)
+    or fail on deep inside with a bare KeyError or IndexError: a ValueError names the file, the entry (its FQN) and
+    what is wrong, before any data file is opened."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
+
+    file = os.path.join(folder, ".metadata")
+
+    def bad(what: str, fqn: Any = None) -> ValueError:
+        entry = "" if fqn is None else f"entry {fqn!r}: "
+        return ValueError(f"{file} is not DCP metadata this can read: {entry}{what}")
+
+    if not isinstance(metadata, Metadata):
+        raise bad(f"it holds a {type(metadata).__name__}, not a DCP Metadata")
+    entries, storage = getattr(metadata, "state_dict_metadata", None), getattr(metadata, "storage_data", None)
+    paths = getattr(metadata, "planner_data", None)
+    if not isinstance(entries, dict) or not all(isinstance(k, str) for k in entries):
+        raise bad("its state_dict_metadata is not a dict of entries by FQN")
+    if not isinstance(storage, dict):
+        raise bad("its storage_data is not a dict (not written by DCP's FileSystemWriter?)")
+    if paths is not None and not isinstance(paths, dict):
+        raise bad("its planner_data is not a dict")
+    stored = set()
+    for index, info in storage.items():
+        fqn = getattr(index, "fqn", None)
+        if not isinstance(index, MetadataIndex) or not isinstance(fqn, str) or not isinstance(info, _StorageInfo):
+            raise bad(f"a storage_data item is {type(index).__name__} -> {type(info).__name__}")
+        rel = getattr(info, "relative_path", None)
+        rel = os.fspath(rel) if isinstance(rel, (str, os.PathLike)) else rel
+        if not isinstance(rel, str) or not rel or "\0" in rel:
+            raise bad(f"its data file is {rel!r}, not a path", fqn)
+        if os.path.isabs(rel) or ".." in rel.split(os.sep):
+            raise ValueError(
+                f"{file}: entry {fqn!r} is stored in {rel!r}, outside the checkpoint folder {folder}; refused (the "
+                f"data files of a DCP checkpoint are inside its folder, and nothing outside it is read)"
+            )
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not (type(offset) is int and type(length) is int and offset >= 0 and length >= 0):
+            raise bad(f"bad byte range (offset {offset!r}, length {length!r}) in its data file {rel!r}", fqn)
+        at = getattr(index, "offset", None)
+        if at is not None and not _dims(at):
+            raise bad(f"a storage_data item has offset {at!r}, not a list of ints", fqn)
+        stored.add((fqn, None if at is None else tuple(at)))
+    for fqn, md in entries.items():
+        if isinstance(md, TensorStorageMetadata):
+            size, dtype = getattr(md, "size", None), getattr(getattr(md, "properties", None), "dtype", None)
+            chunks = getattr(md, "chunks", None)
+            if not _dims(size) or not isinstance(dtype, torch.dtype) or not isinstance(chunks, list):
+                raise bad(f"bad size {size!r}, dtype {dtype!r} or chunks of a tensor", fqn)
+            for c in chunks:
+                at, n = getattr(c, "offsets", None), getattr(c, "sizes", None)
+                if not (
+                    isinstance(c, ChunkStorageMetadata)
+                    and _dims(at)
+                    and _dims(n)
+                    and len(at) == len(n) == len(size)
+                    and all(a + b <= m for a, b, m in zip(at, n, size))
+                ):
+                    raise bad(f"a chunk at offsets {at!r} of sizes {n!r} is not inside its shape {size!r}", fqn)
+                if (fqn, tuple(at)) not in stored:
+                    raise bad(f"its chunk at offsets {list(at)} has no storage_data item (no data file)", fqn)
+        elif isinstance(md, BytesStorageMetadata) and (fqn, None) not in stored:
+            raise bad("it has no storage_data item (no data file)", fqn)
+        path = (paths or {}).get(fqn, (fqn,))
+        if not (
+            isinstance(path, (tuple, list))
+            and path
+            and all(isinstance(k, str) or (type(k) is int and 0 <= k < _MAX_LIST) for k in path)
+        ):
+            raise bad(f"its planner_data path {path!r} is not a non-empty list of str keys and list positions", fqn)
+
+
+_MAX_LIST = 1 << 20  # a list position in a DCP state's planner_data (the list is grown up to it)
+
+
+def _dims(v: Any) -> bool:
+    """A torch.Size or tuple of ints >= 0 (not bools)."""
+    return isinstance(v, (tuple, list)) and all(type(x) is int and x >= 0 for x in v)
+
+
 def _set(root: Any, path: tuple[Any, ...], value: Any) -> None:
-    """Put `value` at `path` (str keys: dicts, int keys: list positions), creating the containers on the way."""
+    """Put `value` at `path` (str keys: dicts, int keys: list positions), creating the containers on the way;
+    TypeError when the path goes through another entry's value, into a list by a str, or over a container."""
     node = root
     for k, nxt in zip(path, path[1:]):
-        held = k < len(node) if isinstance(node, list) else k in node
+        held = _holds(node, k)
         child = node[k] if held else None
         if child is None:
             child = [] if isinstance(nxt, int) else {}
             if isinstance(node, list):
                 node.extend([None] * (k + 1 - len(node)))
             node[k] = child
+        elif not isinstance(child, (dict, list)):
+            raise TypeError(f"{k!r} holds a value, not a container")
         node = child
     last = path[-1]
+    if _holds(node, last) and isinstance(node[last], (dict, list)):
+        raise TypeError(f"{last!r} holds a container")
     if isinstance(node, list):
         node.extend([None] * (last + 1 - len(node)))
     node[last] = value
+
+
+def _holds(node: dict | list, k: Any) -> bool:
+    if isinstance(node, list) and not isinstance(k, int):
+        raise TypeError(f"a list has no key {k!r}")
+    return k < len(node) if isinstance(node, list) else k in node
 
 
 def _int_param_ids(value: Any) -> Any:

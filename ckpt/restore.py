@@ -216,13 +216,22 @@ def _check_match(info: ArrayInfo, tmpl: torch.Tensor, step: int) -> None:
         )
 
 
-def execute(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: StagingArena) -> None:
+def execute(
+    storage: Storage,
+    plan: ReadPlan,
+    pool: ThreadPoolExecutor,
+    arena: StagingArena,
+    checked_packs: set[tuple[str, tuple[int, ...]]] | None = None,
+) -> None:
     """Read and verify every region of the plan into its buffer; the caller's tensors are not touched.
 
     Regions with caller tensors are read into scratch (the staging arena); regions without, into their
     own fresh tensors. Local whole-row regions go straight from the chunk files (`preadv`), others chunk
-    by chunk; packed tensors one task per chunk of their pack. Every read runs to its end, so the error raised
-    is the first damaged array's, not a random one.
+    by chunk; packed tensors one task per chunk of their pack, which is read whole and checked as `verify` checks
+    it (its crc32c, the manifest's digest of it) besides each packed tensor's own digest. `checked_packs` (pack
+    name, chunk index): pack chunks of this step checked already, whose tensors are read alone; the chunks this
+    call checks are added (a reader of many tensors in turn checks each pack chunk once). Every read runs to its
+    end, so the error raised is the first damaged array's, not a random one.
     """
     step, packs = plan.manifest.step, plan.manifest.packs
     pending = [r for r in plan.reads.values() if r.fresh is None]
@@ -251,9 +260,9 @@ def execute(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: S
                 store.check_zarr_json, storage, layout.pack_path(step, name, plan.manifest.data), packs[name], step=step
             )
         )
-    for (name, _), members in packed.items():
-        path = layout.pack_path(step, name, plan.manifest.data)
-        futures.append(pool.submit(store.read_packed, storage, path, packs[name], members, step=step))
+    for chunk, members in packed.items():
+        path = layout.pack_path(step, chunk[0], plan.manifest.data)
+        futures.append(pool.submit(_read_packed, storage, path, packs[chunk[0]], members, step, chunk, checked_packs))
     errors = []
     for f in futures:
         try:
@@ -262,6 +271,21 @@ def execute(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: S
             errors.append(e)
     if errors:
         raise errors[0]
+
+
+def _read_packed(
+    storage: Storage,
+    path: str,
+    pack: ArrayInfo,
+    members: list[tuple[ArrayInfo, torch.Tensor, Box]],
+    step: int,
+    chunk: tuple[str, tuple[int, ...]],
+    checked: set[tuple[str, tuple[int, ...]]] | None,
+) -> None:
+    """The packed tensors of one pack chunk; the chunk itself checked unless `checked` holds it (then added)."""
+    store.read_packed(storage, path, pack, members, step=step, check_chunk=checked is None or chunk not in checked)
+    if checked is not None:
+        checked.add(chunk)
 
 
 def apply(plan: ReadPlan, target: dict[str, Any]) -> None:

@@ -288,24 +288,32 @@ def read_packed(
     members: list[tuple[ArrayInfo, torch.Tensor | None, Box | None]],
     *,
     step: int | None,
+    check_chunk: bool = True,
 ) -> None:
-    """Read packed tensors that lie in one chunk of the pack array at `path`: from a local chunk file only their
-    bytes (pread), from any other root the chunk once. Each is checked against its own digest in the manifest
-    (an error names its key), then the `box` of it copied into `dest` (None: checked only)."""
+    """Read packed tensors that lie in one chunk of the pack array at `path`. Each is checked against its own digest
+    in the manifest (an error names its key), then the `box` of it copied into `dest` (None: checked only).
+
+    With `check_chunk` the pack chunk is read whole, once for all of them, and checked as `verify` checks it (size,
+    its crc32c, the manifest's digest of it): a packed tensor's digest is the manifest's word alone, the chunk's
+    crc32c is also the file's. Without (the chunk was checked already, or the caller checks it itself), a local
+    chunk file gives only their bytes (pread), any other root the chunk once."""
     index = members[0][0].packed_at(pack)[0]
     file_path = f"{path}/{chunk_key(index)}"
     local, first = storage.local_path(file_path), members[0][0]
     file = where(storage, file_path)
     expected = pack.chunk_nbytes + 4
-    if local is None:
+    if check_chunk or local is None:
         data = _read_file(storage, file_path, first, step=step, what="pack chunk file")
         if len(data) != expected:
             raise CorruptCheckpointError(
                 f"pack chunk file has {len(data)} bytes, expected {expected}", step=step, key=first.name, file=file
             )
+        view = memoryview(data)
         for info, dest, box in members:
             at = info.packed_at(pack)[1]
-            _place(memoryview(data)[at : at + info.nbytes], info, dest, box, step=step, file=file)
+            _place(view[at : at + info.nbytes], info, dest, box, step=step, file=file)
+        if check_chunk:
+            _check_pack_chunk(view, pack, index, [info.name for info, _, _ in members], step=step, file=file)
         return
     fd = _open_chunk(local, first, step)
     try:
@@ -320,6 +328,27 @@ def read_packed(
             _place(buf, info, dest, box, step=step, file=file)
     finally:
         os.close(fd)
+
+
+def _check_pack_chunk(
+    data: memoryview, pack: ArrayInfo, index: tuple[int, ...], names: list[str], *, step: int | None, file: str
+) -> None:
+    """A pack chunk file's content against its crc32c trailer, and that against the manifest's digest of the chunk;
+    the error names the pack (its key) and the packed tensors read from the chunk."""
+    stored, digest = int.from_bytes(data[-4:], "little"), pack.digests[pack.ordinal(index)]
+    if crc32c.crc32c(data[:-4]) != stored:
+        problem = "pack chunk checksum (crc32c) mismatch"
+    elif stored != digest:
+        problem = f"pack chunk digest mismatch: the manifest expects crc32c {digest:08x}, the file holds {stored:08x}"
+    else:
+        return
+    held = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    raise CorruptCheckpointError(
+        f"{problem} in chunk {index[0]} of pack {pack.name!r}, which holds the packed tensors read ({held})",
+        step=step,
+        key=pack.name,
+        file=file,
+    )
 
 
 def _place(

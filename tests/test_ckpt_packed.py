@@ -6,8 +6,10 @@ import hashlib
 import json
 import math
 import os
+import re
 import uuid
 
+import crc32c
 import pytest
 import torch
 
@@ -139,18 +141,39 @@ def test_damaged_packed_tensor_is_named_and_restore_falls_back(tmp_path, where):
     assert _same(target, _small(1))
 
 
-def test_load_of_one_packed_tensor_reads_only_its_bytes(tmp_path):
-    with ckpt.CheckpointManager(tmp_path) as m:
+def test_load_of_one_packed_tensor_reads_only_its_pack_chunk(tmp_path):
+    with ckpt.CheckpointManager(tmp_path, chunk_bytes=64) as m:  # a pack of many chunks
         m.save(1, _small(1)).wait()
+    body = _manifest(tmp_path, 1)
     path, at = _packed_byte(tmp_path, 1, "layers/3.bias")
-    _flip(path, at)  # damage beside it in the same chunk file: not read, not reported
-    got = ckpt.load(tmp_path, step=1, keys=["layers.4.bias"])
-    assert _same(got["layers"]["4.bias"], _small(1)["layers"]["4.bias"])
-    region = ckpt.load(tmp_path, step=1, keys=["bf16"], region=(slice(1, 3),))
-    assert _same(region["bf16"], _small(1)["bf16"][1:3])
+    chunks = {n: _packed_byte(tmp_path, 1, n)[0] for n, a in body["arrays"].items() if "pack" in a}
+    beside = [n for n, c in chunks.items() if c == path and n != "layers/3.bias"]
+    elsewhere = [n for n, c in chunks.items() if c != path and n.startswith("layers/")]
+    assert beside and elsewhere, chunks
+    _flip(path, at)
+    other = elsewhere[0]  # damage in another chunk of the pack: not read, not reported
+    got = ckpt.load(tmp_path, step=1, keys=[other.replace("/", ".")])
+    assert _same(got["layers"][other.split("/")[1]], _small(1)["layers"][other.split("/")[1]])
     with pytest.raises(CorruptCheckpointError) as info:
         ckpt.load(tmp_path, step=1, keys=["layers.3.bias"])
     assert info.value.key == "layers/3.bias" and info.value.file == path
+    # beside it in the same chunk: its own digest holds, but the chunk it is read from does not
+    with pytest.raises(CorruptCheckpointError, match="pack chunk checksum .crc32c. mismatch") as info:
+        ckpt.load(tmp_path, step=1, keys=[beside[0].replace("/", ".")])
+    assert info.value.key == body["arrays"][beside[0]]["pack"][0] and info.value.file == path
+    assert beside[0] in str(info.value)
+
+
+def test_region_of_a_packed_tensor_is_read_from_its_checked_chunk(tmp_path):
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, _small(1)).wait()
+    region = ckpt.load(tmp_path, step=1, keys=["bf16"], region=(slice(1, 3),))
+    assert _same(region["bf16"], _small(1)["bf16"][1:3])
+    path, at = _packed_byte(tmp_path, 1, "layers/3.bias")
+    _flip(path, at)
+    with pytest.raises(CorruptCheckpointError, match="pack chunk checksum") as info:
+        ckpt.load(tmp_path, step=1, keys=["bf16"], region=(slice(1, 3),))
+    assert info.value.file == path
 
 
 def _resign(root, step: int, mutate) -> None:
@@ -217,3 +240,80 @@ def test_crafted_pack_entries_are_damage(tmp_path, craft):
     with pytest.raises(CorruptCheckpointError, match="malformed") as info:
         ckpt.load(tmp_path, step=1)
     assert info.value.key == ("f16" if craft == "in_format_2" else "f64")  # in_format_2: the first packed one
+
+
+def _forge_packed(root, step: int, name: str, trailer: bool) -> str:
+    """Edit a packed tensor's bytes and re-sign the manifest with their new digest, as `verify` would still see:
+    with `trailer`, the chunk file's crc32c is recomputed too (only the manifest's digest of the chunk is then
+    stale). Returns the pack chunk file."""
+    path, at = _packed_byte(root, step, name)
+    data = bytearray(open(path, "rb").read())
+    n = _manifest(root, step)["arrays"][name]
+    nbytes = math.prod(n["shape"]) * numpy_dtype(n["dtype"]).itemsize
+    data[at] ^= 0x10
+    if trailer:
+        data[-4:] = crc32c.crc32c(bytes(data[:-4])).to_bytes(4, "little")
+    with open(path, "wb") as f:
+        f.write(data)
+    digest = crc32c.crc32c(bytes(data[at : at + nbytes]))
+    _resign(root, step, lambda body: body["arrays"][name].__setitem__("digests", [digest]))
+    return path
+
+
+@pytest.mark.parametrize("trailer", [False, True], ids=["stale_trailer", "forged_trailer"])
+def test_forged_packed_bytes_are_damage_on_every_read(tmp_path, trailer):
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, _small(1)).wait()
+        m.save(2, _small(2)).wait()
+    path = _forge_packed(tmp_path, 2, "layers/7.bias", trailer)
+    pack = _manifest(tmp_path, 2)["arrays"]["layers/7.bias"]["pack"][0]
+    what = "digest" if trailer else r"checksum \(crc32c\)"
+    problems = list(catalog.verify(open_storage(str(tmp_path)), 2))
+    assert [(p.key, p.file) for p in problems] == [(pack, path)], problems
+    with pytest.raises(CorruptCheckpointError, match=f"pack chunk {what} mismatch") as info:
+        ckpt.load(tmp_path, step=2)
+    assert info.value.key == pack and info.value.file == path
+    with pytest.raises(CorruptCheckpointError, match=f"pack chunk {what} mismatch.*layers/7.bias"):
+        ckpt.load(tmp_path, step=2, keys=["layers.7.bias"])
+    with pytest.warns(RuntimeWarning, match=f"step 2 is damaged: pack chunk {what} mismatch.*key={pack}, file={path}"):
+        assert _same(ckpt.load(tmp_path), _small(1))
+    target = _zeros(_small(0))
+    before = {k: _bits(v) for k, v in target["layers"].items()}
+    with ckpt.CheckpointManager(tmp_path) as m:
+        with pytest.raises(CorruptCheckpointError, match=f"pack chunk {what} mismatch"):
+            m.restore(target, step=2)
+        assert {k: _bits(v) for k, v in target["layers"].items()} == before  # all or nothing
+        with pytest.warns(RuntimeWarning, match=f"step 2 is damaged: pack chunk {what} mismatch.*file={path}"):
+            assert m.restore(target) == 1
+    assert _same(target, _small(1))
+
+
+def test_overlapping_packed_tensors_are_refused_by_every_reader(tmp_path):
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, _small(1)).wait()
+        m.save(2, _small(2)).wait()
+    body = _manifest(tmp_path, 2)
+    pack, offset = body["arrays"]["layers/3.bias"]["pack"]
+
+    def overlap(body):  # layers/4.bias (20 bytes) starts inside layers/3.bias's 16, a digest that fits its bytes
+        entry = body["arrays"]["layers/4.bias"]
+        entry["pack"][1] = offset + 8
+        data = open(_packed_byte(tmp_path, 2, "layers/3.bias")[0], "rb").read()
+        start = (offset + 8) % body["packs"][pack]["chunk"][0]
+        entry["digests"] = [crc32c.crc32c(data[start : start + 20])]
+
+    _resign(tmp_path, 2, overlap)
+    match = f"packed tensors 'layers/3.bias' and 'layers/4.bias' overlap in pack '{pack}'"
+    problems = list(catalog.verify(open_storage(str(tmp_path)), 2))
+    assert len(problems) == 1 and re.search(match, str(problems[0])), problems
+    with pytest.raises(CorruptCheckpointError, match=match):
+        ckpt.load(tmp_path, step=2)
+    with pytest.warns(RuntimeWarning, match=f"step 2 is damaged.*{match}"):
+        assert _same(ckpt.load(tmp_path), _small(1))
+    target = _zeros(_small(0))
+    with ckpt.CheckpointManager(tmp_path) as m:
+        with pytest.raises(CorruptCheckpointError, match=match):
+            m.restore(target, step=2)
+        with pytest.warns(RuntimeWarning, match=f"step 2 is damaged.*{match}"):
+            assert m.restore(target) == 1
+    assert _same(target, _small(1))

@@ -354,6 +354,82 @@ def test_import_safetensors_file_keeps_aliases_from_its_metadata(tmp_path):
     _same(dict(restored.state_dict()), dict(model.state_dict()))
 
 
+def _dcp_with(tmp_path, edit) -> str:
+    """A real DCP checkpoint of a few entries whose .metadata (a pickle DCP wrote: the test reads and rewrites it
+    with pickle itself; the importer never unpickles more than DCP's metadata classes) `edit` changed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    folder = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: no process group, single process
+        dcp.save({"w": torch.ones(3), "b": torch.zeros(2), "obj": {"x": 1}}, checkpoint_id=str(folder))
+    with open(folder / ".metadata", "rb") as f:
+        md = pickle.load(f)
+    by_fqn = {index.fqn: (index, info) for index, info in md.storage_data.items()}
+    assert isinstance(by_fqn["w"][0], MetadataIndex)
+    edit(md, by_fqn)
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    return str(folder / ".metadata")
+
+
+def _set_attr(fqn, name, value):
+    return lambda md, by_fqn: setattr(by_fqn[fqn][1], name, value)
+
+
+@pytest.mark.parametrize("path", ["../x", "/etc/passwd", "sub/../../x"])
+def test_import_dcp_refuses_data_files_outside_its_folder_naming_file_key_and_path(tmp_path, path):
+    (tmp_path / "x").write_bytes(b"not for the import to read")
+    metadata = _dcp_with(tmp_path, _set_attr("w", "relative_path", path))
+    with pytest.raises(ValueError) as info:
+        ckpt.import_checkpoint(tmp_path / "dcp", tmp_path / "root", step=1)
+    message = str(info.value)
+    assert metadata in message and "'w'" in message and repr(path) in message and "outside" in message, message
+    assert not (tmp_path / "root").exists()
+
+
+def _drop(fqn):
+    return lambda md, by_fqn: md.storage_data.pop(by_fqn[fqn][0])
+
+
+def _planner(fqn, path):
+    return lambda md, by_fqn: md.planner_data.__setitem__(fqn, path)
+
+
+def _chunk_past_the_end(md, by_fqn):
+    md.state_dict_metadata["w"].chunks[0].sizes = torch.Size([4])
+
+
+@pytest.mark.parametrize(
+    "edit, key, what",
+    [
+        (_drop("w"), "w", "no storage_data item"),
+        (_drop("obj.x"), "obj.x", "no storage_data item"),
+        (_set_attr("b", "relative_path", None), "b", "not a path"),
+        (_set_attr("b", "length", -1), "b", "bad byte range"),
+        (_chunk_past_the_end, "w", "not inside its shape"),
+        (_planner("b", ()), "b", "planner_data path"),
+        (_planner("b", ("w", "b")), "b", "another entry's place"),  # below the tensor "w"
+    ],
+    ids=["tensor_without_storage", "bytes_without_storage", "path_none", "negative_length", "chunk_past_the_end",
+         "empty_planner_path", "planner_path_through_a_tensor"],
+)  # fmt: skip
+def test_import_dcp_malformed_metadata_names_the_file_and_the_key(tmp_path, edit, key, what):
+    metadata = _dcp_with(tmp_path, edit)
+    with pytest.raises(ValueError, match=what) as info:
+        ckpt.import_checkpoint(tmp_path / "dcp", tmp_path / "root", step=1)
+    assert metadata in str(info.value) and f"entry {key!r}" in str(info.value), info.value
+    assert not (tmp_path / "root").exists()
+
+
+def test_import_dcp_metadata_of_another_type_is_named(tmp_path):
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": {}}))
+    with pytest.raises(ValueError, match=r"\.metadata is not DCP metadata this can read: it holds a dict"):
+        ckpt.import_checkpoint(tmp_path / "dcp", tmp_path / "root", step=1)
+
+
 class _Payload:
     def __reduce__(self):
         return (os.system, (f"touch {_Payload.marker}",))
