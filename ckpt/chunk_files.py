@@ -29,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import crc32c
 import numpy as np
 
+from .budget import submit_or_run
 from .format import ArrayInfo, chunk_key
 
 ALIGN = 4096  # O_DIRECT: address, offset and length in multiples of this (every block size up to 4 KiB)
@@ -170,7 +171,7 @@ class ChunkWriter:
                 if f is not None:
                     f.close()
                 raise OSError(e.errno, f"{e.strerror} (chunk {index} of array {info.name!r})", path) from None
-            self._syncs.append(self._sync.submit(_fsync, path))
+            self._syncs.append(submit_or_run(self._sync, _fsync, path))
         return done
 
     def copy(self, path: str, data: bytes) -> None:
@@ -186,7 +187,7 @@ class ChunkWriter:
             if f is not None:
                 f.close()
             raise OSError(e.errno, e.strerror, path) from None
-        self._syncs.append(self._sync.submit(_fsync, path))
+        self._syncs.append(submit_or_run(self._sync, _fsync, path))
 
     def close(self) -> None:
         """Wait until every written file is durable (raising the first error)."""

@@ -20,7 +20,7 @@ from . import restore as restore_mod
 from . import run as run_mod
 from . import snapshot as snapshot_mod
 from . import state as state_mod
-from .budget import WriteBudget
+from .budget import WriteBudget, submit_or_run
 from .distributed import Ranks, local_box, prepare_optimizers
 from .errors import (
     CheckpointDeleteError,
@@ -401,10 +401,21 @@ class CheckpointManager:
             return {}
 
     def _queue_delete(self, step: int, *, report: bool) -> None:
-        """Delete a committed step on the deleter thread; neither the training thread nor a later save waits for it."""
+        """Delete a committed step on the deleter thread; neither the training thread nor a later save waits for it.
+
+        Once the interpreter is exiting without `close()` (its thread pools take no new work), the delete runs here
+        instead, on the writer thread, which the exit waits for: retention still runs, manifest first, and says
+        nothing went wrong.
+        """
         with self._lock:
-            if step not in self._deleting:
-                self._deleting[step] = self._deleter.submit(self._delete_now, step, report)
+            if step in self._deleting:
+                return
+            placeholder = self._deleting[step] = Future()  # the delete may run right here (`submit_or_run`)
+        done = submit_or_run(self._deleter, self._delete_now, step, report)
+        with self._lock:
+            if step in self._deleting:  # not yet done: the pool's future stands for it
+                self._deleting[step] = done
+        done.add_done_callback(lambda _: placeholder.set_result(None))  # for a `wait()` that took the placeholder
 
     def _delete_now(self, step: int, report: bool) -> None:
         """Deleter thread: remove the step (manifest first); an error is raised by the next call when `report`."""

@@ -24,6 +24,7 @@ from typing import Any, Mapping, Protocol
 import fsspec
 import tensorstore as ts
 
+from .budget import submit_or_run
 from .errors import StorageError
 from .format import validate_array_name
 
@@ -208,7 +209,8 @@ class LocalStorage:
         """
         base = self._p(path)
         with ThreadPoolExecutor(32, thread_name_prefix="ckpt-fsync") as pool:
-            list(pool.map(fsync_dir, [d for d, _, _ in os.walk(base)]))
+            for f in [submit_or_run(pool, fsync_dir, d) for d, _, _ in os.walk(base)]:
+                f.result()
         while base != self.root and base.startswith(self.root):
             base = os.path.dirname(base)
             fsync_dir(base)
