@@ -37,6 +37,15 @@ def procs():
     return ctx
 
 
+@pytest.fixture(autouse=True)
+def _no_child_left():
+    """Whatever a test did or failed, no saver or gc loop outlives it."""
+    yield
+    for p in multiprocessing.active_children():
+        p.kill()
+        p.join(30)
+
+
 def _kill(*procs) -> int:
     """SIGKILL the processes still running, reap all; returns how many were killed."""
     killed = 0
@@ -88,14 +97,27 @@ def test_sigkill_at_random_instants_never_damages_committed_steps(tmp_path, proc
         log.touch()
         child = procs.Process(target=saver.main, args=(root, start, str(log)))
         child.start()
-        time.sleep(rng.uniform(0.05, 0.6))
-        assert _kill(child) == 1 and child.exitcode == -signal.SIGKILL, child.exitcode
+        try:  # the kill window opens at the child's first commit: on a busy machine its start alone can take seconds
+            wait_for(log, "committed", 120.0, child)
+            time.sleep(rng.uniform(0.0, 0.5))
+        finally:
+            killed = _kill(child)
+        assert killed == 1 and child.exitcode == -signal.SIGKILL, child.exitcode
         commits = _commits(log)
         seen_commits += commits
         steps = _check(root, kill, commits)
         start = (steps[-1] + 1) if steps else start
     assert seen_commits, "the kills never let a single save commit: the test exercises nothing"
     assert len(set(seen_commits)) >= 5
+
+
+def _wait_for_a_commit(logs, children, timeout: float = 120.0) -> None:
+    """Until one of the writers logged a commit; fails at once when both have exited without one."""
+    deadline = time.monotonic() + timeout
+    while not any("committed" in log.read_text() for log in logs):
+        assert any(c.is_alive() for c in children), [log.read_text() for log in logs]
+        assert time.monotonic() < deadline, f"no writer committed within {timeout:g} s"
+        time.sleep(0.02)
 
 
 def test_two_writers_killed_at_random_instants_never_mix_a_step(tmp_path, procs):
@@ -106,13 +128,16 @@ def test_two_writers_killed_at_random_instants_never_mix_a_step(tmp_path, procs)
     for rnd in range(_rounds()):
         logs = [tmp_path / f"w{rnd}-{w}" for w in (1, 2)]
         children = []
-        for w, log in zip((1, 2), logs):
-            log.touch()
-            children.append(procs.Process(target=saver.main, args=(root, start, str(log), w)))
-            children[-1].start()
-            time.sleep(rng.uniform(0.0, 0.3))
-        time.sleep(rng.uniform(0.05, 0.5))
-        kills += _kill(*children)
+        try:
+            for w, log in zip((1, 2), logs):
+                log.touch()
+                children.append(procs.Process(target=saver.main, args=(root, start, str(log), w)))
+                children[-1].start()
+                time.sleep(rng.uniform(0.0, 0.3))
+            _wait_for_a_commit(logs, children)  # the kill window opens at the first commit of either writer
+            time.sleep(rng.uniform(0.0, 0.5))
+        finally:
+            kills += _kill(*children)
         for child, log in zip(children, logs):  # killed while writing, or turned away at its first save
             assert child.exitcode == -signal.SIGKILL or (
                 child.exitcode == 0 and log.read_text().startswith("refused: ")

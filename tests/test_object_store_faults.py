@@ -92,7 +92,7 @@ with ckpt.CheckpointManager({root!r}, keep_last=2, chunk_bytes=256 << 10, lease_
 
 
 def test_sigkill_mid_upload_commits_nothing_partial_and_gc_cleans_once_the_lease_expires(s3_bucket):
-    root, ttl = f"s3://{s3_bucket}/sigkill", 2.0
+    root, ttl = f"s3://{s3_bucket}/sigkill", 4.0  # renewed every 1 s: holds on a busy machine
     code = CHILD.format(procs=os.path.join(os.path.dirname(__file__), "procs"), root=root, ttl=ttl)
     storage = open_storage(root)
     for _ in range(3):  # a save may still win the race against the kill: then kill the next saver
