@@ -222,3 +222,35 @@ def test_ls_shows_quarantined_steps_and_gc_damaged_removes_only_them(tmp_path, c
     assert cli.main(["gc", root]) == 0
     assert "removed incomplete step 5" in capsys.readouterr().out
     assert [e.step for e in catalog.entries(storage)] == [1]
+
+
+FORKING_HOLDER = """
+import os, sys, time
+from ckpt import lease
+from ckpt.storage import open_storage
+held = lease.acquire(open_storage(sys.argv[1]))
+pid = os.fork()
+if pid == 0:  # a worker forked by the writer (a DataLoader worker) that outlives it
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 1)  # not the test's pipes: their end is when the writer is done
+    os.dup2(null, 2)
+    time.sleep(120)
+    os._exit(0)
+print(pid, flush=True)
+os._exit(0)  # the writer dies holding the lease
+"""
+
+
+def test_a_forked_worker_that_outlives_its_writer_does_not_keep_the_roots_lease(tmp_path):
+    import subprocess
+
+    root = str(tmp_path / "ck")
+    run = subprocess.run([sys.executable, "-c", FORKING_HOLDER, root], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    worker = int(run.stdout.split()[0])
+    try:
+        os.kill(worker, 0)  # still alive: it inherited every descriptor of the writer, the lease's among them
+        mine = lease.acquire(open_storage(root), wait_for_gc=0)  # the kernel freed the dead writer's lock
+        mine.release()
+    finally:
+        os.kill(worker, signal.SIGKILL)
