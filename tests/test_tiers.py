@@ -128,6 +128,24 @@ def test_newer_local_step_wins_over_an_older_durable_one_and_damage_falls_back_t
     assert same(got, state(2))
 
 
+def test_the_newest_intact_step_wins_whichever_tier_holds_it(tmp_path, caplog):
+    """No damage anywhere: a local step newer than every durable one is restored from the local tier, and a durable
+    step newer than every local one from the durable tier."""
+    durable, local = saved(tmp_path, [1, 2, 3], persist_every=2, keep_local=3)  # durable: 2; local: 1, 2, 3
+    assert layout.committed_steps(open_storage(durable)) == [2]
+    with caplog.at_level("INFO", logger="ckpt"), ckpt.CheckpointManager(durable, local=local) as m:
+        got = blank()
+        assert m.restore(got) == 3
+    assert same(got, state(3)) and "(local tier)" in caplog.text
+    caplog.clear()
+    for s in (2, 3):  # the local tier now lags behind the durable one: only step 1 is left there
+        shutil.rmtree(os.path.join(local, layout.step_dir(s)))
+    with caplog.at_level("INFO", logger="ckpt"), ckpt.CheckpointManager(durable, local=local) as m:
+        got = blank()
+        assert m.restore(got) == 2
+    assert same(got, state(2)) and "(durable tier)" in caplog.text
+
+
 def test_a_persist_never_copies_a_damaged_local_file(tmp_path):
     durable, local = saved(tmp_path, [1], persist_every=5)  # nothing persisted
     flip_byte(chunk(local, 1))
