@@ -148,15 +148,20 @@ class LocalStorage:
         with open(fd, "rb") as f:
             return f.read()
 
-    def write_atomic(self, path: str, data: bytes) -> None:
-        """temp file + fsync + rename + fsync of the directory: the file is either whole or absent."""
+    def _durable_temp(self, path: str, data: bytes) -> tuple[str, str]:
+        """`data` in a fsync'd temp file beside `path` (its directory made durably); returns (temp, final)."""
         final = self._p(path)
         makedirs_durable(os.path.dirname(final))
-        tmp = f"{final}.tmp-{os.getpid()}"
+        tmp = f"{final}.tmp-{os.getpid()}-{threading.get_ident()}"
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        return tmp, final
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        """temp file + fsync + rename + fsync of the directory: the file is either whole or absent."""
+        tmp, final = self._durable_temp(path, data)
         os.replace(tmp, final)
         fsync_dir(os.path.dirname(final))
 
@@ -166,13 +171,7 @@ class LocalStorage:
 
         `timeout` is for stores whose requests can hang; a local write has none.
         """
-        final = self._p(path)
-        makedirs_durable(os.path.dirname(final))
-        tmp = f"{final}.tmp-{os.getpid()}-{threading.get_ident()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        tmp, final = self._durable_temp(path, data)
         try:
             os.link(tmp, final)
         finally:

@@ -2,6 +2,7 @@
 failure)."""
 
 import itertools
+import multiprocessing
 
 import pytest
 
@@ -30,3 +31,13 @@ def s3_bucket(s3_server, monkeypatch, request):
     for key, value in s3_server.env().items():
         monkeypatch.setenv(key, value)
     return name
+
+
+@pytest.fixture
+def no_child_left():
+    """Whatever a test did or failed, no child process of `multiprocessing` outlives it (a `hold` child of the
+    writer tests sleeps 600 s)."""
+    yield
+    for p in multiprocessing.active_children():
+        p.kill()
+        p.join(30)

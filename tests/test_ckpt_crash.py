@@ -37,13 +37,7 @@ def procs():
     return ctx
 
 
-@pytest.fixture(autouse=True)
-def _no_child_left():
-    """Whatever a test did or failed, no saver or gc loop outlives it."""
-    yield
-    for p in multiprocessing.active_children():
-        p.kill()
-        p.join(30)
+pytestmark = pytest.mark.usefixtures("no_child_left")
 
 
 def _kill(*procs) -> int:

@@ -30,13 +30,7 @@ def procs():
     return ctx
 
 
-@pytest.fixture(autouse=True)
-def _no_child_left():
-    """Whatever a test did or failed, no child outlives it (a `hold` child sleeps 600 s)."""
-    yield
-    for p in multiprocessing.active_children():
-        p.kill()
-        p.join(30)
+pytestmark = pytest.mark.usefixtures("no_child_left")
 
 
 def _start(ctx, target, *args):
