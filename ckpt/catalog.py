@@ -154,10 +154,7 @@ def collect_garbage(storage: Storage, *, force: bool = False) -> list[int]:
     uncommitted = [e for e in entries(storage) if not e.committed]
     if force or not uncommitted:  # nothing to delete: no lease taken, so no save waits for gc
         return _delete_uncommitted(storage, uncommitted)
-    try:
-        held = lease.acquire(storage, role="gc", wait_for_gc=0)
-    except LeaseHeldError:
-        held = None
+    held = _gc_lease(storage)
     if held is not None:
         try:
             return _delete_uncommitted(storage, [e for e in entries(storage) if not e.committed])
@@ -193,13 +190,9 @@ def collect_stale_data(storage: Storage, *, force: bool = False) -> list[tuple[i
     stale = stale_data(storage)
     if not stale:
         return []
-    if force:
-        held = None
-    else:
-        try:
-            held = lease.acquire(storage, role="gc", wait_for_gc=0)
-        except LeaseHeldError:
-            return []
+    held = None if force else _gc_lease(storage)
+    if held is None and not force:
+        return []
     try:
         stale = stale_data(storage)  # under the lease
         for step, d in stale:
@@ -208,6 +201,14 @@ def collect_stale_data(storage: Storage, *, force: bool = False) -> list[tuple[i
     finally:
         if held is not None:
             held.release()
+
+
+def _gc_lease(storage: Storage) -> lease.Lease | None:
+    """The root's lease for gc, at once, or None while a writer (or another gc) holds it."""
+    try:
+        return lease.acquire(storage, role="gc", wait_for_gc=0)
+    except LeaseHeldError:
+        return None
 
 
 def _delete_uncommitted(storage: Storage, victims: list[StepEntry]) -> list[int]:
