@@ -15,8 +15,11 @@ from typing import TYPE_CHECKING, Any
 # (tests/test_architecture.py)
 _HOME = {
     "CheckpointManager": "manager",
-    "CheckpointObserver": "manager",
-    "SaveHandle": "manager",
+    "CheckpointObserver": "observer",
+    "SaveHandle": "background",
+    "WriteOptions": "options",
+    "TierOptions": "options",
+    "RootOptions": "options",
     "WriteBudget": "budget",
     "Stateful": "state",
     "RetentionPolicy": "retention",
@@ -71,6 +74,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from .background import SaveHandle
     from .budget import WriteBudget
     from .determinism.data import RandomWindowSampler, ShuffledSampler, TokenWindowDataset, explain, make_loader
     from .determinism.rng import RNGState
@@ -91,7 +95,9 @@ if TYPE_CHECKING:
     )
     from .exporter import export
     from .importers import import_checkpoint
-    from .manager import CheckpointManager, CheckpointObserver, SaveHandle
+    from .manager import CheckpointManager
+    from .observer import CheckpointObserver
+    from .options import RootOptions, TierOptions, WriteOptions
     from .reader import load
     from .retention import Keep, KeepBest, KeepEvery, KeepLast, RetentionPolicy
     from .schedule import AdvisedInterval, AnyOf, EveryNSeconds, EveryNSteps, Preemption, SaveDecision

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from typing import Any
 
 from . import state as state_mod
 from .errors import CorruptCheckpointError, StepNotFoundError
@@ -184,3 +185,12 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
         raise CorruptCheckpointError(f"manifest says step {m.step}", step=step, file=file)
     state_mod.check_tree(m.tree, m.arrays, file=file)
     return m
+
+
+def saved_metadata(storage: Storage, step: int) -> dict[str, Any]:
+    """A committed step's save metadata, for a retention policy that asks; {} when its manifest is unreadable or
+    gone (a policy then keeps or drops it by its other rules)."""
+    try:
+        return read_manifest(storage, step).metadata
+    except (CorruptCheckpointError, StepNotFoundError):
+        return {}

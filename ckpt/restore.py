@@ -21,7 +21,7 @@ import torch
 from . import layout, store
 from . import state as state_mod
 from .distributed import Ranks, read_region
-from .errors import CheckpointError, CorruptCheckpointError, StateKeyError, StateMismatchError
+from .errors import CheckpointError, CorruptCheckpointError, StateKeyError, StateMismatchError, StepNotFoundError
 from .format import ArrayInfo, Manifest, chunk_key, torch_dtype
 from .staging import StagingArena
 from .storage import Storage, UnsafeFileError, local_files
@@ -299,3 +299,51 @@ def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
         torch.cuda.synchronize()
     for k, v in plan.values.items():
         state_mod.apply(target, k, v)
+
+
+def read_step(
+    storage: Storage,
+    step: int,
+    state: Mapping[str, Any],
+    keys: Sequence[str] | None,
+    ranks: Ranks,
+    rank_map: str,
+    readers: ThreadPoolExecutor,
+    arena: StagingArena,
+) -> tuple[ReadPlan | None, CorruptCheckpointError | StepNotFoundError | None]:
+    """This rank's read of `step`, the mirror of a save: manifest, plan, verified reads; or why it failed.
+
+    A mismatch between `state` and the checkpoint (StateKeyError, StateMismatchError) is raised here, before
+    anything is read. Nothing is applied to `state`.
+    """
+    try:
+        manifest = layout.read_manifest(storage, step)
+        plan = plan_restore(manifest, state, keys, ranks, rank_map=rank_map, files=step_files(storage, step))
+        execute(storage, plan, readers, arena)
+        return plan, None
+    except (CorruptCheckpointError, StepNotFoundError) as e:
+        return None, e
+
+
+def agree(
+    storage: Storage, ranks: Ranks, step: int, error: CorruptCheckpointError | StepNotFoundError | None
+) -> CorruptCheckpointError | str | None:
+    """Every rank's outcome of reading `step`, one decision for all: None (read everywhere), "vanished" (it was
+    deleted meanwhile, e.g. by another process's retention: no damage) or its damage."""
+    if error is None:
+        verdict = "ok"
+    elif isinstance(error, StepNotFoundError) or not layout.is_committed(storage, step):
+        verdict = "vanished"
+    else:
+        verdict = "damaged"
+    reports = ranks.all_gather_json([verdict, None if error is None else str(error)])
+    verdicts = [v for v, _ in reports]
+    if "vanished" in verdicts:
+        return "vanished"
+    if "damaged" not in verdicts:
+        return None
+    if isinstance(error, CorruptCheckpointError):
+        return error
+    return CorruptCheckpointError(
+        f"another rank found damage: {next(m for v, m in reports if v == 'damaged')}", step=step
+    )

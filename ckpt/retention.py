@@ -142,3 +142,9 @@ class StepMetadata(Mapping[int, Mapping[str, Any]]):
 
     def __len__(self) -> int:
         return len(self._steps)
+
+
+def doomed(policy: RetentionPolicy, steps: Sequence[int], metadata: Metadata) -> list[int]:
+    """The committed `steps` (ascending) that `policy` does not keep; never the newest, whatever it says."""
+    kept = policy.keep(steps, metadata) if steps else set()
+    return [s for s in steps[:-1] if s not in kept]

@@ -12,14 +12,14 @@ lives inside the holder's local tier, under its lease.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Iterable
+from typing import Iterable
 
 import fsspec
 
@@ -28,35 +28,15 @@ from . import lease as lease_mod
 from . import run as run_mod
 from .distributed import Box, Ranks
 from .errors import CorruptCheckpointError, LeaseHeldError, StepNotFoundError
+from .options import TierOptions
 from .persist import PersistJob
 from .replica import transfer
+from .retention import StepMetadata, doomed
 from .save import WritePlan
 from .storage import LocalStorage, Storage
+from .target import DURABLE, LOCAL, Persisted, Source, Step, set_aside_durable
 
 log = logging.getLogger("ckpt")
-
-LOCAL, PEER, DURABLE = "local", "peer", "durable"
-
-
-class Step(int):
-    """A committed step (an int, compared and sorted as one) and the tiers holding it, e.g. ``("local", "durable")``."""
-
-    tiers: tuple[str, ...]
-
-    def __new__(cls, step: int, tiers: Iterable[str]) -> "Step":
-        self = super().__new__(cls, step)
-        self.tiers = tuple(tiers)
-        return self
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where a restore reads a step: its tier and, for the local tier, the ranks that first get their lost copy
-    back from the rank holding their replica (rank -> holder)."""
-
-    step: int
-    tier: str
-    heal: dict[int, int] = field(default_factory=dict)
 
 
 def restore_order(durable: Iterable[int], inventories: list[dict]) -> list[Source]:
@@ -102,30 +82,23 @@ def _run_id(storage: Storage) -> str | None:
 
 
 class Tiers:
-    """This rank's local tier beside the durable root: local commits, background persists, replicas, retention."""
+    """This rank's local tier beside the durable root (a `target.Target`): local commits, background persists,
+    replicas, the local tier's retention (`retention`, of which the newest step is always kept)."""
 
-    def __init__(
-        self,
-        durable: Storage,
-        local: str | os.PathLike,
-        *,
-        persist_every: int,
-        keep_local: int,
-        ranks: Ranks,
-        timeout: timedelta,
-        replica_offset: int | None,
-    ):
+    private = True
+    commit_tier = LOCAL
+
+    def __init__(self, durable: Storage, options: TierOptions, ranks: Ranks, timeout: timedelta):
+        local, replica_offset = options.local, options.replica_offset
         path = os.fspath(local).replace("{rank}", str(ranks.rank))
         protocol, path = fsspec.core.split_protocol(path)
         if protocol not in (None, "file", "local"):
             raise ValueError(f"local= must be a directory on this machine (NVMe, /dev/shm), got {local!r}")
-        if persist_every < 1 or keep_local < 1:
-            raise ValueError(f"persist_every and keep_local must be >= 1, got {persist_every} and {keep_local}")
         self.local = LocalStorage(path)
         if durable.local_path("") == self.local.root:
             raise ValueError(f"the local tier {self.local.root} must not be the durable root")
         self.durable, self.ranks = durable, ranks
-        self.persist_every, self.keep_local = persist_every, keep_local
+        self.persist_every, self.retention = options.persist_every, options.retention
         offset = default_offset(ranks.world_size) if replica_offset is None else replica_offset
         self.offset = offset % ranks.world_size if ranks.world_size > 1 else 0
         # persists run beside the next save: collectives of their own, on a group of their own
@@ -155,10 +128,44 @@ class Tiers:
         """The replica of rank `rank`'s local tier kept in this one."""
         return LocalStorage(os.path.join(self.local.root, layout.replica_root(rank)))
 
-    def resumed(self, lagging: bool) -> None:
-        """A job resumed here: when it restored a local step the durable tier lacks (`lagging`), its first save is
-        persisted, else the K-th; so a job whose attempts die before their K-th save still reaches the durable tier."""
+    def writable(self, durable_lease: lease_mod.Lease | None) -> tuple[Storage, lease_mod.Lease | None]:
+        """A save commits to this rank's local tier, under its own lease."""
+        return self.local, self.take_lease()
+
+    def storage_of(self, source: Source) -> Storage:
+        return self.local if source.tier == LOCAL else self.durable
+
+    def where(self, source: Source) -> str:
+        return f" in the {source.tier} tier"
+
+    def metadata_root(self, step: int) -> Storage:
+        """The local tier when it holds `step`, else the durable root."""
+        return self.local if layout.is_committed(self.local, step) else self.durable
+
+    def resumed(self, source: Source, remaining: list[Source]) -> None:
+        """A job resumed here: when it restored a local step the durable tier lacks, its first save is persisted,
+        else the K-th; so a job whose attempts die before their K-th save still reaches the durable tier."""
+        lagging = source.tier == LOCAL and Source(source.step, DURABLE) not in remaining
         self._commits = self.persist_every - 1 if lagging else 0
+
+    def delete_local(self, step: int) -> None:
+        """Delete `step` from this rank's local tier, now (manifest first)."""
+        self.take_lease()
+        catalog.delete_step(self.local, step)
+
+    def set_aside(
+        self, source: Source, error: CorruptCheckpointError, own: BaseException | None, lease: lease_mod.Lease | None
+    ) -> str:
+        """A damaged local step is moved aside by each rank whose own copy is damaged; a durable one by rank 0."""
+        if source.tier != LOCAL:
+            return set_aside_durable(self.durable, self.ranks, source.step, error, lease)
+        if not isinstance(own, CorruptCheckpointError) or not layout.is_committed(self.local, source.step):
+            return "another rank's local copy is damaged"
+        try:
+            self.take_lease()
+            return f"quarantined to {catalog.quarantine(self.local, source.step, str(error))}"
+        except (LeaseHeldError, OSError) as e:
+            return f"could not be quarantined ({e})"
 
     # -- after a local commit (the writer thread) ---------------------------------------------------
 
@@ -166,13 +173,13 @@ class Tiers:
         self,
         plan: WritePlan,
         durable_lease: lease_mod.Lease | None,
-        done: Callable[[int, BaseException | None, float, int | None], None],
+        done: Persisted,
         persist: bool | None = None,
-    ) -> None:
+    ) -> bool:
         """A step committed locally on every rank: queue its persist if it is the K-th (counted alike on every rank,
         whatever happens next) or `persist` says so, replicate it to the peer, apply local retention.
         `done(step, error, seconds, bytes copied)` is called on the persist thread when a persist ends (bytes None: the
-        step was durable already)."""
+        step was durable already); the durable root's retention waits for it (returns False)."""
         step = plan.step
         self._commits += 1
         if persist or (persist is None and self._commits % self.persist_every == 0):
@@ -203,13 +210,14 @@ class Tiers:
         self._retain(
             self.local, {self._persisting[0]} if self._persisting and not self._persisting[1].done() else set()
         )
+        return False
 
     def _persist(
         self,
         step: int,
         regions: dict[str, Box],
         lease: lease_mod.Lease | None,
-        done: Callable[[int, BaseException | None, float, int | None], None],
+        done: Persisted,
     ) -> None:
         t0 = time.perf_counter()
         try:
@@ -226,9 +234,11 @@ class Tiers:
         done(step, None, seconds, copied)
 
     def _retain(self, storage: Storage, protected: set[int]) -> None:
-        """Keep the newest `keep_local` committed steps of a local root (and any step being persisted)."""
+        """Delete the committed steps of a local root the local retention does not keep: never the newest, nor a
+        step being persisted."""
         steps = layout.committed_steps(storage)
-        for s in steps[: -self.keep_local]:
+        metadata = StepMetadata(steps, functools.partial(layout.saved_metadata, storage), {})
+        for s in doomed(self.retention, steps, metadata):
             if s not in protected:
                 catalog.delete_step(storage, s)
 

@@ -36,6 +36,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGH
 from ckpt import CheckpointManager, RNGState, RunMismatchError, SaveDecision, SaveHandle
 from ckpt import run as ckpt_run
 from ckpt.exporter import model_config_metadata
+from ckpt.options import typed
 from ettr import GoodputTracker
 from ettr.ledger import ledger_dir
 
@@ -233,7 +234,8 @@ class CkptTrainerMixin:
         self.ckpt_root = os.fspath(ckpt_root) if ckpt_root is not None else default_root
         self.ckpt_manager: CheckpointManager | None = None
         self.run_id, self.overwrite, self.folder_files = run_id, overwrite, folder_files
-        self._ckpt_options = dict(manager_options or {})
+        # typed and checked now; the run id is the mixin's own (given or from the launcher)
+        self._ckpt_options = typed({**(manager_options or {}), "run_id": run_id})
         self._lease = TrackerLease(self.ckpt_root, tracker)
         self._goodput = GoodputCallback()
         trainer.add_callback(self._goodput)
@@ -253,7 +255,7 @@ class CkptTrainerMixin:
         Before anything is written: a fresh start into another run's root or checkpoint folders raises
         `ckpt.RunMismatchError` (or, with ``overwrite=True``, deletes that run); a restart of this run resumes.
         """
-        manager = CheckpointManager(self.ckpt_root, run_id=self.run_id, **self._ckpt_options)
+        manager = CheckpointManager(self.ckpt_root, **self._ckpt_options)
         try:
             resume = self._start(manager, resume_from_checkpoint, trial)
         except BaseException:

@@ -24,6 +24,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 
 from ckpt import CheckpointManager, RandomWindowSampler, RNGState, SaveDecision, ShuffledSampler
 from ckpt import run as ckpt_run
+from ckpt.options import typed
 from ckpt.state import encodable
 from ettr import GoodputTracker
 
@@ -175,7 +176,7 @@ class CkptCheckpointIO(CheckpointIO):
     ) -> None:
         self.root = _abs_root(root)
         self.tracker = tracker
-        self._options = manager_options
+        self._options = typed(manager_options)  # checked now, where the trainer is configured
         self._manager: CheckpointManager | None = None
         self._done: set[int] = set()  # steps saved or restored by this process: a repeated request is a no-op
         self._stored: tuple[int, dict[str, dict[str, str | None]]] | None = None  # last step, its dict's paths

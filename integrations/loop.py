@@ -26,6 +26,7 @@ from ckpt import (
     SaveHandle,
     Stateful,
 )
+from ckpt.options import typed
 from ckpt.schedule import PREEMPTION_SIGNALS
 from ettr import GoodputTracker
 
@@ -99,7 +100,19 @@ class TrainLoop:
             raise ValueError("give decision= or every_steps/every_seconds/advise, not both")
         self.root = str(root)
         self.mttf_s = mttf_s
-        self._storage_options = manager_options.get("storage_options")  # one configuration for the root's store
+        if overlap:
+            warnings.warn(
+                "TrainLoop(overlap=True) is deprecated: pass snapshot='overlap' (the manager's option: the parameters "
+                "and optimizer state are copied beside the next forward and backward, and optimizer.step() waits for "
+                "that copy; nothing else may write them before that step)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if manager_options.get("snapshot") is None and manager_options.get("write") is None:
+                manager_options["snapshot"] = "overlap"
+        self._manager_options = typed(manager_options)  # checked now, where the loop is configured
+        # one configuration for the root's store
+        self._storage_options = self._manager_options["root_options"].storage_options
         self.decision = decision if decision is not None else self._interval(every_steps, every_seconds, advise)
         self.rng = RNGState() if rng is True else (rng or None)
         self.sampler = sampler
@@ -112,16 +125,6 @@ class TrainLoop:
         self.tracker = (
             tracker if tracker is not None else GoodputTracker(self.root, storage_options=self._storage_options)
         )
-        if overlap:
-            warnings.warn(
-                "TrainLoop(overlap=True) is deprecated: pass snapshot='overlap' (the manager's option: the parameters "
-                "and optimizer state are copied beside the next forward and backward, and optimizer.step() waits for "
-                "that copy; nothing else may write them before that step)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            manager_options.setdefault("snapshot", "overlap")
-        self._manager_options = manager_options
         self._handle: SaveHandle | None = None  # the last save, whose snapshot `wait_for_staging` waits for
         self._open_step: int | None = None
         self.manager: CheckpointManager | None = None

@@ -30,7 +30,7 @@ def test_a_fresh_start_restore_reserves_the_arena_and_the_first_save_does_not_al
     with CheckpointManager(tmp_path / "ck") as m:
         assert m.restore(state) is None  # nothing to resume from: a fresh job
         m.wait()  # the reservation runs on the writer thread
-        arena = m._arena
+        arena = m._background.arena
         reserved = arena._buf
         assert arena.capacity >= _nbytes(state)
         m.save(1, state).wait()
@@ -42,10 +42,10 @@ def test_reserve_sizes_the_arena_from_the_state_and_the_next_save_reuses_it(tmp_
     with CheckpointManager(tmp_path / "ck") as m:
         m.reserve(state)
         m.wait()
-        reserved = m._arena._buf
-        assert m._arena.capacity >= _nbytes(state)
+        reserved = m._background.arena._buf
+        assert m._background.arena.capacity >= _nbytes(state)
         m.save(1, state).wait()
-        assert m._arena._buf is reserved
+        assert m._background.arena._buf is reserved
     with CheckpointManager(tmp_path / "ck") as m:
         assert m.restore(_state()) == 1  # what the reserved arena held was written and reads back
         m.wait()
@@ -77,7 +77,7 @@ def test_a_partial_restore_of_a_fresh_root_reserves_nothing(tmp_path):
     with CheckpointManager(tmp_path / "ck") as m:
         assert m.restore(_state(), keys=["model"]) is None
         m.wait()
-        assert m._arena.capacity == 0  # a subset of the state says nothing about the size of a save
+        assert m._background.arena.capacity == 0  # a subset of the state says nothing about the size of a save
 
 
 def test_write_budget_sets_the_concurrency_of_the_writes_and_keeps_the_roots_store(tmp_path):

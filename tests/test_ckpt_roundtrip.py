@@ -251,7 +251,7 @@ def test_staging_cap_snapshots_in_waves(tmp_path):
     state["big"] = torch.randn(2000, 100)  # larger than the cap: cut by rows
     with ckpt.CheckpointManager(tmp_path, max_staging_bytes=256 * 1024, chunk_bytes=64 * 1024) as m:
         m.save(1, state).wait()
-        assert m._arena.capacity <= 256 * 1024
+        assert m._background.arena.capacity <= 256 * 1024
         out = {k: torch.zeros_like(v) for k, v in state.items()}
         m.restore(out)
     assert all(torch.equal(out[k], v) for k, v in state.items())

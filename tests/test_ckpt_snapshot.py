@@ -12,7 +12,9 @@ the loop provably acts while the copy is still to be made.
 
 import contextlib
 import copy
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -26,10 +28,24 @@ class Gate:
 
     def __init__(self, manager):
         self.event = threading.Event()
-        manager._snapshotter.submit(self.event.wait, 10)  # a failing test is not held long
+        manager._background._snapshotter.submit(self.event.wait, 10)  # a failing test is not held long
 
     def open(self):
         self.event.set()
+
+    def open_once_waiting(self, thread_id: int, hold: float) -> None:
+        """Open `hold` seconds after thread `thread_id` is seen waiting for the snapshot (not after a fixed delay,
+        which a loaded machine spends before the wait even starts)."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            frame = sys._current_frames().get(thread_id)
+            while frame is not None and frame.f_code.co_name != "await_snapshot":
+                frame = frame.f_back
+            if frame is not None:
+                break
+            time.sleep(0.005)
+        time.sleep(hold)
+        self.open()
 
 
 def make():
@@ -197,7 +213,7 @@ def test_the_wait_of_an_optimizer_step_is_checkpoint_time_and_close_removes_the_
         gate = Gate(m)
         m.save(1, {"model": model, "optim": optim})
         assert len(hooks) == n_hooks + 1
-        threading.Timer(0.3, gate.open).start()
+        threading.Thread(target=gate.open_once_waiting, args=(threading.get_ident(), 0.3)).start()
         with tracker.step(2):
             train_step(model, optim, 2)
     assert len(hooks) == n_hooks

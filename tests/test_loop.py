@@ -249,7 +249,7 @@ def test_after_its_first_step_a_fresh_loop_reserves_staging_for_the_optimizers_s
             loop.on_step_end(step)
         loop.manager.wait()  # the reservation runs on the writer thread
         params = sum(p.nbytes for p in model.parameters())
-        assert loop.manager._arena.capacity >= 3 * params  # parameters, exp_avg and exp_avg_sq
+        assert loop.manager._background.arena.capacity >= 3 * params  # parameters, exp_avg and exp_avg_sq
 
 
 def test_the_loop_copies_the_whole_state_inside_a_save_unless_overlap_is_asked_for(tmp_path):

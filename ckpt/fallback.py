@@ -1,0 +1,94 @@
+"""Which step a restore takes (policy): the candidates newest first, until one reads intact on every rank.
+
+A step deleted while being read (another process's retention) is no damage: the steps are listed again. A damaged
+one is set aside by the target (quarantine), reported as a warning, and the next candidate is tried: the same
+step's durable copy first when a local copy was damaged, else the previous step.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+from . import layout
+from . import lease as lease_mod
+from . import restore as restore_mod
+from .distributed import Ranks
+from .errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
+from .storage import Storage
+from .target import DURABLE, Source, Target
+
+log = logging.getLogger("ckpt")
+MAX_RELISTS = 100  # steps vanishing under a restore, in a row, before it gives up
+
+Read = Callable[[Storage, int], "tuple[restore_mod.ReadPlan | None, CorruptCheckpointError | StepNotFoundError | None]"]
+
+
+@dataclass
+class Found:
+    """The outcome of a walk: the source read and its verified plan (None: nothing committed), the sources left
+    untried, the damage met."""
+
+    source: Source | None = None
+    plan: restore_mod.ReadPlan | None = None
+    remaining: list[Source] = field(default_factory=list)
+    damaged: dict[tuple[int, str], CorruptCheckpointError] = field(default_factory=dict)
+
+
+def candidates(
+    durable: Storage, target: Target, ranks: Ranks, step: int | None, damaged: dict[tuple[int, str], object]
+) -> list[Source]:
+    """Where to try, newest first: `step`, or every committed step not found damaged, in its tiers (one list for
+    all ranks: rank 0's view of the durable root, and with a local tier every rank's inventory)."""
+    steps = ranks.all_gather_json(layout.committed_steps(durable))[0]
+    sources = [c for c in target.sources(steps) if (c.step, c.tier) not in damaged and step in (None, c.step)]
+    return sources if sources or step is None else [Source(step, DURABLE)]
+
+
+def walk(
+    durable: Storage, target: Target, ranks: Ranks, step: int | None, read: Read, lease: lease_mod.Lease | None
+) -> Found:
+    """Try the candidates until one is read intact everywhere (`read` verifies, applies nothing); raises when
+    `step` was asked for and is not committed or damaged, or when every committed step is damaged."""
+    found = Found()
+    todo, relists = candidates(durable, target, ranks, step, found.damaged), 0
+    while todo:
+        source = todo.pop(0)
+        s, storage = source.step, target.storage_of(source)
+        error = target.heal(source)  # a lost local copy back from its peer
+        plan, error = read(storage, s) if error is None else (None, error)
+        outcome = restore_mod.agree(storage, ranks, s, error)  # one decision for every rank
+        if outcome == "vanished":
+            if step is not None:
+                raise StepNotFoundError(f"step {step} is not committed in {durable.url}")
+            relists += 1
+            if relists > MAX_RELISTS:
+                raise CheckpointError(
+                    f"steps of {durable.url} vanished while being read, {relists} times: "
+                    f"is another process deleting them?"
+                )
+            log.info("step %d vanished while being read (retention?); listing the steps again", s)
+            todo = candidates(durable, target, ranks, step, found.damaged)
+            continue
+        if isinstance(outcome, CorruptCheckpointError):
+            found.damaged[(s, source.tier)] = outcome
+            if step is not None and not todo:
+                raise outcome
+            aside = target.set_aside(source, outcome, error, lease)
+            then = "durable copy of the step" if todo and todo[0].step == s else "previous committed step"
+            warnings.warn(
+                f"checkpoint step {s}{target.where(source)} is damaged: {outcome}; {aside}; falling back to the {then}",
+                RuntimeWarning,
+                stacklevel=3,  # the caller of CheckpointManager.restore
+            )
+            continue
+        found.source, found.plan, found.remaining = source, plan, todo
+        return found
+    if found.damaged:
+        raise CorruptCheckpointError(
+            f"no intact checkpoint in {durable.url}: {len(found.damaged)} damaged "
+            f"(newest error: {next(iter(found.damaged.values()))})"
+        )
+    return found

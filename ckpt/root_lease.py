@@ -1,0 +1,43 @@
+"""The durable root's writer lease as the ranks share it: rank 0 holds it for all, from the first write until
+close, and every rank learns at once when it is refused (one writer per root)."""
+
+from __future__ import annotations
+
+from . import lease as lease_mod
+from .distributed import Ranks
+from .errors import LeaseHeldError, StorageError
+from .storage import Storage
+
+
+class RootLease:
+    """Rank 0's lease of `storage`, taken by the first `take`, checked by every later one."""
+
+    def __init__(self, storage: Storage, ranks: Ranks, ttl: float):
+        self.storage, self.ranks, self.ttl = storage, ranks, ttl
+        self.lease: lease_mod.Lease | None = None  # rank 0's, once taken
+        self._agreed = False  # every rank knows the lease is held
+
+    def take(self, collective: bool) -> None:
+        """Hold the lease (rank 0) or check it is still held; `collective`: every rank takes part (a save), so a
+        refusal reaches every rank at once, none waiting in a collective for a rank that gave up."""
+        error: LeaseHeldError | StorageError | None = None
+        if self.ranks.leader:
+            try:
+                if self.lease is None:
+                    self.lease = lease_mod.acquire(self.storage, ttl=self.ttl)
+                else:
+                    self.lease.check()
+            except (LeaseHeldError, StorageError) as e:  # every rank learns it, none waits in the gather below
+                error = e
+        if collective and not self._agreed:
+            verdict = self.ranks.all_gather_json(None if error is None else str(error))[0]
+            if verdict and error is None:
+                error = LeaseHeldError(verdict)
+            self._agreed = verdict is None
+        if error is not None:
+            raise error
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None

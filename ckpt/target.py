@@ -1,0 +1,173 @@
+"""Where a manager's checkpoints live: one root (`SingleRoot`) or a local tier beside it (`tiers.Tiers`).
+
+Both answer the same questions, so the manager chooses once, in ``__init__``, and never asks which it has: where
+a save commits, what happens after a commit, where a restore looks and in which order, which steps exist, how a
+damaged step is set aside.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol
+
+from . import catalog
+from . import lease as lease_mod
+from .distributed import Ranks
+from .errors import CorruptCheckpointError, LeaseHeldError
+from .save import WritePlan
+from .storage import Storage
+
+log = logging.getLogger("ckpt")
+
+LOCAL, PEER, DURABLE = "local", "peer", "durable"
+
+
+class Step(int):
+    """A committed step (an int, compared and sorted as one) and the tiers holding it, e.g. ``("local", "durable")``."""
+
+    tiers: tuple[str, ...]
+
+    def __new__(cls, step: int, tiers: Iterable[str]) -> "Step":
+        self = super().__new__(cls, step)
+        self.tiers = tuple(tiers)
+        return self
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a restore reads a step: its tier and, for the local tier, the ranks that first get their lost copy
+    back from the rank holding their replica (rank -> holder)."""
+
+    step: int
+    tier: str
+    heal: dict[int, int] = field(default_factory=dict)
+
+
+# persist ended: (step, error, seconds, bytes copied; None: the step was durable already)
+Persisted = Callable[[int, BaseException | None, float, int | None], None]
+
+
+class Target(Protocol):
+    """What a manager saves to and restores from."""
+
+    private: bool  # every rank commits its own copy (a local tier) rather than its share of one
+    commit_tier: str | None  # the tier a save commits to, as told to the tracker (one root: None)
+
+    def writable(self, durable_lease: lease_mod.Lease | None) -> tuple[Storage, lease_mod.Lease | None]:
+        """Where the next save commits, and the lease that guards it."""
+
+    def committed(
+        self, plan: WritePlan, durable_lease: lease_mod.Lease | None, persisted: Persisted, persist: bool | None
+    ) -> bool:
+        """A save committed (writer thread); returns whether the durable root's retention runs now (else after
+        its persist, which calls `persisted`)."""
+
+    def sources(self, durable: list[int]) -> list[Source]:
+        """Every source a restore may try, newest first (one list for every rank)."""
+
+    def storage_of(self, source: Source) -> Storage:
+        """The root this rank reads `source` from."""
+
+    def heal(self, source: Source) -> CorruptCheckpointError | None:
+        """Bring back lost copies `source` needs before it is read; this rank's failure, if any."""
+
+    def resumed(self, source: Source, remaining: list[Source]) -> None:
+        """The job resumed from `source` (`remaining`: the sources not tried)."""
+
+    def steps(self, durable: Iterable[int]) -> list[Step]:
+        """Committed steps, ascending, each with its tiers."""
+
+    def delete_local(self, step: int) -> None:
+        """Delete `step` from the tiers beside the durable root (now: a local delete is a file removal)."""
+
+    def where(self, source: Source) -> str:
+        """Words naming the tier of `source` in a message ("" with one tier)."""
+
+    def set_aside(
+        self, source: Source, error: CorruptCheckpointError, own: BaseException | None, lease: lease_mod.Lease | None
+    ) -> str:
+        """Quarantine a damaged step; say where it went or why it stayed."""
+
+    def metadata_root(self, step: int) -> Storage:
+        """The root whose manifest of `step` a metadata read takes."""
+
+    def wait(self) -> None:
+        """Until the work a commit started in the background (a persist) has ended."""
+
+    def close(self) -> None: ...
+
+
+def set_aside_durable(
+    storage: Storage, ranks: Ranks, step: int, error: CorruptCheckpointError, lease: lease_mod.Lease | None
+) -> str:
+    """Quarantine a damaged step of the durable root: rank 0 does it for all, under the root's lease (borrowed for
+    the move when this manager holds none: moving a step is a write, never beside another live writer)."""
+    if not ranks.leader:
+        return "quarantined by rank 0"
+    borrowed = None
+    try:
+        if lease is None:
+            borrowed = lease_mod.acquire(storage, role="quarantine", wait_for_gc=0)
+        return f"quarantined to {catalog.quarantine(storage, step, str(error))}"
+    except LeaseHeldError as e:
+        return f"left in place ({e})"
+    except OSError as e:
+        log.warning("could not quarantine damaged step %d: %s", step, e)
+        return f"could not be quarantined ({e})"
+    finally:
+        if borrowed is not None:
+            borrowed.release()
+
+
+class SingleRoot:
+    """One durable root: a save commits there, retention follows each commit, a restore reads it newest first."""
+
+    private = False
+    commit_tier = None
+
+    def __init__(self, storage: Storage, ranks: Ranks):
+        self.storage, self.ranks = storage, ranks
+
+    def writable(self, durable_lease: lease_mod.Lease | None) -> tuple[Storage, lease_mod.Lease | None]:
+        return self.storage, durable_lease
+
+    def committed(
+        self, plan: WritePlan, durable_lease: lease_mod.Lease | None, persisted: Persisted, persist: bool | None
+    ) -> bool:
+        return True
+
+    def sources(self, durable: list[int]) -> list[Source]:
+        return [Source(s, DURABLE) for s in sorted(durable, reverse=True)]
+
+    def storage_of(self, source: Source) -> Storage:
+        return self.storage
+
+    def heal(self, source: Source) -> CorruptCheckpointError | None:
+        return None
+
+    def resumed(self, source: Source, remaining: list[Source]) -> None:
+        pass
+
+    def steps(self, durable: Iterable[int]) -> list[Step]:
+        return [Step(s, (DURABLE,)) for s in durable]
+
+    def delete_local(self, step: int) -> None:
+        raise AssertionError(f"step {step}: a single root has no local tier")
+
+    def where(self, source: Source) -> str:
+        return ""
+
+    def set_aside(
+        self, source: Source, error: CorruptCheckpointError, own: BaseException | None, lease: lease_mod.Lease | None
+    ) -> str:
+        return set_aside_durable(self.storage, self.ranks, source.step, error, lease)
+
+    def metadata_root(self, step: int) -> Storage:
+        return self.storage
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
