@@ -77,4 +77,3 @@ def test_the_integrations_check_their_manager_options_where_they_are_configured(
         TrainLoop(str(tmp_path), {"model": model}, every_steps=1, chunk_bytes=0)
     loop = TrainLoop(str(tmp_path), {"model": model}, every_steps=1, write=WriteOptions(snapshot="overlap"))
     assert loop._manager_options["write"].snapshot == "overlap"
-
