@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import errno
 import time
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import tensorstore as ts
 
 from ..errors import StorageError
 from .protocol import checked
 from .spec import DEFAULT_TIMEOUT_S, kvstore_spec, validated_options
+
+if TYPE_CHECKING:
+    from ..lease import KvLease
 
 _REMOTE = ("s3", "gcs")  # drivers probed when a root is opened
 _PROBE = ".ckpt-probe"  # a prefix listed once when a root is opened (one LIST, nothing written)
@@ -27,11 +30,14 @@ class KvStorage:
     `StorageError` that names the root, the endpoint and what to check, never hangs.
     """
 
+    cheap_sizes = False
+
     def __init__(self, url: str, context: ts.Context, storage_options: Mapping[str, Any] | None = None):
         self.url = url.rstrip("/") + "/"
         options = validated_options(storage_options)
         self.timeout = float(options.get("timeout", DEFAULT_TIMEOUT_S))
         self._base = kvstore_spec(self.url, options)
+        self.keeps_written_buffers = self._base["driver"] == "memory"
         self.endpoint = self._base.get("endpoint")
         self.bucket = self._base.get("bucket")
         self._kv = self._wait(ts.KvStore.open(self._base, context=context), "open")
@@ -45,6 +51,17 @@ class KvStorage:
 
     def local_path(self, path: str) -> str | None:
         return None
+
+    def direct_path(self, path: str) -> str | None:
+        return None
+
+    def lease_type(self) -> type[KvLease]:
+        from ..lease import KvLease  # lease.py builds on this package
+
+        return KvLease
+
+    def check_root(self) -> None:
+        """Any prefix of a store is a root (an empty one until written); `__init__` probed a remote one."""
 
     def _wait(self, future: Any, what: str, key: str = "", timeout: float | None = None) -> Any:
         """The future's result within the root's timeout (or `timeout`, when shorter); any failure becomes a

@@ -9,10 +9,13 @@ import shutil
 import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..budget import submit_or_run
 from .protocol import checked
+
+if TYPE_CHECKING:
+    from ..lease import FileLease
 
 
 class UnsafeFileError(OSError):
@@ -73,6 +76,9 @@ def local_files(path: str) -> dict[str, int]:
 class LocalStorage:
     """A root on a local (POSIX) filesystem."""
 
+    keeps_written_buffers = False
+    cheap_sizes = True
+
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
         self.url = self.root
@@ -85,6 +91,20 @@ class LocalStorage:
 
     def local_path(self, path: str) -> str | None:
         return self._p(path)
+
+    def direct_path(self, path: str) -> str | None:
+        return self._p(path)
+
+    def lease_type(self) -> type[FileLease]:
+        from ..lease import FileLease  # lease.py builds on this package
+
+        return FileLease
+
+    def check_root(self) -> None:
+        """The root must be an existing directory."""
+        if not os.path.isdir(self.root):
+            what = "not a directory" if os.path.exists(self.root) else "no such directory"
+            raise FileNotFoundError(f"{self.root}: {what}")
 
     def list_dirs(self, path: str = "") -> list[str]:
         base = self._p(path)

@@ -1,26 +1,53 @@
-"""What the checkpointer needs from a root: the `Storage` protocol."""
+"""What the checkpointer needs from a root: the `Storage` protocol, its operations and its capabilities.
+
+A backend is one class satisfying it. The rest of `ckpt` asks a root what it can do (its capabilities below)
+and never what kind of root it is, so a new backend changes nothing outside its class.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..format import validate_array_name
 
+if TYPE_CHECKING:
+    from ..lease import Lease
+
 
 class Storage(Protocol):
-    """The operations the checkpointer needs from a root.
+    """The operations the checkpointer needs from a root, and what the root can do.
 
     Paths are relative to the root, '/'-separated, "" is the root itself.
     """
 
     url: str
+    # True where the kvstore keeps the buffers a tensorstore write is given (memory): a write must then copy the
+    # staging arena, which the next save rewrites (see `store.write`)
+    keeps_written_buffers: bool
+    # True where `size` costs a listing; False where it reads every object (an object store lists no sizes here)
+    cheap_sizes: bool
 
     def kvstore_spec(self, path: str) -> dict[str, Any]:
         """The tensorstore kvstore spec of `path`: where tensorstore creates and writes the arrays."""
         ...
 
     def local_path(self, path: str) -> str | None:
-        """`path` as a file of this machine; None when it is no file here."""
+        """`path` as a file of this machine, for messages and a local lease; None when it is no file here."""
+        ...
+
+    def direct_path(self, path: str) -> str | None:
+        """`path` as a file of this machine when its chunk files may be written and read as files, bypassing
+        this class (`chunk_files.ChunkWriter`: O_DIRECT; `store.read_direct`: preadv; a step's listing with sizes);
+        None: every byte goes through tensorstore (`kvstore_spec`) and `read`."""
+        ...
+
+    def lease_type(self) -> type[Lease]:
+        """How one writer per root is enforced here: `lease.FileLease` (a flock, needs `local_path("")`) or
+        `lease.KvLease` (an object with an expiry, renewed by `read_versioned` / `write_if`)."""
+        ...
+
+    def check_root(self) -> None:
+        """Raise `FileNotFoundError` when the root itself is not there (a typo is not an empty root)."""
         ...
 
     def list_dirs(self, path: str = "") -> list[str]: ...
