@@ -40,15 +40,20 @@ __all__ = [
 ]
 
 
-def open_storage(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> Storage:
-    """The storage of a root given as a local path, ``file://`` URL, or any URL tensorstore has a kvstore for.
+def open_storage(root: str | os.PathLike | Storage, storage_options: Mapping[str, Any] | None = None) -> Storage:
+    """The storage of a root given as a local path, ``file://`` URL, or any URL tensorstore has a kvstore for; a
+    `Storage` given as the root is that root's (another backend: it configures itself, so no `storage_options`).
 
     `storage_options` configure object stores (see `kvstore_spec`); unknown keys are a ValueError, and a local or
     ``memory://`` root ignores the valid ones. An object-store root is probed once here: an unreachable endpoint or refused
     credentials fail now, within the timeout, with a `StorageError`.
     """
-    root = os.fspath(root)
     options = validated_options(storage_options)
+    if not isinstance(root, (str, os.PathLike)):
+        if options:
+            raise ValueError(f"storage_options configure a root given by URL, not the Storage {root.url}")
+        return root
+    root = os.fspath(root)
     protocol, path = fsspec.core.split_protocol(root)
     if protocol in (None, "file", "local"):
         return LocalStorage(path)
