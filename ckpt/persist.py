@@ -28,8 +28,7 @@ def copy_region(
 ) -> int:
     """Copy one region of an array (its zarr.json and every chunk it touches) from `src` to `dst`, each file
     checked before it is written; returns the bytes copied. `files`: writes the chunk files of a `dst` with direct
-    file IO
-    (O_DIRECT, fsync'd by its threads: durable once it is closed); else each is written atomically."""
+    file IO (O_DIRECT, fsync'd by its threads: durable once it is closed); else each is written atomically."""
     info = manifest.arrays[name]
     path = layout.array_path(step, name, manifest.data)
     meta = src.read(f"{path}/zarr.json")
