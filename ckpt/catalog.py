@@ -131,15 +131,16 @@ def quarantine(storage: Storage, step: int, reason: str) -> str:
 def garbage(storage: Storage, *, force: bool = False) -> list[StepEntry]:
     """Uncommitted step directories that no live writer owns (all of them with `force`).
 
-    Without a live writer, everything uncommitted is a leftover. Beside a live writer on a local root,
-    a leftover is a directory whose marker names another (dead) writer's lease, or none; beside a live
-    writer on an object store nothing is (gc leaves it to a later run: there is no lock to exclude a save).
+    Without a live writer, everything uncommitted is a leftover. Beside a live writer whose lease is exclusive (a
+    local root's flock), a leftover is a directory whose marker names another (dead) writer's lease, or none;
+    beside one whose lease is not (an object store's) nothing is (gc leaves it to a later run: a writer that lost
+    the lease may still be writing, and there is no lock to exclude a save).
     """
     uncommitted = [e for e in entries(storage) if not e.committed]
     holder = None if force else lease.live_holder(storage)
     if holder is None:
         return uncommitted
-    if storage.local_path("") is None:
+    if not storage.lease_type().exclusive:
         return []
     return [e for e in uncommitted if e.owner != holder.get("id")]
 
@@ -148,8 +149,9 @@ def collect_garbage(storage: Storage, *, force: bool = False) -> list[int]:
     """Delete uncommitted leftovers of crashed saves, never a live save (unless `force`); returns the steps removed.
 
     gc takes the root's lease itself when it is free, so no save can start while it deletes. Beside a
-    live writer of a local root it holds ``_GC_LOCK``, which every save holds while it marks itself in
-    progress, and spares the directories whose marker names the live writer's lease.
+    live writer it holds what keeps that writer's saves from starting (`beside_writer`: a local root's ``_GC_LOCK``,
+    which every save holds while it marks itself in progress) and spares the directories whose marker names the
+    live writer's lease; where nothing can (object stores), it deletes nothing.
     """
     uncommitted = [e for e in entries(storage) if not e.committed]
     if force or not uncommitted:  # nothing to delete: no lease taken, so no save waits for gc
@@ -160,11 +162,9 @@ def collect_garbage(storage: Storage, *, force: bool = False) -> list[int]:
             return _delete_uncommitted(storage, [e for e in entries(storage) if not e.committed])
         finally:
             held.release()
-    root = storage.local_path("")
-    if root is None:
-        return []
-    with lease.gc_lock(root):
-        holder = lease.current_holder_local(root) or {}  # read under the lock: the writer of any save marked so far
+    with storage.lease_type().beside_writer(storage) as holder:
+        if holder is None:
+            return []
         return _delete_uncommitted(
             storage, [e for e in entries(storage) if not e.committed and e.owner != holder.get("id")]
         )

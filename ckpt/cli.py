@@ -72,16 +72,16 @@ def _each_tier(command: Any) -> Any:
 def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
     rows: list[tuple[int, str, str, str]] = []  # step, state, size, time or remark
     holder = lease.live_holder(storage)
-    # an object store lists no sizes here: a committed step's size comes from its manifest (its tensors' bytes),
-    # never from reading every object (that would download the whole root)
-    remote = storage.local_path("") is None
+    # a root that lists no sizes (an object store): a committed step's size comes from its manifest (its tensors'
+    # bytes), never from reading every object (that would download the whole root)
+    costly = not storage.cheap_sizes
     for e in catalog.entries(storage):
         when, size = "", "-"
         if e.committed:
             try:
                 manifest = read_manifest(storage, e.step)
                 when = _when(manifest.time)
-                size = _human(sum(a.nbytes for a in manifest.arrays.values())) if remote else size
+                size = _human(sum(a.nbytes for a in manifest.arrays.values())) if costly else size
             except StepNotFoundError:  # deleted since it was listed (another process's retention)
                 continue
             except CheckpointError as err:
@@ -89,11 +89,11 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
         state = (
             "committed" if e.committed else ("in progress" if holder and e.owner == holder.get("id") else "incomplete")
         )
-        rows.append((e.step, state, size if remote else _human(storage.size(layout.step_dir(e.step))), when))
+        rows.append((e.step, state, size if costly else _human(storage.size(layout.step_dir(e.step))), when))
     for q in catalog.quarantined(storage):
         when = f"quarantined {_when(q.time)}" if q.time is not None else "quarantined"
         rows.append(
-            (q.step, "damaged", "-" if remote else _human(storage.size(q.path)), f"{when} in {q.path}: {q.reason}")
+            (q.step, "damaged", "-" if costly else _human(storage.size(q.path)), f"{when} in {q.path}: {q.reason}")
         )
     if not rows:
         print(f"no checkpoints in {storage.url}")
@@ -312,11 +312,7 @@ def _training_step(text: str) -> int:
 def _open(root: str, storage_options: dict[str, str]) -> Storage:
     """The root's storage; a local root must be an existing directory (a typo is not an empty root)."""
     storage = open_storage(root, storage_options)
-    local = storage.local_path("")
-    if local is not None and not os.path.isdir(local):
-        raise FileNotFoundError(
-            f"{root}: no such directory" if not os.path.exists(local) else f"{root}: not a directory"
-        )
+    storage.check_root()
     return storage
 
 

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 from .errors import LeaseHeldError
 from .layout import GC_LOCK, LEASE
-from .storage import KvStorage, Storage, makedirs_durable
+from .storage import Storage, makedirs_durable
 
 TTL_S = 60.0  # object stores: a lease not renewed for this long is free
 WAIT_FOR_GC_S = 60.0  # a writer waits this long for a running `ckpt gc` to finish before giving up
@@ -98,7 +98,9 @@ class FileLease:
 
     exclusive = True  # no other writer of the root lives while it is held: a save may clear any leftover
 
-    def __init__(self, root: str, role: str):
+    def __init__(self, storage: Storage, role: str, ttl: float):
+        """`ttl` is for leases that expire; a flock lasts as long as its descriptor."""
+        root = storage.local_path("")  # a root whose lease_type() is FileLease has a directory here
         makedirs_durable(root)
         self.root, self.holder = root, _new_holder(role)
         self._fd: int | None = os.open(os.path.join(root, LEASE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -160,6 +162,21 @@ class FileLease:
     def __del__(self) -> None:  # a manager dropped without close()
         self.release()
 
+    @staticmethod
+    def live_holder(storage: Storage) -> dict[str, Any] | None:
+        """The holder named in ``_LEASE`` if its process is alive (other hosts: assumed alive)."""
+        holder = current_holder_local(storage.local_path(""))
+        return None if holder is None or _local_pid_dead(holder) else holder
+
+    @staticmethod
+    @contextlib.contextmanager
+    def beside_writer(storage: Storage) -> Iterator[dict[str, Any] | None]:
+        """Hold ``_GC_LOCK`` (no save of the live writer starts meanwhile) and yield the record of the root's writer,
+        read under the lock: the writer of any save marked so far."""
+        root = storage.local_path("")
+        with gc_lock(root):
+            yield current_holder_local(root) or {}
+
 
 def current_holder_local(root: str) -> dict[str, Any] | None:
     """What ``ROOT/_LEASE`` says about its holder (the last one, if nobody holds it now)."""
@@ -187,7 +204,8 @@ class KvLease:
 
     exclusive = False  # a writer that lost it (paused, partitioned) may still be writing: leave its files alone
 
-    def __init__(self, storage: KvStorage, role: str, ttl: float):
+    def __init__(self, storage: Storage, role: str, ttl: float):
+        """`storage` has conditional writes (`read_versioned`, `write_if`: see `storage.KvStorage`)."""
         self.storage, self.ttl, self.holder = storage, ttl, _new_holder(role)
         self._lost: str | None = None
         self._lock = threading.Lock()
@@ -253,6 +271,18 @@ class KvLease:
             self._lost = self._lost or "released"
         self._thread.join()
 
+    @staticmethod
+    def live_holder(storage: Storage) -> dict[str, Any] | None:
+        """The lease object, if not expired."""
+        holder = _parse(storage.read(LEASE))
+        return holder if _expires(holder) > time.time() else None
+
+    @staticmethod
+    @contextlib.contextmanager
+    def beside_writer(storage: Storage) -> Iterator[dict[str, Any] | None]:
+        """Nothing keeps a live writer's saves from starting (nor one that lost the lease from writing): yields None."""
+        yield None
+
 
 Lease = FileLease | KvLease
 
@@ -263,14 +293,10 @@ def acquire(storage: Storage, *, role: str = "writer", wait_for_gc: float = WAIT
     A `ckpt gc` holds the lease only while it deletes leftovers: a writer waits up to `wait_for_gc` for it.
     """
     deadline = time.monotonic() + wait_for_gc
+    kind = storage.lease_type()
     while True:
         try:
-            local = storage.local_path("")
-            if local is not None:
-                return FileLease(local, role)
-            if not isinstance(storage, KvStorage):
-                raise TypeError(f"no lease for a root stored by {type(storage).__name__}")
-            return KvLease(storage, role, ttl)
+            return kind(storage, role, ttl)
         except LeaseHeldError as e:
             # gc is brief; a record naming a dead local process is being replaced by its new holder right now
             transient = e.holder is None or e.holder.get("role") == "gc" or _local_pid_dead(e.holder)
@@ -280,14 +306,5 @@ def acquire(storage: Storage, *, role: str = "writer", wait_for_gc: float = WAIT
 
 
 def live_holder(storage: Storage) -> dict[str, Any] | None:
-    """Who holds the root's lease now, as far as a reader can tell without taking it (None: nobody).
-
-    Local: the holder named in ``_LEASE`` if its process is alive (other hosts: assumed alive).
-    Object stores: the lease object, if not expired.
-    """
-    local = storage.local_path("")
-    if local is not None:
-        holder = current_holder_local(local)
-        return None if holder is None or _local_pid_dead(holder) else holder
-    holder = _parse(storage.read(LEASE))
-    return holder if _expires(holder) > time.time() else None
+    """Who holds the root's lease now, as far as a reader can tell without taking it (None: nobody)."""
+    return storage.lease_type().live_holder(storage)

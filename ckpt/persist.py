@@ -27,8 +27,8 @@ def copy_region(
     src: Storage, dst: Storage, step: int, manifest: Manifest, name: str, box: Box, files: ChunkWriter | None = None
 ) -> int:
     """Copy one region of an array (its zarr.json and every chunk it touches) from `src` to `dst`, each file
-    checked before it is written; returns the bytes copied. `files`: writes the chunk files of a local `dst`
-    (O_DIRECT, fsync'd by its threads: durable once it is closed); else each is written atomically."""
+    checked before it is written; returns the bytes copied. `files`: writes the chunk files of a `dst` with direct
+    file IO (O_DIRECT, fsync'd by its threads: durable once it is closed); else each is written atomically."""
     info = manifest.arrays[name]
     path = layout.array_path(step, name, manifest.data)
     meta = src.read(f"{path}/zarr.json")
@@ -40,7 +40,7 @@ def copy_region(
     for index in info.chunks(box):
         data = store.read_chunk_file(src, path, info, index, step=step)
         if files is not None:
-            files.copy(dst.local_path(f"{path}/{chunk_key(index)}"), data)
+            files.copy(dst.direct_path(f"{path}/{chunk_key(index)}"), data)
         else:
             dst.write_atomic(f"{path}/{chunk_key(index)}", data)
         copied += len(data)
@@ -81,7 +81,7 @@ class PersistJob:
             raise RuntimeError(began)
         copied, error, manifest_bytes, data = 0, None, b"", None
         fsyncs = ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-persist-fsync")
-        files = ChunkWriter(fsyncs) if self.dst.local_path("") is not None else None
+        files = ChunkWriter(fsyncs) if self.dst.direct_path("") is not None else None
         try:  # every rank reaches the collectives below, whatever fails here
             manifest_bytes = self.src.read(layout.manifest_path(self.step)) or b""
             manifest = Manifest.from_bytes(manifest_bytes, file=where(self.src, layout.manifest_path(self.step)))

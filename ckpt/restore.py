@@ -38,9 +38,9 @@ class StepFiles:
 
 
 def step_files(storage: Storage, step: int) -> StepFiles | None:
-    """The files of a local step (None for other roots). A symlink, FIFO or other special file anywhere
-    in the step is damage: nothing inside a step is ever followed or opened."""
-    local = storage.local_path(layout.step_dir(step))
+    """The files of a step of a root with direct file IO (None for other roots). A symlink, FIFO or other special
+    file anywhere in the step is damage: nothing inside a step is ever followed or opened."""
+    local = storage.direct_path(layout.step_dir(step))
     if local is None:
         return None
     try:
@@ -248,7 +248,7 @@ def execute(
             continue
         path = layout.array_path(step, r.info.name, plan.manifest.data)
         futures.append(pool.submit(store.check_zarr_json, storage, path, r.info, step=step))
-        local = storage.local_path(path)
+        local = storage.direct_path(path)
         rows = store.direct_rows(r.info, r.box) if local is not None else None
         if rows is not None:
             futures += store.read_direct(local, r.info, r.buffer, rows, pool, step=step)

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from . import catalog, layout
 from .errors import CorruptCheckpointError, RunMismatchError
 from .layout import RUN_FILE
-from .storage import Storage
+from .storage import Storage, where
 
 RUN_FORMAT = "ckpt-run/1"
 ENV_IDS = ("CKPT_RUN_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")  # first set one wins
@@ -54,14 +54,14 @@ def recorded_run(storage: Storage) -> Run | None:
     data = storage.read(RUN_FILE)
     if data is None:
         return None
-    where = storage.local_path(RUN_FILE) or f"{storage.url}{RUN_FILE}"
+    file = where(storage, RUN_FILE)
     try:
         body = json.loads(data)
         if body.pop("format") != RUN_FORMAT:
             raise ValueError(f"format is not {RUN_FORMAT!r}")
         return Run(str(body["id"]), str(body["source"]), str(body["host"]), float(body["created"]))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CorruptCheckpointError(f"run record is malformed: {e}", file=where) from None
+        raise CorruptCheckpointError(f"run record is malformed: {e}", file=file) from None
 
 
 def claim(storage: Storage, run: Run) -> None:

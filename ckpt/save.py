@@ -151,10 +151,10 @@ class SaveJob:
         self._pack: np.ndarray | None = None
         self._pack_left = sum(i.nbytes for n, i in plan.arrays.items() if i.pack and n in plan.boxes)
         self._packed_crc: dict[str, tuple[int, int]] = {}  # packed tensor -> (crc32c so far, bytes so far)
-        self._reference = storage.kvstore_spec("")["driver"] != "memory"  # see store.write
-        # a local root's row-chunked arrays: their chunk files written by this thread (fsync'd on `fsyncs`), not by
-        # tensorstore's pool
-        self._files = ChunkWriter(fsyncs) if fsyncs is not None and storage.local_path("") is not None else None
+        self._reference = not storage.keeps_written_buffers  # see store.write
+        # row-chunked arrays of a root with direct file IO (a local one): their chunk files written by this thread
+        # (fsync'd on `fsyncs`), not by tensorstore's pool
+        self._files = ChunkWriter(fsyncs) if fsyncs is not None and storage.direct_path("") is not None else None
         self._arrays: dict[str, ts.Future] | None = None
         self._prepared = False
         waves = arena.plan(plan.tensors)
@@ -222,7 +222,7 @@ class SaveJob:
                 self.pack_digests.add(pack, box, self._pack)
         try:
             for info, box, data, digests in direct:  # while tensorstore writes the others
-                path = self.storage.local_path(self._array_path(info))
+                path = self.storage.direct_path(self._array_path(info))
                 done = self._files.write(path, info, box[0] if box else (0, 1), data)
                 digests.done.setdefault(info.name, {}).update(done)
             for info, box, data in pieces:

@@ -1,6 +1,6 @@
 """The command-line form of a root's storage options (`--endpoint`, `--region`, `--timeout`,
 `--storage-option KEY=VALUE`), shared by `python -m ckpt` and `python -m ettr` so both name and read them alike;
-`storage.py` validates the options themselves."""
+`storage/spec.py` validates the options themselves."""
 
 from __future__ import annotations
 

@@ -296,10 +296,10 @@ def read_packed(
     With `check_chunk` the pack chunk is read whole, once for all of them, and checked as `verify` checks it (size,
     its crc32c, the manifest's digest of it): a packed tensor's digest is the manifest's word alone, the chunk's
     crc32c is also the file's. Without (the chunk was checked already, or the caller checks it itself), a local
-    chunk file gives only their bytes (pread), any other root the chunk once."""
+    chunk file (`direct_path`) gives only their bytes (pread), any other root the chunk once."""
     index = members[0][0].packed_at(pack)[0]
     file_path = f"{path}/{chunk_key(index)}"
-    local, first = storage.local_path(file_path), members[0][0]
+    local, first = storage.direct_path(file_path), members[0][0]
     file = where(storage, file_path)
     expected = pack.chunk_nbytes + 4
     if check_chunk or local is None:

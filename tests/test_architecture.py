@@ -5,6 +5,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from typing import Iterator
 
 import pytest
 
@@ -106,3 +107,90 @@ def test_ettrs_cli_and_ckpts_storage_do_not_import_torch():
     code = "import sys, ettr.cli, ckpt.storage; print(sorted(m for m in ('torch', 'ckpt.manager') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def _root_kind_forks(tree: ast.AST) -> list[str]:
+    """Where code asks what kind of root it has instead of what the root can do: an isinstance check against a
+    backend class, a branch on `local_path(...)` being None (directly or through a name it was assigned to), a
+    field read from the root's kvstore spec."""
+    backends = {"LocalStorage", "KvStorage"}
+
+    def local_path_call(n: ast.AST) -> bool:
+        return isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "local_path"
+
+    def bound(n: ast.Assign) -> Iterator[str]:
+        """The names `n` binds to a `local_path(...)` call itself (``local, x = s.local_path(p), y`` included)."""
+        for t in n.targets:
+            pairs = (
+                zip(t.elts, n.value.elts)
+                if isinstance(t, ast.Tuple) and isinstance(n.value, ast.Tuple)
+                else [(t, n.value)]
+            )
+            yield from (a.id for a, v in pairs if isinstance(a, ast.Name) and local_path_call(v))
+
+    local_names = {name for n in ast.walk(tree) if isinstance(n, ast.Assign) for name in bound(n)}
+
+    def is_local_path(n: ast.AST) -> bool:
+        return local_path_call(n) or (isinstance(n, ast.Name) and n.id in local_names)
+
+    found = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "isinstance" and len(n.args) == 2:
+            classes = {a.id for a in ast.walk(n.args[1]) if isinstance(a, ast.Name)}
+            classes |= {a.attr for a in ast.walk(n.args[1]) if isinstance(a, ast.Attribute)}
+            if backends & classes:
+                found.append(f"line {n.lineno}: {ast.unparse(n)}")
+        elif isinstance(n, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in n.ops):
+            sides = [n.left, *n.comparators]
+            if any(isinstance(s, ast.Constant) and s.value is None for s in sides) and any(map(is_local_path, sides)):
+                found.append(f"line {n.lineno}: {ast.unparse(n)}")
+        elif isinstance(n, (ast.If, ast.IfExp, ast.While)) and is_local_path(n.test):
+            found.append(f"line {n.lineno}: {ast.unparse(n.test)}")
+        elif (
+            isinstance(n, ast.Subscript)
+            and isinstance(n.value, ast.Call)
+            and isinstance(n.value.func, ast.Attribute)
+            and n.value.func.attr == "kvstore_spec"
+        ):
+            found.append(f"line {n.lineno}: {ast.unparse(n)}")
+    return sorted(found, key=lambda f: int(f.split()[1].rstrip(":")))
+
+
+def test_no_module_outside_storage_forks_on_the_kind_of_root():
+    """A backend is one class: outside ckpt/storage/, code asks a root what it can do (`direct_path`,
+    `lease_type`, `keeps_written_buffers`, ...), never which backend it is, so a new one changes nothing else."""
+    found = [
+        f"{p.relative_to(ROOT)} {fork}"
+        for p in _sources("ckpt")
+        if p.relative_to(ROOT / "ckpt").parts[0] != "storage"
+        for fork in _root_kind_forks(ast.parse(p.read_text()))
+    ]
+    assert not found, found
+
+
+def test_the_fork_check_finds_the_forks_it_forbids():
+    """The check above sees each form of the fork (so that its silence means something)."""
+    code = """
+def f(storage, spec):
+    local = storage.local_path("")
+    if local is None:
+        pass
+    a = 1 if storage.local_path("x") is not None else 2
+    if isinstance(storage, KvStorage) or isinstance(storage, (storage_mod.LocalStorage, int)):
+        pass
+    memory = storage.kvstore_spec("")["driver"] == "memory"
+    if storage.local_path(""):
+        pass
+    holder = read(storage.local_path(""))  # a path used, not a branch on it
+    if holder is None:
+        pass
+    return where(storage, "x"), storage.direct_path("") is None
+"""
+    assert [f.split(":")[0] for f in _root_kind_forks(ast.parse(code))] == [
+        "line 4",
+        "line 6",
+        "line 7",
+        "line 7",
+        "line 9",
+        "line 10",
+    ]

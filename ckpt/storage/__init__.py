@@ -1,0 +1,60 @@
+"""Where a checkpoint root lives: one backend class per kind of root, behind the `Storage` protocol.
+
+A local directory is accessed through the OS (atomic rename + fsync for the commit: `local.LocalStorage`),
+anything else (``memory://``, ``gs://``, ``s3://`` ...) through tensorstore's own kvstore (`kv.KvStorage`), which
+also writes the arrays, so a root is never read through one store and written through another (fsspec's
+``memory://`` and tensorstore's ``memory`` are different stores). `spec.py` turns URLs and options into kvstore
+specs; `open_storage` picks the backend of a root.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import fsspec
+
+from ..errors import StorageError
+from .kv import KvStorage
+from .local import LocalStorage, UnsafeFileError, fsync_dir, local_files, makedirs_durable, open_regular
+from .protocol import Storage, where
+from .spec import DEFAULT_TIMEOUT_S, STORAGE_OPTIONS, context, kvstore_spec, retries, validated_options
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "STORAGE_OPTIONS",
+    "KvStorage",
+    "LocalStorage",
+    "Storage",
+    "StorageError",
+    "UnsafeFileError",
+    "context",
+    "fsync_dir",
+    "kvstore_spec",
+    "local_files",
+    "makedirs_durable",
+    "open_regular",
+    "open_storage",
+    "retries",
+    "where",
+]
+
+
+def open_storage(root: str | os.PathLike | Storage, storage_options: Mapping[str, Any] | None = None) -> Storage:
+    """The storage of a root given as a local path, ``file://`` URL, or any URL tensorstore has a kvstore for; a
+    `Storage` given as the root is that root's (another backend: it configures itself, so no `storage_options`).
+
+    `storage_options` configure object stores (see `kvstore_spec`); unknown keys are a ValueError, and a local or
+    ``memory://`` root ignores the valid ones. An object-store root is probed once here: an unreachable endpoint or refused
+    credentials fail now, within the timeout, with a `StorageError`.
+    """
+    options = validated_options(storage_options)
+    if not isinstance(root, (str, os.PathLike)):
+        if options:
+            raise ValueError(f"storage_options configure a root given by URL, not the Storage {root.url}")
+        return root
+    root = os.fspath(root)
+    protocol, path = fsspec.core.split_protocol(root)
+    if protocol in (None, "file", "local"):
+        return LocalStorage(path)
+    return KvStorage(root, context(), options)

@@ -1,0 +1,174 @@
+"""A root in any tensorstore kvstore (memory, GCS, S3, HTTP...), addressed by URL; every request bounded by a timeout.
+
+The same kvstore writes the arrays (`kvstore_spec`), so a root is never read through one store and written through
+another. On object stores a single PUT of the manifest is the atomic commit.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from typing import TYPE_CHECKING, Any, Mapping
+
+import tensorstore as ts
+
+from ..errors import StorageError
+from .protocol import checked
+from .spec import DEFAULT_TIMEOUT_S, kvstore_spec, validated_options
+
+if TYPE_CHECKING:
+    from ..lease import KvLease
+
+_REMOTE = ("s3", "gcs")  # drivers probed when a root is opened
+_PROBE = ".ckpt-probe"  # a prefix listed once when a root is opened (one LIST, nothing written)
+
+
+class KvStorage:
+    """A root in any tensorstore kvstore (memory, GCS, S3, HTTP...), addressed by URL.
+
+    Every operation is bounded: it fails within the root's timeout (`storage_options`, default 30 s) with a
+    `StorageError` that names the root, the endpoint and what to check, never hangs.
+    """
+
+    cheap_sizes = False
+
+    def __init__(self, url: str, context: ts.Context, storage_options: Mapping[str, Any] | None = None):
+        self.url = url.rstrip("/") + "/"
+        options = validated_options(storage_options)
+        self.timeout = float(options.get("timeout", DEFAULT_TIMEOUT_S))
+        self._base = kvstore_spec(self.url, options)
+        self.keeps_written_buffers = self._base["driver"] == "memory"
+        self.endpoint = self._base.get("endpoint")
+        self.bucket = self._base.get("bucket")
+        self._kv = self._wait(ts.KvStore.open(self._base, context=context), "open")
+        if self._base["driver"] in _REMOTE:  # reachable, credentials accepted, bucket there: fail here, not later
+            self._wait(self._kv.list(ts.KvStore.KeyRange(_PROBE, _PROBE + "\x00")), "list", _PROBE)
+
+    def kvstore_spec(self, path: str) -> dict[str, Any]:
+        spec = dict(self._base)
+        spec["path"] = spec.get("path", "") + (checked(path).rstrip("/") + "/" if path else "")
+        return spec
+
+    def local_path(self, path: str) -> str | None:
+        return None
+
+    def direct_path(self, path: str) -> str | None:
+        return None
+
+    def lease_type(self) -> type[KvLease]:
+        from ..lease import KvLease  # lease.py builds on this package
+
+        return KvLease
+
+    def check_root(self) -> None:
+        """Any prefix of a store is a root (an empty one until written); `__init__` probed a remote one."""
+
+    def _wait(self, future: Any, what: str, key: str = "", timeout: float | None = None) -> Any:
+        """The future's result within the root's timeout (or `timeout`, when shorter); any failure becomes a
+        `StorageError` saying what to check."""
+        timeout = self.timeout if timeout is None else min(timeout, self.timeout)
+        try:
+            return future.result(timeout=timeout)
+        except TimeoutError as e:
+            future.cancel()
+            raise _storage_error(self, what, key, f"no answer within {timeout:g} s", e) from e
+        except (ValueError, OSError, RuntimeError) as e:  # tensorstore's error statuses
+            raise _storage_error(self, what, key, str(e), e) from e
+
+    def _keys(self, prefix: str) -> list[str]:
+        rng = ts.KvStore.KeyRange(prefix, prefix + "\xff") if prefix else ts.KvStore.KeyRange()
+        return sorted(k.decode() for k in self._wait(self._kv.list(rng), "list", prefix))
+
+    def list_dirs(self, path: str = "") -> list[str]:
+        prefix = checked(path).rstrip("/") + "/" if path else ""
+        return sorted({k[len(prefix) :].split("/", 1)[0] for k in self._keys(prefix) if "/" in k[len(prefix) :]})
+
+    def list_files(self, path: str) -> list[str]:
+        prefix = checked(path).rstrip("/") + "/"
+        return [k[len(prefix) :] for k in self._keys(prefix)]
+
+    def read(self, path: str) -> bytes | None:
+        r = self._wait(self._kv.read(checked(path)), "read", path)
+        return r.value if r.state == "value" else None
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        """One PUT: on an object store the object appears whole or not at all (see docs/object_stores.md)."""
+        self._wait(self._kv.write(checked(path), data), "write", path)
+
+    def create(self, path: str, data: bytes, timeout: float | None = None) -> None:
+        """One PUT that succeeds only if the key is absent (S3 ``If-None-Match: *``, a GCS generation precondition);
+        `FileExistsError` when it exists. Fails with a `StorageError` after `timeout` seconds (at most the root's)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        present, absent = self.read_versioned(path, timeout)  # the generation of a missing key, for the condition
+        left = None if end is None else max(end - time.monotonic(), 0.001)
+        if present is not None or self.write_if(path, data, absent, left) is None:
+            raise FileExistsError(errno.EEXIST, "already exists", f"{self.url}{path}")
+
+    def delete_tree(self, path: str) -> None:
+        prefix = checked(path).rstrip("/") + "/"
+        self._wait(self._kv.delete_range(ts.KvStore.KeyRange(prefix, prefix + "\xff")), "delete", prefix)
+
+    def delete_file(self, path: str) -> None:
+        self._wait(self._kv.delete_range(ts.KvStore.KeyRange(checked(path), checked(path) + "\x00")), "delete", path)
+
+    def move_tree(self, src: str, dst: str) -> None:
+        """Copy every key under `src` to `dst`, then delete `src` (object stores have no rename)."""
+        for k in self.list_files(src):
+            data = self.read(f"{src}/{k}")
+            if data is not None:
+                self.write_atomic(f"{dst}/{k}", data)
+        self.delete_tree(src)
+
+    def size(self, path: str) -> int:
+        """Bytes under `path`: every object is read (an object store lists no sizes here), so it costs a GET each."""
+        return sum(len(self.read(f"{path.rstrip('/')}/{k}") or b"") for k in self.list_files(path))
+
+    def sync_tree(self, path: str) -> None:
+        """Nothing to do: an object store has no directory entries, and each PUT is durable when it returns."""
+
+    def read_versioned(self, path: str, timeout: float | None = None) -> tuple[bytes | None, bytes]:
+        """A key's value (None when absent) and its storage generation, for a later `write_if`."""
+        r = self._wait(self._kv.read(checked(path)), "read", path, timeout)
+        return (r.value if r.state == "value" else None), r.stamp.generation
+
+    def write_if(self, path: str, data: bytes | None, generation: bytes, timeout: float | None = None) -> bytes | None:
+        """Write (or delete, with None) only if the key is still at `generation` (as read; absent included).
+
+        Returns the new generation, or None when another writer changed the key first (nothing written). The
+        condition is checked by the store itself (see `_s3_spec`: conditional writes), never by a read before.
+        """
+        stamp = self._wait(self._kv.write(checked(path), data, if_equal=generation), "write", path, timeout)
+        return stamp.generation or None
+
+
+def _storage_error(storage: KvStorage, what: str, key: str, detail: str, cause: BaseException) -> StorageError:
+    """The error of a failed request, naming the root, endpoint and bucket, and what to check."""
+    server = f"endpoint {storage.endpoint}" if storage.endpoint else "the provider's default endpoint"
+    first = detail.splitlines()[0][:300] if detail else type(cause).__name__
+    message = (
+        f"{what} {storage.url}{key} failed ({server}, bucket {storage.bucket!r}): {_hint(detail, storage)}; {first}"
+    )
+    return StorageError(message, url=storage.url, endpoint=storage.endpoint, bucket=storage.bucket, key=key)
+
+
+_REFUSED = ("permission_denied", "unauthenticated", "response_code='403'", "signaturedoesnotmatch", "accessdenied")
+_REFUSED += ("invalidaccesskeyid", "credentials")
+_UNREACHABLE = ("curl error", "could not connect", "couldn't connect", "resolve host", "timed out", "no answer within")
+
+
+def _hint(detail: str, storage: KvStorage) -> str:
+    """What a user should check, from the store's answer."""
+    text = detail.lower()
+    if any(s in text for s in _REFUSED):
+        return (
+            "the store refused the credentials: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / "
+            "AWS_SESSION_TOKEN / AWS_PROFILE or storage_options"
+        )
+    if "nosuchbucket" in text or ("not_found" in text and "bucket" in text):
+        return f"bucket {storage.bucket!r} does not exist: create it or fix the root's URL"
+    if any(s in text for s in _UNREACHABLE):
+        return (
+            "the endpoint cannot be reached: check AWS_ENDPOINT_URL / storage_options['endpoint'], the "
+            "network, and that the server is up"
+        )
+    return "check the server's health, the endpoint, the credentials and the bucket"

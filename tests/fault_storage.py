@@ -1,0 +1,108 @@
+"""A test backend written only against `ckpt.storage.Storage`: another root's storage with faults injected.
+
+It is also the example of a backend (docs/architecture.md, "Where a new piece goes"): a `CheckpointManager` takes
+it as its root unchanged. It has no direct file IO (`direct_path` is None), so every byte the checkpointer reads,
+and every file it writes itself (markers, the manifest), goes through this class; tensorstore writes the arrays
+into the wrapped root (`kvstore_spec`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from ckpt.storage import Storage
+
+if TYPE_CHECKING:
+    from ckpt.lease import Lease
+
+
+class InjectedFault(OSError):
+    """The error a failing write raises."""
+
+
+class FaultStorage:
+    """`inner` as it is, except: the `fail_write`-th write (write_atomic or create, counting from 1) of a path
+    `fail_path` accepts raises `InjectedFault`, nothing written; a read of a path `corrupt` accepts returns its
+    bytes with one bit flipped. `reads` and `writes` record every path read and written through it."""
+
+    def __init__(
+        self,
+        inner: Storage,
+        *,
+        fail_path: Callable[[str], bool] = lambda path: False,
+        fail_write: int = 1,
+        corrupt: Callable[[str], bool] = lambda path: False,
+    ):
+        self.inner, self.fail_path, self.fail_write, self.corrupt = inner, fail_path, fail_write, corrupt
+        self.url = inner.url
+        self.keeps_written_buffers = inner.keeps_written_buffers
+        self.cheap_sizes = inner.cheap_sizes
+        self.reads: list[str] = []
+        self.writes: list[str] = []
+        self._matching_writes = 0
+
+    def _written(self, path: str) -> None:
+        """Count a write; raise before it happens when it is the one to fail."""
+        self.writes.append(path)
+        if self.fail_path(path):
+            self._matching_writes += 1
+            if self._matching_writes == self.fail_write:
+                raise InjectedFault(f"injected fault: write {self._matching_writes} of {path}")
+
+    def kvstore_spec(self, path: str) -> dict[str, Any]:
+        return self.inner.kvstore_spec(path)
+
+    def local_path(self, path: str) -> str | None:
+        return self.inner.local_path(path)
+
+    def direct_path(self, path: str) -> str | None:
+        return None
+
+    def lease_type(self) -> type[Lease]:
+        return self.inner.lease_type()
+
+    def check_root(self) -> None:
+        self.inner.check_root()
+
+    def list_dirs(self, path: str = "") -> list[str]:
+        return self.inner.list_dirs(path)
+
+    def list_files(self, path: str) -> list[str]:
+        return self.inner.list_files(path)
+
+    def read(self, path: str) -> bytes | None:
+        self.reads.append(path)
+        data = self.inner.read(path)
+        if data and self.corrupt(path):
+            return bytes([data[0] ^ 1]) + data[1:]
+        return data
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        self._written(path)
+        self.inner.write_atomic(path, data)
+
+    def create(self, path: str, data: bytes, timeout: float | None = None) -> None:
+        self._written(path)
+        self.inner.create(path, data, timeout)
+
+    def delete_tree(self, path: str) -> None:
+        self.inner.delete_tree(path)
+
+    def delete_file(self, path: str) -> None:
+        self.inner.delete_file(path)
+
+    def move_tree(self, src: str, dst: str) -> None:
+        self.inner.move_tree(src, dst)
+
+    def size(self, path: str) -> int:
+        return self.inner.size(path)
+
+    def sync_tree(self, path: str) -> None:
+        self.inner.sync_tree(path)
+
+    # the conditional writes `lease.KvLease` takes an object store's lease with (when `inner` is one)
+    def read_versioned(self, path: str, timeout: float | None = None) -> tuple[bytes | None, bytes]:
+        return self.inner.read_versioned(path, timeout)
+
+    def write_if(self, path: str, data: bytes | None, generation: bytes, timeout: float | None = None) -> bytes | None:
+        return self.inner.write_if(path, data, generation, timeout)

@@ -1,0 +1,91 @@
+"""A backend is one class: a `Storage` written against the protocol alone (tests/fault_storage.py) is a root that a
+CheckpointManager saves to and restores from unchanged, and the faults it injects surface as the documented errors
+(`CheckpointWriteError` at `wait()`, a fallback on restore) with nothing damaged committed."""
+
+import uuid
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import catalog, layout
+from ckpt.errors import CheckpointWriteError
+from ckpt.storage import open_storage
+from fault_storage import FaultStorage, InjectedFault
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(8, generator=g), "n": step}
+
+
+def _target() -> dict:
+    return {"w": torch.zeros(64, 32), "b": torch.zeros(8), "n": 0}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return torch.equal(a["w"], b["w"]) and torch.equal(a["b"], b["b"]) and a["n"] == b["n"]
+
+
+def _intact(root: str) -> list[int]:
+    """The committed steps of `root`, read through its own storage, each checked to be intact."""
+    storage = open_storage(root)
+    steps = layout.committed_steps(storage)
+    for s in steps:
+        assert not list(catalog.verify(storage, s)), s
+    return steps
+
+
+def _chunk_of(step: int):
+    """Whether a path is a chunk file of `step` (of an array or a pack)."""
+    return lambda path: path.startswith(layout.step_dir(step) + "/") and "/c/" in path
+
+
+@pytest.fixture(params=["local", "memory"])
+def root(request, tmp_path) -> str:
+    return str(tmp_path / "root") if request.param == "local" else f"memory://backend-{uuid.uuid4().hex}/"
+
+
+def test_a_manager_saves_to_and_restores_from_a_backend_of_its_own(root):
+    with ckpt.CheckpointManager(FaultStorage(open_storage(root))) as m:
+        for s in (1, 2):
+            m.save(s, _state(s))
+    assert _intact(root) == [1, 2]  # the wrapped root holds them as its own
+    backend, target = FaultStorage(open_storage(root)), _target()
+    with ckpt.CheckpointManager(backend) as m:
+        assert m.restore(target) == 2
+    assert _equal(target, _state(2))
+    assert any(map(_chunk_of(2), backend.reads)), "the chunks were read through the backend"
+
+
+def test_a_failed_write_surfaces_at_wait_and_commits_nothing(root):
+    backend = FaultStorage(open_storage(root), fail_path=lambda p: p.endswith(layout.MANIFEST), fail_write=2)
+    with ckpt.CheckpointManager(backend) as m:
+        m.save(1, _state(1)).wait()
+        with pytest.raises(CheckpointWriteError, match="injected fault") as e:
+            m.save(2, _state(2)).wait()  # its manifest, the commit, fails
+        assert e.value.step == 2 and isinstance(e.value.__cause__, InjectedFault)
+        m.save(3, _state(3)).wait()  # the manager goes on
+    assert _intact(root) == [1, 3]
+    target = _target()
+    with ckpt.CheckpointManager(root) as m:
+        assert m.restore(target) == 3
+    assert _equal(target, _state(3))
+
+
+def test_a_corrupt_read_falls_back_to_the_previous_step(root):
+    with ckpt.CheckpointManager(root) as m:
+        for s in (1, 2):
+            m.save(s, _state(s))
+    backend, target = FaultStorage(open_storage(root), corrupt=_chunk_of(2)), _target()
+    with pytest.warns(RuntimeWarning, match="step 2 is damaged.*quarantined"), ckpt.CheckpointManager(backend) as m:
+        assert m.restore(target) == 1
+    assert _equal(target, _state(1))
+    assert _intact(root) == [1]  # step 2 set aside (its files are whole: the backend damaged what it read)
+
+
+def test_open_storage_takes_a_backend_as_the_root_and_no_options_for_it(tmp_path):
+    backend = FaultStorage(open_storage(str(tmp_path)))
+    assert open_storage(backend) is backend
+    with pytest.raises(ValueError, match="storage_options configure a root given by URL"):
+        open_storage(backend, {"timeout": 5})
