@@ -76,9 +76,8 @@ def run_child(args) -> dict:
             t0 = time.perf_counter()
             assert m.restore({"model": state[0], "optim": state[1]}) is None  # a fresh job: reserves in the background
             restore_s = time.perf_counter() - t0
-            reserved = m._background._writer.submit(
-                lambda: None
-            )  # done once the writer thread has finished the reservation
+            # done once the writer thread has finished the reservation
+            reserved = m._background._writer.submit(lambda: None)
             n, during, worst = trainer.run_until(reserved.done)
             reserve_s = time.perf_counter() - t0
             idle = trainer.rate(1.0)

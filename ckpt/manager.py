@@ -40,7 +40,8 @@ class CheckpointManager:
     """Saves training state asynchronously to `root` and restores the newest intact step.
 
     Args:
-        root: local directory or URL (``file://``, ``memory://``, or any tensorstore kvstore URL).
+        root: local directory or URL (``file://``, ``memory://``, or any tensorstore kvstore URL), or a `Storage`
+            (a backend of your own: see docs/architecture.md).
         retention: which committed steps to keep after each save (a `RetentionPolicy`: `KeepLast(3)`,
             ``Keep(KeepEvery(1000), KeepBest(2, "loss"))``, ...); default: all. The newest is never deleted.
         keep_last, keep_every, keep_best, best_metric, best_mode: shorthands for `KeepLast`, `KeepEvery` and
@@ -64,7 +65,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        root: str | os.PathLike,
+        root: str | os.PathLike | Storage,
         *,
         retention: RetentionPolicy | None = None,
         keep_last: int | None = None,
