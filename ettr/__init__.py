@@ -1,17 +1,11 @@
 """ettr: attribute a training job's wall time across restarts and export its goodput (ETTR)."""
 
+from .advice import Advice, TwoTierAdvice, TwoTierInputs, advise, advise_two_tier
 from .attribution import CATEGORIES, AttemptSummary, Attribution, Segment, attribute, attribute_root
 from .clock import Clock, FakeClock, SystemClock
-from .ledger import Ledger, LedgerError, read_ledgers
-from .model import (
-    Advice,
-    SimResult,
-    TwoTierAdvice,
+from .formulas import (
     TwoTierCosts,
-    TwoTierInputs,
     TwoTierPlan,
-    advise,
-    advise_two_tier,
     best_single_interval,
     cluster_ettr,
     daly_interval,
@@ -19,12 +13,12 @@ from .model import (
     mttf_from_rate,
     optimal_two_tier,
     seed_ettr,
-    simulate,
-    simulate_two_tier,
     two_tier_ettr,
     young_interval,
 )
+from .ledger import Ledger, LedgerError, read_ledgers
 from .report import plot_timeline, report_json, report_text
+from .simulate import SimResult, simulate, simulate_two_tier
 from .telemetry import GoodputMetrics, configure_metrics, goodput_resource, metric_totals
 from .tracker import GoodputTracker
 

@@ -9,23 +9,21 @@ import sys
 
 import ckpt.storage_args as storage_args
 
+from .advice import TwoTierInputs, advise
 from .attribution import Attribution, attribute_root
-from .ledger import LedgerError
-from .model import (
+from .formulas import (
     TwoTierCosts,
-    TwoTierInputs,
-    advise,
     check_seconds,
     daly_interval,
     expected_ettr,
     optimal_two_tier,
     seed_ettr,
-    simulate,
-    simulate_two_tier,
     two_tier_ettr,
     young_interval,
 )
+from .ledger import LedgerError
 from .report import plot_timeline, report_json, report_text
+from .simulate import simulate, simulate_two_tier
 
 
 class _Parser(argparse.ArgumentParser):

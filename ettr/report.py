@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .advice import Advice
 from .attribution import CATEGORIES, DOWNTIME, Attribution
 from .ledger import TIERS
-from .model import Advice
 
 COLORS = {
     "productive": "#2ca02c",

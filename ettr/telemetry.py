@@ -10,14 +10,24 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from opentelemetry import metrics
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource
 
-    from .tracker import GoodputTracker
+
+class TrackedProcess(Protocol):
+    """What telemetry needs of a tracker (`ettr.GoodputTracker`): this process's identity in the job, and where its
+    metrics go. A protocol, so that telemetry never imports the tracker that imports it."""
+
+    job_id: str
+    attempt_id: str
+    rank: int
+
+    def use_metrics(self, metrics: GoodputMetrics) -> None: ...
+
 
 SERVICE_NAME = "ckpt-goodput"  # service.name unless configured (argument, OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES)
 # Second-scale buckets: checkpoint saves/restores take from tens of milliseconds to many minutes.
@@ -138,7 +148,7 @@ class GoodputMetrics:
         return [metrics.Observation((now() - last[1]) / 1e6, self._job)] if last is not None and now else []
 
 
-def goodput_resource(tracker: GoodputTracker | None = None, service_name: str | None = None) -> Resource:
+def goodput_resource(tracker: TrackedProcess | None = None, service_name: str | None = None) -> Resource:
     """An OpenTelemetry Resource naming the service and, given a tracker, this process of the job.
 
     service.name: `service_name`, else OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES, else "ckpt-goodput".
@@ -166,7 +176,7 @@ def goodput_resource(tracker: GoodputTracker | None = None, service_name: str | 
 def configure_metrics(
     exporter: str = "console",
     *,
-    tracker: GoodputTracker | None = None,
+    tracker: TrackedProcess | None = None,
     service_name: str | None = None,
     interval_s: float = 10.0,
     endpoint: str | None = None,

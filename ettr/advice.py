@@ -1,0 +1,270 @@
+"""Advice fitted to a job's ledgers: the measured costs and failure rate turned into the interval (one tier) or
+the interval and K (two tiers) that maximise ETTR, with what the job would gain."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .attribution import LOCAL_TIERS, Attribution
+from .formulas import TwoTierCosts, TwoTierPlan, check_seconds, daly_interval, expected_ettr, optimal_two_tier
+
+
+@dataclass(frozen=True)
+class Advice:
+    """Costs fitted from a job's own ledger and the checkpoint interval they suggest."""
+
+    write_s: float
+    read_s: float
+    startup_s: float
+    restart_s: float
+    mttf_s: float
+    mttf_failures: int
+    mttf_source: str
+    step_s: float | None
+    interval_s: float | None
+    recommended_interval_s: float
+    recommended_steps: int | None
+    expected_ettr_current: float | None
+    expected_ettr_recommended: float
+    two_tier: TwoTierAdvice | None = None
+
+    @property
+    def gain(self) -> float | None:
+        """Expected ETTR gained by switching to the recommended interval."""
+        if self.expected_ettr_current is None:
+            return None
+        return self.expected_ettr_recommended - self.expected_ettr_current
+
+    def text(self) -> str:
+        """A few readable lines."""
+        lines = [
+            f"fitted: T_write {self.write_s:.3f} s, T_read {self.read_s:.3f} s, startup {self.startup_s:.3f} s, "
+            f"restart cost {self.restart_s:.3f} s per failure",
+            f"MTTF {self.mttf_s / 3600:.3f} h ({self.mttf_source}; rests on {self.mttf_failures} failure(s))",
+        ]
+        if self.interval_s is not None:
+            lines.append(f"current interval {self.interval_s:.1f} s -> expected ETTR {self.expected_ettr_current:.4f}")
+        steps = f" (~{self.recommended_steps} steps)" if self.recommended_steps else ""
+        lines.append(
+            f"recommended interval {self.recommended_interval_s:.1f} s{steps} (Daly) -> expected ETTR "
+            f"{self.expected_ettr_recommended:.4f}" + (f", gain {self.gain:+.4f}" if self.gain is not None else "")
+        )
+        if self.two_tier is not None:
+            lines += ["", self.two_tier.text()]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, with the gain and the two-tier advice (its plan's derived intervals too)."""
+        out = {k: v for k, v in self.__dict__.items() if k != "two_tier"}
+        out["gain"] = self.gain
+        out["two_tier"] = self.two_tier.to_dict() if self.two_tier is not None else None
+        return out
+
+
+def _mean(values: list[float], default: float = 0.0) -> float:
+    """Arithmetic mean, `default` when empty."""
+    return sum(values) / len(values) if values else default
+
+
+@dataclass(frozen=True)
+class TwoTierInputs:
+    """What the caller knows better than the ledger (None: fit it from the ledger): seconds per local save and per
+    persist, per restore from each tier, and each failure class's MTTF."""
+
+    local_write_s: float | None = None
+    persist_s: float | None = None
+    local_read_s: float | None = None
+    durable_read_s: float | None = None
+    local_mttf_s: float | None = None
+    node_mttf_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in self.__dict__.items():
+            if value is not None:
+                check_seconds(name, value, positive=name.endswith("mttf_s"))
+
+
+# TwoTierInputs field -> the `python -m ettr advise` flag that sets it, for messages naming what is missing
+TWO_TIER_FLAGS = {
+    "local_write_s": "--local-write",
+    "persist_s": "--persist-cost",
+    "local_read_s": "--local-read",
+    "durable_read_s": "--durable-read",
+    "local_mttf_s": "--local-mttf",
+    "node_mttf_s": "--node-mttf",
+}
+
+
+@dataclass(frozen=True)
+class TwoTierAdvice:
+    """The two-tier plan for a job: its fitted costs (each with where it came from), the optimal (T, K) and the gain
+    over the best one-tier plan; `missing` names the flags to pass when the ledger cannot tell."""
+
+    values: dict[str, float]  # TwoTierInputs field -> seconds, plus "restart_overhead_s"
+    sources: dict[str, str]
+    failure_classes: dict[str, int]
+    missing: tuple[str, ...]
+    costs: TwoTierCosts | None
+    plan: TwoTierPlan | None
+    step_s: float | None
+
+    def steps(self, seconds: float) -> str:
+        """` (~N steps)` when the step time is known."""
+        return f" (~{max(1, round(seconds / self.step_s))} steps)" if self.step_s else ""
+
+    def text(self) -> str:
+        """A few readable lines: inputs with their sources, both intervals, the gain over one tier."""
+        v, src, c = self.values, self.sources, self.failure_classes
+        lines = [
+            f"two tiers: failures by class: {c['local']} the local tier survived, {c['node']} it did not (node), "
+            f"{c['unclassified']} unclassified"
+        ]
+        for name in ("local_write_s", "persist_s", "local_read_s", "durable_read_s", "restart_overhead_s"):
+            if name in v:
+                lines.append(f"  {name[:-2].replace('_', ' '):<17}{v[name]:>12.3f} s   {src[name]}")
+        for name in ("local_mttf_s", "node_mttf_s"):
+            if name in v:
+                lines.append(f"  {name[:-2].replace('_', ' '):<17}{v[name] / 3600:>12.3f} h   {src[name]}")
+        if self.plan is None:
+            lines.append("  no two-tier plan: the ledger does not tell " + ", ".join(self.missing) + " (pass them)")
+            return "\n".join(lines)
+        p = self.plan
+        lines += [
+            f"two-tier plan: local every {p.interval_s:.1f} s{self.steps(p.interval_s)}, durable every "
+            f"{p.persist_every} local saves ({p.durable_interval_s:.1f} s) -> expected ETTR {p.ettr:.4f}",
+            f"best single tier: every {p.single_interval_s:.1f} s{self.steps(p.single_interval_s)} to the durable tier "
+            f"-> expected ETTR {p.single_ettr:.4f}; two tiers gain {p.gain:+.4f}",
+        ]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        out = asdict(self)
+        if self.plan is not None:
+            out["plan"].update(durable_interval_s=self.plan.durable_interval_s, gain=self.plan.gain)
+        return out
+
+
+def advise_two_tier(a: Attribution, inputs: TwoTierInputs, *, mttf_s: float | None = None) -> TwoTierAdvice:
+    """Fit a two-tier plan from the job's own ledger where it can tell, from `inputs` otherwise.
+
+    Restart overhead (downtime + startup) is the mean over all failures; a tier's restore, the mean restore from it
+    (local: local or peer; durable: durable, else untiered restores of a one-tier job); a local save, the mean
+    blocking save; a persist costs nothing unless given (it runs in the background). Each class's MTTF: the job's
+    failure rate (1/`mttf_s` if given) split by the classified failures' shares; a class never seen gets the running
+    time (a lower bound).
+    """
+    values: dict[str, float] = {}
+    sources: dict[str, str] = {}
+
+    def put(name: str, given: float | None, fitted: float | None, how: str) -> None:
+        if given is not None:
+            values[name], sources[name] = given, f"given ({TWO_TIER_FLAGS[name]})"
+        elif fitted is not None:
+            values[name], sources[name] = fitted, how
+
+    overheads = [
+        (nxt.start_us - cur.end_us + nxt.micros.get("startup", 0)) / 1e6
+        for cur, nxt in zip(a.attempts, a.attempts[1:])
+        if cur.failed
+    ]
+    startups = [at.micros.get("startup", 0) / 1e6 for at in a.attempts]
+    values["restart_overhead_s"] = _mean(overheads, _mean(startups))
+    sources["restart_overhead_s"] = (
+        f"ledger: downtime + startup, mean of {len(overheads)} failure(s)" if overheads else "ledger: mean startup"
+    )
+    put("local_write_s", inputs.local_write_s, _mean([us / 1e6 for us in a.save_us]), "ledger: mean blocking save")
+    put("persist_s", inputs.persist_s, 0.0, "default: in the background, free to training")
+
+    def restores(tiers: tuple[str | None, ...]) -> tuple[list[float], str]:
+        found = [at.restore_us / 1e6 for at in a.attempts if at.restored_step is not None and at.restored_tier in tiers]
+        return found, f"ledger: mean of {len(found)} restore(s) from {'/'.join(t or 'one tier' for t in tiers)}"
+
+    local, how = restores(LOCAL_TIERS)
+    put("local_read_s", inputs.local_read_s, _mean(local) if local else None, how)
+    durable, how = restores(("durable",))
+    if not durable:
+        durable, how = restores((None,))
+    put("durable_read_s", inputs.durable_read_s, _mean(durable) if durable else None, how)
+
+    classes = a.failure_classes
+    classified = classes["local"] + classes["node"]
+    running_s = (a.wall_us - a.micros["downtime"]) / 1e6
+    rate = 1.0 / mttf_s if mttf_s is not None else a.failures / running_s if running_s > 0 else 0.0
+    for name, cls in (("local_mttf_s", "local"), ("node_mttf_s", "node")):
+        if not classified or running_s <= 0:
+            put(name, getattr(inputs, name), None, "")
+        elif classes[cls]:
+            share = classes[cls] / classified
+            put(name, getattr(inputs, name), 1.0 / (rate * share), f"ledger: {classes[cls]} of {classified} classified")
+        else:
+            put(name, getattr(inputs, name), running_s, "ledger: none seen, lower bound (running time)")
+    missing = tuple(flag for name, flag in TWO_TIER_FLAGS.items() if name not in values)
+    costs = plan = None
+    if not missing:
+        overhead = values["restart_overhead_s"]
+        costs = TwoTierCosts(
+            values["local_write_s"],
+            values["persist_s"],
+            overhead + values["local_read_s"],
+            overhead + values["durable_read_s"],
+            values["local_mttf_s"],
+            values["node_mttf_s"],
+        )
+        plan = optimal_two_tier(costs, min_interval_s=_step_seconds(a) or 0.0)
+    return TwoTierAdvice(values, sources, classes, missing, costs, plan, _step_seconds(a))
+
+
+def _step_seconds(a: Attribution) -> float | None:
+    """Mean compute seconds per step run (productive or lost), None without steps."""
+    n_steps = sum(at.steps for at in a.attempts)
+    return (a.micros["productive"] + a.micros["lost"]) / 1e6 / n_steps if n_steps else None
+
+
+def advise(attribution: Attribution, *, mttf_s: float | None = None, two_tier: TwoTierInputs | None = None) -> Advice:
+    """Fit T_write, T_read, startup and MTTF from the job's own attribution and recommend a checkpoint interval.
+
+    Without failures the MTTF is only a lower bound (the running time); pass `mttf_s` (e.g. mttf_from_rate) then.
+    With `two_tier` (overrides, possibly all None) the advice also holds a two-tier plan (`advise_two_tier`).
+    """
+    if mttf_s is not None:
+        check_seconds("mttf", mttf_s, positive=True)
+    given_mttf = mttf_s
+    a = attribution
+    write_s = _mean([us / 1e6 for us in a.save_us])
+    read_s = _mean([us / 1e6 for us in a.restore_us])
+    startup_s = _mean([at.micros.get("startup", 0) / 1e6 for at in a.attempts])
+    restarts = [
+        (nxt.start_us - cur.end_us + nxt.micros.get("startup", 0) + nxt.micros.get("checkpoint_restore", 0)) / 1e6
+        for cur, nxt in zip(a.attempts, a.attempts[1:])
+        if cur.failed
+    ]
+    restart_s = _mean(restarts, startup_s + read_s)
+    failures = a.failures
+    if mttf_s is not None:
+        source = "given"
+    else:
+        running_s = (a.wall_us - a.micros["downtime"]) / 1e6
+        mttf_s = running_s / max(failures, 1)
+        source = "fitted from the ledger" if failures else "lower bound: no failure observed"
+    compute_s = (a.micros["productive"] + a.micros["lost"]) / 1e6
+    step_s = _step_seconds(a)
+    interval_s = compute_s / len(a.save_us) if a.save_us and compute_s else None
+    recommended = max(daly_interval(write_s, mttf_s), step_s or 0.0)
+    return Advice(
+        write_s=write_s,
+        read_s=read_s,
+        startup_s=startup_s,
+        restart_s=restart_s,
+        mttf_s=mttf_s,
+        mttf_failures=failures,
+        mttf_source=source,
+        step_s=step_s,
+        interval_s=interval_s,
+        recommended_interval_s=recommended,
+        recommended_steps=max(1, round(recommended / step_s)) if step_s else None,
+        expected_ettr_current=expected_ettr(interval_s, write_s, restart_s, mttf_s) if interval_s else None,
+        expected_ettr_recommended=expected_ettr(recommended, write_s, restart_s, mttf_s) if recommended > 0 else 0.0,
+        two_tier=advise_two_tier(a, two_tier, mttf_s=given_mttf) if two_tier is not None else None,
+    )
