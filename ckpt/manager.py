@@ -119,7 +119,6 @@ class CheckpointManager:
         if retention is not None and not isinstance(retention, RetentionPolicy):
             raise TypeError(f"retention must be a RetentionPolicy (a keep(steps, metadata) method), got {retention!r}")
         self.retention: RetentionPolicy | None = retention if retention is not None else shorthand
-        self.snapshot = self.write.snapshot
         self.storage: Storage = open_storage(root, reach.storage_options)
         self.run = run_mod.Run.current(reach.run_id)
         self._run_recorded = False
@@ -143,6 +142,11 @@ class CheckpointManager:
             self.run = run_mod.Run(**self.ranks.all_gather_json(dataclasses.asdict(self.run))[0])
             self._target = Tiers(self.storage, tiering, self.ranks, timeout)
         self._closed = False
+
+    @property
+    def snapshot(self) -> str:
+        """The snapshot mode, ``"sync"`` or ``"overlap"`` (`WriteOptions.snapshot`)."""
+        return self.write.snapshot
 
     @property
     def tracker(self) -> CheckpointObserver:
