@@ -15,8 +15,9 @@ from concurrent.futures import wait as futures_wait
 from typing import Any, Callable, ContextManager
 
 from . import snapshot as snapshot_mod
-from .budget import WriteBudget, submit_or_run
+from .budget import WriteBudget
 from .errors import CheckpointDeleteError, CheckpointError, CheckpointWriteError
+from .pools import submit_or_run
 from .staging import StagingArena
 
 log = logging.getLogger("ckpt")

@@ -30,7 +30,6 @@ import logging
 import math
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,21 +131,3 @@ def _renice(tid: int, nice: int) -> None:
         pass
     except OSError as e:
         log.debug("could not lower the priority of thread %d: %s", tid, e)
-
-
-def submit_or_run(pool: ThreadPoolExecutor, fn: Any, *args: Any) -> Future:
-    """`pool.submit(fn, *args)`, or, once the pool takes no new work, `fn` run here (its result in a done future).
-
-    At interpreter exit (a job that never called ``close()``), Python stops the idle workers of every pool while a
-    busy one (the writer) goes on: its fsyncs and retention's deletes then run on the writer thread, which the exit
-    waits for, instead of failing the save or the retention.
-    """
-    try:
-        return pool.submit(fn, *args)
-    except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
-        done: Future = Future()
-        try:
-            done.set_result(fn(*args))
-        except BaseException as e:
-            done.set_exception(e)
-        return done

@@ -140,7 +140,7 @@ def garbage(storage: Storage, *, force: bool = False) -> list[StepEntry]:
     holder = None if force else lease.live_holder(storage)
     if holder is None:
         return uncommitted
-    if not storage.lease_type().exclusive:
+    if not lease.lease_class(storage).exclusive:
         return []
     return [e for e in uncommitted if e.owner != holder.get("id")]
 
@@ -162,7 +162,7 @@ def collect_garbage(storage: Storage, *, force: bool = False) -> list[int]:
             return _delete_uncommitted(storage, [e for e in entries(storage) if not e.committed])
         finally:
             held.release()
-    with storage.lease_type().beside_writer(storage) as holder:
+    with lease.lease_class(storage).beside_writer(storage) as holder:
         if holder is None:
             return []
         return _delete_uncommitted(

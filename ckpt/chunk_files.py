@@ -29,8 +29,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import crc32c
 import numpy as np
 
-from .budget import submit_or_run
 from .format import ArrayInfo, chunk_key
+from .pools import submit_or_run
 
 ALIGN = 4096  # O_DIRECT: address, offset and length in multiples of this (every block size up to 4 KiB)
 PIECE = 8 << 20  # bytes per write call: the bounce buffer's size

@@ -19,6 +19,7 @@ import numpy as np
 import tensorstore as ts
 
 from .errors import CheckpointError, CorruptCheckpointError
+from .paths import validate_array_name
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +34,6 @@ _READABLE = ("ckpt/1", "ckpt/2", *_PACKED)
 DATA_RE = re.compile(r"^w-[0-9a-f]{12}$")
 PACK_BYTES = 1 << 20  # default: tensors up to this size are packed (see `pack_layout`)
 # An array name: '/'-separated segments of safe characters; no empty, '.' or '..' segment, nothing absolute.
-_SEGMENT_RE = re.compile(r"^[A-Za-z0-9_%+=@,~-][A-Za-z0-9_.%+=@,~-]*$")
 _MAX_SEGMENT = 200
 
 # The zarr3 data_types a tensor may have; each is also the name of its torch dtype (torch.float64, ...). The numpy
@@ -91,14 +91,6 @@ def escape_segment(key: str | int) -> str:
     if len(out) > _MAX_SEGMENT:
         out = out[: _MAX_SEGMENT - 17] + "~" + hashlib.sha256(out.encode()).hexdigest()[:16]
     return out
-
-
-def validate_array_name(name: str) -> str:
-    """Rejects array names from a manifest that could leave the step directory."""
-    segments = name.split("/")
-    if not name or any(not _SEGMENT_RE.match(s) or s in (".", "..") for s in segments):
-        raise CorruptCheckpointError(f"manifest names an unsafe array path {name!r}", key=name)
-    return name
 
 
 @functools.lru_cache(maxsize=1 << 16)

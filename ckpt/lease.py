@@ -100,7 +100,7 @@ class FileLease:
 
     def __init__(self, storage: Storage, role: str, ttl: float):
         """`ttl` is for leases that expire; a flock lasts as long as its descriptor."""
-        root = storage.local_path("")  # a root whose lease_type() is FileLease has a directory here
+        root = storage.local_path("")  # a root whose lease_kind is "flock" has a directory here
         makedirs_durable(root)
         self.root, self.holder = root, _new_holder(role)
         self._fd: int | None = os.open(os.path.join(root, LEASE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -285,6 +285,12 @@ class KvLease:
 
 
 Lease = FileLease | KvLease
+_KINDS: dict[str, type[Lease]] = {"flock": FileLease, "conditional": KvLease}
+
+
+def lease_class(storage: Storage) -> type[Lease]:
+    """The lease this root's backend supports (its `lease_kind`)."""
+    return _KINDS[storage.lease_kind]
 
 
 def acquire(storage: Storage, *, role: str = "writer", wait_for_gc: float = WAIT_FOR_GC_S, ttl: float = TTL_S) -> Lease:
@@ -293,7 +299,7 @@ def acquire(storage: Storage, *, role: str = "writer", wait_for_gc: float = WAIT
     A `ckpt gc` holds the lease only while it deletes leftovers: a writer waits up to `wait_for_gc` for it.
     """
     deadline = time.monotonic() + wait_for_gc
-    kind = storage.lease_type()
+    kind = lease_class(storage)
     while True:
         try:
             return kind(storage, role, ttl)
@@ -307,4 +313,4 @@ def acquire(storage: Storage, *, role: str = "writer", wait_for_gc: float = WAIT
 
 def live_holder(storage: Storage) -> dict[str, Any] | None:
     """Who holds the root's lease now, as far as a reader can tell without taking it (None: nobody)."""
-    return storage.lease_type().live_holder(storage)
+    return lease_class(storage).live_holder(storage)

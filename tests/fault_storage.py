@@ -8,12 +8,9 @@ into the wrapped root (`kvstore_spec`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ckpt.storage import Storage
-
-if TYPE_CHECKING:
-    from ckpt.lease import Lease
 
 
 class InjectedFault(OSError):
@@ -37,6 +34,7 @@ class FaultStorage:
         self.url = inner.url
         self.keeps_written_buffers = inner.keeps_written_buffers
         self.cheap_sizes = inner.cheap_sizes
+        self.lease_kind = inner.lease_kind
         self.reads: list[str] = []
         self.writes: list[str] = []
         self._matching_writes = 0
@@ -57,9 +55,6 @@ class FaultStorage:
 
     def direct_path(self, path: str) -> str | None:
         return None
-
-    def lease_type(self) -> type[Lease]:
-        return self.inner.lease_type()
 
     def check_root(self) -> None:
         self.inner.check_root()

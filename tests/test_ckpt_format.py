@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt.errors import CorruptCheckpointError
-from ckpt.format import chunk_shape, escape_segment, validate_array_name
+from ckpt.format import chunk_shape, escape_segment
+from ckpt.paths import validate_array_name
 
 
 @settings(max_examples=300, deadline=None)

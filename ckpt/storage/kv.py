@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import errno
 import time
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import tensorstore as ts
 
 from ..errors import StorageError
 from .protocol import checked
 from .spec import DEFAULT_TIMEOUT_S, kvstore_spec, validated_options
-
-if TYPE_CHECKING:
-    from ..lease import KvLease
 
 _REMOTE = ("s3", "gcs")  # drivers probed when a root is opened
 _PROBE = ".ckpt-probe"  # a prefix listed once when a root is opened (one LIST, nothing written)
@@ -31,6 +28,7 @@ class KvStorage:
     """
 
     cheap_sizes = False
+    lease_kind = "conditional"
 
     def __init__(self, url: str, context: ts.Context, storage_options: Mapping[str, Any] | None = None):
         self.url = url.rstrip("/") + "/"
@@ -54,11 +52,6 @@ class KvStorage:
 
     def direct_path(self, path: str) -> str | None:
         return None
-
-    def lease_type(self) -> type[KvLease]:
-        from ..lease import KvLease  # lease.py builds on this package
-
-        return KvLease
 
     def check_root(self) -> None:
         """Any prefix of a store is a root (an empty one until written); `__init__` probed a remote one."""

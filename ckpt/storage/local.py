@@ -9,13 +9,10 @@ import shutil
 import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..budget import submit_or_run
+from ..pools import submit_or_run
 from .protocol import checked
-
-if TYPE_CHECKING:
-    from ..lease import FileLease
 
 
 class UnsafeFileError(OSError):
@@ -78,6 +75,7 @@ class LocalStorage:
 
     keeps_written_buffers = False
     cheap_sizes = True
+    lease_kind = "flock"
 
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
@@ -94,11 +92,6 @@ class LocalStorage:
 
     def direct_path(self, path: str) -> str | None:
         return self._p(path)
-
-    def lease_type(self) -> type[FileLease]:
-        from ..lease import FileLease  # lease.py builds on this package
-
-        return FileLease
 
     def check_root(self) -> None:
         """The root must be an existing directory."""

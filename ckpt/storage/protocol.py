@@ -6,12 +6,9 @@ and never what kind of root it is, so a new backend changes nothing outside its 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Literal, Protocol
 
-from ..format import validate_array_name
-
-if TYPE_CHECKING:
-    from ..lease import Lease
+from ..paths import validate_array_name
 
 
 class Storage(Protocol):
@@ -26,6 +23,9 @@ class Storage(Protocol):
     keeps_written_buffers: bool
     # True where `size` costs a listing; False where it reads every object (an object store lists no sizes here)
     cheap_sizes: bool
+    # How one writer per root is enforced here (`lease.py`): "flock", an exclusive lock on a file of this machine
+    # (needs `local_path("")`); "conditional", an object with an expiry renewed by `read_versioned` / `write_if`
+    lease_kind: Literal["flock", "conditional"]
 
     def kvstore_spec(self, path: str) -> dict[str, Any]:
         """The tensorstore kvstore spec of `path`: where tensorstore creates and writes the arrays."""
@@ -39,11 +39,6 @@ class Storage(Protocol):
         """`path` as a file of this machine when its chunk files may be written and read as files, bypassing
         this class (`chunk_files.ChunkWriter`: O_DIRECT; `store.read_direct`: preadv; a step's listing with sizes);
         None: every byte goes through tensorstore (`kvstore_spec`) and `read`."""
-        ...
-
-    def lease_type(self) -> type[Lease]:
-        """How one writer per root is enforced here: `lease.FileLease` (a flock, needs `local_path("")`) or
-        `lease.KvLease` (an object with an expiry, renewed by `read_versioned` / `write_if`)."""
         ...
 
     def check_root(self) -> None:
