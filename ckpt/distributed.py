@@ -1,4 +1,5 @@
-"""Ranks: who writes which slice of each global array, the single commit, and what a rank reads back.
+"""Ranks: this process's place among them, the collectives of checkpointing, and the box of the global array a
+(D)Tensor holds. Who writes which box is `planner.py`'s.
 
 Every collective runs on a dedicated gloo group (created with the manager, with a timeout), never on
 the training group, so background saves do not interleave with training collectives (NCCL or gloo)
@@ -7,11 +8,8 @@ and a dead rank turns into an error after the timeout instead of a hang.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
-import math
-import zlib
 from datetime import timedelta
 from typing import Any, Mapping
 
@@ -19,8 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import StateMismatchError
-from .format import ArrayInfo, chunk_shape, dtype_name, pack_layout, torch_dtype
-from .layout import pack_name
+from .format import ArrayInfo
 from .state import is_dtensor
 
 Box = tuple[tuple[int, int], ...]
@@ -59,6 +56,23 @@ class Ranks:
         """Every rank's JSON value, in rank order."""
         return [obj]
 
+    def gather_json(self, obj: Any) -> list[Any] | None:
+        """Every rank's JSON value, in rank order, on the leader; None on the other ranks."""
+        return [obj]
+
+    def scatter_json(self, parts: list[Any] | None) -> Any:
+        """The leader's `parts[r]` on each rank r (`parts` is read on the leader only)."""
+        assert parts is not None
+        return parts[0]
+
+    def broadcast_json(self, obj: Any) -> Any:
+        """The leader's JSON value on every rank (`obj` is read on the leader only)."""
+        return obj
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether `flag` is true on every rank."""
+        return flag
+
     def barrier(self) -> None:
         """Wait until every rank is here."""
 
@@ -70,21 +84,73 @@ class GlooRanks(Ranks):
         super().__init__(*topology())
         self.group = dist.new_group(backend="gloo", timeout=timeout)
 
+    # JSON values travel as bytes over gloo (no pickle), each padded to the longest with its length in front
+
+    def _longest(self, data: bytes) -> int:
+        """The longest of every rank's encoded value (the framing included)."""
+        n = torch.tensor([len(data) + _LEN], dtype=torch.int64)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+        return int(n.item())
+
     def all_gather_json(self, obj: Any) -> list[Any]:
-        """Every rank's JSON value, in rank order (bytes over gloo, no pickle)."""
-        data = torch.frombuffer(bytearray(json.dumps(obj, allow_nan=False).encode()), dtype=torch.uint8)
-        size = torch.tensor([data.numel()], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(sizes, size, group=self.group)
-        longest = int(max(s.item() for s in sizes))
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[: data.numel()] = data
-        out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world_size)]
-        dist.all_gather(out, padded, group=self.group)
-        return [json.loads(bytes(o[: int(s.item())].tolist())) for o, s in zip(out, sizes)]
+        """Every rank's JSON value, in rank order."""
+        data = _encode(obj)
+        longest = self._longest(data)
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(out, _framed(data, longest), group=self.group)
+        return [_decode(o) for o in out]
+
+    def gather_json(self, obj: Any) -> list[Any] | None:
+        data = _encode(obj)
+        longest = self._longest(data)
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)] if self.leader else None
+        dist.gather(_framed(data, longest), out, dst=0, group=self.group)
+        return None if out is None else [_decode(o) for o in out]
+
+    def scatter_json(self, parts: list[Any] | None) -> Any:
+        encoded = [_encode(p) for p in parts] if self.leader and parts is not None else []
+        longest = torch.tensor([max(map(len, encoded), default=0) + _LEN], dtype=torch.int64)
+        dist.broadcast(longest, src=0, group=self.group)
+        n = int(longest.item())
+        out = torch.empty(n, dtype=torch.uint8)
+        dist.scatter(out, [_framed(d, n) for d in encoded] if self.leader else None, src=0, group=self.group)
+        return _decode(out)
+
+    def broadcast_json(self, obj: Any) -> Any:
+        data = _encode(obj) if self.leader else b""
+        n = torch.tensor([len(data) + _LEN], dtype=torch.int64)
+        dist.broadcast(n, src=0, group=self.group)
+        out = _framed(data, int(n.item()))
+        dist.broadcast(out, src=0, group=self.group)
+        return _decode(out)
+
+    def all_true(self, flag: bool) -> bool:
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(t.item())
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+
+_LEN = 8  # bytes of the length in front of an encoded value
+
+
+def _encode(obj: Any) -> bytes:
+    return json.dumps(obj, allow_nan=False).encode()
+
+
+def _framed(data: bytes, size: int) -> torch.Tensor:
+    """`data` with its length in front, zero-padded to `size` bytes, as a uint8 tensor."""
+    out = torch.zeros(size, dtype=torch.uint8)
+    framed = len(data).to_bytes(_LEN, "little") + data
+    out[: len(framed)] = torch.frombuffer(bytearray(framed), dtype=torch.uint8)
+    return out
+
+
+def _decode(t: torch.Tensor) -> Any:
+    raw = t.numpy().tobytes()
+    return json.loads(raw[_LEN : _LEN + int.from_bytes(raw[:_LEN], "little")])
 
 
 def local_box(t: torch.Tensor) -> tuple[torch.Tensor, Box]:
@@ -100,76 +166,6 @@ def local_box(t: torch.Tensor) -> tuple[torch.Tensor, Box]:
 @functools.lru_cache(maxsize=1 << 16)  # the same shapes come back every save; this is on the stall path
 def _whole(shape: tuple[int, ...]) -> Box:
     return tuple((0, n) for n in shape)
-
-
-def plan_arrays(
-    ranks: Ranks,
-    tensors: Mapping[str, torch.Tensor],
-    chunk_bytes: int,
-    pack_bytes: int = 0,
-    *,
-    every_holder: bool = False,
-) -> tuple[dict[str, ArrayInfo], dict[str, torch.Tensor], dict[str, Box], frozenset[str], dict[str, ArrayInfo]]:
-    """Agree with every rank on the global arrays; returns (arrays, what this rank writes, its boxes, the names
-    of the arrays whose box this rank is the designated writer of, packs).
-
-    A box held by several ranks (replicated tensors, DTensor Replicate) has one designated writer, chosen by a
-    hash of the array name so that the writing is spread over the ranks. A shared root gets only the designated
-    writes; with `every_holder` (a root of this rank's own: the local tier) each rank writes every box it holds.
-    A tensor its writer writes whole, of at most `pack_bytes` (and `chunk_bytes`), goes into that rank's pack
-    (`format.pack_layout`): every rank computes every rank's packs alike from what they agreed, so nothing more is
-    exchanged. A rank's own root (`every_holder`) is not packed: it holds boxes that other ranks' packs would hold,
-    and a persist copies its files as they are into the shared layout.
-    """
-    mine = {name: local_box(t) for name, t in tensors.items()}
-    described = {name: (dtype_name(t.dtype, key=name), tuple(t.shape), mine[name][1]) for name, t in tensors.items()}
-    held: dict[str, tuple[str, tuple[int, ...], dict[Box, list[int]]]] = {}  # name -> dtype, shape, box -> ranks
-    for rank, arrays in enumerate(ranks.all_gather_json(described)):
-        for name, (dt, shape, box) in arrays.items():
-            if type(box) is not tuple:  # lists, through JSON among ranks
-                shape, box = tuple(shape), tuple(map(tuple, box))
-            entry = held.setdefault(name, (dt, shape, {}))
-            if entry[0] != dt or entry[1] != shape:
-                raise ValueError(f"ranks disagree on tensor {name!r}: {entry[:2]} vs {(dt, shape)} on rank {rank}")
-            entry[2].setdefault(box, []).append(rank)
-    arrays, writes, boxes, designated = {}, {}, {}, set()
-    packed: dict[int, list[str]] = {}  # writer rank -> the arrays it packs, in the agreed order
-    limit = 0 if every_holder else min(pack_bytes, chunk_bytes)
-    for name, (dt, shape, by_box) in held.items():
-        ordered = tuple(sorted(by_box))
-        if sum(map(_volume, ordered)) != math.prod(shape):
-            raise ValueError(
-                f"the ranks' pieces of tensor {name!r} do not tile its global shape {list(shape)} "
-                f"(boxes {list(ordered)}); is it a plain tensor that differs across ranks?"
-            )
-        chunk = chunk_shape(shape, torch_dtype(dt).itemsize, _starts(ordered), chunk_bytes)
-        arrays[name] = ArrayInfo(name, dt, shape, chunk, ordered)
-        for box, rks in by_box.items():
-            writer = rks[0] if len(rks) == 1 else rks[zlib.crc32(name.encode()) % len(rks)]
-            if writer == ranks.rank:
-                designated.add(name)
-            if writer == ranks.rank or (every_holder and ranks.rank in rks):
-                writes[name], boxes[name] = mine[name][0], box
-            if len(ordered) == 1 and 0 < arrays[name].nbytes <= limit:
-                packed.setdefault(writer, []).append(name)
-    packs = {}
-    for writer, names in sorted(packed.items()):
-        pack = pack_name(writer)
-        offsets, total, chunk = pack_layout([arrays[n].nbytes for n in names], chunk_bytes)
-        packs[pack] = ArrayInfo(pack, "uint8", (total,), (chunk,), (((0, total),),))
-        for n, offset in zip(names, offsets):
-            arrays[n] = dataclasses.replace(arrays[n], chunk=arrays[n].shape, pack=(pack, offset))
-    return arrays, writes, boxes, frozenset(designated), packs
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _volume(box: Box) -> int:
-    return math.prod(b - a for a, b in box)
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _starts(boxes: tuple[Box, ...]) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(a for a, _ in box) for box in boxes)
 
 
 def read_region(info: ArrayInfo, template: Any) -> tuple[Any, Box] | None:

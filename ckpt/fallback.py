@@ -42,7 +42,7 @@ def candidates(
 ) -> list[Source]:
     """Where to try, newest first: `step`, or every committed step not found damaged, in its tiers (one list for
     all ranks: rank 0's view of the durable root, and with a local tier every rank's inventory)."""
-    steps = ranks.all_gather_json(layout.committed_steps(durable))[0]
+    steps = ranks.broadcast_json(layout.committed_steps(durable) if ranks.leader else None)
     sources = [c for c in target.sources(steps) if (c.step, c.tier) not in damaged and step in (None, c.step)]
     return sources if sources or step is None else [Source(step, DURABLE)]
 

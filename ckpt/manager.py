@@ -26,6 +26,7 @@ from .errors import (
 )
 from .observer import NO_TRACKER, CheckpointObserver
 from .options import RootOptions, TierOptions, WriteOptions, resolve
+from .planner import Planner
 from .retention import RetentionPolicy, StepMetadata, doomed, from_keywords
 from .root_lease import RootLease
 from .save import SaveJob, plan
@@ -136,10 +137,11 @@ class CheckpointManager:
         self.ranks: Ranks = Ranks.current(timeout)
         self._metadata: dict[int, dict[str, Any]] = {}
         self._root_lease = RootLease(self.storage, self.ranks, reach.lease_ttl)  # taken by the first save
+        self._planner = Planner()  # the arrays of the last save, reused while the state keeps its structure
         self._target: Target = SingleRoot(self.storage, self.ranks)
         if tiering is not None:
             # every rank's local tier records the run the durable root records: rank 0's (a generated id is per process)
-            self.run = run_mod.Run(**self.ranks.all_gather_json(dataclasses.asdict(self.run))[0])
+            self.run = run_mod.Run(**self.ranks.broadcast_json(dataclasses.asdict(self.run)))
             self._target = Tiers(self.storage, tiering, self.ranks, timeout)
         self._closed = False
 
@@ -195,7 +197,16 @@ class CheckpointManager:
             t0 = time.perf_counter()
             owned = snapshot_mod.optimizer_owned(state) if self.snapshot == "overlap" else set()
             w = self.write
-            written = plan(step, state, metadata, w.chunk_bytes, self.ranks, w.pack_bytes, private=self._target.private)
+            written = plan(
+                step,
+                state,
+                metadata,
+                w.chunk_bytes,
+                self.ranks,
+                self._planner,
+                w.pack_bytes,
+                private=self._target.private,
+            )
             defer = snapshot_mod.versions(written.tensors, owned)
             job = SaveJob(target, written, bg.arena, self._write_context, self.ranks, lease, bg.fsyncs, defer=defer)
             if job.pending is not None:
@@ -232,7 +243,7 @@ class CheckpointManager:
         retain_now = self._target.committed(job.plan, self._root_lease.lease, self._persisted, persist)
         self._budget.lower_pool_threads()  # workers tensorstore started during this write
         seconds = time.perf_counter() - t0
-        nbytes = sum(info.nbytes for info in job.plan.arrays.values())
+        nbytes = sum(t.nbytes for t in job.plan.tensors.values())  # what this rank wrote
         self._metadata[step] = job.plan.metadata
         log.info(
             "committed step %d: %.1f MB, stall %.3fs, background %.3fs (%.2f GB/s)",

@@ -74,7 +74,7 @@ class PersistJob:
                     begin_step(self.dst, self.step, self.lease)
                 except Exception as e:
                     began = f"rank 0 could not start: {type(e).__name__}: {e}"
-        began = self.ranks.all_gather_json(began)[0]
+        began = self.ranks.broadcast_json(began)
         if began == "exists":
             return None
         if began:
@@ -101,15 +101,12 @@ class PersistJob:
                     files.close()
         finally:
             fsyncs.shutdown(wait=True)
-        failures = [
-            f
-            for f in self.ranks.all_gather_json(
-                None if error is None else f"rank {self.ranks.rank}: {type(error).__name__}: {error}"
-            )
-            if f
-        ]
+        reports = self.ranks.gather_json(
+            None if error is None else f"rank {self.ranks.rank}: {type(error).__name__}: {error}"
+        )
+        failures = [f for f in reports or () if f]
         commit_error = None
-        if not failures and self.ranks.leader:
+        if reports is not None and not failures:
             try:
                 commit_step(self.dst, self.step, manifest_bytes, self.lease)
             except Exception as e:

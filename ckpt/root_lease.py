@@ -30,7 +30,7 @@ class RootLease:
             except (LeaseHeldError, StorageError) as e:  # every rank learns it, none waits in the gather below
                 error = e
         if collective and not self._agreed:
-            verdict = self.ranks.all_gather_json(None if error is None else str(error))[0]
+            verdict = self.ranks.broadcast_json(None if error is None else str(error))
             if verdict and error is None:
                 error = LeaseHeldError(verdict)
             self._agreed = verdict is None

@@ -26,10 +26,11 @@ import torch
 from . import layout, store
 from . import state as state_mod
 from .chunk_files import ChunkWriter
-from .distributed import Ranks, plan_arrays
+from .distributed import Ranks
 from .errors import LeaseHeldError, StepExistsError, StorageError
 from .format import ArrayInfo, Manifest
 from .lease import Lease
+from .planner import Planner
 from .snapshot import Pending
 from .staging import Staged, StagingArena
 from .storage import Storage
@@ -55,15 +56,17 @@ class WritePlan:
     """What one rank writes for a step: arrays it creates, the regions it writes, and the manifest parts."""
 
     step: int
-    tree: Any
-    arrays: dict[str, ArrayInfo]
+    tree: (
+        Any  # the manifest's tree: every rank's entries on whoever commits (the leader, or each rank of a private root)
+    )
+    arrays: dict[str, ArrayInfo]  # every array on whoever commits; elsewhere the ones this rank writes
     tensors: dict[str, torch.Tensor]  # name -> local tensor (the data of the box this rank writes)
     boxes: dict[str, tuple[tuple[int, int], ...]]  # name -> box of the global array this rank writes
     metadata: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
     private: bool = False  # each rank writes into a root of its own (the local tier), every box it holds
     designated: frozenset[str] = frozenset()  # arrays whose box this rank alone writes to a shared root
-    packs: dict[str, ArrayInfo] = field(default_factory=dict)  # every rank's pack array (see `plan_arrays`)
+    packs: dict[str, ArrayInfo] = field(default_factory=dict)  # the pack arrays, as `arrays` (see `planner.py`)
     rank: int = 0
 
     @property
@@ -78,29 +81,40 @@ def plan(
     metadata: Mapping[str, Any] | None,
     chunk_bytes: int,
     ranks: Ranks,
+    planner: Planner,
     pack_bytes: int = 0,
     *,
     private: bool = False,
 ) -> WritePlan:
-    """What this process writes for `step`: alone, every tensor is a whole array; among ranks, its slices.
-    Tensors of at most `pack_bytes` that a rank writes whole go into its pack array.
+    """What this process writes for `step`: alone, every tensor is a whole array; among ranks, its slices (agreed,
+    or reused, by `planner`). Tensors of at most `pack_bytes` that a rank writes whole go into its pack array.
 
     `private`: each rank writes into a root of its own (the local tier), so it writes every box it holds and
     commits its own copy of the manifest; the root then holds what this rank needs to restore at this topology.
     """
     flat = state_mod.flatten(state, rank=ranks.rank)
     meta = _json_metadata(metadata)
-    arrays, writes, boxes, designated, packs = plan_arrays(
-        ranks, flat.tensors, chunk_bytes, pack_bytes, every_holder=private
-    )
+    arrays, writes, boxes = planner.plan(ranks, flat.tensors, chunk_bytes, pack_bytes, every_holder=private)
     per_rank = state_mod.per_rank_entries(flat.tree)
     tree = flat.tree
-    if per_rank:  # every rank's entries, side by side in the one manifest
-        gathered = ranks.all_gather_json(per_rank)
+    if per_rank:  # every rank's entries, side by side in the manifest, to whoever commits it
+        gathered = ranks.all_gather_json(per_rank) if private else ranks.gather_json(per_rank)
         tree = dict(flat.tree)
-        for k in per_rank:
+        for k in per_rank if gathered is not None else ():
             tree[k] = state_mod.per_rank_node([entry for g in gathered for entry in g[k]])
-    return WritePlan(step, tree, arrays, writes, boxes, meta, ranks.world_size, private, designated, packs, ranks.rank)
+    return WritePlan(
+        step,
+        tree,
+        arrays.arrays,
+        writes,
+        boxes,
+        meta,
+        ranks.world_size,
+        private,
+        arrays.designated,
+        arrays.packs,
+        ranks.rank,
+    )
 
 
 def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -173,7 +187,7 @@ class SaveJob:
             begin_step(self.storage, self.plan.step, self.lease)
         # rank 0's data directory for every rank (also with private roots: a persist copies every rank's regions under
         # the one manifest's name); also the barrier: no rank writes before the step is begun
-        self.data = self.ranks.all_gather_json(self.data)[0]
+        self.data = self.ranks.broadcast_json(self.data)
 
     def _array_path(self, info: ArrayInfo) -> str:
         """Where an array of this step lives in the root: a pack, or an array of its own, in this save's directory."""
@@ -263,16 +277,16 @@ class SaveJob:
         except BaseException as e:
             error = e
         rank = self.ranks.rank
-        reports = self.ranks.all_gather_json(
-            {
-                "error": None if error is None else f"rank {rank}: {type(error).__name__}: {error}",
-                "digests": {name: list(d.items()) for name, d in self.digests.done.items()},
-                "packs": {name: list(d.items()) for name, d in self.pack_digests.done.items()},
-            }
-        )
-        failures = [r["error"] for r in reports if r["error"]]
+        report = {
+            "error": None if error is None else f"rank {rank}: {type(error).__name__}: {error}",
+            "digests": {name: list(d.items()) for name, d in self.digests.done.items()},
+            "packs": {name: list(d.items()) for name, d in self.pack_digests.done.items()},
+        }
+        # to whoever commits: the leader, or every rank of a private root (its manifest has every rank's digests)
+        reports = self.ranks.all_gather_json(report) if self.plan.private else self.ranks.gather_json(report)
+        failures = [r["error"] for r in reports or () if r["error"]]
         commit_error: Exception | None = None
-        if not failures and self.leader:
+        if reports is not None and not failures and self.leader:
             digests: dict[str, dict[int, int]] = {}
             packs: dict[str, dict[int, int]] = {}
             for r in reports:
@@ -283,7 +297,7 @@ class SaveJob:
                 self.commit(digests, packs)
             except Exception as e:
                 commit_error = e
-        raise_outcome(self.ranks, error, commit_error, failures)
+        raise_outcome(self.ranks, error, commit_error, failures, each_commits=self.plan.private)
 
     def manifest(self, digests: Mapping[str, Mapping[int, int]], packs: Mapping[str, Mapping[int, int]]) -> Manifest:
         """The manifest of this save, every array and pack with the digest of each of its chunks (from all ranks)."""
@@ -347,16 +361,27 @@ def _settle(futures: Sequence[ts.Future]) -> None:
 
 
 def raise_outcome(
-    ranks: Ranks, error: BaseException | None, commit_error: BaseException | None, failures: list
+    ranks: Ranks,
+    error: BaseException | None,
+    commit_error: BaseException | None,
+    failures: list,
+    *,
+    each_commits: bool = False,
 ) -> None:
-    """After a commit among ranks: every rank learns whether any commit failed; a rank raises its own error (its
-    write's, then its commit's), else the others' (`failures`: their write errors), else nothing."""
-    verdicts = ranks.all_gather_json(
+    """After a commit among ranks: every rank learns whether any write or commit failed; a rank raises its own error
+    (its write's, then its commit's), else the others', else nothing. `failures`: the ranks' write errors, as the
+    committer saw them. The leader commits for all and tells them; with `each_commits` (private roots) every rank
+    committed its own and all tell all."""
+    mine = (
         None
         if commit_error is None
         else f"rank {ranks.rank} could not commit: {type(commit_error).__name__}: {commit_error}"
     )
-    verdict = next((v for v in verdicts if v), None)
+    if each_commits:
+        verdict = next((v for v in ranks.all_gather_json(mine) if v), None)
+    else:
+        told = ranks.broadcast_json({"failures": failures, "commit": mine})
+        failures, verdict = told["failures"], told["commit"]
     if error is not None:
         raise error
     if commit_error is not None:

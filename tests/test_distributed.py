@@ -78,6 +78,16 @@ def test_fsdp2_save_then_restore_at_1_2_4_ranks(tmp_path, save_world):
             assert info.pack is None and len(info.boxes) == save_world, name
 
 
+def test_a_plan_is_agreed_once_and_again_only_when_the_states_structure_changes(tmp_path):
+    """Saves of an unchanged state reuse the first save's plan (no gather of every tensor's description); a new
+    tensor or a new shape on any rank is planned again, and the checkpoint holds it."""
+    results = run_ranks(2, "replan", str(tmp_path / "ck"))
+    _ok(results)
+    for r in results:
+        assert "agreements [1, 1, 1, 2, 3]" in r.stdout, r.stdout[-2000:]
+    assert all(f"restored 5: mismatched [], extra {list(map(float, range(12)))}" in r.stdout for r in results), results
+
+
 def test_rank_killed_during_save_fails_the_others_and_keeps_previous_step(tmp_path):
     root = str(tmp_path / "ck")
     results = run_ranks(2, "kill", root, timeout=120)

@@ -143,6 +143,26 @@ def main(mode: str, root: str) -> None:
                     shutil.copytree(root, f"{root}.copy")
             dist.barrier()
             restore_and_compare(m, model, opt, os.path.join(root, "..", "reference1.pt"))
+    elif mode == "replan":
+        g = torch.Generator().manual_seed(1)
+        agreements, extras = [], {4: torch.arange(10.0), 5: torch.arange(12.0).reshape(3, 4)}
+        with ckpt.CheckpointManager(root, collective_timeout=20) as m:
+            for step in range(1, 6):
+                train(model, opt, g)
+                state = state_of(model, opt)
+                if step in extras:  # the state's structure changes: a new tensor, then its shape
+                    state["extra"] = extras[step]
+                m.save(step, state).wait()
+                agreements.append(m._planner.agreements)
+            ref = flat_reference(model, opt)
+        print(f"agreements {agreements}", flush=True)
+        model, opt = build()
+        state = {**state_of(model, opt), "extra": torch.zeros(3, 4)}
+        with ckpt.CheckpointManager(root, collective_timeout=20) as m:
+            step = m.restore(state, step=5)
+        got = flat_reference(model, opt)
+        bad = [k for k in ref if not torch.equal(ref[k], got[k])]
+        print(f"restored {step}: mismatched {bad}, extra {state['extra'].flatten().tolist()}", flush=True)
     elif mode == "restore_damaged":
         with ckpt.CheckpointManager(root, collective_timeout=20) as m:
             restore_and_compare(m, model, opt, os.path.join(root, "..", "reference1.pt"))

@@ -1,0 +1,173 @@
+"""Which rank writes which box of which global array: agreed once among ranks, reused while the state keeps its shape.
+
+Planning a save among N ranks needs every rank's description of its tensors (name, dtype, global shape, box). The
+leader alone gathers them, computes the arrays and each rank's writes, and sends each rank only its own part, so
+neither the bytes nor the work of a rank grow with N times the tensors (a rank's own root, the local tier, is the
+exception: each rank commits a manifest of every array there, so every rank gathers every description). While
+every rank's description hashes as at the last agreement, the plan is reused: a save then costs one all-reduce of a
+flag, whatever the world size and the tensor count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from .distributed import Box, Ranks, local_box
+from .format import ArrayInfo, chunk_shape, dtype_name, pack_layout, torch_dtype
+from .layout import pack_name
+
+Description = dict[str, tuple[str, tuple[int, ...], Box]]  # name -> dtype, global shape, the box this rank holds
+
+
+@dataclass(frozen=True)
+class ArrayPlan:
+    """A rank's part of a save's plan.
+
+    `arrays`: every array on the leader (it writes the manifest) and on every rank of a private root; elsewhere the
+    arrays this rank writes. `written`: the arrays whose box this rank writes; `designated`: those it is the one
+    writer of in a shared root; `packs`: the pack arrays this rank knows, as `arrays`.
+    """
+
+    arrays: dict[str, ArrayInfo]
+    written: frozenset[str]
+    designated: frozenset[str]
+    packs: dict[str, ArrayInfo]
+
+
+class Planner:
+    """Plans a save's arrays among ranks, reusing the last plan while no rank's tensors changed their structure."""
+
+    def __init__(self) -> None:
+        self._key: str | None = None
+        self._plan: ArrayPlan | None = None
+        self.agreements = 0  # saves planned from every rank's descriptions (the others reused the plan)
+
+    def plan(
+        self,
+        ranks: Ranks,
+        tensors: Mapping[str, torch.Tensor],
+        chunk_bytes: int,
+        pack_bytes: int = 0,
+        *,
+        every_holder: bool = False,
+    ) -> tuple[ArrayPlan, dict[str, torch.Tensor], dict[str, Box]]:
+        """(this rank's part of the plan, the local tensors it writes by array, the box of each).
+
+        A box held by several ranks (replicated tensors, DTensor Replicate) has one designated writer, chosen by a
+        hash of the array name so that the writing is spread over the ranks. A shared root gets only the designated
+        writes; with `every_holder` (a root of this rank's own: the local tier) each rank writes every box it holds.
+        A tensor its writer writes whole, of at most `pack_bytes` (and `chunk_bytes`), goes into that rank's pack
+        (`format.pack_layout`). A rank's own root is not packed: it holds boxes that other ranks' packs would hold,
+        and a persist copies its files as they are into the shared layout.
+        """
+        mine = {name: local_box(t) for name, t in tensors.items()}
+        described = {
+            name: (dtype_name(t.dtype, key=name), tuple(t.shape), mine[name][1]) for name, t in tensors.items()
+        }
+        params = [chunk_bytes, pack_bytes, every_holder, ranks.world_size, ranks.rank]
+        key = hashlib.blake2b(json.dumps([params, described]).encode(), digest_size=16).hexdigest()
+        if not ranks.all_true(key == self._key):
+            self._key = None  # an agreement that fails on some rank leaves no plan behind on any
+            self._plan = _agree(ranks, described, chunk_bytes, pack_bytes, every_holder)
+            self._key, self.agreements = key, self.agreements + 1
+        plan = self._plan
+        assert plan is not None
+        return plan, {n: mine[n][0] for n in plan.written}, {n: mine[n][1] for n in plan.written}
+
+
+def _agree(ranks: Ranks, described: Description, chunk_bytes: int, pack_bytes: int, every_holder: bool) -> ArrayPlan:
+    """Every rank's descriptions to the leader (to every rank with `every_holder`), and each rank its part back."""
+    if every_holder:
+        return _global(ranks.all_gather_json(described), ranks.rank, chunk_bytes, 0)[ranks.rank]
+    gathered = ranks.gather_json(described)
+    plans = None if gathered is None else _global(gathered, None, chunk_bytes, pack_bytes)
+    part = ranks.scatter_json(None if plans is None else [_to_json(plans[r]) for r in range(ranks.world_size)])
+    return plans[ranks.rank] if plans is not None else _from_json(part)
+
+
+def _global(gathered: list[Any], holder_writes: int | None, chunk_bytes: int, pack_bytes: int) -> dict[int, ArrayPlan]:
+    """Every rank's plan from every rank's descriptions (JSON: boxes as lists). `holder_writes`: that rank writes
+    every box it holds (its own root), and its plan is the only one computed."""
+    held: dict[str, tuple[str, tuple[int, ...], dict[Box, list[int]]]] = {}  # name -> dtype, shape, box -> ranks
+    for rank, arrays in enumerate(gathered):
+        for name, (dt, shape, box) in arrays.items():
+            if type(box) is not tuple:  # lists, through JSON among ranks
+                shape, box = tuple(shape), tuple(map(tuple, box))
+            entry = held.setdefault(name, (dt, shape, {}))
+            if entry[0] != dt or entry[1] != shape:
+                raise ValueError(f"ranks disagree on tensor {name!r}: {entry[:2]} vs {(dt, shape)} on rank {rank}")
+            entry[2].setdefault(box, []).append(rank)
+    world = range(len(gathered)) if holder_writes is None else [holder_writes]
+    arrays: dict[str, ArrayInfo] = {}
+    written: dict[int, set[str]] = {r: set() for r in world}
+    designated: dict[int, set[str]] = {r: set() for r in world}
+    packed: dict[int, list[str]] = {}  # writer rank -> the arrays it packs, in the agreed order
+    limit = min(pack_bytes, chunk_bytes)
+    for name, (dt, shape, by_box) in held.items():
+        ordered = tuple(sorted(by_box))
+        if sum(map(_volume, ordered)) != math.prod(shape):
+            raise ValueError(
+                f"the ranks' pieces of tensor {name!r} do not tile its global shape {list(shape)} "
+                f"(boxes {list(ordered)}); is it a plain tensor that differs across ranks?"
+            )
+        chunk = chunk_shape(shape, torch_dtype(dt).itemsize, _starts(ordered), chunk_bytes)
+        arrays[name] = ArrayInfo(name, dt, shape, chunk, ordered)
+        for rks in by_box.values():
+            writer = rks[0] if len(rks) == 1 else rks[zlib.crc32(name.encode()) % len(rks)]
+            if writer in designated:
+                designated[writer].add(name)
+            for r in rks if holder_writes is not None else [writer]:
+                if r in written:
+                    written[r].add(name)
+            if len(ordered) == 1 and 0 < arrays[name].nbytes <= limit:
+                packed.setdefault(writer, []).append(name)
+    packs = {}
+    for writer, names in sorted(packed.items()):
+        pack = pack_name(writer)
+        offsets, total, chunk = pack_layout([arrays[n].nbytes for n in names], chunk_bytes)
+        packs[pack] = ArrayInfo(pack, "uint8", (total,), (chunk,), (((0, total),),))
+        for n, offset in zip(names, offsets):
+            arrays[n] = dataclasses.replace(arrays[n], chunk=arrays[n].shape, pack=(pack, offset))
+    return {r: ArrayPlan(arrays, frozenset(written[r]), frozenset(designated[r]), packs) for r in world}
+
+
+def _to_json(plan: ArrayPlan) -> dict[str, Any]:
+    """A rank's part as JSON, to send it: the arrays it writes, and its pack."""
+    arrays = {n: plan.arrays[n] for n in plan.written}
+    own = {a.pack[0] for a in arrays.values() if a.pack}
+    return {
+        "arrays": {n: [a.dtype, a.shape, a.chunk, a.boxes, a.pack] for n, a in arrays.items()},
+        "packs": {n: [p.shape[0], p.chunk[0]] for n, p in plan.packs.items() if n in own},
+        "written": sorted(plan.written),
+        "designated": sorted(plan.designated),
+    }
+
+
+def _from_json(d: dict[str, Any]) -> ArrayPlan:
+    """A rank's part, as the leader sent it."""
+
+    def box(b: Any) -> Box:
+        return tuple((int(lo), int(hi)) for lo, hi in b)
+
+    arrays = {
+        n: ArrayInfo(n, dt, tuple(shape), tuple(chunk), tuple(map(box, boxes)), None, None if p is None else tuple(p))
+        for n, (dt, shape, chunk, boxes, p) in d["arrays"].items()
+    }
+    packs = {n: ArrayInfo(n, "uint8", (total,), (chunk,), (((0, total),),)) for n, (total, chunk) in d["packs"].items()}
+    return ArrayPlan(arrays, frozenset(d["written"]), frozenset(d["designated"]), packs)
+
+
+def _volume(box: Box) -> int:
+    return math.prod(b - a for a, b in box)
+
+
+def _starts(boxes: tuple[Box, ...]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(a for a, _ in box) for box in boxes)
