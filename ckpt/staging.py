@@ -27,14 +27,17 @@ def _round_up(n: int) -> int:
 
 def _allocate(nbytes: int, populate: bool = True, stop: Callable[[], bool] = lambda: False) -> torch.Tensor:
     """A uint8 host tensor of `nbytes`, pinned when CUDA is available; with `populate` its pages are faulted
-    in now (else by their first writer, e.g. the parallel reads of a restore), unless `stop()` turns true."""
+    in now (else by their first writer, e.g. the parallel reads of a restore), unless `stop()` turns true.
+
+    In 4 KiB pages: 2 MiB ones (``MADV_HUGEPAGE``) fault in faster on a machine with free huge pages, but where
+    memory is fragmented each fault may compact it first: 512 MiB took 3.5 s to fault in, against 0.35 s in
+    4 KiB pages, and a fresh process's 2 GiB restore 6.2 s against 2.1 s, after 8 hours of uptime here
+    (docs/benchmarks.md, run 13). A long job's host is that machine."""
     if torch.cuda.is_available():
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages where THP is "madvise": first touches ~4x cheaper here
-        buf.madvise(mmap.MADV_HUGEPAGE)
     if populate:
         _touch(np.frombuffer(buf, dtype=np.uint8), stop)
     return torch.frombuffer(buf, dtype=torch.uint8)
@@ -168,8 +171,9 @@ class StagingArena:
         the next stage."""
         with self._taken():
             need = sum(_round_up(n) for _, _, n in wave)
-            if need > self.capacity:
-                self._buf = _allocate(need)
+            if need > self.capacity:  # not reserved: the copies below fault the pages in (touching them first
+                # doubled the stall: docs/benchmarks.md, run 13)
+                self._buf = _allocate(need, populate=False)
                 self._np = self._buf.numpy()
             out, off = [], 0
             now: list[Copy] = []
