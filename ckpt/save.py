@@ -56,9 +56,8 @@ class WritePlan:
     """What one rank writes for a step: arrays it creates, the regions it writes, and the manifest parts."""
 
     step: int
-    tree: (
-        Any  # the manifest's tree: every rank's entries on whoever commits (the leader, or each rank of a private root)
-    )
+    # the manifest's tree: with every rank's entries on whoever commits (the leader, or each rank of a private root)
+    tree: Any
     arrays: dict[str, ArrayInfo]  # every array on whoever commits; elsewhere the ones this rank writes
     tensors: dict[str, torch.Tensor]  # name -> local tensor (the data of the box this rank writes)
     boxes: dict[str, tuple[tuple[int, int], ...]]  # name -> box of the global array this rank writes
@@ -94,7 +93,7 @@ def plan(
     """
     flat = state_mod.flatten(state, rank=ranks.rank)
     meta = _json_metadata(metadata)
-    arrays, writes, boxes = planner.plan(ranks, flat.tensors, chunk_bytes, pack_bytes, every_holder=private)
+    agreed, writes, boxes = planner.plan(ranks, flat.tensors, chunk_bytes, pack_bytes, every_holder=private)
     per_rank = state_mod.per_rank_entries(flat.tree)
     tree = flat.tree
     if per_rank:  # every rank's entries, side by side in the manifest, to whoever commits it
@@ -105,14 +104,14 @@ def plan(
     return WritePlan(
         step,
         tree,
-        arrays.arrays,
+        agreed.arrays,
         writes,
         boxes,
         meta,
         ranks.world_size,
         private,
-        arrays.designated,
-        arrays.packs,
+        agreed.designated,
+        agreed.packs,
         ranks.rank,
     )
 
