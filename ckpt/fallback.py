@@ -59,7 +59,14 @@ def walk(
         s, storage = source.step, target.storage_of(source)
         error = target.heal(source)  # a lost local copy back from its peer
         plan, error = read(storage, s) if error is None else (None, error)
-        outcome = restore_mod.agree(storage, ranks, s, error)  # one decision for every rank
+        try:
+            outcome = restore_mod.agree(storage, ranks, s, error)  # one decision for every rank
+        except BaseException:
+            if plan is not None:
+                plan.undo()
+            raise
+        if outcome is not None and plan is not None:  # read here, not everywhere: the caller's tensors as they were
+            plan.undo()
         if outcome == "vanished":
             if step is not None:
                 raise StepNotFoundError(f"step {step} is not committed in {durable.url}")

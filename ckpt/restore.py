@@ -1,16 +1,20 @@
 """Mechanism of one restore, the mirror of `save.py`: `plan_restore` (manifest + target -> ReadPlan), `execute`
 (verified reads into buffers of its own), `apply` (into the caller's state).
 
-All or nothing for the caller: every chunk a restore needs is read into memory that is not the caller's
-(a scratch buffer in the staging arena, or a tensor of its own where the caller has none) and checked
-(size, crc32c, the manifest's digest) before a single byte reaches the caller's tensors; `apply` copies
-only after every read of the step verified. The manager (policy) picks the step and handles failures.
+All or nothing for the caller: every chunk a restore needs is checked (size, crc32c, the manifest's digest), and
+the caller's tensors hold the step's values only once every read of every rank verified, else what they held
+before. A region whose tensor is a plain contiguous CPU tensor of its own memory is read straight into it, after
+its old bytes were copied aside into the staging arena (on a thread of its own, ahead of the disk, so the copy
+costs no time of the restore's); a failed step copies them back (`ReadPlan.undo`). Other regions are read into
+scratch (the arena, or a tensor of its own where the caller has none), which `apply` copies into the caller's
+tensors. The manager (policy) picks the step and handles failures.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -59,7 +63,8 @@ class ArrayRead:
     box: Box
     targets: list[torch.Tensor] = field(default_factory=list)  # copied into by `apply`
     fresh: torch.Tensor | None = None  # the value itself where the caller had no tensor: read into directly
-    buffer: torch.Tensor | None = None  # where the reads go: `fresh`, or scratch
+    buffer: torch.Tensor | None = None  # where the reads go: `fresh`, the first target (`saved`), or scratch
+    saved: torch.Tensor | None = None  # the first target's bytes before the read, when it is read into directly
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -77,6 +82,13 @@ class ReadPlan:
     manifest: Manifest
     reads: dict[tuple[str, Box], ArrayRead]
     values: dict[str, Any]  # top-level key -> decoded value (tensors: the caller's own, or fresh ones)
+
+    def undo(self) -> None:
+        """Give the tensors read into directly their bytes from before the restore back (a step that failed)."""
+        for r in self.reads.values():
+            if r.saved is not None:
+                r.targets[0].detach().copy_(r.saved)
+                r.saved = None
 
 
 def plan_restore(
@@ -235,8 +247,10 @@ def execute(
     """
     step, packs = plan.manifest.step, plan.manifest.packs
     pending = [r for r in plan.reads.values() if r.fresh is None]
+    direct = _direct_targets(pending)
     for r, buf in zip(pending, arena.scratch([r.nbytes for r in pending])):
         r.buffer = buf.view(torch_dtype(r.info.dtype)).view(r.shape)
+    aside = _SetAside([r for r in pending if id(r) in direct])
     futures: list[Future] = []
     packed: dict[tuple[str, tuple[int, ...]], list[tuple[ArrayInfo, torch.Tensor, Box]]] = {}
     for r in plan.reads.values():
@@ -250,10 +264,11 @@ def execute(
         futures.append(pool.submit(store.check_zarr_json, storage, path, r.info, step=step))
         local = storage.direct_path(path)
         rows = store.direct_rows(r.info, r.box) if local is not None else None
+        into = aside.reads_of(r, pool)
         if rows is not None:
-            futures += store.read_direct(local, r.info, r.buffer, rows, pool, step=step)
+            futures += store.read_direct(local, r.info, r.buffer, rows, into, step=step)
         elif r.buffer.numel():
-            futures += store.read_chunks(storage, path, r.info, r.buffer, r.box, pool, step=step)
+            futures += store.read_chunks(storage, path, r.info, r.buffer, r.box, into, step=step)
     for name in dict.fromkeys(name for name, _ in packed):
         futures.append(
             pool.submit(
@@ -263,14 +278,100 @@ def execute(
     for chunk, members in packed.items():
         path = layout.pack_path(step, chunk[0], plan.manifest.data)
         futures.append(pool.submit(_read_packed, storage, path, packs[chunk[0]], members, step, chunk, checked_packs))
+    aside.start()
     errors = []
     for f in futures:
         try:
             f.result()
         except Exception as e:
             errors.append(e)
-    if errors:
-        raise errors[0]
+    aside.join()
+    if errors or aside.error is not None:
+        plan.undo()
+        raise errors[0] if errors else aside.error
+
+
+def _direct_targets(reads: Sequence[ArrayRead]) -> set[int]:
+    """The reads (by id) whose first target can be read into directly: a contiguous CPU tensor of the read's dtype
+    and shape whose bytes no other read's target shares (tied or overlapping views stay read into scratch)."""
+    spans: dict[int, tuple[int, int]] = {}
+    for r in reads:
+        t = r.targets[0] if r.targets else None
+        if (
+            t is not None
+            and r.info.pack is None
+            and t.device.type == "cpu"
+            and t.is_contiguous()
+            and t.dtype == torch_dtype(r.info.dtype)
+            and tuple(t.shape) == r.shape
+            and t.numel() > 0
+        ):
+            spans[id(r)] = (t.data_ptr(), t.data_ptr() + r.nbytes)
+    # every other target's whole storage (a strided view may reach anywhere in it)
+    others = [x for r in reads for x in (r.targets if id(r) not in spans else r.targets[1:])]
+    extents = [(lo, hi, key) for key, (lo, hi) in spans.items()]
+    extents += [(s.data_ptr(), s.data_ptr() + s.nbytes(), None) for s in (x.untyped_storage() for x in others)]
+    clash: set[int | None] = set()
+    reach, owner = -1, None  # the furthest end so far, and whose
+    for lo, hi, key in sorted(extents, key=lambda e: (e[0], e[1])):
+        if lo < reach:  # overlaps the extent that reaches furthest (sorted by start: it starts no later)
+            clash |= {key, owner}
+        if hi > reach:
+            reach, owner = hi, key
+    return set(spans) - clash
+
+
+class _SetAside:
+    """Copies the first target of each direct read aside (into the read's scratch buffer, which then becomes its
+    `saved` bytes) on a thread of its own, in read order; a read's writes into its target wait for its copy."""
+
+    def __init__(self, reads: list[ArrayRead]):
+        self.reads, self.error = reads, None
+        self._done = {id(r): threading.Event() for r in reads}
+        for r in reads:  # from now on the read goes into the caller's tensor
+            r.saved, r.buffer = r.buffer, r.targets[0].detach()
+        self._thread = threading.Thread(target=self._run, name="ckpt-restore-aside", daemon=True)
+
+    def reads_of(self, r: ArrayRead, pool: ThreadPoolExecutor) -> Any:
+        """Where the reads of `r` are submitted: `pool`, each task after `r`'s target was copied aside."""
+        return pool if id(r) not in self._done else _After(pool, self._done[id(r)], self)
+
+    def start(self) -> None:
+        if self.reads:
+            self._thread.start()
+
+    def join(self) -> None:
+        if self.reads:
+            self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            for r in self.reads:
+                r.saved.copy_(r.buffer)
+                self._done[id(r)].set()
+        except BaseException as e:  # no read may write a target whose bytes are not aside: they all stop
+            self.error = e
+        finally:
+            for r in self.reads:
+                if not self._done[id(r)].is_set():
+                    r.saved = None  # nothing to undo: its target was never written
+                    self._done[id(r)].set()
+
+
+class _After:
+    """A pool whose tasks first wait for `ready` (and refuse to run when the copy aside failed)."""
+
+    def __init__(self, pool: ThreadPoolExecutor, ready: threading.Event, aside: _SetAside):
+        self.pool, self.ready, self.aside = pool, ready, aside
+
+    def submit(self, fn: Any, *args: Any, **kwargs: Any) -> Future:
+        def run() -> Any:
+            self.ready.wait()
+            if self.aside.error is not None:
+                raise RuntimeError("restore stopped: a target could not be copied aside") from self.aside.error
+            return fn(*args, **kwargs)
+
+        return self.pool.submit(run)
 
 
 def _read_packed(
@@ -292,7 +393,7 @@ def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
     """Land a verified read in the caller's state: copy each buffer into its tensors, then set or load values."""
     cuda = False
     for r in plan.reads.values():
-        for t in r.targets:
+        for t in r.targets[1:] if r.saved is not None else r.targets:  # a direct read's first target holds it
             t.copy_(r.buffer, non_blocking=t.is_cuda)
             cuda = cuda or t.is_cuda
     if cuda:

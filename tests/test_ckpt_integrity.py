@@ -121,7 +121,7 @@ def test_failed_restore_leaves_a_module_unchanged(tmp_path):
 
 def test_restore_is_planned_then_executed_then_applied(tmp_path):
     """The mechanism mirrors a save: the plan reads nothing, executing it reads and verifies without touching the
-    caller's tensors, and only `apply` lands the values."""
+    caller's tensors read through scratch (a packed one here), and only `apply` lands the values."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ckpt import layout, restore
@@ -142,6 +142,32 @@ def test_restore_is_planned_then_executed_then_applied(tmp_path):
     assert torch.equal(w, torch.zeros(4, 5)) and target["n"] == 0  # read and verified, not applied
     restore.apply(plan, target)
     assert target["w"] is w and torch.equal(w, saved["w"]) and target["n"] == 3
+
+
+def test_a_tensor_read_into_directly_gets_its_bytes_back_when_the_step_fails(tmp_path):
+    """A plain contiguous CPU tensor (too big to be packed) is read straight into, its old bytes set aside first:
+    `undo` (a step that failed here or on another rank) gives them back bitwise, and a tied pair is read via scratch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckpt import layout, restore
+    from ckpt.distributed import Ranks
+    from ckpt.staging import StagingArena
+
+    saved = {"w": torch.randn(512, 300), "v": torch.randn(512, 300)}
+    with ckpt.CheckpointManager(tmp_path, **UNPACKED) as m:
+        m.save(1, saved).wait()
+    storage = open_storage(str(tmp_path))
+    for tied in (False, True):
+        w = torch.full((512, 300), 7.0)
+        target = {"w": w, "v": w if tied else torch.zeros(512, 300)}
+        plan = restore.plan_restore(layout.read_manifest(storage, 1), target, None, Ranks.local())
+        with ThreadPoolExecutor(2) as pool:
+            restore.execute(storage, plan, pool, StagingArena(None))
+        direct = [name for (name, _), r in plan.reads.items() if r.saved is not None]
+        assert direct == ([] if tied else ["w", "v"])
+        assert torch.equal(w, torch.full((512, 300), 7.0) if tied else saved["w"])
+        plan.undo()
+        assert _bits(w) == _bits(torch.full((512, 300), 7.0)), tied
 
 
 # -- 2. the manifest vouches for every chunk ---------------------------------------------------------

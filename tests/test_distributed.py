@@ -127,6 +127,8 @@ def test_damaged_step_is_skipped_by_every_rank_and_quarantined_once(tmp_path, da
     if damage == "shard":  # at world size 3 the shards are not aligned with the chunks (the chunk-by-chunk read path)
         results = run_ranks(3, "restore_damaged", f"{root}.copy")
         _restored(results, 1)
+        # asked for step 2 first: ranks 0 and 1 read their shards intact, rank 2 did not; all failed, none changed
+        assert all(f"rank {i} failed step 2, changed []" in r.stdout for i, r in enumerate(results)), results
         assert (
             "another rank found damage" in results[0].stdout
             and chunk.replace(root, f"{root}.copy") in results[1].stdout

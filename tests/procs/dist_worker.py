@@ -165,6 +165,16 @@ def main(mode: str, root: str) -> None:
         print(f"restored {step}: mismatched {bad}, extra {state['extra'].flatten().tolist()}", flush=True)
     elif mode == "restore_damaged":
         with ckpt.CheckpointManager(root, collective_timeout=20) as m:
+            # step 2 asked for: every rank but the last reads its part intact (straight into the model), the last
+            # finds the damage; the step fails on every rank and every rank's model is as it was
+            before = flat_reference(model, opt)
+            try:
+                m.restore(state_of(model, opt), step=2)
+                print("NO ERROR", flush=True)
+            except ckpt.CorruptCheckpointError:
+                pass
+            after = flat_reference(model, opt)
+            print(f"rank {rank} failed step 2, changed {[k for k in before if not torch.equal(before[k], after[k])]}")
             restore_and_compare(m, model, opt, os.path.join(root, "..", "reference1.pt"))
     elif mode in ("save", "kill"):
         g = torch.Generator().manual_seed(1)
