@@ -34,7 +34,9 @@ ROWS = {  # name -> (kind, workers, reader backend, O_DIRECT)
     "reader threads+FADV_RANDOM, 0 w": ("reader", 0, "threads", False),
 }
 FIO_DEPTHS = (1, 16, 64)
-BATCH = 256  # windows per batch (one rank); the sampler's and the read-ahead's permutation cost is per batch
+# windows per batch (one rank) by window bytes: the permutation's cost is per batch (small batches pay it more
+# often), the int64 batch tensor's fresh pages per window (a batch over 32 MiB is a fresh mmap each time)
+BATCHES = "4096:256,32768:64"
 SETTLE_S = 1.0
 
 
@@ -78,7 +80,8 @@ def child(args: argparse.Namespace) -> None:
     kind, workers, backend, direct = ROWS[args.row]
     tokens = args.window // 2
     dataset = TokenWindowDataset(args.file, np.uint16, tokens, seed=1)
-    sampler = RandomWindowSampler(dataset.n_tokens, tokens, tokens, BATCH, seed=args.seed, rank=0, world_size=1)
+    batch = args.batch
+    sampler = RandomWindowSampler(dataset.n_tokens, tokens, tokens, batch, seed=args.seed, rank=0, world_size=1)
 
     class PerItem(Dataset):  # today's path: one memory-mapped window per __getitem__
         def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
@@ -90,7 +93,7 @@ def child(args: argparse.Namespace) -> None:
         if backend is not None:
             dataset._reader = WindowReader(dataset.stream, tokens, backend=backend, direct=direct)
         loader = make_loader(dataset, sampler, num_workers=workers)
-    batches = args.count // BATCH
+    batches = args.count // batch
     it = iter(loader)
     next(it)  # workers started, code paths warm; then the cache is dropped and left to settle (other processes
     warm = drop_caches()  # fault their own pages back in, which /proc/diskstats would count as ours)
@@ -101,12 +104,12 @@ def child(args: argparse.Namespace) -> None:
         next(it)
     elapsed = time.perf_counter() - t0
     del it  # joins the workers, so their CPU is counted
-    windows = batches * BATCH
+    windows = batches * batch
     print(
         json.dumps(
             {
-                "windows_s": (windows - BATCH) / elapsed,
-                "amp": (disk_bytes_read(args.file) - disk0) / ((windows - BATCH) * args.window),
+                "windows_s": (windows - batch) / elapsed,
+                "amp": (disk_bytes_read(args.file) - disk0) / ((windows - batch) * args.window),
                 "cpu_per_1k": 1000 * (cpu_seconds() - cpu0) / windows,
                 "cold": warm,
             }
@@ -156,6 +159,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gb", type=float, default=4.0)
     parser.add_argument("--windows", default="4096,32768", help="window sizes in bytes (uint16 tokens)")
+    parser.add_argument("--batch", default=BATCHES, help="WINDOW_BYTES:WINDOWS_PER_BATCH,... (child: a number)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fio-seconds", type=float, default=4.0)
     parser.add_argument("--dir", default=None, help="where the token file goes (default: a temp dir, deleted)")
@@ -168,7 +172,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.row:
+        args.batch = int(args.batch)
         return child(args)
+    batch_of = {int(w): int(b) for w, b in (item.split(":") for item in args.batch.split(","))}
     folder = args.dir or tempfile.mkdtemp(prefix="ckpt-data-bench-", dir="/tmp")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "tokens.bin")
@@ -180,16 +186,17 @@ def main() -> None:
             runs = raw.setdefault(str(window), {})
             for repeat in range(args.repeats):
                 for row, (kind, workers, _, _) in ROWS.items():
-                    count = BATCH * (10 if kind == "mmap" else 80) * (workers or 1)
+                    batch = batch_of[window]
+                    count = (2560 if kind == "mmap" else 20480) * (workers or 1) // batch * batch
                     out = subprocess.run(
                         [sys.executable, __file__, "--_child", row, "--file", path, "--window", str(window),
-                         "--count", str(count), "--seed", str(repeat)],
+                         "--count", str(count), "--seed", str(repeat), "--batch", str(batch)],
                         check=True, capture_output=True, text=True,
                     ).stdout  # fmt: skip
                     runs.setdefault(row, []).append(json.loads(out.strip().splitlines()[-1]))
                 for depth in FIO_DEPTHS if has_fio else ():
                     runs.setdefault(f"fio iodepth {depth}", []).append(run_fio(path, window, depth, args.fio_seconds))
-            report(window, runs, args.size_gb, args.repeats, has_fio)
+            report(window, batch_of[window], runs, args.size_gb, args.repeats, has_fio)
     finally:
         if not args.keep:
             os.remove(path)
@@ -200,14 +207,17 @@ def main() -> None:
             json.dump(raw, f, indent=1)
 
 
-def report(window: int, runs: dict[str, list[dict[str, Any]]], size_gb: float, repeats: int, has_fio: bool) -> None:
+def report(
+    window: int, batch: int, runs: dict[str, list[dict[str, Any]]], size_gb: float, repeats: int, has_fio: bool
+) -> None:
     """Print one window size's table of medians, and the reader's ratios to fio's best row."""
     med = {
         row: {k: statistics.median(r[k] for r in rs) for k in ("windows_s", "amp", "cpu_per_1k")}
         for row, rs in runs.items()
     }
     cold = all(r["cold"] for rs in runs.values() for r in rs)
-    print(f"\n{window // 1024} KiB windows ({window // 2} uint16 tokens), {size_gb:g} GiB file, medians of {repeats}"
+    print(f"\n{window // 1024} KiB windows ({window // 2} uint16 tokens, {batch} a batch), {size_gb:g} GiB file, "
+          f"medians of {repeats}"
           f"{'' if cold else ', WARM CACHE (not root?)'}")  # fmt: skip
     print(f"{'reader':34s} {'windows/s':>10s} {'MB/s':>8s} {'disk B/window B':>16s} {'CPU s/1k win':>13s}")
     for row, m in med.items():
