@@ -82,20 +82,25 @@ def test_workers_transform_and_own_collate_equal_per_item_reads(tmp_path, worker
 
 
 def test_skip_and_state_loaded_between_iterators_are_read_exactly(tmp_path):
-    """A changed position makes the read-ahead miss; the batch is then read synchronously, never a stale one."""
+    """A skip changes the windows of counters already read ahead, a loaded state the counters: both must be read
+    anew (the read-ahead is used only for exactly the keys asked), never served stale."""
     ds = TokenWindowDataset(write_tokens(tmp_path / "tokens.bin", 4000), np.uint16, WINDOW, 5)
     s = _sampler(ds, 5, 4)
-    loader = make_loader(ds, s)  # one WindowBatches across both iterators, its read-ahead still in flight
+    loader = make_loader(ds, s)  # one WindowBatches across the iterators, its read-ahead still in flight
     it = s.track(loader)
     [next(it) for _ in range(3)]
-    s.skip(s.explain(5).indices[:2])
+    s.skip(s.explain(4).indices[:2])  # step 4's batch (counters 12..15) is in flight with the old windows
+    it = s.track(loader)
+    got = [next(it) for _ in range(3)]
     state = {**s.state_dict(), "t": 40, "step": 10}  # the skip list travels in the state
     s.load_state_dict(state)
     it = s.track(loader)
-    got = [next(it) for _ in range(4)]
+    got += [next(it) for _ in range(4)]
     ref_s = _sampler(ds, 5, 4)
+    ref_s.load_state_dict({**state, "t": 12, "step": 3})
+    ref = _reference(ds, ref_s, 3)
     ref_s.load_state_dict(state)
-    assert _same(got, _reference(ds, ref_s, 4))
+    assert _same(got, ref + _reference(ds, ref_s, 4))
 
 
 @pytest.mark.parametrize("backend,direct", [("aio", True), ("threads", True), ("threads", False)])
@@ -150,6 +155,19 @@ def test_errors_name_the_file_and_the_sizes(tmp_path):
     os.truncate(path, 150)  # the file shrank under the reader: reads come back short
     with pytest.raises(OSError, match=r"t.bin: read at byte 0: expected 232 bytes, got 150 bytes"):
         reader.read([100])
+
+
+def test_read_ahead_serves_every_batch_after_the_first_and_a_resume_misses_once(tmp_path):
+    ds = TokenWindowDataset(write_tokens(tmp_path / "tokens.bin", 5000), np.uint16, WINDOW, 0)
+    s = _sampler(ds, 0, 4)
+    loader = make_loader(ds, s)
+    it = s.track(loader)
+    [next(it) for _ in range(6)]
+    assert (loader.dataset.hits, loader.dataset.misses) == (5, 1)
+    s.load_state_dict({**s.state_dict(), "t": 400, "step": 100})
+    it = s.track(loader)
+    [next(it) for _ in range(3)]
+    assert (loader.dataset.hits, loader.dataset.misses) == (7, 2)
 
 
 def test_prefetch_is_bounded_per_process(tmp_path):

@@ -473,10 +473,11 @@ class WindowBatches(Dataset[Any]):
         self.prefetch_batches, self.max_prefetch_bytes = prefetch_batches, max_prefetch_bytes
         self._pending: dict[int, tuple[np.ndarray, int]] = {}  # first counter -> (its starts, reader ticket)
         self._pid = -1
+        self.hits = self.misses = 0  # this process's batches served from the read-ahead / read on request
 
     def __getstate__(self) -> dict[str, Any]:
         """Workers start with nothing in flight (a reader's tickets are per process)."""
-        return {**self.__dict__, "_pending": {}, "_pid": -1}
+        return {**self.__dict__, "_pending": {}, "_pid": -1, "hits": 0, "misses": 0}
 
     def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
         return self.dataset[key]
@@ -491,10 +492,12 @@ class WindowBatches(Dataset[Any]):
         hit = self._pending.pop(int(counters[0]), None) if len(counters) else None
         if hit is not None and np.array_equal(hit[0], starts):
             tokens = reader.collect(hit[1])
+            self.hits += 1
         else:  # not foreseen (first batch, resume, skip): drop what was read ahead, read this one now
             reader.drain()
             self._pending.clear()
             tokens = reader.read(starts)
+            self.misses += 1
         self._read_ahead(counters)
         if self.collate:
             return self.dataset.batch(counters, starts, tokens)
