@@ -2,8 +2,8 @@
 
 Random windows defeat the page cache's read-around: a memory-mapped 4 KiB window costs ~340 KiB of disk reads
 (issue 26). Here a batch of windows is read with `O_DIRECT` into page-aligned bounce buffers, so the disk reads
-the window's pages and nothing else, and all of a batch's reads are in flight at once: through Linux native AIO
-(one `io_submit` for the whole batch, built as a numpy array of `struct iocb`, no Python per window), or, where
+the window's pages and nothing else, and a batch's reads are in flight together (up to 256): through Linux native AIO
+(`io_submit` calls of up to 256 reads, built as a numpy array of `struct iocb`, no Python per window), or, where
 AIO or `O_DIRECT` is missing (tmpfs, another OS), through a small thread pool of `os.preadv` calls on a file
 opened with `POSIX_FADV_RANDOM`. `bench/data_read.py` measures both; AIO is the default.
 
@@ -161,9 +161,7 @@ class _Batch:
     """A batch of windows being read: its pieces, the bounce buffer they land in, and per-piece results."""
 
     pieces: _Pieces
-    window: int
-    direct: bool
-    start: np.ndarray  # per piece: byte offset of its read in the bounce buffer (or in the output)
+    start: np.ndarray  # per piece: byte offset of its read in the bounce buffer
     skew: np.ndarray  # per piece: bytes from the read's start to the piece's first byte (O_DIRECT alignment)
     nbytes: np.ndarray  # per piece: bytes requested
     buffer: np.ndarray
@@ -265,7 +263,7 @@ class WindowReader:
             lo, nbytes, skew = pieces.offset, pieces.length, np.zeros_like(pieces.offset)
             start = np.concatenate([[0], np.cumsum(nbytes)[:-1]]).astype(np.int64)
             buffer = self._buffer(int(nbytes.sum()))
-        batch = _Batch(pieces, self.window, self._direct, start, skew, nbytes, buffer)
+        batch = _Batch(pieces, start, skew, nbytes, buffer)
         batch.result = np.zeros(len(nbytes), dtype=np.int64)
         batch.remaining = len(nbytes)
         ticket = self._next_id
@@ -391,7 +389,8 @@ class _Aio:
     def submit(
         self, ticket: int, batch: _Batch, fds: np.ndarray, offsets: np.ndarray, inflight: dict[int, _Batch]
     ) -> None:
-        """One io_submit for all of the batch's reads (iocbs built by numpy; data = ticket << 32 | piece)."""
+        """Submit all of the batch's reads (iocbs built by numpy; data = ticket << 32 | piece), as few io_submit
+        calls as the ring's free slots allow."""
         n = len(offsets)
         iocbs = np.zeros(n, dtype=_IOCB)
         iocbs["data"] = (np.uint64(ticket) << np.uint64(32)) | np.arange(n, dtype=np.uint64)
