@@ -8,32 +8,22 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+from torch.utils.data._utils.collate import default_collate
 
 from ..distributed import topology
 from ..errors import DataMismatchError  # noqa: F401 (defined with the other errors; importable here too)
 from .permutation import epoch_permutation
 from .seeding import sample_rng, torch_generator
+from .windows import FINGERPRINT_BLOCK, TokenStream, WindowReader, data_fingerprint, resolve_token_files  # noqa: F401
 
 T = TypeVar("T")
-FINGERPRINT_BLOCK = 1 << 16
-
-
-def data_fingerprint(path: str | os.PathLike[str], block: int = FINGERPRINT_BLOCK) -> str:
-    """Hash of a file's size and its first and last `block` bytes: cheap, and catches a swapped or grown file."""
-    size = os.path.getsize(path)
-    digest = hashlib.sha256(f"size={size};block={block};".encode())
-    with open(path, "rb") as f:
-        digest.update(f.read(block))
-        f.seek(max(0, size - block))
-        digest.update(f.read(block))
-    return digest.hexdigest()[:16]
 
 
 def hash_batch(counters: Iterable[int], values: Iterable[int]) -> str:
@@ -371,42 +361,63 @@ def format_explanation(explanation: Explanation) -> str:
 
 
 class TokenWindowDataset(Dataset[dict[str, Any]]):
-    """Windows of a memory-mapped token file, keyed by (t, start); augmentation draws from the per-sample RNG."""
+    """Windows of a token stream keyed by (t, start); augmentation draws from the per-sample RNG.
+
+    `path` is one token file, a directory (its regular non-hidden files, sorted by name) or a list of files (in
+    the order given): the files are concatenated into one global stream of `n_tokens` tokens, and a window may
+    cross a shard boundary (its tokens are the tail of one file followed by the head of the next).
+    `dataset[key]` reads one window through a memory map; `__getitems__` (what a DataLoader calls) reads a
+    whole batch with `WindowReader` (O_DIRECT, all reads in flight at once); `make_loader` also reads ahead.
+    """
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         dtype: np.dtype | str,
         window: int,
         seed: int,
         transform: Callable[[np.ndarray, np.random.Generator], Any] | None = None,
     ) -> None:
-        self.path = os.fspath(path)
-        self.dtype = np.dtype(dtype)
-        size = os.path.getsize(self.path)
-        if size % self.dtype.itemsize:
-            raise ValueError(
-                f"{self.path}: size {size} is not a multiple of {self.dtype} itemsize {self.dtype.itemsize}"
-            )
-        self.n_tokens = size // self.dtype.itemsize
+        self.files = resolve_token_files(path)
+        self.path = self.files[0] if len(self.files) == 1 else None  # the token file, when there is one
+        self.stream = TokenStream(self.files, dtype)
+        self.dtype, self.n_tokens = self.stream.dtype, self.stream.n_tokens
         self.window, self.seed, self.transform = window, seed, transform
-        self._tokens: np.memmap | None = None
+        self._tokens: list[np.memmap] | None = None
+        self._reader: WindowReader | None = None
 
     def fingerprint(self) -> str:
-        """The data fingerprint a sampler over this file should record."""
-        return data_fingerprint(self.path)
+        """The data fingerprint a sampler over this stream should record (one file: `data_fingerprint(path)`)."""
+        return self.stream.fingerprint()
+
+    def reader(self) -> WindowReader:
+        """This dataset's batch reader (one per process; it opens its files on first use)."""
+        if self._reader is None:
+            self._reader = WindowReader(self.stream, self.window)
+        return self._reader
 
     def __getstate__(self) -> dict[str, Any]:
-        """Send workers the path, not the mapped array (pickling a memmap copies the whole file)."""
+        """Send workers the paths, not the mapped arrays (pickling a memmap copies the whole file)."""
         return {**self.__dict__, "_tokens": None}
 
     def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
+        """One sample through memory maps: the reference path, and what a plain per-item DataLoader reads."""
         t, start = key
         if self._tokens is None:
-            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
-        tokens = np.array(self._tokens[start : start + self.window])
-        if len(tokens) != self.window:
-            raise IndexError(f"window [{start}, {start + self.window}) exceeds {self.n_tokens} tokens in {self.path}")
+            self._tokens = [np.memmap(f, dtype=self.dtype, mode="r") for f in self.files]
+        p = self.stream.pieces(np.asarray([start]), self.window)
+        item = self.dtype.itemsize
+        tokens = np.empty(self.window, dtype=self.dtype)
+        for f, off, length, dest in zip(p.file.tolist(), p.offset.tolist(), p.length.tolist(), p.dest.tolist()):
+            tokens[dest : dest + length // item] = self._tokens[f][off // item : (off + length) // item]
+        return self._sample(t, start, tokens)
+
+    def __getitems__(self, keys: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
+        """A batch of samples read with one `WindowReader.read` (a DataLoader calls this instead of indexing)."""
+        pairs = np.asarray(keys, dtype=np.int64).reshape(-1, 2)
+        return self.samples(pairs[:, 0], pairs[:, 1], self.reader().read(pairs[:, 1]))
+
+    def _sample(self, t: int, start: int, tokens: np.ndarray) -> dict[str, Any]:
         out = (
             self.transform(tokens, sample_rng(self.seed, t))
             if self.transform
@@ -414,8 +425,124 @@ class TokenWindowDataset(Dataset[dict[str, Any]]):
         )
         return {"t": t, "start": start, "tokens": out}
 
+    def samples(self, counters: np.ndarray, starts: np.ndarray, tokens: np.ndarray) -> list[dict[str, Any]]:
+        """Per-sample dicts, as `dataset[(t, start)]` gives them, from a batch of windows already read."""
+        return [self._sample(t, s, row) for t, s, row in zip(counters.tolist(), starts.tolist(), tokens)]
 
-def make_loader(dataset: Dataset[Any], sampler: _CounterSampler, **kwargs: Any) -> DataLoader[Any]:
-    """A DataLoader over the sampler's batches whose iter() does not draw from the global torch RNG."""
+    def batch(self, counters: np.ndarray, starts: np.ndarray, tokens: np.ndarray) -> dict[str, Any]:
+        """The collated batch, equal to `default_collate(samples(...))`, built without a per-sample step when
+        there is no transform."""
+        if self.transform is not None:
+            return default_collate(self.samples(counters, starts, tokens))
+        return {
+            "t": torch.from_numpy(np.ascontiguousarray(counters)),
+            "start": torch.from_numpy(np.ascontiguousarray(starts)),
+            "tokens": torch.from_numpy(tokens.astype(np.int64)),
+        }
+
+
+PREFETCH_BATCHES = 4
+MAX_PREFETCH_BYTES = 256 << 20
+
+
+class WindowBatches(Dataset[Any]):
+    """`make_loader`'s view of a `TokenWindowDataset` under a `RandomWindowSampler`: one call per batch, and the
+    reads of this process's next batches in flight before they are asked for.
+
+    The order is a pure function of the counter, so the next batches are computed, not guessed: a process that
+    receives the batch at counters c gets c + k * workers * global_batch next (DataLoader hands batches to its
+    workers in turn). A prediction is only used when the sampler asks for exactly those keys, so a resume, a
+    skip or a changed worker count costs a synchronous read, never a wrong batch. At most `prefetch_batches`
+    batches and `max_prefetch_bytes` of windows are read ahead per process.
+    """
+
+    def __init__(
+        self,
+        dataset: TokenWindowDataset,
+        sampler: RandomWindowSampler,
+        *,
+        prefetch_batches: int = PREFETCH_BATCHES,
+        max_prefetch_bytes: int = MAX_PREFETCH_BYTES,
+        collate: bool = True,
+    ) -> None:
+        if prefetch_batches < 0 or max_prefetch_bytes < 0:
+            raise ValueError(
+                f"prefetch_batches and max_prefetch_bytes must be >= 0, got {prefetch_batches}, {max_prefetch_bytes}"
+            )
+        self.dataset, self.sampler, self.collate = dataset, sampler, collate
+        self.prefetch_batches, self.max_prefetch_bytes = prefetch_batches, max_prefetch_bytes
+        self._pending: dict[int, tuple[np.ndarray, int]] = {}  # first counter -> (its starts, reader ticket)
+        self._pid = -1
+        self.hits = self.misses = 0  # this process's batches served from the read-ahead / read on request
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Workers start with nothing in flight (a reader's tickets are per process)."""
+        return {**self.__dict__, "_pending": {}, "_pid": -1, "hits": 0, "misses": 0}
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
+        return self.dataset[key]
+
+    def __getitems__(self, keys: Sequence[tuple[int, int]]) -> Any:
+        """The batch for these keys (collated unless the loader has its own collate_fn), then the next reads."""
+        pairs = np.asarray(keys, dtype=np.int64).reshape(-1, 2)
+        counters, starts = pairs[:, 0], pairs[:, 1]
+        reader = self.dataset.reader()
+        if self._pid != os.getpid():
+            self._pid, self._pending = os.getpid(), {}
+        hit = self._pending.pop(int(counters[0]), None) if len(counters) else None
+        if hit is not None and np.array_equal(hit[0], starts):
+            tokens = reader.collect(hit[1])
+            self.hits += 1
+        else:  # not foreseen (first batch, resume, skip): drop what was read ahead, read this one now
+            reader.drain()
+            self._pending.clear()
+            tokens = reader.read(starts)
+            self.misses += 1
+        self._read_ahead(counters)
+        if self.collate:
+            return self.dataset.batch(counters, starts, tokens)
+        return self.dataset.samples(counters, starts, tokens)
+
+    def _read_ahead(self, counters: np.ndarray) -> None:
+        """Submit this process's next batches (those not yet in flight), within the count and byte bounds."""
+        info = get_worker_info()
+        step = (info.num_workers if info else 1) * self.sampler.global_batch_size
+        batch_bytes = max(1, len(counters) * self.dataset.window * self.dataset.dtype.itemsize)
+        depth = min(self.prefetch_batches, self.max_prefetch_bytes // batch_bytes)
+        reader = self.dataset.reader()
+        for k in range(1, depth + 1):
+            ahead = counters + k * step
+            if int(ahead[0]) not in self._pending:
+                starts = self.sampler._values(self.sampler.indices(ahead))
+                self._pending[int(ahead[0])] = (starts, reader.submit(starts))
+
+
+def _collated(batch: Any) -> Any:
+    """collate_fn for `WindowBatches`: its batches come collated already."""
+    return batch
+
+
+def make_loader(
+    dataset: Dataset[Any],
+    sampler: _CounterSampler,
+    *,
+    prefetch_batches: int = PREFETCH_BATCHES,
+    max_prefetch_bytes: int = MAX_PREFETCH_BYTES,
+    **kwargs: Any,
+) -> DataLoader[Any]:
+    """A DataLoader over the sampler's batches whose iter() does not draw from the global torch RNG.
+
+    A `TokenWindowDataset` under a `RandomWindowSampler` is served through `WindowBatches` (batch reads at the
+    disk's random-read rate, the next batches read ahead within `prefetch_batches` / `max_prefetch_bytes` per
+    process), with `pin_memory` on by default when CUDA is present; the batches are the same as per-item reads.
+    """
     kwargs.setdefault("generator", torch_generator(sampler.seed, "loader"))
+    if isinstance(dataset, TokenWindowDataset) and isinstance(sampler, RandomWindowSampler):
+        collate = "collate_fn" not in kwargs
+        dataset = WindowBatches(
+            dataset, sampler, prefetch_batches=prefetch_batches, max_prefetch_bytes=max_prefetch_bytes, collate=collate
+        )
+        if collate:
+            kwargs["collate_fn"] = _collated
+        kwargs.setdefault("pin_memory", torch.cuda.is_available())
     return DataLoader(dataset, batch_sampler=sampler, **kwargs)

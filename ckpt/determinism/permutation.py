@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import numpy as np
 
@@ -60,7 +61,10 @@ class FeistelPermutation:
         return out.astype(np.int64).reshape(shape)
 
 
+@lru_cache(maxsize=64)
 def epoch_permutation(size: int, seed: int, epoch: int) -> FeistelPermutation:
-    """The permutation of epoch `epoch` under `seed`: round keys from SeedSequence(seed, spawn_key=(perm, epoch))."""
+    """The permutation of epoch `epoch` under `seed`: round keys from SeedSequence(seed, spawn_key=(perm, epoch)).
+    Cached (a permutation is immutable): samplers ask for the same epoch's once per batch, the reader's read-ahead
+    again for the next batches."""
     keys = seed_sequence(seed, "permutation", epoch).generate_state(ROUNDS, dtype=np.uint64)
     return FeistelPermutation(size, [int(k) for k in keys])

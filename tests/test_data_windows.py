@@ -1,0 +1,191 @@
+"""The batch window reader against today's per-item memory-mapped reads: same windows, order and bytes, over seeds,
+world sizes, workers, a resume, shards (a window across a boundary) and every backend; real files, no mocks."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data._utils.collate import default_collate
+
+from ckpt import RandomWindowSampler, TokenWindowDataset, make_loader
+from ckpt.determinism.data import WindowBatches, data_fingerprint
+from ckpt.determinism.windows import TokenStream, WindowReader
+from test_data_sampler import noisy, write_tokens
+
+WINDOW = 33
+
+
+class PerItem(Dataset):
+    """Today's path: a DataLoader that indexes the dataset one window at a time (memory map, no batch reads)."""
+
+    def __init__(self, dataset: TokenWindowDataset) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, key):
+        return self.dataset[key]
+
+
+def _reference(dataset: TokenWindowDataset, sampler: RandomWindowSampler, steps: int) -> list[dict]:
+    """Batches as a plain per-item DataLoader over the sampler gives them (default collate)."""
+    it = sampler.track(DataLoader(PerItem(dataset), batch_sampler=sampler, collate_fn=default_collate))
+    return [next(it) for _ in range(steps)]
+
+
+def _same(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b)
+    )
+
+
+def _shards(tmp_path, sizes: list[int]) -> list:
+    d = tmp_path / "shards"
+    d.mkdir()
+    return [write_tokens(d / f"part-{i:03d}.bin", n, vocab=1000 + i) for i, n in enumerate(sizes)]
+
+
+def _sampler(ds: TokenWindowDataset, seed: int, batch: int, **kw) -> RandomWindowSampler:
+    return RandomWindowSampler(ds.n_tokens, WINDOW, 5, batch, seed, fingerprint=ds.fingerprint(), **kw)
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**33 + 1])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_make_loader_equals_per_item_reads_over_seeds_world_sizes_and_a_resume(tmp_path, seed, world_size):
+    files = _shards(tmp_path, [700, 61, 1500])
+    ds = TokenWindowDataset(files, np.uint16, WINDOW, seed)
+    for rank in range(world_size):
+        ref = _reference(ds, _sampler(ds, seed, 8, rank=rank, world_size=world_size), 12)
+        s = _sampler(ds, seed, 8, rank=rank, world_size=world_size)
+        it = s.track(make_loader(ds, s))
+        first = [next(it) for _ in range(5)]
+        state = json.loads(json.dumps(s.state_dict()))
+        resumed = _sampler(ds, seed, 8, rank=rank, world_size=world_size)
+        resumed.load_state_dict(state)
+        it = resumed.track(make_loader(TokenWindowDataset(files, np.uint16, WINDOW, seed), resumed))
+        assert _same(first + [next(it) for _ in range(7)], ref), (seed, world_size, rank)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_workers_transform_and_own_collate_equal_per_item_reads(tmp_path, workers):
+    ds = TokenWindowDataset(write_tokens(tmp_path / "tokens.bin", 5000), np.uint16, WINDOW, 3, transform=noisy)
+    ref = _reference(ds, _sampler(ds, 3, 6), 9)
+    s = _sampler(ds, 3, 6)
+    it = s.track(make_loader(ds, s, num_workers=workers, prefetch_factor=3 if workers else None))
+    assert _same([next(it) for _ in range(9)], ref)
+    s = _sampler(ds, 3, 6)
+    it = s.track(make_loader(ds, s, num_workers=workers, collate_fn=default_collate))
+    assert _same([next(it) for _ in range(9)], ref)
+
+
+def test_skip_and_state_loaded_between_iterators_are_read_exactly(tmp_path):
+    """A skip changes the windows of counters already read ahead, a loaded state the counters: both must be read
+    anew (the read-ahead is used only for exactly the keys asked), never served stale."""
+    ds = TokenWindowDataset(write_tokens(tmp_path / "tokens.bin", 4000), np.uint16, WINDOW, 5)
+    s = _sampler(ds, 5, 4)
+    loader = make_loader(ds, s)  # one WindowBatches across the iterators, its read-ahead still in flight
+    it = s.track(loader)
+    [next(it) for _ in range(3)]
+    s.skip(s.explain(4).indices[:2])  # step 4's batch (counters 12..15) is in flight with the old windows
+    it = s.track(loader)
+    got = [next(it) for _ in range(3)]
+    state = {**s.state_dict(), "t": 40, "step": 10}  # the skip list travels in the state
+    s.load_state_dict(state)
+    it = s.track(loader)
+    got += [next(it) for _ in range(4)]
+    ref_s = _sampler(ds, 5, 4)
+    ref_s.load_state_dict({**state, "t": 12, "step": 3})
+    ref = _reference(ds, ref_s, 3)
+    ref_s.load_state_dict(state)
+    assert _same(got, ref + _reference(ds, ref_s, 4))
+
+
+@pytest.mark.parametrize("backend,direct", [("aio", True), ("threads", True), ("threads", False)])
+def test_every_backend_reads_the_bytes_of_the_files(tmp_path, backend, direct):
+    files = _shards(tmp_path, [10_000, 3, 4097, 20_001])
+    stream = TokenStream([os.fspath(f) for f in files], np.uint16)
+    tokens = np.concatenate([np.fromfile(f, dtype=np.uint16) for f in files])
+    window = 2049  # 4098 bytes: every window spans two or three pages
+    reader = WindowReader(stream, window, backend=backend, direct=direct, threads=4)
+    starts = np.random.default_rng(1).integers(0, stream.n_tokens - window + 1, 300)
+    starts[:4] = [0, stream.n_tokens - window, 10_000 - 1, 10_000 - 100]  # the ends; across the 3-token shard
+    expected = tokens[starts[:, None] + np.arange(window)]
+    tickets = [reader.submit(starts[i::3]) for i in range(3)]  # several batches in flight at once
+    for i, ticket in enumerate(tickets):
+        np.testing.assert_array_equal(reader.collect(ticket), expected[i::3])
+    assert reader.backend == backend
+
+
+def test_window_across_a_shard_boundary_is_the_tail_then_the_head(tmp_path):
+    a, b = _shards(tmp_path, [100, 100])
+    ds = TokenWindowDataset([a, b], np.uint16, 10, 0)
+    ta, tb = np.fromfile(a, dtype=np.uint16), np.fromfile(b, dtype=np.uint16)
+    want = np.concatenate([ta[95:], tb[:5]]).astype(np.int64)
+    assert ds[(0, 95)]["tokens"].tolist() == want.tolist()
+    assert ds.__getitems__([(0, 95)])[0]["tokens"].tolist() == want.tolist()
+    with pytest.raises(IndexError, match=r"window \[191, 201\) exceeds the 200 tokens of 2 files"):
+        ds[(0, 191)]
+
+
+def test_directory_is_one_stream_in_name_order_and_fingerprinted(tmp_path):
+    files = _shards(tmp_path, [300, 200, 100])
+    (files[0].parent / ".hidden").write_bytes(b"xx")
+    by_dir = TokenWindowDataset(files[0].parent, np.uint16, WINDOW, 0)
+    assert by_dir.files == [os.fspath(f) for f in files] and by_dir.n_tokens == 600
+    assert by_dir.fingerprint() == TokenWindowDataset(files, np.uint16, WINDOW, 0).fingerprint()
+    assert by_dir.fingerprint() != TokenWindowDataset(files[::-1], np.uint16, WINDOW, 0).fingerprint()
+    single = TokenWindowDataset(files[0], np.uint16, WINDOW, 0)
+    assert single.fingerprint() == data_fingerprint(files[0]) and single.path == os.fspath(files[0])
+
+
+def test_errors_name_the_file_and_the_sizes(tmp_path):
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"abc")
+    with pytest.raises(ValueError, match=r"odd.bin: size 3 is not a multiple of uint16 itemsize 2"):
+        TokenWindowDataset([write_tokens(tmp_path / "ok.bin", 10), odd], np.uint16, 4, 0)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="empty: directory holds no token files"):
+        TokenWindowDataset(tmp_path / "empty", np.uint16, 4, 0)
+    path = write_tokens(tmp_path / "t.bin", 5000)
+    reader = WindowReader(TokenStream([os.fspath(path)], np.uint16), 16)
+    reader.read([0, 100])
+    os.truncate(path, 150)  # the file shrank under the reader: reads come back short
+    with pytest.raises(OSError, match=r"t.bin: read at byte 0: expected 232 bytes, got 150 bytes"):
+        reader.read([100])
+
+
+def test_read_ahead_serves_every_batch_after_the_first_and_a_resume_misses_once(tmp_path):
+    ds = TokenWindowDataset(write_tokens(tmp_path / "tokens.bin", 5000), np.uint16, WINDOW, 0)
+    s = _sampler(ds, 0, 4)
+    loader = make_loader(ds, s)
+    it = s.track(loader)
+    [next(it) for _ in range(6)]
+    assert (loader.dataset.hits, loader.dataset.misses) == (5, 1)
+    s.load_state_dict({**s.state_dict(), "t": 400, "step": 100})
+    it = s.track(loader)
+    [next(it) for _ in range(3)]
+    assert (loader.dataset.hits, loader.dataset.misses) == (7, 2)
+
+
+def test_prefetch_is_bounded_per_process(tmp_path):
+    ds = TokenWindowDataset(write_tokens(tmp_path / "tokens.bin", 5000), np.uint16, WINDOW, 0)
+    s = _sampler(ds, 0, 4)
+    view = WindowBatches(ds, s, prefetch_batches=8, max_prefetch_bytes=3 * 4 * WINDOW * 2)
+    view.__getitems__(s.local_batch(1))
+    assert sorted(view._pending) == [4, 8, 12]  # three batches by the byte bound, not eight
+    assert len(ds.reader()._inflight) == 3
+    view.__getitems__(s.local_batch(2))
+    assert sorted(view._pending) == [8, 12, 16] and len(ds.reader()._inflight) == 3
+    with pytest.raises(ValueError, match="must be >= 0"):
+        WindowBatches(ds, s, prefetch_batches=-1)
+
+
+def test_pin_memory_follows_cuda(tmp_path):
+    ds = TokenWindowDataset(write_tokens(tmp_path / "tokens.bin", 1000), np.uint16, WINDOW, 0)
+    s = _sampler(ds, 0, 4)
+    assert make_loader(ds, s).pin_memory == torch.cuda.is_available()
+    if torch.cuda.is_available():
+        assert next(iter(make_loader(ds, s)))["tokens"].is_pinned()
