@@ -4,11 +4,16 @@ Policy stays in `ckpt` (what a save is, what a restore finds, when one is due: `
 time counts as, which interval pays); this object only asks them at each step boundary, wires the advisor into the
 save decision and owns the signal handlers. Steps are counted 1-based:
 ``on_step_end(s)`` means s steps are done, a checkpoint of it is ``step_<s>``, and a restore of it resumes at s + 1.
+A planned end keeps every step: the last step of ``steps(total)`` is saved, and so is the last ended step at a clean
+exit of the ``with`` block (a ``break``). A preemption logs one line (logger ``integrations``, WARNING: shown on
+stderr without any logging setup) naming the signal, the step saved, how long the save took and the exit status.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import signal
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -31,6 +36,8 @@ from ckpt.schedule import PREEMPTION_SIGNALS
 from ettr import GoodputTracker
 
 from ._common import advised_interval
+
+log = logging.getLogger("integrations")
 
 
 class Preempted(SystemExit):
@@ -130,6 +137,7 @@ class TrainLoop:
         self.manager: CheckpointManager | None = None
         self.start_step = self.step = self.last_saved = 0
         self._total: int | None = None  # the last step of the job, once steps(total) gave it
+        self._metrics: Mapping[str, Any] | None = None  # those of the last ended step, for the save at a clean exit
 
     def _interval(self, every_steps: int | None, every_seconds: float | None, advise: bool) -> SaveDecision:
         """The save decision the interval arguments describe (each part checks its own value)."""
@@ -162,9 +170,11 @@ class TrainLoop:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
-        """Drain writes, restore the previous signal handlers, end the ledger."""
+        """At a clean exit save the last ended step (`save_last`); drain writes, restore the previous signal
+        handlers, end the ledger."""
         try:
             if exc_type is None:
+                self.save_last()
                 self.manager.close()
             elif self.manager is not None:  # keep the loop's exception; still drain what can be drained
                 with contextlib.suppress(Exception):  # the loop's own exception is the one to report
@@ -207,17 +217,50 @@ class TrainLoop:
             )
         self.tracker.step_end(step)
         self._open_step = None
-        self.step = step
+        self.step, self._metrics = step, metrics
         signum = self.preemption.signum
         if signum is not None:  # with two tiers also persisted: the job may come back on another node
-            self.save(step, metrics, persist=True)
-            self.manager.wait()
-            raise Preempted(signum, step)
-        if self.decision.should_save(step, time.monotonic()):  # the job's last save is persisted with two tiers
-            return self.save(step, metrics, persist=True if step == self._total else None)
+            self._save_and_exit(signum, step, metrics)
+        if step == self._total:  # the job's end: saved whatever the interval says, persisted with two tiers
+            return self.save(step, metrics, persist=True)
+        if self.decision.should_save(step, time.monotonic()):
+            return self.save(step, metrics)
         if step == self.start_step + 1:  # the optimizer's state exists now: the first save copies into warm memory
             self.manager.reserve(self.state)
         return False
+
+    def _save_and_exit(self, signum: int, step: int, metrics: Mapping[str, Any] | None) -> None:
+        """The just-in-time save a preemption signal asked for: save `step`, wait for its commit, say so in one log
+        line, raise `Preempted` (the exit status of death by that signal)."""
+        began = time.monotonic()
+        started = self.save(step, metrics, persist=True)
+        self.manager.wait()
+        exit_code = 128 + signum
+        log.warning(
+            "%s received: checkpoint of step %d committed%s in %.3f s; exiting with status %d",
+            signal.Signals(signum).name,
+            step,
+            "" if started else " (saved before the signal)",
+            time.monotonic() - began,
+            exit_code,
+        )
+        raise Preempted(signum, step)
+
+    def save_last(self) -> bool:
+        """Save the last ended step unless it is saved already (persisted with two tiers); True if started.
+
+        The ``with`` block calls it at a clean exit, so a planned end (``steps(total)`` run out, or a ``break``)
+        loses no step. A step begun but never ended is not saved: its state may be half updated; a warning says
+        which step the root resumes from instead."""
+        if self._open_step is not None:
+            warnings.warn(
+                f"step {self._open_step} was begun but never ended (loop.on_step_end): not saved; "
+                f"{self.root} resumes after step {self.last_saved}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return False
+        return self.save(self.step, self._metrics, persist=True)
 
     def save(self, step: int, metrics: Mapping[str, Any] | None = None, *, persist: bool | None = None) -> bool:
         """Checkpoint `step` now unless it is already saved (restored or saved by this loop); True if started.

@@ -6,8 +6,10 @@ The child trains a tiny model with dropout on a RandomWindowSampler over a token
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -79,17 +81,20 @@ def run_child(
     every: int = EVERY,
     signal_on: tuple[str, int] | None = None,
     local: Path | None = None,
+    stderr: Path | None = None,
 ) -> tuple[int, list[str]]:
-    """Run the child; send `signal_on[1]` when it prints `signal_on[0]`. Returns its exit status and lines."""
+    """Run the child; send `signal_on[1]` when it prints `signal_on[0]`. Returns its exit status and lines; its
+    stderr goes to the file `stderr` if given."""
     cmd = [sys.executable, __file__, str(root), str(tokens), str(every)]
     cmd += [f"--local={local}"] if local else []
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line.strip())
-        if signal_on and line.strip() == signal_on[0]:
-            os.kill(proc.pid, signal_on[1])
-    return proc.wait(timeout=120), lines
+    with open(stderr, "w") if stderr else contextlib.nullcontext() as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=Path(__file__).parent)
+        lines = []
+        for line in proc.stdout:
+            lines.append(line.strip())
+            if signal_on and line.strip() == signal_on[0]:
+                os.kill(proc.pid, signal_on[1])
+        return proc.wait(timeout=120), lines
 
 
 @pytest.fixture(scope="module")
@@ -140,19 +145,23 @@ def ettr_steps(root: Path) -> tuple[int, int]:
     return attempt.first_step, attempt.last_step
 
 
-def test_sigterm_saves_the_current_step_and_restart_loses_nothing(tmp_path, tokens):
+def test_sigterm_saves_the_current_step_says_so_in_one_line_and_restart_loses_nothing(tmp_path, tokens):
     root = tmp_path / "run"
-    code, lines = run_child(root, tokens, every=1000, signal_on=("step 7", signal.SIGTERM))
+    code, lines = run_child(root, tokens, every=1000, signal_on=("step 7", signal.SIGTERM), stderr=tmp_path / "err")
     assert code == 128 + signal.SIGTERM, lines[-3:]
     saved = int(lines[-1].split()[1])  # "preempted <step>": the step in progress when SIGTERM came
     assert lines[-1].startswith("preempted") and saved > 7
+    said = (tmp_path / "err").read_text().splitlines()
+    pattern = rf"SIGTERM received: checkpoint of step {saved} committed in \d+\.\d{{3}} s; exiting with status 143"
+    sigterm = [line for line in said if "SIGTERM" in line]
+    assert len(sigterm) == 1 and re.fullmatch(pattern, sigterm[0]), said
     code, resumed = run_child(root, tokens, every=1000)
     assert code == 0 and resumed[0] == f"restored {saved}" and resumed[1] == f"step {saved + 1}"
     a = attribute_root(str(root))
     assert [at.status for at in a.attempts] == ["preempted", "ok"]
     assert [at.lost_steps for at in a.attempts] == [0, 0] and a.micros["lost"] == 0
     assert [at.restored_step for at in a.attempts] == [None, saved]
-    assert a.committed_steps == (saved,)
+    assert a.committed_steps == (saved, TOTAL)  # the restart's end saved its last step
 
 
 def test_sigterm_with_two_tiers_persists_the_preemption_save_so_a_new_node_resumes_from_it(tmp_path, tokens):
@@ -195,9 +204,9 @@ def test_sigkill_resume_is_bitwise_identical_and_the_report_shows_it(tmp_path, t
     assert sum(a.micros.values()) == a.wall_us
 
 
-def test_preemption_right_after_an_interval_save_does_not_save_twice(tmp_path):
+def test_preemption_right_after_an_interval_save_does_not_save_twice(tmp_path, caplog):
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(Preempted) as raised:
+    with pytest.raises(Preempted) as raised, caplog.at_level("WARNING", logger="integrations"):
         with TrainLoop(str(tmp_path), {"model": model}, every_steps=2, rng=False) as loop:
             for step in loop.steps(10):
                 if step == 4:
@@ -205,6 +214,10 @@ def test_preemption_right_after_an_interval_save_does_not_save_twice(tmp_path):
                 loop.on_step_end(step)
     assert (raised.value.code, raised.value.step) == (128 + signal.SIGUSR1, 4)
     assert loop.manager.steps() == [2, 4]
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "integrations"]
+    assert re.fullmatch(
+        r"SIGUSR1 received: checkpoint of step 4 committed in \d+\.\d{3} s; exiting with status 138", said
+    )
     (ledger,) = read_ledgers(str(tmp_path))
     assert [r["status"] for r in ledger.records if r["k"] == "end"] == ["preempted"]
 
@@ -215,13 +228,43 @@ def test_signal_handlers_are_restored_and_a_restart_resumes(tmp_path):
     with TrainLoop(str(tmp_path), state, every_steps=3) as loop:
         assert signal.getsignal(signal.SIGTERM) == loop.preemption.handle
         for step in loop.steps(7):
-            assert loop.on_step_end(step) == (step % 3 == 0)
+            assert loop.on_step_end(step) == (step in (3, 6, 7))  # and the last step
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before
     with TrainLoop(str(tmp_path), state, every_steps=3) as loop:
-        assert loop.start_step == 6
-        for step in loop.steps(7):
-            assert step == 7 and not loop.on_step_end(step)
+        assert loop.start_step == 7
+        assert [step for step in loop.steps(8) if loop.on_step_end(step)] == [8]
         assert 0 < loop.ettr() < 1
+
+
+def test_a_planned_end_saves_the_last_step_whatever_the_interval(tmp_path):
+    """47 steps with a save every 5: the newest checkpoint is 47, not 45, and a restart has nothing left to do."""
+    w = torch.zeros(2)
+    with TrainLoop(str(tmp_path), {"w": w}, every_steps=5, rng=False) as loop:
+        for step in loop.steps(47):
+            w += 1
+            loop.on_step_end(step, {"loss": 1.0 / step})
+    assert layout.committed_steps(open_storage(tmp_path)) == [*range(5, 46, 5), 47]
+    assert layout.saved_metadata(open_storage(tmp_path), 47) == {"loss": 1.0 / 47}  # the last step's metrics
+    again = torch.zeros(2)
+    with TrainLoop(str(tmp_path), {"w": again}, every_steps=5, rng=False) as loop:
+        assert loop.start_step == 47 and list(loop.steps(47)) == [] and torch.equal(again, w)
+
+
+def test_a_clean_exit_saves_the_last_ended_step_but_never_a_half_done_one(tmp_path):
+    """A `break` after a step's on_step_end saves that step at exit; one before it saves nothing and says so."""
+    with TrainLoop(str(tmp_path / "a"), {"w": torch.zeros(2)}, every_steps=5, rng=False) as loop:
+        for step in loop.steps(100):
+            loop.on_step_end(step)
+            if step == 12:
+                break
+    assert layout.committed_steps(open_storage(tmp_path / "a")) == [5, 10, 12]
+    with pytest.warns(RuntimeWarning, match=r"step 13 was begun but never ended .* resumes after step 10"):
+        with TrainLoop(str(tmp_path / "b"), {"w": torch.zeros(2)}, every_steps=5, rng=False) as loop:
+            for step in loop.steps(100):
+                if step == 13:
+                    break
+                loop.on_step_end(step)
+    assert layout.committed_steps(open_storage(tmp_path / "b")) == [5, 10]
 
 
 def test_advise_replaces_the_interval_after_the_first_save(tmp_path):
@@ -233,8 +276,8 @@ def test_advise_replaces_the_interval_after_the_first_save(tmp_path):
 
 def test_a_save_decision_object_drives_the_loop(tmp_path):
     with TrainLoop(str(tmp_path), {"w": torch.zeros(2)}, decision=EveryNSteps(3), rng=False) as loop:
-        saved = [step for step in loop.steps(7) if loop.on_step_end(step)]
-    assert saved == [3, 6] and loop.manager.steps() == [3, 6]
+        saved = [step for step in loop.steps(8) if loop.on_step_end(step)]
+    assert saved == [3, 6, 8] and loop.manager.steps() == [3, 6, 8]  # 8: the last step
     with pytest.raises(ValueError, match="not both"):
         TrainLoop(str(tmp_path), {}, decision=EveryNSteps(3), every_steps=2)
 
