@@ -1,6 +1,6 @@
 """Export benchmark: `ckpt export` to safetensors (and to one torch.save file) against DCP's `dcp_to_torch_save`.
 
-The state of bench/save_restore.py (transformer-like model + Adam, ~--size-gb) is saved once as a ckpt step and
+The kit's state (bench/kit.py: transformer-like model + Adam, ~--size-gb) is saved once as a ckpt step and
 once with `torch.distributed.checkpoint.save`; then each conversion runs in a fresh child process, from a dropped
 page cache when run as root: time until the output is durable (written and fsync'd: ckpt's export fsyncs, DCP's
 `dcp_to_torch_save` does not, so its file is fsync'd after it returns and that is counted) and the peak extra RSS
@@ -28,7 +28,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from save_restore import GIB, ROOT, PeakRSS, _status, build_state, drop_caches, fsync_path  # noqa: E402
+from kit import GIB, ROOT, PeakRSS, build_state, drop_caches, fsync_path, proc_status, state_bytes  # noqa: E402
 
 METHODS = {
     "ckpt_safetensors": "ckpt export --format safetensors",
@@ -45,7 +45,7 @@ def run_child(method: str, work: str) -> dict:
     import ckpt
 
     out = os.path.join(work, f"out-{method}")
-    baseline = _status("VmRSS")
+    baseline = proc_status("VmRSS")
     cold = drop_caches()
     with PeakRSS() as peak, warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -100,13 +100,7 @@ def main(argv: list[str] | None = None) -> None:
             dcp.save(
                 {"model": model.state_dict(), "optim": optim.state_dict()}, checkpoint_id=os.path.join(work, "dcp")
             )
-        state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        state_bytes += sum(
-            v.numel() * v.element_size()
-            for s in optim.state_dict()["state"].values()
-            for v in s.values()
-            if hasattr(v, "numel")
-        )
+        nbytes = state_bytes(model, optim)
         del model, optim, manager  # the manager's staging arena too: the children measure their own memory
         gc.collect()
         env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -132,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cold = all(r["cold"] for r in rows.values())
     print(
-        f"state: {state_bytes / GIB:.2f} GiB of tensors; median of {args.repeats}; "
+        f"state: {nbytes / GIB:.2f} GiB of tensors; median of {args.repeats}; "
         + ("cold page cache" if cold else "WARM CACHE (not root)")
     )
     ref = rows.get("ckpt_safetensors")
@@ -141,12 +135,12 @@ def main(argv: list[str] | None = None) -> None:
         rel_t = f"{r['seconds'] / ref['seconds']:.2f}" if ref else "-"
         rel_m = f"{r['rss'] / ref['rss']:.1f}" if ref and ref["rss"] > 0 else "-"
         print(
-            f"{METHODS[method]:<36} {r['seconds']:>8.2f} {state_bytes / r['seconds'] / 1e9:>6.2f} "
+            f"{METHODS[method]:<36} {r['seconds']:>8.2f} {nbytes / r['seconds'] / 1e9:>6.2f} "
             f"{r['bytes'] / GIB:>8.2f} {r['rss'] / GIB:>13.3f} {rel_t:>7} {rel_m:>6}"
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"size_gb": args.size_gb, "state_bytes": state_bytes, "rows": rows}, f, indent=1)
+            json.dump({"size_gb": args.size_gb, "state_bytes": nbytes, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

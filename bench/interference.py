@@ -1,8 +1,8 @@
 """Interference benchmark: what a background save costs the training that goes on meanwhile, ckpt vs DCP async_save.
 
 A training stand-in (a 256x256 matmul plus a pure-Python loop per step, one torch thread: one core's worth
-of work, as the Python side of a GPU job) runs while each method saves the state of bench/save_restore.py
-(a transformer-like model + Adam). Two settings, interleaved save by save:
+of work, as the Python side of a GPU job) runs while each method saves the kit's state (bench/kit.py:
+a transformer-like model + Adam). Two settings, interleaved save by save:
 
 - thread: the loop runs in the saving process's main thread. It calls save, then steps until the save is
   durable. stall = time in the save call; background = from there until durable; kept = steps/s during
@@ -26,7 +26,7 @@ DCP async_save uses a FileSystemWriter with sync_files=True (every file fsync'd;
 `ckpt` is the manager's default (``snapshot="sync"``: every tensor copied inside save); `ckpt:snapshot=overlap` the
 opt-in overlapped snapshot (the parameters and Adam's state copied after save returns; the next optimizer step
 waits for that copy: see --optim-ms).
-`raw` writes the same bytes with no library (`RawWrite`: a copy into a warm buffer, then one thread's crc32c, O_DIRECT
+`raw` writes the same bytes with no library (`kit.RawWrite`: a copy into a warm buffer, then one thread's crc32c, O_DIRECT
 writes and fdatasyncs of 64 MiB files): the floor of what the disk IO itself costs a training thread on this machine.
 
     .venv/bin/python bench/interference.py                          # 1 and 2 GiB, medians of 3
@@ -40,7 +40,6 @@ writes and fdatasyncs of 64 MiB files): the floor of what the disk IO itself cos
 from __future__ import annotations
 
 import argparse
-import errno
 import gc
 import json
 import multiprocessing as mp
@@ -58,9 +57,8 @@ from typing import Iterator
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from save_restore import build_state, fsync_path, state_tensors  # noqa: E402  (the state builder of the save benchmark)
+import kit  # noqa: E402
 
-GIB = 1 << 30
 _PY_LOOP = 4000  # iterations of pure Python per step
 
 
@@ -201,139 +199,19 @@ def where_cpu_went(before: dict, after: dict, main: int) -> dict[str, float]:
 # -- methods --------------------------------------------------------------------------------------------
 
 
-class DcpAsync:
-    label = "dcp.async_save"
-
-    def __init__(self, workdir, state, spec):
-        self.dir, self.state = workdir, state
-
-    def start(self) -> None:
-        """Before the first save (ckpt restores here)."""
-
-    def save(self, step: int):
-        """Start a save; returns (stall seconds, done(), wait())."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemWriter
-
-        model, optim = self.state
-        path = os.path.join(self.dir, f"step{step}")
-        t0 = time.perf_counter()
-        sd = {"model": model.state_dict(), "optim": optim.state_dict()}
-        fut = dcp.async_save(sd, storage_writer=FileSystemWriter(path, sync_files=True))
-        stall = time.perf_counter() - t0
-
-        def wait():
-            fut.result()
-            fsync_path(self.dir)
-
-        return stall, fut.done, wait
-
-    def delete(self, step: int) -> None:
-        shutil.rmtree(os.path.join(self.dir, f"step{step}"))
+METHODS = ("ckpt", "dcp_async", "raw")  # a variant's name before its first ':'; the kit's adapters
 
 
-class Ckpt:
-    def __init__(self, workdir, state, spec):
-        import ckpt
-
-        budget, snapshot = options_of(spec)
-        self.label = "ckpt" + (f" [{spec}]" if spec else "")
-        mode = {} if snapshot is None else {"snapshot": snapshot}  # None: the manager's default ("sync")
-        self.m = ckpt.CheckpointManager(workdir, write_budget=budget, **mode)
-        self.state = {"model": state[0], "optim": state[1]}
-
-    def start(self) -> None:
-        assert self.m.restore(self.state) is None  # a fresh job: the arena is reserved in the background
-
-    def save(self, step: int):
-        t0 = time.perf_counter()
-        h = self.m.save(step, self.state)
-        return time.perf_counter() - t0, h.done, h.wait
-
-    def delete(self, step: int) -> None:
-        from ckpt import catalog
-
-        catalog.delete_step(self.m.storage, step)
-
-
-class RawWrite:
-    """The floor of what writing the state costs, with no library: its bytes copied into a pre-touched buffer (the
-    stall), then written by one thread at nice 0 as 64 MiB files, each with its crc32c computed, O_DIRECT pwrites of
-    8 MiB and an fdatasync (the same system calls ckpt makes for a local root), then the directory fsync'd."""
-
-    label = "raw O_DIRECT write"
-    CHUNK, PIECE = 64 << 20, 8 << 20
-
-    def __init__(self, workdir, state, spec):
-        import mmap
-
-        import torch
-
-        self.dir, self.tensors = workdir, state_tensors(*state)
-        nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
-        self.nbytes = -(-nbytes // 4096) * 4096  # O_DIRECT: whole blocks
-        self.buf = mmap.mmap(-1, self.nbytes)
-        self.buf.madvise(mmap.MADV_HUGEPAGE)
-        self.arena = torch.frombuffer(self.buf, dtype=torch.uint8)
-        self.arena.zero_()  # touched: the copy goes to warm memory, as into ckpt's reserved arena
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-
-    def start(self) -> None:
-        pass
-
-    def save(self, step: int):
-        import torch
-
-        t0 = time.perf_counter()
-        at = 0
-        for t in self.tensors:
-            n = t.numel() * t.element_size()
-            self.arena[at : at + n].copy_(t.detach().reshape(-1).view(torch.uint8))
-            at += n
-        self.thread = threading.Thread(target=self._write, args=(step,))
-        self.thread.start()
-        stall = time.perf_counter() - t0
-        return stall, lambda: not self.thread.is_alive(), self.wait
-
-    def _write(self, step: int) -> None:
-        import crc32c
-
-        try:
-            path = os.path.join(self.dir, f"step{step}")
-            os.makedirs(path)
-            view = memoryview(self.buf)
-            for i, at in enumerate(range(0, self.nbytes, self.CHUNK)):
-                chunk = view[at : at + self.CHUNK]
-                crc32c.crc32c(chunk)
-                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-                try:
-                    fd = os.open(os.path.join(path, str(i)), flags | os.O_DIRECT, 0o644)
-                except OSError as e:
-                    if e.errno != errno.EINVAL:  # EINVAL: no O_DIRECT on this filesystem
-                        raise
-                    fd = os.open(os.path.join(path, str(i)), flags, 0o644)
-                try:
-                    for p in range(0, len(chunk), self.PIECE):
-                        os.pwrite(fd, chunk[p : p + self.PIECE], p)
-                    os.fdatasync(fd)
-                finally:
-                    os.close(fd)
-            fsync_path(path)
-            fsync_path(self.dir)
-        except BaseException as e:
-            self.error = e
-
-    def wait(self) -> None:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-
-    def delete(self, step: int) -> None:
-        shutil.rmtree(os.path.join(self.dir, f"step{step}"))
-
-
-METHODS = {"ckpt": Ckpt, "dcp_async": DcpAsync, "raw": RawWrite}  # a variant's name before its first ':'
+def adapter(variant: str, work: str, model, optim) -> kit.Adapter:
+    """The kit's adapter of `variant` (ckpt's with the options after its name: see `options_of`)."""
+    method, _, spec = variant.partition(":")
+    if method != "ckpt":
+        return kit.ADAPTERS[method](work, model, optim)
+    budget, snapshot = options_of(spec)
+    mode = {} if snapshot is None else {"snapshot": snapshot}  # None: the manager's default ("sync")
+    impl = kit.Ckpt(work, model, optim, write_budget=budget, **mode)
+    impl.label = "ckpt" + (f" [{spec}]" if spec else "")
+    return impl
 
 
 def options_of(spec: str):
@@ -357,20 +235,18 @@ def run_child(args) -> dict:
     """One variant in this (fresh) process: a first save, then `repeats` x (thread-mode save, process-mode save)."""
     warnings.filterwarnings("ignore")
     t_start = time.perf_counter()
-    method, _, spec = args._child.partition(":")
-    state = build_state(args.size, args.seed)
-    work = tempfile.mkdtemp(dir=args.dir, prefix=f"{method}-")
-    impl = METHODS[method](work, state, spec)
+    model, optim = kit.build_state(args.size, args.seed)
+    work = tempfile.mkdtemp(dir=args.dir, prefix=f"{args._child.partition(':')[0]}-")
+    impl = adapter(args._child, work, model, optim)
     trainer = Trainer(args.optim_ms)
-    impl.start()
+    impl.fresh_start()
     other = OtherProcess()
     other.pause(True)
     trainer.rate(max(0.0, args.first_after - args.idle_s - (time.perf_counter() - t_start)))  # a job trains until then
     gc.collect()  # prepared as every measured save is (a collection due inside the save call is not the save)
     os.sync()
     trainer.rate(args.idle_s)
-    first, _, wait = impl.save(0)
-    wait()
+    first, _ = kit.timed_save(impl, 0)
     impl.delete(0)
     rows = {"thread": [], "process": []}
     step = 1
@@ -382,9 +258,11 @@ def run_child(args) -> dict:
             if mode == "thread":
                 idle = trainer.rate(args.idle_s)
                 before = thread_times()
-                stall, done, wait = impl.save(step)
-                n, bg, worst = trainer.run_until(done)
-                wait()
+                t0 = time.perf_counter()
+                handle = impl.save(step)
+                stall = time.perf_counter() - t0
+                n, bg, worst = trainer.run_until(handle.done)
+                handle.wait()
                 cpu = where_cpu_went(before, thread_times(), threading.get_native_id())
                 after = trainer.rate(args.idle_s)
                 idle, drift = (idle + after) / 2, abs(after - idle)  # before and after: other load drifts
@@ -395,8 +273,7 @@ def run_child(args) -> dict:
                 time.sleep(0.2)  # let it warm up again
                 idle = other.rate(args.idle_s)
                 mark = other.mark()
-                stall, done, wait = impl.save(step)
-                wait()
+                stall, _ = kit.timed_save(impl, step)
                 n, durable, worst = other.since(mark)
                 after = other.rate(args.idle_s)
                 idle, drift = (idle + after) / 2, abs(after - idle)

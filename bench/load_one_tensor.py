@@ -1,6 +1,6 @@
 """Reading one tensor of a checkpoint with `ckpt.load(root, keys=[...])`: time and bytes read against the tensor's size.
 
-Builds the state of bench/save_restore.py (transformer-like model + Adam, ~--size-gb), saves it as one ckpt step,
+Builds the kit's state (bench/kit.py: transformer-like model + Adam, ~--size-gb), saves it as one ckpt step,
 then reads one tensor (default the input embedding, the largest) and a region of it (its first 1/16 of rows),
 from a dropped page cache when run as root. Bytes read come from /proc/self/io: `read_bytes` (from the disk; only
 meaningful with a dropped cache) and `rchar` (every byte read through read/pread, cached or not). The promise:
@@ -26,7 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from save_restore import GIB, build_state, drop_caches  # noqa: E402
+from kit import GIB, build_state, drop_caches  # noqa: E402
 
 
 def io_counters() -> dict[str, int]:

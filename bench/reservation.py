@@ -35,7 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from interference import Trainer, interleaved, parse_or_run_child, spawn  # noqa: E402  (the interference benchmark's)
-from save_restore import build_state  # noqa: E402
+from kit import build_state  # noqa: E402
 
 VARIANTS = ("touch", "populate")
 ACTIVATIONS = 32 << 20

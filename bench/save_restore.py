@@ -1,7 +1,8 @@
 """Save/restore benchmark: torch.save+fsync, DCP save, DCP async_save and ckpt, side by side.
 
-One driver invocation runs every method in a fresh child process (so that each method's peak RSS is its
-own) on identical state: a synthetic transformer-like model plus its Adam state, generated from a seed.
+One driver invocation runs every method (the kit's adapters, bench/kit.py) in a fresh child process (so that
+each method's peak RSS is its own) on identical state: the kit's transformer-like model plus its Adam state,
+generated from a seed.
 For each method it reports the training stall (time until control returns), the time until the save is
 durable (fsync'd and committed), the restore time from a dropped page cache, and the peak extra RSS
 (VmHWM, reset through /proc/self/clear_refs, minus the RSS right after the state was generated) during
@@ -39,312 +40,37 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
 
-GIB = 1 << 30
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kit import (  # noqa: E402
+    ADAPTERS,
+    GIB,
+    ROOT,
+    PeakRSS,
+    build_model,
+    build_state,
+    drop_caches,
+    fingerprint,
+    fsync_path,
+    proc_status,
+    scramble,
+    state_bytes,
+    state_tensors,
+    timed_save,
+)
+
 METHODS = ("torch_save", "dcp_save", "dcp_async", "ckpt")
-LABELS = {"torch_save": "torch.save+fsync", "dcp_save": "dcp.save", "dcp_async": "dcp.async_save", "ckpt": "ckpt"}
-
-
-# -- state ----------------------------------------------------------------------------------------------
-
-
-def build_model(size_gb: float, seed: int):
-    """A transformer-like model (embedding, N blocks, untied head) sized so that it plus Adam is ~size_gb."""
-    import torch
-    from torch import nn
-
-    torch.manual_seed(seed)
-    target_params = size_gb * GIB / 4 / 3  # fp32 params + exp_avg + exp_avg_sq
-    d = 1024 if size_gb >= 1 else 512 if size_gb >= 0.25 else 256
-    vocab = 32 * d
-    layers = max(1, round((target_params - 2 * vocab * d) / (12 * d * d + 13 * d)))
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-            self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(vocab, d)
-            self.blocks = nn.ModuleList(Block() for _ in range(layers))
-            self.ln_f = nn.LayerNorm(d)
-            self.head = nn.Linear(d, vocab, bias=False)
-
-    with torch.no_grad():
-        return Model()
-
-
-def build_state(size_gb: float, seed: int, shard=None):
-    """build_model + Adam after one step: ~size_gb in all.
-
-    `shard(model)` (FSDP2 in the distributed mode) runs before the optimizer is made. Gradients are drawn
-    whole and then sliced, so a sharded state holds exactly the values of the single-process one.
-    """
-    import torch
-
-    model = build_model(size_gb, seed)
-    if shard is not None:
-        shard(model)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for p in model.parameters():
-        g = torch.randn(p.shape, dtype=p.dtype)
-        if is_dtensor(p):
-            from torch.distributed.tensor import distribute_tensor
-
-            g = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)  # local slice, no comms
-        p.grad = g
-    optim.step()
-    optim.zero_grad(set_to_none=True)
-    return model, optim
-
-
-def is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor"
-
-
-def state_tensors(model, optim):
-    """Every tensor of the state (model params + optimizer state), in a fixed order."""
-    import torch
-
-    out = list(model.state_dict().values())
-    for _, st in sorted(optim.state_dict()["state"].items()):
-        out.extend(v for _, v in sorted(st.items()) if isinstance(v, torch.Tensor))
-    return out
-
-
-def fingerprint(model, optim) -> list[float]:
-    """A float64 sum of every tensor of the state; of the whole tensor for a DTensor (collective: all ranks call it)."""
-    import torch
-
-    return [
-        float(torch.sum(t.full_tensor() if is_dtensor(t) else t, dtype=torch.float64))
-        for t in state_tensors(model, optim)
-    ]
-
-
-def state_bytes(model, optim) -> int:
-    """Bytes of the (global) state."""
-    return sum(t.numel() * t.dtype.itemsize for t in state_tensors(model, optim))
-
-
-def scramble(model, optim) -> None:
-    import torch
-
-    with torch.no_grad():
-        for t in state_tensors(model, optim):
-            t.zero_()
-
-
-# -- measurement helpers --------------------------------------------------------------------------------
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-class PeakRSS:
-    """Peak RSS over a block: VmHWM after resetting it through clear_refs, plus a 2 ms sampler as fallback."""
-
-    def __enter__(self):
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self._hwm = True
-        except OSError:
-            self._hwm = False
-        self.peak = _status("VmRSS")
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._sample, daemon=True)
-        self._t.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, _status("VmRSS"))
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, _status("VmRSS"), _status("VmHWM") if self._hwm else 0)
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:
-        return False
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# -- methods (each runs in its own child process) -------------------------------------------------------
-
-
-class TorchSave:
-    def __init__(self, workdir, model, optim, args):
-        self.dir, self.model, self.optim = workdir, model, optim
-
-    def path(self, step):
-        return os.path.join(self.dir, f"step{step}.pt")
-
-    def save(self, step):
-        import torch
-
-        t0 = time.perf_counter()
-        p = self.path(step)
-        torch.save({"model": self.model.state_dict(), "optim": self.optim.state_dict()}, p)
-        fsync_path(p)
-        fsync_path(self.dir)
-        t = time.perf_counter() - t0
-        return t, t
-
-    def delete(self, step):
-        os.remove(self.path(step))
-
-    def restore(self, step):
-        import torch
-
-        sd = torch.load(self.path(step), map_location="cpu", weights_only=True)
-        self.model.load_state_dict(sd["model"])
-        self.optim.load_state_dict(sd["optim"])
-
-
-class DcpSave:
-    asynchronous = False
-    group = None  # process group of the saves (None: the default one, or none at all in a single process)
-
-    def __init__(self, workdir, model, optim, args):
-        self.dir, self.model, self.optim = workdir, model, optim
-
-    def path(self, step):
-        return os.path.join(self.dir, f"step{step}")
-
-    def sd(self):
-        return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
-
-    def save(self, step):
-        import torch.distributed.checkpoint as dcp
-
-        # FileSystemWriter defaults: sync_files=True (every file and .metadata fsync'd), thread_count=1.
-        t0 = time.perf_counter()
-        if self.asynchronous:
-            fut = dcp.async_save(self.sd(), checkpoint_id=self.path(step), process_group=self.group)
-            stall = time.perf_counter() - t0
-            fut.result()
-        else:
-            dcp.save(self.sd(), checkpoint_id=self.path(step), process_group=self.group)
-            stall = None
-        fsync_path(self.dir)
-        durable = time.perf_counter() - t0
-        return (stall if stall is not None else durable), durable
-
-    def delete(self, step):
-        shutil.rmtree(self.path(step))
-
-    def restore(self, step):
-        import torch.distributed.checkpoint as dcp
-
-        sd = self.sd()
-        dcp.load(sd, checkpoint_id=self.path(step))  # in place into the live parameter/optimizer tensors
-        self.optim.load_state_dict(sd["optim"])
-
-
-class DcpAsync(DcpSave):
-    asynchronous = True
-
-
-class DcpSaveFsdp(DcpSave):
-    """DCP on an FSDP2 state, the standard way: get_state_dict -> dcp.save; dcp.load -> set_state_dict."""
-
-    def sd(self):
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.model, self.optim)  # fresh optimizer: state initialised here
-        return {"model": model_sd, "optim": optim_sd}
-
-    def restore(self, step):
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        sd = self.sd()
-        dcp.load(sd, checkpoint_id=self.path(step))
-        set_state_dict(self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-
-
-class DcpAsyncFsdp(DcpSaveFsdp):
-    """async_save on a gloo group of its own (as recommended: its collectives run in a background thread)."""
-
-    asynchronous = True
-
-    def __init__(self, workdir, model, optim, args):
-        import torch.distributed as dist
-
-        super().__init__(workdir, model, optim, args)
-        self.group = dist.new_group(backend="gloo")
-
-
-class Ckpt:
-    def __init__(self, workdir, model, optim, args):
-        import ckpt
-
-        self.ckpt, self.dir, self.model, self.optim = ckpt, workdir, model, optim
-        self.chunk_bytes = args.chunk_bytes
-        self.m = ckpt.CheckpointManager(workdir, chunk_bytes=self.chunk_bytes)
-
-    def state(self):
-        return {"model": self.model, "optim": self.optim}
-
-    def save(self, step):
-        t0 = time.perf_counter()
-        h = self.m.save(step, self.state())
-        stall = time.perf_counter() - t0
-        h.wait()
-        return stall, time.perf_counter() - t0
-
-    def delete(self, step):
-        from ckpt import catalog
-
-        catalog.delete_step(self.m.storage, step)
-
-    def end_saves(self):
-        self.m.close()
-        self.m = None  # the staging arena goes with it: a restore happens in a fresh process
-        gc.collect()
-
-    def restore(self, step):
-        self.m = self.ckpt.CheckpointManager(self.dir, chunk_bytes=self.chunk_bytes)
-        got = self.m.restore(self.state())
-        assert got == step, (got, step)
-
-    def end_restore(self):
-        """Untimed: close the restore's manager. After a restore it reserves (pre-faults) its staging arena in
-        the background, off the training path; closing waits for that, which is no part of the restore."""
-        self.end_saves()
-
-
-CLASSES = {"torch_save": TorchSave, "dcp_save": DcpSave, "dcp_async": DcpAsync, "ckpt": Ckpt}
-# distributed mode: the same ckpt calls on every rank (each writes its shards); DCP through get/set_state_dict
-DIST_CLASSES = {"dcp_save": DcpSaveFsdp, "dcp_async": DcpAsyncFsdp, "ckpt": Ckpt}
+# the kit's adapter of each method, single-process and distributed (there: the same ckpt calls on every rank, each
+# writing its shards; DCP through get/set_state_dict)
+CLASSES = {m: ADAPTERS[m] for m in METHODS}
+DIST_CLASSES = {
+    "dcp_save": ADAPTERS["dcp_save_fsdp"],
+    "dcp_async": ADAPTERS["dcp_async_fsdp"],
+    "ckpt": ADAPTERS["ckpt"],
+}
 DIST_METHODS = tuple(DIST_CLASSES)
 
 
@@ -455,9 +181,10 @@ def run_method(args) -> dict | None:
     gc.collect()
     workdir = os.path.join(args.dir, args.method + (f"-{args.chunk_label}" if args.method == "ckpt" else ""))
     os.makedirs(workdir, exist_ok=True)
-    impl = env.classes[args.method](workdir, model, optim, args)
+    options = {"chunk_bytes": args.chunk_bytes} if args.method == "ckpt" else {}
+    impl = env.classes[args.method](workdir, model, optim, **options)
     del model, optim  # from here on the state is impl.model / impl.optim (a restore may replace them)
-    base = _status("VmRSS")
+    base = proc_status("VmRSS")
     res = {
         "method": args.method,
         "bytes": nbytes,
@@ -474,7 +201,7 @@ def run_method(args) -> dict | None:
     step = 0
     env.barrier()
     with PeakRSS() as pk:
-        res["first_stall"], res["first_durable"] = impl.save(step)
+        res["first_stall"], res["first_durable"] = timed_save(impl, step)
     save_peak = pk.peak
     for _ in range(args.repeats):
         env.barrier()  # every rank's save is durable before rank 0 deletes it
@@ -484,12 +211,11 @@ def run_method(args) -> dict | None:
         os.sync()
         env.barrier()  # the ranks start each timed save together
         with PeakRSS() as pk:
-            stall, durable = impl.save(step)
+            stall, durable = timed_save(impl, step)
         save_peak = max(save_peak, pk.peak)
         res["stall"].append(stall)
         res["durable"].append(durable)
-    if hasattr(impl, "end_saves"):
-        impl.end_saves()
+    impl.end_saves()
     cold = True
     for _ in range(args.repeats):
         env.fresh(impl, args)
@@ -501,8 +227,7 @@ def run_method(args) -> dict | None:
             impl.restore(step)
             res["restore"].append(time.perf_counter() - t0)
         restore_peak = max(restore_peak, pk.peak)
-        if hasattr(impl, "end_restore"):
-            impl.end_restore()
+        impl.end_restore()
         got = fingerprint(impl.model, impl.optim)
         if got != expect:
             raise SystemExit(f"{args.method}: restored state differs from the saved state")
@@ -626,9 +351,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def fmt_gib(n: float) -> str:
@@ -769,7 +491,7 @@ def main(argv=None) -> None:
                 print(f"... {method} {chunk if method == 'ckpt' else ''}", file=sys.stderr, flush=True)
                 r = child(args, method, ["--chunk-mb", chunk])
                 label, _ = chunk_spec(chunk)
-                r["label"] = LABELS[method] + (f" ({label})" if method == "ckpt" else "")
+                r["label"] = CLASSES[method].label + (f" ({label})" if method == "ckpt" else "")
                 rows.append(r)
         # ckpt rows last in the table, the default chunk first among them
         rows.sort(key=lambda r: r["method"] == "ckpt")

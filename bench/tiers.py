@@ -1,6 +1,6 @@
 """Two-tier benchmark: a local tier beside the durable root against single-tier saves to the durable root.
 
-The state of bench/save_restore.py (transformer-like model + Adam, ~--size-gb). Figures, medians of --repeats:
+The kit's state (bench/kit.py: transformer-like model + Adam, ~--size-gb). Figures, medians of --repeats:
 
 - single tier: `save()` stall and time until committed in the durable root;
 - two tiers (`local=`, persist_every=1): `save()` stall, time until committed in the local tier, and the
@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from save_restore import GIB, build_state, drop_caches, state_bytes  # noqa: E402
+from kit import GIB, build_state, drop_caches, state_bytes  # noqa: E402
 
 
 def saves(state, durable: str, local: str | None, repeats: int) -> dict[str, list[float]]:
