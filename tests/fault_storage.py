@@ -72,6 +72,13 @@ class FaultStorage:
             return bytes([data[0] ^ 1]) + data[1:]
         return data
 
+    def read_range(self, path: str, start: int, stop: int | None) -> bytes | None:
+        self.reads.append(path)
+        data = self.inner.read_range(path, start, stop)
+        if data and self.corrupt(path):
+            return bytes([data[0] ^ 1]) + data[1:]
+        return data
+
     def write_atomic(self, path: str, data: bytes) -> None:
         self._written(path)
         self.inner.write_atomic(path, data)

@@ -84,6 +84,18 @@ class KvStorage:
         r = self._wait(self._kv.read(checked(path)), "read", path)
         return r.value if r.state == "value" else None
 
+    def read_range(self, path: str, start: int, stop: int | None) -> bytes | None:
+        """One ranged GET. A range past the object's end is refused (OUT_OF_RANGE): then its tail from `start`
+        (shorter than asked), or nothing when it ends before `start`."""
+        for tail in (slice(start, stop), slice(start, None)):
+            try:
+                r = self._wait(self._kv.read(checked(path), byte_range=tail), "read", path)
+                return r.value if r.state == "value" else None
+            except StorageError as e:
+                if "OUT_OF_RANGE" not in str(e):
+                    raise
+        return b"" if self.read_range(path, 0, 0) is not None else None
+
     def write_atomic(self, path: str, data: bytes) -> None:
         """One PUT: on an object store the object appears whole or not at all (see docs/object_stores.md)."""
         self._wait(self._kv.write(checked(path), data), "write", path)

@@ -118,6 +118,17 @@ class LocalStorage:
         with open(fd, "rb") as f:
             return f.read()
 
+    def read_range(self, path: str, start: int, stop: int | None) -> bytes | None:
+        try:
+            fd = open_regular(self._p(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            end = os.fstat(fd).st_size if stop is None else stop
+            return os.pread(fd, max(0, end - start), start)
+        finally:
+            os.close(fd)
+
     def _durable_temp(self, path: str, data: bytes) -> tuple[str, str]:
         """`data` in a fsync'd temp file beside `path` (its directory made durably); returns (temp, final)."""
         final = self._p(path)

@@ -52,6 +52,11 @@ class Storage(Protocol):
         """The file's bytes, None when it is missing."""
         ...
 
+    def read_range(self, path: str, start: int, stop: int | None) -> bytes | None:
+        """Bytes [start, stop) of a file (`stop` None: to its end; fewer where it is shorter), None when it is
+        missing: a pack's boxes are read without reading the pack."""
+        ...
+
     def write_atomic(self, path: str, data: bytes) -> None:
         """Write (or replace) a file whole or not at all."""
         ...
