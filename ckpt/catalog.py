@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from . import layout, lease, store
+from . import layout, lease, packs, store
 from .errors import CorruptCheckpointError, LeaseHeldError, StepNotFoundError
 from .restore import step_files
 from .storage import Storage, UnsafeFileError, where
@@ -99,20 +99,25 @@ def verify(
         return
     for name, info in manifest.arrays.items():
         try:
-            if info.pack is None:
+            if info.places is None:
                 path = layout.array_path(step, name, manifest.data)
                 store.verify_array(storage, path, info, step=step, on_bytes=on_bytes)
                 continue
-            pack = manifest.packs[info.pack[0]]
-            path = layout.pack_path(step, pack.name, manifest.data)
-            store.read_packed(storage, path, pack, [(info, None, None)], step=step, check_chunk=False)  # chunks below
+            for box, (pack, _) in enumerate(info.places):
+                path = layout.pack_path(step, pack, manifest.data)
+                packs.verify_box(storage, manifest.packs[pack], path, info, box, step=step)
             if on_bytes:
                 on_bytes(info.nbytes)
         except CorruptCheckpointError as e:
             yield e
-    for name, pack in manifest.packs.items():  # zarr.json, and the bytes no tensor's digest covers (padding)
+    for name, pack in manifest.packs.items():  # zarr.json, each file's size, and (ckpt/3-4) each file's crc32c
         try:
-            store.verify_array(storage, layout.pack_path(step, name, manifest.data), pack, step=step)
+            path = layout.pack_path(step, name, manifest.data)
+            if pack.raw:
+                store.check_zarr_json(storage, path, pack, step=step)
+                packs.check_sizes(storage, path, pack, step=step)
+            else:
+                store.verify_array(storage, path, pack, step=step)
         except CorruptCheckpointError as e:
             yield e
 

@@ -39,10 +39,11 @@ _ZEROS = memoryview(bytes(PIECE))  # the zero padding of edge chunks
 
 
 class ChunkFile:
-    """One chunk file written from pieces that arrive in order (a chunk may span staging waves)."""
+    """One chunk file written from pieces that arrive in order (a chunk may span staging waves); without `trailer`
+    (a ckpt/5 pack's: the manifest's digests of its boxes cover it) its bytes alone, no crc32c computed."""
 
-    def __init__(self, path: str, writer: "ChunkWriter", size: int):
-        self.path, self.writer = path, writer
+    def __init__(self, path: str, writer: "ChunkWriter", size: int, trailer: bool = True):
+        self.path, self.writer, self.trailer = path, writer, trailer
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self.fd, self.direct = writer.open(path, direct=size >= DIRECT_MIN)
         self.offset = 0  # bytes on disk so far (a multiple of ALIGN while direct)
@@ -51,7 +52,8 @@ class ChunkFile:
 
     def feed(self, data: memoryview) -> None:
         """Append bytes to the chunk's content."""
-        self.crc = crc32c.crc32c(data, self.crc)
+        if self.trailer:
+            self.crc = crc32c.crc32c(data, self.crc)
         if not self.direct:
             self._pwrite(data)
             return
@@ -77,7 +79,7 @@ class ChunkFile:
 
     def finish(self) -> int:
         """Write what is left and the crc32c trailer; returns the content's crc32c (the manifest's digest)."""
-        tail = bytes(self.carry) + self.crc.to_bytes(4, "little")
+        tail = bytes(self.carry) + (self.crc.to_bytes(4, "little") if self.trailer else b"")
         self.carry = bytearray()
         self._buffered()
         self._pwrite(memoryview(tail))
@@ -171,8 +173,12 @@ class ChunkWriter:
                 if f is not None:
                     f.close()
                 raise OSError(e.errno, f"{e.strerror} (chunk {index} of array {info.name!r})", path) from None
-            self._syncs.append(submit_or_run(self._sync, _fsync, path))
+            self.written(path)
         return done
+
+    def written(self, path: str) -> None:
+        """A chunk file finished elsewhere (`packs.PackWriter`): make it durable with the others."""
+        self._syncs.append(submit_or_run(self._sync, _fsync, path))
 
     def copy(self, path: str, data: bytes) -> None:
         """Write a whole chunk file whose bytes (content + crc32c trailer) were read and checked elsewhere (a
@@ -187,7 +193,7 @@ class ChunkWriter:
             if f is not None:
                 f.close()
             raise OSError(e.errno, e.strerror, path) from None
-        self._syncs.append(submit_or_run(self._sync, _fsync, path))
+        self.written(path)
 
     def close(self) -> None:
         """Wait until every written file is durable (raising the first error)."""

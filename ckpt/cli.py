@@ -135,7 +135,7 @@ def _entry_lines(label: str, tree: Any, arrays: dict, indent: str) -> list[str]:
     node = state_mod.node_of(tree)
     if node.kind == state_mod.TENSOR:
         a = arrays[node.name]
-        where = f"array {node.name}" if a.pack is None else f"packed in {a.pack[0]} at byte {a.pack[1]}"
+        where = f"array {node.name}" if a.places is None else _places(a)
         return [f"{indent}{label}: {a.dtype}{list(a.shape)}  ({_human(a.nbytes)}, {where})"]
     if node.kind in _BRANCHES:
         kind = f" <{node.name}>" if node.kind == state_mod.STATE else ""
@@ -144,14 +144,21 @@ def _entry_lines(label: str, tree: Any, arrays: dict, indent: str) -> list[str]:
     return [f"{indent}{label}: {text if len(text) < 100 else text[:97] + '...'}"]
 
 
+def _places(a: Any) -> str:
+    """Where a placed array's boxes are: its one place, else how many boxes in how many packs."""
+    if len(a.places) == 1:
+        return f"in pack {a.places[0][0]} at byte {a.places[0][1]}"
+    return f"{len(a.places)} boxes in {len({p for p, _ in a.places})} packs"
+
+
 def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
     m = read_manifest(storage, _pick_step(storage, args.step))
     if args.json:
         print(json.dumps(m.to_json(), indent=1))
         return 0
     total = sum(a.nbytes for a in m.arrays.values())
-    packed = sum(a.pack is not None for a in m.arrays.values())
-    packs = f" ({packed} packed in {len(m.packs)} pack{'s' * (len(m.packs) != 1)})" if m.packs else ""
+    packed = sum(a.places is not None for a in m.arrays.values())
+    packs = f" ({packed} placed in {len(m.packs)} pack{'s' * (len(m.packs) != 1)})" if m.packs else ""
     print(
         f"step {m.step}  world_size {m.world_size}  {len(m.arrays)} arrays{packs}, {_human(total)}  "
         f"versions {m.versions}"

@@ -246,14 +246,16 @@ def _shards(tensors: list[ExportTensor], limit: int) -> list[list[ExportTensor]]
 
 
 def bands(info: ArrayInfo) -> Iterator[tuple[tuple[int, int], ...]]:
-    """Boxes of whole rows, in order, that cover the array: about `_BAND_BYTES` each, on chunk boundaries."""
+    """Boxes of whole rows, in order, that cover the array: about `_BAND_BYTES` each, on chunk boundaries (on
+    the rows of a segment, where the array's boxes are placed in packs)."""
     whole = tuple((0, n) for n in info.shape)
     if not info.shape or info.nbytes <= _BAND_BYTES or info.shape[0] <= 1:
         yield whole
         return
     n = info.shape[0]
-    rows = max(1, _BAND_BYTES // (info.nbytes // n))
-    rows = max(info.chunk[0], rows // info.chunk[0] * info.chunk[0])
+    row = info.nbytes // n
+    unit = max(1, info.segment // row) if info.places is not None else info.chunk[0]
+    rows = max(unit, _BAND_BYTES // row // unit * unit)
     for a in range(0, n, rows):
         yield ((a, min(a + rows, n)),) + whole[1:]
 

@@ -24,15 +24,21 @@ from .paths import validate_array_name
 if TYPE_CHECKING:
     import torch
 
-FORMAT = "ckpt/4"  # ckpt/4: a save's arrays and packs live in a directory of its own (`Manifest.data`)
-# ckpt/3 (small tensors packed into one byte array per rank, `Manifest.packs`) and ckpt/2 (a crc32c digest per chunk
-# in the manifest, one array per tensor) are still read; so is ckpt/1, whose chunks are checked by their own crc32c
-# only. Older versions refuse ckpt/4 by its name instead of reading its arrays where they are not.
-_PACKED = ("ckpt/3", FORMAT)  # formats that have packs
+FORMAT = "ckpt/5"  # ckpt/5: every box a rank writes is placed in its pack, a few large files (`ArrayInfo.places`)
+# ckpt/4 (a save's arrays and packs in a directory of its own, `Manifest.data`), ckpt/3 (small tensors packed into one
+# byte array per rank, `Manifest.packs`) and ckpt/2 (a crc32c digest per chunk in the manifest, one array per tensor)
+# are still read; so is ckpt/1, whose chunks are checked by their own crc32c only. Older versions refuse ckpt/5 by
+# its name instead of reading tensors from packs they would not know to look in.
+_OLD_PACKS = ("ckpt/3", "ckpt/4")  # packs of small whole tensors, each in one chunk of a pack with crc32c trailers
+_PACKED = (*_OLD_PACKS, FORMAT)  # formats that have packs
+_DATA_DIR = ("ckpt/4", FORMAT)  # formats whose data live in a directory of the step's own
 _READABLE = ("ckpt/1", "ckpt/2", *_PACKED)
 # The directory of one save's data inside its step directory: a token drawn by the save (see `layout.data_dir`)
 DATA_RE = re.compile(r"^w-[0-9a-f]{12}$")
-PACK_BYTES = 1 << 20  # default: tensors up to this size are packed (see `pack_layout`)
+PACK_BYTES = 1 << 62  # default `pack_bytes`: every box is placed in its writer's pack, whatever its size
+PACK_FILES = 4  # a rank's pack is cut into at most this many files (chunks) of at most MAX_CHUNK_BYTES each
+PACK_ALIGN_MIN = 1 << 20  # boxes of this size or more start at a multiple of 4096 in the pack (see `pack_layout`)
+_PACK_ALIGN = 4096  # the arena's and O_DIRECT's alignment: such a box goes from the arena to disk without a copy
 # An array name: '/'-separated segments of safe characters; no empty, '.' or '..' segment, nothing absolute.
 _MAX_SEGMENT = 200
 
@@ -131,8 +137,9 @@ def _divisors(n: int) -> list[int]:
     return small + [n // i for i in small]
 
 
-def zarr_metadata(dtype: str, shape: Sequence[int], chunk: Sequence[int]) -> dict[str, Any]:
-    """zarr3 metadata of one array: raw little-endian bytes followed by a crc32c per chunk.
+def zarr_metadata(dtype: str, shape: Sequence[int], chunk: Sequence[int], crc: bool = True) -> dict[str, Any]:
+    """zarr3 metadata of one array: raw little-endian bytes followed by a crc32c per chunk (without `crc`: the raw
+    bytes alone, as in a ckpt/5 pack, whose bytes the manifest's digest of each box placed in it covers).
 
     In the canonical form tensorstore writes (single-byte types carry no endianness), so that a
     `zarr.json` read back can be compared with it field by field.
@@ -147,7 +154,7 @@ def zarr_metadata(dtype: str, shape: Sequence[int], chunk: Sequence[int]) -> dic
         "data_type": dtype,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk)}},
         "chunk_key_encoding": {"name": "default"},
-        "codecs": [raw, {"name": "crc32c"}],
+        "codecs": [raw, {"name": "crc32c"}] if crc else [raw],
     }
 
 
@@ -166,7 +173,7 @@ def zarr_mismatch(data: bytes, info: "ArrayInfo") -> str | None:
         return "is not JSON"
     if not isinstance(meta, dict):
         return "is not a JSON object"
-    for k, v in zarr_metadata(info.dtype, info.shape, info.chunk).items():
+    for k, v in zarr_metadata(info.dtype, info.shape, info.chunk, not info.raw).items():
         if meta.get(k) != v:
             return f"has {k} {json.dumps(meta.get(k))}, the manifest says {json.dumps(v)}"
     for k in meta:
@@ -200,12 +207,18 @@ class ArrayInfo:
     chunk: tuple[int, ...]
     boxes: tuple[tuple[tuple[int, int], ...], ...]  # written regions: per box, per dim (start, stop)
     # crc32c of each chunk file's content (the value zarr's crc32c codec appends), chunks in C order of
-    # the chunk grid; None only in manifests of format ckpt/1, which had none. A packed tensor has one
-    # "chunk", itself: its digest is the crc32c of its bytes.
+    # the chunk grid; None only in manifests of format ckpt/1, which had none. A placed array (`places`) has one per
+    # segment of each box instead (`segments`), boxes in order: the crc32c of those bytes of the box in C order.
     digests: tuple[int, ...] | None = None
-    # Packed (ckpt/3): the tensor's bytes are those at this byte offset of the pack array of this name
-    # (`Manifest.packs`), never crossing one of its chunks; chunk == shape. None: an array of its own.
-    pack: tuple[str, int] | None = None
+    # Placed (ckpt/5): box i's bytes (C order) are those at byte offset places[i][1] of the pack array named
+    # places[i][0] (`Manifest.packs`), possibly across its chunks; chunk == shape. In ckpt/3-4 ("pack" in the
+    # manifest) a small tensor of one box, never crossing a chunk of its pack. None: an array of its own.
+    places: tuple[tuple[str, int], ...] | None = None
+    # Placed: the bytes of a box checked by one digest (the last segment of a box may be shorter); the unit a read of
+    # part of a box reads. 0: the whole box (ckpt/3-4).
+    segment: int = 0
+    # Chunk files without a crc32c trailer (the packs of ckpt/5: their bytes are checked by the placed boxes' digests)
+    raw: bool = False
 
     @property
     def itemsize(self) -> int:
@@ -219,6 +232,36 @@ class ArrayInfo:
     def chunk_nbytes(self) -> int:
         """Bytes of one chunk's content on disk (edge chunks are padded to the full chunk shape)."""
         return math.prod(self.chunk) * self.itemsize
+
+    @property
+    def file_nbytes(self) -> int:
+        """Bytes of one chunk file: its content and, unless `raw`, the crc32c trailer."""
+        return self.chunk_nbytes + (0 if self.raw else 4)
+
+    def box_nbytes(self, box: Sequence[tuple[int, int]]) -> int:
+        return math.prod(b - a for a, b in box) * self.itemsize
+
+    def segments(self, box: int, lo: int = 0, hi: int | None = None) -> list[tuple[int, int, int]]:
+        """The segments of a placed box that hold its bytes [lo, hi): (first byte, end byte in the box, index of
+        its digest)."""
+        n = self.box_nbytes(self.boxes[box])
+        size = self.segment or n
+        first = self._digest_starts[box]
+        hi = n if hi is None else hi
+        return [(s, min(s + size, n), first + s // size) for s in range(lo // size * size, hi, size)]
+
+    @property
+    def digest_count(self) -> int:
+        """Digests the manifest holds: one per chunk, or per segment of each box where placed."""
+        return self._digest_starts[-1] if self.places is not None else math.prod(self.grid)
+
+    @functools.cached_property
+    def _digest_starts(self) -> list[int]:
+        """The index of each placed box's first digest (`segments`), and their count last."""
+        out = [0]
+        for box in self.boxes:
+            out.append(out[-1] + -(-self.box_nbytes(box) // (self.segment or self.box_nbytes(box) or 1)))
+        return out
 
     @property
     def grid(self) -> tuple[int, ...]:
@@ -253,12 +296,7 @@ class ArrayInfo:
             out = out * n + i
         return out
 
-    def packed_at(self, pack: "ArrayInfo") -> tuple[tuple[int, ...], int]:
-        """Where a packed tensor's bytes are in `pack`: (chunk index, byte offset inside that chunk file)."""
-        offset = self.pack[1]
-        return (offset // pack.chunk[0],), offset % pack.chunk[0]
-
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, format: str = FORMAT) -> dict[str, Any]:
         out = {
             "dtype": self.dtype,
             "shape": list(self.shape),
@@ -266,13 +304,18 @@ class ArrayInfo:
             "boxes": [[list(r) for r in box] for box in self.boxes],
             "digests": list(self.digests or ()),
         }
-        if self.pack is not None:
-            out["pack"] = list(self.pack)
+        if self.places is not None and format in _OLD_PACKS:
+            out["pack"] = list(self.places[0])
+        elif self.places is not None:
+            out["places"] = [list(p) for p in self.places]
+            out["segment"] = self.segment
         return out
 
     @classmethod
-    def from_json(cls, name: str, d: Any, *, digests: bool = True) -> "ArrayInfo":
-        """Validated: known dtype, bounded shape and chunk grid, boxes inside the shape, one digest per chunk."""
+    def from_json(cls, name: str, d: Any, *, format: str = FORMAT, raw: bool = False) -> "ArrayInfo":
+        """Validated: known dtype, bounded shape and chunk grid, boxes inside the shape, one digest per chunk (per
+        box where placed; none where `raw`, a ckpt/5 pack); a place per box (its bounds in the pack are
+        `pack_mismatch`'s, with the packs)."""
         validate_array_name(name)
 
         def need(ok: bool, what: str) -> None:
@@ -302,26 +345,60 @@ class ArrayInfo:
             "boxes must be lists of [start, stop] inside the shape",
         )
         info = cls(name, d["dtype"], tuple(shape), tuple(chunk), tuple(tuple((a, b) for a, b in box) for box in boxes))
-        need(info.chunk_nbytes <= MAX_CHUNK_BYTES, f"chunk of {info.chunk_nbytes} bytes, more than {MAX_CHUNK_BYTES}")
-        count = math.prod(info.grid)
-        need(count <= MAX_CHUNKS, f"{count} chunks, more than {MAX_CHUNKS}")
-        if not digests:
-            return info
-        sums = d.get("digests")
-        need(_ints(sums, 0, (1 << 32) - 1) and len(sums) == count, f"needs {count} chunk digests (crc32c values)")
-        pack = d.get("pack")
-        if pack is not None:
+        places = _places(d, format, need)
+        if places is not None:
+            need(info.chunk == info.shape and info.nbytes > 0, "a placed array is one non-empty chunk")
+            need(len(places) == len(info.boxes), f"needs a place per box ({len(info.boxes)}), has {len(places)}")
+            need(all(info.box_nbytes(b) > 0 for b in info.boxes), "a placed array's boxes are not empty")
+            segment = d.get("segment", 0) if format == FORMAT else 0
+            need(type(segment) is int and (segment >= 1 or format != FORMAT), f"bad segment {str(segment)[:50]!r}")
+            info = dataclasses.replace(info, segment=segment, places=places)
+            count = info.digest_count
+            need(count <= MAX_CHUNKS, f"{count} segments, more than {MAX_CHUNKS}")
+        else:
             need(
-                isinstance(pack, list) and len(pack) == 2 and isinstance(pack[0], str) and _ints(pack[1:], 0, _MAX_DIM),
-                f"bad pack {pack!r} (expected [pack name, byte offset])",
+                info.chunk_nbytes <= MAX_CHUNK_BYTES, f"chunk of {info.chunk_nbytes} bytes, more than {MAX_CHUNK_BYTES}"
             )
-            need(info.chunk == info.shape and count == 1 and info.nbytes > 0, "a packed tensor is one non-empty chunk")
-            pack = (validate_array_name(pack[0]), pack[1])
-        return dataclasses.replace(info, digests=tuple(sums), pack=pack)
+            count = math.prod(info.grid)
+            need(count <= MAX_CHUNKS, f"{count} chunks, more than {MAX_CHUNKS}")
+        if format == "ckpt/1":
+            return info
+        if raw:
+            need(d.get("digests") == [] and places is None, "a pack of raw bytes has no digests of its own")
+            return dataclasses.replace(info, digests=(), raw=True)
+        sums = d.get("digests")
+        unit = "segment" if places is not None else "chunk"
+        need(_ints(sums, 0, (1 << 32) - 1) and len(sums) == count, f"needs {count} {unit} digests (crc32c values)")
+        return dataclasses.replace(info, digests=tuple(sums), places=places)
 
 
-def _span(info: ArrayInfo) -> str:
-    return f"bytes [{info.pack[1]}, {info.pack[1] + info.nbytes})"
+def _places(d: dict[str, Any], format: str, need: Any) -> tuple[tuple[str, int], ...] | None:
+    """An entry's places in packs: ckpt/5's "places" (one per box), ckpt/3-4's "pack" (its one box); None."""
+    need(d.get("pack") is None or format in _OLD_PACKS, f"packed in format {format}")
+    need(d.get("places") is None or format == FORMAT, f"placed in format {format}")
+    if d.get("pack") is not None:
+        raw = [d["pack"]]
+    elif d.get("places") is not None:
+        raw = d["places"]
+        need(isinstance(raw, list), f"bad places {str(raw)[:100]!r}")
+    else:
+        return None
+    for p in raw:
+        need(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and _ints(p[1:], 0, _MAX_DIM),
+            f"bad place {str(p)[:100]!r} (expected [pack name, byte offset])",
+        )
+    for p in raw:
+        try:
+            validate_array_name(p[0])
+        except CorruptCheckpointError as e:
+            need(False, f"bad place {str(p)[:100]!r}: {e}")
+    return tuple((p[0], p[1]) for p in raw)
+
+
+def _span(info: ArrayInfo, i: int) -> str:
+    at = info.places[i][1]
+    return f"bytes [{at}, {at + info.box_nbytes(info.boxes[i])})"
 
 
 def _ints(v: Any, lo: int, hi: int) -> bool:
@@ -330,45 +407,58 @@ def _ints(v: Any, lo: int, hi: int) -> bool:
 
 
 def pack_layout(sizes: Sequence[int], chunk_bytes: int) -> tuple[list[int], int, int]:
-    """Byte offsets of tensors of these sizes (each at most `chunk_bytes`) packed back to back into one
-    uint8 array, a tensor never crossing a chunk: (offsets, total bytes, chunk bytes). One chunk when all fit."""
-    total = sum(sizes)
-    chunk = max(1, min(total, chunk_bytes))
+    """Byte offsets of boxes of these sizes placed back to back in one rank's pack, and the pack's chunk (file) size:
+    (offsets, total bytes, chunk bytes).
+
+    Boxes of at least PACK_ALIGN_MIN bytes start on a multiple of 4096, as they start in the staging arena, so
+    that their bytes go to an O_DIRECT file without a copy; the rest follow each other, crossing chunks freely.
+    The pack is cut into as few chunks of at least `chunk_bytes` as it takes, at most PACK_FILES (more only where
+    a chunk would exceed MAX_CHUNK_BYTES), of equal size: the last is padded to it, by less than 4096 bytes a chunk.
+    """
     offsets, at = [], 0
     for n in sizes:
-        if at % chunk + n > chunk:  # would cross into the next chunk: start there (zeros between)
-            at += chunk - at % chunk
+        if n >= PACK_ALIGN_MIN:
+            at = -(-at // _PACK_ALIGN) * _PACK_ALIGN
         offsets.append(at)
         at += n
+    total = max(at, 1)
+    files = max(min(PACK_FILES, -(-total // chunk_bytes)), -(-total // MAX_CHUNK_BYTES))
+    chunk = -(-total // files)
+    if files > 1 and chunk >= _PACK_ALIGN:
+        chunk = min(-(-chunk // _PACK_ALIGN) * _PACK_ALIGN, MAX_CHUNK_BYTES)
     return offsets, at, chunk
 
 
-def pack_mismatch(info: ArrayInfo, packs: dict[str, ArrayInfo]) -> str | None:
-    """Why a packed tensor's place in its pack is impossible (no such pack, out of it, across a chunk); else None."""
-    pack = packs.get(info.pack[0])
-    if pack is None:
-        return f"names pack {info.pack[0]!r}, which the manifest does not list"
-    offset, n = info.pack[1], info.nbytes
-    if offset + n > pack.shape[0] or offset // pack.chunk[0] != (offset + n - 1) // pack.chunk[0]:
-        return f"bytes [{offset}, {offset + n}) do not lie in one chunk of pack {pack.name!r} {list(pack.shape)}"
+def pack_mismatch(info: ArrayInfo, packs: dict[str, ArrayInfo], format: str) -> str | None:
+    """Why a placed box's place in its pack is impossible (no such pack, out of it, across a chunk where the format
+    does not allow it, a pack of the other kind); else None."""
+    for (pack_name, offset), box in zip(info.places, info.boxes):
+        pack = packs.get(pack_name)
+        if pack is None:
+            return f"names pack {pack_name!r}, which the manifest does not list"
+        n = info.box_nbytes(box)
+        if offset + n > pack.shape[0]:
+            return f"bytes [{offset}, {offset + n}) do not lie in pack {pack.name!r} {list(pack.shape)}"
+        if format in _OLD_PACKS and offset // pack.chunk[0] != (offset + n - 1) // pack.chunk[0]:
+            return f"bytes [{offset}, {offset + n}) do not lie in one chunk of pack {pack.name!r} {list(pack.shape)}"
     return None
 
 
-def pack_overlap(arrays: dict[str, ArrayInfo]) -> tuple[str, str, str] | None:
-    """Two packed tensors whose bytes share a byte of their pack: (pack, one key, the other); None when none do.
-    A writer lays them out back to back (`pack_layout`), so any overlap is a crafted or damaged manifest."""
-    by_pack: dict[str, list[tuple[int, int, str]]] = {}
+def pack_overlap(arrays: dict[str, ArrayInfo]) -> tuple[str, tuple[str, int], tuple[str, int]] | None:
+    """Two placed boxes that share a byte of their pack: (pack, (key, box index) of one, of the other); None when
+    none do. A writer lays them out apart (`pack_layout`), so any overlap is a crafted or damaged manifest."""
+    by_pack: dict[str, list[tuple[int, int, str, int]]] = {}
     for name, info in arrays.items():
-        if info.pack is not None:
-            by_pack.setdefault(info.pack[0], []).append((info.pack[1], info.pack[1] + info.nbytes, name))
+        for i, (pack, at) in enumerate(info.places or ()):
+            by_pack.setdefault(pack, []).append((at, at + info.box_nbytes(info.boxes[i]), name, i))
     for pack, members in by_pack.items():
         members.sort()
-        end, last = 0, ""
-        for a, b, name in members:
+        end, last = 0, ("", 0)
+        for a, b, name, i in members:
             if a < end:
-                return pack, last, name
+                return pack, last, (name, i)
             if b > end:
-                end, last = b, name
+                end, last = b, (name, i)
     return None
 
 
@@ -401,9 +491,9 @@ class Manifest:
             "versions": self.versions or {},
             "metadata": self.metadata,
             "tree": self.tree,
-            "arrays": {k: v.to_json() for k, v in self.arrays.items()},
-            **({"packs": {k: v.to_json() for k, v in self.packs.items()}} if self.format in _PACKED else {}),
-            **({"data": self.data} if self.format == FORMAT else {}),
+            "arrays": {k: v.to_json(self.format) for k, v in self.arrays.items()},
+            **({"packs": {k: v.to_json(self.format) for k, v in self.packs.items()}} if self.format in _PACKED else {}),
+            **({"data": self.data} if self.format in _DATA_DIR else {}),
         }
 
     def to_bytes(self) -> bytes:
@@ -446,30 +536,29 @@ class Manifest:
         packs_json = body.get("packs", {}) if body["format"] in _PACKED else {}
         if not isinstance(packs_json, dict):
             raise CorruptCheckpointError("malformed manifest: bad packs", file=file)
-        data = body.get("data") if body["format"] == FORMAT else ""
+        data = body.get("data") if body["format"] in _DATA_DIR else ""
         if data != "" and not (isinstance(data, str) and DATA_RE.match(data)):
             raise CorruptCheckpointError(f"malformed manifest: bad data directory {str(data)[:100]!r}", file=file)
+        fmt = body["format"]
         try:
-            arrays = {
-                name: ArrayInfo.from_json(name, d, digests=body["format"] != "ckpt/1")
-                for name, d in body["arrays"].items()
+            arrays = {name: ArrayInfo.from_json(name, d, format=fmt) for name, d in body["arrays"].items()}
+            # ckpt/5 packs are raw bytes: the digests of the boxes placed in them cover them
+            packs = {
+                name: ArrayInfo.from_json(name, d, format=fmt, raw=fmt == FORMAT) for name, d in packs_json.items()
             }
-            packs = {name: ArrayInfo.from_json(name, d) for name, d in packs_json.items()}
             for name, info in packs.items():
-                if info.dtype != "uint8" or len(info.shape) != 1 or info.pack is not None:
+                if info.dtype != "uint8" or len(info.shape) != 1 or info.places is not None or not info.shape[0]:
                     raise CorruptCheckpointError("malformed pack entry in manifest: not a 1-D uint8 array", key=name)
             for name, info in arrays.items():
-                if info.pack is not None and body["format"] not in _PACKED:
-                    raise CorruptCheckpointError(f"malformed array entry: packed in format {body['format']}", key=name)
-                mismatch = info.pack is not None and pack_mismatch(info, packs)
+                mismatch = info.places is not None and pack_mismatch(info, packs, fmt)
                 if mismatch:
                     raise CorruptCheckpointError(f"malformed array entry in manifest: {mismatch}", key=name)
             overlap = pack_overlap(arrays)
             if overlap:
-                pack, a, b = overlap
+                pack, (a, i), (b, j) = overlap
                 raise CorruptCheckpointError(
-                    f"malformed manifest: packed tensors {a!r} and {b!r} overlap in pack {pack!r} "
-                    f"({_span(arrays[a])} and {_span(arrays[b])})",
+                    f"malformed manifest: placed tensors {a!r} (box {i}) and {b!r} (box {j}) overlap in pack "
+                    f"{pack!r} ({_span(arrays[a], i)} and {_span(arrays[b], j)})",
                     key=b,
                 )
         except CorruptCheckpointError as e:

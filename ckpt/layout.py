@@ -6,8 +6,9 @@ Layout of a root::
     step_00001200/w-<token>/         one save's data (the manifest names it): each save of the step writes into a
                                      directory of its own, so a writer that lost the lease never touches the files
                                      its successor commits (before ckpt/4: arrays/ and packs/ in the step directory)
-    step_00001200/w-<token>/arrays/<name>/     one zarr3 array per tensor (zarr.json + chunk files c/...)
-    step_00001200/w-<token>/packs/rank_00000/  one zarr3 uint8 array per rank holding its small tensors back to back
+    step_00001200/w-<token>/packs/rank_00000/  one zarr3 uint8 array per rank: every box it writes, in <= 4 files
+    step_00001200/w-<token>/arrays/<name>/     a zarr3 array of its own (zarr.json + chunk files c/...): an empty
+                                               tensor, pack_bytes=0, a rank's own root (the local tier)
     step_00001200/_IN_PROGRESS       marker of a save in flight (pid, host, time, lease); never read on restore
     _quarantine/step_00001200-<unix ms>/   a damaged step moved aside: its files and _DAMAGED (reason, time, host, pid)
     _LEASE, _GC_LOCK                 the writer's lease and gc's lock (see lease.py)
@@ -107,7 +108,7 @@ def replica_ranks(storage: Storage) -> list[int]:
 
 
 def pack_name(rank: int) -> str:
-    """The name of the pack array a rank writes its small tensors into."""
+    """The name of the pack array a rank places its boxes in."""
     return f"rank_{rank:05d}"
 
 

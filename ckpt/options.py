@@ -34,10 +34,12 @@ class WriteOptions:
             ``nn.Embedding(max_norm=...)`` in forward) fails the save (`StateChangedError`) when it comes before
             the copy: a race. One that bumps none (through ``p.data``, a numpy view, an EMA swap through
             ``.data``, ``opt.state[p]["exp_avg"].data.zero_()``) is committed silently.
-        chunk_bytes: target size of one chunk file (one chunk per tensor up to this size; at most 4 GiB).
-        pack_bytes: tensors of at most this size (and `chunk_bytes`) that a rank writes whole are packed into
-            one byte array per rank instead of an array each: a model of many small tensors writes a few files
-            per step, not thousands. 0: every tensor its own array.
+        chunk_bytes: the smallest data file (a rank's pack is cut into at most 4 files of at least this size) and
+            the target size of one chunk file of an array of its own (at most 4 GiB).
+        pack_bytes: the boxes (a rank's slice of a tensor) of the tensors whose every box is at most this size are
+            placed in their writer's pack, at most 4 files per rank and step whatever the number of tensors
+            (docs/checkpointing.md, "On disk"). Default: every tensor. 0: every tensor an array of its own, chunked
+            by `chunk_bytes`, files growing as tensors times ranks (and as a rank's own root, the local tier, is).
         max_staging_bytes: cap on the host snapshot buffer; larger states are snapshotted in waves.
         write_budget: what a background write may use of the machine: a `WriteBudget` (share of the CPUs,
             file operations per core, niceness of the write's threads) or a number, the share of the CPUs.

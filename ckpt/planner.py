@@ -64,9 +64,10 @@ class Planner:
         A box held by several ranks (replicated tensors, DTensor Replicate) has one designated writer, chosen by a
         hash of the array name so that the writing is spread over the ranks. A shared root gets only the designated
         writes; with `every_holder` (a root of this rank's own: the local tier) each rank writes every box it holds.
-        A tensor its writer writes whole, of at most `pack_bytes` (and `chunk_bytes`), goes into that rank's pack
-        (`format.pack_layout`). A rank's own root is not packed: it holds boxes that other ranks' packs would hold,
-        and a persist copies its files as they are into the shared layout.
+        Every box of an array whose boxes are all of at most `pack_bytes` (0: none) is placed in its
+        writer's pack, a few large files per rank (`format.pack_layout`); other arrays are chunked arrays of their
+        own. A rank's own root is not packed: it holds boxes that other ranks' packs would hold, and a persist
+        copies its files as they are into the shared layout.
         """
         mine = {name: local_box(t) for name, t in tensors.items()}
         described = {
@@ -109,8 +110,7 @@ def _global(gathered: list[Any], holder_writes: int | None, chunk_bytes: int, pa
     arrays: dict[str, ArrayInfo] = {}
     written: dict[int, set[str]] = {r: set() for r in world}
     designated: dict[int, set[str]] = {r: set() for r in world}
-    packed: dict[int, list[str]] = {}  # writer rank -> the arrays it packs, in the agreed order
-    limit = min(pack_bytes, chunk_bytes)
+    placed: dict[int, list[tuple[str, int]]] = {}  # writer rank -> (array, box index) it places, in agreed order
     for name, (dt, shape, by_box) in held.items():
         ordered = tuple(sorted(by_box))
         if sum(map(_volume, ordered)) != math.prod(shape):
@@ -118,33 +118,45 @@ def _global(gathered: list[Any], holder_writes: int | None, chunk_bytes: int, pa
                 f"the ranks' pieces of tensor {name!r} do not tile its global shape {list(shape)} "
                 f"(boxes {list(ordered)}); is it a plain tensor that differs across ranks?"
             )
-        chunk = chunk_shape(shape, torch_dtype(dt).itemsize, _starts(ordered), chunk_bytes)
-        arrays[name] = ArrayInfo(name, dt, shape, chunk, ordered)
-        for rks in by_box.values():
+        itemsize = torch_dtype(dt).itemsize
+        full = tuple(b for b in ordered if _volume(b))
+        place = bool(full) and all(_volume(b) * itemsize <= pack_bytes for b in full)
+        if place:  # one "chunk", the array; its non-empty boxes each at a place in their writer's pack, checked by
+            # a digest per `chunk_bytes` of each (a read of part of a box reads the segments that hold it)
+            arrays[name] = ArrayInfo(name, dt, shape, shape, full, segment=chunk_bytes)
+        else:
+            chunk = chunk_shape(shape, itemsize, _starts(ordered), chunk_bytes)
+            arrays[name] = ArrayInfo(name, dt, shape, chunk, ordered)
+        for box, rks in by_box.items():
             writer = rks[0] if len(rks) == 1 else rks[zlib.crc32(name.encode()) % len(rks)]
             if writer in designated:
                 designated[writer].add(name)
             for r in rks if holder_writes is not None else [writer]:
                 if r in written:
                     written[r].add(name)
-            if len(ordered) == 1 and 0 < arrays[name].nbytes <= limit:
-                packed.setdefault(writer, []).append(name)
+            if place and _volume(box):
+                placed.setdefault(writer, []).append((name, full.index(box)))
     packs = {}
-    for writer, names in sorted(packed.items()):
+    places: dict[str, list[tuple[str, int]]] = {n: [("", 0)] * len(a.boxes) for n, a in arrays.items()}
+    for writer, boxes in sorted(placed.items()):
         pack = pack_name(writer)
-        offsets, total, chunk = pack_layout([arrays[n].nbytes for n in names], chunk_bytes)
-        packs[pack] = ArrayInfo(pack, "uint8", (total,), (chunk,), (((0, total),),))
-        for n, offset in zip(names, offsets):
-            arrays[n] = dataclasses.replace(arrays[n], chunk=arrays[n].shape, pack=(pack, offset))
+        sizes = [arrays[n].box_nbytes(arrays[n].boxes[i]) for n, i in boxes]
+        offsets, total, chunk = pack_layout(sizes, chunk_bytes)
+        packs[pack] = ArrayInfo(pack, "uint8", (total,), (chunk,), (((0, total),),), raw=True)
+        for (n, i), offset in zip(boxes, offsets):
+            places[n][i] = (pack, offset)
+    for writer, boxes in placed.items():
+        for n, _ in boxes:
+            arrays[n] = dataclasses.replace(arrays[n], places=tuple(places[n]))
     return {r: ArrayPlan(arrays, frozenset(written[r]), frozenset(designated[r]), packs) for r in world}
 
 
 def _to_json(plan: ArrayPlan) -> dict[str, Any]:
     """A rank's part as JSON, to send it: the arrays it writes, and its pack."""
     arrays = {n: plan.arrays[n] for n in plan.written}
-    own = {a.pack[0] for a in arrays.values() if a.pack}
+    own = {pack for a in arrays.values() for pack, _ in a.places or ()}
     return {
-        "arrays": {n: [a.dtype, a.shape, a.chunk, a.boxes, a.pack] for n, a in arrays.items()},
+        "arrays": {n: [a.dtype, a.shape, a.chunk, a.boxes, a.places, a.segment] for n, a in arrays.items()},
         "packs": {n: [p.shape[0], p.chunk[0]] for n, p in plan.packs.items() if n in own},
         "written": sorted(plan.written),
         "designated": sorted(plan.designated),
@@ -158,10 +170,22 @@ def _from_json(d: dict[str, Any]) -> ArrayPlan:
         return tuple((int(lo), int(hi)) for lo, hi in b)
 
     arrays = {
-        n: ArrayInfo(n, dt, tuple(shape), tuple(chunk), tuple(map(box, boxes)), None, None if p is None else tuple(p))
-        for n, (dt, shape, chunk, boxes, p) in d["arrays"].items()
+        n: ArrayInfo(
+            n,
+            dt,
+            tuple(shape),
+            tuple(chunk),
+            tuple(map(box, boxes)),
+            None,
+            None if p is None else tuple(map(tuple, p)),
+            segment,
+        )
+        for n, (dt, shape, chunk, boxes, p, segment) in d["arrays"].items()
     }
-    packs = {n: ArrayInfo(n, "uint8", (total,), (chunk,), (((0, total),),)) for n, (total, chunk) in d["packs"].items()}
+    packs = {
+        n: ArrayInfo(n, "uint8", (total,), (chunk,), (((0, total),),), raw=True)
+        for n, (total, chunk) in d["packs"].items()
+    }
     return ArrayPlan(arrays, frozenset(d["written"]), frozenset(d["designated"]), packs)
 
 

@@ -16,9 +16,20 @@ def submit_or_run(pool: ThreadPoolExecutor, fn: Any, *args: Any) -> Future:
     try:
         return pool.submit(fn, *args)
     except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
-        done: Future = Future()
-        try:
-            done.set_result(fn(*args))
-        except BaseException as e:
-            done.set_exception(e)
-        return done
+        return run_here(fn, *args)
+
+
+def run_here(fn: Any, *args: Any) -> Future:
+    """`fn(*args)` run on the calling thread, its result (or error) in a done future."""
+    done: Future = Future()
+    try:
+        done.set_result(fn(*args))
+    except BaseException as e:
+        done.set_exception(e)
+    return done
+
+
+class Inline:
+    """A pool that runs each task on the calling thread (a reader that wants one thing in memory at a time)."""
+
+    submit = staticmethod(run_here)

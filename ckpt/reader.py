@@ -45,7 +45,6 @@ class StepReader:
 
     def __init__(self, storage: Storage, step: int, pool: ThreadPoolExecutor):
         self.storage, self.step, self._pool = storage, step, pool
-        self._checked: set[tuple[str, tuple[int, ...]]] = set()  # pack chunks verified whole (`restore.execute`)
         self.manifest = layout.read_manifest(storage, step)
         self.files = restore.step_files(storage, step)
         m = self.manifest
@@ -100,7 +99,7 @@ class StepReader:
         else:
             manifest = dataclasses.replace(self.manifest, tree=tree)
             plan = restore.plan_restore(manifest, dict.fromkeys(tree), None, Ranks.local(), files=self.files)
-            restore.execute(self.storage, plan, self._pool, StagingArena(), self._checked)  # no scratch: own tensors
+            restore.execute(self.storage, plan, self._pool, StagingArena())  # no scratch: own tensors
             values = plan.values
         device = torch.device(device)
         return values if device.type == "cpu" else _to_device(values, device, {})
@@ -110,7 +109,7 @@ class StepReader:
         box = box if box is not None else tuple((0, n) for n in info.shape)
         out = torch.empty(tuple(b - a for a, b in box), dtype=torch_dtype(info.dtype))
         plan = restore.ReadPlan(self.manifest, {(info.name, box): restore.ArrayRead(info, box, fresh=out)}, {})
-        restore.execute(self.storage, plan, self._pool, StagingArena(), self._checked)
+        restore.execute(self.storage, plan, self._pool, StagingArena())
         return out
 
 

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from . import layout, store
+from . import layout, packs, store
 from . import state as state_mod
 from .distributed import Ranks, read_region
 from .errors import CheckpointError, CorruptCheckpointError, StateKeyError, StateMismatchError, StepNotFoundError
@@ -170,29 +170,45 @@ def plan_restore(
 
 
 def _check_files(info: ArrayInfo, box: Box, manifest: Manifest, files: StepFiles) -> None:
-    """Every chunk file the read of `box` of `info` needs is there at its exact size, beside its zarr.json (a
-    pack's, when packed)."""
-    step = manifest.step
-    if info.pack is None:
-        base, expected, indices = layout.array_dir(info.name, manifest.data), info, info.chunks(box)
+    """Every chunk file the read of `box` of `info` needs is there at its exact size, beside its zarr.json (its
+    packs' files, where its boxes are placed)."""
+    if info.places is None:
+        base = layout.array_dir(info.name, manifest.data)
+        needed = [(base, info, f"{base}/{chunk_key(index)}") for index in info.chunks(box)]
     else:
-        expected = manifest.packs[info.pack[0]]
-        base, indices = layout.pack_dir(expected.name, manifest.data), [info.packed_at(expected)[0]]
-    if f"{base}/zarr.json" not in files.sizes:
-        raise CorruptCheckpointError(
-            "zarr.json is missing", step=step, key=info.name, file=f"{files.dir}/{base}/zarr.json"
-        )
-    for index in indices:
-        size = files.sizes.get(f"{base}/{chunk_key(index)}")
-        if size != expected.chunk_nbytes + 4:
+        needed = []
+        for j in _overlapping(info, box):
+            pack = manifest.packs[info.places[j][0]]
+            base = layout.pack_dir(pack.name, manifest.data)
+            start, n = info.places[j][1], info.box_nbytes(info.boxes[j])
+            needed += [(base, pack, f"{base}/{chunk_key((k,))}") for k in packs.files_needed(pack, start, n)]
+    for base in dict.fromkeys(base for base, _, _ in needed):
+        if f"{base}/zarr.json" not in files.sizes:
+            raise CorruptCheckpointError(
+                "zarr.json is missing", step=manifest.step, key=info.name, file=f"{files.dir}/{base}/zarr.json"
+            )
+    for _, expected, path in needed:
+        size = files.sizes.get(path)
+        if size != expected.file_nbytes:
             raise CorruptCheckpointError(
                 "chunk file is missing"
                 if size is None
-                else f"chunk file has {size} bytes, expected {expected.chunk_nbytes + 4}",
-                step=step,
+                else f"chunk file has {size} bytes, expected {expected.file_nbytes}",
+                step=manifest.step,
                 key=info.name,
-                file=f"{files.dir}/{base}/{chunk_key(index)}",
+                file=f"{files.dir}/{path}",
             )
+
+
+def _overlapping(info: ArrayInfo, box: Box) -> list[int]:
+    """The stored boxes of a placed array that share an element with `box`."""
+    return [j for j, b in enumerate(info.boxes) if _intersect(b, box) is not None]
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    """The common region of two boxes, None when it is empty (a 0-d box meets only itself)."""
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return None if any(lo >= hi for lo, hi in out) else out
 
 
 def _add_target(r: ArrayRead, t: torch.Tensor) -> None:
@@ -228,37 +244,29 @@ def _check_match(info: ArrayInfo, tmpl: torch.Tensor, step: int) -> None:
         )
 
 
-def execute(
-    storage: Storage,
-    plan: ReadPlan,
-    pool: ThreadPoolExecutor,
-    arena: StagingArena,
-    checked_packs: set[tuple[str, tuple[int, ...]]] | None = None,
-) -> None:
+def execute(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: StagingArena) -> None:
     """Read and verify every region of the plan into its buffer; the caller's tensors are not touched.
 
-    Regions with caller tensors are read into scratch (the staging arena); regions without, into their
-    own fresh tensors. Local whole-row regions go straight from the chunk files (`preadv`), others chunk
-    by chunk; packed tensors one task per chunk of their pack, which is read whole and checked as `verify` checks
-    it (its crc32c, the manifest's digest of it) besides each packed tensor's own digest. `checked_packs` (pack
-    name, chunk index): pack chunks of this step checked already, whose tensors are read alone; the chunks this
-    call checks are added (a reader of many tensors in turn checks each pack chunk once). Every read runs to its
-    end, so the error raised is the first damaged array's, not a random one.
+    Regions with caller tensors are read into scratch (the staging arena), or straight into the first of them once
+    its bytes are aside (`_direct_targets`); regions without, into their own fresh tensors. Local whole-row regions
+    of arrays of their own go straight from the chunk files (`preadv`), others chunk by chunk; boxes placed in packs
+    by ranges of the pack's files (`packs.read_boxes`), into the buffer where the box is a band of the region read,
+    else into memory of their own, copied into it once verified. Every read runs to its end, so the error raised is
+    the first damaged array's, not a random one.
     """
-    step, packs = plan.manifest.step, plan.manifest.packs
+    step = plan.manifest.step
     pending = [r for r in plan.reads.values() if r.fresh is None]
     direct = _direct_targets(pending)
     for r, buf in zip(pending, arena.scratch([r.nbytes for r in pending])):
         r.buffer = buf.view(torch_dtype(r.info.dtype)).view(r.shape)
     aside = _SetAside([r for r in pending if id(r) in direct])
     futures: list[Future] = []
-    packed: dict[tuple[str, tuple[int, ...]], list[tuple[ArrayInfo, torch.Tensor, Box]]] = {}
+    placed = _PlacedReads(aside)
     for r in plan.reads.values():
         if r.fresh is not None:
             r.buffer = r.fresh
-        if r.info.pack is not None:
-            pack = packs[r.info.pack[0]]
-            packed.setdefault((pack.name, r.info.packed_at(pack)[0]), []).append((r.info, r.buffer, r.box))
+        if r.info.places is not None:
+            placed.add(r)
             continue
         path = layout.array_path(step, r.info.name, plan.manifest.data)
         futures.append(pool.submit(store.check_zarr_json, storage, path, r.info, step=step))
@@ -269,15 +277,18 @@ def execute(
             futures += store.read_direct(local, r.info, r.buffer, rows, into, step=step)
         elif r.buffer.numel():
             futures += store.read_chunks(storage, path, r.info, r.buffer, r.box, into, step=step)
-    for name in dict.fromkeys(name for name, _ in packed):
-        futures.append(
-            pool.submit(
-                store.check_zarr_json, storage, layout.pack_path(step, name, plan.manifest.data), packs[name], step=step
-            )
-        )
-    for chunk, members in packed.items():
-        path = layout.pack_path(step, chunk[0], plan.manifest.data)
-        futures.append(pool.submit(_read_packed, storage, path, packs[chunk[0]], members, step, chunk, checked_packs))
+    manifest = plan.manifest
+    for name in dict.fromkeys(placed.packs()):
+        pack_path = layout.pack_path(step, name, manifest.data)
+        futures.append(pool.submit(store.check_zarr_json, storage, pack_path, manifest.packs[name], step=step))
+    futures += packs.read_boxes(
+        storage,
+        manifest.packs,
+        lambda name: layout.pack_path(step, name, manifest.data),
+        placed.boxes,
+        pool,
+        step=step,
+    )
     aside.start()
     errors = []
     for f in futures:
@@ -286,9 +297,54 @@ def execute(
         except Exception as e:
             errors.append(e)
     aside.join()
-    if errors or aside.error is not None:
-        plan.undo()
-        raise errors[0] if errors else aside.error
+    if not errors and aside.error is None:
+        placed.apply()
+        return
+    plan.undo()
+    raise errors[0] if errors else aside.error
+
+
+class _PlacedReads:
+    """The box reads of the regions of placed arrays: each stored box that a region needs, read once per region,
+    into the region's buffer where it is a band of it, else into memory of its own (`apply` copies it in)."""
+
+    def __init__(self, aside: "_SetAside"):
+        self.aside = aside
+        self.boxes: list[packs.BoxRead] = []
+        self._copies: list[tuple[ArrayRead, int, int, tuple[int, int], np.ndarray]] = []
+
+    def add(self, r: ArrayRead) -> None:
+        """The reads of region `r`: of each stored box that meets it, the segments that hold its rows there."""
+        out = store.as_bytes(r.buffer)
+        for j in _overlapping(r.info, r.box):
+            stored = r.info.boxes[j]
+            part = _intersect(stored, r.box)
+            row = r.info.box_nbytes(stored[1:])  # a 0-d box is one "row" of its one item
+            need = ((part[0][0] - stored[0][0]) * row, (part[0][1] - stored[0][0]) * row) if stored else (0, row)
+            segments = r.info.segments(j, *need)
+            lo, hi = segments[0][0], segments[-1][1]
+            if (lo, hi) == need and stored[1:] == r.box[1:]:  # whole rows of the region: straight into its buffer
+                at = (part[0][0] - r.box[0][0]) * row if stored else 0
+                dest = out[at : at + hi - lo]
+            else:
+                dest = np.empty(hi - lo, np.uint8)
+                self._copies.append((r, j, lo, need, dest))
+            self.boxes.append(packs.BoxRead(r.info, j, lo, hi, memoryview(dest), ready=lambda r=r: self.aside.wait(r)))
+
+    def packs(self) -> list[str]:
+        return [b.info.places[b.box][0] for b in self.boxes]
+
+    def apply(self) -> None:
+        """Copy the rows of verified stored boxes read into memory of their own into their regions' buffers."""
+        for r, j, lo, (first, end), data in self._copies:
+            stored = r.info.boxes[j]
+            part = _intersect(stored, r.box)
+            rows = data[first - lo : end - lo]
+            value = store.typed(rows, r.info.dtype, (part[0][1] - part[0][0], *(b - a for a, b in stored[1:])))
+            out = store.typed(store.as_bytes(r.buffer), r.info.dtype, r.shape)
+            out[tuple(slice(lo_ - a, hi_ - a) for (lo_, hi_), (a, _) in zip(part, r.box))] = value[
+                (slice(None),) + tuple(slice(lo_ - a, hi_ - a) for (lo_, hi_), (a, _) in zip(part[1:], stored[1:]))
+            ]
 
 
 def _direct_targets(reads: Sequence[ArrayRead]) -> set[int]:
@@ -299,7 +355,6 @@ def _direct_targets(reads: Sequence[ArrayRead]) -> set[int]:
         t = r.targets[0] if r.targets else None
         if (
             t is not None
-            and r.info.pack is None
             and t.device.type == "cpu"
             and t.is_contiguous()
             and t.dtype == torch_dtype(r.info.dtype)
@@ -334,7 +389,14 @@ class _SetAside:
 
     def reads_of(self, r: ArrayRead, pool: ThreadPoolExecutor) -> Any:
         """Where the reads of `r` are submitted: `pool`, each task after `r`'s target was copied aside."""
-        return pool if id(r) not in self._done else _After(pool, self._done[id(r)], self)
+        return pool if id(r) not in self._done else _After(pool, r, self)
+
+    def wait(self, r: ArrayRead) -> None:
+        """Before a write into `r`'s buffer: its target's bytes are aside (the copy failed: stop)."""
+        if id(r) in self._done:
+            self._done[id(r)].wait()
+            if self.error is not None:
+                raise RuntimeError("restore stopped: a target could not be copied aside") from self.error
 
     def start(self) -> None:
         if self.reads:
@@ -359,34 +421,17 @@ class _SetAside:
 
 
 class _After:
-    """A pool whose tasks first wait for `ready` (and refuse to run when the copy aside failed)."""
+    """A pool whose tasks first wait until `read`'s target is aside (and refuse to run when the copy failed)."""
 
-    def __init__(self, pool: ThreadPoolExecutor, ready: threading.Event, aside: _SetAside):
-        self.pool, self.ready, self.aside = pool, ready, aside
+    def __init__(self, pool: ThreadPoolExecutor, read: ArrayRead, aside: _SetAside):
+        self.pool, self.read, self.aside = pool, read, aside
 
     def submit(self, fn: Any, *args: Any, **kwargs: Any) -> Future:
         def run() -> Any:
-            self.ready.wait()
-            if self.aside.error is not None:
-                raise RuntimeError("restore stopped: a target could not be copied aside") from self.aside.error
+            self.aside.wait(self.read)
             return fn(*args, **kwargs)
 
         return self.pool.submit(run)
-
-
-def _read_packed(
-    storage: Storage,
-    path: str,
-    pack: ArrayInfo,
-    members: list[tuple[ArrayInfo, torch.Tensor, Box]],
-    step: int,
-    chunk: tuple[str, tuple[int, ...]],
-    checked: set[tuple[str, tuple[int, ...]]] | None,
-) -> None:
-    """The packed tensors of one pack chunk; the chunk itself checked unless `checked` holds it (then added)."""
-    store.read_packed(storage, path, pack, members, step=step, check_chunk=checked is None or chunk not in checked)
-    if checked is not None:
-        checked.add(chunk)
 
 
 def apply(plan: ReadPlan, target: dict[str, Any]) -> None:

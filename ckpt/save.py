@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-import crc32c
 import numpy as np
 import tensorstore as ts
 import torch
@@ -30,6 +29,7 @@ from .distributed import Ranks
 from .errors import LeaseHeldError, StepExistsError, StorageError
 from .format import ArrayInfo, Manifest
 from .lease import Lease
+from .packs import PackWriter
 from .planner import Planner
 from .snapshot import Pending
 from .staging import Staged, StagingArena
@@ -86,7 +86,8 @@ def plan(
     private: bool = False,
 ) -> WritePlan:
     """What this process writes for `step`: alone, every tensor is a whole array; among ranks, its slices (agreed,
-    or reused, by `planner`). Tensors of at most `pack_bytes` that a rank writes whole go into its pack array.
+    or reused, by `planner`). The boxes it places in its pack come first, in the order of their places (its pack is
+    written as one stream), then the others.
 
     `private`: each rank writes into a root of its own (the local tier), so it writes every box it holds and
     commits its own copy of the manifest; the root then holds what this rank needs to restore at this topology.
@@ -101,6 +102,8 @@ def plan(
         tree = dict(flat.tree)
         for k in per_rank if gathered is not None else ():
             tree[k] = state_mod.per_rank_node([entry for g in gathered for entry in g[k]])
+    placed = {n: _place(agreed.arrays[n], b) for n, b in boxes.items() if agreed.arrays[n].places}
+    writes = {n: writes[n] for n in sorted(placed, key=placed.get)} | writes
     return WritePlan(
         step,
         tree,
@@ -114,6 +117,11 @@ def plan(
         agreed.packs,
         ranks.rank,
     )
+
+
+def _place(info: ArrayInfo, box: tuple[tuple[int, int], ...]) -> int:
+    """Where a box this rank writes is placed in its pack (an empty box: nowhere, first)."""
+    return info.places[info.boxes.index(box)][1] if box in info.boxes else -1
 
 
 def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -158,12 +166,8 @@ class SaveJob:
         self.dir = layout.step_dir(plan.step)
         # this save's data directory inside the step (rank 0's for every rank; see `_prepare`)
         self.data = layout.new_data_dir()
-        self.digests = store.ChunkDigests()  # of arrays' chunks, and of each packed tensor's bytes
-        self.pack_digests = store.ChunkDigests()  # of the chunks of this rank's pack array
-        # this rank's pack: its packed tensors gather here (allocated by the first of them, off the stall)
-        self._pack: np.ndarray | None = None
-        self._pack_left = sum(i.nbytes for n, i in plan.arrays.items() if i.pack and n in plan.boxes)
-        self._packed_crc: dict[str, tuple[int, int]] = {}  # packed tensor -> (crc32c so far, bytes so far)
+        self.digests = store.ChunkDigests()  # of arrays' chunks (those of placed boxes: `self._pack.digests`)
+        self._pack: PackWriter | None = None  # this rank's pack, opened with its arrays
         self._reference = not storage.keeps_written_buffers  # see store.write
         # row-chunked arrays of a root with direct file IO (a local one): their chunk files written by this thread
         # (fsync'd on `fsyncs`), not by tensorstore's pool
@@ -198,26 +202,36 @@ class SaveJob:
         if self._arrays is None:
             self._prepare()
             spec = self.storage.kvstore_spec
-            mine = [info for name, info in self.plan.arrays.items() if name in self.plan.boxes and info.pack is None]
+            mine = [info for name, info in self.plan.arrays.items() if name in self.plan.boxes and not info.places]
+            pack = self.plan.pack
             self._arrays = {
                 info.name: store.create(spec(self._array_path(info)), info, self.context)
-                for info in mine + ([self.plan.pack] if self.plan.pack is not None else [])
+                for info in mine + ([pack] if pack is not None else [])
             }
+            if pack is not None:
+                local = self.storage.direct_path(self._array_path(pack)) if self._files is not None else None
+                opened = self._arrays[pack.name]
+                self._pack = PackWriter(
+                    pack, local or "", self._files if local else None, opened.result, reference=self._reference
+                )
         return self._arrays
 
-    def _write_staged(self, staged: Sequence[Staged]) -> None:
-        """Write staged pieces and, while tensorstore writes them, compute their chunks' digests. Packed tensors
-        are copied to their place in the pack, which is written once its last one is there."""
+    def _write_staged(self, staged: Sequence[Staged], last: bool = False) -> None:
+        """Write staged pieces and, while tensorstore writes them, compute their chunks' digests. Placed boxes
+        stream into this rank's pack (its last chunk closed with the `last` wave) on this thread, after the
+        writes of the others were handed to tensorstore."""
         arrays = self._open_arrays()
-        futures, pieces, direct = [], [], []
+        futures, pieces, direct, placed = [], [], [], []
         for s in staged:
             info, box = self.plan.arrays[s.name], self.plan.boxes[s.name]
             if s.rows is not None:
                 box = ((box[0][0] + s.rows[0], box[0][0] + s.rows[1]),) + box[1:]
             if any(b == a for a, b in box):
                 continue
-            if info.pack is not None:
-                self._gather(info, s)
+            if info.places:
+                whole = self.plan.boxes[s.name]
+                row = info.box_nbytes(whole) // max(1, whole[0][1] - whole[0][0]) if whole else 0
+                placed.append((info, info.boxes.index(whole), (s.rows[0] * row) if s.rows else 0, s.host))
                 continue
             data = store.typed(s.host, info.dtype, tuple(b - a for a, b in box))
             if self._files is not None and store.direct_rows(info, self.plan.boxes[s.name]) is not None:
@@ -225,14 +239,6 @@ class SaveJob:
                 continue
             futures.append(store.write(arrays[s.name].result(), box, data, reference=self._reference))
             pieces.append((info, box, data))
-        pack = self.plan.pack
-        if pack is not None and self._pack_left == 0 and pack.name not in self.pack_digests.done:
-            box = pack.boxes[0]
-            if self._files is not None:
-                direct.append((pack, box, self._pack, self.pack_digests))
-            else:
-                futures.append(store.write(arrays[pack.name].result(), box, self._pack, reference=self._reference))
-                self.pack_digests.add(pack, box, self._pack)
         try:
             for info, box, data, digests in direct:  # while tensorstore writes the others
                 path = self.storage.direct_path(self._array_path(info))
@@ -240,23 +246,15 @@ class SaveJob:
                 digests.done.setdefault(info.name, {}).update(done)
             for info, box, data in pieces:
                 self.digests.add(info, box, data)
+            if self._pack is not None:
+                for info, i, offset, host in sorted(placed, key=lambda p: p[0].places[p[1]][1] + p[2]):
+                    self._pack.feed(info, i, offset, memoryview(host))
+                if last:
+                    self._pack.finish()
+                futures += self._pack.futures  # buffered chunks: their own memory, but waited for like the rest
+                self._pack.futures = []
         finally:  # never leave writes that reference the arena behind: wait for each, then raise the first error
             _settle(futures)  # each resolves once its chunk is written and fsync'd (file kvstore's file_io_sync)
-
-    def _gather(self, info: ArrayInfo, s: Staged) -> None:
-        """Copy a staged packed tensor (or rows of it, in order) to its place in the pack, and extend its crc32c: its
-        bytes in C order are its one chunk's (chunk == shape, no padding)."""
-        if self._pack is None:
-            self._pack = np.zeros(self.plan.pack.shape[0], np.uint8)  # zeros between tensors moved to a next chunk
-        crc, done = self._packed_crc.pop(info.name, (0, 0))
-        at = info.pack[1] + done
-        self._pack[at : at + s.host.size] = s.host
-        self._pack_left -= s.host.size
-        crc, done = crc32c.crc32c(s.host, crc), done + s.host.size
-        if done < info.nbytes:
-            self._packed_crc[info.name] = (crc, done)
-        else:
-            self.digests.done.setdefault(info.name, {})[0] = crc
 
     def run(self) -> None:
         """Background part: write the last wave, wait until durable, then commit — once, for all ranks.
@@ -269,7 +267,7 @@ class SaveJob:
         try:
             if self.pending is not None:
                 self.pending.result()  # the copies overlapped with training, unchanged meanwhile
-            self._write_staged(self.staged)
+            self._write_staged(self.staged, last=True)
             _settle(list(self._open_arrays().values()))  # zarr.json of the arrays whose chunks were written directly
             if self._files is not None:
                 self._files.close()  # every chunk file written here is durable
@@ -279,36 +277,38 @@ class SaveJob:
         report = {
             "error": None if error is None else f"rank {rank}: {type(error).__name__}: {error}",
             "digests": {name: list(d.items()) for name, d in self.digests.done.items()},
-            "packs": {name: list(d.items()) for name, d in self.pack_digests.done.items()},
         }
+        if self._pack is not None:
+            report["digests"] |= {name: list(d.items()) for name, d in self._pack.digests.items()}
         # to whoever commits: the leader, or every rank of a private root (its manifest has every rank's digests)
         reports = self.ranks.all_gather_json(report) if self.plan.private else self.ranks.gather_json(report)
         failures = [r["error"] for r in reports or () if r["error"]]
         commit_error: Exception | None = None
         if reports is not None and not failures and self.leader:
             digests: dict[str, dict[int, int]] = {}
-            packs: dict[str, dict[int, int]] = {}
             for r in reports:
-                for into, got in ((digests, r["digests"]), (packs, r["packs"])):
-                    for name, pairs in got.items():
-                        into.setdefault(name, {}).update((int(i), int(c)) for i, c in pairs)
+                for name, pairs in r["digests"].items():
+                    digests.setdefault(name, {}).update((int(i), int(c)) for i, c in pairs)
             try:
-                self.commit(digests, packs)
+                self.commit(digests)
             except Exception as e:
                 commit_error = e
         raise_outcome(self.ranks, error, commit_error, failures, each_commits=self.plan.private)
 
-    def manifest(self, digests: Mapping[str, Mapping[int, int]], packs: Mapping[str, Mapping[int, int]]) -> Manifest:
-        """The manifest of this save, every array and pack with the digest of each of its chunks (from all ranks)."""
+    def manifest(self, digests: Mapping[str, Mapping[int, int]]) -> Manifest:
+        """The manifest of this save: every array with the digest of each of its chunks, or of each of its boxes
+        where they are placed in packs (from all ranks); the packs, raw bytes, have none of their own."""
         p = self.plan
 
-        def summed(infos: Mapping[str, ArrayInfo], digests: Mapping[str, Mapping[int, int]]) -> dict[str, ArrayInfo]:
+        def summed(infos: Mapping[str, ArrayInfo]) -> dict[str, ArrayInfo]:
             out = {}
             for name, info in infos.items():
-                sums = [digests.get(name, {}).get(i) for i in range(math.prod(info.grid))]
+                unit = "segments" if info.places else "chunks"
+                count = info.digest_count
+                sums = [digests.get(name, {}).get(i) for i in range(count)]
                 if None in sums:
                     raise RuntimeError(
-                        f"array {name!r}: digests of {sums.count(None)} of its {len(sums)} chunks were not computed"
+                        f"array {name!r}: digests of {sums.count(None)} of its {len(sums)} {unit} were not computed"
                     )
                 out[name] = dataclasses.replace(info, digests=tuple(sums))
             return out
@@ -316,12 +316,12 @@ class SaveJob:
         return Manifest(
             step=p.step,
             tree=p.tree,
-            arrays=summed(p.arrays, digests),
+            arrays=summed(p.arrays),
             metadata=p.metadata,
             time=time.time(),
             world_size=p.world_size,
             versions=versions(),
-            packs=summed(p.packs, packs),
+            packs={name: dataclasses.replace(pack, digests=()) for name, pack in p.packs.items()},
             data=self.data,
         )
 
@@ -332,6 +332,8 @@ class SaveJob:
             self.pending.wait()
         with contextlib.suppress(Exception):  # arrays still being created would write their files after the delete
             _settle(list((self._arrays or {}).values()))
+        if self._pack is not None:
+            self._pack.close()
         if self._files is not None:
             with contextlib.suppress(Exception):  # as would fsyncs in flight
                 self._files.close()
@@ -342,9 +344,9 @@ class SaveJob:
         elif layout.read_manifest(self.storage, self.plan.step).data != self.data:
             self.storage.delete_tree(layout.data_path(self.plan.step, self.data))
 
-    def commit(self, digests: Mapping[str, Mapping[int, int]], packs: Mapping[str, Mapping[int, int]]) -> None:
+    def commit(self, digests: Mapping[str, Mapping[int, int]]) -> None:
         """Make every directory entry durable, then write the manifest last (atomically): from now on the step exists."""
-        commit_step(self.storage, self.plan.step, self.manifest(digests, packs).to_bytes(), self.lease)
+        commit_step(self.storage, self.plan.step, self.manifest(digests).to_bytes(), self.lease)
 
 
 def _settle(futures: Sequence[ts.Future]) -> None:

@@ -35,7 +35,7 @@ def create(kvstore: dict[str, Any], info: ArrayInfo, context: ts.Context) -> ts.
         {
             "driver": "zarr3",
             "kvstore": kvstore,
-            "metadata": zarr_metadata(info.dtype, info.shape, info.chunk),
+            "metadata": zarr_metadata(info.dtype, info.shape, info.chunk, not info.raw),
             "create": True,
             "open": True,
             "store_data_equal_to_fill_value": True,

@@ -210,6 +210,7 @@ FLOORS = {
             "restore",
             "store",
             "chunk_files",
+            "packs",
             "staging",
             "snapshot",
             "budget",

@@ -64,14 +64,14 @@ def test_tensorstore_reads_every_array_ckpt_wrote_itself(tmp_path, staging):
         assert torch.equal(restored[name], tensor) if isinstance(tensor, torch.Tensor) else restored[name] == tensor
 
 
-def test_packed_small_tensors_are_read_back_through_tensorstore(tmp_path):
+def test_placed_tensors_are_read_back_through_tensorstore(tmp_path):
     state = {"a": torch.arange(10, dtype=torch.float32), "b": torch.ones(3, 3, dtype=torch.float16)}
     with ckpt.CheckpointManager(tmp_path) as m:
         m.save(1, state).wait()
     pack = _zarr(str(tmp_path / pack_path(open_storage(str(tmp_path)), 1, layout.pack_name(0))))
     manifest = json.loads((tmp_path / layout.manifest_path(1)).read_text())["body"]
     for name, tensor in state.items():
-        _, offset = manifest["arrays"][name]["pack"]
+        ((_, offset),) = manifest["arrays"][name]["places"]
         raw = tensor.reshape(-1).view(torch.uint8).numpy()
         assert np.array_equal(pack[offset : offset + raw.size], raw), name
 

@@ -121,7 +121,7 @@ def test_failed_restore_leaves_a_module_unchanged(tmp_path):
 
 def test_restore_is_planned_then_executed_then_applied(tmp_path):
     """The mechanism mirrors a save: the plan reads nothing, executing it reads and verifies without touching the
-    caller's tensors read through scratch (a packed one here), and only `apply` lands the values."""
+    caller's tensors read through scratch (a strided one here), and only `apply` lands the values."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ckpt import layout, restore
@@ -131,7 +131,7 @@ def test_restore_is_planned_then_executed_then_applied(tmp_path):
     saved = {"w": torch.randn(4, 5), "n": 3}
     with ckpt.CheckpointManager(tmp_path) as m:
         m.save(1, saved).wait()
-    storage, target = open_storage(str(tmp_path)), {"w": torch.zeros(4, 5), "n": 0}
+    storage, target = open_storage(str(tmp_path)), {"w": torch.zeros(5, 4).t(), "n": 0}
     w = target["w"]
     plan = restore.plan_restore(
         layout.read_manifest(storage, 1), target, None, Ranks.local(), files=restore.step_files(storage, 1)
@@ -209,7 +209,7 @@ def test_manifest_records_a_digest_per_chunk_that_equals_the_chunk_crc(tmp_path)
             1, {"x": x, "wide": torch.randn(3, 5000), "zero_d": torch.tensor(2.5), "empty": torch.zeros(0, 4)}
         ).wait()
     body = json.loads((tmp_path / "step_00000001" / "manifest.json").read_bytes())["body"]
-    assert body["format"] == "ckpt/4"
+    assert body["format"] == "ckpt/5" and body["packs"] == {}
     for name, info in body["arrays"].items():
         grid = [-(-s // c) for s, c in zip(info["shape"], info["chunk"])]
         keys = ["c"] if not grid else ["c/" + "/".join(map(str, i)) for i in np.ndindex(*grid)]

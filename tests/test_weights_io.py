@@ -161,17 +161,19 @@ def test_export_safetensors_loads_bitwise_ties_as_hf_and_shards_with_an_index(tm
     _same({k: merged[k] for k in expected}, expected)
 
 
-def test_export_safetensors_streams_a_tensor_in_bands(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kw", [{}, {"pack_bytes": 0}], ids=["placed", "array"])
+def test_export_safetensors_streams_a_tensor_in_bands(tmp_path, monkeypatch, kw):
     from safetensors.torch import load_file
 
     from ckpt import exporter
 
     big = torch.randn(1000, 33).to(torch.float16)
-    with ckpt.CheckpointManager(tmp_path / "root", chunk_bytes=8 << 10) as m:
+    with ckpt.CheckpointManager(tmp_path / "root", chunk_bytes=8 << 10, **kw) as m:
         m.save(1, {"model": {"big": big, "scalar": torch.tensor(1.5, dtype=torch.float64)}})
-    monkeypatch.setattr(exporter, "_BAND_BYTES", 16 << 10)  # bands of 2 chunks (224 rows), each read on its own
+    monkeypatch.setattr(exporter, "_BAND_BYTES", 16 << 10)  # bands of 2 chunks or segments, each read on its own
     info = read_manifest(open_storage(tmp_path / "root"), 1).arrays["model/big"]
-    assert [box[0] for box in exporter.bands(info)] == [(0, 224), (224, 448), (448, 672), (672, 896), (896, 1000)]
+    rows = 224 if kw else 248  # 2 chunks of 112 rows; 2 x the 124 whole rows of an 8 KiB segment
+    assert [box[0] for box in exporter.bands(info)] == [(a, min(a + rows, 1000)) for a in range(0, 1000, rows)]
     ckpt.export(tmp_path / "root", tmp_path / "st", format="safetensors")
     _same(
         load_file(tmp_path / "st" / "model.safetensors"), {"big": big, "scalar": torch.tensor(1.5, dtype=torch.float64)}

@@ -78,7 +78,7 @@ def flat_reference(model, opt):
 
 
 def state_of(model, opt):
-    # just over 1 MiB (too big to be packed: an array of its own) replicated on every rank: must be stored once
+    # just over 1 MiB, replicated on every rank: must be stored once
     table = torch.arange((1 << 18) + 1024, dtype=torch.float32)
     return {"model": model, "opt": opt, "rng": RNGState(), "table": table}
 
@@ -90,23 +90,22 @@ def train(model, opt, g) -> None:
 
 
 def _damage(root: str, what: str) -> str:
-    """Flip a byte of step 2: in the replicated table (every rank reads it) or in the chunk of model.0.weight's
-    last rows (only the last rank's shard covers them). Returns the chunk's path."""
+    """Flip a byte of step 2: in the replicated table (every rank reads it) or in model.0.weight's last rows (only
+    the last rank's shard covers them). Returns the pack file's path."""
     from ckpt.layout import read_manifest
     from ckpt.storage import open_storage
 
-    data = os.path.join(root, "step_00000002", read_manifest(open_storage(root), 2).data)  # the save's files
-    if what == "replicated":
-        path = os.path.join(data, "arrays", "table", "c", "0")
-    else:
-        info = read_manifest(open_storage(root), 2).arrays["model/0.weight"]
-        last = (info.shape[0] - 1) // info.chunk[0]
-        assert last >= 1, f"one chunk for every shard: {info}"
-        path = os.path.join(data, "arrays", "model", "0.weight", "c", str(last), "0")
+    manifest = read_manifest(open_storage(root), 2)
+    data = os.path.join(root, "step_00000002", manifest.data)  # the save's files
+    info = manifest.arrays["table" if what == "replicated" else "model/0.weight"]
+    assert what == "replicated" or len(info.boxes) > 1, f"one box for every shard: {info}"
+    pack, offset = info.places[-1]  # its last box
+    size = manifest.packs[pack].chunk[0]
+    path = os.path.join(data, "packs", pack, "c", str(offset // size))
     with open(path, "r+b") as f:
-        f.seek(10)
+        f.seek(offset % size)
         byte = f.read(1)
-        f.seek(10)
+        f.seek(offset % size)
         f.write(bytes([byte[0] ^ 0xFF]))
     return path
 
