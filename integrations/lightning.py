@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import re
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -34,6 +35,7 @@ POINTER_FORMAT = "ckpt-lightning-pointer/1"
 POINTERS = "lightning_pointers"  # metadata: the folder whose pointer files name a step, relative to the root
 WRITTEN_AT = "lightning_root"  # metadata: where the root was when the step was written, to rebase its paths
 _DROP = object()
+_TMP = re.compile(r".+\.ckpt\.tmp-[0-9]+")  # a pointer being written (`_write_pointer`): NAME.ckpt.tmp-PID
 
 
 def _abs_root(root: str | os.PathLike[str]) -> str:
@@ -182,6 +184,7 @@ class CkptCheckpointIO(CheckpointIO):
         self._stored: tuple[int, dict[str, dict[str, str | None]]] | None = None  # last step, its dict's paths
         self._orphans: dict[int, str] = {}  # step -> folder of its removed pointer, for steps not deletable yet
         self._adopted: set[str] = set()
+        self._swept: set[str] = set()  # pointer folders cleared of temporary files left by killed writers
         self.before_load: Callable[[], None] | None = None  # GoodputCallback: a resume starts the tracker first
 
     @property
@@ -234,6 +237,7 @@ class CkptCheckpointIO(CheckpointIO):
         """
         if self.before_load is not None:
             self.before_load()
+        self._sweep(_folder(os.fspath(path)))
         pointer = self._pointer(os.fspath(path))
         step = resolve_step(self.manager, int(pointer["step"]))
         checkpoint = read_step(self.manager, step)
@@ -252,14 +256,18 @@ class CkptCheckpointIO(CheckpointIO):
     def start_fit(self, resume: bool) -> bool:
         """The start-up check of a fit, before anything is written (`ckpt.run.check_start`): True to resume the
         root's newest step. A fit that loaded no checkpoint into a root holding another run's committed steps raises
-        `ckpt.RunMismatchError`; a resume claims the root for this run."""
-        return ckpt_run.check_start(
+        `ckpt.RunMismatchError`; a resume claims the root for this run. Once the start is allowed, the pointer
+        folders of the root's steps are cleared of temporary pointer files left by a writer killed mid-write."""
+        same_run = ckpt_run.check_start(
             self.manager.storage,
             self.manager.run,
             resume=resume,
             how_to_resume='trainer.fit(model, ..., ckpt_path="last")',
             how_to_start_over=f"give CkptCheckpointIO a new root (or delete {self.root})",
         )
+        for folder in self._known_folders():
+            self._sweep(folder)
+        return same_run
 
     def load_newest(self) -> dict[str, Any]:
         """The checkpoint dict of the newest committed step (a restart of this root's run started without ckpt_path)."""
@@ -284,6 +292,7 @@ class CkptCheckpointIO(CheckpointIO):
         if folder in self._adopted:
             return
         self._adopted.add(folder)
+        self._sweep(folder)
         committed = self.manager.steps()
         for path, pointer in self._pointers(folder):
             if pointer["step"] not in committed and pointer["step"] not in self._done:
@@ -299,6 +308,30 @@ class CkptCheckpointIO(CheckpointIO):
             saved = self.manager.metadata(step).get(POINTERS)
             if saved is not None and _real(_resolve(saved, _real(self.root))) == folder:
                 self._orphans.setdefault(step, folder)
+
+    def _known_folders(self) -> list[str]:
+        """The pointer folders the root's committed steps were saved with (from their metadata), as `_folder` does."""
+        folders = []
+        for step in self.manager.steps():
+            saved = self.manager.metadata(step).get(POINTERS)
+            folder = _resolve(saved, _real(self.root)) if saved is not None else None
+            if folder is not None and _real(folder) not in folders:
+                folders.append(_real(folder))
+        return folders
+
+    def _sweep(self, folder: str) -> None:
+        """Once per process and folder: remove the temporary pointer files (``NAME.ckpt.tmp-PID``) that a process
+        killed inside `_write_pointer` left; they name nothing Lightning reads, and would otherwise stay forever."""
+        if folder in self._swept:
+            return
+        self._swept.add(folder)
+        fs, p = fsspec.core.url_to_fs(folder)
+        for name in fs.glob(f"{p.rstrip('/')}/*.ckpt.tmp-*"):
+            if _TMP.fullmatch(posixpath.basename(name)):
+                try:
+                    fs.rm(name)
+                except FileNotFoundError:  # removed meanwhile (another process sweeping the same folder)
+                    pass
 
     def _pointers(self, folder: str) -> list[tuple[str, dict[str, Any]]]:
         """(path, pointer) of every pointer file in `folder` that names a step of this root."""
