@@ -1,5 +1,9 @@
 """`python -m ckpt ls|inspect|verify|gc|explain|export|import`: look at a checkpoint root, take weights out, bring
-checkpoints in, without writing Python."""
+checkpoints in, without writing Python.
+
+``ls``, ``inspect``, ``verify`` and ``gc`` of a local root read JSON and bytes only: they import neither torch nor
+numpy nor tensorstore (tests/test_cli_imports.py); ``explain``, ``export`` and ``import`` load them when they run.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +15,13 @@ import os
 import sys
 from typing import Any, NoReturn
 
-from tqdm import tqdm
-
-from . import catalog, exporter, importers, layout, lease, storage_args
-from . import state as state_mod
-from .determinism import data
+from . import catalog, layout, lease, storage_args
+from . import tree as tree_mod
 from .errors import CheckpointError, StepNotFoundError
 from .layout import read_manifest
 from .storage import Storage, open_storage
+
+EXPORT_FORMATS = ("safetensors", "torch", "hf")  # exporter.FORMATS, named here so that --help needs no torch
 
 
 class _Parser(argparse.ArgumentParser):
@@ -113,32 +116,32 @@ def _pick_step(storage: Storage, step: int | None) -> int:
     return steps[-1]
 
 
-_BRANCHES = (state_mod.MAPPING, state_mod.STATE, state_mod.PER_RANK)  # shown entry by entry; the rest on one line
+_BRANCHES = (tree_mod.MAPPING, tree_mod.STATE, tree_mod.PER_RANK)  # shown entry by entry; the rest on one line
 
 
 def _tree_lines(tree: Any, arrays: dict, indent: str = "") -> list[str]:
     """The entries of a branch, one line each (a branch's own entries indented below it)."""
-    node = state_mod.node_of(tree)
-    if node.kind == state_mod.STATE:  # an object's state_dict: its entries
+    node = tree_mod.node_of(tree)
+    if node.kind == tree_mod.STATE:  # an object's state_dict: its entries
         return _tree_lines(node.children[0][1], arrays, indent)
     quote = not all(isinstance(k, str) for k, _ in node.children)  # tell "1" from 1 where keys are mixed
     return [
         line
         for k, sub in node.children
         for line in _entry_lines(
-            f"rank {k}" if node.kind == state_mod.PER_RANK else repr(k) if quote else k, sub, arrays, indent
+            f"rank {k}" if node.kind == tree_mod.PER_RANK else repr(k) if quote else k, sub, arrays, indent
         )
     ]
 
 
 def _entry_lines(label: str, tree: Any, arrays: dict, indent: str) -> list[str]:
-    node = state_mod.node_of(tree)
-    if node.kind == state_mod.TENSOR:
+    node = tree_mod.node_of(tree)
+    if node.kind == tree_mod.TENSOR:
         a = arrays[node.name]
         where = f"array {node.name}" if a.pack is None else f"packed in {a.pack[0]} at byte {a.pack[1]}"
         return [f"{indent}{label}: {a.dtype}{list(a.shape)}  ({_human(a.nbytes)}, {where})"]
     if node.kind in _BRANCHES:
-        kind = f" <{node.name}>" if node.kind == state_mod.STATE else ""
+        kind = f" <{node.name}>" if node.kind == tree_mod.STATE else ""
         return [f"{indent}{label}:{kind}"] + _tree_lines(tree, arrays, indent + "  ")
     text = json.dumps(tree)
     return [f"{indent}{label}: {text if len(text) < 100 else text[:97] + '...'}"]
@@ -175,6 +178,8 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
             print(f"step {step}: DAMAGED: {e}")
             bad += 1
             continue
+        from tqdm import tqdm
+
         with tqdm(
             total=total,
             unit="B",
@@ -195,13 +200,16 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
 
 def _sampler_states(tree: Any, path: str = "") -> list[tuple[str, Any]]:
     """(key path, decoded state) of every sampler state saved in a checkpoint tree (JSON-only subtrees)."""
-    node = state_mod.node_of(tree)
-    if node.kind in (state_mod.STATE, state_mod.PER_RANK):  # an object's state_dict; the first rank's entry
+    node = tree_mod.node_of(tree)
+    if node.kind in (tree_mod.STATE, tree_mod.PER_RANK):  # an object's state_dict; the first rank's entry
         return [found for _, sub in node.children[:1] for found in _sampler_states(sub, path)]
-    if node.kind != state_mod.MAPPING:
+    if node.kind != tree_mod.MAPPING:
         return []
-    if not state_mod.tensor_refs(tree):
-        decoded = state_mod.decode(tree, lambda *_: None)
+    if not tree_mod.tensor_refs(tree):
+        from .determinism import data
+        from .state import decode
+
+        decoded = decode(tree, lambda *_: None)
         if data.is_sampler_state(decoded):
             return [(path, decoded)]
     return [found for k, sub in node.children for found in _sampler_states(sub, f"{path}.{k}" if path else str(k))]
@@ -219,6 +227,8 @@ def cmd_explain(storage: Storage, args: argparse.Namespace) -> int:
         )
         return 1
     key, saved = found[0]
+    from .determinism import data
+
     print(f"sampler {key!r} from checkpoint step {m.step}")
     print(data.format_explanation(data.explain(saved, args.step)))
     return 0
@@ -270,6 +280,8 @@ def _one_line(e: Exception) -> str:
 
 
 def cmd_export(storage: Storage, args: argparse.Namespace) -> int:
+    from . import exporter
+
     try:
         step = exporter.export(
             args.root,
@@ -290,6 +302,8 @@ def cmd_export(storage: Storage, args: argparse.Namespace) -> int:
 
 
 def cmd_import(storage: Storage, args: argparse.Namespace) -> int:
+    from . import importers
+
     try:
         kind = importers.import_checkpoint(
             args.src, args.root, step=args.step, key=args.key, storage_options=args.storage_options
@@ -360,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     s.add_argument("root")
     s.add_argument("--step", type=_step, help="default: the newest committed step")
-    s.add_argument("--format", required=True, help=f"one of {', '.join(exporter.FORMATS)}")
+    s.add_argument("--format", required=True, help=f"one of {', '.join(EXPORT_FORMATS)}")
     s.add_argument("--keys", help="comma list of dotted keys to export (default: model)")
     s.add_argument("--max-shard-size", default="5GB", help="safetensors/hf: largest shard (default 5GB)")
     s.add_argument("--config", help="hf: the model's config.json (default: the one the HF integration stored)")
