@@ -29,8 +29,12 @@ CHILD = Path(__file__).parent / "procs" / "lightning_train.py"
 STEPS, KILL_AT = 16, 10  # the child saves every 4 steps: the resume is from step 8
 
 
-def test_sigkill_resume_is_bitwise_and_reported(tmp_path):
-    runs = straight_killed_resumed(CHILD, tmp_path, STEPS, KILL_AT)
+def test_sigkill_resume_without_launcher_ids_is_bitwise_and_reported(tmp_path):
+    """The children run with no CKPT_RUN_ID, SLURM_JOB_ID or TORCHELASTIC_RUN_ID: the restart resumes through
+    fit(ckpt_path="last") alone (a run of its own, which takes the root over)."""
+    runs = straight_killed_resumed(CHILD, tmp_path, STEPS, KILL_AT, ckpt_root="")
+    assert runs.killed_run.source == runs.resumed_run.source == "generated", (runs.killed_run, runs.resumed_run)
+    assert runs.killed_run.id != runs.resumed_run.id
 
     # the resumed attempt re-ran steps 9.. from the step-8 checkpoint with the same losses, to the same bits
     reference = losses(runs.straight)
