@@ -73,18 +73,25 @@ def _each_tier(command: Any) -> Any:
 
 
 def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
-    rows: list[tuple[int, str, str, str]] = []  # step, state, size, time or remark
+    """One line per step: its state, two sizes each labelled with what it measures, its time (or a remark).
+
+    ``on disk``: the bytes of the step's files (chunk padding, checksums, zarr.json and the manifest included), where
+    the root lists sizes cheaply; an object store shows ``-`` (sizing would read every object). ``tensors``: the
+    bytes of the tensors the manifest lists (what `inspect` and `verify` report), for committed steps."""
+    rows: list[tuple[int, str, str, str, str]] = []  # step, state, on disk, tensors, time or remark
     holder = lease.live_holder(storage)
-    # a root that lists no sizes (an object store): a committed step's size comes from its manifest (its tensors'
-    # bytes), never from reading every object (that would download the whole root)
-    costly = not storage.cheap_sizes
+    cheap = storage.cheap_sizes
+
+    def on_disk(path: str) -> str:
+        return _human(storage.size(path)) if cheap else "-"
+
     for e in catalog.entries(storage):
-        when, size = "", "-"
+        when, tensors = "", "-"
         if e.committed:
             try:
                 manifest = read_manifest(storage, e.step)
                 when = _when(manifest.time)
-                size = _human(sum(a.nbytes for a in manifest.arrays.values())) if costly else size
+                tensors = _human(sum(a.nbytes for a in manifest.arrays.values()))
             except StepNotFoundError:  # deleted since it was listed (another process's retention)
                 continue
             except CheckpointError as err:
@@ -92,18 +99,16 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
         state = (
             "committed" if e.committed else ("in progress" if holder and e.owner == holder.get("id") else "incomplete")
         )
-        rows.append((e.step, state, size if costly else _human(storage.size(layout.step_dir(e.step))), when))
+        rows.append((e.step, state, on_disk(layout.step_dir(e.step)), tensors, when))
     for q in catalog.quarantined(storage):
         when = f"quarantined {_when(q.time)}" if q.time is not None else "quarantined"
-        rows.append(
-            (q.step, "damaged", "-" if costly else _human(storage.size(q.path)), f"{when} in {q.path}: {q.reason}")
-        )
+        rows.append((q.step, "damaged", on_disk(q.path), "-", f"{when} in {q.path}: {q.reason}"))
     if not rows:
         print(f"no checkpoints in {storage.url}")
         return 0
-    print(f"{'step':>10}  {'state':<12} {'size':>10}  time")
-    for step, state, size, when in sorted(rows, key=lambda r: r[0]):
-        print(f"{step:>10}  {state:<12} {size:>10}  {when}")
+    print(f"{'step':>10}  {'state':<12} {'on disk':>10} {'tensors':>10}  time")
+    for step, state, disk, tensors, when in sorted(rows, key=lambda r: r[0]):
+        print(f"{step:>10}  {state:<12} {disk:>10} {tensors:>10}  {when}")
     return 0
 
 
@@ -156,7 +161,7 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
     packed = sum(a.pack is not None for a in m.arrays.values())
     packs = f" ({packed} packed in {len(m.packs)} pack{'s' * (len(m.packs) != 1)})" if m.packs else ""
     print(
-        f"step {m.step}  world_size {m.world_size}  {len(m.arrays)} arrays{packs}, {_human(total)}  "
+        f"step {m.step}  world_size {m.world_size}  {len(m.arrays)} arrays{packs}, {_human(total)} of tensors  "
         f"versions {m.versions}"
     )
     if m.metadata:
@@ -194,7 +199,7 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
         if problems:
             bad += 1
         else:
-            print(f"step {step}: ok ({_human(total)})")
+            print(f"step {step}: ok ({_human(total)} of tensors checked)")
     return 1 if bad else 0
 
 
