@@ -9,6 +9,7 @@ the positions of `ckpt` samplers in its own ``state_dict``, which is what makes 
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import posixpath
@@ -36,6 +37,9 @@ POINTERS = "lightning_pointers"  # metadata: the folder whose pointer files name
 WRITTEN_AT = "lightning_root"  # metadata: where the root was when the step was written, to rebase its paths
 _DROP = object()
 _TMP = re.compile(r".+\.ckpt\.tmp-[0-9]+")  # a pointer being written (`_write_pointer`): NAME.ckpt.tmp-PID
+# A pointer is renamed into place right after it is written (milliseconds; seconds on a slow object store): a
+# temporary pointer file older than this has no live writer, whatever host wrote it (its PID says nothing here)
+STALE_TMP_S = 120.0
 
 
 def _abs_root(root: str | os.PathLike[str]) -> str:
@@ -184,7 +188,6 @@ class CkptCheckpointIO(CheckpointIO):
         self._stored: tuple[int, dict[str, dict[str, str | None]]] | None = None  # last step, its dict's paths
         self._orphans: dict[int, str] = {}  # step -> folder of its removed pointer, for steps not deletable yet
         self._adopted: set[str] = set()
-        self._swept: set[str] = set()  # pointer folders cleared of temporary files left by killed writers
         self.before_load: Callable[[], None] | None = None  # GoodputCallback: a resume starts the tracker first
 
     @property
@@ -225,6 +228,7 @@ class CkptCheckpointIO(CheckpointIO):
         stored = self._stored[1] if self._stored is not None and self._stored[0] == step else {}
         self._forget(os.fspath(path))  # an overwritten pointer (e.g. last.ckpt) no longer names its old step
         _write_pointer(os.fspath(path), self.root, step, _changed(stored, fields))
+        self._sweep(folder)
         self._collect()
 
     def load_checkpoint(
@@ -292,7 +296,6 @@ class CkptCheckpointIO(CheckpointIO):
         if folder in self._adopted:
             return
         self._adopted.add(folder)
-        self._sweep(folder)
         committed = self.manager.steps()
         for path, pointer in self._pointers(folder):
             if pointer["step"] not in committed and pointer["step"] not in self._done:
@@ -320,18 +323,21 @@ class CkptCheckpointIO(CheckpointIO):
         return folders
 
     def _sweep(self, folder: str) -> None:
-        """Once per process and folder: remove the temporary pointer files (``NAME.ckpt.tmp-PID``) that a process
-        killed inside `_write_pointer` left; they name nothing Lightning reads, and would otherwise stay forever."""
-        if folder in self._swept:
-            return
-        self._swept.add(folder)
+        """Remove the temporary pointer files (``NAME.ckpt.tmp-PID``) a process killed inside `_write_pointer` left:
+        they name nothing Lightning reads and would otherwise stay forever. Only those older than `STALE_TMP_S`: a
+        younger one may be a live writer's (another process loading from this folder must not break its rename)."""
         fs, p = fsspec.core.url_to_fs(folder)
+        now = datetime.datetime.now(datetime.timezone.utc)
         for name in fs.glob(f"{p.rstrip('/')}/*.ckpt.tmp-*"):
-            if _TMP.fullmatch(posixpath.basename(name)):
-                try:
+            if not _TMP.fullmatch(posixpath.basename(name)):
+                continue
+            try:
+                if (now - fs.modified(name)).total_seconds() > STALE_TMP_S:
                     fs.rm(name)
-                except FileNotFoundError:  # removed meanwhile (another process sweeping the same folder)
-                    pass
+            except FileNotFoundError:  # renamed or removed meanwhile
+                pass
+            except NotImplementedError:  # a filesystem that cannot tell a file's age: nothing is known stale
+                return
 
     def _pointers(self, folder: str) -> list[tuple[str, dict[str, Any]]]:
         """(path, pointer) of every pointer file in `folder` that names a step of this root."""

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -355,23 +356,34 @@ def test_saveable_keeps_exactly_what_a_save_stores():
     assert dropped == ["hp.eps"] and type(clean["hp"]["shape"]) is torch.Size and clean["hp"]["n"] == 4
 
 
-@pytest.mark.parametrize("how", ["ckpt_path=last", "same run", "load_checkpoint"])
-def test_a_start_or_load_removes_temporary_pointer_files_left_by_a_killed_writer(tmp_path, no_launcher_ids, how):
+@pytest.mark.parametrize("how", ["ckpt_path=last", "same run", "load_checkpoint", "save"])
+def test_a_start_load_or_save_removes_temporary_pointer_files_left_by_a_killed_writer(tmp_path, no_launcher_ids, how):
     """A SIGKILL inside the pointer write (`_write_pointer`: write NAME.ckpt.tmp-PID, then rename) leaves the
-    temporary file; the next start (a resume from "last", a restart of the same run) or load removes it, and nothing
-    else in the folder."""
+    temporary file; the next start (a resume from "last", a restart of the same run), load or save removes it once it
+    is older than any live write (STALE_TMP_S), and nothing else in the folder."""
+    from integrations.lightning import STALE_TMP_S
+
     root = tmp_path / "job"
     _fit(root, 8, run_id="job-1")
     folder = root / "pointers"
     stale = folder / "epoch=0-step=15.ckpt.tmp-2334"
     stale.write_text('{"format": "ckpt-lightning-pointer/1", "root": "..", "st')  # cut short by the kill
+    killed_at = time.time() - STALE_TMP_S - 60
+    os.utime(stale, (killed_at, killed_at))
+    live = folder / "last.ckpt.tmp-99999"  # as young as a live writer's (another process's): kept
+    live.write_text("{}")
     other = folder / "notes.txt.tmp-1"  # not a pointer's temporary file: kept
     other.write_text("mine")
+    os.utime(other, (killed_at, killed_at))
     if how == "load_checkpoint":
         io = CkptCheckpointIO(root)
         assert io.load_checkpoint(folder / "last.ckpt")["global_step"] == 8
         io.teardown()
+    elif how == "save":
+        io = CkptCheckpointIO(root)
+        io.save_checkpoint({"global_step": 9, "w": torch.zeros(2)}, folder / "manual.ckpt")
+        io.teardown()
     else:
         _fit(root, 12, ckpt_path="last" if how == "ckpt_path=last" else None, run_id="job-1")
-    assert not stale.exists() and other.read_text() == "mine"
+    assert not stale.exists() and live.exists() and other.read_text() == "mine"
     assert "last.ckpt" in {p.name for p in folder.iterdir()}
