@@ -11,7 +11,6 @@ from typing import Any, Callable, Iterator
 
 from . import layout, lease, packs, store
 from .errors import CorruptCheckpointError, LeaseHeldError, StepNotFoundError
-from .restore import step_files
 from .storage import Storage, UnsafeFileError, where
 
 
@@ -93,7 +92,7 @@ def verify(
     every chunk of the packs; yields each problem found."""
     try:
         manifest = layout.read_manifest(storage, step)
-        step_files(storage, step)
+        layout.step_files(storage, step)
     except CorruptCheckpointError as e:
         yield e
         return

@@ -27,8 +27,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import crc32c
-import numpy as np
 
+from ._lazy import numpy as np
 from .format import ArrayInfo, chunk_key
 from .pools import submit_or_run
 

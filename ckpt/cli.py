@@ -1,5 +1,9 @@
 """`python -m ckpt ls|inspect|verify|gc|explain|export|import`: look at a checkpoint root, take weights out, bring
-checkpoints in, without writing Python."""
+checkpoints in, without writing Python.
+
+``ls``, ``inspect``, ``verify`` and ``gc`` of a local root read JSON and bytes only: they import neither torch nor
+numpy nor tensorstore (tests/test_cli_imports.py); ``explain``, ``export`` and ``import`` load them when they run.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +15,13 @@ import os
 import sys
 from typing import Any, NoReturn
 
-from tqdm import tqdm
-
-from . import catalog, exporter, importers, layout, lease, storage_args
-from . import state as state_mod
-from .determinism import data
+from . import catalog, layout, lease, storage_args
+from . import tree as tree_mod
 from .errors import CheckpointError, StepNotFoundError
 from .layout import read_manifest
 from .storage import Storage, open_storage
+
+EXPORT_FORMATS = ("safetensors", "torch", "hf")  # exporter.FORMATS, named here so that --help needs no torch
 
 
 class _Parser(argparse.ArgumentParser):
@@ -70,18 +73,25 @@ def _each_tier(command: Any) -> Any:
 
 
 def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
-    rows: list[tuple[int, str, str, str]] = []  # step, state, size, time or remark
+    """One line per step: its state, two sizes each labelled with what it measures, its time (or a remark).
+
+    ``on disk``: the bytes of the step's files (chunk padding, checksums, zarr.json and the manifest included), where
+    the root lists sizes cheaply; an object store shows ``-`` (sizing would read every object). ``tensors``: the
+    bytes of the tensors the manifest lists (what `inspect` and `verify` report), for committed steps."""
+    rows: list[tuple[int, str, str, str, str]] = []  # step, state, on disk, tensors, time or remark
     holder = lease.live_holder(storage)
-    # a root that lists no sizes (an object store): a committed step's size comes from its manifest (its tensors'
-    # bytes), never from reading every object (that would download the whole root)
-    costly = not storage.cheap_sizes
+    cheap = storage.cheap_sizes
+
+    def on_disk(path: str) -> str:
+        return _human(storage.size(path)) if cheap else "-"
+
     for e in catalog.entries(storage):
-        when, size = "", "-"
+        when, tensors = "", "-"
         if e.committed:
             try:
                 manifest = read_manifest(storage, e.step)
                 when = _when(manifest.time)
-                size = _human(sum(a.nbytes for a in manifest.arrays.values())) if costly else size
+                tensors = _human(sum(a.nbytes for a in manifest.arrays.values()))
             except StepNotFoundError:  # deleted since it was listed (another process's retention)
                 continue
             except CheckpointError as err:
@@ -89,18 +99,16 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
         state = (
             "committed" if e.committed else ("in progress" if holder and e.owner == holder.get("id") else "incomplete")
         )
-        rows.append((e.step, state, size if costly else _human(storage.size(layout.step_dir(e.step))), when))
+        rows.append((e.step, state, on_disk(layout.step_dir(e.step)), tensors, when))
     for q in catalog.quarantined(storage):
         when = f"quarantined {_when(q.time)}" if q.time is not None else "quarantined"
-        rows.append(
-            (q.step, "damaged", "-" if costly else _human(storage.size(q.path)), f"{when} in {q.path}: {q.reason}")
-        )
+        rows.append((q.step, "damaged", on_disk(q.path), "-", f"{when} in {q.path}: {q.reason}"))
     if not rows:
         print(f"no checkpoints in {storage.url}")
         return 0
-    print(f"{'step':>10}  {'state':<12} {'size':>10}  time")
-    for step, state, size, when in sorted(rows, key=lambda r: r[0]):
-        print(f"{step:>10}  {state:<12} {size:>10}  {when}")
+    print(f"{'step':>10}  {'state':<12} {'on disk':>10} {'tensors':>10}  time")
+    for step, state, disk, tensors, when in sorted(rows, key=lambda r: r[0]):
+        print(f"{step:>10}  {state:<12} {disk:>10} {tensors:>10}  {when}")
     return 0
 
 
@@ -113,32 +121,32 @@ def _pick_step(storage: Storage, step: int | None) -> int:
     return steps[-1]
 
 
-_BRANCHES = (state_mod.MAPPING, state_mod.STATE, state_mod.PER_RANK)  # shown entry by entry; the rest on one line
+_BRANCHES = (tree_mod.MAPPING, tree_mod.STATE, tree_mod.PER_RANK)  # shown entry by entry; the rest on one line
 
 
 def _tree_lines(tree: Any, arrays: dict, indent: str = "") -> list[str]:
     """The entries of a branch, one line each (a branch's own entries indented below it)."""
-    node = state_mod.node_of(tree)
-    if node.kind == state_mod.STATE:  # an object's state_dict: its entries
+    node = tree_mod.node_of(tree)
+    if node.kind == tree_mod.STATE:  # an object's state_dict: its entries
         return _tree_lines(node.children[0][1], arrays, indent)
     quote = not all(isinstance(k, str) for k, _ in node.children)  # tell "1" from 1 where keys are mixed
     return [
         line
         for k, sub in node.children
         for line in _entry_lines(
-            f"rank {k}" if node.kind == state_mod.PER_RANK else repr(k) if quote else k, sub, arrays, indent
+            f"rank {k}" if node.kind == tree_mod.PER_RANK else repr(k) if quote else k, sub, arrays, indent
         )
     ]
 
 
 def _entry_lines(label: str, tree: Any, arrays: dict, indent: str) -> list[str]:
-    node = state_mod.node_of(tree)
-    if node.kind == state_mod.TENSOR:
+    node = tree_mod.node_of(tree)
+    if node.kind == tree_mod.TENSOR:
         a = arrays[node.name]
         where = f"array {node.name}" if a.places is None else _places(a)
         return [f"{indent}{label}: {a.dtype}{list(a.shape)}  ({_human(a.nbytes)}, {where})"]
     if node.kind in _BRANCHES:
-        kind = f" <{node.name}>" if node.kind == state_mod.STATE else ""
+        kind = f" <{node.name}>" if node.kind == tree_mod.STATE else ""
         return [f"{indent}{label}:{kind}"] + _tree_lines(tree, arrays, indent + "  ")
     text = json.dumps(tree)
     return [f"{indent}{label}: {text if len(text) < 100 else text[:97] + '...'}"]
@@ -160,7 +168,7 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
     packed = sum(a.places is not None for a in m.arrays.values())
     packs = f" ({packed} placed in {len(m.packs)} pack{'s' * (len(m.packs) != 1)})" if m.packs else ""
     print(
-        f"step {m.step}  world_size {m.world_size}  {len(m.arrays)} arrays{packs}, {_human(total)}  "
+        f"step {m.step}  world_size {m.world_size}  {len(m.arrays)} arrays{packs}, {_human(total)} of tensors  "
         f"versions {m.versions}"
     )
     if m.metadata:
@@ -182,6 +190,8 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
             print(f"step {step}: DAMAGED: {e}")
             bad += 1
             continue
+        from tqdm import tqdm
+
         with tqdm(
             total=total,
             unit="B",
@@ -196,19 +206,22 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
         if problems:
             bad += 1
         else:
-            print(f"step {step}: ok ({_human(total)})")
+            print(f"step {step}: ok ({_human(total)} of tensors checked)")
     return 1 if bad else 0
 
 
 def _sampler_states(tree: Any, path: str = "") -> list[tuple[str, Any]]:
     """(key path, decoded state) of every sampler state saved in a checkpoint tree (JSON-only subtrees)."""
-    node = state_mod.node_of(tree)
-    if node.kind in (state_mod.STATE, state_mod.PER_RANK):  # an object's state_dict; the first rank's entry
+    node = tree_mod.node_of(tree)
+    if node.kind in (tree_mod.STATE, tree_mod.PER_RANK):  # an object's state_dict; the first rank's entry
         return [found for _, sub in node.children[:1] for found in _sampler_states(sub, path)]
-    if node.kind != state_mod.MAPPING:
+    if node.kind != tree_mod.MAPPING:
         return []
-    if not state_mod.tensor_refs(tree):
-        decoded = state_mod.decode(tree, lambda *_: None)
+    if not tree_mod.tensor_refs(tree):
+        from .determinism import data
+        from .state import decode
+
+        decoded = decode(tree, lambda *_: None)
         if data.is_sampler_state(decoded):
             return [(path, decoded)]
     return [found for k, sub in node.children for found in _sampler_states(sub, f"{path}.{k}" if path else str(k))]
@@ -226,6 +239,8 @@ def cmd_explain(storage: Storage, args: argparse.Namespace) -> int:
         )
         return 1
     key, saved = found[0]
+    from .determinism import data
+
     print(f"sampler {key!r} from checkpoint step {m.step}")
     print(data.format_explanation(data.explain(saved, args.step)))
     return 0
@@ -277,6 +292,8 @@ def _one_line(e: Exception) -> str:
 
 
 def cmd_export(storage: Storage, args: argparse.Namespace) -> int:
+    from . import exporter
+
     try:
         step = exporter.export(
             args.root,
@@ -297,6 +314,8 @@ def cmd_export(storage: Storage, args: argparse.Namespace) -> int:
 
 
 def cmd_import(storage: Storage, args: argparse.Namespace) -> int:
+    from . import importers
+
     try:
         kind = importers.import_checkpoint(
             args.src, args.root, step=args.step, key=args.key, storage_options=args.storage_options
@@ -367,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     s.add_argument("root")
     s.add_argument("--step", type=_step, help="default: the newest committed step")
-    s.add_argument("--format", required=True, help=f"one of {', '.join(exporter.FORMATS)}")
+    s.add_argument("--format", required=True, help=f"one of {', '.join(EXPORT_FORMATS)}")
     s.add_argument("--keys", help="comma list of dotted keys to export (default: model)")
     s.add_argument("--max-shard-size", default="5GB", help="safetensors/hf: largest shard (default 5GB)")
     s.add_argument("--config", help="hf: the model's config.json (default: the one the HF integration stored)")

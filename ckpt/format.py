@@ -15,13 +15,11 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-import numpy as np
-import tensorstore as ts
-
 from .errors import CheckpointError, CorruptCheckpointError
 from .paths import validate_array_name
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 FORMAT = "ckpt/5"  # ckpt/5: every box a rank writes is placed in its pack, a few large files (`ArrayInfo.places`)
@@ -48,6 +46,19 @@ _DTYPE_NAMES = (
     "float64", "float32", "float16", "bfloat16", "complex64", "complex128", "int64", "int32", "int16", "int8",
     "uint8", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2",
 )  # fmt: skip
+# bytes per element of each on-disk dtype, as numpy_dtype(name).itemsize says (tests/test_cli_imports.py), without
+# importing numpy or tensorstore: sizes are all a manifest's reader (the CLI) needs of its dtypes
+_ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8, "complex128": 16, "int64": 8, "int32": 4,
+    "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1, "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}  # fmt: skip
+
+
+def dtype_itemsize(name: str) -> int:
+    """Bytes per element of an on-disk dtype name."""
+    size = _ITEMSIZE.get(name)
+    return size if size is not None else numpy_dtype(name).itemsize
 
 
 @functools.cache
@@ -82,6 +93,9 @@ def torch_dtype(name: str) -> torch.dtype:
 @functools.lru_cache(maxsize=None)
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype tensorstore uses for an on-disk dtype name (bfloat16, float8 via ml_dtypes)."""
+    import numpy as np  # here, not at the top: reading a manifest (the CLI) needs neither numpy nor tensorstore
+    import tensorstore as ts
+
     return np.dtype(ts.dtype(name).numpy_dtype)
 
 
@@ -144,11 +158,7 @@ def zarr_metadata(dtype: str, shape: Sequence[int], chunk: Sequence[int], crc: b
     In the canonical form tensorstore writes (single-byte types carry no endianness), so that a
     `zarr.json` read back can be compared with it field by field.
     """
-    raw = (
-        {"name": "bytes"}
-        if numpy_dtype(dtype).itemsize == 1
-        else {"name": "bytes", "configuration": {"endian": "little"}}
-    )
+    raw = {"name": "bytes"} if dtype_itemsize(dtype) == 1 else {"name": "bytes", "configuration": {"endian": "little"}}
     return {
         "shape": list(shape),
         "data_type": dtype,
@@ -222,7 +232,7 @@ class ArrayInfo:
 
     @property
     def itemsize(self) -> int:
-        return numpy_dtype(self.dtype).itemsize
+        return dtype_itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:

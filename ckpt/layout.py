@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import re
 import secrets
+from dataclasses import dataclass
 from typing import Any
 
-from . import state as state_mod
+from . import tree as tree_mod
 from .errors import CorruptCheckpointError, StepNotFoundError
 from .format import DATA_RE, Manifest
-from .storage import Storage, UnsafeFileError, where
+from .storage import Storage, UnsafeFileError, local_files, where
 
 MANIFEST = "manifest.json"
 IN_PROGRESS = "_IN_PROGRESS"
@@ -184,7 +185,7 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
     m = Manifest.from_bytes(data, file=file)
     if m.step != step:
         raise CorruptCheckpointError(f"manifest says step {m.step}", step=step, file=file)
-    state_mod.check_tree(m.tree, m.arrays, file=file)
+    tree_mod.check_tree(m.tree, m.arrays, file=file)
     return m
 
 
@@ -195,3 +196,25 @@ def saved_metadata(storage: Storage, step: int) -> dict[str, Any]:
         return read_manifest(storage, step).metadata
     except (CorruptCheckpointError, StepNotFoundError):
         return {}
+
+
+@dataclass
+class StepFiles:
+    """The files of a local step directory: where it is, and each file's size by path relative to it."""
+
+    dir: str
+    sizes: dict[str, int]
+
+
+def step_files(storage: Storage, step: int) -> StepFiles | None:
+    """The files of a step of a root with direct file IO (None for other roots). A symlink, FIFO or other special
+    file anywhere in the step is damage: nothing inside a step is ever followed or opened."""
+    local = storage.direct_path(step_dir(step))
+    if local is None:
+        return None
+    try:
+        return StepFiles(local, local_files(local))
+    except UnsafeFileError as e:
+        raise CorruptCheckpointError(f"step holds {e.strerror}", step=step, file=e.filename) from None
+    except FileNotFoundError as e:  # deleted while listed: the caller tells damage from retention
+        raise CorruptCheckpointError(f"step directory changed while being read: {e}", step=step, file=local) from None

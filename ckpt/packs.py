@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import crc32c
-import numpy as np
-import tensorstore as ts
 
+from ._lazy import numpy as np
+from ._lazy import tensorstore as ts
 from .chunk_files import ChunkFile, ChunkWriter
 from .errors import CorruptCheckpointError
 from .format import ArrayInfo, chunk_key

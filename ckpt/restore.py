@@ -27,32 +27,11 @@ from . import state as state_mod
 from .distributed import Ranks, read_region
 from .errors import CheckpointError, CorruptCheckpointError, StateKeyError, StateMismatchError, StepNotFoundError
 from .format import ArrayInfo, Manifest, chunk_key, torch_dtype
+from .layout import StepFiles, step_files  # noqa: F401 (restore.step_files, as before)
 from .staging import StagingArena
-from .storage import Storage, UnsafeFileError, local_files
+from .storage import Storage
 
 Box = tuple[tuple[int, int], ...]
-
-
-@dataclass
-class StepFiles:
-    """The files of a local step directory: where it is, and each file's size by path relative to it."""
-
-    dir: str
-    sizes: dict[str, int]
-
-
-def step_files(storage: Storage, step: int) -> StepFiles | None:
-    """The files of a step of a root with direct file IO (None for other roots). A symlink, FIFO or other special
-    file anywhere in the step is damage: nothing inside a step is ever followed or opened."""
-    local = storage.direct_path(layout.step_dir(step))
-    if local is None:
-        return None
-    try:
-        return StepFiles(local, local_files(local))
-    except UnsafeFileError as e:
-        raise CorruptCheckpointError(f"step holds {e.strerror}", step=step, file=e.filename) from None
-    except FileNotFoundError as e:  # deleted while listed: the caller tells damage from retention
-        raise CorruptCheckpointError(f"step directory changed while being read: {e}", step=step, file=local) from None
 
 
 @dataclass

@@ -18,10 +18,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 import crc32c
-import numpy as np
-import tensorstore as ts
-import torch
 
+from ._lazy import numpy as np
+from ._lazy import tensorstore as ts
+from ._lazy import torch
 from .errors import CorruptCheckpointError
 from .format import ArrayInfo, chunk_key, numpy_dtype, zarr_metadata, zarr_mismatch
 from .storage import Storage, UnsafeFileError, open_regular, where

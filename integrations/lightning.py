@@ -9,9 +9,11 @@ the positions of `ckpt` samplers in its own ``state_dict``, which is what makes 
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import posixpath
+import re
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -34,6 +36,10 @@ POINTER_FORMAT = "ckpt-lightning-pointer/1"
 POINTERS = "lightning_pointers"  # metadata: the folder whose pointer files name a step, relative to the root
 WRITTEN_AT = "lightning_root"  # metadata: where the root was when the step was written, to rebase its paths
 _DROP = object()
+_TMP = re.compile(r".+\.ckpt\.tmp-[0-9]+")  # a pointer being written (`_write_pointer`): NAME.ckpt.tmp-PID
+# A pointer is renamed into place right after it is written (milliseconds; seconds on a slow object store): a
+# temporary pointer file older than this has no live writer, whatever host wrote it (its PID says nothing here)
+STALE_TMP_S = 120.0
 
 
 def _abs_root(root: str | os.PathLike[str]) -> str:
@@ -222,6 +228,7 @@ class CkptCheckpointIO(CheckpointIO):
         stored = self._stored[1] if self._stored is not None and self._stored[0] == step else {}
         self._forget(os.fspath(path))  # an overwritten pointer (e.g. last.ckpt) no longer names its old step
         _write_pointer(os.fspath(path), self.root, step, _changed(stored, fields))
+        self._sweep(folder)
         self._collect()
 
     def load_checkpoint(
@@ -234,6 +241,7 @@ class CkptCheckpointIO(CheckpointIO):
         """
         if self.before_load is not None:
             self.before_load()
+        self._sweep(_folder(os.fspath(path)))
         pointer = self._pointer(os.fspath(path))
         step = resolve_step(self.manager, int(pointer["step"]))
         checkpoint = read_step(self.manager, step)
@@ -252,14 +260,18 @@ class CkptCheckpointIO(CheckpointIO):
     def start_fit(self, resume: bool) -> bool:
         """The start-up check of a fit, before anything is written (`ckpt.run.check_start`): True to resume the
         root's newest step. A fit that loaded no checkpoint into a root holding another run's committed steps raises
-        `ckpt.RunMismatchError`; a resume claims the root for this run."""
-        return ckpt_run.check_start(
+        `ckpt.RunMismatchError`; a resume claims the root for this run. Once the start is allowed, the pointer
+        folders of the root's steps are cleared of temporary pointer files left by a writer killed mid-write."""
+        same_run = ckpt_run.check_start(
             self.manager.storage,
             self.manager.run,
             resume=resume,
             how_to_resume='trainer.fit(model, ..., ckpt_path="last")',
             how_to_start_over=f"give CkptCheckpointIO a new root (or delete {self.root})",
         )
+        for folder in self._known_folders():
+            self._sweep(folder)
+        return same_run
 
     def load_newest(self) -> dict[str, Any]:
         """The checkpoint dict of the newest committed step (a restart of this root's run started without ckpt_path)."""
@@ -299,6 +311,33 @@ class CkptCheckpointIO(CheckpointIO):
             saved = self.manager.metadata(step).get(POINTERS)
             if saved is not None and _real(_resolve(saved, _real(self.root))) == folder:
                 self._orphans.setdefault(step, folder)
+
+    def _known_folders(self) -> list[str]:
+        """The pointer folders the root's committed steps were saved with (from their metadata), as `_folder` does."""
+        folders = []
+        for step in self.manager.steps():
+            saved = self.manager.metadata(step).get(POINTERS)
+            folder = _resolve(saved, _real(self.root)) if saved is not None else None
+            if folder is not None and _real(folder) not in folders:
+                folders.append(_real(folder))
+        return folders
+
+    def _sweep(self, folder: str) -> None:
+        """Remove the temporary pointer files (``NAME.ckpt.tmp-PID``) a process killed inside `_write_pointer` left:
+        they name nothing Lightning reads and would otherwise stay forever. Only those older than `STALE_TMP_S`: a
+        younger one may be a live writer's (another process loading from this folder must not break its rename)."""
+        fs, p = fsspec.core.url_to_fs(folder)
+        now = datetime.datetime.now(datetime.timezone.utc)
+        for name in fs.glob(f"{p.rstrip('/')}/*.ckpt.tmp-*"):
+            if not _TMP.fullmatch(posixpath.basename(name)):
+                continue
+            try:
+                if (now - fs.modified(name)).total_seconds() > STALE_TMP_S:
+                    fs.rm(name)
+            except FileNotFoundError:  # renamed or removed meanwhile
+                pass
+            except NotImplementedError:  # a filesystem that cannot tell a file's age: nothing is known stale
+                return
 
     def _pointers(self, folder: str) -> list[tuple[str, dict[str, Any]]]:
         """(path, pointer) of every pointer file in `folder` that names a step of this root."""

@@ -226,9 +226,9 @@ FLOORS = {
             "safetensors_file",
             "determinism",
         },
-        "format": {"layout", "format", "state"},
+        "format": {"layout", "format", "state", "tree"},
         "roots": {"storage"},
-        "base": {"errors", "paths", "pools"},
+        "base": {"errors", "paths", "pools", "_lazy"},
     },
     "ettr": {
         "tools": {"cli", "__main__", "__init__"},

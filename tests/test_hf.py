@@ -25,8 +25,12 @@ CHILD = Path(__file__).parent / "procs" / "hf_train.py"
 STEPS, KILL_AT = 16, 10  # the child saves every 4 steps (save_total_limit=2): the resume is from step 8
 
 
-def test_sigkill_resume_is_bitwise_and_reported(tmp_path):
-    runs = straight_killed_resumed(CHILD, tmp_path, STEPS, KILL_AT)
+def test_sigkill_resume_without_launcher_ids_is_bitwise_and_reported(tmp_path):
+    """The children run with no CKPT_RUN_ID, SLURM_JOB_ID or TORCHELASTIC_RUN_ID: the restart resumes through
+    train(resume_from_checkpoint=True) alone (a run of its own, which takes the root over)."""
+    runs = straight_killed_resumed(CHILD, tmp_path, STEPS, KILL_AT, ckpt_root="ckpt")
+    assert runs.killed_run.source == runs.resumed_run.source == "generated", (runs.killed_run, runs.resumed_run)
+    assert runs.killed_run.id != runs.resumed_run.id
 
     # 10 batches per epoch: the resume skips 8 batches of epoch 0, then crosses into epoch 1, all bit-exact
     reference = losses(runs.straight)

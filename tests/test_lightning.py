@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,12 @@ CHILD = Path(__file__).parent / "procs" / "lightning_train.py"
 STEPS, KILL_AT = 16, 10  # the child saves every 4 steps: the resume is from step 8
 
 
-def test_sigkill_resume_is_bitwise_and_reported(tmp_path):
-    runs = straight_killed_resumed(CHILD, tmp_path, STEPS, KILL_AT)
+def test_sigkill_resume_without_launcher_ids_is_bitwise_and_reported(tmp_path):
+    """The children run with no CKPT_RUN_ID, SLURM_JOB_ID or TORCHELASTIC_RUN_ID: the restart resumes through
+    fit(ckpt_path="last") alone (a run of its own, which takes the root over)."""
+    runs = straight_killed_resumed(CHILD, tmp_path, STEPS, KILL_AT, ckpt_root="")
+    assert runs.killed_run.source == runs.resumed_run.source == "generated", (runs.killed_run, runs.resumed_run)
+    assert runs.killed_run.id != runs.resumed_run.id
 
     # the resumed attempt re-ran steps 9.. from the step-8 checkpoint with the same losses, to the same bits
     reference = losses(runs.straight)
@@ -349,3 +354,36 @@ def test_saveable_keeps_exactly_what_a_save_stores():
 
     clean, dropped = saveable({"hp": {"eps": np.longdouble(1e-8), "shape": torch.Size([2, 3]), "n": np.int64(4)}})
     assert dropped == ["hp.eps"] and type(clean["hp"]["shape"]) is torch.Size and clean["hp"]["n"] == 4
+
+
+@pytest.mark.parametrize("how", ["ckpt_path=last", "same run", "load_checkpoint", "save"])
+def test_a_start_load_or_save_removes_temporary_pointer_files_left_by_a_killed_writer(tmp_path, no_launcher_ids, how):
+    """A SIGKILL inside the pointer write (`_write_pointer`: write NAME.ckpt.tmp-PID, then rename) leaves the
+    temporary file; the next start (a resume from "last", a restart of the same run), load or save removes it once it
+    is older than any live write (STALE_TMP_S), and nothing else in the folder."""
+    from integrations.lightning import STALE_TMP_S
+
+    root = tmp_path / "job"
+    _fit(root, 8, run_id="job-1")
+    folder = root / "pointers"
+    stale = folder / "epoch=0-step=15.ckpt.tmp-2334"
+    stale.write_text('{"format": "ckpt-lightning-pointer/1", "root": "..", "st')  # cut short by the kill
+    killed_at = time.time() - STALE_TMP_S - 60
+    os.utime(stale, (killed_at, killed_at))
+    live = folder / "last.ckpt.tmp-99999"  # as young as a live writer's (another process's): kept
+    live.write_text("{}")
+    other = folder / "notes.txt.tmp-1"  # not a pointer's temporary file: kept
+    other.write_text("mine")
+    os.utime(other, (killed_at, killed_at))
+    if how == "load_checkpoint":
+        io = CkptCheckpointIO(root)
+        assert io.load_checkpoint(folder / "last.ckpt")["global_step"] == 8
+        io.teardown()
+    elif how == "save":
+        io = CkptCheckpointIO(root)
+        io.save_checkpoint({"global_step": 9, "w": torch.zeros(2)}, folder / "manual.ckpt")
+        io.teardown()
+    else:
+        _fit(root, 12, ckpt_path="last" if how == "ckpt_path=last" else None, run_id="job-1")
+    assert not stale.exists() and live.exists() and other.read_text() == "mine"
+    assert "last.ckpt" in {p.name for p in folder.iterdir()}

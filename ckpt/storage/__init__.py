@@ -15,7 +15,6 @@ from typing import Any, Mapping
 import fsspec
 
 from ..errors import StorageError
-from .kv import KvStorage
 from .local import LocalStorage, UnsafeFileError, fsync_dir, local_files, makedirs_durable, open_regular
 from .protocol import Storage, where
 from .spec import DEFAULT_TIMEOUT_S, STORAGE_OPTIONS, context, kvstore_spec, retries, validated_options
@@ -57,4 +56,15 @@ def open_storage(root: str | os.PathLike | Storage, storage_options: Mapping[str
     protocol, path = fsspec.core.split_protocol(root)
     if protocol in (None, "file", "local"):
         return LocalStorage(path)
+    from .kv import KvStorage  # tensorstore (and numpy) load with the first object-store root, not with a local one
+
     return KvStorage(root, context(), options)
+
+
+def __getattr__(name: str) -> Any:
+    """`KvStorage` loads on first use: reading a local root never imports tensorstore (nor numpy, which it imports)."""
+    if name == "KvStorage":
+        from .kv import KvStorage
+
+        return KvStorage
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,19 +8,28 @@ import os
 import shutil
 import tempfile
 import threading
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import fsspec
-import tensorstore as ts
+
+if TYPE_CHECKING:
+    import tensorstore as ts
 
 # One context per process, so that every handle of a memory:// root sees the same store. 32 concurrent
 # file operations (default: a few) let the per-file fsyncs of a save overlap: ~20% faster saves here.
-_CONTEXT = ts.Context({"file_io_concurrency": {"limit": 32}})
+# Made on first use: a process that reads only local roots (the CLI) never imports tensorstore.
+_CONTEXT: list[ts.Context] = []
+_CONTEXT_LOCK = threading.Lock()
 
 
 def context() -> ts.Context:
     """The tensorstore context shared by all roots of this process."""
-    return _CONTEXT
+    with _CONTEXT_LOCK:
+        if not _CONTEXT:
+            import tensorstore as ts
+
+            _CONTEXT.append(ts.Context({"file_io_concurrency": {"limit": 32}}))
+        return _CONTEXT[0]
 
 
 DEFAULT_TIMEOUT_S = 30.0  # the longest any one storage operation may take (retries included) before it fails
@@ -124,6 +133,8 @@ def kvstore_spec(url: str, storage_options: Mapping[str, Any] | None = None) -> 
         if not bucket:
             raise ValueError(f"{url}: a gs:// root names a bucket (gs://bucket/path)")
         return {"driver": "gcs", "bucket": bucket, "path": path, "gcs_request_retries": retries(timeout)}
+    import tensorstore as ts
+
     return ts.KvStore.Spec(url.rstrip("/") + "/").to_json()
 
 

@@ -2,6 +2,9 @@
 
 A child script takes ROOT OUT.npz MAX_STEPS [HANG_AT], prints "loss STEP HEX" lines, prints "hanging" once its
 saves are durable at HANG_AT (then it is SIGKILLed here), and otherwise writes its final weights and prints "done".
+Children run as a user's plain command does: with no launcher run id in their environment (`LAUNCHER`), unless the
+test gives one (`env=`), so each attempt is a run of its own and a restart resumes only by the trainer's own resume
+(HF's ``resume_from_checkpoint=True``, Lightning's ``ckpt_path="last"``).
 """
 
 from __future__ import annotations
@@ -10,24 +13,32 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ckpt.run import ENV_IDS, Run, recorded_run
+from ckpt.storage import open_storage
+
 REPO = Path(__file__).resolve().parents[2]
+LAUNCHER = (*ENV_IDS, "TORCHELASTIC_RESTART_COUNT")  # what torchrun, SLURM or the user set to name a run
 
 
-def start(child: Path, root: Path, out: Path, steps: int, hang_at: int | None = None) -> subprocess.Popen:
-    """Start one training attempt as a child process."""
+def start(
+    child: Path, root: Path, out: Path, steps: int, hang_at: int | None = None, env: Mapping[str, str] | None = None
+) -> subprocess.Popen:
+    """Start one training attempt as a child process, without the launcher variables of this one (plus `env`)."""
     args = [sys.executable, str(child), str(root), str(out), str(steps)] + ([str(hang_at)] if hang_at else [])
+    environ = {k: v for k, v in os.environ.items() if k not in LAUNCHER}
     return subprocess.Popen(
         args,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"},
+        env={**environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(env or {})},
     )
 
 
@@ -60,20 +71,32 @@ class Runs:
     resumed: list[list[str]]
     straight_npz: Path
     resumed_npz: Path
+    killed_run: Run | None  # the run recorded in the root after the killed attempt, and after the resumed one
+    resumed_run: Run | None
 
 
-def straight_killed_resumed(child: Path, tmp: Path, steps: int, kill_at: int) -> Runs:
-    """An uninterrupted run (beside the first attempt, 2 cores) and a job killed at `kill_at` then resumed."""
+def run_of(root: Path) -> Run | None:
+    """The run a root's ``run.json`` records (None before its first save)."""
+    return recorded_run(open_storage(str(root)))
+
+
+def straight_killed_resumed(child: Path, tmp: Path, steps: int, kill_at: int, ckpt_root: str = "") -> Runs:
+    """An uninterrupted run (beside the first attempt, 2 cores) and a job killed at `kill_at` then resumed; the
+    job's checkpoint root is `ckpt_root` below its folder."""
     straight = start(child, tmp / "straight", tmp / "straight.npz", steps)
     killed = start(child, tmp / "job", tmp / "unused.npz", steps, hang_at=kill_at)
     straight_lines, killed_lines = finish(straight), finish(killed)
     assert straight.returncode == 0 and ["done"] in straight_lines, straight_lines[-5:]
     assert killed.returncode == -signal.SIGKILL and ["hanging"] in killed_lines, killed_lines[-5:]
+    killed_run = run_of(tmp / "job" / ckpt_root)
     resumed = start(child, tmp / "job", tmp / "resumed.npz", steps)
     resumed_lines = finish(resumed)
     assert resumed.returncode == 0 and ["done"] in resumed_lines, resumed_lines[-5:]
     assert min(losses(resumed_lines)) > 1, "the restart trained from step 1: it restored nothing"
-    return Runs(straight_lines, killed_lines, resumed_lines, tmp / "straight.npz", tmp / "resumed.npz")
+    resumed_run = run_of(tmp / "job" / ckpt_root)
+    return Runs(
+        straight_lines, killed_lines, resumed_lines, tmp / "straight.npz", tmp / "resumed.npz", killed_run, resumed_run
+    )
 
 
 def assert_same_bits(a_path: Path, b_path: Path) -> None:
