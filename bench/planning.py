@@ -82,11 +82,19 @@ def _rank(rank: int, world: int, port: int, tensors: int, repeats: int, workdir:
         dcp.save(state, checkpoint_id=path, process_group=group)
         if step:
             res["dcp_save"].append(slowest(time.perf_counter() - t0))
+    barrier()
     if rank == 0:
+        res["ckpt_files"] = [_files(os.path.join(workdir, "ckpt", f"step_{repeats:08d}"))]
+        res["dcp_files"] = [_files(os.path.join(workdir, f"dcp_save_{repeats}"))]
         with open(out, "w") as f:
             json.dump(res, f)
     if world > 1:
         dist.destroy_process_group()
+
+
+def _files(path: str) -> int:
+    """Files of one checkpoint (its directory)."""
+    return sum(len(fs) for _, _, fs in os.walk(path))
 
 
 def run(world: int, tensors: int, repeats: int) -> dict[str, float]:
@@ -120,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     print(
         f"{'world':>5} {'tensors':>7}  {'ckpt 1st s':>10} {'ckpt next s':>11} {'dcp.async s':>11} "
-        f"{'dcp.save s':>10}  {'next/async':>10} {'1st/async':>9}  load"
+        f"{'dcp.save s':>10}  {'next/async':>10} {'1st/async':>9}  {'files ckpt':>10} {'dcp':>5}  load"
     )
     for tensors in map(int, args.tensors.split(",")):
         for world in map(int, args.worlds.split(",")):
@@ -128,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{world:>5} {tensors:>7}  {r['ckpt_first']:>10.4f} {r['ckpt_next']:>11.4f} {r['dcp_async']:>11.4f} "
                 f"{r['dcp_save']:>10.4f}  {r['ckpt_next'] / r['dcp_async']:>10.2f} "
-                f"{r['ckpt_first'] / r['dcp_async']:>9.2f}  {os.getloadavg()[0]:.1f}",
+                f"{r['ckpt_first'] / r['dcp_async']:>9.2f}  {r['ckpt_files']:>10.0f} {r['dcp_files']:>5.0f}  "
+                f"{os.getloadavg()[0]:.1f}",
                 flush=True,
             )
     print("stall of each save's call (ckpt: plan + copy; dcp.async_save: plan + staging), dcp.save: the whole save;")

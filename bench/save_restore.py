@@ -216,6 +216,8 @@ def run_method(args) -> dict | None:
         res["stall"].append(stall)
         res["durable"].append(durable)
     impl.end_saves()
+    env.barrier()  # every rank's last save is durable: the root holds that one checkpoint
+    res["files"], res["disk_bytes"] = footprint(workdir)
     cold = True
     for _ in range(args.repeats):
         env.fresh(impl, args)
@@ -236,6 +238,13 @@ def run_method(args) -> dict | None:
     row = env.combine(res)
     env.close()
     return row
+
+
+def footprint(root: str) -> tuple[int, int]:
+    """(files, bytes) under a root that holds one checkpoint: every file a save leaves, metadata included (on an
+    object store each would be one PUT)."""
+    sizes = [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs]
+    return len(sizes), sum(sizes)
 
 
 def run_floors(args) -> dict:
@@ -379,7 +388,7 @@ def report(floors: dict | None, rows: list[dict], args) -> str:
     ref = next((r for r in rows if r["method"] == "ckpt"), None)
     head = (
         f"{'method':<22}{'stall s':>9}{'durable s':>11}{'restore s':>11}{'save RSS+':>11}{'rest RSS+':>11}"
-        f"{'stall/ck':>10}{'dur/ck':>8}{'rest/ck':>9}{'load':>6}"
+        f"{'files':>7}{'stall/ck':>10}{'dur/ck':>8}{'rest/ck':>9}{'load':>6}"
     )
     lines += ["", head, "-" * len(head)]
     for r in rows:
@@ -389,11 +398,12 @@ def report(floors: dict | None, rows: list[dict], args) -> str:
             ratio = f"{s / med(ref['stall']):>10.2f}{d / med(ref['durable']):>8.2f}{rs / med(ref['restore']):>9.2f}"
         lines.append(
             f"{r['label']:<22}{s:>9.3f}{d:>11.3f}{rs:>11.3f}{fmt_gib(r['save_peak_extra']):>11}"
-            f"{fmt_gib(r['restore_peak_extra']):>11}{ratio}{max(r['load']):>6.1f}"
+            f"{fmt_gib(r['restore_peak_extra']):>11}{r['files']:>7}{ratio}{max(r['load']):>6.1f}"
             + ("" if r["cold"] else "  (warm cache!)")
         )
     lines.append(
-        "RSS+ in GiB; x/ck = the method's figure divided by ckpt's (first ckpt row); "
+        "RSS+ in GiB; files = every file of the one checkpoint on disk (metadata included); "
+        "x/ck = the method's figure divided by ckpt's (first ckpt row); "
         "load = 1-min load average (max of start/end) on this machine while the method ran"
     )
     lines.append("first save in a fresh process (not in the medians; ckpt allocates its staging arena there):")
