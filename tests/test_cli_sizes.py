@@ -36,7 +36,7 @@ def test_each_size_says_what_it_measures(tmp_path, capsys):
     assert step1.group(1) != step1.group(2)  # padding, checksums, zarr.json and the manifest are on disk too
     assert re.fullmatch(r" +2  incomplete +0 B +-  ", ls[2]), ls[2]
 
-    assert f"arrays (2 packed in 1 pack), {tensors} of tensors" in _out(capsys, "inspect", str(root))
+    assert f"arrays (2 placed in 1 pack), {tensors} of tensors" in _out(capsys, "inspect", str(root))
     assert _out(capsys, "verify", "-q", str(root)) == f"step 1: ok ({tensors} of tensors checked)\n"
 
 
