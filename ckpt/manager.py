@@ -186,6 +186,9 @@ class CheckpointManager:
         bg = self._background
         bg.raise_error()
         with self.tracker.span("checkpoint_save", step=step):
+            if bg.inflight is not None and not bg.inflight.done():  # a part of the save's time, told apart
+                with self.tracker.span("checkpoint_save", step=step, part="previous_wait"):
+                    bg.drain()
             bg.drain()
             self._root_lease.take(collective=True)
             bg.wait_delete(step)  # a delete of this very step number must finish before it is written again

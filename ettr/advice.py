@@ -39,7 +39,7 @@ class Advice:
     def text(self) -> str:
         """A few readable lines."""
         lines = [
-            f"fitted: T_write {self.write_s:.3f} s, T_read {self.read_s:.3f} s, startup {self.startup_s:.3f} s, "
+            f"fitted: T_write {self.write_s:.3f} s (stall per save), T_read {self.read_s:.3f} s, startup {self.startup_s:.3f} s, "
             f"restart cost {self.restart_s:.3f} s per failure",
             f"MTTF {self.mttf_s / 3600:.3f} h ({self.mttf_source}; rests on {self.mttf_failures} failure(s))",
         ]
@@ -174,7 +174,7 @@ def advise_two_tier(a: Attribution, inputs: TwoTierInputs, *, mttf_s: float | No
     sources["restart_overhead_s"] = (
         f"ledger: downtime + startup, mean of {len(overheads)} failure(s)" if overheads else "ledger: mean startup"
     )
-    put("local_write_s", inputs.local_write_s, _mean([us / 1e6 for us in a.save_us]), "ledger: mean blocking save")
+    put("local_write_s", inputs.local_write_s, a.save_cost_s, "ledger: mean stall per save (+ overlap waits)")
     put("persist_s", inputs.persist_s, 0.0, "default: in the background, free to training")
 
     def restores(tiers: tuple[str | None, ...]) -> tuple[list[float], str]:
@@ -232,7 +232,7 @@ def advise(attribution: Attribution, *, mttf_s: float | None = None, two_tier: T
         check_seconds("mttf", mttf_s, positive=True)
     given_mttf = mttf_s
     a = attribution
-    write_s = _mean([us / 1e6 for us in a.save_us])
+    write_s = a.save_cost_s
     read_s = _mean([us / 1e6 for us in a.restore_us])
     startup_s = _mean([at.micros.get("startup", 0) / 1e6 for at in a.attempts])
     restarts = [

@@ -30,12 +30,35 @@ class TrackedProcess(Protocol):
 
 
 SERVICE_NAME = "ckpt-goodput"  # service.name unless configured (argument, OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES)
-# Second-scale buckets: checkpoint saves/restores take from tens of milliseconds to many minutes.
-DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+# Duration buckets from 1 ms to 30 min: a save's stall or an optimizer step's wait is often a few milliseconds,
+# a restore or a background write of a large model many minutes.
+DURATION_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+)
 # Byte buckets in powers of 4 from 64 KiB to 1 TiB: a checkpoint is a few MB (tests) to terabytes (large models).
 SIZE_BUCKETS = tuple(float(4**k) for k in range(8, 21))
 DURATIONS = {
-    "checkpoint_save": "Blocking duration of each checkpoint save (snapshot to host memory)",
+    "checkpoint_save": "Blocking duration of each checkpoint save() call, its wait for the previous save included",
+    "checkpoint_previous_wait": "Each wait inside a checkpoint save() for the previous save to finish",
+    "checkpoint_overlap_wait": "Each wait of an optimizer step for an overlapped snapshot's copies",
     "checkpoint_restore": "Blocking duration of each checkpoint restore",
     "checkpoint_write": "Background duration of each checkpoint write, from snapshot to commit",
 }
@@ -117,7 +140,8 @@ class GoodputMetrics:
         self._failures.set(count, self._job)
 
     def record_duration(self, category: str, seconds: float) -> None:
-        """Record one checkpoint save/restore blocking duration or one background write duration."""
+        """Record one duration of `category` (DURATIONS): a save() call, a part of a save (its wait for the previous
+        one, an optimizer step's wait for an overlapped snapshot), a restore, or a background write."""
         self._durations[category].record(seconds, self._attempt)
 
     def committed(

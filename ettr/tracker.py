@@ -14,7 +14,7 @@ from typing import Any
 
 from .attribution import Attribution, attribute
 from .clock import Clock, SystemClock
-from .ledger import FORMAT_VERSION, TIERS, UPLOAD_INTERVAL_S, LedgerWriter, read_ledgers
+from .ledger import FORMAT_VERSION, SAVE_PARTS, TIERS, UPLOAD_INTERVAL_S, LedgerWriter, read_ledgers
 from .telemetry import GoodputMetrics
 
 FLUSHED_SPANS = frozenset({"checkpoint_save", "checkpoint_restore"})
@@ -253,20 +253,26 @@ class GoodputTracker:
         return _Span(self, category, attrs)
 
     def _open(self, category: str, step: int | None, attrs: dict[str, Any]) -> list[Any] | None:
-        """Push a span onto the open stack; None inside an open span of the same category (it is part of that one)."""
+        """Push a span onto the open stack; None inside an open span of the same category (it is part of that one),
+        unless it names a part of a save (``part=``, SAVE_PARTS): the wait for the previous save inside save() is a
+        span of its own within the save's, so that attribution can split the save's seconds."""
+        part = attrs.get("part") if category == "checkpoint_save" else None
+        if part is not None and part not in SAVE_PARTS:
+            raise ValueError(f"part of a checkpoint_save must be one of {', '.join(SAVE_PARTS)}, got {part!r}")
         with self._lock:
-            if self._stack and self._stack[-1][1] == category:
+            top = self._stack[-1] if self._stack else None
+            if top is not None and top[1] == category and (part is None or top[4].get("part") == part):
                 return None
             t = self._credit()
             self._order += 1
             entry = [self._order, category, step, t, attrs]
             self._stack.append(entry)
-            if category in FLUSHED_SPANS:
-                self.flush()
+            if category in FLUSHED_SPANS and not (top is not None and top[1] == category):
+                self.flush()  # a part inside an open save: the save's own span flushes at both ends
             return entry
 
     def _close(self, entry: list[Any] | None) -> None:
-        """Pop a span, buffer its record, feed the duration histograms."""
+        """Pop a span, buffer its record, feed the duration histograms (a save's, or its part's)."""
         if entry is None:
             return
         with self._lock:
@@ -278,8 +284,10 @@ class GoodputTracker:
             order, category, _, begin, attrs = entry
             self._buf.append((category, begin, t, order, attrs))
             if category in FLUSHED_SPANS:
-                self.metrics.record_duration(category, (t - begin) / 1e6)
-                self.flush()
+                part = attrs.get("part") if category == "checkpoint_save" else None
+                self.metrics.record_duration(SAVE_PARTS[part] if part else category, (t - begin) / 1e6)
+                if not (self._stack and self._stack[-1][1] == category):
+                    self.flush()
 
     def _pop(self, step: int) -> list[Any]:
         """Remove the open step `step` from the stack when it is not on top (a span left open inside it)."""

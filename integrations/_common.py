@@ -46,7 +46,8 @@ def advised_interval(
 ) -> Callable[[], float | None]:
     """The interval provider of a `ckpt.AdvisedInterval`: the seconds `ettr.advise` fits to the job's ledgers in
     `root` (`mttf_s` overrides the fitted MTTF; `storage_options` as the manager's), or None until they hold a save
-    to fit T_write from.
+    to fit T_write from (the stall per save, plus optimizer steps' waits for an overlapped snapshot: what training
+    loses per save; docs/goodput.md).
 
     ckpt does not import ettr: this is where the two meet. A save still being written may not be in the ledger yet;
     the next answer includes it.
