@@ -142,6 +142,7 @@ class CheckpointManager:
         if tiering is not None:
             # every rank's local tier records the run the durable root records: rank 0's (a generated id is per process)
             self.run = run_mod.Run(**self.ranks.broadcast_json(dataclasses.asdict(self.run)))
+            self._tell_run()
             self._target = Tiers(self.storage, tiering, self.ranks, timeout)
         self._closed = False
 
@@ -158,6 +159,13 @@ class CheckpointManager:
     @tracker.setter
     def tracker(self, tracker: CheckpointObserver | None) -> None:
         self._tracker = tracker if tracker is not None else NO_TRACKER
+        self._tell_run()
+
+    def _tell_run(self) -> None:
+        """Tell the tracker this run's id (an observer's optional `use_run_id`: ettr's job id defaults to it)."""
+        use_run_id = getattr(self._tracker, "use_run_id", None)
+        if use_run_id is not None:
+            use_run_id(self.run.id)
 
     def _span(self, category: str, **attrs: Any) -> ContextManager[Any]:
         return self._tracker.span(category, **attrs)
@@ -292,6 +300,9 @@ class CheckpointManager:
         def delete() -> None:
             catalog.delete_step(self.storage, step)
             self._metadata.pop(step, None)
+            deleted = getattr(self.tracker, "checkpoint_deleted", None)  # optional in the observer protocol
+            if deleted is not None:
+                deleted(step)
 
         self._background.queue_delete(step, delete, report=report)
 

@@ -81,10 +81,18 @@ class Attribution:
     attempts: tuple[AttemptSummary, ...]
     segments: tuple[Segment, ...]
     background_us: int
-    committed_steps: tuple[int, ...]
+    committed_steps: tuple[int, ...]  # every step the job committed, the deleted ones too
     save_us: tuple[int, ...] = field(repr=False)
     restore_us: tuple[int, ...] = field(repr=False)
     window_s: float = 3600.0
+    deleted_steps: tuple[int, ...] = ()  # committed steps deleted since (retention, delete()), by the ledgers
+
+    @property
+    def retained_steps(self) -> tuple[int, ...]:
+        """Committed steps not deleted since, as far as the ledgers tell (`delete` records; a ledger written before
+        them, or a process killed before recording a delete, leaves a deleted step listed here)."""
+        deleted = set(self.deleted_steps)
+        return tuple(s for s in self.committed_steps if s not in deleted)
 
     @property
     def wall_us(self) -> int:
@@ -138,13 +146,26 @@ class Attribution:
 
     @property
     def restores_per_tier(self) -> dict[str | None, tuple[int, float]]:
-        """Tier (None: untiered) -> (restores of a step from it, their checkpoint_restore seconds)."""
-        out: dict[str | None, tuple[int, float]] = {}
-        for a in self.attempts:
-            if a.restored_step is not None:
-                n, us = out.get(a.restored_tier, (0, 0))
-                out[a.restored_tier] = (n + 1, us + a.restore_us)
-        return {tier: (n, us / 1e6) for tier, (n, us) in out.items()}
+        """Tier (None: untiered) -> (restores of a step from it, their checkpoint_restore seconds) (`restores`)."""
+        tiers = dict.fromkeys(a.restored_tier for a in self.attempts if a.restored_step is not None)
+        return {tier: (len(self.restores([tier])), sum(self.restores([tier]))) for tier in tiers}
+
+    def restores(self, tiers: Iterable[str | None] | None = None) -> list[float]:
+        """Seconds of each restore of a step (of those from `tiers` when given; None in it: untiered), one per
+        attempt that restored one: its checkpoint_restore spans together (a fallback from one tier to another is
+        one restore). A fresh start's look for a checkpoint is none. The one owner of "mean restore time":
+        `mean_restore_s`, used by the report and the advice alike."""
+        wanted = None if tiers is None else set(tiers)
+        return [
+            at.restore_us / 1e6
+            for at in self.attempts
+            if at.restored_step is not None and (wanted is None or at.restored_tier in wanted)
+        ]
+
+    def mean_restore_s(self, tiers: Iterable[str | None] | None = None) -> float | None:
+        """Mean seconds per restore of a step (`restores`); None without one."""
+        found = self.restores(tiers)
+        return sum(found) / len(found) if found else None
 
     @property
     def ettr(self) -> float:
@@ -190,7 +211,11 @@ class Attribution:
             "restores_per_tier": {
                 tier or "untiered": {"restores": n, "seconds": sec} for tier, (n, sec) in self.restores_per_tier.items()
             },
+            "restores": len(self.restores()),
+            "mean_restore_seconds": self.mean_restore_s(),
             "committed_steps": list(self.committed_steps),
+            "retained_steps": list(self.retained_steps),
+            "deleted_steps": list(self.deleted_steps),
             "attempts": [
                 {
                     "attempt": a.attempt,
@@ -229,6 +254,7 @@ class _Attempt:
     restored_tier: str | None
     commits: list[tuple[int, int, str | None]]  # (step, background microseconds, tier)
     commit_times: dict[int, int]  # step -> wall time of its commit record
+    events: list[tuple[str, int]]  # ("commit" | "delete", step) in the ledger's order
     status: str | None
     save_us: list[int]
     restore_us: list[int]
@@ -252,6 +278,7 @@ def _gather(ledger: Ledger) -> _Attempt:
     restored_tier = None
     commits, save_us, restore_us, status = [], [], [], None
     commit_times: dict[int, int] = {}
+    events: list[tuple[str, int]] = []
     for r in ledger.records:
         k = r["k"]
         last = max(last, r.get("e", r.get("t", last)))
@@ -276,6 +303,9 @@ def _gather(ledger: Ledger) -> _Attempt:
         elif k == "commit":
             commits.append((r["s"], round(r["bg"] * 1e6), r.get("tier")))
             commit_times[r["s"]] = r["t"]
+            events.append(("commit", r["s"]))
+        elif k == "delete":
+            events.append(("delete", r["s"]))
         elif k == "restore":
             restored, restored_tier = (True, r["s"]), r.get("tier")
         elif k == "end":
@@ -295,6 +325,7 @@ def _gather(ledger: Ledger) -> _Attempt:
         restored_tier,
         commits,
         commit_times,
+        events,
         status,
         save_us,
         restore_us,
@@ -467,7 +498,13 @@ def attribute(
     if not attempts:
         raise ValueError(f"no ledger for rank {rank}")
     commits = [c for a in attempts for c in a.commits]
+    committed = set(committed)
     all_committed = tuple(sorted({*committed, *(s for s, _, _ in commits)}))
+    deleted: set[int] = set()
+    for a in attempts:  # in the order they ran: a step committed again after its delete is retained
+        for kind, s in a.events:
+            (deleted.add if kind == "delete" else deleted.discard)(s)
+    deleted -= committed  # the caller saw it in the root: it is there
     resume = [_resume_point(a, all_committed) for a in attempts]
     totals = {c: 0 for c in CATEGORIES}
     segments: list[Segment] = []
@@ -528,6 +565,7 @@ def attribute(
         segments=tuple(segments),
         background_us=sum(bg for _, bg, _ in commits),
         committed_steps=all_committed,
+        deleted_steps=tuple(s for s in all_committed if s in deleted),
         save_us=tuple(x for a in attempts for x in a.save_us),
         restore_us=tuple(x for a in attempts for x in a.restore_us),
         window_s=window_s,

@@ -25,6 +25,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "commit": ("s", "t", "bg"),
     "restore": ("s", "t"),
     "ckpt_failed": ("s", "t", "err"),
+    "delete": ("s", "t"),
     "end": ("t", "status"),
 }
 

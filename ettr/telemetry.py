@@ -68,9 +68,12 @@ class GoodputMetrics:
     """The instruments a GoodputTracker feeds; created from a Meter (default: the global provider's, a no-op until
     an application configures the SDK). The tracker calls `bind` at start with its identity and clock."""
 
-    def __init__(self, meter: metrics.Meter | None = None) -> None:
+    def __init__(self, meter: metrics.Meter | None = None, *, point_attributes: dict[str, Any] | None = None) -> None:
+        """`point_attributes`: put on every point besides the job and rank, e.g. `identity_attributes()`
+        (``configure_metrics(identity_on_points=True)``): for backends that do not join `target_info`."""
         meter = meter or metrics.get_meter("ettr")
-        self._job: dict[str, Any] = {}  # ettr.job, ettr.rank
+        self._points = dict(point_attributes or {})
+        self._job: dict[str, Any] = dict(self._points)  # ettr.job, ettr.rank (and the point attributes)
         self._attempt: dict[str, Any] = {}  # and ettr.attempt
         self._now_us: Callable[[], int] | None = None
         self._last_commit: tuple[int, int] | None = None  # (step, commit time in microseconds)
@@ -117,7 +120,7 @@ class GoodputMetrics:
 
     def bind(self, *, job: str, attempt: str, rank: int, now_us: Callable[[], int]) -> None:
         """Label every point with the job, rank (and attempt) and read the checkpoint age from `now_us`."""
-        self._job = {"ettr.job": job, "ettr.rank": rank}
+        self._job = {**self._points, "ettr.job": job, "ettr.rank": rank}
         self._attempt = {**self._job, "ettr.attempt": attempt}
         self._now_us = now_us
 
@@ -172,6 +175,17 @@ class GoodputMetrics:
         return [metrics.Observation((now() - last[1]) / 1e6, self._job)] if last is not None and now else []
 
 
+def identity_attributes(resource: Resource) -> dict[str, Any]:
+    """The process's identity to put on every point (`GoodputMetrics(point_attributes=...)`): `service.name` and
+    `host.name` of `resource` (this host's name if it has none); `ettr.job` is on every point anyway."""
+    from opentelemetry.sdk.resources import SERVICE_NAME as NAME
+
+    return {
+        "service.name": str(resource.attributes.get(NAME, SERVICE_NAME)),
+        "host.name": str(resource.attributes.get("host.name", socket.gethostname())),
+    }
+
+
 def goodput_resource(tracker: TrackedProcess | None = None, service_name: str | None = None) -> Resource:
     """An OpenTelemetry Resource naming the service and, given a tracker, this process of the job.
 
@@ -206,12 +220,15 @@ def configure_metrics(
     endpoint: str | None = None,
     prometheus_port: int | None = None,
     set_global: bool = True,
+    identity_on_points: bool = False,
 ) -> tuple[Any, Any]:
     """For applications, not the library: build an SDK MeterProvider with one reader and return (provider, reader).
 
     exporter: "console" (periodic, stdout), "otlp" (opentelemetry-exporter-otlp), "prometheus"
     (opentelemetry-exporter-prometheus; serves /metrics on `prometheus_port` if given) or "memory" (tests).
     The provider's resource is `goodput_resource(tracker, service_name)`; a given (unstarted) tracker reports to it.
+    `identity_on_points`: every point also carries `service.name` and `host.name` (and `ettr.job`, as always), not
+    only the resource (Prometheus's `target_info`), for backends and queries that do not join it.
     """
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import (
@@ -244,11 +261,13 @@ def configure_metrics(
             start_http_server(prometheus_port)
     else:
         raise ValueError(f"unknown exporter {exporter!r}: use console, otlp, prometheus or memory")
-    provider = MeterProvider(resource=goodput_resource(tracker, service_name), metric_readers=[reader])
+    resource = goodput_resource(tracker, service_name)
+    provider = MeterProvider(resource=resource, metric_readers=[reader])
     if set_global:
         metrics.set_meter_provider(provider)
     if tracker is not None:
-        tracker.use_metrics(GoodputMetrics(provider.get_meter("ettr")))
+        points = identity_attributes(resource) if identity_on_points else None
+        tracker.use_metrics(GoodputMetrics(provider.get_meter("ettr"), point_attributes=points))
     return provider, reader
 
 

@@ -26,12 +26,18 @@ def _env_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
-def _env_job(root: str) -> str:
-    """A job id from the launcher, else the checkpoint root (one root, one job)."""
-    for var in ("ETTR_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
-        if os.environ.get(var):
-            return os.environ[var]
-    return root
+# Where a job id comes from when no job_id= is given: ETTR_JOB_ID, else the launcher's run id in the order ckpt reads
+# it (ckpt.run.ENV_IDS; torchrun's TORCHELASTIC_RUN_ID default "none" is no id).
+JOB_ENV = ("ETTR_JOB_ID", "CKPT_RUN_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
+
+
+def _env_job() -> str | None:
+    """A job id from ETTR_JOB_ID or the launcher's run id; None when the environment names none."""
+    for var in JOB_ENV:
+        value = os.environ.get(var, "")
+        if value and not (var == "TORCHELASTIC_RUN_ID" and value == "none"):
+            return value
+    return None
 
 
 def _new_attempt_id(wall_us: int) -> str:
@@ -131,7 +137,10 @@ class GoodputTracker:
         self.root = root
         self.clock = clock or SystemClock()
         self.rank = _env_rank() if rank is None else rank
-        self.job_id = job_id or _env_job(root)
+        # the job: job_id=, else the environment's; else the run id a CheckpointManager tells (use_run_id), and
+        # until it does (or without one) the root
+        self.job_id = job_id or _env_job() or root
+        self._job_known = bool(job_id or _env_job())
         self.attempt_id = attempt_id or _new_attempt_id(self.clock.wall_us() - self.clock.process_age_us())
         self.window_s = window_s
         self.metrics = metrics if metrics is not None else GoodputMetrics()
@@ -185,6 +194,17 @@ class GoodputTracker:
         if self._writer is not None:
             metrics.bind(job=self.job_id, attempt=self.attempt_id, rank=self.rank, now_us=self._now)
         self.metrics = metrics
+
+    def use_run_id(self, run_id: str) -> None:
+        """The run id of the CheckpointManager this tracker reports to (`ckpt.run`: its run_id=, the launcher's, or
+        one it generated): the job id from now on, unless job_id= or the environment named the job. Told when the
+        tracker is handed to the manager, before the first save or restore; metrics are labelled with it anew."""
+        with self._lock:
+            if self._job_known or not run_id or run_id == self.job_id:
+                return
+            self.job_id = str(run_id)
+            if self._writer is not None:
+                self.metrics.bind(job=self.job_id, attempt=self.attempt_id, rank=self.rank, now_us=self._now)
 
     def end(self, status: str = "ok") -> None:
         """Mark a clean end (or status="error"), flush and close the ledger."""
@@ -314,6 +334,11 @@ class GoodputTracker:
         self._buf.append({"k": "restore", "s": step, "t": self._now(), **_tier(tier)})
         self._resume_known = True
         self.flush()
+
+    def checkpoint_deleted(self, step: int) -> None:
+        """The manager deleted the committed checkpoint of `step` (retention, or delete()): the report tells it from
+        the retained ones. Goes to the ledger with the next records (no flush of its own)."""
+        self._buf.append({"k": "delete", "s": step, "t": self._now()})
 
     def checkpoint_failed(self, step: int, error: BaseException) -> None:
         """A background checkpoint write failed; it will not count as committed."""
