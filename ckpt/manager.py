@@ -144,6 +144,7 @@ class CheckpointManager:
             self.run = run_mod.Run(**self.ranks.broadcast_json(dataclasses.asdict(self.run)))
             self._tell_run()
             self._target = Tiers(self.storage, tiering, self.ranks, timeout)
+            self._target.on_local_delete = functools.partial(self._tell_deleted, tier=LOCAL)
         self._closed = False
 
     @property
@@ -300,11 +301,16 @@ class CheckpointManager:
         def delete() -> None:
             catalog.delete_step(self.storage, step)
             self._metadata.pop(step, None)
-            deleted = getattr(self.tracker, "checkpoint_deleted", None)  # optional in the observer protocol
-            if deleted is not None:
-                deleted(step)
+            self._tell_deleted(step, tier=DURABLE if self._target.commit_tier else None)
 
         self._background.queue_delete(step, delete, report=report)
+
+    def _tell_deleted(self, step: int, *, tier: str | None) -> None:
+        """Tell the tracker a committed step was deleted (from `tier`; None: the only one), if it listens (an optional
+        `checkpoint_deleted` of the observer protocol)."""
+        deleted = getattr(self.tracker, "checkpoint_deleted", None)
+        if deleted is not None:
+            deleted(step, **({"tier": tier} if tier else {}))
 
     def _check_open(self) -> None:
         if self._closed:

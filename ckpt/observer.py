@@ -18,7 +18,8 @@ class CheckpointObserver(Protocol):
     def checkpoint_failed(self, step: int, error: BaseException) -> None: ...
 
     # Optional (the manager calls them when the observer has them): `use_run_id(run_id)` when the observer is
-    # handed to the manager, `checkpoint_deleted(step)` when a committed step is deleted (retention or delete()).
+    # handed to the manager; `checkpoint_deleted(step[, tier=])` when a committed step is deleted (retention or
+    # delete(); `tier` with two tiers, as for commits).
 
 
 class _NoTracker:

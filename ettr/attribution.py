@@ -254,7 +254,7 @@ class _Attempt:
     restored_tier: str | None
     commits: list[tuple[int, int, str | None]]  # (step, background microseconds, tier)
     commit_times: dict[int, int]  # step -> wall time of its commit record
-    events: list[tuple[str, int]]  # ("commit" | "delete", step) in the ledger's order
+    events: list[tuple[str, int, str | None]]  # ("commit" | "delete", step, tier) in the ledger's order
     status: str | None
     save_us: list[int]
     restore_us: list[int]
@@ -278,7 +278,7 @@ def _gather(ledger: Ledger) -> _Attempt:
     restored_tier = None
     commits, save_us, restore_us, status = [], [], [], None
     commit_times: dict[int, int] = {}
-    events: list[tuple[str, int]] = []
+    events: list[tuple[str, int, str | None]] = []
     for r in ledger.records:
         k = r["k"]
         last = max(last, r.get("e", r.get("t", last)))
@@ -303,9 +303,9 @@ def _gather(ledger: Ledger) -> _Attempt:
         elif k == "commit":
             commits.append((r["s"], round(r["bg"] * 1e6), r.get("tier")))
             commit_times[r["s"]] = r["t"]
-            events.append(("commit", r["s"]))
+            events.append(("commit", r["s"], r.get("tier")))
         elif k == "delete":
-            events.append(("delete", r["s"]))
+            events.append(("delete", r["s"], r.get("tier")))
         elif k == "restore":
             restored, restored_tier = (True, r["s"]), r.get("tier")
         elif k == "end":
@@ -500,11 +500,11 @@ def attribute(
     commits = [c for a in attempts for c in a.commits]
     committed = set(committed)
     all_committed = tuple(sorted({*committed, *(s for s, _, _ in commits)}))
-    deleted: set[int] = set()
+    held: dict[int, set[str | None]] = {}  # step -> the tiers holding it (None: the only one)
     for a in attempts:  # in the order they ran: a step committed again after its delete is retained
-        for kind, s in a.events:
-            (deleted.add if kind == "delete" else deleted.discard)(s)
-    deleted -= committed  # the caller saw it in the root: it is there
+        for kind, s, tier in a.events:
+            (held.setdefault(s, set()).add if kind == "commit" else held.setdefault(s, set()).discard)(tier)
+    deleted = {s for s, tiers in held.items() if not tiers} - committed  # committed=: the caller saw it in the root
     resume = [_resume_point(a, all_committed) for a in attempts]
     totals = {c: 0 for c in CATEGORIES}
     segments: list[Segment] = []

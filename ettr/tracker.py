@@ -335,10 +335,10 @@ class GoodputTracker:
         self._resume_known = True
         self.flush()
 
-    def checkpoint_deleted(self, step: int) -> None:
-        """The manager deleted the committed checkpoint of `step` (retention, or delete()): the report tells it from
-        the retained ones. Goes to the ledger with the next records (no flush of its own)."""
-        self._buf.append({"k": "delete", "s": step, "t": self._now()})
+    def checkpoint_deleted(self, step: int, *, tier: str | None = None) -> None:
+        """The manager deleted the committed checkpoint of `step` (retention, or delete()) from `tier` (TIERS; None:
+        the only one): the report tells it from the retained ones. Goes to the ledger with the next records."""
+        self._buf.append({"k": "delete", "s": step, "t": self._now(), **_tier(tier)})
 
     def checkpoint_failed(self, step: int, error: BaseException) -> None:
         """A background checkpoint write failed; it will not count as committed."""

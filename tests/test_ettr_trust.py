@@ -14,7 +14,7 @@ import torch
 
 import ckpt
 import integrations
-from ettr import FakeClock, GoodputTracker, advise, attribute_root, configure_metrics, daly_interval
+from ettr import FakeClock, GoodputTracker, advise, attribute_root, configure_metrics, daly_interval, read_ledgers
 from ettr.tracker import JOB_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -146,6 +146,24 @@ def test_a_step_committed_again_after_its_delete_is_retained(tmp_path):
     assert (a.retained_steps, a.deleted_steps) == ((20, 30), (10,))
     # a caller that sees step 10 in the root (committed=) knows better than the ledger
     assert attribute_root(str(tmp_path), committed=[10]).deleted_steps == ()
+
+
+def test_with_two_tiers_a_step_is_retained_while_a_tier_holds_it(tmp_path):
+    """Every save commits locally (keep_local=2), every 2nd is persisted (keep_last=1 on the durable root): step 2
+    left the local tier and the durable one; 1 and 3 only had a local copy, gone; 4 is in both, 5 local only."""
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    tracker = GoodputTracker(str(durable)).start()
+    with ckpt.CheckpointManager(durable, local=local, persist_every=2, keep_local=2, keep_last=1, tracker=tracker) as m:
+        for step in range(1, 6):
+            m.save(step, {"w": torch.full((2,), float(step))}).wait()
+            m.wait()
+    tracker.end()
+    deletes = sorted(
+        (r["s"], r.get("tier")) for ledger in read_ledgers(str(durable)) for r in ledger.records if r["k"] == "delete"
+    )
+    assert deletes == [(1, "local"), (2, "durable"), (2, "local"), (3, "local")]
+    a = attribute_root(str(durable))
+    assert (a.committed_steps, a.retained_steps, a.deleted_steps) == ((1, 2, 3, 4, 5), (4, 5), (1, 2, 3))
 
 
 # -- (d) one mean restore time ---------------------------------------------------------------------------------
