@@ -64,6 +64,7 @@ class AttemptSummary:
     failure_class: str | None = None  # a failed attempt's class: "local", "node" or None (unknown); see failure_class
     checkpoint_split_us: dict[str, int] = field(default_factory=dict)  # its checkpoint_save micros per SAVE_SPLIT part
     saves: int = 0  # its save() calls (checkpoint_save spans that are no part of a save)
+    background_us: int = 0  # its commits' background seconds (beside the sum, as Attribution.background_us)
 
     @property
     def failed(self) -> bool:
@@ -555,6 +556,7 @@ def attribute(
                 failure_class(attempts[: k + 1], attempts[k + 1]) if failed else None,
                 split,
                 len(a.save_us),
+                sum(bg for _, bg, _ in a.commits),
             )
         )
     return Attribution(

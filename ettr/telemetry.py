@@ -90,6 +90,12 @@ class GoodputMetrics:
         self._ratio = meter.create_gauge(
             "ettr.ratio", unit="1", description="Effective training time ratio, cumulative and over a sliding window"
         )
+        self._checkpoint_time = meter.create_gauge(
+            "ettr.job.checkpoint_time",
+            unit="s",
+            description="Checkpoint time of the whole job by part: the badput of saves (stall, previous_wait, "
+            "overlap_wait) and the background write beside it",
+        )
         self._failures = meter.create_gauge(
             "ettr.job.failures", unit="{failure}", description="Attempts of the job that ended in a failure so far"
         )
@@ -132,6 +138,12 @@ class GoodputMetrics:
         """Set the job's total seconds per category."""
         for category, value in seconds.items():
             self._job_time.set(value, {**self._job, "ettr.category": category})
+
+    def set_checkpoint_seconds(self, seconds: dict[str, float]) -> None:
+        """Set the job's checkpoint seconds per part (attribute ettr.part): "stall", "previous_wait" and
+        "overlap_wait" sum to checkpoint_save's badput; "background_write" overlaps training."""
+        for part, value in seconds.items():
+            self._checkpoint_time.set(value, {**self._job, "ettr.part": part})
 
     def set_ettr(self, cumulative: float, windowed: float, window_s: float) -> None:
         """Set the ETTR gauges (attribute ettr.window = "cumulative" or "<seconds>s")."""
@@ -273,7 +285,8 @@ def configure_metrics(
 
 def metric_totals(reader: Any) -> dict[str, Any]:
     """Read an InMemoryMetricReader into the numbers a report should agree with: {"seconds": {category: s} (job),
-    "attempt_seconds": {category: s}, "failures": n, "ettr": {window: v}, "last_step": s, "age": s,
+    "attempt_seconds": {category: s}, "checkpoint_seconds": {part: s} (job), "failures": n, "ettr": {window: v},
+    "last_step": s, "age": s,
     "<histogram>": {"count", "sum"}}."""
     out: dict[str, Any] = {"seconds": {}, "attempt_seconds": {}, "failures": 0, "ettr": {}}
     data = reader.get_metrics_data()
@@ -285,6 +298,8 @@ def metric_totals(reader: Any) -> dict[str, Any]:
                         out["seconds"][p.attributes["ettr.category"]] = p.value
                     elif m.name == "ettr.attempt.time":
                         out["attempt_seconds"][p.attributes["ettr.category"]] = p.value
+                    elif m.name == "ettr.job.checkpoint_time":
+                        out.setdefault("checkpoint_seconds", {})[p.attributes["ettr.part"]] = p.value
                     elif m.name == "ettr.job.failures":
                         out["failures"] = p.value
                     elif m.name == "ettr.ratio":

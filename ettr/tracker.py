@@ -12,7 +12,7 @@ import uuid
 from collections import defaultdict, deque
 from typing import Any
 
-from .attribution import Attribution, attribute
+from .attribution import SAVE_SPLIT, Attribution, attribute
 from .clock import Clock, SystemClock
 from .ledger import FORMAT_VERSION, SAVE_PARTS, TIERS, UPLOAD_INTERVAL_S, LedgerWriter, read_ledgers
 from .telemetry import GoodputMetrics
@@ -154,6 +154,10 @@ class GoodputTracker:
         self._writer: LedgerWriter | None = None
         self._prior: Attribution | None = None
         self._earlier: dict[str, int] = {}  # microseconds per category of the earlier attempts
+        # checkpoint time by part (SAVE_SPLIT, and "background_write"): this attempt's from its closed spans and
+        # commits, the earlier attempts' from their ledgers
+        self._split: dict[str, int] = dict.fromkeys((*SAVE_SPLIT, "background_write"), 0)
+        self._earlier_split: dict[str, int] = {}
         self._prior_done = False
         self._resume_known = False  # a restore, a first step or the end tells where this attempt resumed
         self._history: deque[tuple[int, int]] = deque()  # (time, own productive us) at exports, for the window
@@ -304,9 +308,14 @@ class GoodputTracker:
             order, category, _, begin, attrs = entry
             self._buf.append((category, begin, t, order, attrs))
             if category in FLUSHED_SPANS:
+                inside = bool(self._stack) and self._stack[-1][1] == category  # a part inside an open save
                 part = attrs.get("part") if category == "checkpoint_save" else None
                 self.metrics.record_duration(SAVE_PARTS[part] if part else category, (t - begin) / 1e6)
-                if not (self._stack and self._stack[-1][1] == category):
+                if category == "checkpoint_save":
+                    self._split[part or "stall"] += t - begin
+                    if part == "previous_wait" and inside:
+                        self._split["stall"] -= t - begin  # the open save counts all of its time when it closes
+                if not inside:
                     self.flush()
 
     def _pop(self, step: int) -> list[Any]:
@@ -325,6 +334,8 @@ class GoodputTracker:
         of background work; `tier` names the tier it reached (TIERS; None: the only one)."""
         t = self._now()
         self._buf.append({"k": "commit", "s": step, "t": t, "bg": background_seconds, **_tier(tier)})
+        with self._lock:
+            self._split["background_write"] += round(background_seconds * 1e6)  # as attribution rounds it
         self.metrics.committed(step, t, background_seconds, nbytes, tier)
         self.flush()
 
@@ -385,6 +396,10 @@ class GoodputTracker:
             self._prior = attribute(ledgers, rank=self.rank)
             mine = self._prior.attempts[-1].micros
             self._earlier = {cat: us - mine.get(cat, 0) for cat, us in self._prior.micros.items()}
+            me = self._prior.attempts[-1]
+            split = {**self._prior.checkpoint_split_us, "background_write": self._prior.background_us}
+            mine_split = {**me.checkpoint_split_us, "background_write": me.background_us}
+            self._earlier_split = {part: us - mine_split.get(part, 0) for part, us in split.items()}
             failures = sum(a.failed for a in self._prior.attempts[:-1])
         self.metrics.set_failures(failures)
         return True
@@ -409,6 +424,9 @@ class GoodputTracker:
                 self.metrics.add_attempt_seconds(cat, (mine - self._exported.get(cat, 0)) / 1e6)
                 self._exported[cat] = mine
         self.metrics.set_job_seconds({cat: us / 1e6 for cat, us in totals.items() if us})
+        with self._lock:
+            split = {part: us + self._earlier_split.get(part, 0) for part, us in self._split.items()}
+        self.metrics.set_checkpoint_seconds({part: us / 1e6 for part, us in split.items()})
         job_start = self._prior.start_us if self._prior is not None else self._start
         begin = max(job_start, t - round(self.window_s * 1e6))
         own = totals.get("productive", 0) - self._earlier.get("productive", 0)

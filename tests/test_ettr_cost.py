@@ -179,3 +179,34 @@ def test_a_ledger_written_before_the_split_still_reports(tmp_path):
     lines[0]["v"] = 2
     (tmp_path / "ettr" / "ledger-old-rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     assert attribute_root(str(tmp_path)).saves == 3
+
+
+def test_the_job_gauge_splits_the_checkpoint_time_across_a_restart(tmp_path):
+    """a2 continues the job of overlapped_job: a restore of step 14 (0.5 s), steps 15-16, a save of 16 that first
+    waits 0.25 s for the previous save and stalls 0.25 s, 2 s in the background. The job gauge adds a1's parts, read
+    from its ledger, to a2's own, live: the same numbers as the report's."""
+    root = str(tmp_path)
+    overlapped_job(root)
+    clock = FakeClock(2000.0)
+    tr = GoodputTracker(root, job_id="job", attempt_id="a2", rank=0, clock=clock, flush_interval=0)
+    _, reader = configure_metrics("memory", tracker=tr, set_global=False)
+    tr.start()
+    with tr.span("checkpoint_restore"):
+        clock.advance(0.5)
+    tr.checkpoint_restored(14)
+    for s in (15, 16):
+        with tr.step(s):
+            clock.advance(1.0)
+    with tr.span("checkpoint_save", step=16):
+        with tr.span("checkpoint_save", step=16, part="previous_wait"):
+            clock.advance(0.25)
+        clock.advance(0.25)
+    tr.checkpoint_committed(16, 2.0, 1024)
+    tr.flush()
+    expected = {"stall": 2.0, "previous_wait": 1.25, "overlap_wait": 0.25, "background_write": 23.0}
+    assert metric_totals(reader)["checkpoint_seconds"] == expected
+    a = attribute_root(root)
+    assert {**{p: us / 1e6 for p, us in a.checkpoint_split_us.items()}, "background_write": a.background_us / 1e6} == (
+        expected
+    )
+    tr.end()
