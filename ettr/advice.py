@@ -40,8 +40,8 @@ class Advice:
     def text(self) -> str:
         """A few readable lines."""
         lines = [
-            f"fitted: T_write {self.write_s:.3f} s (stall per save), T_read {self.read_s:.3f} s, startup {self.startup_s:.3f} s, "
-            f"restart cost {self.restart_s:.3f} s per failure",
+            f"fitted: T_write {self.write_s:.3f} s (stall + overlap waits per save), T_read {self.read_s:.3f} s, "
+            f"startup {self.startup_s:.3f} s, restart cost {self.restart_s:.3f} s per failure",
             f"MTTF {self.mttf_s / 3600:.3f} h ({self.mttf_source}; rests on {self.mttf_failures} failure(s))",
         ]
         if self.too_short is not None:

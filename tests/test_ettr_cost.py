@@ -72,7 +72,7 @@ def test_advice_takes_the_stall_and_overlap_waits_per_save_as_the_write_cost(tmp
     # what a save costs at the advised interval, and neither is the 21 s of background writing
     assert adv.write_s == pytest.approx(2.0 / 7, abs=1e-12)
     assert adv.interval_s == 2.0  # 14 s of compute over 7 saves
-    assert "T_write 0.286 s (stall per save)" in adv.text()
+    assert "T_write 0.286 s (stall + overlap waits per save)" in adv.text()
 
 
 def test_report_shows_the_split_and_json_has_its_fields(tmp_path):
