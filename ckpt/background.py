@@ -110,13 +110,13 @@ class Background:
         self._pending = pending
 
     def await_snapshot(self, pending: snapshot_mod.Pending | None = None) -> None:
-        """Wait for a save's overlapped copies (default: the save in flight's), timed as checkpoint_save; the fence
-        of every optimizer step. Never raises: the save's error reaches the loop through the manager's calls."""
+        """Wait for a save's overlapped copies (default: the save in flight's), timed as the checkpoint_save part
+        "overlap_wait"; the fence of every optimizer step. Never raises: the save's error reaches the loop through the manager's calls."""
         pending = pending or self._pending
         if pending is None or pending.done():
             return
         t0 = time.perf_counter()
-        with self.span("checkpoint_save", step=pending.step):
+        with self.span("checkpoint_save", step=pending.step, part="overlap_wait"):
             pending.wait()
         log.debug(
             "waited %.3fs for the snapshot of step %d before changing its tensors",

@@ -142,7 +142,9 @@ class CheckpointManager:
         if tiering is not None:
             # every rank's local tier records the run the durable root records: rank 0's (a generated id is per process)
             self.run = run_mod.Run(**self.ranks.broadcast_json(dataclasses.asdict(self.run)))
+            self._tell_run()
             self._target = Tiers(self.storage, tiering, self.ranks, timeout)
+            self._target.on_local_delete = functools.partial(self._tell_deleted, tier=LOCAL)
         self._closed = False
 
     @property
@@ -158,6 +160,13 @@ class CheckpointManager:
     @tracker.setter
     def tracker(self, tracker: CheckpointObserver | None) -> None:
         self._tracker = tracker if tracker is not None else NO_TRACKER
+        self._tell_run()
+
+    def _tell_run(self) -> None:
+        """Tell the tracker this run's id (an observer's optional `use_run_id`: ettr's job id defaults to it)."""
+        use_run_id = getattr(self._tracker, "use_run_id", None)
+        if use_run_id is not None:
+            use_run_id(self.run.id)
 
     def _span(self, category: str, **attrs: Any) -> ContextManager[Any]:
         return self._tracker.span(category, **attrs)
@@ -186,6 +195,9 @@ class CheckpointManager:
         bg = self._background
         bg.raise_error()
         with self.tracker.span("checkpoint_save", step=step):
+            if bg.inflight is not None and not bg.inflight.done():  # a part of the save's time, told apart
+                with self.tracker.span("checkpoint_save", step=step, part="previous_wait"):
+                    bg.drain()
             bg.drain()
             self._root_lease.take(collective=True)
             bg.wait_delete(step)  # a delete of this very step number must finish before it is written again
@@ -289,8 +301,16 @@ class CheckpointManager:
         def delete() -> None:
             catalog.delete_step(self.storage, step)
             self._metadata.pop(step, None)
+            self._tell_deleted(step, tier=DURABLE if self._target.commit_tier else None)
 
         self._background.queue_delete(step, delete, report=report)
+
+    def _tell_deleted(self, step: int, *, tier: str | None) -> None:
+        """Tell the tracker a committed step was deleted (from `tier`; None: the only one), if it listens (an optional
+        `checkpoint_deleted` of the observer protocol)."""
+        deleted = getattr(self.tracker, "checkpoint_deleted", None)
+        if deleted is not None:
+            deleted(step, **({"tier": tier} if tier else {}))
 
     def _check_open(self) -> None:
         if self._closed:

@@ -17,6 +17,10 @@ class CheckpointObserver(Protocol):
     def checkpoint_restored(self, step: int | None, *, tier: str | None = None) -> None: ...
     def checkpoint_failed(self, step: int, error: BaseException) -> None: ...
 
+    # Optional (the manager calls them when the observer has them): `use_run_id(run_id)` when the observer is
+    # handed to the manager; `checkpoint_deleted(step[, tier=])` when a committed step is deleted (retention or
+    # delete(); `tier` with two tiers, as for commits).
+
 
 class _NoTracker:
     def span(self, category: str, **attrs: Any) -> ContextManager[Any]:

@@ -19,7 +19,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from datetime import timedelta
-from typing import Iterable
+from typing import Callable, Iterable
 
 import fsspec
 
@@ -99,6 +99,7 @@ class Tiers:
             raise ValueError(f"the local tier {self.local.root} must not be the durable root")
         self.durable, self.ranks = durable, ranks
         self.persist_every, self.retention = options.persist_every, options.retention
+        self.on_local_delete: Callable[[int], None] | None = None  # told each step deleted from the local tier
         offset = default_offset(ranks.world_size) if replica_offset is None else replica_offset
         self.offset = offset % ranks.world_size if ranks.world_size > 1 else 0
         # persists run beside the next save: collectives of their own, on a group of their own
@@ -152,6 +153,8 @@ class Tiers:
         """Delete `step` from this rank's local tier, now (manifest first)."""
         self.take_lease()
         catalog.delete_step(self.local, step)
+        if self.on_local_delete is not None:
+            self.on_local_delete(step)
 
     def set_aside(
         self, source: Source, error: CorruptCheckpointError, own: BaseException | None, lease: lease_mod.Lease | None
@@ -241,6 +244,8 @@ class Tiers:
         for s in doomed(self.retention, steps, metadata):
             if s not in protected:
                 catalog.delete_step(storage, s)
+                if storage is self.local and self.on_local_delete is not None:
+                    self.on_local_delete(s)
 
     def wait(self) -> None:
         """Until the persist in flight, if any, has ended."""

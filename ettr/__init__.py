@@ -19,7 +19,7 @@ from .formulas import (
 from .ledger import Ledger, LedgerError, read_ledgers
 from .report import plot_timeline, report_json, report_text
 from .simulate import SimResult, simulate, simulate_two_tier
-from .telemetry import GoodputMetrics, configure_metrics, goodput_resource, metric_totals
+from .telemetry import GoodputMetrics, configure_metrics, goodput_resource, identity_attributes, metric_totals
 from .tracker import GoodputTracker
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "daly_interval",
     "expected_ettr",
     "goodput_resource",
+    "identity_attributes",
     "metric_totals",
     "mttf_from_rate",
     "optimal_two_tier",

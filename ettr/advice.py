@@ -28,6 +28,7 @@ class Advice:
     expected_ettr_current: float | None
     expected_ettr_recommended: float
     two_tier: TwoTierAdvice | None = None
+    too_short: str | None = None  # why this run is too short to fit an interval (None: it is not)
 
     @property
     def gain(self) -> float | None:
@@ -39,17 +40,21 @@ class Advice:
     def text(self) -> str:
         """A few readable lines."""
         lines = [
-            f"fitted: T_write {self.write_s:.3f} s, T_read {self.read_s:.3f} s, startup {self.startup_s:.3f} s, "
-            f"restart cost {self.restart_s:.3f} s per failure",
+            f"fitted: T_write {self.write_s:.3f} s (stall + overlap waits per save), T_read {self.read_s:.3f} s, "
+            f"startup {self.startup_s:.3f} s, restart cost {self.restart_s:.3f} s per failure",
             f"MTTF {self.mttf_s / 3600:.3f} h ({self.mttf_source}; rests on {self.mttf_failures} failure(s))",
         ]
-        if self.interval_s is not None:
-            lines.append(f"current interval {self.interval_s:.1f} s -> expected ETTR {self.expected_ettr_current:.4f}")
-        steps = f" (~{self.recommended_steps} steps)" if self.recommended_steps else ""
-        lines.append(
-            f"recommended interval {self.recommended_interval_s:.1f} s{steps} (Daly) -> expected ETTR "
-            f"{self.expected_ettr_recommended:.4f}" + (f", gain {self.gain:+.4f}" if self.gain is not None else "")
-        )
+        if self.too_short is not None:
+            lines.append(f"run too short to fit a checkpoint interval: {self.too_short}")
+        else:
+            lines.append(
+                f"current interval {_secs(self.interval_s)} s -> expected ETTR {self.expected_ettr_current:.4f}"
+            )
+            steps = f" (~{self.recommended_steps} steps)" if self.recommended_steps else ""
+            lines.append(
+                f"recommended interval {_secs(self.recommended_interval_s)} s{steps} (Daly) -> expected ETTR "
+                f"{self.expected_ettr_recommended:.4f}" + (f", gain {self.gain:+.4f}" if self.gain is not None else "")
+            )
         if self.two_tier is not None:
             lines += ["", self.two_tier.text()]
         return "\n".join(lines)
@@ -60,6 +65,38 @@ class Advice:
         out["gain"] = self.gain
         out["two_tier"] = self.two_tier.to_dict() if self.two_tier is not None else None
         return out
+
+
+def _secs(seconds: float | None) -> str:
+    """Seconds readable at any scale: one decimal from 10 s, three significant digits below (never "0.0")."""
+    return f"{seconds:.1f}" if seconds >= 10 else f"{seconds:.3g}"
+
+
+# A run without a failure fits its MTTF as its running time, a lower bound; below this much running it says nothing.
+MIN_UNFAILED_RUN_S = 3600.0
+
+
+def _too_short(a: Attribution, compute_s: float, recommended_s: float, mttf_given: bool) -> str | None:
+    """Why a run is too short to fit an interval (None: it is not): it took no save or ran no step; or, with the
+    MTTF fitted from the run itself (no `mttf_s`), it saw no failure in less than MIN_UNFAILED_RUN_S of running, or
+    the interval it would be advised is longer than all the compute it ran (an extrapolation)."""
+    steps = sum(at.steps for at in a.attempts)
+    if not steps or not a.saves:
+        return f"{steps} step(s) and {a.saves} save(s) in the ledger; a fit needs at least one of each"
+    if mttf_given:
+        return None
+    running_s = (a.wall_us - a.micros["downtime"]) / 1e6
+    if not a.failures and running_s < MIN_UNFAILED_RUN_S:
+        return (
+            f"no failure in {_secs(running_s)} s of running (under {MIN_UNFAILED_RUN_S:g} s, the MTTF is unknown); "
+            "pass --mttf"
+        )
+    if recommended_s > compute_s:
+        return (
+            f"the fitted interval ({_secs(recommended_s)} s) is longer than all {_secs(compute_s)} s of compute "
+            f"in its {steps} step(s); run longer, or pass --mttf"
+        )
+    return None
 
 
 def _mean(values: list[float], default: float = 0.0) -> float:
@@ -174,11 +211,11 @@ def advise_two_tier(a: Attribution, inputs: TwoTierInputs, *, mttf_s: float | No
     sources["restart_overhead_s"] = (
         f"ledger: downtime + startup, mean of {len(overheads)} failure(s)" if overheads else "ledger: mean startup"
     )
-    put("local_write_s", inputs.local_write_s, _mean([us / 1e6 for us in a.save_us]), "ledger: mean blocking save")
+    put("local_write_s", inputs.local_write_s, a.save_cost_s, "ledger: mean stall per save (+ overlap waits)")
     put("persist_s", inputs.persist_s, 0.0, "default: in the background, free to training")
 
     def restores(tiers: tuple[str | None, ...]) -> tuple[list[float], str]:
-        found = [at.restore_us / 1e6 for at in a.attempts if at.restored_step is not None and at.restored_tier in tiers]
+        found = a.restores(tiers)
         return found, f"ledger: mean of {len(found)} restore(s) from {'/'.join(t or 'one tier' for t in tiers)}"
 
     local, how = restores(LOCAL_TIERS)
@@ -232,8 +269,8 @@ def advise(attribution: Attribution, *, mttf_s: float | None = None, two_tier: T
         check_seconds("mttf", mttf_s, positive=True)
     given_mttf = mttf_s
     a = attribution
-    write_s = _mean([us / 1e6 for us in a.save_us])
-    read_s = _mean([us / 1e6 for us in a.restore_us])
+    write_s = a.save_cost_s
+    read_s = a.mean_restore_s() or 0.0  # the report's mean restore: one owner
     startup_s = _mean([at.micros.get("startup", 0) / 1e6 for at in a.attempts])
     restarts = [
         (nxt.start_us - cur.end_us + nxt.micros.get("startup", 0) + nxt.micros.get("checkpoint_restore", 0)) / 1e6
@@ -250,8 +287,9 @@ def advise(attribution: Attribution, *, mttf_s: float | None = None, two_tier: T
         source = "fitted from the ledger" if failures else "lower bound: no failure observed"
     compute_s = (a.micros["productive"] + a.micros["lost"]) / 1e6
     step_s = _step_seconds(a)
-    interval_s = compute_s / len(a.save_us) if a.save_us and compute_s else None
+    interval_s = compute_s / a.saves if a.saves and compute_s else None
     recommended = max(daly_interval(write_s, mttf_s), step_s or 0.0)
+    too_short = _too_short(a, compute_s, recommended, given_mttf is not None)
     return Advice(
         write_s=write_s,
         read_s=read_s,
@@ -267,4 +305,5 @@ def advise(attribution: Attribution, *, mttf_s: float | None = None, two_tier: T
         expected_ettr_current=expected_ettr(interval_s, write_s, restart_s, mttf_s) if interval_s else None,
         expected_ettr_recommended=expected_ettr(recommended, write_s, restart_s, mttf_s) if recommended > 0 else 0.0,
         two_tier=advise_two_tier(a, two_tier, mttf_s=given_mttf) if two_tier is not None else None,
+        too_short=too_short,
     )

@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from .ledger import Ledger, ledger_ranks, no_ledgers, read_ledgers
+from .ledger import SAVE_PARTS, Ledger, ledger_ranks, no_ledgers, read_ledgers
 
 LOCAL_TIERS = ("local", "peer")  # a restore from these means the local tier (with its replicas) survived
 
@@ -23,6 +23,10 @@ CATEGORIES = (
     "other",
 )
 DOWNTIME = -1  # attempt index of a downtime segment
+# How checkpoint_save's seconds split (Attribution.checkpoint_split): save()'s own stall, its wait for the previous
+# save, an optimizer step's wait for an overlapped snapshot
+SAVE_SPLIT = ("stall", *SAVE_PARTS)
+_PART_LABEL = "checkpoint_save/"  # the sweep's label of a save part
 _INF = float("inf")
 
 
@@ -58,6 +62,9 @@ class AttemptSummary:
     restored_tier: str | None = None  # the restore record's tier (None: one tier, or nothing restored)
     restore_us: int = 0  # its checkpoint_restore spans, end minus begin
     failure_class: str | None = None  # a failed attempt's class: "local", "node" or None (unknown); see failure_class
+    checkpoint_split_us: dict[str, int] = field(default_factory=dict)  # its checkpoint_save micros per SAVE_SPLIT part
+    saves: int = 0  # its save() calls (checkpoint_save spans that are no part of a save)
+    background_us: int = 0  # its commits' background seconds (beside the sum, as Attribution.background_us)
 
     @property
     def failed(self) -> bool:
@@ -75,10 +82,18 @@ class Attribution:
     attempts: tuple[AttemptSummary, ...]
     segments: tuple[Segment, ...]
     background_us: int
-    committed_steps: tuple[int, ...]
+    committed_steps: tuple[int, ...]  # every step the job committed, the deleted ones too
     save_us: tuple[int, ...] = field(repr=False)
     restore_us: tuple[int, ...] = field(repr=False)
     window_s: float = 3600.0
+    deleted_steps: tuple[int, ...] = ()  # committed steps deleted since (retention, delete()), by the ledgers
+
+    @property
+    def retained_steps(self) -> tuple[int, ...]:
+        """Committed steps not deleted since, as far as the ledgers tell (`delete` records; a ledger written before
+        them, or a process killed before recording a delete, leaves a deleted step listed here)."""
+        deleted = set(self.deleted_steps)
+        return tuple(s for s in self.committed_steps if s not in deleted)
 
     @property
     def wall_us(self) -> int:
@@ -89,6 +104,31 @@ class Attribution:
     def seconds(self) -> dict[str, float]:
         """Seconds per category."""
         return {k: v / 1e6 for k, v in self.micros.items()}
+
+    @property
+    def checkpoint_split_us(self) -> dict[str, int]:
+        """checkpoint_save's microseconds split (SAVE_SPLIT, summing to it): "stall", the time in save() besides
+        "previous_wait", its wait for the previous save to finish; "overlap_wait", optimizer steps' waits for an
+        overlapped snapshot (snapshot="overlap"). The background write is not among them: see background_us."""
+        out = dict.fromkeys(SAVE_SPLIT, 0)
+        for a in self.attempts:
+            for part, us in a.checkpoint_split_us.items():
+                out[part] += us
+        return out
+
+    @property
+    def save_cost_s(self) -> float:
+        """Seconds of training one save costs, the checkpoint interval model's T_write: its stall plus the optimizer
+        steps' waits for its overlapped snapshot, per save (0 without saves). The wait for the previous save is left
+        out: it is what an interval shorter than the background write costs, and the model's longer interval
+        removes it; the background write itself overlaps training."""
+        split = self.checkpoint_split_us
+        return (split["stall"] + split["overlap_wait"]) / 1e6 / self.saves if self.saves else 0.0
+
+    @property
+    def saves(self) -> int:
+        """Calls of save() in the job (one per checkpoint taken; the waits that are parts of a save not counted)."""
+        return len(self.save_us)
 
     @property
     def failures(self) -> int:
@@ -107,13 +147,26 @@ class Attribution:
 
     @property
     def restores_per_tier(self) -> dict[str | None, tuple[int, float]]:
-        """Tier (None: untiered) -> (restores of a step from it, their checkpoint_restore seconds)."""
-        out: dict[str | None, tuple[int, float]] = {}
-        for a in self.attempts:
-            if a.restored_step is not None:
-                n, us = out.get(a.restored_tier, (0, 0))
-                out[a.restored_tier] = (n + 1, us + a.restore_us)
-        return {tier: (n, us / 1e6) for tier, (n, us) in out.items()}
+        """Tier (None: untiered) -> (restores of a step from it, their checkpoint_restore seconds) (`restores`)."""
+        tiers = dict.fromkeys(a.restored_tier for a in self.attempts if a.restored_step is not None)
+        return {tier: (len(self.restores([tier])), sum(self.restores([tier]))) for tier in tiers}
+
+    def restores(self, tiers: Iterable[str | None] | None = None) -> list[float]:
+        """Seconds of each restore of a step (of those from `tiers` when given; None in it: untiered), one per
+        attempt that restored one: its checkpoint_restore spans together (a fallback from one tier to another is
+        one restore). A fresh start's look for a checkpoint is none. The one owner of "mean restore time":
+        `mean_restore_s`, used by the report and the advice alike."""
+        wanted = None if tiers is None else set(tiers)
+        return [
+            at.restore_us / 1e6
+            for at in self.attempts
+            if at.restored_step is not None and (wanted is None or at.restored_tier in wanted)
+        ]
+
+    def mean_restore_s(self, tiers: Iterable[str | None] | None = None) -> float | None:
+        """Mean seconds per restore of a step (`restores`); None without one."""
+        found = self.restores(tiers)
+        return sum(found) / len(found) if found else None
 
     @property
     def ettr(self) -> float:
@@ -149,6 +202,8 @@ class Attribution:
             "wall_seconds": self.wall_us / 1e6,
             "seconds": self.seconds,
             "background_checkpoint_seconds": self.background_us / 1e6,
+            "saves": self.saves,
+            "checkpoint_save_split": {part: us / 1e6 for part, us in self.checkpoint_split_us.items()},
             "ettr": self.ettr,
             "ettr_window": self.ettr_window(),
             "window_seconds": self.window_s,
@@ -157,7 +212,11 @@ class Attribution:
             "restores_per_tier": {
                 tier or "untiered": {"restores": n, "seconds": sec} for tier, (n, sec) in self.restores_per_tier.items()
             },
+            "restores": len(self.restores()),
+            "mean_restore_seconds": self.mean_restore_s(),
             "committed_steps": list(self.committed_steps),
+            "retained_steps": list(self.retained_steps),
+            "deleted_steps": list(self.deleted_steps),
             "attempts": [
                 {
                     "attempt": a.attempt,
@@ -174,6 +233,8 @@ class Attribution:
                     "lost_steps": a.lost_steps,
                     "torn": a.torn,
                     "seconds": {k: v / 1e6 for k, v in a.micros.items()},
+                    "saves": a.saves,
+                    "checkpoint_save_split": {part: us / 1e6 for part, us in a.checkpoint_split_us.items()},
                 }
                 for a in self.attempts
             ],
@@ -188,11 +249,13 @@ class _Attempt:
     start: int  # dated from the process's start (imports count as startup)
     last: int
     seen: int  # its first record after the start: when it began recording
-    intervals: list[tuple[int, int, int, str, int | None]]  # begin, end, order, category or "step", step
+    # begin, end, order, category or "step", step (a step) or the save part (a checkpoint_save span; None: its stall)
+    intervals: list[tuple[int, int, int, str, Any]]
     restored: tuple[bool, int | None]  # (had a restore record, step)
     restored_tier: str | None
     commits: list[tuple[int, int, str | None]]  # (step, background microseconds, tier)
     commit_times: dict[int, int]  # step -> wall time of its commit record
+    events: list[tuple[str, int, str | None]]  # ("commit" | "delete", step, tier) in the ledger's order
     status: str | None
     save_us: list[int]
     restore_us: list[int]
@@ -209,26 +272,41 @@ def _gather(ledger: Ledger) -> _Attempt:
     closed: dict[int, tuple[int, int, int, str, int | None]] = {}
     open_: dict[int, tuple[str, Any, int]] = {}
     start = ledger.records[0]["t"]
+    legacy = ledger.records[0].get("v", 1) < 2  # before save parts: an optimizer step's wait was a plain save span
+    saved: set[Any] = set()  # steps whose save() span was seen (legacy: a later span of the same step is a wait)
     last = start
     restored: tuple[bool, int | None] = (False, None)
     restored_tier = None
     commits, save_us, restore_us, status = [], [], [], None
     commit_times: dict[int, int] = {}
+    events: list[tuple[str, int, str | None]] = []
     for r in ledger.records:
         k = r["k"]
         last = max(last, r.get("e", r.get("t", last)))
         if k == "step":
             closed[r["o"]] = (r["b"], r["e"], r["o"], "step", r["s"])
         elif k == "span":
-            closed[r["o"]] = (r["b"], r["e"], r["o"], r["c"], None)
-            (save_us if r["c"] == "checkpoint_save" else restore_us if r["c"] == "checkpoint_restore" else []).append(
-                r["e"] - r["b"]
-            )
+            part = None
+            if r["c"] == "checkpoint_save":
+                attrs = r.get("a") if isinstance(r.get("a"), dict) else {}
+                part = attrs.get("part") if attrs.get("part") in SAVE_PARTS else None
+                step = attrs.get("step")
+                if part is None and legacy and step is not None and step in saved:
+                    part = "overlap_wait"
+                if part is None:
+                    save_us.append(r["e"] - r["b"])
+                    saved.add(step)
+            elif r["c"] == "checkpoint_restore":
+                restore_us.append(r["e"] - r["b"])
+            closed[r["o"]] = (r["b"], r["e"], r["o"], r["c"], part)
         elif k == "alive":
             open_ = {o: (kind, name, b) for kind, name, b, o in r["open"]}
         elif k == "commit":
             commits.append((r["s"], round(r["bg"] * 1e6), r.get("tier")))
             commit_times[r["s"]] = r["t"]
+            events.append(("commit", r["s"], r.get("tier")))
+        elif k == "delete":
+            events.append(("delete", r["s"], r.get("tier")))
         elif k == "restore":
             restored, restored_tier = (True, r["s"]), r.get("tier")
         elif k == "end":
@@ -248,6 +326,7 @@ def _gather(ledger: Ledger) -> _Attempt:
         restored_tier,
         commits,
         commit_times,
+        events,
         status,
         save_us,
         restore_us,
@@ -372,6 +451,8 @@ def _sweep(a: _Attempt, end: int, lost_after: float) -> tuple[list[tuple[int, in
             lost = step > lost_after
             lost_steps += lost
             cat = "lost" if lost else "productive"
+        elif step is not None:  # a part of a save: labelled apart here, folded into checkpoint_save by attribute()
+            cat = _PART_LABEL + step
         if e > b:
             items.append((b, e, o, cat))
     items.sort()
@@ -418,7 +499,13 @@ def attribute(
     if not attempts:
         raise ValueError(f"no ledger for rank {rank}")
     commits = [c for a in attempts for c in a.commits]
+    committed = set(committed)
     all_committed = tuple(sorted({*committed, *(s for s, _, _ in commits)}))
+    held: dict[int, set[str | None]] = {}  # step -> the tiers holding it (None: the only one)
+    for a in attempts:  # in the order they ran: a step committed again after its delete is retained
+        for kind, s, tier in a.events:
+            (held.setdefault(s, set()).add if kind == "commit" else held.setdefault(s, set()).discard)(tier)
+    deleted = {s for s, tiers in held.items() if not tiers} - committed  # committed=: the caller saw it in the root
     resume = [_resume_point(a, all_committed) for a in attempts]
     totals = {c: 0 for c in CATEGORIES}
     segments: list[Segment] = []
@@ -428,9 +515,18 @@ def attribute(
         lost_after = min(resume[k + 1 :], default=_INF)
         labelled, lost_steps = _sweep(a, end, lost_after)
         micros: dict[str, int] = {}
+        split = dict.fromkeys(SAVE_SPLIT, 0)
         for b, e, cat in labelled:
+            if cat == "checkpoint_save":
+                split["stall"] += e - b
+            elif cat.startswith(_PART_LABEL):
+                split[cat[len(_PART_LABEL) :]] += e - b
+                cat = "checkpoint_save"
             micros[cat] = micros.get(cat, 0) + e - b
-            segments.append(Segment(b, e, cat, k))
+            if segments and segments[-1].attempt == k and segments[-1].category == cat and segments[-1].end_us == b:
+                segments[-1] = Segment(segments[-1].begin_us, e, cat, k)  # a part next to its save: one segment
+            else:
+                segments.append(Segment(b, e, cat, k))
         if k + 1 < len(attempts) and attempts[k + 1].start > end:
             segments.append(Segment(end, attempts[k + 1].start, "downtime", DOWNTIME))
             totals["downtime"] += attempts[k + 1].start - end
@@ -458,6 +554,9 @@ def attribute(
                 a.restored_tier,
                 sum(a.restore_us),
                 failure_class(attempts[: k + 1], attempts[k + 1]) if failed else None,
+                split,
+                len(a.save_us),
+                sum(bg for _, bg, _ in a.commits),
             )
         )
     return Attribution(
@@ -468,6 +567,7 @@ def attribute(
         segments=tuple(segments),
         background_us=sum(bg for _, bg, _ in commits),
         committed_steps=all_committed,
+        deleted_steps=tuple(s for s in all_committed if s in deleted),
         save_us=tuple(x for a in attempts for x in a.save_us),
         restore_us=tuple(x for a in attempts for x in a.restore_us),
         window_s=window_s,

@@ -13,7 +13,8 @@ from typing import Any
 import fsspec
 
 LEDGER_DIR = "ettr"
-FORMAT_VERSION = 1
+# 2: a checkpoint_save span may carry a `part` attribute (SAVE_PARTS); 1 had none (overlap waits looked like saves)
+FORMAT_VERSION = 2
 _NAME = re.compile(r"^ledger-(?P<attempt>.+)-rank(?P<rank>\d+)(?:\.(?P<seg>\d{6}))?\.jsonl$")
 # Fields every record of a kind must carry; unknown kinds are skipped so newer writers stay readable.
 REQUIRED: dict[str, tuple[str, ...]] = {
@@ -24,9 +25,18 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "commit": ("s", "t", "bg"),
     "restore": ("s", "t"),
     "ckpt_failed": ("s", "t", "err"),
+    "delete": ("s", "t"),
     "end": ("t", "status"),
 }
 
+
+# The parts of a checkpoint save that are spans of their own (attribute `part` of a checkpoint_save span) -> the
+# metric (duration histogram) each is recorded in. A checkpoint_save span without a part is one call of save();
+# the part of its seconds outside its "previous_wait" spans is its stall.
+SAVE_PARTS = {
+    "previous_wait": "checkpoint_previous_wait",  # inside save(): waiting for the previous save to finish
+    "overlap_wait": "checkpoint_overlap_wait",  # an optimizer step waiting for an overlapped snapshot's copies
+}
 
 # Where a commit or restore record's optional `tier` says the checkpoint went or came from (absent: one tier).
 TIERS = ("local", "peer", "durable")

@@ -37,9 +37,13 @@ def report_text(a: Attribution, advice: Advice | None = None) -> str:
     lines += [
         f"{'wall time':<20}{wall / 1e6:>14.6f}{1:>9.2%}",
         f"{'background ckpt':<20}{a.background_us / 1e6:>14.6f}   (beside the sum: overlaps training)",
+        _split_line(a),
         "",
         f"ETTR {a.ettr:.4f} cumulative, {a.ettr_window():.4f} over the last {a.window_s:g} s; "
         f"{a.failures} failure(s); committed steps: {_steps(a.committed_steps)}",
+        f"  retained {_steps(a.retained_steps) or 'none'}; deleted since (retention, delete()): "
+        f"{_steps(a.deleted_steps) or 'none'}",
+        _restore_line(a),
         *_tier_lines(a),
         "",
         f"{'attempt':<32}{'status':<9}{'restored':>9}{from_column}{'steps':>12}{'lost':>6}"
@@ -56,6 +60,24 @@ def report_text(a: Attribution, advice: Advice | None = None) -> str:
     if advice is not None:
         lines += ["", advice.text()]
     return "\n".join(lines)
+
+
+def _restore_line(a: Attribution) -> str:
+    """How many restores of a step and their mean: `Attribution.mean_restore_s`, the advice's T_read too."""
+    mean = a.mean_restore_s()
+    n = len(a.restores())
+    return f"restores of a step: {n}" + (f", mean {mean:.3f} s (T_read)" if mean is not None else "")
+
+
+def _split_line(a: Attribution) -> str:
+    """How checkpoint_save's seconds split, per save, and the background write beside them (not badput)."""
+    split = {part: us / 1e6 for part, us in a.checkpoint_split_us.items()}
+    return (
+        f"checkpoint_save = stall {split['stall']:.6f} s + waiting for the previous save "
+        f"{split['previous_wait']:.6f} s + optimizer steps waiting for an overlapped snapshot "
+        f"{split['overlap_wait']:.6f} s; {a.saves} save(s); background write {a.background_us / 1e6:.6f} s "
+        "(not badput)"
+    )
 
 
 def _tier_lines(a: Attribution) -> list[str]:

@@ -30,12 +30,35 @@ class TrackedProcess(Protocol):
 
 
 SERVICE_NAME = "ckpt-goodput"  # service.name unless configured (argument, OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES)
-# Second-scale buckets: checkpoint saves/restores take from tens of milliseconds to many minutes.
-DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+# Duration buckets from 1 ms to 30 min: a save's stall or an optimizer step's wait is often a few milliseconds,
+# a restore or a background write of a large model many minutes.
+DURATION_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+)
 # Byte buckets in powers of 4 from 64 KiB to 1 TiB: a checkpoint is a few MB (tests) to terabytes (large models).
 SIZE_BUCKETS = tuple(float(4**k) for k in range(8, 21))
 DURATIONS = {
-    "checkpoint_save": "Blocking duration of each checkpoint save (snapshot to host memory)",
+    "checkpoint_save": "Blocking duration of each checkpoint save() call, its wait for the previous save included",
+    "checkpoint_previous_wait": "Each wait inside a checkpoint save() for the previous save to finish",
+    "checkpoint_overlap_wait": "Each wait of an optimizer step for an overlapped snapshot's copies",
     "checkpoint_restore": "Blocking duration of each checkpoint restore",
     "checkpoint_write": "Background duration of each checkpoint write, from snapshot to commit",
 }
@@ -45,9 +68,12 @@ class GoodputMetrics:
     """The instruments a GoodputTracker feeds; created from a Meter (default: the global provider's, a no-op until
     an application configures the SDK). The tracker calls `bind` at start with its identity and clock."""
 
-    def __init__(self, meter: metrics.Meter | None = None) -> None:
+    def __init__(self, meter: metrics.Meter | None = None, *, point_attributes: dict[str, Any] | None = None) -> None:
+        """`point_attributes`: put on every point besides the job and rank, e.g. `identity_attributes()`
+        (``configure_metrics(identity_on_points=True)``): for backends that do not join `target_info`."""
         meter = meter or metrics.get_meter("ettr")
-        self._job: dict[str, Any] = {}  # ettr.job, ettr.rank
+        self._points = dict(point_attributes or {})
+        self._job: dict[str, Any] = dict(self._points)  # ettr.job, ettr.rank (and the point attributes)
         self._attempt: dict[str, Any] = {}  # and ettr.attempt
         self._now_us: Callable[[], int] | None = None
         self._last_commit: tuple[int, int] | None = None  # (step, commit time in microseconds)
@@ -63,6 +89,12 @@ class GoodputMetrics:
         )
         self._ratio = meter.create_gauge(
             "ettr.ratio", unit="1", description="Effective training time ratio, cumulative and over a sliding window"
+        )
+        self._checkpoint_time = meter.create_gauge(
+            "ettr.job.checkpoint_time",
+            unit="s",
+            description="Checkpoint time of the whole job by part: the badput of saves (stall, previous_wait, "
+            "overlap_wait) and the background write beside it",
         )
         self._failures = meter.create_gauge(
             "ettr.job.failures", unit="{failure}", description="Attempts of the job that ended in a failure so far"
@@ -94,7 +126,7 @@ class GoodputMetrics:
 
     def bind(self, *, job: str, attempt: str, rank: int, now_us: Callable[[], int]) -> None:
         """Label every point with the job, rank (and attempt) and read the checkpoint age from `now_us`."""
-        self._job = {"ettr.job": job, "ettr.rank": rank}
+        self._job = {**self._points, "ettr.job": job, "ettr.rank": rank}
         self._attempt = {**self._job, "ettr.attempt": attempt}
         self._now_us = now_us
 
@@ -107,6 +139,12 @@ class GoodputMetrics:
         for category, value in seconds.items():
             self._job_time.set(value, {**self._job, "ettr.category": category})
 
+    def set_checkpoint_seconds(self, seconds: dict[str, float]) -> None:
+        """Set the job's checkpoint seconds per part (attribute ettr.part): "stall", "previous_wait" and
+        "overlap_wait" sum to checkpoint_save's badput; "background_write" overlaps training."""
+        for part, value in seconds.items():
+            self._checkpoint_time.set(value, {**self._job, "ettr.part": part})
+
     def set_ettr(self, cumulative: float, windowed: float, window_s: float) -> None:
         """Set the ETTR gauges (attribute ettr.window = "cumulative" or "<seconds>s")."""
         self._ratio.set(cumulative, {**self._job, "ettr.window": "cumulative"})
@@ -117,7 +155,8 @@ class GoodputMetrics:
         self._failures.set(count, self._job)
 
     def record_duration(self, category: str, seconds: float) -> None:
-        """Record one checkpoint save/restore blocking duration or one background write duration."""
+        """Record one duration of `category` (DURATIONS): a save() call, a part of a save (its wait for the previous
+        one, an optimizer step's wait for an overlapped snapshot), a restore, or a background write."""
         self._durations[category].record(seconds, self._attempt)
 
     def committed(
@@ -146,6 +185,17 @@ class GoodputMetrics:
     def _observe_age(self, options: Any) -> Iterable[metrics.Observation]:
         last, now = self._last_commit, self._now_us
         return [metrics.Observation((now() - last[1]) / 1e6, self._job)] if last is not None and now else []
+
+
+def identity_attributes(resource: Resource) -> dict[str, Any]:
+    """The process's identity to put on every point (`GoodputMetrics(point_attributes=...)`): `service.name` and
+    `host.name` of `resource` (this host's name if it has none); `ettr.job` is on every point anyway."""
+    from opentelemetry.sdk.resources import SERVICE_NAME as NAME
+
+    return {
+        "service.name": str(resource.attributes.get(NAME, SERVICE_NAME)),
+        "host.name": str(resource.attributes.get("host.name", socket.gethostname())),
+    }
 
 
 def goodput_resource(tracker: TrackedProcess | None = None, service_name: str | None = None) -> Resource:
@@ -182,12 +232,15 @@ def configure_metrics(
     endpoint: str | None = None,
     prometheus_port: int | None = None,
     set_global: bool = True,
+    identity_on_points: bool = False,
 ) -> tuple[Any, Any]:
     """For applications, not the library: build an SDK MeterProvider with one reader and return (provider, reader).
 
     exporter: "console" (periodic, stdout), "otlp" (opentelemetry-exporter-otlp), "prometheus"
     (opentelemetry-exporter-prometheus; serves /metrics on `prometheus_port` if given) or "memory" (tests).
     The provider's resource is `goodput_resource(tracker, service_name)`; a given (unstarted) tracker reports to it.
+    `identity_on_points`: every point also carries `service.name` and `host.name` (and `ettr.job`, as always), not
+    only the resource (Prometheus's `target_info`), for backends and queries that do not join it.
     """
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import (
@@ -220,17 +273,20 @@ def configure_metrics(
             start_http_server(prometheus_port)
     else:
         raise ValueError(f"unknown exporter {exporter!r}: use console, otlp, prometheus or memory")
-    provider = MeterProvider(resource=goodput_resource(tracker, service_name), metric_readers=[reader])
+    resource = goodput_resource(tracker, service_name)
+    provider = MeterProvider(resource=resource, metric_readers=[reader])
     if set_global:
         metrics.set_meter_provider(provider)
     if tracker is not None:
-        tracker.use_metrics(GoodputMetrics(provider.get_meter("ettr")))
+        points = identity_attributes(resource) if identity_on_points else None
+        tracker.use_metrics(GoodputMetrics(provider.get_meter("ettr"), point_attributes=points))
     return provider, reader
 
 
 def metric_totals(reader: Any) -> dict[str, Any]:
     """Read an InMemoryMetricReader into the numbers a report should agree with: {"seconds": {category: s} (job),
-    "attempt_seconds": {category: s}, "failures": n, "ettr": {window: v}, "last_step": s, "age": s,
+    "attempt_seconds": {category: s}, "checkpoint_seconds": {part: s} (job), "failures": n, "ettr": {window: v},
+    "last_step": s, "age": s,
     "<histogram>": {"count", "sum"}}."""
     out: dict[str, Any] = {"seconds": {}, "attempt_seconds": {}, "failures": 0, "ettr": {}}
     data = reader.get_metrics_data()
@@ -242,6 +298,8 @@ def metric_totals(reader: Any) -> dict[str, Any]:
                         out["seconds"][p.attributes["ettr.category"]] = p.value
                     elif m.name == "ettr.attempt.time":
                         out["attempt_seconds"][p.attributes["ettr.category"]] = p.value
+                    elif m.name == "ettr.job.checkpoint_time":
+                        out.setdefault("checkpoint_seconds", {})[p.attributes["ettr.part"]] = p.value
                     elif m.name == "ettr.job.failures":
                         out["failures"] = p.value
                     elif m.name == "ettr.ratio":

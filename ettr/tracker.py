@@ -12,9 +12,9 @@ import uuid
 from collections import defaultdict, deque
 from typing import Any
 
-from .attribution import Attribution, attribute
+from .attribution import SAVE_SPLIT, Attribution, attribute
 from .clock import Clock, SystemClock
-from .ledger import FORMAT_VERSION, TIERS, UPLOAD_INTERVAL_S, LedgerWriter, read_ledgers
+from .ledger import FORMAT_VERSION, SAVE_PARTS, TIERS, UPLOAD_INTERVAL_S, LedgerWriter, read_ledgers
 from .telemetry import GoodputMetrics
 
 FLUSHED_SPANS = frozenset({"checkpoint_save", "checkpoint_restore"})
@@ -26,12 +26,18 @@ def _env_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
-def _env_job(root: str) -> str:
-    """A job id from the launcher, else the checkpoint root (one root, one job)."""
-    for var in ("ETTR_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
-        if os.environ.get(var):
-            return os.environ[var]
-    return root
+# Where a job id comes from when no job_id= is given: ETTR_JOB_ID, else the launcher's run id in the order ckpt reads
+# it (ckpt.run.ENV_IDS; torchrun's TORCHELASTIC_RUN_ID default "none" is no id).
+JOB_ENV = ("ETTR_JOB_ID", "CKPT_RUN_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
+
+
+def _env_job() -> str | None:
+    """A job id from ETTR_JOB_ID or the launcher's run id; None when the environment names none."""
+    for var in JOB_ENV:
+        value = os.environ.get(var, "")
+        if value and not (var == "TORCHELASTIC_RUN_ID" and value == "none"):
+            return value
+    return None
 
 
 def _new_attempt_id(wall_us: int) -> str:
@@ -131,7 +137,10 @@ class GoodputTracker:
         self.root = root
         self.clock = clock or SystemClock()
         self.rank = _env_rank() if rank is None else rank
-        self.job_id = job_id or _env_job(root)
+        # the job: job_id=, else the environment's; else the run id a CheckpointManager tells (use_run_id), and
+        # until it does (or without one) the root
+        self.job_id = job_id or _env_job() or root
+        self._job_known = bool(job_id or _env_job())
         self.attempt_id = attempt_id or _new_attempt_id(self.clock.wall_us() - self.clock.process_age_us())
         self.window_s = window_s
         self.metrics = metrics if metrics is not None else GoodputMetrics()
@@ -145,6 +154,10 @@ class GoodputTracker:
         self._writer: LedgerWriter | None = None
         self._prior: Attribution | None = None
         self._earlier: dict[str, int] = {}  # microseconds per category of the earlier attempts
+        # checkpoint time by part (SAVE_SPLIT, and "background_write"): this attempt's from its closed spans and
+        # commits, the earlier attempts' from their ledgers
+        self._split: dict[str, int] = dict.fromkeys((*SAVE_SPLIT, "background_write"), 0)
+        self._earlier_split: dict[str, int] = {}
         self._prior_done = False
         self._resume_known = False  # a restore, a first step or the end tells where this attempt resumed
         self._history: deque[tuple[int, int]] = deque()  # (time, own productive us) at exports, for the window
@@ -185,6 +198,17 @@ class GoodputTracker:
         if self._writer is not None:
             metrics.bind(job=self.job_id, attempt=self.attempt_id, rank=self.rank, now_us=self._now)
         self.metrics = metrics
+
+    def use_run_id(self, run_id: str) -> None:
+        """The run id of the CheckpointManager this tracker reports to (`ckpt.run`: its run_id=, the launcher's, or
+        one it generated): the job id from now on, unless job_id= or the environment named the job. Told when the
+        tracker is handed to the manager, before the first save or restore; metrics are labelled with it anew."""
+        with self._lock:
+            if self._job_known or not run_id or run_id == self.job_id:
+                return
+            self.job_id = str(run_id)
+            if self._writer is not None:
+                self.metrics.bind(job=self.job_id, attempt=self.attempt_id, rank=self.rank, now_us=self._now)
 
     def end(self, status: str = "ok") -> None:
         """Mark a clean end (or status="error"), flush and close the ledger."""
@@ -253,20 +277,26 @@ class GoodputTracker:
         return _Span(self, category, attrs)
 
     def _open(self, category: str, step: int | None, attrs: dict[str, Any]) -> list[Any] | None:
-        """Push a span onto the open stack; None inside an open span of the same category (it is part of that one)."""
+        """Push a span onto the open stack; None inside an open span of the same category (it is part of that one),
+        unless it names a part of a save (``part=``, SAVE_PARTS): the wait for the previous save inside save() is a
+        span of its own within the save's, so that attribution can split the save's seconds."""
+        part = attrs.get("part") if category == "checkpoint_save" else None
+        if part is not None and part not in SAVE_PARTS:
+            raise ValueError(f"part of a checkpoint_save must be one of {', '.join(SAVE_PARTS)}, got {part!r}")
         with self._lock:
-            if self._stack and self._stack[-1][1] == category:
+            top = self._stack[-1] if self._stack else None
+            if top is not None and top[1] == category and (part is None or top[4].get("part") == part):
                 return None
             t = self._credit()
             self._order += 1
             entry = [self._order, category, step, t, attrs]
             self._stack.append(entry)
-            if category in FLUSHED_SPANS:
-                self.flush()
+            if category in FLUSHED_SPANS and not (top is not None and top[1] == category):
+                self.flush()  # a part inside an open save: the save's own span flushes at both ends
             return entry
 
     def _close(self, entry: list[Any] | None) -> None:
-        """Pop a span, buffer its record, feed the duration histograms."""
+        """Pop a span, buffer its record, feed the duration histograms (a save's, or its part's)."""
         if entry is None:
             return
         with self._lock:
@@ -278,8 +308,15 @@ class GoodputTracker:
             order, category, _, begin, attrs = entry
             self._buf.append((category, begin, t, order, attrs))
             if category in FLUSHED_SPANS:
-                self.metrics.record_duration(category, (t - begin) / 1e6)
-                self.flush()
+                inside = bool(self._stack) and self._stack[-1][1] == category  # a part inside an open save
+                part = attrs.get("part") if category == "checkpoint_save" else None
+                self.metrics.record_duration(SAVE_PARTS[part] if part else category, (t - begin) / 1e6)
+                if category == "checkpoint_save":
+                    self._split[part or "stall"] += t - begin
+                    if part == "previous_wait" and inside:
+                        self._split["stall"] -= t - begin  # the open save counts all of its time when it closes
+                if not inside:
+                    self.flush()
 
     def _pop(self, step: int) -> list[Any]:
         """Remove the open step `step` from the stack when it is not on top (a span left open inside it)."""
@@ -297,6 +334,8 @@ class GoodputTracker:
         of background work; `tier` names the tier it reached (TIERS; None: the only one)."""
         t = self._now()
         self._buf.append({"k": "commit", "s": step, "t": t, "bg": background_seconds, **_tier(tier)})
+        with self._lock:
+            self._split["background_write"] += round(background_seconds * 1e6)  # as attribution rounds it
         self.metrics.committed(step, t, background_seconds, nbytes, tier)
         self.flush()
 
@@ -306,6 +345,11 @@ class GoodputTracker:
         self._buf.append({"k": "restore", "s": step, "t": self._now(), **_tier(tier)})
         self._resume_known = True
         self.flush()
+
+    def checkpoint_deleted(self, step: int, *, tier: str | None = None) -> None:
+        """The manager deleted the committed checkpoint of `step` (retention, or delete()) from `tier` (TIERS; None:
+        the only one): the report tells it from the retained ones. Goes to the ledger with the next records."""
+        self._buf.append({"k": "delete", "s": step, "t": self._now(), **_tier(tier)})
 
     def checkpoint_failed(self, step: int, error: BaseException) -> None:
         """A background checkpoint write failed; it will not count as committed."""
@@ -352,6 +396,10 @@ class GoodputTracker:
             self._prior = attribute(ledgers, rank=self.rank)
             mine = self._prior.attempts[-1].micros
             self._earlier = {cat: us - mine.get(cat, 0) for cat, us in self._prior.micros.items()}
+            me = self._prior.attempts[-1]
+            split = {**self._prior.checkpoint_split_us, "background_write": self._prior.background_us}
+            mine_split = {**me.checkpoint_split_us, "background_write": me.background_us}
+            self._earlier_split = {part: us - mine_split.get(part, 0) for part, us in split.items()}
             failures = sum(a.failed for a in self._prior.attempts[:-1])
         self.metrics.set_failures(failures)
         return True
@@ -376,6 +424,9 @@ class GoodputTracker:
                 self.metrics.add_attempt_seconds(cat, (mine - self._exported.get(cat, 0)) / 1e6)
                 self._exported[cat] = mine
         self.metrics.set_job_seconds({cat: us / 1e6 for cat, us in totals.items() if us})
+        with self._lock:
+            split = {part: us + self._earlier_split.get(part, 0) for part, us in self._split.items()}
+        self.metrics.set_checkpoint_seconds({part: us / 1e6 for part, us in split.items()})
         job_start = self._prior.start_us if self._prior is not None else self._start
         begin = max(job_start, t - round(self.window_s * 1e6))
         own = totals.get("productive", 0) - self._earlier.get("productive", 0)

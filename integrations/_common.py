@@ -45,8 +45,10 @@ def advised_interval(
     root: str, mttf_s: float | None = None, storage_options: dict[str, Any] | None = None
 ) -> Callable[[], float | None]:
     """The interval provider of a `ckpt.AdvisedInterval`: the seconds `ettr.advise` fits to the job's ledgers in
-    `root` (`mttf_s` overrides the fitted MTTF; `storage_options` as the manager's), or None until they hold a save
-    to fit T_write from.
+    `root` (`mttf_s` overrides the fitted MTTF; `storage_options` as the manager's), or None while the run is too
+    short to fit one (`Advice.too_short`: no save yet, or, without `mttf_s`, less compute than the fitted interval). T_write is the
+    stall per save plus optimizer steps' waits for an overlapped snapshot: what training loses per save
+    (docs/goodput.md).
 
     ckpt does not import ettr: this is where the two meet. A save still being written may not be in the ledger yet;
     the next answer includes it.
@@ -56,7 +58,8 @@ def advised_interval(
         attribution = ettr.attribute_root(root, storage_options=storage_options)
         if not attribution.save_us:
             return None
-        return ettr.advise(attribution, mttf_s=mttf_s).recommended_interval_s
+        advice = ettr.advise(attribution, mttf_s=mttf_s)
+        return None if advice.too_short else advice.recommended_interval_s
 
     return interval_s
 

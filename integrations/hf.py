@@ -269,7 +269,8 @@ class CkptTrainerMixin:
         try:
             path = self._resolve_resume(resume, trial)
             output = super().train(resume_from_checkpoint=path, trial=trial, **kwargs)
-            with self._span("checkpoint_save"):  # waiting for the last commit and its folder files is checkpoint time
+            # waiting for the last commit and its folder files is checkpoint time: a wait for the previous save
+            with self._span("checkpoint_save", part="previous_wait"):
                 self._finish_files()
                 self._delete_rotated(self._get_output_dir(trial=trial))
                 manager.close()
@@ -476,7 +477,7 @@ class CkptTrainerMixin:
 
     def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
         """Folder files are complete before HF loads the best model and removes folders at the end of training."""
-        with self._span("checkpoint_save"):
+        with self._span("checkpoint_save", part="previous_wait"):
             self._finish_files()
         return super()._finalize_training(*args, **kwargs)
 

@@ -221,7 +221,10 @@ def test_the_wait_of_an_optimizer_step_is_checkpoint_time_and_close_removes_the_
     spans = [r for ledger in ettr.read_ledgers(str(tmp_path)) for r in ledger.records if r.get("k") == "span"]
     waits = [s for s in spans if s["c"] == "checkpoint_save" and s.get("a", {}).get("step") == 1]
     assert len(waits) == 2  # the save call, and the optimizer step's wait for its copy
-    assert max(s["e"] - s["b"] for s in waits) >= 0.25e6
+    assert [s["a"].get("part") for s in waits] == [None, "overlap_wait"]  # the wait is a part of the save, no save
+    assert waits[1]["e"] - waits[1]["b"] >= 0.25e6
+    a = ettr.attribute_root(str(tmp_path))
+    assert a.saves == 1 and a.checkpoint_split_us["overlap_wait"] == waits[1]["e"] - waits[1]["b"]
 
 
 def test_snapshot_mode_is_checked():

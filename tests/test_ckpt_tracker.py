@@ -93,3 +93,26 @@ def test_a_one_tier_restore_names_no_tier(tmp_path):
     assert [(r["s"], r.get("tier")) for r in _records(tmp_path) if r.get("k") == "restore"] == [(1, None)]
     # so a one-tier job's report has no per-tier lines and no two-tier advice
     assert list(ettr.attribute_root(str(tmp_path)).restores_per_tier) == [None]
+
+
+def test_a_save_that_waits_for_the_previous_one_reports_the_wait_as_a_part_of_it(tmp_path):
+    """The manager times its wait for the save in flight as the checkpoint_save part "previous_wait", inside the
+    save's own span: attribution splits the save's seconds, the save histogram still sees one save per call."""
+    import threading
+
+    tracker = ettr.GoodputTracker(str(tmp_path)).start()
+    gate = threading.Event()
+    with ckpt.CheckpointManager(tmp_path, tracker=tracker) as m:
+        commit = m._commit
+        m._commit = lambda *args: (gate.wait(), commit(*args))[1]  # the first write cannot finish before the gate
+        m.save(1, {"w": torch.ones(3)})
+        threading.Timer(0.3, gate.set).start()
+        m.save(2, {"w": torch.ones(3)}).wait()
+    tracker.end()
+    spans = [r for r in _records(tmp_path) if r.get("k") == "span" and r["c"] == "checkpoint_save"]
+    assert [s.get("a") for s in spans] == [{"step": 1}, {"step": 2, "part": "previous_wait"}, {"step": 2}]
+    wait, save2 = spans[1], spans[2]
+    assert save2["b"] <= wait["b"] and wait["e"] <= save2["e"] and wait["e"] - wait["b"] >= 0.2e6
+    a = ettr.attribute_root(str(tmp_path))
+    assert a.saves == 2 and a.checkpoint_split_us["previous_wait"] == wait["e"] - wait["b"]
+    assert sum(a.checkpoint_split_us.values()) == a.micros["checkpoint_save"]

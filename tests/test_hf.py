@@ -220,6 +220,10 @@ def test_the_end_of_train_waiting_for_the_last_checkpoint_is_checkpoint_time(tmp
     last_step_end = max(r["e"] for r in ledger.records if r["k"] == "step")
     assert [c["s"] for c in commits] == [2, 4]
     assert saves[-1]["b"] >= last_step_end and saves[-1]["e"] >= commits[-1]["t"], (saves[-1], commits[-1])
+    assert saves[-1]["a"] == {"part": "previous_wait"}  # a wait for the last save, not a save of its own
+    from ettr import attribute_root
+
+    assert attribute_root(str(out / "ckpt")).saves == 2
 
 
 def test_load_best_model_at_end(tmp_path):
