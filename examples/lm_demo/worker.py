@@ -79,7 +79,7 @@ def train(args: argparse.Namespace) -> None:
             f"{tag} resumed from step {loop.start_step}{tier}" if loop.start_step else f"{tag} fresh start", flush=True
         )
         chaos = Chaos.for_attempt(args.chaos, args.seed, attempt, loop.start_step, args.steps, args.node_loss)
-        batches = sampler.track(make_loader(dataset, sampler, num_workers=args.workers))
+        batches = sampler.track(make_loader(dataset, sampler, num_workers=args.workers, tracker=tracker))
         for step, batch in zip(loop.steps(args.steps), batches):
             tokens = batch["tokens"]
             logits = model(tokens[:, :-1])
