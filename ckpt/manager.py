@@ -24,7 +24,7 @@ from .errors import (
     StepExistsError,
     StepNotFoundError,
 )
-from .observer import NO_TRACKER, CheckpointObserver
+from .observer import NO_TRACKER, CheckpointObserver, tell_deleted, tell_run_id
 from .options import RootOptions, TierOptions, WriteOptions, resolve
 from .planner import Planner
 from .retention import RetentionPolicy, StepMetadata, doomed, from_keywords
@@ -142,9 +142,9 @@ class CheckpointManager:
         if tiering is not None:
             # every rank's local tier records the run the durable root records: rank 0's (a generated id is per process)
             self.run = run_mod.Run(**self.ranks.broadcast_json(dataclasses.asdict(self.run)))
-            self._tell_run()
+            tell_run_id(self._tracker, self.run.id)
             self._target = Tiers(self.storage, tiering, self.ranks, timeout)
-            self._target.on_local_delete = functools.partial(self._tell_deleted, tier=LOCAL)
+            self._target.on_local_delete = lambda step: tell_deleted(self.tracker, step, tier=LOCAL)
         self._closed = False
 
     @property
@@ -160,13 +160,7 @@ class CheckpointManager:
     @tracker.setter
     def tracker(self, tracker: CheckpointObserver | None) -> None:
         self._tracker = tracker if tracker is not None else NO_TRACKER
-        self._tell_run()
-
-    def _tell_run(self) -> None:
-        """Tell the tracker this run's id (an observer's optional `use_run_id`: ettr's job id defaults to it)."""
-        use_run_id = getattr(self._tracker, "use_run_id", None)
-        if use_run_id is not None:
-            use_run_id(self.run.id)
+        tell_run_id(self._tracker, self.run.id)
 
     def _span(self, category: str, **attrs: Any) -> ContextManager[Any]:
         return self._tracker.span(category, **attrs)
@@ -257,13 +251,9 @@ class CheckpointManager:
         seconds = time.perf_counter() - t0
         nbytes = sum(t.nbytes for t in job.plan.tensors.values())  # what this rank wrote
         self._metadata[step] = job.plan.metadata
+        mb, rate = nbytes / 1e6, nbytes / max(seconds, 1e-9) / 1e9
         log.info(
-            "committed step %d: %.1f MB, stall %.3fs, background %.3fs (%.2f GB/s)",
-            step,
-            nbytes / 1e6,
-            stall,
-            seconds,
-            nbytes / max(seconds, 1e-9) / 1e9,
+            "committed step %d: %.1f MB, stall %.3fs, background %.3fs (%.2f GB/s)", step, mb, stall, seconds, rate
         )
         tier = self._target.commit_tier  # one tier: no tier=, as observers written for one tier expect
         self.tracker.checkpoint_committed(step, seconds, nbytes, **({"tier": tier} if tier else {}))
@@ -301,16 +291,9 @@ class CheckpointManager:
         def delete() -> None:
             catalog.delete_step(self.storage, step)
             self._metadata.pop(step, None)
-            self._tell_deleted(step, tier=DURABLE if self._target.commit_tier else None)
+            tell_deleted(self.tracker, step, tier=DURABLE if self._target.commit_tier else None)
 
         self._background.queue_delete(step, delete, report=report)
-
-    def _tell_deleted(self, step: int, *, tier: str | None) -> None:
-        """Tell the tracker a committed step was deleted (from `tier`; None: the only one), if it listens (an optional
-        `checkpoint_deleted` of the observer protocol)."""
-        deleted = getattr(self.tracker, "checkpoint_deleted", None)
-        if deleted is not None:
-            deleted(step, **({"tier": tier} if tier else {}))
 
     def _check_open(self) -> None:
         if self._closed:
