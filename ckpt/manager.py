@@ -9,7 +9,7 @@ import logging
 import os
 import time
 from datetime import timedelta
-from typing import Any, ContextManager, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from . import catalog, fallback, layout
 from . import restore as restore_mod
@@ -130,7 +130,7 @@ class CheckpointManager:
             self._budget,
             io_threads=self.write.io_threads,
             max_staging_bytes=self.write.max_staging_bytes,
-            span=self._span,
+            span=lambda category, **attrs: self._tracker.span(category, **attrs),
         )
         self.tracker = tracker
         timeout = timedelta(seconds=reach.collective_timeout)
@@ -153,6 +153,15 @@ class CheckpointManager:
         return self.write.snapshot
 
     @property
+    def persist_every(self) -> int | None:
+        """With a local tier, every how many saves one is persisted to the durable root (settable: a retuned K)."""
+        return self._target.persist_every
+
+    @persist_every.setter
+    def persist_every(self, k: int) -> None:
+        self._target.persist_every = k
+
+    @property
     def tracker(self) -> CheckpointObserver:
         """Told about saves and restores; never None (assigning None, as Lightning does, installs a no-op one)."""
         return self._tracker
@@ -161,9 +170,6 @@ class CheckpointManager:
     def tracker(self, tracker: CheckpointObserver | None) -> None:
         self._tracker = tracker if tracker is not None else NO_TRACKER
         tell_run_id(self._tracker, self.run.id)
-
-    def _span(self, category: str, **attrs: Any) -> ContextManager[Any]:
-        return self._tracker.span(category, **attrs)
 
     # -- saving -------------------------------------------------------------------------------------
 
@@ -248,8 +254,7 @@ class CheckpointManager:
         job.run()
         retain_now = self._target.committed(job.plan, self._root_lease.lease, self._persisted, persist)
         self._budget.lower_pool_threads()  # workers tensorstore started during this write
-        seconds = time.perf_counter() - t0
-        nbytes = sum(t.nbytes for t in job.plan.tensors.values())  # what this rank wrote
+        seconds, nbytes = time.perf_counter() - t0, sum(t.nbytes for t in job.plan.tensors.values())  # this rank's
         self._metadata[step] = job.plan.metadata
         mb, rate = nbytes / 1e6, nbytes / max(seconds, 1e-9) / 1e9
         log.info(
@@ -395,8 +400,7 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
-        steps = self.steps()
-        return steps[-1] if steps else None
+        return (self.steps() or [None])[-1]
 
     def delete(self, step: int) -> None:
         """Delete a committed step in the background (manifest first); never the newest committed one, nor one
