@@ -109,8 +109,10 @@ class Retune:
     max_persist_every: int = 64
 
     def __post_init__(self) -> None:
-        if not (0 <= self.min_s <= self.max_s) or math.isnan(self.max_s):
-            raise ValueError(f"Retune needs 0 <= min_s <= max_s, got min_s={self.min_s!r}, max_s={self.max_s!r}")
+        if not (0 <= self.min_s <= self.max_s and math.isfinite(self.min_s)):
+            raise ValueError(
+                f"Retune needs a finite min_s >= 0 and max_s >= min_s, got min_s={self.min_s!r}, max_s={self.max_s!r}"
+            )
         if not 0 < self.damping <= 1:
             raise ValueError(f"Retune.damping must be in (0, 1], got {self.damping!r}")
         if not 0 <= self.deadband < 1:

@@ -159,7 +159,8 @@ def test_retune_moves_k_toward_its_advice_by_at_least_one_within_bounds():
     for bad, says in (
         (dict(damping=0.0), "damping must be in"),
         (dict(deadband=1.0), "deadband must be in"),
-        (dict(min_s=5.0, max_s=1.0), "min_s <= max_s"),
+        (dict(min_s=5.0, max_s=1.0), "max_s >= min_s"),
+        (dict(min_s=math.inf), "a finite min_s"),
         (dict(max_persist_every=0), "max_persist_every must be a positive int"),
     ):
         with pytest.raises(ValueError, match=says):
