@@ -222,3 +222,50 @@ def test_bad_window_is_refused():
         stragglers([], window=0)
     with pytest.raises(ValueError, match="straggler_window must be a positive number of steps, got 0"):
         GoodputTracker("unused", straggler_window=0)
+
+
+SLEEP, STEPS = 0.05, 30  # rank 1 sleeps 50 ms in each of 30 steps: at least 0.5 s of its own in each 10-step window
+
+
+def test_under_torchrun_the_rank_slowed_by_a_sleep_is_named_in_the_report_and_the_metrics(tmp_path):
+    """Two ranks under torchrun, gloo on this host: rank 1 sleeps in every step before the all_reduce, rank 0 waits
+    for it there (a `collective_wait` span). Every step of both ranks lasts as long; rank 1's busy time holds the
+    sleep, so rank 1 is the slowest in every window, in `ettr report` and in the ranks' own gauges."""
+    root = tmp_path / "run"
+    worker = os.path.join(REPO, "tests", "procs", "straggler_worker.py")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0"]
+    proc = subprocess.run(
+        [*launch, worker, str(root), "1", str(SLEEP), str(STEPS), str(WINDOW)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    run = [sys.executable, "-m", "ettr", "report", str(root), "--straggler-window", str(WINDOW)]
+    out = subprocess.run([*run, "--json"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    s = json.loads(out.stdout)["stragglers"]
+    assert [(w["first_step"], w["steps"], w["slowest_rank"]) for w in s["windows"]] == [
+        (0, 10, 1),
+        (10, 10, 1),
+        (20, 10, 1),
+    ]
+    assert all(w["slowest_busy_seconds"] >= 10 * SLEEP and w["waited_seconds"] > 0 for w in s["windows"]), s
+    assert s["slowest_rank"] == 1 and s["waited_seconds"] == pytest.approx(
+        sum(w["waited_seconds"] for w in s["windows"])
+    )
+    ranks = {r["rank"]: r for r in s["ranks"]}
+    assert ranks[1]["busy_seconds"] >= STEPS * SLEEP > ranks[0]["busy_seconds"]
+    assert ranks[0]["steps"] == ranks[1]["steps"] == STEPS
+    text = subprocess.run(run, capture_output=True, text=True, cwd=REPO)
+    assert text.returncode == 0, text.stderr
+    assert f"over 3 window(s); most for rank 1 ({s['waited_seconds']:.3f} s)" in text.stdout, text.stdout
+
+    # each rank's gauge of its last window (steps 20-29, set at end()) carries its rank: the highest busy is rank 1
+    seen = [json.loads((root / f"otel-rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(m["step_window_first_step"], m["step_window_steps"]) for m in seen] == [(20, 10), (20, 10)]
+    busy = {p["ettr.rank"]: p["value"] for m in seen for p in m["step_window_points"] if p["ettr.part"] == "busy"}
+    assert max(busy, key=busy.__getitem__) == 1 and busy[1] >= 10 * SLEEP, busy
+    assert {p["ettr.job"] for m in seen for p in m["step_window_points"]} == {"straggler"}
