@@ -255,16 +255,17 @@ class WindowMeter:
     def step(self, step: int, us: int) -> tuple[int, int, int, int] | None:
         """Count step `step` of `us` microseconds (its waits told by `waited`). Returns the window the step leaves,
         (first step, steps, busy us, wait us), when it is the first step of another window; else None."""
-        index = step // self.window
         done = None
-        if index != self._index:
+        if step // self.window != self._index:
             done = self.close()
-            self._index = index
-        wait = min(self._pending, us)
-        self._pending = 0
-        self._steps += 1
+            self._index = step // self.window
+        wait = self._pending
+        if wait:  # the step path: no call when the step had no wait
+            self._pending = 0
+            wait = us if wait > us else wait
+            self._wait += wait
         self._busy += us - wait
-        self._wait += wait
+        self._steps += 1
         return done
 
     def close(self) -> tuple[int, int, int, int] | None:
