@@ -182,7 +182,7 @@ def stragglers(ledgers: Iterable[Ledger], *, window: int = WINDOW_STEPS) -> Stra
     """Per-rank step times, ideal step time and deviation, and the slowest rank per window, from every rank's ledgers.
 
     A rank's busy time is its step time less its `collective_wait` spans. In each window the ranks are compared on
-    the steps every rank ran; the slowest has the most busy time, and the time waited for it is its busy time less
+    the steps every rank ran (a rank that ran none, e.g. one that died at startup, is left out); the slowest has the most busy time, and the time waited for it is its busy time less
     the median of the others'. Pure: same ledgers, same answer.
     """
     if window < 1:
@@ -205,11 +205,12 @@ def stragglers(ledgers: Iterable[Ledger], *, window: int = WINDOW_STEPS) -> Stra
                 None if ideal is None else step_deviation(times, ideal),
             )
         )
-    return Stragglers(window, tuple(ranks), _windows(steps, window) if len(steps) > 1 else ())
+    running = {rank: mine for rank, mine in steps.items() if mine}  # a rank that ran no step is not compared
+    return Stragglers(window, tuple(ranks), _windows(running, window) if len(running) > 1 else ())
 
 
 def _windows(steps: dict[int, dict[int, tuple[int, int]]], window: int) -> tuple[StepWindow, ...]:
-    """The slowest rank of each window, over the steps every rank ran."""
+    """The slowest rank of each window, over the steps every rank that ran steps ran."""
     common = sorted(set.intersection(*(set(mine) for mine in steps.values())))
     grouped: dict[int, list[int]] = {}
     for s in common:

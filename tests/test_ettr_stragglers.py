@@ -200,17 +200,21 @@ def test_the_deviation_with_fewer_steps():
 
 
 def test_ledgers_from_before_still_report(tmp_path):
-    """Format-1 ledgers (no `v`, no collective_wait spans) of two ranks: busy time is the step time."""
+    """Format-1 ledgers (no `v`, no collective_wait spans) of three ranks: busy time is the step time; the rank that
+    ran no step is listed, and left out of the windows."""
     os.makedirs(tmp_path / "ettr")
     for rank, seconds in ((0, 1), (1, 3)):
         lines = [{"k": "start", "t": 0, "job": "j", "attempt": "old", "rank": rank}]
         lines += [{"k": "step", "s": s, "b": s * 10_000_000, "e": s * 10_000_000 + seconds * 1_000_000, "o": s}
                   for s in range(1, 4)]  # fmt: skip
         (tmp_path / "ettr" / f"ledger-old-rank{rank}.jsonl").write_text("".join(json.dumps(l) + "\n" for l in lines))
+    start = {"k": "start", "t": 0, "job": "j", "attempt": "old", "rank": 2}  # rank 2 died before its first step
+    (tmp_path / "ettr" / "ledger-old-rank2.jsonl").write_text(json.dumps(start) + "\n")
     s = stragglers_root(str(tmp_path))
     assert [(r.rank, r.busy_us, r.wait_us, r.ideal_step_us, r.deviation_us) for r in s.ranks] == [
         (0, 3_000_000, 0, 1_000_000, 0),
         (1, 9_000_000, 0, 3_000_000, 0),
+        (2, 0, 0, None, None),
     ]
     assert [(w.first_step, w.last_step, w.steps, w.slowest_rank, w.waited_us) for w in s.windows] == [
         (0, 99, 3, 1, 6_000_000)
