@@ -15,6 +15,7 @@ from typing import Any
 from .attribution import SAVE_SPLIT, Attribution, attribute
 from .clock import Clock, SystemClock
 from .ledger import FORMAT_VERSION, SAVE_PARTS, TIERS, UPLOAD_INTERVAL_S, LedgerWriter, read_ledgers
+from .stragglers import WAIT, WINDOW_STEPS, WindowMeter
 from .telemetry import GoodputMetrics
 
 FLUSHED_SPANS = frozenset({"checkpoint_save", "checkpoint_restore"})
@@ -133,6 +134,7 @@ class GoodputTracker:
         metrics: GoodputMetrics | None = None,
         storage_options: dict[str, Any] | None = None,
         upload_interval: float = UPLOAD_INTERVAL_S,
+        straggler_window: int = WINDOW_STEPS,
     ) -> None:
         self.root = root
         self.clock = clock or SystemClock()
@@ -162,6 +164,7 @@ class GoodputTracker:
         self._resume_known = False  # a restore, a first step or the end tells where this attempt resumed
         self._history: deque[tuple[int, int]] = deque()  # (time, own productive us) at exports, for the window
         self._exported: dict[str, int] = {}  # this attempt's microseconds per category already counted
+        self._windows = WindowMeter(straggler_window)  # busy and collective-wait time per window of steps, live
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> GoodputTracker:
@@ -212,6 +215,9 @@ class GoodputTracker:
 
     def end(self, status: str = "ok") -> None:
         """Mark a clean end (or status="error"), flush and close the ledger."""
+        window = self._windows.close()  # the window in progress, partial or not
+        if window is not None:
+            self.metrics.set_step_window(*window)
         self._buf.append({"k": "end", "t": self._now(), "status": status})
         self._resume_known = True
         self.flush()
@@ -252,6 +258,9 @@ class GoodputTracker:
             top = stack[-1] if stack else None
             entry = stack.pop() if top is not None and top[2] == step and top[1] == "productive" else self._pop(step)
             record = (step, entry[3], t, entry[0])
+            window = self._windows.step(step, t - entry[3])
+            if window is not None:
+                self.metrics.set_step_window(*window)
             due = t - self._last_flush >= self._flush_us
             if not (due or self._buf):  # the common case: nothing buffered to go before it
                 self._writer.append(_STEP % record)
@@ -307,6 +316,8 @@ class GoodputTracker:
                 self._stack.remove(entry)
             order, category, _, begin, attrs = entry
             self._buf.append((category, begin, t, order, attrs))
+            if category == WAIT and any(e[1] == "productive" for e in self._stack):
+                self._windows.waited(t - begin)
             if category in FLUSHED_SPANS:
                 inside = bool(self._stack) and self._stack[-1][1] == category  # a part inside an open save
                 part = attrs.get("part") if category == "checkpoint_save" else None
