@@ -21,6 +21,7 @@ from .format import ArrayInfo
 from .state import is_dtensor
 
 Box = tuple[tuple[int, int], ...]
+Transfer = tuple[torch.Tensor, int, int]  # bytes (a contiguous uint8 tensor), the peer rank, a tag both sides know
 
 
 def topology() -> tuple[int, int]:
@@ -75,6 +76,12 @@ class Ranks:
 
     def barrier(self) -> None:
         """Wait until every rank is here."""
+
+    def exchange(self, sends: list[Transfer], receives: list[Transfer]) -> None:
+        """Send each (bytes, rank, tag) of `sends` and fill each of `receives` from its rank, all at once; returns
+        once every transfer ended (a rank alone has no one to exchange with)."""
+        if sends or receives:
+            raise ValueError(f"a rank alone cannot exchange bytes with ranks {[r for _, r, _ in sends + receives]}")
 
 
 class GlooRanks(Ranks):
@@ -131,6 +138,12 @@ class GlooRanks(Ranks):
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+    def exchange(self, sends: list[Transfer], receives: list[Transfer]) -> None:
+        works = [dist.isend(t, r, group=self.group, tag=tag) for t, r, tag in sends]
+        works += [dist.irecv(t, r, group=self.group, tag=tag) for t, r, tag in receives]
+        for w in works:
+            w.wait()
 
 
 _LEN = 8  # bytes of the length in front of an encoded value

@@ -7,7 +7,9 @@ before. A region whose tensor is a plain contiguous CPU tensor of its own memory
 its old bytes were copied aside into the staging arena (on a thread of its own, ahead of the disk, so the copy
 costs no time of the restore's); a failed step copies them back (`ReadPlan.undo`). Other regions are read into
 scratch (the arena, or a tensor of its own where the caller has none), which `apply` copies into the caller's
-tensors. The manager (policy) picks the step and handles failures.
+tensors. A region several ranks restore from a root they share (replicas) is read once: each of its bands by one
+of them, sent to the others over the ranks' group (`planner.share_reads` plans who reads what). The manager (policy)
+picks the step and handles failures.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from . import layout, packs, store
+from . import layout, packs, planner, store
 from . import state as state_mod
-from .distributed import Ranks, read_region
+from .distributed import Ranks, Transfer, read_region
 from .errors import CheckpointError, CorruptCheckpointError, StateKeyError, StateMismatchError, StepNotFoundError
 from .format import ArrayInfo, Manifest, chunk_key, torch_dtype
 from .layout import StepFiles, step_files  # noqa: F401 (restore.step_files, as before)
@@ -61,6 +63,7 @@ class ReadPlan:
     manifest: Manifest
     reads: dict[tuple[str, Box], ArrayRead]
     values: dict[str, Any]  # top-level key -> decoded value (tensors: the caller's own, or fresh ones)
+    bands: dict[tuple[str, Box], tuple[planner.Band, ...]] = field(default_factory=dict)  # regions shared with ranks
 
     def undo(self) -> None:
         """Give the tensors read into directly their bytes from before the restore back (a step that failed)."""
@@ -223,16 +226,22 @@ def _check_match(info: ArrayInfo, tmpl: torch.Tensor, step: int) -> None:
         )
 
 
-def execute(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: StagingArena) -> None:
+def execute(
+    storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: StagingArena, ranks: Ranks | None = None
+) -> None:
     """Read and verify every region of the plan into its buffer; the caller's tensors are not touched.
 
     Regions with caller tensors are read into scratch (the staging arena), or straight into the first of them once
     its bytes are aside (`_direct_targets`); regions without, into their own fresh tensors. Local whole-row regions
     of arrays of their own go straight from the chunk files (`preadv`), others chunk by chunk; boxes placed in packs
     by ranges of the pack's files (`packs.read_boxes`), into the buffer where the box is a band of the region read,
-    else into memory of their own, copied into it once verified. Every read runs to its end, so the error raised is
-    the first damaged array's, not a random one.
+    else into memory of their own, copied into it once verified. Of a region shared with other `ranks`
+    (`plan.bands`), this rank reads its bands and sends them to the other holders, and receives the others' bands:
+    every rank takes part in the exchange even when its reads failed (the ranks' agreement then fails the step on
+    all). Every read runs to its end, so the error raised is the first damaged array's, not a random one.
     """
+    ranks = ranks or Ranks.local()
+    rank = ranks.rank
     step = plan.manifest.step
     pending = [r for r in plan.reads.values() if r.fresh is None]
     direct = _direct_targets(pending)
@@ -241,21 +250,27 @@ def execute(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: S
     aside = _SetAside([r for r in pending if id(r) in direct])
     futures: list[Future] = []
     placed = _PlacedReads(aside)
-    for r in plan.reads.values():
+    for key, r in plan.reads.items():
         if r.fresh is not None:
             r.buffer = r.fresh
+        bands = plan.bands.get(key)
+        parts = [r] if not bands else [_band(r, b) for b in bands if b.reader == rank]
         if r.info.places is not None:
-            placed.add(r)
+            for part in parts:
+                placed.add(part, r)
+            continue
+        if not parts:
             continue
         path = layout.array_path(step, r.info.name, plan.manifest.data)
         futures.append(pool.submit(store.check_zarr_json, storage, path, r.info, step=step))
         local = storage.direct_path(path)
-        rows = store.direct_rows(r.info, r.box) if local is not None else None
         into = aside.reads_of(r, pool)
-        if rows is not None:
-            futures += store.read_direct(local, r.info, r.buffer, rows, into, step=step)
-        elif r.buffer.numel():
-            futures += store.read_chunks(storage, path, r.info, r.buffer, r.box, into, step=step)
+        for part in parts:
+            rows = store.direct_rows(r.info, part.box) if local is not None else None
+            if rows is not None:
+                futures += store.read_direct(local, r.info, part.buffer, rows, into, step=step)
+            elif part.buffer.numel():
+                futures += store.read_chunks(storage, path, r.info, part.buffer, part.box, into, step=step)
     manifest = plan.manifest
     for name in dict.fromkeys(placed.packs()):
         pack_path = layout.pack_path(step, name, manifest.data)
@@ -278,9 +293,57 @@ def execute(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: S
     aside.join()
     if not errors and aside.error is None:
         placed.apply()
+    if plan.bands:
+        try:
+            ranks.exchange(*_transfers(plan, rank, keep=aside.error is None))
+        except Exception as e:
+            errors.append(e)
+    if not errors and aside.error is None:
         return
     plan.undo()
     raise errors[0] if errors else aside.error
+
+
+def _band(r: ArrayRead, band: planner.Band) -> ArrayRead:
+    """Rows [lo, hi) of region `r` as a read of its own, into those rows of `r`'s buffer."""
+    if not r.box or (band.lo, band.hi) == (0, r.shape[0]):
+        return r
+    (a, _), rest = r.box[0], r.box[1:]
+    return ArrayRead(r.info, ((a + band.lo, a + band.hi), *rest), buffer=r.buffer[band.lo : band.hi])
+
+
+def _cuts(r: ArrayRead) -> list[int]:
+    """The rows of region `r` where a band of it may start with no byte of the root read twice: where a digest of
+    the one stored box it is ends (a placed array), or a chunk (an array of its own)."""
+    if not r.box or r.box[0][0] == r.box[0][1]:
+        return []
+    (a, b), info = r.box[0], r.info
+    if info.places is None:
+        return [x - a for x in range((a // info.chunk[0] + 1) * info.chunk[0], b, info.chunk[0])]
+    stored = _overlapping(info, r.box)
+    if len(stored) != 1 or info.boxes[stored[0]] != r.box:
+        return []
+    row = r.nbytes // (b - a)
+    return [lo // row for lo, _, _ in info.segments(stored[0])[1:] if lo % row == 0]
+
+
+def _transfers(plan: ReadPlan, rank: int, *, keep: bool) -> tuple[list[Transfer], list[Transfer]]:
+    """(sends, receives) of this rank's part of the exchange: the bands it read, to the other holders; the bands
+    others read, into its buffers (`keep` False: into memory of its own, dropped, as a target was not set aside)."""
+    sends: list[Transfer] = []
+    receives: list[Transfer] = []
+    for key, bands in plan.bands.items():
+        r = plan.reads[key]
+        for b in bands:
+            rows = r.buffer[b.lo : b.hi] if r.box else r.buffer
+            data = rows.reshape(-1).view(torch.uint8)
+            if not data.numel():
+                continue
+            if b.reader == rank:
+                sends += [(data, peer, b.tag) for peer in b.holders if peer != rank]
+            else:
+                receives.append((data if keep else torch.empty_like(data), b.reader, b.tag))
+    return sends, receives
 
 
 class _PlacedReads:
@@ -292,8 +355,9 @@ class _PlacedReads:
         self.boxes: list[packs.BoxRead] = []
         self._copies: list[tuple[ArrayRead, int, int, tuple[int, int], np.ndarray]] = []
 
-    def add(self, r: ArrayRead) -> None:
-        """The reads of region `r`: of each stored box that meets it, the segments that hold its rows there."""
+    def add(self, r: ArrayRead, owner: ArrayRead) -> None:
+        """The reads of region `r` (a band of region `owner`, or `owner` itself): of each stored box that meets it,
+        the segments that hold its rows there."""
         out = store.as_bytes(r.buffer)
         for j in _overlapping(r.info, r.box):
             stored = r.info.boxes[j]
@@ -308,7 +372,7 @@ class _PlacedReads:
             else:
                 dest = np.empty(hi - lo, np.uint8)
                 self._copies.append((r, j, lo, need, dest))
-            self.boxes.append(packs.BoxRead(r.info, j, lo, hi, memoryview(dest), ready=lambda r=r: self.aside.wait(r)))
+            self.boxes.append(packs.BoxRead(r.info, j, lo, hi, memoryview(dest), ready=lambda: self.aside.wait(owner)))
 
     def packs(self) -> list[str]:
         return [b.info.places[b.box][0] for b in self.boxes]
@@ -435,16 +499,31 @@ def read_step(
     rank_map: str,
     readers: ThreadPoolExecutor,
     arena: StagingArena,
+    *,
+    shared: bool = False,
 ) -> tuple[ReadPlan | None, CorruptCheckpointError | StepNotFoundError | None]:
     """This rank's read of `step`, the mirror of a save: manifest, plan, verified reads; or why it failed.
 
-    A mismatch between `state` and the checkpoint (StateKeyError, StateMismatchError) is raised here, before
-    anything is read. Nothing is applied to `state`.
+    `shared`: every rank reads `storage` (one root for all), so a region several ranks restore is read once and
+    exchanged (`planner.share_reads`, collective: then every rank calls this). A mismatch between `state` and the
+    checkpoint (StateKeyError, StateMismatchError) is raised here, before anything is read. Nothing is applied to
+    `state`.
     """
+    plan, error, bands = None, None, {}
     try:
         manifest = layout.read_manifest(storage, step)
         plan = plan_restore(manifest, state, keys, ranks, rank_map=rank_map, files=step_files(storage, step))
-        execute(storage, plan, readers, arena)
+    except (CorruptCheckpointError, StepNotFoundError) as e:
+        error = e
+    finally:  # a rank that could not plan still takes part, so that no rank waits for it: nothing is shared then
+        if shared:
+            regions = None if plan is None else {k: (r.nbytes, _cuts(r)) for k, r in plan.reads.items()}
+            bands = planner.share_reads(ranks, regions)
+    if plan is None:
+        return None, error
+    plan.bands = bands
+    try:
+        execute(storage, plan, readers, arena, ranks)
         return plan, None
     except (CorruptCheckpointError, StepNotFoundError) as e:
         return None, e
