@@ -21,7 +21,6 @@ from .format import ArrayInfo
 from .state import is_dtensor
 
 Box = tuple[tuple[int, int], ...]
-Transfer = tuple[torch.Tensor, int, int]  # bytes (a contiguous uint8 tensor), the peer rank, a tag both sides know
 
 
 def topology() -> tuple[int, int]:
@@ -77,11 +76,14 @@ class Ranks:
     def barrier(self) -> None:
         """Wait until every rank is here."""
 
-    def exchange(self, sends: list[Transfer], receives: list[Transfer]) -> None:
-        """Send each (bytes, rank, tag) of `sends` and fill each of `receives` from its rank, all at once; returns
-        once every transfer ended (a rank alone has no one to exchange with)."""
-        if sends or receives:
-            raise ValueError(f"a rank alone cannot exchange bytes with ranks {[r for _, r, _ in sends + receives]}")
+    def send(self, data: torch.Tensor, peer: int, tag: int) -> Any:
+        """Start sending `data` (a contiguous CPU tensor) to rank `peer`, whose `receive` names the same `tag`;
+        returns the transfer, whose `wait()` returns once it ended."""
+        raise ValueError(f"a rank alone has no rank {peer} to send to")
+
+    def receive(self, data: torch.Tensor, peer: int, tag: int) -> Any:
+        """Start filling `data` with what rank `peer` sends with `tag`; returns the transfer (`wait()`)."""
+        raise ValueError(f"a rank alone has no rank {peer} to receive from")
 
 
 class GlooRanks(Ranks):
@@ -139,11 +141,11 @@ class GlooRanks(Ranks):
     def barrier(self) -> None:
         dist.barrier(group=self.group)
 
-    def exchange(self, sends: list[Transfer], receives: list[Transfer]) -> None:
-        works = [dist.isend(t, r, group=self.group, tag=tag) for t, r, tag in sends]
-        works += [dist.irecv(t, r, group=self.group, tag=tag) for t, r, tag in receives]
-        for w in works:
-            w.wait()
+    def send(self, data: torch.Tensor, peer: int, tag: int) -> Any:
+        return dist.isend(data, peer, group=self.group, tag=tag)
+
+    def receive(self, data: torch.Tensor, peer: int, tag: int) -> Any:
+        return dist.irecv(data, peer, group=self.group, tag=tag)
 
 
 _LEN = 8  # bytes of the length in front of an encoded value

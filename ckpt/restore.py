@@ -14,19 +14,21 @@ picks the step and handles failures.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from . import layout, packs, planner, store
 from . import state as state_mod
-from .distributed import Ranks, Transfer, read_region
+from .distributed import Ranks, read_region
 from .errors import CheckpointError, CorruptCheckpointError, StateKeyError, StateMismatchError, StepNotFoundError
 from .format import ArrayInfo, Manifest, chunk_key, torch_dtype
 from .layout import StepFiles, step_files  # noqa: F401 (restore.step_files, as before)
@@ -248,16 +250,19 @@ def execute(
     for r, buf in zip(pending, arena.scratch([r.nbytes for r in pending])):
         r.buffer = buf.view(torch_dtype(r.info.dtype)).view(r.shape)
     aside = _SetAside([r for r in pending if id(r) in direct])
+    for r in plan.reads.values():
+        if r.fresh is not None:
+            r.buffer = r.fresh
+    exchange = _Exchange(plan, ranks, aside)
     futures: list[Future] = []
     placed = _PlacedReads(aside)
     for key, r in plan.reads.items():
-        if r.fresh is not None:
-            r.buffer = r.fresh
         bands = plan.bands.get(key)
-        parts = [r] if not bands else [_band(r, b) for b in bands if b.reader == rank]
+        parts = [(None, r)] if not bands else [(b, _band(r, b)) for b in bands if b.reader == rank]
         if r.info.places is not None:
-            for part in parts:
-                placed.add(part, r)
+            for band, part in parts:
+                exchange.expect(band, part.nbytes)
+                placed.add(part, r, lambda n, band=band: exchange.landed(band, n))
             continue
         if not parts:
             continue
@@ -265,12 +270,16 @@ def execute(
         futures.append(pool.submit(store.check_zarr_json, storage, path, r.info, step=step))
         local = storage.direct_path(path)
         into = aside.reads_of(r, pool)
-        for part in parts:
+        for band, part in parts:
             rows = store.direct_rows(r.info, part.box) if local is not None else None
             if rows is not None:
-                futures += store.read_direct(local, r.info, part.buffer, rows, into, step=step)
-            elif part.buffer.numel():
-                futures += store.read_chunks(storage, path, r.info, part.buffer, part.box, into, step=step)
+                reads = store.read_direct(local, r.info, part.buffer, rows, into, step=step)
+            else:
+                reads = store.read_chunks(storage, path, r.info, part.buffer, part.box, into, step=step)
+            exchange.expect(band, len(reads))
+            for f in reads:
+                f.add_done_callback(functools.partial(exchange.verified, band))
+            futures += reads
     manifest = plan.manifest
     for name in dict.fromkeys(placed.packs()):
         pack_path = layout.pack_path(step, name, manifest.data)
@@ -284,6 +293,7 @@ def execute(
         step=step,
     )
     aside.start()
+    exchange.start()
     errors = []
     for f in futures:
         try:
@@ -293,11 +303,10 @@ def execute(
     aside.join()
     if not errors and aside.error is None:
         placed.apply()
-    if plan.bands:
-        try:
-            ranks.exchange(*_transfers(plan, rank, keep=aside.error is None))
-        except Exception as e:
-            errors.append(e)
+    try:
+        exchange.finish()
+    except Exception as e:
+        errors.append(e)
     if not errors and aside.error is None:
         return
     plan.undo()
@@ -327,23 +336,99 @@ def _cuts(r: ArrayRead) -> list[int]:
     return [lo // row for lo, _, _ in info.segments(stored[0])[1:] if lo % row == 0]
 
 
-def _transfers(plan: ReadPlan, rank: int, *, keep: bool) -> tuple[list[Transfer], list[Transfer]]:
-    """(sends, receives) of this rank's part of the exchange: the bands it read, to the other holders; the bands
-    others read, into its buffers (`keep` False: into memory of its own, dropped, as a target was not set aside)."""
-    sends: list[Transfer] = []
-    receives: list[Transfer] = []
-    for key, bands in plan.bands.items():
-        r = plan.reads[key]
-        for b in bands:
-            rows = r.buffer[b.lo : b.hi] if r.box else r.buffer
-            data = rows.reshape(-1).view(torch.uint8)
-            if not data.numel():
-                continue
-            if b.reader == rank:
-                sends += [(data, peer, b.tag) for peer in b.holders if peer != rank]
-            else:
-                receives.append((data if keep else torch.empty_like(data), b.reader, b.tag))
-    return sends, receives
+class _Exchange:
+    """This rank's part of the exchange of the bands of shared regions (`plan.bands`), while the reads run: a band
+    another rank reads is received once its region's target is aside (into memory of its own, dropped, when the set
+    aside failed); a band this rank reads is sent to the other holders once all of it verified, or when the reads
+    ended (a band copied into its buffer after the reads, or one whose read failed: every rank still takes part, and
+    the ranks' agreement fails the step on all). Sends and receives are started on threads of their own."""
+
+    def __init__(self, plan: ReadPlan, ranks: Ranks, aside: "_SetAside"):
+        self.ranks, self.aside = ranks, aside
+        self._sends: dict[int, tuple[torch.Tensor, list[int]]] = {}  # tag -> bytes, the ranks they go to
+        self._receives: list[tuple[ArrayRead, torch.Tensor, int, int]] = []  # region, its bytes, from, tag
+        for key, bands in plan.bands.items():
+            r = plan.reads[key]
+            for b in bands:
+                data = (r.buffer[b.lo : b.hi] if r.box else r.buffer).reshape(-1).view(torch.uint8)
+                if not data.numel():
+                    continue
+                if b.reader == ranks.rank:
+                    self._sends[b.tag] = (data, [peer for peer in b.holders if peer != ranks.rank])
+                else:
+                    self._receives.append((r, data, b.reader, b.tag))
+        self._left: dict[int, int] = {}  # tag -> what is still to land (bytes, or reads) before it is sent
+        self._lock = threading.Lock()
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()  # tags of bands read whole, then None: the reads ended
+        self._works: list[Any] = []
+        self._errors: list[BaseException] = []
+        self._threads = [
+            threading.Thread(target=self._run, args=(f,), name=f"ckpt-restore-{f.__name__[1:]}", daemon=True)
+            for f in (self._send, self._receive)
+        ]
+
+    def expect(self, band: planner.Band | None, amount: int) -> None:
+        """The band this rank reads is whole once `amount` landed (`landed`); None: a region of its own."""
+        if band is not None and band.tag in self._sends:
+            self._left[band.tag] = amount
+
+    def landed(self, band: planner.Band | None, amount: int) -> None:
+        """Part of a band verified in its buffer (a reader thread); the band is sent once all of it did."""
+        if band is not None and band.tag in self._left:
+            with self._lock:
+                self._left[band.tag] -= amount
+                whole = self._left[band.tag] == 0
+            if whole:
+                self._ready.put(band.tag)
+
+    def verified(self, band: planner.Band | None, read: Future) -> None:
+        """One of a band's chunk reads ended (`landed` when it verified)."""
+        if read.exception() is None:
+            self.landed(band, 1)
+
+    def start(self) -> None:
+        if self._sends or self._receives:
+            for t in self._threads:
+                t.start()
+
+    def finish(self) -> None:
+        """The reads ended (verified or not): the bands not sent yet go now; returns once every transfer ended."""
+        if not (self._sends or self._receives):
+            return
+        self._ready.put(None)
+        for t in self._threads:
+            t.join()
+        for w in self._works:
+            w.wait()
+        if self._errors:
+            raise self._errors[0]
+
+    def _run(self, post: Any) -> None:
+        try:
+            post()
+        except BaseException as e:
+            self._errors.append(e)
+
+    def _send(self) -> None:
+        sent: set[int] = set()
+        while (tag := self._ready.get()) is not None:
+            sent.add(tag)
+            self._works += [self.ranks.send(self._sends[tag][0], peer, tag) for peer in self._sends[tag][1]]
+        for tag, (data, peers) in self._sends.items():
+            if tag not in sent:
+                self._works += [self.ranks.send(data, peer, tag) for peer in peers]
+
+    def _receive(self) -> None:
+        for r, data, peer, tag in self._receives:
+            try:
+                self.aside.wait(r)
+            except RuntimeError:  # its target's bytes are not aside: they must not be written
+                data = torch.empty_like(data)
+            self._works.append(self.ranks.receive(data, peer, tag))
+
+
+def _nothing(n: int) -> None:
+    """Told of bytes no one waits for."""
 
 
 class _PlacedReads:
@@ -355,9 +440,10 @@ class _PlacedReads:
         self.boxes: list[packs.BoxRead] = []
         self._copies: list[tuple[ArrayRead, int, int, tuple[int, int], np.ndarray]] = []
 
-    def add(self, r: ArrayRead, owner: ArrayRead) -> None:
+    def add(self, r: ArrayRead, owner: ArrayRead, landed: Callable[[int], None]) -> None:
         """The reads of region `r` (a band of region `owner`, or `owner` itself): of each stored box that meets it,
-        the segments that hold its rows there."""
+        the segments that hold its rows there. `landed(n)`: n bytes verified in `r`'s buffer (those read into
+        memory of their own are not: `apply` copies them in)."""
         out = store.as_bytes(r.buffer)
         for j in _overlapping(r.info, r.box):
             stored = r.info.boxes[j]
@@ -368,11 +454,12 @@ class _PlacedReads:
             lo, hi = segments[0][0], segments[-1][1]
             if (lo, hi) == need and stored[1:] == r.box[1:]:  # whole rows of the region: straight into its buffer
                 at = (part[0][0] - r.box[0][0]) * row if stored else 0
-                dest = out[at : at + hi - lo]
-            else:
-                dest = np.empty(hi - lo, np.uint8)
+                dest, told = out[at : at + hi - lo], landed
+            else:  # in the buffer only once copied
+                dest, told = np.empty(hi - lo, np.uint8), _nothing
                 self._copies.append((r, j, lo, need, dest))
-            self.boxes.append(packs.BoxRead(r.info, j, lo, hi, memoryview(dest), ready=lambda: self.aside.wait(owner)))
+            ready = functools.partial(self.aside.wait, owner)
+            self.boxes.append(packs.BoxRead(r.info, j, lo, hi, memoryview(dest), ready, told))
 
     def packs(self) -> list[str]:
         return [b.info.places[b.box][0] for b in self.boxes]
