@@ -50,3 +50,25 @@ def test_replicated_state_is_read_once_between_the_ranks_and_damage_fails_every_
         assert "checksum" in d["error"], d
     others = [d for d in damage if d["rank"] != replicated_worker.DAMAGED_RANK]
     assert all("another rank found damage" in d["error"] for d in others), others
+
+
+def test_shared_regions_are_cut_where_digests_end_and_spread_evenly_over_their_holders():
+    """The leader's plan from every rank's regions: a large region in bands at allowed rows, nearest to equal
+    parts; a small one whole; a region one rank holds not shared; every holder reads about as many bytes."""
+    from ckpt.planner import _bands
+
+    big, small, own = ["big", [[0, 12]], 1200, [3, 6, 9]], ["small", [[0, 2]], 100, []], ["own", [[0, 4]], 400, []]
+    gathered = [[big, small, own], [big, small], [big, small]]
+    parts = _bands(gathered)
+    assert [[name for name, _, _ in part] for part in parts] == [["big", "small"]] * 3
+    bands = {name: bands for name, _, bands in parts[0]}
+    assert [(lo, hi) for lo, hi, *_ in bands["big"]] == [(0, 3), (3, 9), (9, 12)]  # 4 and 8 are not allowed
+    assert [(lo, hi) for lo, hi, *_ in bands["small"]] == [(0, 2)]
+    reads = [0, 0, 0]
+    for name, n, rows in (("big", 1200, 12), ("small", 100, 2)):
+        for lo, hi, reader, holders, _ in bands[name]:
+            assert holders == [0, 1, 2]
+            reads[reader] += n * (hi - lo) // rows
+    assert reads == [600, 400, 300], reads  # the largest band first (600, 300, 300, 100), each to the least loaded
+    assert parts == _bands(gathered)  # every run plans the same (the tags agree among ranks)
+    assert _bands([[big], None, [big]]) == [[], [], []]  # a rank that could not plan: nothing is shared

@@ -1,7 +1,8 @@
 """One rank of the replicated-restore tests (gloo on 127.0.0.1): every rank holds the same state, as under DDP.
 
 Modes: "ddp" (a model, its Adam state and plain tensors, identical on every rank) and "mixed" (the same plus an
-HSDP-style DTensor on a 2 x (world/2) mesh, Replicate on the first dimension, Shard(0) on the second). Each rank
+HSDP-style DTensor on a 2 x (world/2) mesh, Replicate on the first dimension, Shard(0) on the second, and a
+DTensor saved in column shards that every rank restores whole, as a plain tensor). Each rank
 saves step 1 (1 MiB digests, so that the large tensors are read in bands by several ranks), zeroes its state and restores it through a `FaultStorage` that counts every byte read; prints one
 ``RESULT {...}`` line (its pack bytes read, whether every tensor is bitwise the saved one). Then every tensor is set
 to 0.5 and step 1 restored again with rank 2's reads of pack data files corrupted: prints ``DAMAGE {...}`` (the error,
@@ -54,6 +55,8 @@ def build(mode: str, world: int) -> dict:
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
         whole = torch.randn(2048, 1024, generator=g)
         state["hsdp"] = distribute_tensor(whole, mesh, [Replicate(), Shard(0)], src_data_rank=None)
+        columns = torch.randn(64, 4096, generator=g)
+        state["columns"] = distribute_tensor(columns, init_device_mesh("cpu", (world,)), [Shard(1)], src_data_rank=None)
     return state
 
 
@@ -63,6 +66,8 @@ def tensors(state: dict) -> dict[str, torch.Tensor]:
     for pid, st in state["opt"].state_dict()["state"].items():
         out.update({f"opt.{pid}.{k}": v for k, v in st.items()})
     out["big"] = state["big"]
+    if "columns" in state:
+        out["columns"] = state["columns"]
     out.update({f"small.{k}": v for k, v in state["small"].items()})
     if "hsdp" in state:
         out["hsdp"] = state["hsdp"].to_local()
@@ -91,6 +96,8 @@ def main(mode: str, root: str) -> None:
     state = build(mode, world)
     with ckpt.CheckpointManager(root, chunk_bytes=1 << 20, collective_timeout=60) as m:  # 1 MiB digests: bands
         m.save(1, state).wait()
+    if "columns" in state:  # saved in column shards, restored whole on every rank: its rows are copied out of them
+        state["columns"] = state["columns"].full_tensor()
     reference = {k: v.clone() for k, v in tensors(state).items()}
 
     fill(state, 0.0)
