@@ -336,31 +336,59 @@ def _cuts(r: ArrayRead) -> list[int]:
     return [lo // row for lo, _, _ in info.segments(stored[0])[1:] if lo % row == 0]
 
 
+BATCH_BYTES = 1 << 20  # bands smaller than this travel together: one message per reader and set of holders
+
+
+@dataclass
+class _Message:
+    """Bands that travel together from their reader to the other holders: one band, or the small bands of one reader
+    and set of holders (copied into one buffer to send, out of one once received). `tag`: its first band's."""
+
+    reader: int
+    holders: tuple[int, ...]
+    pieces: list[tuple[int, ArrayRead, torch.Tensor]] = field(default_factory=list)  # band tag, region, its bytes
+    waiting: int = 0  # bands of it not yet whole (the reader's side)
+
+    @property
+    def tag(self) -> int:
+        return self.pieces[0][0]
+
+    @property
+    def batched(self) -> bool:
+        return len(self.pieces) > 1 or self.pieces[0][2].numel() < BATCH_BYTES
+
+
 class _Exchange:
-    """This rank's part of the exchange of the bands of shared regions (`plan.bands`), while the reads run: a band
-    another rank reads is received once its region's target is aside (into memory of its own, dropped, when the set
-    aside failed); a band this rank reads is sent to the other holders once all of it verified, or when the reads
-    ended (a band copied into its buffer after the reads, or one whose read failed: every rank still takes part, and
-    the ranks' agreement fails the step on all). Sends and receives are started on threads of their own."""
+    """This rank's part of the exchange of the bands of shared regions (`plan.bands`), while the reads run: a message
+    another rank reads is received once its regions' targets are aside (a batch into memory of its own, copied out
+    at the end; into memory of its own, dropped, when the set aside failed); a message this rank reads is sent to the
+    other holders once all of its bands verified, or when the reads ended (a band copied into its buffer after the
+    reads, or one whose read failed: every rank still takes part, and the ranks' agreement fails the step on all).
+    Sends and receives are started on threads of their own."""
 
     def __init__(self, plan: ReadPlan, ranks: Ranks, aside: "_SetAside"):
         self.ranks, self.aside = ranks, aside
-        self._sends: dict[int, tuple[torch.Tensor, list[int]]] = {}  # tag -> bytes, the ranks they go to
-        self._receives: list[tuple[ArrayRead, torch.Tensor, int, int]] = []  # region, its bytes, from, tag
+        messages: dict[tuple[int, ...], _Message] = {}
         for key, bands in plan.bands.items():
             r = plan.reads[key]
             for b in bands:
                 data = (r.buffer[b.lo : b.hi] if r.box else r.buffer).reshape(-1).view(torch.uint8)
-                if not data.numel():
-                    continue
-                if b.reader == ranks.rank:
-                    self._sends[b.tag] = (data, [peer for peer in b.holders if peer != ranks.rank])
-                else:
-                    self._receives.append((r, data, b.reader, b.tag))
-        self._left: dict[int, int] = {}  # tag -> what is still to land (bytes, or reads) before it is sent
+                if data.numel():
+                    group = (b.tag,) if data.numel() >= BATCH_BYTES else (b.reader, *b.holders)
+                    messages.setdefault(group, _Message(b.reader, b.holders)).pieces.append((b.tag, r, data))
+        for m in messages.values():
+            m.pieces.sort(key=lambda p: p[0])  # the same order on every holder
+            m.waiting = len(m.pieces)
+        self._sends = {m.tag: m for m in messages.values() if m.reader == ranks.rank}
+        self._receives = [m for m in messages.values() if m.reader != ranks.rank]
+        self._of = {tag: m for m in self._sends.values() for tag, _, _ in m.pieces}  # band tag -> its message
+        self._expected: dict[int, int] = {}  # band tag -> what lands before it is whole (bytes, or reads)
+        self._got: dict[int, int] = dict.fromkeys(self._of, 0)
+        self._started = False
         self._lock = threading.Lock()
-        self._ready: queue.SimpleQueue = queue.SimpleQueue()  # tags of bands read whole, then None: the reads ended
-        self._works: list[Any] = []
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()  # messages read whole, then None: the reads ended
+        self._works: list[tuple[Any, torch.Tensor]] = []  # each transfer, and the bytes it holds on to
+        self._batches: list[tuple[_Message, torch.Tensor]] = []  # received batches, to copy out
         self._errors: list[BaseException] = []
         self._threads = [
             threading.Thread(target=self._run, args=(f,), name=f"ckpt-restore-{f.__name__[1:]}", daemon=True)
@@ -369,39 +397,60 @@ class _Exchange:
 
     def expect(self, band: planner.Band | None, amount: int) -> None:
         """The band this rank reads is whole once `amount` landed (`landed`); None: a region of its own."""
-        if band is not None and band.tag in self._sends:
-            self._left[band.tag] = amount
+        if band is not None and band.tag in self._of:
+            self._expected[band.tag] = amount
 
     def landed(self, band: planner.Band | None, amount: int) -> None:
-        """Part of a band verified in its buffer (a reader thread); the band is sent once all of it did."""
-        if band is not None and band.tag in self._left:
+        """Part of a band verified in its buffer (a reader thread); its message is sent once all of it did."""
+        if band is not None and band.tag in self._of:
             with self._lock:
-                self._left[band.tag] -= amount
-                whole = self._left[band.tag] == 0
-            if whole:
-                self._ready.put(band.tag)
+                self._got[band.tag] += amount
+                self._whole(band.tag)
 
     def verified(self, band: planner.Band | None, read: Future) -> None:
         """One of a band's chunk reads ended (`landed` when it verified)."""
         if read.exception() is None:
             self.landed(band, 1)
 
+    def _whole(self, tag: int) -> None:
+        """Under the lock: count band `tag` whole, once, when all it expects landed (and every band is expected)."""
+        if self._started and self._got[tag] == self._expected.get(tag):
+            m = self._of[tag]
+            m.waiting -= 1
+            if not m.waiting:
+                self._ready.put(m.tag)
+
     def start(self) -> None:
+        """Every band is expected: the bands that landed already count, and the transfers begin."""
+        with self._lock:
+            self._started = True
+            for tag in self._of:
+                self._whole(tag)
         if self._sends or self._receives:
             for t in self._threads:
                 t.start()
 
     def finish(self) -> None:
-        """The reads ended (verified or not): the bands not sent yet go now; returns once every transfer ended."""
+        """The reads ended (verified or not): the messages not sent yet go now; returns once every transfer ended,
+        the batches received copied into their regions' buffers."""
         if not (self._sends or self._receives):
             return
         self._ready.put(None)
         for t in self._threads:
             t.join()
-        for w in self._works:
+        for w, _ in self._works:
             w.wait()
         if self._errors:
             raise self._errors[0]
+        for m, buffer in self._batches:
+            at = 0
+            for _, r, data in m.pieces:
+                try:
+                    self.aside.wait(r)
+                    data.copy_(buffer[at : at + data.numel()])
+                except RuntimeError:  # its target's bytes are not aside: they must not be written
+                    pass
+                at += data.numel()
 
     def _run(self, post: Any) -> None:
         try:
@@ -413,18 +462,27 @@ class _Exchange:
         sent: set[int] = set()
         while (tag := self._ready.get()) is not None:
             sent.add(tag)
-            self._works += [self.ranks.send(self._sends[tag][0], peer, tag) for peer in self._sends[tag][1]]
-        for tag, (data, peers) in self._sends.items():
+            self._post(self._sends[tag])
+        for tag, m in self._sends.items():
             if tag not in sent:
-                self._works += [self.ranks.send(data, peer, tag) for peer in peers]
+                self._post(m)
+
+    def _post(self, m: _Message) -> None:
+        data = torch.cat([d for _, _, d in m.pieces]) if m.batched else m.pieces[0][2]
+        self._works += [(self.ranks.send(data, peer, m.tag), data) for peer in m.holders if peer != self.ranks.rank]
 
     def _receive(self) -> None:
-        for r, data, peer, tag in self._receives:
-            try:
-                self.aside.wait(r)
-            except RuntimeError:  # its target's bytes are not aside: they must not be written
-                data = torch.empty_like(data)
-            self._works.append(self.ranks.receive(data, peer, tag))
+        for m in self._receives:
+            if m.batched:
+                data = torch.empty(sum(d.numel() for _, _, d in m.pieces), dtype=torch.uint8)
+                self._batches.append((m, data))
+            else:
+                _, r, data = m.pieces[0]
+                try:
+                    self.aside.wait(r)
+                except RuntimeError:  # its target's bytes are not aside: they must not be written
+                    data = torch.empty_like(data)
+            self._works.append((self.ranks.receive(data, m.reader, m.tag), data))
 
 
 def _nothing(n: int) -> None:

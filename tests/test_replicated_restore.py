@@ -54,12 +54,13 @@ def test_replicated_state_is_read_once_between_the_ranks_and_damage_fails_every_
 
 def test_shared_regions_are_cut_where_digests_end_and_spread_evenly_over_their_holders():
     """The leader's plan from every rank's regions: a large region in bands at allowed rows, nearest to equal
-    parts; a small one whole; a region one rank holds not shared; every holder reads about as many bytes."""
-    from ckpt.planner import _bands
+    parts; a small one whole; a region one rank holds not shared; every holder reads about as many bytes; ranks
+    that restore the same regions plan alone what the leader would have planned."""
+    from ckpt.planner import _bands, _held
 
     big, small, own = ["big", [[0, 12]], 1200, [3, 6, 9]], ["small", [[0, 2]], 100, []], ["own", [[0, 4]], 400, []]
     gathered = [[big, small, own], [big, small], [big, small]]
-    parts = _bands(gathered)
+    parts = _bands(_held(gathered), 3)
     assert [[name for name, _, _ in part] for part in parts] == [["big", "small"]] * 3
     bands = {name: bands for name, _, bands in parts[0]}
     assert [(lo, hi) for lo, hi, *_ in bands["big"]] == [(0, 3), (3, 9), (9, 12)]  # 4 and 8 are not allowed
@@ -70,5 +71,6 @@ def test_shared_regions_are_cut_where_digests_end_and_spread_evenly_over_their_h
             assert holders == [0, 1, 2]
             reads[reader] += n * (hi - lo) // rows
     assert reads == [600, 400, 300], reads  # the largest band first (600, 300, 300, 100), each to the least loaded
-    assert parts == _bands(gathered)  # every run plans the same (the tags agree among ranks)
-    assert _bands([[big], None, [big]]) == [[], [], []]  # a rank that could not plan: nothing is shared
+    assert parts == _bands(_held(gathered), 3)  # every run plans the same (the tags agree among ranks)
+    # ranks that restore the same regions (DDP) each plan alone, as the leader would have
+    assert _bands(_held([[big, small]], range(3)), 3) == _bands(_held([[big, small]] * 3), 3)
