@@ -262,7 +262,7 @@ def execute(
         if r.info.places is not None:
             for band, part in parts:
                 exchange.expect(band, part.nbytes)
-                placed.add(part, r, lambda n, band=band: exchange.landed(band, n))
+                placed.add(part, r, functools.partial(exchange.landed, band))
             continue
         if not parts:
             continue
@@ -272,9 +272,10 @@ def execute(
         into = aside.reads_of(r, pool)
         for band, part in parts:
             rows = store.direct_rows(r.info, part.box) if local is not None else None
+            reads = []
             if rows is not None:
                 reads = store.read_direct(local, r.info, part.buffer, rows, into, step=step)
-            else:
+            elif part.buffer.numel():
                 reads = store.read_chunks(storage, path, r.info, part.buffer, part.box, into, step=step)
             exchange.expect(band, len(reads))
             for f in reads:
