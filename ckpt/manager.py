@@ -364,7 +364,11 @@ class CheckpointManager:
             t0 = time.perf_counter()
 
             def read(storage: Storage, s: int) -> Any:
-                return restore_mod.read_step(storage, s, state, keys, self.ranks, rank_map, bg.readers, bg.arena)
+                # the durable root is every rank's: a region several ranks restore is read there once (a local tier
+                # is each rank's own)
+                return restore_mod.read_step(
+                    storage, s, state, keys, self.ranks, rank_map, bg.readers, bg.arena, shared=storage is self.storage
+                )
 
             found = fallback.walk(self.storage, self._target, self.ranks, step, read, self._root_lease.lease)
             source, plan = found.source, found.plan
