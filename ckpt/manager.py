@@ -363,12 +363,9 @@ class CheckpointManager:
             prepare_optimizers(state, keys)
             t0 = time.perf_counter()
 
-            def read(storage: Storage, s: int) -> Any:
-                # the durable root is every rank's: a region several ranks restore is read there once (a local tier
-                # is each rank's own)
-                return restore_mod.read_step(
-                    storage, s, state, keys, self.ranks, rank_map, bg.readers, bg.arena, shared=storage is self.storage
-                )
+            def read(storage: Storage, s: int) -> Any:  # the durable root is every rank's: shared regions read once
+                args = (state, keys, self.ranks, rank_map, bg.readers, bg.arena)
+                return restore_mod.read_step(storage, s, *args, shared=storage is self.storage)
 
             found = fallback.walk(self.storage, self._target, self.ranks, step, read, self._root_lease.lease)
             source, plan = found.source, found.plan
@@ -390,8 +387,7 @@ class CheckpointManager:
         restored = None if source is None else source.step
         if found.damaged and restored is not None:
             log.warning("restored step %d after skipping %d damaged step(s)", restored, len(found.damaged))
-        # one tier: tier None, as ettr reads it
-        tracker.checkpoint_restored(restored, tier=tier if self._target.commit_tier else None)
+        tracker.checkpoint_restored(restored, tier=tier if self._target.commit_tier else None)  # one tier: None
         return restored
 
     # -- queries and lifetime -----------------------------------------------------------------------
