@@ -197,6 +197,18 @@ class Node:
             except ProcessLookupError:
                 pass
 
+    def host_pid(self, pid: int) -> int:
+        """The host's pid of the node's process `pid` (as the process itself sees it, inside the node)."""
+        for p in self.pids():
+            try:
+                status = Path(f"/proc/{p}/status").read_text()
+            except OSError:
+                continue
+            ids = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
+            if ids and int(ids[-1]) == pid:
+                return p
+        raise LookupError(f"{self.name} has no process {pid}")
+
     def kill_jobs(self) -> None:
         """SIGKILL every process of the node but its init: the node stays up, its tmpfs with it."""
         deadline = time.monotonic() + 30
@@ -330,6 +342,7 @@ class Cluster:
 
 
 WORKER = str(Path(__file__).parent / "procs" / "cluster_worker.py")
+FAULTS = str(Path(__file__).parent / "procs" / "cluster_faults.py")
 LINE = re.compile(r"^rank (\d+) (resumed|step|done) (\S+)(?: (?:tier|loss) (\S+))?$", re.M)
 
 
@@ -343,30 +356,27 @@ class Job:
         cluster: Cluster,
         name: str,
         *,
-        steps: int,
+        script: str = WORKER,
+        args: list[str] | None = None,
+        steps: int = 24,
         every: int = 2,
         persist_every: int = 3,
         timeout: float = 10.0,
         nproc: int = 2,
         port: int = 29400,
-        extra: list[str] | None = None,
     ):
-        self.cluster, self.name, self.nproc, self.port = cluster, name, nproc, port
+        """A job of `script` (default: the training worker with `steps`, `every`, `persist_every` and `timeout`, its
+        collective_timeout); `args`: other flags of `script`, after --root and --local-tier."""
+        self.cluster, self.name, self.script, self.nproc, self.port = cluster, name, script, nproc, port
         self.dir = cluster.workdir / name
         self.root = self.dir / "durable"
         self.local = cluster.nvme / name
-        self.corpus = cluster.workdir / "corpus.bin"
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.args = [
-            f"--root={self.root}",
-            f"--local-tier={self.local}/{{rank}}",
-            f"--corpus={self.corpus}",
-            f"--steps={steps}",
-            f"--every={every}",
-            f"--persist-every={persist_every}",
-            f"--timeout={timeout}",
-            *(extra or []),
-        ]
+        if args is None:
+            corpus = cluster.workdir / "corpus.bin"
+            args = [f"--corpus={corpus}", f"--steps={steps}", f"--every={every}"]
+            args += [f"--persist-every={persist_every}", f"--timeout={timeout}"]
+        self.args = [f"--root={self.root}", f"--local-tier={self.local}/{{rank}}", *args]
         self.attempt = 0
         self.procs: dict[int, subprocess.Popen] = {}
 
@@ -385,7 +395,7 @@ class Job:
             if n.init is None:
                 n.boot()
             self.procs[n.index] = self.cluster.torchrun(
-                n, self.name, WORKER, self.args, self.log_path(n.index), port=self.port, nproc=self.nproc, env=env
+                n, self.name, self.script, self.args, self.log_path(n.index), port=self.port, nproc=self.nproc, env=env
             )
 
     def text(self, attempt: int | None = None) -> str:
@@ -507,6 +517,67 @@ def node_loss(
             f"{sorted(set(tiers.values()))}, job running again {resumed:.1f} s after the kill"
         )
         out.append(record)
+    return out
+
+
+def faults(job: Job, cases: list[str], node: int = 1, say: Callable[[str], None] = print) -> dict[str, dict]:
+    """Run `procs/cluster_faults.py` through `cases` (save, persist, replicate: node `node`'s link goes down while
+    every rank holds at that case's gate; sigstop: the last rank of node `node` is stopped before a save): let the
+    ranks on, wait until every rank failed, check that no tier holds the step partly, bring the link back (continue
+    the rank), wait for the next save's commit. Returns per case each rank's failure (seconds after its gate, type,
+    message), the seconds from the fault until every rank had failed, and what each tier holds."""
+    from ckpt import layout
+    from ckpt.storage import open_storage
+
+    gates = job.dir / "gates"
+    gates.mkdir(exist_ok=True)
+    job.launch()
+    victim = job.cluster.nodes[node]
+    out = {}
+    for k, case in enumerate(cases, start=1):
+        step = 10 * k + 2
+        pids = {r: int(job.wait_for(rf"rank {r} gate {case} pid (\d+)").group(1)) for r in range(job.world)}
+        if case == "persist":  # the step is in the peer's replica already: only the persist is in flight
+            for r in range(job.world):
+                job.wait_for(rf"replicated step {step}: sent to rank \d+, \d+ bytes of rank {r}'s kept")
+        stopped = None
+        if case == "sigstop":
+            stopped = job.nproc * node + job.nproc - 1
+            pid = victim.host_pid(pids[stopped])
+            os.kill(pid, signal.SIGSTOP)
+        else:
+            victim.link(False)
+        began = time.monotonic()
+        (gates / case).touch()
+        failures = {}
+        for r in range(job.world):
+            if r != stopped:
+                found = job.wait_for(rf"rank {r} case {case} (?:failed after (\S+) s: (\w+): (.*)|did not fail)")
+                assert found.group(1), f"rank {r} did not fail in case {case}"
+                failures[r] = (float(found.group(1)), found.group(2), found.group(3))
+        detected = time.monotonic() - began
+        durable = layout.committed_steps(open_storage(str(job.root)))
+        inventories = [job.inventory(r) for r in range(job.world)]
+        if case == "sigstop":
+            os.kill(pid, signal.SIGCONT)
+            found = job.wait_for(rf"rank {stopped} case {case} (?:failed after (\S+) s: (\w+): (.*)|did not fail)")
+            failures[stopped] = (float(found.group(1) or "nan"), found.group(2), found.group(3))
+        else:
+            victim.link(True)
+        (gates / f"{case}-after").touch()
+        for r in range(job.world):
+            job.wait_for(rf"rank {r} case {case} committed {step + 1}")
+        out[case] = {
+            "step": step,
+            "failures": failures,
+            "detected_s": detected,
+            "durable": durable,
+            "inventories": inventories,
+            "after": layout.committed_steps(open_storage(str(job.root))),
+        }
+        slowest = max(f[0] for f in failures.values() if f[0] == f[0])
+        say(f"{case}: every rank failed {detected:.1f} s after the fault (slowest rank {slowest:.1f} s after its gate)")
+    assert job.wait() == {n.index: 0 for n in job.cluster.nodes}, job.text()[-4000:]
     return out
 
 

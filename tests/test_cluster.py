@@ -9,6 +9,7 @@ Set CLUSTER_SEED to replay a run's random instants (the seed is in every failure
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -97,3 +98,34 @@ def test_node_losses_resume_bitwise_from_the_newest_surviving_copy(nodes, refere
     tiers = {a["restored_tier"] for a in report["attempts"] if a["restored_tier"]}
     assert tiers == {"local", "peer", "durable"}
     print(f"seed {SEED}: restores per tier {report['restores_per_tier']}", flush=True)
+
+
+TIMEOUT = 5.0  # the fault job's collective_timeout
+
+
+def test_partitions_and_a_stopped_rank_fail_every_rank_within_the_timeout_and_commit_nothing_partial(nodes):
+    job = cluster.Job(
+        nodes,
+        "faults",
+        script=cluster.FAULTS,
+        args=[f"--gates={nodes.workdir / 'faults' / 'gates'}", f"--timeout={TIMEOUT}"],
+    )
+    cases = ["save", "persist", "replicate", "sigstop"]
+    seen = cluster.faults(job, cases, node=1, say=lambda line: print(line, flush=True))
+    for case in cases:
+        got, step = seen[case], seen[case]["step"]
+        assert got["detected_s"] <= TIMEOUT + 10, (case, got["detected_s"])
+        for rank, (seconds, kind, message) in got["failures"].items():
+            assert kind in ("CheckpointWriteError", "CollectiveTimeout"), (case, rank, kind, message)
+            named = re.search(r"rank (\d+) waited for rank (\d+)", message)
+            assert named and int(named.group(1)) == rank and int(named.group(2)) != rank, (case, rank, message)
+            assert rank == 3 and case == "sigstop" or seconds <= TIMEOUT + 10, (case, rank, seconds)
+        if case == "sigstop":  # the ranks that were not stopped name it, or the leader that waited for it
+            assert "waited for rank 3" in got["failures"][0][2]
+        assert step not in got["durable"]  # nothing partial: in no tier, or whole in every rank's
+        local = {r for r, inv in enumerate(got["inventories"]) if step in inv["local"]}
+        replica = {r for inv in got["inventories"] for r, steps in inv["replica"].items() if step in steps}
+        assert local in (set(), {0, 1, 2, 3}) and replica in (set(), {"0", "1", "2", "3"}), (case, local, replica)
+        assert local == (set() if case in ("save", "sigstop") else {0, 1, 2, 3}), (case, local)
+        assert replica == (set() if case != "persist" else {"0", "1", "2", "3"}), (case, replica)
+        assert step + 1 in got["after"]  # the link is back: the next save commits, in the durable tier too
