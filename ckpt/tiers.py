@@ -194,6 +194,7 @@ class Tiers:
         if self.offset:
             world, rank = self.ranks.world_size, self.ranks.rank
             source = (rank - self.offset) % world
+            t0 = time.perf_counter()
             received = transfer(
                 self.ranks,
                 step,
@@ -203,11 +204,12 @@ class Tiers:
                 dest=self.replica(source),
             )
             log.info(
-                "replicated step %d: sent to rank %d, %d bytes of rank %d's kept",
+                "replicated step %d: sent to rank %d, %d bytes of rank %d's kept, in %.3f s",
                 step,
                 (rank + self.offset) % world,
                 received,
                 source,
+                time.perf_counter() - t0,
             )
             self._retain(self.replica(source), set())
         self._retain(

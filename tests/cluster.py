@@ -14,8 +14,9 @@ its mount namespace; `Node.boot` starts a replacement with an empty one. `Node.l
 port down (a partition); `Node.delay` adds netem delay to its eth0 where the kernel has netem.
 
 Names start with `PREFIX` and the creating process's pid, so a killed run's leftovers never collide with a new
-run and `cleanup_stale` removes them. Run as a script it builds a cluster and runs `tests/cluster_job.py`'s
-scenarios (``scripts/cluster.sh --help``).
+run and `cleanup_stale` removes them. `Job` runs a torchrun job on every node; `node_loss` and `faults` are the
+scenarios of `tests/test_cluster.py`. Run as a script (``scripts/cluster.sh [node-loss] [faults] [slow]``) it builds
+two nodes, runs the scenarios and prints their figures.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import doc_blocks
+
 # a node's init: reaps the processes orphaned inside it (a killed torchrun's workers), until it is killed
 INIT = "import os, time  # ckcl node init\nwhile True:\n    try:\n        os.wait()\n    except ChildProcessError:\n        time.sleep(0.05)\n"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "checkpointing.md"
 PREFIX = "ckcl"  # every namespace this harness makes: ckcl<pid>x<hex>-<role>
 TMPFS_SIZE = "256m"
 
@@ -308,37 +312,26 @@ class Cluster:
                     pass
             _sh("ip", "netns", "del", ns, check=False)
 
-    def torchrun(
-        self,
-        node: Node,
-        run_id: str,
-        script: str,
-        args: list[str],
-        log: Path,
-        *,
-        port: int = 29400,
-        nproc: int = 2,
-        env: dict[str, str] | None = None,
-    ) -> subprocess.Popen:
-        """Start torchrun on `node`: multi-node c10d rendezvous at node 0's address (node 0 hosts the store), this
-        node's link-local address as its own, gloo over its eth0."""
-        argv = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nnodes={len(self.nodes)}",
-            f"--nproc-per-node={nproc}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={self.nodes[0].addr}:{port}",
-            f"--rdzv-id={run_id}",
-            f"--rdzv-conf=is_host={int(node.index == 0)}",
-            f"--local-addr={node.addr}",
-            "--max-restarts=0",
-            "--monitor-interval=0.1",
-            script,
-            *args,
-        ]
-        return node.run(argv, log, {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1", **(env or {})})
+    def torchrun(self, node: Node, run_id: str, script: str, args: list[str], log: Path) -> subprocess.Popen:
+        """Start on `node` the torchrun line of docs/checkpointing.md, as written: the c10d rendezvous at node 0's
+        address (node 0 hosts the store), this node's link-local address as its own, gloo over its eth0."""
+        env = {
+            "NODE0_ADDR": self.nodes[0].addr,
+            "NODE_ADDR": node.addr,
+            "IS_HOST": str(int(node.index == 0)),
+            "RUN_ID": run_id,
+            "MAX_RESTARTS": "0",  # the harness is the scheduler: it starts the job again
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            "GLOO_SOCKET_IFNAME": "eth0",
+            "OMP_NUM_THREADS": "1",
+        }
+        return node.run(["bash", "-c", torchrun_line(), "torchrun", script, *args], log, env)
+
+
+def torchrun_line() -> str:
+    """The command docs/checkpointing.md tells every node of a two-node job to run."""
+    blocks = doc_blocks.parse(DOC)
+    return next(b.code for b in blocks if b.skip and b.skip.startswith("run on both nodes by tests/cluster.py"))
 
 
 WORKER = str(Path(__file__).parent / "procs" / "cluster_worker.py")
@@ -362,12 +355,11 @@ class Job:
         every: int = 2,
         persist_every: int = 3,
         timeout: float = 10.0,
-        nproc: int = 2,
-        port: int = 29400,
     ):
         """A job of `script` (default: the training worker with `steps`, `every`, `persist_every` and `timeout`, its
         collective_timeout); `args`: other flags of `script`, after --root and --local-tier."""
-        self.cluster, self.name, self.script, self.nproc, self.port = cluster, name, script, nproc, port
+        self.cluster, self.name, self.script = cluster, name, script
+        self.nproc = 2  # ranks per node: the documented torchrun line's --nproc-per-node
         self.dir = cluster.workdir / name
         self.root = self.dir / "durable"
         self.local = cluster.nvme / name
@@ -387,16 +379,14 @@ class Job:
     def log_path(self, node: int, attempt: int | None = None) -> Path:
         return self.dir / f"attempt{self.attempt if attempt is None else attempt}-node{node}.log"
 
-    def launch(self, env: dict[str, str] | None = None) -> None:
+    def launch(self) -> None:
         """Start an attempt: torchrun on every node that is up (booting those that are down)."""
         self.attempt += 1
         self.procs = {}
         for n in self.cluster.nodes:
             if n.init is None:
                 n.boot()
-            self.procs[n.index] = self.cluster.torchrun(
-                n, self.name, self.script, self.args, self.log_path(n.index), port=self.port, nproc=self.nproc, env=env
-            )
+            self.procs[n.index] = self.cluster.torchrun(n, self.name, self.script, self.args, self.log_path(n.index))
 
     def text(self, attempt: int | None = None) -> str:
         """Every node's log of an attempt (default: the current one)."""
@@ -581,6 +571,11 @@ def faults(job: Job, cases: list[str], node: int = 1, say: Callable[[str], None]
     return out
 
 
+def replication_seconds(text: str) -> list[float]:
+    """The seconds of every replication a job's log reports (ckpt's INFO line ``replicated step N: ... in S s``)."""
+    return [float(s) for s in re.findall(r"replicated step \d+: .* in ([0-9.]+) s$", text, re.M)]
+
+
 def wait_for(
     read: Callable[[], str], pattern: str, timeout: float, alive: Callable[[], bool] = lambda: True
 ) -> "re.Match[str]":
@@ -595,3 +590,77 @@ def wait_for(
         assert alive(), f"the job ended before saying {pattern!r}:\n{text[-4000:]}"
         assert time.monotonic() < deadline, f"never said {pattern!r} in {timeout} s:\n{text[-4000:]}"
         time.sleep(0.01)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build two nodes, run the scenarios asked for and print their figures; everything is torn down at the end."""
+    import argparse
+    import json
+    import statistics
+    import tempfile
+
+    parser = argparse.ArgumentParser(prog="scripts/cluster.sh", description=main.__doc__)
+    parser.add_argument("scenarios", nargs="*", default=["node-loss", "faults", "slow"], help="node-loss faults slow")
+    parser.add_argument("--seed", type=int, default=None, help="the random instants of the node losses")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep logs and roots here (default: a temp dir)")
+    args = parser.parse_args(argv)
+    reason = missing()
+    if reason:
+        print(f"cannot build a cluster here: {reason}", file=sys.stderr)
+        return 2
+    seed = random.randrange(1 << 16) if args.seed is None else args.seed
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="cluster-"))
+    from examples.lm_demo.corpus import write_corpus
+
+    write_corpus(work / "corpus.bin", 100_000)
+    with Cluster(work) as c:
+        print(f"nodes {[(n.name, n.addr) for n in c.nodes]}, work dir {work}, seed {seed}", flush=True)
+        reference = Job(c, "reference")
+        reference.launch()
+        assert reference.wait() == {0: 0, 1: 0}, reference.text()[-4000:]
+        fast = replication_seconds(reference.text())
+        print(f"replication, no delay: median {statistics.median(fast):.3f} s over {len(fast)}", flush=True)
+        if "node-loss" in args.scenarios:
+            job = Job(c, "chaos")
+            node_loss(job, random.Random(seed), [(1,), (0,), (0, 1), (0, 1)])
+            assert job.wait() == {0: 0, 1: 0}, job.text()[-4000:]
+            same = (job.root / "final.json").read_text() == (reference.root / "final.json").read_text()
+            report = json.loads(
+                subprocess.run(
+                    [sys.executable, "-m", "ettr", "report", str(job.root), "--json"],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
+            )
+            for tier, t in report["restores_per_tier"].items():
+                print(
+                    f"restore from the {tier} tier: {t['restores']} restores, {t['seconds'] / t['restores']:.3f} s each"
+                )
+            print(
+                f"lost {report['seconds']['lost']:.1f} s, downtime {report['seconds']['downtime']:.1f} s; "
+                f"final weights bitwise the reference's: {same}",
+                flush=True,
+            )
+        if "faults" in args.scenarios:
+            job = Job(c, "faults", script=FAULTS, args=[f"--gates={work / 'faults' / 'gates'}", "--timeout=5"])
+            faults(job, ["save", "persist", "replicate", "sigstop"])
+        if "slow" in args.scenarios:
+            reason = netem_missing()
+            if reason:
+                print(f"slow link: not run, {reason}")
+            else:
+                job = Job(c, "slow", steps=8)
+                c.nodes[1].delay(50)
+                try:
+                    job.launch()
+                    assert job.wait() == {0: 0, 1: 0}, job.text()[-4000:]
+                finally:
+                    c.nodes[1].delay(None)
+                slow = replication_seconds(job.text())
+                print(f"replication, node 1 delayed 50 ms: median {statistics.median(slow):.3f} s over {len(slow)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

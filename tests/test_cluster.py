@@ -10,6 +10,7 @@ import json
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
 
@@ -129,3 +130,21 @@ def test_partitions_and_a_stopped_rank_fail_every_rank_within_the_timeout_and_co
         assert local == (set() if case in ("save", "sigstop") else {0, 1, 2, 3}), (case, local)
         assert replica == (set() if case != "persist" else {"0", "1", "2", "3"}), (case, replica)
         assert step + 1 in got["after"]  # the link is back: the next save commits, in the durable tier too
+
+
+def test_a_slow_link_still_commits_and_replication_takes_longer(nodes, reference):
+    reason = cluster.netem_missing()
+    if reason:
+        pytest.skip(f"no 50 ms delay on a link here: {reason}")
+    job = cluster.Job(nodes, "slow", steps=8)
+    nodes.nodes[1].delay(50)  # every packet node 1 sends waits 50 ms
+    try:
+        job.launch()
+        codes = job.wait()
+    finally:
+        nodes.nodes[1].delay(None)
+    assert codes == {0: 0, 1: 0}, job.text()[-4000:]
+    assert json.loads((job.root / "final.json").read_text())["steps"] == 8
+    fast, slow = cluster.replication_seconds(reference.text()), cluster.replication_seconds(job.text())
+    # each replication waits for messages node 1 sends (its replicas, the status): at least one delay more
+    assert statistics.median(slow) >= statistics.median(fast) + 0.05, (fast, slow)

@@ -15,6 +15,7 @@ import argparse
 import gc
 import hashlib
 import json
+import logging
 import os
 import random
 import sys
@@ -59,6 +60,8 @@ def main() -> None:
     p.add_argument("--persist-every", type=int, default=3)
     p.add_argument("--timeout", type=float, default=10.0)
     args = p.parse_args()
+    logging.basicConfig(format="%(message)s", stream=sys.stdout)
+    logging.getLogger("ckpt").setLevel(logging.INFO)  # "replicated step N: ... in S s", read by the harness
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     random.seed(0)
