@@ -45,6 +45,19 @@ def reference(nodes):
     return job
 
 
+def test_the_namespaces_a_killed_run_left_are_removed_and_a_live_runs_are_kept(nodes):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = f"{cluster.PREFIX}{gone.pid}x0000-n0"  # named after a process that no longer exists
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        assert stale in cluster.cleanup_stale()  # and not this run's own: its creator is alive
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert stale not in listed and nodes.nodes[0].ns in listed
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+
+
 def _hostname(node) -> str:
     enter = ["nsenter", "-t", str(node.init), "-u", "hostname"]
     return subprocess.run(enter, capture_output=True, text=True, check=True).stdout.strip()
