@@ -396,6 +396,8 @@ class CheckpointManager:
                 except (TypeError, ValueError) as e:  # a state `save` would refuse: the save says so, naming the key
                     log.debug("no staging reserved ahead of the first save: %s", e)
         restored = None if source is None else source.step
+        if track and step is None:  # the job resumes from the newest step it could: nothing newer may stay in its way
+            self._target.left_behind(restored)
         if found.damaged and restored is not None:
             log.warning("restored step %d after skipping %d damaged step(s)", restored, len(found.damaged))
         # one tier: tier None, as ettr reads it
