@@ -11,12 +11,12 @@ from __future__ import annotations
 import functools
 import json
 from datetime import timedelta
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
-from .errors import StateMismatchError
+from .errors import CollectiveTimeout, StateMismatchError
 from .format import ArrayInfo
 from .state import is_dtensor
 
@@ -77,8 +77,8 @@ class Ranks:
         """Wait until every rank is here."""
 
     def send(self, data: torch.Tensor, peer: int, tag: int) -> Any:
-        """Start sending `data` (a contiguous CPU tensor) to rank `peer`, whose `receive` names the same `tag`;
-        returns the transfer, whose `wait()` returns once it ended."""
+        """Start sending `data` (a contiguous CPU tensor) to rank `peer`, whose `receive` names the same `tag` (not 0:
+        the collectives' own); returns the transfer, whose `wait()` returns once it ended."""
         raise ValueError(f"a rank alone has no rank {peer} to send to")
 
     def receive(self, data: torch.Tensor, peer: int, tag: int) -> Any:
@@ -87,59 +87,75 @@ class Ranks:
 
 
 class GlooRanks(Ranks):
-    """The ranks of torch.distributed, through a gloo group of their own (created once, with a timeout)."""
+    """The ranks of torch.distributed, through a gloo group of their own (created once, with a timeout).
+
+    Every collective is a star of point-to-point messages through the leader (JSON values as bytes, no pickle): each
+    rank knows which rank it waits for, so one that never answers within the timeout (dead, partitioned, stopped)
+    or whose connection closed is named in the `CollectiveTimeout` every waiting rank raises."""
 
     def __init__(self, timeout: timedelta):
         super().__init__(*topology())
         self.group = dist.new_group(backend="gloo", timeout=timeout)
 
-    # JSON values travel as bytes over gloo (no pickle), each padded to the longest with its length in front
+    def _op(self, op: str, peer: int, call: Callable[[], Any]) -> Any:
+        """`call()`, a message to or from rank `peer`: a timeout or a closed connection (raised by the call or by the
+        wait) becomes a `CollectiveTimeout` naming `peer`."""
+        try:
+            return call()
+        except RuntimeError as e:
+            raise CollectiveTimeout(op, self.rank, peer, e) from e
 
-    def _longest(self, data: bytes) -> int:
-        """The longest of every rank's encoded value (the framing included)."""
-        n = torch.tensor([len(data) + _LEN], dtype=torch.int64)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
-        return int(n.item())
+    def _send(self, op: str, messages: Mapping[int, bytes]) -> None:
+        """Send each rank its bytes (the length first), all at once; return once every send is done."""
+        sent = []
+        for dst, data in messages.items():
+            tensors = [torch.tensor([len(data)], dtype=torch.int64)]
+            if data:
+                tensors.append(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            for t in tensors:  # each tensor lives until its send is done
+                sent.append((dst, t, self._op(op, dst, lambda t=t, dst=dst: dist.isend(t, dst=dst, group=self.group))))
+        for dst, _, work in sent:
+            self._op(op, dst, work.wait)
+
+    def _recv(self, op: str, src: int) -> bytes:
+        length = torch.zeros(1, dtype=torch.int64)
+        self._op(op, src, lambda: dist.irecv(length, src=src, group=self.group).wait())
+        if not int(length.item()):
+            return b""
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        self._op(op, src, lambda: dist.irecv(payload, src=src, group=self.group).wait())
+        return payload.numpy().tobytes()
 
     def all_gather_json(self, obj: Any) -> list[Any]:
         """Every rank's JSON value, in rank order."""
-        data = _encode(obj)
-        longest = self._longest(data)
-        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
-        dist.all_gather(out, _framed(data, longest), group=self.group)
-        return [_decode(o) for o in out]
+        return self.broadcast_json(self.gather_json(obj, "an all-gather"), "an all-gather")
 
-    def gather_json(self, obj: Any) -> list[Any] | None:
+    def gather_json(self, obj: Any, op: str = "a gather") -> list[Any] | None:
         data = _encode(obj)
-        longest = self._longest(data)
-        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)] if self.leader else None
-        dist.gather(_framed(data, longest), out, dst=0, group=self.group)
-        return None if out is None else [_decode(o) for o in out]
+        if not self.leader:
+            self._send(op, {0: data})
+            return None
+        return [json.loads(data if r == 0 else self._recv(op, r)) for r in range(self.world_size)]
 
     def scatter_json(self, parts: list[Any] | None) -> Any:
-        encoded = [_encode(p) for p in parts] if self.leader and parts is not None else []
-        longest = torch.tensor([max(map(len, encoded), default=0) + _LEN], dtype=torch.int64)
-        dist.broadcast(longest, src=0, group=self.group)
-        n = int(longest.item())
-        out = torch.empty(n, dtype=torch.uint8)
-        dist.scatter(out, [_framed(d, n) for d in encoded] if self.leader else None, src=0, group=self.group)
-        return _decode(out)
+        if not self.leader:
+            return json.loads(self._recv("a scatter", 0))
+        encoded = [_encode(p) for p in parts]
+        self._send("a scatter", {r: encoded[r] for r in range(1, self.world_size)})
+        return json.loads(encoded[0])
 
-    def broadcast_json(self, obj: Any) -> Any:
-        data = _encode(obj) if self.leader else b""
-        n = torch.tensor([len(data) + _LEN], dtype=torch.int64)
-        dist.broadcast(n, src=0, group=self.group)
-        out = _framed(data, int(n.item()))
-        dist.broadcast(out, src=0, group=self.group)
-        return _decode(out)
+    def broadcast_json(self, obj: Any, op: str = "a broadcast") -> Any:
+        if not self.leader:
+            return json.loads(self._recv(op, 0))
+        data = _encode(obj)
+        self._send(op, {r: data for r in range(1, self.world_size)})
+        return json.loads(data)
 
     def all_true(self, flag: bool) -> bool:
-        t = torch.tensor([int(flag)], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(t.item())
+        return all(self.all_gather_json(bool(flag)))
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        self.all_gather_json(None)
 
     def send(self, data: torch.Tensor, peer: int, tag: int) -> Any:
         return dist.isend(data, peer, group=self.group, tag=tag)
@@ -148,24 +164,8 @@ class GlooRanks(Ranks):
         return dist.irecv(data, peer, group=self.group, tag=tag)
 
 
-_LEN = 8  # bytes of the length in front of an encoded value
-
-
 def _encode(obj: Any) -> bytes:
     return json.dumps(obj, allow_nan=False).encode()
-
-
-def _framed(data: bytes, size: int) -> torch.Tensor:
-    """`data` with its length in front, zero-padded to `size` bytes, as a uint8 tensor."""
-    out = torch.zeros(size, dtype=torch.uint8)
-    framed = len(data).to_bytes(_LEN, "little") + data
-    out[: len(framed)] = torch.frombuffer(bytearray(framed), dtype=torch.uint8)
-    return out
-
-
-def _decode(t: torch.Tensor) -> Any:
-    raw = t.numpy().tobytes()
-    return json.loads(raw[_LEN : _LEN + int.from_bytes(raw[:_LEN], "little")])
 
 
 def local_box(t: torch.Tensor) -> tuple[torch.Tensor, Box]:

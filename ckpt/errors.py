@@ -25,6 +25,16 @@ class CheckpointWriteError(CheckpointError):
         self.__cause__ = cause
 
 
+class CollectiveTimeout(CheckpointError):
+    """A collective of checkpointing gave up on a rank: no message from it (or to it) within `collective_timeout`, or
+    its connection closed (a dead rank, a partitioned node, a stopped process). Names that rank."""
+
+    def __init__(self, op: str, rank: int, waited_for: int, cause: BaseException):
+        super().__init__(f"rank {rank} waited for rank {waited_for} in {op} and gave up: {cause}")
+        self.op, self.rank, self.waited_for = op, rank, waited_for
+        self.__cause__ = cause
+
+
 class StateChangedError(CheckpointError):
     """A tensor of an overlapped snapshot was changed in place before its copy was taken (see `ckpt.snapshot`): the
     save fails, naming the keys, instead of committing a state mixed from before and after the change."""

@@ -183,9 +183,9 @@ class CheckpointManager:
     ) -> SaveHandle:
         """Snapshot `state` into host memory and write it in the background; returns once the snapshot is taken.
 
-        A save still writing is waited for first (never two interleaved). An error of an earlier
-        background write is raised here, before anything new is written. The first save takes the root's
-        lease (one writer per root): `LeaseHeldError` names the live writer holding it.
+        A save still writing is waited for first (never two interleaved). An error of an earlier background write is
+        raised here, before anything new is written. The first save takes the root's lease (one writer per root):
+        `LeaseHeldError` names the live writer holding it.
 
         With a local tier, `persist=True` also persists this step to the durable root (the last save of a job, a
         save before a preemption: the node and its local tier may not come back), `False` never; by default
@@ -338,20 +338,19 @@ class CheckpointManager:
     ) -> int | None:
         """Load the newest intact committed step (or `step`) into `state` in place; returns the step or None.
 
-        Nothing reaches `state` unless every read of the step verified: a failed restore leaves it as it
-        was. Without `step`, a damaged checkpoint is reported (warning), moved aside to
-        ``ROOT/_quarantine/`` (so that training can save that step again) and the previous one is tried; a
-        step deleted while being read (another process's retention) is no damage: the steps are listed
-        again. All ranks agree on the step. `keys` restricts the restore to some top-level entries of the
-        state (e.g. ``["model"]``); without it, the state and the checkpoint must have the same keys.
-        Per-rank entries (RNG) saved at another world size go to rank i from rank ``i % saved_world_size``
-        (``rank_map="modulo"``, the default) or are left as they are (``"skip"``: the caller reseeds).
-        `track=False` keeps the restore from the tracker: a load for evaluation (best model, weights only)
-        is not where the job resumed.
+        Nothing reaches `state` unless every read of the step verified: a failed restore leaves it as it was. Without
+        `step`, a damaged checkpoint is reported (warning), moved aside to ``ROOT/_quarantine/`` (so that training can
+        save that step again) and the previous one is tried; a step deleted while being read (another process's
+        retention) is no damage: the steps are listed again. All ranks agree on the step. `keys` restricts the restore
+        to some top-level entries of the state (e.g. ``["model"]``); without it, the state and the checkpoint must
+        have the same keys. Per-rank entries (RNG) saved at another world size go to rank i from rank
+        ``i % saved_world_size`` (``rank_map="modulo"``, the default) or are left as they are (``"skip"``: the
+        caller reseeds). `track=False` keeps the restore from the tracker: a load for evaluation is not a resume.
 
-        With a local tier (``local=``) the newest intact step of either tier is taken, the local tier first for
-        the same step; a rank whose local copy is lost gets it back from its peer's replica first, and a damaged
-        local step falls back to the durable tier. The tier read from is logged and told to the tracker.
+        With a local tier (``local=``) the newest intact step of either tier is taken, the local tier first for the
+        same step; a rank whose local copy is lost gets it back from its peer's replica first, and a damaged local
+        step falls back to the durable tier. The tier read from is logged and told to the tracker; local steps newer
+        than the one a resume takes (an attempt killed before every rank had them) are deleted.
         """
         if rank_map not in ("modulo", "skip"):
             raise ValueError(f"rank_map must be 'modulo' or 'skip', got {rank_map!r}")
@@ -385,6 +384,8 @@ class CheckpointManager:
                 except (TypeError, ValueError) as e:  # a state `save` would refuse: the save says so, naming the key
                     log.debug("no staging reserved ahead of the first save: %s", e)
         restored = None if source is None else source.step
+        if track and step is None:  # the job resumes from the newest step it could: nothing newer may stay in its way
+            self._target.left_behind(restored)
         if found.damaged and restored is not None:
             log.warning("restored step %d after skipping %d damaged step(s)", restored, len(found.damaged))
         tracker.checkpoint_restored(restored, tier=tier if self._target.commit_tier else None)  # one tier: None

@@ -276,7 +276,8 @@ def _bands(held: Held, world_size: int) -> list[list[Any]]:
         pieces += [(n * (hi - lo) // rows, region, lo, hi, holders) for lo, hi in zip(edges, edges[1:])]
     load = [0] * world_size
     assigned: dict[Region, list[list[Any]]] = {}
-    for tag, (n, region, lo, hi, holders) in enumerate(sorted(pieces, key=lambda p: -p[0])):
+    # tags from 1: tag 0 carries the ranks' own collectives (GlooRanks' messages through the leader)
+    for tag, (n, region, lo, hi, holders) in enumerate(sorted(pieces, key=lambda p: -p[0]), start=1):
         reader = min(holders, key=lambda r: (load[r], r))
         load[reader] += n
         assigned.setdefault(region, []).append([lo, hi, reader, holders, tag])

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from . import layout
 from .distributed import Ranks
+from .errors import CollectiveTimeout
 from .save import begin_step, commit_step
 from .storage import LocalStorage
 
@@ -54,13 +55,20 @@ def transfer(
     already committed in `dest` is replaced (a replica is a copy). Returns the bytes received.
     """
     group = getattr(ranks, "group", None)
+    op = f"the replica of step {step}"
 
     def exchange(out: torch.Tensor | None, into: torch.Tensor | None) -> None:
-        request = dist.isend(out, dst=send_to, group=group) if out is not None else None
-        if into is not None:
-            dist.recv(into, src=recv_from, group=group)
-        if request is not None:
-            request.wait()
+        peer = send_to
+        try:
+            request = dist.isend(out, dst=send_to, group=group) if out is not None else None
+            peer = recv_from
+            if into is not None:
+                dist.recv(into, src=recv_from, group=group)
+            peer = send_to
+            if request is not None:
+                request.wait()
+        except RuntimeError as e:  # a timeout or a closed connection: name the rank this one waited for
+            raise CollectiveTimeout(op, ranks.rank, peer, e) from e
 
     sending = send_to is not None
     receiving = recv_from is not None

@@ -76,6 +76,10 @@ class Target(Protocol):
     def resumed(self, source: Source, remaining: list[Source]) -> None:
         """The job resumed from `source` (`remaining`: the sources not tried)."""
 
+    def left_behind(self, step: int | None) -> None:
+        """The job resumed from the newest step any restore could take (None: none): what is newer beside the
+        durable root was left behind by an earlier attempt and would keep the job from saving those steps again."""
+
     def steps(self, durable: Iterable[int]) -> list[Step]:
         """Committed steps, ascending, each with its tiers."""
 
@@ -157,6 +161,9 @@ class SingleRoot:
         return None
 
     def resumed(self, source: Source, remaining: list[Source]) -> None:
+        pass
+
+    def left_behind(self, step: int | None) -> None:
         pass
 
     def steps(self, durable: Iterable[int]) -> list[Step]:

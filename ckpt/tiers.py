@@ -160,6 +160,24 @@ class Tiers:
         lagging = source.tier == LOCAL and Source(source.step, DURABLE) not in remaining
         self._unpersisted = self.persist_every - 1 if lagging else 0
 
+    def left_behind(self, step: int | None) -> None:
+        """Delete this rank's local steps newer than `step` (the one the job resumed from; None: none), and the
+        replicas of such steps it keeps: an attempt killed between its local commits and their replicas leaves steps
+        that some ranks hold and others lost, which no restore can take and the job's next saves of those steps
+        would collide with (`StepExistsError`). A local tier of another run, and steps saved at another world size,
+        are left alone."""
+        mine, durable = _run_id(self.local), _run_id(self.durable)
+        if mine and durable and mine != durable:
+            return
+        for storage in [self.local] + [self.replica(r) for r in layout.replica_ranks(self.local)]:
+            for s in self._restorable(storage):  # of this world size: other world sizes' steps are no restore's
+                if step is None or s > step:
+                    self.take_lease()
+                    log.warning("step %d of %s is newer than the step resumed from: deleted", s, storage.url)
+                    catalog.delete_step(storage, s)
+                    if storage is self.local and self.on_local_delete is not None:
+                        self.on_local_delete(s)
+
     def delete_local(self, step: int) -> None:
         """Delete `step` from this rank's local tier, now (manifest first)."""
         self.take_lease()
@@ -206,6 +224,7 @@ class Tiers:
         if self.offset:
             world, rank = self.ranks.world_size, self.ranks.rank
             source = (rank - self.offset) % world
+            t0 = time.perf_counter()
             received = transfer(
                 self.ranks,
                 step,
@@ -215,11 +234,12 @@ class Tiers:
                 dest=self.replica(source),
             )
             log.info(
-                "replicated step %d: sent to rank %d, %d bytes of rank %d's kept",
+                "replicated step %d: sent to rank %d, %d bytes of rank %d's kept, in %.3f s",
                 step,
                 (rank + self.offset) % world,
                 received,
                 source,
+                time.perf_counter() - t0,
             )
             self._retain(self.replica(source), set())
         self._retain(

@@ -57,3 +57,16 @@ def test_lost_local_tier_comes_back_from_the_peer_and_two_lost_fall_back_to_dura
     results = run_ranks(4, "restore", root, worker=tiers_worker)
     _ok(results)
     assert _restored(results) == [(2, "durable", True)] * 4
+
+
+def test_steps_an_attempt_left_on_some_ranks_only_are_dropped_and_saved_again(tmp_path):
+    root = str(tmp_path)
+    _ok(run_ranks(4, "save", root, worker=tiers_worker))
+    shutil.rmtree(os.path.join(root, "local1"))  # node 1 lost: rank 1's step 3 is gone, and its replica of it too
+    catalog.delete_step(open_storage(os.path.join(root, "local2", layout.replica_root(1))), 3)
+    results = run_ranks(4, "resume", root, worker=tiers_worker)
+    _ok(results)
+    assert _restored(results) == [(2, "local", True), (2, "peer", True), (2, "local", True), (2, "local", True)]
+    assert all("saved 3" in r.stdout for r in results)  # not StepExistsError: the other ranks' step 3 was dropped
+    for r in range(4):
+        assert layout.committed_steps(open_storage(os.path.join(root, f"local{r}"))) == [2, 3]

@@ -3,7 +3,7 @@
 Each rank has its own local tier ``ROOT/local<rank>`` (``{rank}`` in the path) and all share the durable root
 ``ROOT/durable``. Modes: "save" saves steps 1, 2, 3 with persist_every=2 (step 2 is durable; the local tiers and
 their peer replicas keep 2 and 3); "restore" restores into zeros and prints the step, the tier and whether every
-value is bitwise the saved one. Started through `tests/test_distributed.run_ranks(..., worker=tiers_worker)`.
+value is bitwise the saved one; "resume" restores as "restore" does, then saves the next step. Started through `tests/test_distributed.run_ranks(..., worker=tiers_worker)`.
 """
 
 import gc
@@ -78,6 +78,9 @@ def run(mode: str, root: str, rank: int, world: int, port: int, log: str) -> Non
                 and got["step"] == step
             )
             print(f"rank {rank} restored {step} tier {tracker.restored[-1][1]} bitwise {ok}", flush=True)
+            if mode == "resume":  # training goes on: the next step is saved again
+                m.save(step + 1, state(step + 1, mesh)).wait()
+                print(f"rank {rank} saved {step + 1}", flush=True)
     dist.destroy_process_group()
     gc.freeze()  # the rank ends here: no final collections over torch's objects (~0.8 s)
     sys.exit(0)
