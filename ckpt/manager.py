@@ -187,9 +187,8 @@ class CheckpointManager:
         raised here, before anything new is written. The first save takes the root's lease (one writer per root):
         `LeaseHeldError` names the live writer holding it.
 
-        With a local tier, `persist=True` also persists this step to the durable root (the last save of a job, a
-        save before a preemption: the node and its local tier may not come back), `False` never; by default
-        every `persist_every`-th save is.
+        With a local tier, `persist=True` also persists this step to the durable root (a job's last save, one before
+        a preemption: the node may not come back), `False` never; by default every `persist_every`-th save is.
         """
         self._check_open()
         bg = self._background
