@@ -37,6 +37,7 @@ from typing import Callable
 import doc_blocks
 
 # a node's init: reaps the processes orphaned inside it (a killed torchrun's workers), until it is killed
+REPO = Path(__file__).resolve().parents[1]
 INIT = "import os, time  # ckcl node init\nwhile True:\n    try:\n        os.wait()\n    except ChildProcessError:\n        time.sleep(0.05)\n"
 DOC = Path(__file__).resolve().parents[1] / "docs" / "checkpointing.md"
 PREFIX = "ckcl"  # every namespace this harness makes: ckcl<pid>x<hex>-<role>
@@ -328,6 +329,7 @@ class Cluster:
             "RUN_ID": run_id,
             "MAX_RESTARTS": "0",  # the harness is the scheduler: it starts the job again
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),  # examples/
             "GLOO_SOCKET_IFNAME": "eth0",
             "OMP_NUM_THREADS": "1",
         }
