@@ -65,7 +65,10 @@ _STEP_DIGEST = '{"k":"step","s":%d,"b":%d,"e":%d,"o":%d%s}\n'  # the last: the d
 
 def _digest(loss: Any, batch: str | None, scalars: dict[str, Any] | None) -> tuple[Digest, str]:
     """A step's digest and its record's fields ``,"l":...,"h":...,"x":{...}`` (ettr.replay)."""
-    bits = None if loss is None else float_bits(loss)
+    try:
+        bits = None if loss is None else float_bits(loss)
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of more than one element
+        raise TypeError(f"loss must be a number or a one-element tensor, got {loss!r}") from None
     text = "" if bits is None else ',"l":"' + bits + '"'
     if batch is not None:
         if type(batch) is not str:
