@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -480,7 +481,7 @@ class GoodputTracker:
     def _report_replay(self, found: Replay) -> None:
         """Add a comparison to this attempt's replay and its metrics; a first divergence is a logged warning."""
         first = self._replay.first_divergence is None and found.first_divergence is not None
-        self._replay += found
+        self._replay = dataclasses.replace(self._replay + found, pending=self._expect)
         d = found.first_divergence
         self.metrics.replayed(found.replayed, found.diverged, d.step if first else None)
         if first:
