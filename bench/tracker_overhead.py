@@ -1,4 +1,5 @@
-"""Per-step overhead of GoodputTracker (step_begin + step_end, flushes amortized): median of repeated runs.
+"""Per-step overhead of GoodputTracker (step_begin + step_end, flushes amortized): median of repeated runs, in CPU
+time of the process (what the step path costs training, robust to other jobs on a shared machine) and wall time.
 
 Each run is a fresh job (its own root): bare steps, steps with a data_wait span, steps whose record carries a digest
 (the loss and a batch hash, as the integrations record them), and the same steps trained a second time by a resumed
@@ -38,9 +39,9 @@ def steps(tr: GoodputTracker, variant: str) -> None:
             tr.step_end(s, losses[s], batch=batches[s])
 
 
-def one_run(variant: str) -> float:
-    """Mean microseconds per step over STEPS steps of `variant` in a fresh root (for "replay", the second attempt:
-    it restores the first attempt's checkpoint of step 0 and trains its steps again)."""
+def one_run(variant: str) -> tuple[float, float]:
+    """Mean (CPU, wall) microseconds per step over STEPS steps of `variant` in a fresh root (for "replay", the second
+    attempt: it restores the first attempt's checkpoint of step 0 and trains its steps again)."""
     with tempfile.TemporaryDirectory() as root:
         if variant == "replay":
             first = GoodputTracker(root, attempt_id="a1", flush_interval=5.0).start()  # ids: the order they ran
@@ -49,13 +50,13 @@ def one_run(variant: str) -> float:
             first.end("error")
         tr = GoodputTracker(root, attempt_id="a2", flush_interval=5.0).start()
         tr.checkpoint_restored(0 if variant == "replay" else None)  # "replay": every step is trained again
-        t0 = time.perf_counter()
+        cpu, wall = time.process_time(), time.perf_counter()
         steps(tr, variant)
         replay = tr.replay() if variant == "replay" else None  # the comparison of the last flush's steps counts too
-        per_step = (time.perf_counter() - t0) / STEPS * 1e6
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
         tr.end()
     assert replay is None or replay.equal == STEPS, replay
-    return per_step
+    return cpu / STEPS * 1e6, wall / STEPS * 1e6
 
 
 LABELS = {
@@ -69,10 +70,10 @@ LABELS = {
 def main(variants: list[str]) -> None:
     """Print the median over 5 runs of each variant (default: all)."""
     for variant in variants or list(LABELS):
-        runs = [one_run(variant) for _ in range(5)]
+        cpu, wall = zip(*(one_run(variant) for _ in range(5)))
         print(
-            f"{LABELS[variant]:<26} median {statistics.median(runs):.2f} us/step  "
-            f"(runs: {', '.join(f'{r:.2f}' for r in runs)}; {STEPS} steps each, flushes included)"
+            f"{LABELS[variant]:<26} median {statistics.median(cpu):.2f} us/step CPU, {statistics.median(wall):.2f} "
+            f"wall  (CPU runs: {', '.join(f'{r:.2f}' for r in cpu)}; {STEPS} steps each, flushes included)"
         )
 
 

@@ -30,8 +30,9 @@ def bits_value(bits: str) -> float:
 
 
 class Digest(NamedTuple):
-    """What a step's ledger record says about its computation: loss bits, batch hash, user scalars' bits (a tuple:
-    the tracker makes one per step it records while replaying)."""
+    """What a step's ledger record says about its computation: loss bits, batch hash, user scalars' bits. `compare`
+    also takes plain (loss, batch, scalars) tuples, which the garbage collector stops tracking: the tracker keeps
+    one per step it trains again until its next flush."""
 
     loss: str | None = None
     batch: str | None = None
@@ -193,6 +194,7 @@ def compare(
         if before == again and before is not None:  # the common case, at C speed
             equal += 1
             continue
+        before, again = _digest(before), _digest(again)
         same = _same(before, again)
         if same is None:
             continue
@@ -204,6 +206,10 @@ def compare(
             command = f"python -m ckpt explain {shlex.quote(root)} --step {step}"
             first = Divergence(step, attempt, earlier, before, again, command)
     return Replay(replayed, equal, diverged, first, expect)
+
+
+def _digest(d: tuple | None) -> Digest | None:
+    return None if d is None else Digest._make(d)
 
 
 def _same(a: Digest | None, b: Digest | None) -> bool | None:

@@ -17,7 +17,7 @@ from typing import Any
 from .attribution import SAVE_SPLIT, Attribution, attribute
 from .clock import Clock, SystemClock
 from .ledger import FORMAT_VERSION, SAVE_PARTS, TIERS, UPLOAD_INTERVAL_S, LedgerWriter, read_ledgers
-from .replay import Digest, Replay, compare, float_bits
+from .replay import Replay, compare, float_bits
 from .telemetry import GoodputMetrics
 
 FLUSHED_SPANS = frozenset({"checkpoint_save", "checkpoint_restore"})
@@ -64,8 +64,9 @@ _STEP = '{"k":"step","s":%d,"b":%d,"e":%d,"o":%d}\n'
 _STEP_DIGEST = '{"k":"step","s":%d,"b":%d,"e":%d,"o":%d%s}\n'  # the last: the digest's fields (`_digest`)
 
 
-def _digest(loss: Any, batch: str | None, scalars: dict[str, Any] | None) -> tuple[Digest, str]:
-    """A step's digest and its record's fields ``,"l":...,"h":...,"x":{...}`` (ettr.replay)."""
+def _digest(loss: Any, batch: str | None, scalars: dict[str, Any] | None) -> tuple[tuple, str]:
+    """A step's digest, (loss bits, batch, scalars' bits) as a plain tuple (`Digest`'s fields: one the garbage
+    collector stops tracking), and its record's fields ``,"l":...,"h":...,"x":{...}`` (ettr.replay)."""
     try:
         bits = None if loss is None else float_bits(loss)
     except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of more than one element
@@ -78,7 +79,7 @@ def _digest(loss: Any, batch: str | None, scalars: dict[str, Any] | None) -> tup
     named = tuple(sorted((str(k), float_bits(v)) for k, v in scalars.items())) if scalars else ()
     if named:
         text += ',"x":' + json.dumps(dict(named), separators=(",", ":"))
-    return Digest(bits, batch, named), text
+    return (bits, batch, named), text
 
 
 @functools.lru_cache(maxsize=256)
@@ -196,9 +197,9 @@ class GoodputTracker:
         # replay verification (ettr.replay): this attempt's steps compared so far; the first passes of the steps it
         # has yet to train again, the last of them, and the digests of those ended since the last comparison
         self._replay = Replay()
-        self._expect: dict[int, tuple[str, Digest | None]] = {}
+        self._expect: dict[int, tuple[str, tuple | None]] = {}  # step -> (attempt, digest fields)
         self._through: int | None = None
-        self._replayed: list[tuple[int, Digest | None]] = []
+        self._replayed: list[tuple[int, tuple | None]] = []
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> GoodputTracker:
@@ -451,7 +452,8 @@ class GoodputTracker:
             mine_split = {**me.checkpoint_split_us, "background_write": me.background_us}
             self._earlier_split = {part: us - mine_split.get(part, 0) for part, us in split.items()}
             failures = sum(a.failed for a in self._prior.attempts[:-1])
-            self._expect = dict(me.replay.pending)  # the steps of this attempt already recorded are compared
+            # the steps of this attempt already recorded are compared; plain tuples, which the collector lets be
+            self._expect = {s: (a, None if d is None else tuple(d)) for s, (a, d) in me.replay.pending.items()}
             self._through = me.replay.through
             self._report_replay(me.replay)
         self.metrics.set_failures(failures)
