@@ -63,12 +63,14 @@ class Divergence:
         a, b = self.first, self.again
         parts = []
         if a.loss is not None and b.loss is not None:
-            parts.append(_differ("loss", _loss(a.loss), _loss(b.loss)) if a.loss != b.loss else "loss equal")
+            parts.append(f"loss {_shown(a.loss)} vs {_shown(b.loss)}" if a.loss != b.loss else "loss equal")
         if a.batch is not None and b.batch is not None:
             parts.append(f"batch {a.batch} vs {b.batch}" if a.batch != b.batch else "batch equal")
         first, again = dict(a.scalars), dict(b.scalars)
         parts += [
-            _differ(k, _loss(first[k]), _loss(again[k])) for k in sorted(first) if again.get(k, first[k]) != first[k]
+            f"{k} {_shown(first[k])} vs {_shown(again[k])}"
+            for k in sorted(first.keys() & again.keys())
+            if first[k] != again[k]
         ]
         return ", ".join(parts)
 
@@ -84,12 +86,9 @@ class Divergence:
         }
 
 
-def _loss(bits: str) -> str:
+def _shown(bits: str) -> str:
+    """Bits and the number they stand for: ``0x3ff2000000000000 (1.125)``."""
     return f"0x{bits} ({bits_value(bits)!r})"
-
-
-def _differ(name: str, first: str, again: str) -> str:
-    return f"{name} {first} vs {again}"
 
 
 def _digest_dict(d: Digest) -> dict[str, Any]:
