@@ -130,6 +130,16 @@ def proc_status(field: str) -> int:
     raise KeyError(field)
 
 
+def bytes_read() -> int:
+    """Bytes this process has read through read()/pread()/preadv() so far (`rchar` of /proc/self/io): every file
+    read, from the disk or the page cache alike; a gloo transfer (recvmsg) is not counted."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    raise KeyError("rchar")
+
+
 class PeakRSS:
     """Peak RSS over a block: VmHWM after resetting it through clear_refs, plus a 2 ms sampler as fallback."""
 

@@ -35,14 +35,27 @@ def io_counters() -> dict[str, int]:
 
 
 def chunk_bytes(root: str, key: str, region: tuple[slice, ...] | None) -> int:
-    """Bytes of the chunk files (content + crc32c) of step 1 that hold `region` of the tensor at `key`."""
+    """Bytes that must be read for `region` of the tensor at `key` in step 1: the segments of its placed boxes
+    that hold the region's rows (ckpt/5), or the chunk files (content + crc32c) that hold it."""
     from ckpt.reader import StepReader, region_box
     from ckpt.storage import open_storage
 
     reader = StepReader(open_storage(root), 1, None)  # the manifest only: no pool needed
     info = next(leaf.array for leaf in reader.leaves([key]) if leaf.array is not None)
     box = region_box(info, region) if region is not None else tuple((0, n) for n in info.shape)
-    return len(info.chunks(box)) * (info.chunk_nbytes + 4)
+    if info.places is None:
+        return len(info.chunks(box)) * (info.chunk_nbytes + 4)
+    total = 0
+    for j, stored in enumerate(info.boxes):
+        rows = (max(box[0][0], stored[0][0]), min(box[0][1], stored[0][1])) if stored else (0, 1)
+        if rows[0] < rows[1]:
+            row = info.box_nbytes(stored[1:])
+            lo, hi = (
+                (rows[0] - (stored[0][0] if stored else 0)) * row,
+                (rows[1] - (stored[0][0] if stored else 0)) * row,
+            )
+            total += sum(b - a for a, b, _ in info.segments(j, lo, hi))
+    return total
 
 
 def measure(root: str, key: str, region: tuple[slice, ...] | None) -> dict:

@@ -32,6 +32,8 @@ _HOME = {
     "EveryNSeconds": "schedule",
     "AnyOf": "schedule",
     "AdvisedInterval": "schedule",
+    "AdvisedTiers": "schedule",
+    "Retune": "schedule",
     "Preemption": "schedule",
     "CheckpointError": "errors",
     "CheckpointWriteError": "errors",
@@ -100,5 +102,14 @@ if TYPE_CHECKING:
     from .options import RootOptions, TierOptions, WriteOptions
     from .reader import load
     from .retention import Keep, KeepBest, KeepEvery, KeepLast, RetentionPolicy
-    from .schedule import AdvisedInterval, AnyOf, EveryNSeconds, EveryNSteps, Preemption, SaveDecision
+    from .schedule import (
+        AdvisedInterval,
+        AdvisedTiers,
+        AnyOf,
+        EveryNSeconds,
+        EveryNSteps,
+        Preemption,
+        Retune,
+        SaveDecision,
+    )
     from .state import Stateful

@@ -76,6 +76,15 @@ class Ranks:
     def barrier(self) -> None:
         """Wait until every rank is here."""
 
+    def send(self, data: torch.Tensor, peer: int, tag: int) -> Any:
+        """Start sending `data` (a contiguous CPU tensor) to rank `peer`, whose `receive` names the same `tag`;
+        returns the transfer, whose `wait()` returns once it ended."""
+        raise ValueError(f"a rank alone has no rank {peer} to send to")
+
+    def receive(self, data: torch.Tensor, peer: int, tag: int) -> Any:
+        """Start filling `data` with what rank `peer` sends with `tag`; returns the transfer (`wait()`)."""
+        raise ValueError(f"a rank alone has no rank {peer} to receive from")
+
 
 class GlooRanks(Ranks):
     """The ranks of torch.distributed, through a gloo group of their own (created once, with a timeout)."""
@@ -131,6 +140,12 @@ class GlooRanks(Ranks):
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+    def send(self, data: torch.Tensor, peer: int, tag: int) -> Any:
+        return dist.isend(data, peer, group=self.group, tag=tag)
+
+    def receive(self, data: torch.Tensor, peer: int, tag: int) -> Any:
+        return dist.irecv(data, peer, group=self.group, tag=tag)
 
 
 _LEN = 8  # bytes of the length in front of an encoded value

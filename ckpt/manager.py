@@ -9,7 +9,7 @@ import logging
 import os
 import time
 from datetime import timedelta
-from typing import Any, ContextManager, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from . import catalog, fallback, layout
 from . import restore as restore_mod
@@ -24,7 +24,7 @@ from .errors import (
     StepExistsError,
     StepNotFoundError,
 )
-from .observer import NO_TRACKER, CheckpointObserver
+from .observer import NO_TRACKER, CheckpointObserver, tell_deleted, tell_run_id
 from .options import RootOptions, TierOptions, WriteOptions, resolve
 from .planner import Planner
 from .retention import RetentionPolicy, StepMetadata, doomed, from_keywords
@@ -130,7 +130,7 @@ class CheckpointManager:
             self._budget,
             io_threads=self.write.io_threads,
             max_staging_bytes=self.write.max_staging_bytes,
-            span=self._span,
+            span=lambda category, **attrs: self._tracker.span(category, **attrs),
         )
         self.tracker = tracker
         timeout = timedelta(seconds=reach.collective_timeout)
@@ -142,15 +142,24 @@ class CheckpointManager:
         if tiering is not None:
             # every rank's local tier records the run the durable root records: rank 0's (a generated id is per process)
             self.run = run_mod.Run(**self.ranks.broadcast_json(dataclasses.asdict(self.run)))
-            self._tell_run()
+            tell_run_id(self._tracker, self.run.id)
             self._target = Tiers(self.storage, tiering, self.ranks, timeout)
-            self._target.on_local_delete = functools.partial(self._tell_deleted, tier=LOCAL)
+            self._target.on_local_delete = lambda step: tell_deleted(self.tracker, step, tier=LOCAL)
         self._closed = False
 
     @property
     def snapshot(self) -> str:
         """The snapshot mode, ``"sync"`` or ``"overlap"`` (`WriteOptions.snapshot`)."""
         return self.write.snapshot
+
+    @property
+    def persist_every(self) -> int | None:
+        """With a local tier, every how many saves one is persisted to the durable root (settable: a retuned K)."""
+        return self._target.persist_every
+
+    @persist_every.setter
+    def persist_every(self, k: int) -> None:
+        self._target.persist_every = k
 
     @property
     def tracker(self) -> CheckpointObserver:
@@ -160,16 +169,7 @@ class CheckpointManager:
     @tracker.setter
     def tracker(self, tracker: CheckpointObserver | None) -> None:
         self._tracker = tracker if tracker is not None else NO_TRACKER
-        self._tell_run()
-
-    def _tell_run(self) -> None:
-        """Tell the tracker this run's id (an observer's optional `use_run_id`: ettr's job id defaults to it)."""
-        use_run_id = getattr(self._tracker, "use_run_id", None)
-        if use_run_id is not None:
-            use_run_id(self.run.id)
-
-    def _span(self, category: str, **attrs: Any) -> ContextManager[Any]:
-        return self._tracker.span(category, **attrs)
+        tell_run_id(self._tracker, self.run.id)
 
     # -- saving -------------------------------------------------------------------------------------
 
@@ -254,16 +254,11 @@ class CheckpointManager:
         job.run()
         retain_now = self._target.committed(job.plan, self._root_lease.lease, self._persisted, persist)
         self._budget.lower_pool_threads()  # workers tensorstore started during this write
-        seconds = time.perf_counter() - t0
-        nbytes = sum(t.nbytes for t in job.plan.tensors.values())  # what this rank wrote
+        seconds, nbytes = time.perf_counter() - t0, sum(t.nbytes for t in job.plan.tensors.values())  # this rank's
         self._metadata[step] = job.plan.metadata
+        mb, rate = nbytes / 1e6, nbytes / max(seconds, 1e-9) / 1e9
         log.info(
-            "committed step %d: %.1f MB, stall %.3fs, background %.3fs (%.2f GB/s)",
-            step,
-            nbytes / 1e6,
-            stall,
-            seconds,
-            nbytes / max(seconds, 1e-9) / 1e9,
+            "committed step %d: %.1f MB, stall %.3fs, background %.3fs (%.2f GB/s)", step, mb, stall, seconds, rate
         )
         tier = self._target.commit_tier  # one tier: no tier=, as observers written for one tier expect
         self.tracker.checkpoint_committed(step, seconds, nbytes, **({"tier": tier} if tier else {}))
@@ -301,16 +296,9 @@ class CheckpointManager:
         def delete() -> None:
             catalog.delete_step(self.storage, step)
             self._metadata.pop(step, None)
-            self._tell_deleted(step, tier=DURABLE if self._target.commit_tier else None)
+            tell_deleted(self.tracker, step, tier=DURABLE if self._target.commit_tier else None)
 
         self._background.queue_delete(step, delete, report=report)
-
-    def _tell_deleted(self, step: int, *, tier: str | None) -> None:
-        """Tell the tracker a committed step was deleted (from `tier`; None: the only one), if it listens (an optional
-        `checkpoint_deleted` of the observer protocol)."""
-        deleted = getattr(self.tracker, "checkpoint_deleted", None)
-        if deleted is not None:
-            deleted(step, **({"tier": tier} if tier else {}))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -375,8 +363,9 @@ class CheckpointManager:
             prepare_optimizers(state, keys)
             t0 = time.perf_counter()
 
-            def read(storage: Storage, s: int) -> Any:
-                return restore_mod.read_step(storage, s, state, keys, self.ranks, rank_map, bg.readers, bg.arena)
+            def read(storage: Storage, s: int) -> Any:  # the durable root is every rank's: shared regions read once
+                args = (state, keys, self.ranks, rank_map, bg.readers, bg.arena)
+                return restore_mod.read_step(storage, s, *args, shared=storage is self.storage)
 
             found = fallback.walk(self.storage, self._target, self.ranks, step, read, self._root_lease.lease)
             source, plan = found.source, found.plan
@@ -398,8 +387,7 @@ class CheckpointManager:
         restored = None if source is None else source.step
         if found.damaged and restored is not None:
             log.warning("restored step %d after skipping %d damaged step(s)", restored, len(found.damaged))
-        # one tier: tier None, as ettr reads it
-        tracker.checkpoint_restored(restored, tier=tier if self._target.commit_tier else None)
+        tracker.checkpoint_restored(restored, tier=tier if self._target.commit_tier else None)  # one tier: None
         return restored
 
     # -- queries and lifetime -----------------------------------------------------------------------
@@ -412,8 +400,7 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
-        steps = self.steps()
-        return steps[-1] if steps else None
+        return (self.steps() or [None])[-1]
 
     def delete(self, step: int) -> None:
         """Delete a committed step in the background (manifest first); never the newest committed one, nor one

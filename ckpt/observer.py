@@ -39,3 +39,18 @@ class _NoTracker:
 
 
 NO_TRACKER = _NoTracker()
+
+
+def tell_run_id(observer: CheckpointObserver, run_id: str) -> None:
+    """Tell an observer the run's id, if it listens (the optional `use_run_id`: ettr's job id defaults to it)."""
+    use_run_id = getattr(observer, "use_run_id", None)
+    if use_run_id is not None:
+        use_run_id(run_id)
+
+
+def tell_deleted(observer: CheckpointObserver, step: int, *, tier: str | None) -> None:
+    """Tell an observer a committed step was deleted from `tier` (None: the only one), if it listens (the optional
+    `checkpoint_deleted`)."""
+    deleted = getattr(observer, "checkpoint_deleted", None)
+    if deleted is not None:
+        deleted(step, **({"tier": tier} if tier else {}))

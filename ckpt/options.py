@@ -79,9 +79,9 @@ class TierOptions:
     Args:
         local: a directory on this machine (NVMe, ``/dev/shm``): every save commits there, and the manager's root
             becomes the durable tier. ``{rank}`` in it is replaced by the rank (each rank needs its own).
-        persist_every: every K-th committed save (counted from the manager's start, or from its first save when
-            `restore` took a local step the durable tier lacks: that save is persisted) is also persisted to the
-            root in the background, copied from the local tier's committed files (verified); the manager's
+        persist_every: every K-th committed save since the last persist (counted from the manager's start, or
+            from its first save when `restore` took a local step the durable tier lacks: that save is persisted; a
+            retuned K takes `CheckpointManager.persist_every`) is also persisted to the root in the background, copied from the local tier's committed files (verified); the manager's
             retention applies to the root.
         keep_local: how many committed steps the local tier keeps (`KeepLast`), unless `local_retention` is given.
         local_retention: the local tier's `RetentionPolicy`; its newest step and a step being persisted are kept.

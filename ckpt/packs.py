@@ -134,7 +134,8 @@ class PackWriter:
 @dataclass
 class BoxRead:
     """Bytes [lo, hi) of placed box `box` of `info` (segment-aligned: `ArrayInfo.segments`) into `dest` (a writable
-    byte view of that size), once `ready()` allows (its target copied aside first)."""
+    byte view of that size), once `ready()` allows (its target copied aside first); `landed(n)` is told each of its
+    segments' bytes once they verified."""
 
     info: ArrayInfo
     box: int
@@ -142,6 +143,7 @@ class BoxRead:
     hi: int
     dest: memoryview
     ready: Callable[[], None] = lambda: None
+    landed: Callable[[int], None] = lambda n: None
 
 
 Segment = tuple[BoxRead, int, int, int]  # (read, first byte in the box, end byte, digest index)
@@ -225,6 +227,7 @@ def _read_segments(
                 key=r.info.name,
                 file=where(storage, f"{path_of(pack.name)}/{chunk_key((at // pack.chunk[0],))}"),
             )
+        r.landed(hi - lo)
 
 
 def _read_spans(

@@ -6,6 +6,11 @@ neither the bytes nor the work of a rank grow with N times the tensors (a rank's
 exception: each rank commits a manifest of every array there, so every rank gathers every description). While
 every rank's description hashes as at the last agreement, the plan is reused: a save then costs one all-reduce of a
 flag, whatever the world size and the tensor count.
+
+A restore is planned alike (`share_reads`): a region of an array that several ranks restore (a replicated
+tensor, a DTensor's Replicate dimension) is read from the root by one of its holders and sent to the others, so that
+a root is read once whatever the replicas; a large region is cut into bands (where no byte is read twice: at its
+digests' boundaries), and the regions and bands are spread so that each holder reads about as many bytes.
 """
 
 from __future__ import annotations
@@ -195,3 +200,89 @@ def _volume(box: Box) -> int:
 
 def _starts(boxes: tuple[Box, ...]) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(a for a, _ in box) for box in boxes)
+
+
+@dataclass(frozen=True)
+class Band:
+    """Rows [lo, hi) of a region that several ranks restore (all of a 0-d one: 0, 1): `reader` reads them from the
+    root and sends them to the other `holders` (`tag`: the band's number, the same on every rank)."""
+
+    lo: int
+    hi: int
+    reader: int
+    holders: tuple[int, ...]
+    tag: int
+
+
+Region = tuple[str, Box]  # an array's name and the box of it a rank restores
+
+
+def share_reads(ranks: Ranks, regions: Mapping[Region, tuple[int, list[int]]] | None) -> dict[Region, tuple[Band, ...]]:
+    """Who reads which band of each region held by several ranks. `regions`: this rank's, each with its bytes and
+    the rows where a band may start (no byte of the root read twice: the region's digests end there); None where
+    this rank could not plan its restore: then nothing is shared and every rank reads its own regions.
+
+    When every rank restores the same regions (DDP: a hash of them agrees), each plans alone; otherwise the leader
+    gathers every rank's regions and sends each rank the bands of its shared ones. Regions only one rank holds are
+    left out (it reads them itself). Collective: every rank calls it, with the same `ranks`.
+    """
+    if ranks.world_size == 1:
+        return {}
+    described = None if regions is None else [[name, box, n, cuts] for (name, box), (n, cuts) in regions.items()]
+    key = None if described is None else hashlib.blake2b(json.dumps(described).encode(), digest_size=16).hexdigest()
+    keys = ranks.all_gather_json(key)
+    if None in keys:
+        return {}
+    if len(set(keys)) == 1:
+        mine = _bands(_held([described], range(ranks.world_size)), ranks.world_size)[ranks.rank]
+    else:
+        gathered = ranks.gather_json(described)
+        mine = ranks.scatter_json(None if gathered is None else _bands(_held(gathered), ranks.world_size))
+    return {
+        (name, tuple((int(a), int(b)) for a, b in box)): tuple(
+            Band(lo, hi, rd, tuple(h), t) for lo, hi, rd, h, t in bands
+        )
+        for name, box, bands in mine
+    }
+
+
+Held = dict[Region, tuple[int, list[int], list[int]]]  # region -> bytes, rows a band may start at, holders
+
+
+def _held(gathered: list[Any], holders: range | None = None) -> Held:
+    """Every region and its holders, from every rank's regions (JSON), or from one list all `holders` restore."""
+    held: Held = {}
+    for rank, regions in enumerate(gathered):
+        for name, box, n, cuts in regions:
+            entry = held.setdefault((name, tuple(map(tuple, box))), (n, cuts, []))
+            entry[2].extend([rank] if holders is None else holders)
+    return held
+
+
+def _bands(held: Held, world_size: int) -> list[list[Any]]:
+    """Each rank's part of the bands (JSON): a shared region is cut into up to one band per holder at the allowed
+    rows nearest to equal parts, and each band goes to the holder with the fewest bytes to read so far, largest
+    first (so each of N holders reads about 1/N of the bytes they share)."""
+    pieces = []  # (bytes, region, lo, hi, holders)
+    for region, (n, cuts, holders) in sorted(held.items()):
+        if len(holders) < 2 or not n:
+            continue
+        box = region[1]
+        rows = box[0][1] - box[0][0] if box else 1
+        edges = sorted(
+            {0, rows}
+            | {min(cuts, key=lambda c: abs(c * len(holders) - rows * i)) for i in range(1, len(holders)) if cuts}
+        )
+        pieces += [(n * (hi - lo) // rows, region, lo, hi, holders) for lo, hi in zip(edges, edges[1:])]
+    load = [0] * world_size
+    assigned: dict[Region, list[list[Any]]] = {}
+    for tag, (n, region, lo, hi, holders) in enumerate(sorted(pieces, key=lambda p: -p[0])):
+        reader = min(holders, key=lambda r: (load[r], r))
+        load[reader] += n
+        assigned.setdefault(region, []).append([lo, hi, reader, holders, tag])
+    parts: list[list[Any]] = [[] for _ in range(world_size)]
+    for (name, box), bands in assigned.items():
+        bands.sort()
+        for rank in bands[0][3]:
+            parts[rank].append([name, box, bands])
+    return parts

@@ -7,22 +7,26 @@ before. A region whose tensor is a plain contiguous CPU tensor of its own memory
 its old bytes were copied aside into the staging arena (on a thread of its own, ahead of the disk, so the copy
 costs no time of the restore's); a failed step copies them back (`ReadPlan.undo`). Other regions are read into
 scratch (the arena, or a tensor of its own where the caller has none), which `apply` copies into the caller's
-tensors. The manager (policy) picks the step and handles failures.
+tensors. A region several ranks restore from a root they share (replicas) is read once: each of its bands by one
+of them, sent to the others over the ranks' group (`planner.share_reads` plans who reads what). The manager (policy)
+picks the step and handles failures.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from . import layout, packs, store
+from . import layout, packs, planner, store
 from . import state as state_mod
 from .distributed import Ranks, read_region
 from .errors import CheckpointError, CorruptCheckpointError, StateKeyError, StateMismatchError, StepNotFoundError
@@ -61,6 +65,7 @@ class ReadPlan:
     manifest: Manifest
     reads: dict[tuple[str, Box], ArrayRead]
     values: dict[str, Any]  # top-level key -> decoded value (tensors: the caller's own, or fresh ones)
+    bands: dict[tuple[str, Box], tuple[planner.Band, ...]] = field(default_factory=dict)  # regions shared with ranks
 
     def undo(self) -> None:
         """Give the tensors read into directly their bytes from before the restore back (a step that failed)."""
@@ -223,39 +228,59 @@ def _check_match(info: ArrayInfo, tmpl: torch.Tensor, step: int) -> None:
         )
 
 
-def execute(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: StagingArena) -> None:
+def execute(
+    storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: StagingArena, ranks: Ranks | None = None
+) -> None:
     """Read and verify every region of the plan into its buffer; the caller's tensors are not touched.
 
     Regions with caller tensors are read into scratch (the staging arena), or straight into the first of them once
     its bytes are aside (`_direct_targets`); regions without, into their own fresh tensors. Local whole-row regions
     of arrays of their own go straight from the chunk files (`preadv`), others chunk by chunk; boxes placed in packs
     by ranges of the pack's files (`packs.read_boxes`), into the buffer where the box is a band of the region read,
-    else into memory of their own, copied into it once verified. Every read runs to its end, so the error raised is
-    the first damaged array's, not a random one.
+    else into memory of their own, copied into it once verified. Of a region shared with other `ranks`
+    (`plan.bands`), this rank reads its bands and sends them to the other holders, and receives the others' bands:
+    every rank takes part in the exchange even when its reads failed (the ranks' agreement then fails the step on
+    all). Every read runs to its end, so the error raised is the first damaged array's, not a random one.
     """
+    ranks = ranks or Ranks.local()
+    rank = ranks.rank
     step = plan.manifest.step
     pending = [r for r in plan.reads.values() if r.fresh is None]
     direct = _direct_targets(pending)
     for r, buf in zip(pending, arena.scratch([r.nbytes for r in pending])):
         r.buffer = buf.view(torch_dtype(r.info.dtype)).view(r.shape)
     aside = _SetAside([r for r in pending if id(r) in direct])
-    futures: list[Future] = []
-    placed = _PlacedReads(aside)
     for r in plan.reads.values():
         if r.fresh is not None:
             r.buffer = r.fresh
+    exchange = _Exchange(plan, ranks, aside)
+    futures: list[Future] = []
+    placed = _PlacedReads(aside)
+    for key, r in plan.reads.items():
+        bands = plan.bands.get(key)
+        parts = [(None, r)] if not bands else [(b, _band(r, b)) for b in bands if b.reader == rank]
         if r.info.places is not None:
-            placed.add(r)
+            for band, part in parts:
+                exchange.expect(band, part.nbytes)
+                placed.add(part, r, functools.partial(exchange.landed, band))
+            continue
+        if not parts:
             continue
         path = layout.array_path(step, r.info.name, plan.manifest.data)
         futures.append(pool.submit(store.check_zarr_json, storage, path, r.info, step=step))
         local = storage.direct_path(path)
-        rows = store.direct_rows(r.info, r.box) if local is not None else None
         into = aside.reads_of(r, pool)
-        if rows is not None:
-            futures += store.read_direct(local, r.info, r.buffer, rows, into, step=step)
-        elif r.buffer.numel():
-            futures += store.read_chunks(storage, path, r.info, r.buffer, r.box, into, step=step)
+        for band, part in parts:
+            rows = store.direct_rows(r.info, part.box) if local is not None else None
+            reads = []
+            if rows is not None:
+                reads = store.read_direct(local, r.info, part.buffer, rows, into, step=step)
+            elif part.buffer.numel():
+                reads = store.read_chunks(storage, path, r.info, part.buffer, part.box, into, step=step)
+            exchange.expect(band, len(reads))
+            for f in reads:
+                f.add_done_callback(functools.partial(exchange.verified, band))
+            futures += reads
     manifest = plan.manifest
     for name in dict.fromkeys(placed.packs()):
         pack_path = layout.pack_path(step, name, manifest.data)
@@ -269,6 +294,7 @@ def execute(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: S
         step=step,
     )
     aside.start()
+    exchange.start()
     errors = []
     for f in futures:
         try:
@@ -278,9 +304,190 @@ def execute(storage: Storage, plan: ReadPlan, pool: ThreadPoolExecutor, arena: S
     aside.join()
     if not errors and aside.error is None:
         placed.apply()
+    try:
+        exchange.finish()
+    except Exception as e:
+        errors.append(e)
+    if not errors and aside.error is None:
         return
     plan.undo()
     raise errors[0] if errors else aside.error
+
+
+def _band(r: ArrayRead, band: planner.Band) -> ArrayRead:
+    """Rows [lo, hi) of region `r` as a read of its own, into those rows of `r`'s buffer."""
+    if not r.box or (band.lo, band.hi) == (0, r.shape[0]):
+        return r
+    (a, _), rest = r.box[0], r.box[1:]
+    return ArrayRead(r.info, ((a + band.lo, a + band.hi), *rest), buffer=r.buffer[band.lo : band.hi])
+
+
+def _cuts(r: ArrayRead) -> list[int]:
+    """The rows of region `r` where a band of it may start with no byte of the root read twice: where a digest of
+    the one stored box it is ends (a placed array), or a chunk (an array of its own)."""
+    if not r.box or r.box[0][0] == r.box[0][1]:
+        return []
+    (a, b), info = r.box[0], r.info
+    if info.places is None:
+        return [x - a for x in range((a // info.chunk[0] + 1) * info.chunk[0], b, info.chunk[0])]
+    stored = _overlapping(info, r.box)
+    if len(stored) != 1 or info.boxes[stored[0]] != r.box:
+        return []
+    row = r.nbytes // (b - a)
+    return [lo // row for lo, _, _ in info.segments(stored[0])[1:] if lo % row == 0]
+
+
+BATCH_BYTES = 1 << 20  # bands smaller than this travel together: one message per reader and set of holders
+
+
+@dataclass
+class _Message:
+    """Bands that travel together from their reader to the other holders: one band, or the small bands of one reader
+    and set of holders (copied into one buffer to send, out of one once received). `tag`: its first band's."""
+
+    reader: int
+    holders: tuple[int, ...]
+    pieces: list[tuple[int, ArrayRead, torch.Tensor]] = field(default_factory=list)  # band tag, region, its bytes
+    waiting: int = 0  # bands of it not yet whole (the reader's side)
+
+    @property
+    def tag(self) -> int:
+        return self.pieces[0][0]
+
+    @property
+    def batched(self) -> bool:
+        return len(self.pieces) > 1 or self.pieces[0][2].numel() < BATCH_BYTES
+
+
+class _Exchange:
+    """This rank's part of the exchange of the bands of shared regions (`plan.bands`), while the reads run: a message
+    another rank reads is received once its regions' targets are aside (a batch into memory of its own, copied out
+    at the end; into memory of its own, dropped, when the set aside failed); a message this rank reads is sent to the
+    other holders once all of its bands verified, or when the reads ended (a band copied into its buffer after the
+    reads, or one whose read failed: every rank still takes part, and the ranks' agreement fails the step on all).
+    Sends and receives are started on threads of their own."""
+
+    def __init__(self, plan: ReadPlan, ranks: Ranks, aside: "_SetAside"):
+        self.ranks, self.aside = ranks, aside
+        messages: dict[tuple[int, ...], _Message] = {}
+        for key, bands in plan.bands.items():
+            r = plan.reads[key]
+            for b in bands:
+                data = (r.buffer[b.lo : b.hi] if r.box else r.buffer).reshape(-1).view(torch.uint8)
+                if data.numel():
+                    group = (b.tag,) if data.numel() >= BATCH_BYTES else (b.reader, *b.holders)
+                    messages.setdefault(group, _Message(b.reader, b.holders)).pieces.append((b.tag, r, data))
+        for m in messages.values():
+            m.pieces.sort(key=lambda p: p[0])  # the same order on every holder
+            m.waiting = len(m.pieces)
+        self._sends = {m.tag: m for m in messages.values() if m.reader == ranks.rank}
+        self._receives = [m for m in messages.values() if m.reader != ranks.rank]
+        self._of = {tag: m for m in self._sends.values() for tag, _, _ in m.pieces}  # band tag -> its message
+        self._expected: dict[int, int] = {}  # band tag -> what lands before it is whole (bytes, or reads)
+        self._got: dict[int, int] = dict.fromkeys(self._of, 0)
+        self._started = False
+        self._lock = threading.Lock()
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()  # messages read whole, then None: the reads ended
+        self._works: list[tuple[Any, torch.Tensor]] = []  # each transfer, and the bytes it holds on to
+        self._batches: list[tuple[_Message, torch.Tensor]] = []  # received batches, to copy out
+        self._errors: list[BaseException] = []
+        self._threads = [
+            threading.Thread(target=self._run, args=(f,), name=f"ckpt-restore-{f.__name__[1:]}", daemon=True)
+            for f in (self._send, self._receive)
+        ]
+
+    def expect(self, band: planner.Band | None, amount: int) -> None:
+        """The band this rank reads is whole once `amount` landed (`landed`); None: a region of its own."""
+        if band is not None and band.tag in self._of:
+            self._expected[band.tag] = amount
+
+    def landed(self, band: planner.Band | None, amount: int) -> None:
+        """Part of a band verified in its buffer (a reader thread); its message is sent once all of it did."""
+        if band is not None and band.tag in self._of:
+            with self._lock:
+                self._got[band.tag] += amount
+                self._whole(band.tag)
+
+    def verified(self, band: planner.Band | None, read: Future) -> None:
+        """One of a band's chunk reads ended (`landed` when it verified)."""
+        if read.exception() is None:
+            self.landed(band, 1)
+
+    def _whole(self, tag: int) -> None:
+        """Under the lock: count band `tag` whole, once, when all it expects landed (and every band is expected)."""
+        if self._started and self._got[tag] == self._expected.get(tag):
+            m = self._of[tag]
+            m.waiting -= 1
+            if not m.waiting:
+                self._ready.put(m.tag)
+
+    def start(self) -> None:
+        """Every band is expected: the bands that landed already count, and the transfers begin."""
+        with self._lock:
+            self._started = True
+            for tag in self._of:
+                self._whole(tag)
+        if self._sends or self._receives:
+            for t in self._threads:
+                t.start()
+
+    def finish(self) -> None:
+        """The reads ended (verified or not): the messages not sent yet go now; returns once every transfer ended,
+        the batches received copied into their regions' buffers."""
+        if not (self._sends or self._receives):
+            return
+        self._ready.put(None)
+        for t in self._threads:
+            t.join()
+        for w, _ in self._works:
+            w.wait()
+        if self._errors:
+            raise self._errors[0]
+        for m, buffer in self._batches:
+            at = 0
+            for _, r, data in m.pieces:
+                try:
+                    self.aside.wait(r)
+                    data.copy_(buffer[at : at + data.numel()])
+                except RuntimeError:  # its target's bytes are not aside: they must not be written
+                    pass
+                at += data.numel()
+
+    def _run(self, post: Any) -> None:
+        try:
+            post()
+        except BaseException as e:
+            self._errors.append(e)
+
+    def _send(self) -> None:
+        sent: set[int] = set()
+        while (tag := self._ready.get()) is not None:
+            sent.add(tag)
+            self._post(self._sends[tag])
+        for tag, m in self._sends.items():
+            if tag not in sent:
+                self._post(m)
+
+    def _post(self, m: _Message) -> None:
+        data = torch.cat([d for _, _, d in m.pieces]) if m.batched else m.pieces[0][2]
+        self._works += [(self.ranks.send(data, peer, m.tag), data) for peer in m.holders if peer != self.ranks.rank]
+
+    def _receive(self) -> None:
+        for m in self._receives:
+            if m.batched:
+                data = torch.empty(sum(d.numel() for _, _, d in m.pieces), dtype=torch.uint8)
+                self._batches.append((m, data))
+            else:
+                _, r, data = m.pieces[0]
+                try:
+                    self.aside.wait(r)
+                except RuntimeError:  # its target's bytes are not aside: they must not be written
+                    data = torch.empty_like(data)
+            self._works.append((self.ranks.receive(data, m.reader, m.tag), data))
+
+
+def _nothing(n: int) -> None:
+    """Told of bytes no one waits for."""
 
 
 class _PlacedReads:
@@ -292,8 +499,10 @@ class _PlacedReads:
         self.boxes: list[packs.BoxRead] = []
         self._copies: list[tuple[ArrayRead, int, int, tuple[int, int], np.ndarray]] = []
 
-    def add(self, r: ArrayRead) -> None:
-        """The reads of region `r`: of each stored box that meets it, the segments that hold its rows there."""
+    def add(self, r: ArrayRead, owner: ArrayRead, landed: Callable[[int], None]) -> None:
+        """The reads of region `r` (a band of region `owner`, or `owner` itself): of each stored box that meets it,
+        the segments that hold its rows there. `landed(n)`: n bytes verified in `r`'s buffer (those read into
+        memory of their own are not: `apply` copies them in)."""
         out = store.as_bytes(r.buffer)
         for j in _overlapping(r.info, r.box):
             stored = r.info.boxes[j]
@@ -304,11 +513,12 @@ class _PlacedReads:
             lo, hi = segments[0][0], segments[-1][1]
             if (lo, hi) == need and stored[1:] == r.box[1:]:  # whole rows of the region: straight into its buffer
                 at = (part[0][0] - r.box[0][0]) * row if stored else 0
-                dest = out[at : at + hi - lo]
-            else:
-                dest = np.empty(hi - lo, np.uint8)
+                dest, told = out[at : at + hi - lo], landed
+            else:  # in the buffer only once copied
+                dest, told = np.empty(hi - lo, np.uint8), _nothing
                 self._copies.append((r, j, lo, need, dest))
-            self.boxes.append(packs.BoxRead(r.info, j, lo, hi, memoryview(dest), ready=lambda r=r: self.aside.wait(r)))
+            ready = functools.partial(self.aside.wait, owner)
+            self.boxes.append(packs.BoxRead(r.info, j, lo, hi, memoryview(dest), ready, told))
 
     def packs(self) -> list[str]:
         return [b.info.places[b.box][0] for b in self.boxes]
@@ -435,16 +645,31 @@ def read_step(
     rank_map: str,
     readers: ThreadPoolExecutor,
     arena: StagingArena,
+    *,
+    shared: bool = False,
 ) -> tuple[ReadPlan | None, CorruptCheckpointError | StepNotFoundError | None]:
     """This rank's read of `step`, the mirror of a save: manifest, plan, verified reads; or why it failed.
 
-    A mismatch between `state` and the checkpoint (StateKeyError, StateMismatchError) is raised here, before
-    anything is read. Nothing is applied to `state`.
+    `shared`: every rank reads `storage` (one root for all), so a region several ranks restore is read once and
+    exchanged (`planner.share_reads`, collective: then every rank calls this). A mismatch between `state` and the
+    checkpoint (StateKeyError, StateMismatchError) is raised here, before anything is read. Nothing is applied to
+    `state`.
     """
+    plan, error, bands = None, None, {}
     try:
         manifest = layout.read_manifest(storage, step)
         plan = plan_restore(manifest, state, keys, ranks, rank_map=rank_map, files=step_files(storage, step))
-        execute(storage, plan, readers, arena)
+    except (CorruptCheckpointError, StepNotFoundError) as e:
+        error = e
+    finally:  # a rank that could not plan still takes part, so that no rank waits for it: nothing is shared then
+        if shared:
+            regions = None if plan is None else {k: (r.nbytes, _cuts(r)) for k, r in plan.reads.items()}
+            bands = planner.share_reads(ranks, regions)
+    if plan is None:
+        return None, error
+    plan.bands = bands
+    try:
+        execute(storage, plan, readers, arena, ranks)
         return plan, None
     except (CorruptCheckpointError, StepNotFoundError) as e:
         return None, e

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import signal
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Protocol, runtime_checkable
 
@@ -91,29 +92,116 @@ class AnyOf:
         return f"AnyOf({', '.join(map(repr, self.decisions))})"
 
 
-class AdvisedInterval:
-    """`start` until an advisor has a number; then every `interval_s()` seconds, asked again after each checkpoint.
+@dataclass(frozen=True)
+class Retune:
+    """How an advised schedule follows its advisor: bounded by the user, and damped so that it cannot oscillate.
 
-    `interval_s` returns the advised interval in seconds, or None while it cannot advise yet (e.g. no save measured);
-    a non-positive or non-finite answer is ignored. ``current`` is the decision in force.
+    Each advice moves the interval `damping` of the way from the one in force (0 < damping <= 1: a steady advice is
+    approached monotonically, never overshot); advice within `deadband` (a fraction of the interval in force) changes
+    nothing; the result stays within [`min_s`, `max_s`]. K (every K-th save persisted) moves toward its advice the
+    same way, by at least one, within [1, `max_persist_every`]. ``Retune(damping=1, deadband=0)`` follows the advice.
     """
 
-    def __init__(self, interval_s: Callable[[], float | None], start: SaveDecision) -> None:
+    min_s: float = 0.0
+    max_s: float = math.inf
+    damping: float = 0.5
+    deadband: float = 0.1
+    max_persist_every: int = 64
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.min_s <= self.max_s and math.isfinite(self.min_s)):
+            raise ValueError(
+                f"Retune needs a finite min_s >= 0 and max_s >= min_s, got min_s={self.min_s!r}, max_s={self.max_s!r}"
+            )
+        if not 0 < self.damping <= 1:
+            raise ValueError(f"Retune.damping must be in (0, 1], got {self.damping!r}")
+        if not 0 <= self.deadband < 1:
+            raise ValueError(f"Retune.deadband must be in [0, 1), got {self.deadband!r}")
+        if (
+            isinstance(self.max_persist_every, bool)
+            or not isinstance(self.max_persist_every, int)
+            or self.max_persist_every < 1
+        ):
+            raise ValueError(f"Retune.max_persist_every must be a positive int, got {self.max_persist_every!r}")
+
+    def interval(self, current: float | None, advised: float) -> float:
+        """The interval to use after `advised` when `current` is in force (None: none in seconds yet, taken as is)."""
+        if current is not None:
+            if abs(advised - current) <= self.deadband * current:
+                return current
+            advised = current + self.damping * (advised - current)
+        return min(max(advised, self.min_s), self.max_s)
+
+    def persist_every(self, current: int, advised: int) -> int:
+        """The K to use after `advised` when `current` is in force."""
+        advised = min(max(int(advised), 1), self.max_persist_every)
+        move = math.ceil(self.damping * abs(advised - current))
+        return current + move if advised > current else current - move
+
+
+class AdvisedInterval:
+    """`start` until an advisor has a number; then every that many seconds, asked again after each checkpoint.
+
+    `interval_s` returns the advised interval in seconds, or None while it cannot advise yet (e.g. no save measured);
+    a non-positive or non-finite answer is ignored. `retune` bounds and damps how the interval follows the advice
+    (from a `start` of seconds too). ``current`` is the decision in force.
+    """
+
+    def __init__(
+        self, interval_s: Callable[[], float | None], start: SaveDecision, retune: Retune | None = None
+    ) -> None:
         self.interval_s = interval_s
         self.current: SaveDecision = start
+        self.retune = retune if retune is not None else Retune()
+
+    @property
+    def seconds(self) -> float | None:
+        """The interval in force, in seconds (None while `start` is not one)."""
+        return self.current.seconds if isinstance(self.current, EveryNSeconds) else None
 
     def should_save(self, step: int, now: float) -> bool:
         return self.current.should_save(step, now)
 
     def saved(self, step: int, now: float) -> None:
         self.current.saved(step, now)
-        advised = self.interval_s()
+        self._follow(step, now, self.interval_s())
+
+    def _follow(self, step: int, now: float, advised: float | None) -> None:
+        """Move the interval toward `advised` (ignored: None, non-positive, non-finite), as `retune` allows."""
         if advised is not None and math.isfinite(advised) and advised > 0:
-            self.current = EveryNSeconds(advised)
-            self.current.saved(step, now)
+            seconds = self.retune.interval(self.seconds, advised)
+            if seconds != self.seconds and seconds > 0:
+                self.current = EveryNSeconds(seconds)
+                self.current.saved(step, now)
 
     def __repr__(self) -> str:
-        return f"AdvisedInterval(current={self.current!r})"
+        return f"{type(self).__name__}(current={self.current!r})"
+
+
+class AdvisedTiers(AdvisedInterval):
+    """`AdvisedInterval` for two tiers: the advisor gives the pair (local interval in seconds, K), refitted after each
+    checkpoint; the interval and `persist_every` (every K-th save persisted to the durable root) follow it as
+    `retune` allows. The loop hands `persist_every` to the manager (`CheckpointManager.persist_every`)."""
+
+    def __init__(
+        self,
+        advice: Callable[[], tuple[float, int] | None],
+        start: SaveDecision,
+        persist_every: int,
+        retune: Retune | None = None,
+    ) -> None:
+        super().__init__(lambda: None, start, retune)
+        self.advice, self.persist_every = advice, persist_every
+
+    def saved(self, step: int, now: float) -> None:
+        self.current.saved(step, now)
+        pair = self.advice()
+        if pair is not None:
+            self._follow(step, now, pair[0])
+            self.persist_every = self.retune.persist_every(self.persist_every, pair[1])
+
+    def __repr__(self) -> str:
+        return f"AdvisedTiers(current={self.current!r}, persist_every={self.persist_every})"
 
 
 class Preemption:

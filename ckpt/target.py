@@ -53,6 +53,7 @@ class Target(Protocol):
 
     private: bool  # every rank commits its own copy (a local tier) rather than its share of one
     commit_tier: str | None  # the tier a save commits to, as told to the tracker (one root: None)
+    persist_every: int | None  # every how many saves one is persisted to the durable root (one root: None)
 
     def writable(self, durable_lease: lease_mod.Lease | None) -> tuple[Storage, lease_mod.Lease | None]:
         """Where the next save commits, and the lease that guards it."""
@@ -125,6 +126,15 @@ class SingleRoot:
 
     private = False
     commit_tier = None
+
+    @property
+    def persist_every(self) -> None:
+        """No persists: one root."""
+        return None
+
+    @persist_every.setter
+    def persist_every(self, k: int) -> None:
+        raise ValueError(f"persist_every={k!r} needs a local tier (local=): with one root every save is durable")
 
     def __init__(self, storage: Storage, ranks: Ranks):
         self.storage, self.ranks = storage, ranks

@@ -98,7 +98,7 @@ class Tiers:
         if durable.local_path("") == self.local.root:
             raise ValueError(f"the local tier {self.local.root} must not be the durable root")
         self.durable, self.ranks = durable, ranks
-        self.persist_every, self.retention = options.persist_every, options.retention
+        self._persist_every, self.retention = options.persist_every, options.retention
         self.on_local_delete: Callable[[int], None] | None = None  # told each step deleted from the local tier
         offset = default_offset(ranks.world_size) if replica_offset is None else replica_offset
         self.offset = offset % ranks.world_size if ranks.world_size > 1 else 0
@@ -106,7 +106,7 @@ class Tiers:
         self._persist_ranks = Ranks.current(timeout) if ranks.world_size > 1 else ranks
         self._persister = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
         self._persisting: tuple[int, Future] | None = None
-        self._commits = 0
+        self._unpersisted = 0  # committed saves since the last persist (counted alike on every rank)
         self.lease: lease_mod.Lease | None = None
 
     def take_lease(self) -> lease_mod.Lease:
@@ -143,11 +143,22 @@ class Tiers:
         """The local tier when it holds `step`, else the durable root."""
         return self.local if layout.is_committed(self.local, step) else self.durable
 
+    @property
+    def persist_every(self) -> int:
+        """Every how many committed saves one is persisted (`TierOptions.persist_every`; settable: a retuned K)."""
+        return self._persist_every
+
+    @persist_every.setter
+    def persist_every(self, k: int) -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"persist_every must be a positive int, got {k!r}")
+        self._persist_every = k
+
     def resumed(self, source: Source, remaining: list[Source]) -> None:
         """A job resumed here: when it restored a local step the durable tier lacks, its first save is persisted,
         else the K-th; so a job whose attempts die before their K-th save still reaches the durable tier."""
         lagging = source.tier == LOCAL and Source(source.step, DURABLE) not in remaining
-        self._commits = self.persist_every - 1 if lagging else 0
+        self._unpersisted = self.persist_every - 1 if lagging else 0
 
     def delete_local(self, step: int) -> None:
         """Delete `step` from this rank's local tier, now (manifest first)."""
@@ -179,13 +190,14 @@ class Tiers:
         done: Persisted,
         persist: bool | None = None,
     ) -> bool:
-        """A step committed locally on every rank: queue its persist if it is the K-th (counted alike on every rank,
-        whatever happens next) or `persist` says so, replicate it to the peer, apply local retention.
+        """A step committed locally on every rank: queue its persist if it is the K-th since the last persist
+        (`persist_every` may change between saves: a retuned K) or `persist` says so, replicate it to the peer, apply local retention.
         `done(step, error, seconds, bytes copied)` is called on the persist thread when a persist ends (bytes None: the
         step was durable already); the durable root's retention waits for it (returns False)."""
         step = plan.step
-        self._commits += 1
-        if persist or (persist is None and self._commits % self.persist_every == 0):
+        self._unpersisted += 1
+        if persist or (persist is None and self._unpersisted >= self.persist_every):
+            self._unpersisted = 0
             if self._persisting is not None:  # one persist at a time: a slower durable tier holds the writer back
                 futures_wait([self._persisting[1]])
             regions = {name: plan.boxes[name] for name in plan.designated}

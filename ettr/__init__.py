@@ -19,6 +19,7 @@ from .formulas import (
 from .ledger import Ledger, LedgerError, read_ledgers
 from .report import plot_timeline, report_json, report_text
 from .simulate import SimResult, simulate, simulate_two_tier
+from .stragglers import RankSteps, StepWindow, Stragglers, ideal_step, step_deviation, stragglers, stragglers_root
 from .telemetry import GoodputMetrics, configure_metrics, goodput_resource, identity_attributes, metric_totals
 from .tracker import GoodputTracker
 
@@ -33,8 +34,11 @@ __all__ = [
     "GoodputTracker",
     "Ledger",
     "LedgerError",
+    "RankSteps",
     "Segment",
     "SimResult",
+    "StepWindow",
+    "Stragglers",
     "SystemClock",
     "TwoTierCosts",
     "TwoTierAdvice",
@@ -51,6 +55,7 @@ __all__ = [
     "expected_ettr",
     "goodput_resource",
     "identity_attributes",
+    "ideal_step",
     "metric_totals",
     "mttf_from_rate",
     "optimal_two_tier",
@@ -61,6 +66,9 @@ __all__ = [
     "seed_ettr",
     "simulate",
     "simulate_two_tier",
+    "step_deviation",
+    "stragglers",
+    "stragglers_root",
     "two_tier_ettr",
     "young_interval",
 ]

@@ -24,6 +24,7 @@ from .formulas import (
 from .ledger import LedgerError
 from .report import plot_timeline, report_json, report_text
 from .simulate import simulate, simulate_two_tier
+from .stragglers import WINDOW_STEPS, stragglers_root
 
 
 class _Parser(argparse.ArgumentParser):
@@ -75,6 +76,13 @@ def _parser() -> argparse.ArgumentParser:
         else:
             s.add_argument("--json", action="store_true", help="machine-readable output")
             _two_tier_flags(s)
+        if name == "report":
+            s.add_argument(
+                "--straggler-window",
+                type=_count,
+                default=WINDOW_STEPS,
+                help=f"steps per window in which the slowest rank is named (default {WINDOW_STEPS})",
+            )
     s = sub.add_parser("simulate", help="Monte Carlo ETTR for an interval, beside the closed forms")
     s.add_argument("--interval", type=_seconds(True), required=True, help="compute seconds between checkpoints")
     s.add_argument("--write", type=_seconds(False), default=0.0, help="blocking seconds per checkpoint")
@@ -154,7 +162,8 @@ def _run(args: argparse.Namespace) -> str:
         return args.output
     adv = advise(a, mttf_s=args.mttf, two_tier=_two_tier_inputs(args, a))
     if args.cmd == "report":
-        return report_json(a, adv) if args.json else report_text(a, adv)
+        s = stragglers_root(args.root, window=args.straggler_window, storage_options=storage_args.options(args) or None)
+        return report_json(a, adv, s) if args.json else report_text(a, adv, s)
     return json.dumps(adv.to_dict(), indent=2) if args.json else adv.text()
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from .advice import Advice
 from .attribution import CATEGORIES, DOWNTIME, Attribution
 from .ledger import TIERS
+from .stragglers import Stragglers
 
 COLORS = {
     "productive": "#2ca02c",
@@ -26,8 +27,8 @@ def _ordered(micros: dict[str, int]) -> list[str]:
     return [c for c in CATEGORIES if c in micros] + sorted(c for c in micros if c not in CATEGORIES)
 
 
-def report_text(a: Attribution, advice: Advice | None = None) -> str:
-    """A table per category, one line per attempt, ETTR, and the advice."""
+def report_text(a: Attribution, advice: Advice | None = None, stragglers: Stragglers | None = None) -> str:
+    """A table per category, one line per attempt, ETTR, the ranks' step times and stragglers, and the advice."""
     wall = a.wall_us
     tiered = any(at.restored_tier is not None for at in a.attempts)  # a "from" column: the tier each restore read
     from_column = f"{'  from':<10}" if tiered else ""
@@ -58,9 +59,51 @@ def report_text(a: Attribution, advice: Advice | None = None) -> str:
             f"{at.micros.get('productive', 0) / 1e6:>14.3f}{at.micros.get('lost', 0) / 1e6:>10.3f}"
             + ("  (torn last line dropped)" if at.torn else "")
         )
+    if stragglers is not None:
+        lines += ["", *_straggler_lines(stragglers)]
     if advice is not None:
         lines += ["", advice.text()]
     return "\n".join(lines)
+
+
+SHOWN = 8  # ranks and windows the text report lists at most (the slowest ranks, the last windows); --json has all
+
+
+def _straggler_lines(s: Stragglers) -> list[str]:
+    """Each rank's step times (the slowest SHOWN), the slowest rank of the last SHOWN windows, the time waited."""
+    ranks = sorted(s.ranks, key=lambda r: (-r.busy_us, r.rank))[:SHOWN]
+    hidden = len(s.ranks) - len(ranks)
+    lines = [
+        f"{'rank':<6}{'steps':>8}{'step s':>12}{'busy s':>12}{'coll. wait s':>14}{'ideal step s':>14}"
+        f"{'deviation s':>13}" + (f"  (the {SHOWN} busiest of {len(s.ranks)} ranks)" if hidden else "")
+    ]
+    for r in ranks:
+        ideal = "-" if r.ideal_step_us is None else f"{r.ideal_step_us / 1e6:.6f}"
+        deviation = "-" if r.deviation_us is None else f"{r.deviation_us / 1e6:.6f}"
+        lines.append(
+            f"{r.rank:<6}{r.steps:>8}{r.step_us / 1e6:>12.3f}{r.busy_us / 1e6:>12.3f}{r.wait_us / 1e6:>14.3f}"
+            f"{ideal:>14}{deviation:>13}"
+        )
+    if not s.windows:
+        return lines + ["slowest rank per window: needs the ledgers of two ranks or more"]
+    shown = s.windows[-SHOWN:]
+    earlier = len(s.windows) - len(shown)
+    lines.append(
+        f"slowest rank per {s.window}-step window (busy s; the other ranks' median; waited s)"
+        + (f", the last {SHOWN} of {len(s.windows)}:" if earlier else ":")
+    )
+    for w in shown:
+        steps = f"steps {w.first_step}-{w.last_step}"
+        lines.append(
+            f"  {steps:<20}rank {w.slowest_rank:<6}{w.slowest_busy_us / 1e6:>12.3f}{w.others_busy_us / 1e6:>12.3f}"
+            f"{w.waited_us / 1e6:>12.3f}"
+        )
+    per_rank = s.waited_per_rank_us()
+    lines.append(
+        f"waiting for the slowest rank: {s.waited_us / 1e6:.3f} s of the job's time over {len(s.windows)} window(s); "
+        f"most for rank {s.slowest_rank} ({per_rank[s.slowest_rank] / 1e6:.3f} s)"
+    )
+    return lines
 
 
 def _restore_line(a: Attribution) -> str:
@@ -107,9 +150,11 @@ def _steps(steps: tuple[int, ...]) -> str:
     return ", ".join(map(str, steps)) if len(steps) <= 8 else f"{steps[0]} ... {steps[-1]} ({len(steps)})"
 
 
-def report_json(a: Attribution, advice: Advice | None = None) -> str:
-    """The attribution (and advice) as JSON."""
+def report_json(a: Attribution, advice: Advice | None = None, stragglers: Stragglers | None = None) -> str:
+    """The attribution (and the ranks' step times and stragglers, and the advice) as JSON."""
     out: dict[str, Any] = a.to_dict()
+    if stragglers is not None:
+        out["stragglers"] = stragglers.to_dict()
     if advice is not None:
         out["advice"] = advice.to_dict()
     return json.dumps(out, indent=2)

@@ -114,6 +114,18 @@ class GoodputMetrics:
             unit="{step}",
             description="The first step of this attempt whose second pass differs from its first",
         )
+        self._window_time = meter.create_gauge(
+            "ettr.step_window.time",
+            unit="s",
+            description="This rank's time in its last complete window of steps by part: busy (its steps less its "
+            "collective waits; the slowest rank has the most) and collective_wait (waiting for the other ranks)",
+        )
+        self._window_first = meter.create_gauge(
+            "ettr.step_window.first_step", unit="{step}", description="First step of that window"
+        )
+        self._window_steps = meter.create_gauge(
+            "ettr.step_window.steps", unit="{step}", description="Steps this rank ran in that window"
+        )
         self._durations = {
             cat: meter.create_histogram(
                 f"ettr.{cat}.duration", unit="s", description=text, explicit_bucket_boundaries_advisory=DURATION_BUCKETS
@@ -178,6 +190,14 @@ class GoodputMetrics:
             self._diverged.add(diverged, self._attempt)
         if first_divergence is not None:
             self._first_divergence.set(first_divergence, self._attempt)
+
+    def set_step_window(self, first_step: int, steps: int, busy_us: int, wait_us: int) -> None:
+        """Set this rank's last complete window of steps (`first_step` on, `steps` of them run): its busy and
+        collective-wait seconds (attribute ettr.part = "busy", "collective_wait")."""
+        self._window_time.set(busy_us / 1e6, {**self._job, "ettr.part": "busy"})
+        self._window_time.set(wait_us / 1e6, {**self._job, "ettr.part": "collective_wait"})
+        self._window_first.set(first_step, self._job)
+        self._window_steps.set(steps, self._job)
 
     def record_duration(self, category: str, seconds: float) -> None:
         """Record one duration of `category` (DURATIONS): a save() call, a part of a save (its wait for the previous
@@ -312,7 +332,8 @@ def metric_totals(reader: Any) -> dict[str, Any]:
     """Read an InMemoryMetricReader into the numbers a report should agree with: {"seconds": {category: s} (job),
     "attempt_seconds": {category: s}, "checkpoint_seconds": {part: s} (job), "failures": n, "ettr": {window: v},
     "replay": {"steps", "divergences", "first_divergence"} (once a step was trained again),
-    "last_step": s, "age": s,
+    "last_step": s, "age": s, "step_window": {part: s}, "step_window_first_step": s,
+    "step_window_steps": n,
     "<histogram>": {"count", "sum"}}."""
     out: dict[str, Any] = {"seconds": {}, "attempt_seconds": {}, "failures": 0, "ettr": {}}
     data = reader.get_metrics_data()
@@ -336,6 +357,12 @@ def metric_totals(reader: Any) -> dict[str, Any]:
                         out["last_step"] = p.value
                     elif m.name == "ettr.checkpoint.age":
                         out["age"] = p.value
+                    elif m.name == "ettr.step_window.time":
+                        out.setdefault("step_window", {})[p.attributes["ettr.part"]] = p.value
+                    elif m.name == "ettr.step_window.first_step":
+                        out["step_window_first_step"] = p.value
+                    elif m.name == "ettr.step_window.steps":
+                        out["step_window_steps"] = p.value
                     else:
                         out[m.name] = {"count": p.count, "sum": p.sum}
     return out

@@ -18,6 +18,7 @@ from .attribution import SAVE_SPLIT, Attribution, attribute
 from .clock import Clock, SystemClock
 from .ledger import FORMAT_VERSION, SAVE_PARTS, TIERS, UPLOAD_INTERVAL_S, LedgerWriter, read_ledgers
 from .replay import Replay, compare, float_bits
+from .stragglers import WAIT, WINDOW_STEPS, WindowMeter
 from .telemetry import GoodputMetrics
 
 FLUSHED_SPANS = frozenset({"checkpoint_save", "checkpoint_restore"})
@@ -165,6 +166,7 @@ class GoodputTracker:
         metrics: GoodputMetrics | None = None,
         storage_options: dict[str, Any] | None = None,
         upload_interval: float = UPLOAD_INTERVAL_S,
+        straggler_window: int = WINDOW_STEPS,
     ) -> None:
         self.root = root
         self.clock = clock or SystemClock()
@@ -200,6 +202,7 @@ class GoodputTracker:
         self._expect: dict[int, tuple[str, tuple | None]] = {}  # step -> (attempt, digest fields)
         self._through: int | None = None
         self._replayed: list[tuple[int, tuple | None]] = []
+        self._windows = WindowMeter(straggler_window)  # busy and collective-wait time per window of steps, live
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> GoodputTracker:
@@ -250,6 +253,9 @@ class GoodputTracker:
 
     def end(self, status: str = "ok") -> None:
         """Mark a clean end (or status="error"), flush and close the ledger."""
+        window = self._windows.close()  # the window in progress, partial or not
+        if window is not None:
+            self.metrics.set_step_window(*window)
         self._buf.append({"k": "end", "t": self._now(), "status": status})
         self._resume_known = True
         self.flush()
@@ -302,6 +308,9 @@ class GoodputTracker:
             record = (step, entry[3], t, entry[0]) if digest is None else (step, entry[3], t, entry[0], digest)
             if self._through is not None and step <= self._through:  # a step trained again: compared at the flush
                 self._replayed.append((step, found))
+            window = self._windows.step(step, t - entry[3])
+            if window is not None:
+                self.metrics.set_step_window(*window)
             due = t - self._last_flush >= self._flush_us
             if not (due or self._buf):  # the common case: nothing buffered to go before it
                 self._writer.append((_STEP if digest is None else _STEP_DIGEST) % record)
@@ -357,6 +366,8 @@ class GoodputTracker:
                 self._stack.remove(entry)
             order, category, _, begin, attrs = entry
             self._buf.append((category, begin, t, order, attrs))
+            if category == WAIT and any(e[1] == "productive" for e in self._stack):
+                self._windows.waited(t - begin)
             if category in FLUSHED_SPANS:
                 inside = bool(self._stack) and self._stack[-1][1] == category  # a part inside an open save
                 part = attrs.get("part") if category == "checkpoint_save" else None

@@ -78,6 +78,26 @@ def batch_hash(samplers: Mapping[str, Any], step: int | None = None) -> str | No
     return ",".join(f"{name}:{digest}" for name, digest in found)
 
 
+def advised_two_tier(
+    root: str,
+    mttf_s: float | None = None,
+    storage_options: dict[str, Any] | None = None,
+    inputs: ettr.TwoTierInputs | None = None,
+) -> Callable[[], tuple[float, int] | None]:
+    """The advice of a `ckpt.AdvisedTiers`: the (local interval in seconds, K) that `ettr.advise_two_tier` fits to the
+    job's ledgers in `root` (per-tier save and restore costs, the failure classes seen so far; `inputs` for what the
+    ledger cannot tell, e.g. ``persist_s``), or None until it has a plan (no save yet, no failure classified)."""
+
+    def advice() -> tuple[float, int] | None:
+        attribution = ettr.attribute_root(root, storage_options=storage_options)
+        if not attribution.save_us:
+            return None
+        plan = ettr.advise_two_tier(attribution, inputs or ettr.TwoTierInputs(), mttf_s=mttf_s).plan
+        return None if plan is None else (plan.interval_s, plan.persist_every)
+
+    return advice
+
+
 def resolve_step(manager: CheckpointManager, step: int) -> int:
     """`step` if committed, else the newest committed step before it (with a warning): a save that died unfinished."""
     committed = manager.steps()

@@ -21,6 +21,7 @@ from typing import Any
 
 from ckpt import (
     AdvisedInterval,
+    AdvisedTiers,
     AnyOf,
     CheckpointManager,
     EveryNSeconds,
@@ -35,7 +36,7 @@ from ckpt.options import typed
 from ckpt.schedule import PREEMPTION_SIGNALS
 from ettr import GoodputTracker
 
-from ._common import advised_interval, batch_hash
+from ._common import advised_interval, advised_two_tier, batch_hash
 
 log = logging.getLogger("integrations")
 
@@ -66,8 +67,10 @@ class TrainLoop:
         rng: True for a default `RNGState` (every global RNG), an `RNGState` with registered generators, or False;
             saved as ``state["rng"]``.
         every_steps, every_seconds: save when either many steps or seconds have passed since the last save.
-        advise: after each save, replace the interval by the one `ettr.advise` fits to this job's ledgers
-            (seconds; `mttf_s` overrides the fitted MTTF). The intervals above are its starting point.
+        advise: after each save, move the interval toward the one `ettr.advise` fits to this job's ledgers
+            (seconds; `mttf_s` overrides the fitted MTTF), damped and bounded (`ckpt.Retune`); with a local tier,
+            the pair (local interval, K) `ettr.advise_two_tier` fits (`ckpt.AdvisedTiers`), K going to the manager's
+            `persist_every`. The intervals above (and `persist_every`) are its starting point.
         decision: a `ckpt.schedule.SaveDecision` instead of the three above (e.g. one shared with other code).
         signals: preemption signals; one sets a flag, the next `on_step_end` saves that step and raises `Preempted`.
         overlap: deprecated: ``overlap=True`` is ``snapshot="overlap"`` (a manager option, below), unless
@@ -150,11 +153,14 @@ class TrainLoop:
         if not parts:
             raise ValueError("give every_steps or every_seconds (with advise=True: the interval it starts from)")
         interval = parts[0] if len(parts) == 1 else AnyOf(*parts)
-        return (
-            AdvisedInterval(advised_interval(self.root, self.mttf_s, self._storage_options), interval)
-            if advise
-            else interval
-        )
+        tiers = self._manager_options["tiers"]
+        if not advise:
+            return interval
+        if tiers is not None:  # the pair (local interval, K), refitted from this run's ledger after each save
+            return AdvisedTiers(
+                advised_two_tier(self.root, self.mttf_s, self._storage_options), interval, tiers.persist_every
+            )
+        return AdvisedInterval(advised_interval(self.root, self.mttf_s, self._storage_options), interval)
 
     # -- lifetime ------------------------------------------------------------------------------------------
     def __enter__(self) -> TrainLoop:
@@ -164,7 +170,7 @@ class TrainLoop:
             self.preemption.install()
             self.manager = CheckpointManager(self.root, tracker=self.tracker, **self._manager_options)
             self.start_step = self.step = self.last_saved = self.manager.restore(self.state) or 0
-            self.decision.saved(self.start_step, time.monotonic())
+            self._decided(self.start_step)
         except BaseException as e:
             self.__exit__(type(e), e, e.__traceback__)
             raise
@@ -274,8 +280,14 @@ class TrainLoop:
             return False
         self._handle = self.manager.save(step, self.state, metadata=metrics, persist=persist)
         self.last_saved = step
-        self.decision.saved(step, time.monotonic())
+        self._decided(step)
         return True
+
+    def _decided(self, step: int) -> None:
+        """Tell the save decision of a checkpoint of `step`; a retuned K (`AdvisedTiers`) goes to the manager."""
+        self.decision.saved(step, time.monotonic())
+        if isinstance(self.decision, AdvisedTiers):
+            self.manager.persist_every = self.decision.persist_every
 
     def wait_for_staging(self) -> None:
         """Block until the last save's snapshot is complete (`SaveHandle.wait_snapshot`). By default a save copies

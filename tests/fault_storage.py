@@ -20,7 +20,8 @@ class InjectedFault(OSError):
 class FaultStorage:
     """`inner` as it is, except: the `fail_write`-th write (write_atomic or create, counting from 1) of a path
     `fail_path` accepts raises `InjectedFault`, nothing written; a read of a path `corrupt` accepts returns its
-    bytes with one bit flipped. `reads` and `writes` record every path read and written through it."""
+    bytes with one bit flipped. `reads` and `writes` record every path read and written through it, `read_bytes` the
+    bytes each read returned (path, bytes), in order."""
 
     def __init__(
         self,
@@ -36,6 +37,7 @@ class FaultStorage:
         self.cheap_sizes = inner.cheap_sizes
         self.lease_kind = inner.lease_kind
         self.reads: list[str] = []
+        self.read_bytes: list[tuple[str, int]] = []
         self.writes: list[str] = []
         self._matching_writes = 0
 
@@ -68,6 +70,7 @@ class FaultStorage:
     def read(self, path: str) -> bytes | None:
         self.reads.append(path)
         data = self.inner.read(path)
+        self.read_bytes.append((path, len(data or b"")))
         if data and self.corrupt(path):
             return bytes([data[0] ^ 1]) + data[1:]
         return data
@@ -75,6 +78,7 @@ class FaultStorage:
     def read_range(self, path: str, start: int, stop: int | None) -> bytes | None:
         self.reads.append(path)
         data = self.inner.read_range(path, start, stop)
+        self.read_bytes.append((path, len(data or b"")))
         if data and self.corrupt(path):
             return bytes([data[0] ^ 1]) + data[1:]
         return data

@@ -125,12 +125,57 @@ def test_any_of_saves_when_one_is_due_and_resets_all():
 
 def test_advised_interval_switches_to_seconds_once_the_advisor_answers():
     answers = iter([None, 0.0, math.nan, 30.0, 60.0])
-    decision = ckpt.AdvisedInterval(lambda: next(answers), ckpt.EveryNSteps(2))
+    decision = ckpt.AdvisedInterval(lambda: next(answers), ckpt.EveryNSteps(2), ckpt.Retune(damping=1, deadband=0))
     decision.saved(0, 0.0)  # start: no advice yet (None)
     clock = {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 20.0, 6: 34.0, 7: 64.0, 8: 93.0, 9: 94.0}
     # every 2 steps while the advice is None, 0 or nan (ignored); after 6, every 30 s; after 7, every 60 s
     assert _run(decision, clock) == [2, 4, 6, 7]
     assert isinstance(decision.current, ckpt.EveryNSeconds) and decision.current.seconds == 60.0
+
+
+def test_an_advised_interval_is_damped_so_it_cannot_oscillate_and_stays_within_the_users_bounds():
+    # an advisor that swings between 100 s and 20 s at every refit, then 57 and 55, then far out of bounds
+    answers = iter([100.0, 20.0, 100.0, 20.0, 100.0, 20.0, 57.0, 55.0, 1000.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    retune = ckpt.Retune(min_s=10.0, max_s=150.0, damping=0.5, deadband=0.1)
+    decision = ckpt.AdvisedInterval(lambda: next(answers), ckpt.EveryNSteps(5), retune)
+    seen = []
+    for i in range(14):
+        decision.saved(i, float(i))
+        seen.append(decision.seconds)
+    # the first answer is taken (no interval in seconds before it); then half the way each time, so the swing
+    # shrinks (60 -> 80 -> 50 -> 75 -> 47.5) instead of following the advisor; 55 is within 10% of 52.25: kept;
+    # 1000 s is capped at max_s, and a steady 1 s is approached monotonically down to min_s, never below
+    assert seen == [100.0, 60.0, 80.0, 50.0, 75.0, 47.5, 52.25, 52.25, 150.0, 75.5, 38.25, 19.625, 10.3125, 10.0]
+    assert isinstance(decision.current, ckpt.EveryNSeconds) and decision.current.seconds == 10.0
+
+
+def test_retune_moves_k_toward_its_advice_by_at_least_one_within_bounds():
+    retune = ckpt.Retune(damping=0.5, max_persist_every=8)
+    k, seen = 1, []
+    for advised in (6, 6, 6, 6, 1, 40):
+        k = retune.persist_every(k, advised)
+        seen.append(k)
+    assert seen == [4, 5, 6, 6, 3, 6]  # 1 + ceil(2.5); + ceil(1); + ceil(0.5); kept; - ceil(2.5); 40 is 8: + ceil(2.5)
+    for bad, says in (
+        (dict(damping=0.0), "damping must be in"),
+        (dict(deadband=1.0), "deadband must be in"),
+        (dict(min_s=5.0, max_s=1.0), "max_s >= min_s"),
+        (dict(min_s=math.inf), "a finite min_s"),
+        (dict(max_persist_every=0), "max_persist_every must be a positive int"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            ckpt.Retune(**bad)
+
+
+def test_advised_tiers_retunes_the_local_interval_and_k_together():
+    answers = iter([None, (40.0, 6), (40.0, 6), (12.0, 2)])
+    decision = ckpt.AdvisedTiers(lambda: next(answers), ckpt.EveryNSteps(3), persist_every=2)
+    decision.saved(0, 0.0)  # no plan yet: the start schedule and K stay
+    assert (decision.seconds, decision.persist_every) == (None, 2)
+    clock = {1: 1.0, 2: 2.0, 3: 3.0, 4: 20.0, 5: 43.0, 6: 70.0, 7: 84.0}
+    assert _run(decision, clock) == [3, 5, 7]  # 3 by the start schedule; then 40 s after 3 (43) and after 43 (84)
+    # after 3: 40 s, K 2 -> 4; after 5: within the deadband (40 of 40), K 4 -> 5; after 7: 40 -> 26 s, K 5 -> 3
+    assert (decision.seconds, decision.persist_every) == (26.0, 3)
 
 
 def test_preemption_asks_for_one_save_per_signal_and_restores_the_handler():

@@ -28,7 +28,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             f"--{name.replace('_', '-')}", type=kind, default=default, help=f"{text} (default {default})"
         )
-    parser.add_argument("--advise", action="store_true", help="after each save, use the interval ettr.advise fits")
+    parser.add_argument(
+        "--advise", action="store_true", help="after each save, retune the interval (and K) to what ettr.advise fits"
+    )
 
 
 def training_argv(args: argparse.Namespace) -> list[str]:

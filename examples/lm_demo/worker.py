@@ -43,6 +43,14 @@ class DemoTracker(GoodputTracker):
         super().checkpoint_restored(step, tier=tier)
 
 
+def retuned(loop: TrainLoop) -> str:
+    """The save schedule in force: the interval, and with two tiers every how many saves one is persisted."""
+    current = getattr(loop.decision, "current", loop.decision)
+    interval = f"every {current.seconds:.1f} s" if hasattr(current, "seconds") else repr(current)
+    k = loop.manager.persist_every
+    return interval if k is None else f"{interval}, persist every {k} save{'s' if k > 1 else ''}"
+
+
 def train(args: argparse.Namespace) -> None:
     """One attempt: restore the newest checkpoint under ROOT, train to --steps, write final.json with the weights' hash."""
     torch.use_deterministic_algorithms(True)
@@ -80,7 +88,10 @@ def train(args: argparse.Namespace) -> None:
         )
         chaos = Chaos.for_attempt(args.chaos, args.seed, attempt, loop.start_step, args.steps, args.node_loss)
         replaying = loop.start_step > 0  # until the steps the earlier attempts trained after it are trained again
-        batches = sampler.track(make_loader(dataset, sampler, num_workers=args.workers))
+        batches = sampler.track(make_loader(dataset, sampler, num_workers=args.workers, tracker=tracker))
+        schedule = retuned(loop)
+        if args.advise:
+            print(f"{tag} schedule {schedule}", flush=True)
         for step, batch in zip(loop.steps(args.steps), batches):
             tokens = batch["tokens"]
             logits = model(tokens[:, :-1])
@@ -89,6 +100,9 @@ def train(args: argparse.Namespace) -> None:
             loss.backward()
             optim.step()  # waits for the last save's copy of the parameters, if it is still being made
             saved = loop.on_step_end(step, {"loss": loss.item()})
+            if args.advise and saved and retuned(loop) != schedule:  # the interval (and K) refitted from the ledger
+                schedule = retuned(loop)
+                print(f"{tag} step {step}: schedule retuned to {schedule}", flush=True)
             if step % args.log_every == 0 or step == args.steps:
                 print(
                     f"{tag} step {step:>5}/{args.steps}  loss {loss.item():.4f}  ETTR so far {loop.ettr():.3f}"
