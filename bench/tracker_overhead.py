@@ -1,46 +1,81 @@
-"""Per-step overhead of GoodputTracker (step_begin + step_end, flushes amortized): median of repeated runs."""
+"""Per-step overhead of GoodputTracker (step_begin + step_end, flushes amortized): median of repeated runs, in CPU
+time of the process (what the step path costs training, robust to other jobs on a shared machine) and wall time.
+
+Each run is a fresh job (its own root): bare steps, steps with a data_wait span, steps whose record carries a digest
+(the loss and a batch hash, as the integrations record them), and the same steps trained a second time by a resumed
+attempt, each compared with its first pass at the flushes (replay verification, docs/goodput.md).
+"""
 
 from __future__ import annotations
 
 import statistics
+import sys
 import tempfile
 import time
 
 from ettr import GoodputTracker
 
 STEPS = 200_000
+LOSSES = [2.0 + 1.0 / (s + 1) for s in range(STEPS + 1)]  # made before timing: a float each, as `loss.item()` gives
+BATCHES = [f"{s * 2654435761 % 2**64:016x}" for s in range(STEPS + 1)]  # 16 hex digits, as sampler.batch_hash gives
 
 
-def one_run(root: str, with_span: bool) -> float:
-    """Mean microseconds per step over STEPS empty steps (optionally with a data_wait span inside each)."""
-    tr = GoodputTracker(root, flush_interval=5.0).start()
-    t0 = time.perf_counter()
-    if with_span:
-        for s in range(STEPS):
+def steps(tr: GoodputTracker, variant: str) -> None:
+    """STEPS empty steps of one variant."""
+    if variant == "bare":
+        for s in range(1, STEPS + 1):
+            tr.step_begin(s)
+            tr.step_end(s)
+    elif variant == "span":
+        for s in range(1, STEPS + 1):
             tr.step_begin(s)
             with tr.span("data_wait"):
                 pass
             tr.step_end(s)
     else:
-        for s in range(STEPS):
+        losses, batches = LOSSES, BATCHES
+        for s in range(1, STEPS + 1):
             tr.step_begin(s)
-            tr.step_end(s)
-    per_step = (time.perf_counter() - t0) / STEPS * 1e6
-    tr.end()
-    return per_step
+            tr.step_end(s, losses[s], batch=batches[s])
 
 
-def main() -> None:
-    """Print the median over 5 runs, for bare steps and steps with one span."""
-    for with_span in (False, True):
-        with tempfile.TemporaryDirectory() as root:
-            runs = [one_run(root, with_span) for _ in range(5)]
-        label = "step + data_wait span" if with_span else "step_begin/step_end"
+def one_run(variant: str) -> tuple[float, float]:
+    """Mean (CPU, wall) microseconds per step over STEPS steps of `variant` in a fresh root (for "replay", the second
+    attempt: it restores the first attempt's checkpoint of step 0 and trains its steps again)."""
+    with tempfile.TemporaryDirectory() as root:
+        if variant == "replay":
+            first = GoodputTracker(root, attempt_id="a1", flush_interval=5.0).start()  # ids: the order they ran
+            first.checkpoint_committed(0, 0.0)
+            steps(first, "digest")
+            first.end("error")
+        tr = GoodputTracker(root, attempt_id="a2", flush_interval=5.0).start()
+        tr.checkpoint_restored(0 if variant == "replay" else None)  # "replay": every step is trained again
+        cpu, wall = time.process_time(), time.perf_counter()
+        steps(tr, variant)
+        replay = tr.replay() if variant == "replay" else None  # the comparison of the last flush's steps counts too
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        tr.end()
+    assert replay is None or replay.equal == STEPS, replay
+    return cpu / STEPS * 1e6, wall / STEPS * 1e6
+
+
+LABELS = {
+    "bare": "step_begin/step_end",
+    "span": "step + data_wait span",
+    "digest": "step + loss, batch hash",
+    "replay": "the same, replayed",
+}
+
+
+def main(variants: list[str]) -> None:
+    """Print the median over 5 runs of each variant (default: all)."""
+    for variant in variants or list(LABELS):
+        cpu, wall = zip(*(one_run(variant) for _ in range(5)))
         print(
-            f"{label:<24} median {statistics.median(runs):.2f} us/step  "
-            f"(runs: {', '.join(f'{r:.2f}' for r in runs)}; {STEPS} steps each, flushes included)"
+            f"{LABELS[variant]:<26} median {statistics.median(cpu):.2f} us/step CPU, {statistics.median(wall):.2f} "
+            f"wall  (CPU runs: {', '.join(f'{r:.2f}' for r in cpu)}; {STEPS} steps each, flushes included)"
         )
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

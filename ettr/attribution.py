@@ -8,7 +8,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from .ledger import SAVE_PARTS, Ledger, ledger_ranks, no_ledgers, read_ledgers
+from .ledger import SAVE_PARTS, Ledger, ledger_ranks, no_ledgers, read_ledgers, root_of
+from .replay import Digest, FirstPasses, Replay, compare
 
 LOCAL_TIERS = ("local", "peer")  # a restore from these means the local tier (with its replicas) survived
 
@@ -65,6 +66,7 @@ class AttemptSummary:
     checkpoint_split_us: dict[str, int] = field(default_factory=dict)  # its checkpoint_save micros per SAVE_SPLIT part
     saves: int = 0  # its save() calls (checkpoint_save spans that are no part of a save)
     background_us: int = 0  # its commits' background seconds (beside the sum, as Attribution.background_us)
+    replay: Replay = field(default_factory=Replay)  # the steps it trained again after its resume, compared
 
     @property
     def failed(self) -> bool:
@@ -129,6 +131,14 @@ class Attribution:
     def saves(self) -> int:
         """Calls of save() in the job (one per checkpoint taken; the waits that are parts of a save not counted)."""
         return len(self.save_us)
+
+    @property
+    def replay(self) -> Replay:
+        """Every step trained a second time after a resume, compared with its first pass (docs/goodput.md)."""
+        total = Replay()
+        for a in self.attempts:
+            total += a.replay
+        return total
 
     @property
     def failures(self) -> int:
@@ -217,6 +227,7 @@ class Attribution:
             "committed_steps": list(self.committed_steps),
             "retained_steps": list(self.retained_steps),
             "deleted_steps": list(self.deleted_steps),
+            "replay": self.replay.to_dict(),
             "attempts": [
                 {
                     "attempt": a.attempt,
@@ -235,6 +246,7 @@ class Attribution:
                     "seconds": {k: v / 1e6 for k, v in a.micros.items()},
                     "saves": a.saves,
                     "checkpoint_save_split": {part: us / 1e6 for part, us in a.checkpoint_split_us.items()},
+                    "replay": a.replay.to_dict(),
                 }
                 for a in self.attempts
             ],
@@ -259,6 +271,7 @@ class _Attempt:
     status: str | None
     save_us: list[int]
     restore_us: list[int]
+    digests: dict[int, Digest | None] = field(default_factory=dict)  # step -> its first record's digest
 
     @property
     def first_step(self) -> tuple[int, int] | None:
@@ -280,11 +293,14 @@ def _gather(ledger: Ledger) -> _Attempt:
     commits, save_us, restore_us, status = [], [], [], None
     commit_times: dict[int, int] = {}
     events: list[tuple[str, int, str | None]] = []
+    digests: dict[int, Digest | None] = {}
     for r in ledger.records:
         k = r["k"]
         last = max(last, r.get("e", r.get("t", last)))
         if k == "step":
             closed[r["o"]] = (r["b"], r["e"], r["o"], "step", r["s"])
+            if r["s"] not in digests:
+                digests[r["s"]] = Digest.of(r) if len(r) > 5 else None
         elif k == "span":
             part = None
             if r["c"] == "checkpoint_save":
@@ -330,6 +346,7 @@ def _gather(ledger: Ledger) -> _Attempt:
         status,
         save_us,
         restore_us,
+        digests,
     )
 
 
@@ -510,6 +527,7 @@ def attribute(
     totals = {c: 0 for c in CATEGORIES}
     segments: list[Segment] = []
     summaries = []
+    passes = FirstPasses()
     for k, a in enumerate(attempts):
         end = min(a.last, attempts[k + 1].start) if k + 1 < len(attempts) else a.last
         lost_after = min(resume[k + 1 :], default=_INF)
@@ -557,8 +575,10 @@ def attribute(
                 split,
                 len(a.save_us),
                 sum(bg for _, bg, _ in a.commits),
+                compare(passes.after(resume[k]), a.ledger.attempt, a.digests.items(), root_of(a.ledger.source)),
             )
         )
+        passes.add(a.ledger.attempt, a.digests)
     return Attribution(
         start_us=attempts[0].start,
         end_us=summaries[-1].end_us,

@@ -73,6 +73,11 @@ def ledger_dir(root: str) -> str:
     return root.rstrip("/") + "/" + LEDGER_DIR
 
 
+def root_of(source: str) -> str:
+    """The checkpoint root of a ledger's path or URL (a `Ledger.source`): `ledger_dir` undone."""
+    return source.rsplit("/" + LEDGER_DIR + "/", 1)[0]
+
+
 # Object-store defaults: one PUT a minute at most for step records, segments rolled at 1 MiB (docs/goodput.md
 # counts the objects and requests these make).
 UPLOAD_INTERVAL_S = 60.0
@@ -221,12 +226,32 @@ def _check(rec: Any, source: str, line: int) -> None:
             raise LedgerError(f"{source}:{line}: field {name!r} of a {rec['k']!r} record must be {kind}, got {value!r}")
     if rec.get("tier") is not None and not _has_type(rec["tier"], _STR):
         raise LedgerError(f"{source}:{line}: field 'tier' of a {rec['k']!r} record must be {_STR}, got {rec['tier']!r}")
+    if rec["k"] == "step" and len(rec) > 5:
+        _check_digest(rec, source, line)
     if rec["k"] == "alive" and not (isinstance(rec["open"], list) and all(_open_entry(x) for x in rec["open"])):
         raise LedgerError(
             f"{source}:{line}: field 'open' must be a list of [kind, name, begin, order], got {rec['open']!r}"
         )
     if _has_type(rec.get("b"), _INT) and _has_type(rec.get("e"), _INT) and rec["e"] < rec["b"]:
         raise LedgerError(f"{source}:{line}: interval ends before it begins ({rec['b']} > {rec['e']})")
+
+
+_BITS = re.compile(r"^[0-9a-f]{16}$")
+
+
+def _check_digest(rec: dict[str, Any], source: str, line: int) -> None:
+    """A step record's optional digest (ettr.replay): `l` 16 hex digits, `h` a string, `x` {name: 16 hex digits}."""
+    loss, batch, scalars = rec.get("l"), rec.get("h"), rec.get("x")
+    if loss is not None and not (isinstance(loss, str) and _BITS.match(loss)):
+        raise LedgerError(f"{source}:{line}: field 'l' of a 'step' record must be 16 hex digits, got {loss!r}")
+    if batch is not None and not isinstance(batch, str):
+        raise LedgerError(f"{source}:{line}: field 'h' of a 'step' record must be {_STR}, got {batch!r}")
+    if scalars is not None and not (
+        isinstance(scalars, dict) and all(isinstance(v, str) and _BITS.match(v) for v in scalars.values())
+    ):
+        raise LedgerError(
+            f"{source}:{line}: field 'x' of a 'step' record must map names to 16 hex digits, got {scalars!r}"
+        )
 
 
 def _open_entry(x: Any) -> bool:

@@ -46,6 +46,7 @@ def report_text(a: Attribution, advice: Advice | None = None, stragglers: Stragg
         f"{_steps(a.deleted_steps) or 'none'}",
         _restore_line(a),
         *_tier_lines(a),
+        *_replay_lines(a),
         "",
         f"{'attempt':<32}{'status':<9}{'restored':>9}{from_column}{'steps':>12}{'lost':>6}"
         f"{'productive s':>14}{'lost s':>10}",
@@ -121,6 +122,12 @@ def _split_line(a: Attribution) -> str:
         f"{split['overlap_wait']:.6f} s; {a.saves} save(s); background write {a.background_us / 1e6:.6f} s "
         "(not badput)"
     )
+
+
+def _replay_lines(a: Attribution) -> list[str]:
+    """The steps trained again after a resume, against their first pass (none when no step was trained twice)."""
+    text = a.replay.text()
+    return text.splitlines() if text else []
 
 
 def _tier_lines(a: Attribution) -> list[str]:

@@ -99,6 +99,21 @@ class GoodputMetrics:
         self._failures = meter.create_gauge(
             "ettr.job.failures", unit="{failure}", description="Attempts of the job that ended in a failure so far"
         )
+        self._replayed = meter.create_counter(
+            "ettr.replay.steps",
+            unit="{step}",
+            description="Steps this attempt trained a second time after its resume, compared with their first pass",
+        )
+        self._diverged = meter.create_counter(
+            "ettr.replay.divergences",
+            unit="{step}",
+            description="Steps trained a second time whose loss, batch hash or scalars differ from their first pass",
+        )
+        self._first_divergence = meter.create_gauge(
+            "ettr.replay.first_divergence",
+            unit="{step}",
+            description="The first step of this attempt whose second pass differs from its first",
+        )
         self._window_time = meter.create_gauge(
             "ettr.step_window.time",
             unit="s",
@@ -165,6 +180,16 @@ class GoodputMetrics:
     def set_failures(self, count: int) -> None:
         """Set the number of failed attempts of the job (each is one restart)."""
         self._failures.set(count, self._job)
+
+    def replayed(self, steps: int, diverged: int, first_divergence: int | None = None) -> None:
+        """Count `steps` more steps trained again after the resume, `diverged` of them unlike their first pass, the
+        first of those `first_divergence` (ettr.replay; the tracker gives it once per attempt)."""
+        if steps:
+            self._replayed.add(steps, self._attempt)
+        if diverged:
+            self._diverged.add(diverged, self._attempt)
+        if first_divergence is not None:
+            self._first_divergence.set(first_divergence, self._attempt)
 
     def set_step_window(self, first_step: int, steps: int, busy_us: int, wait_us: int) -> None:
         """Set this rank's last complete window of steps (`first_step` on, `steps` of them run): its busy and
@@ -306,6 +331,7 @@ def configure_metrics(
 def metric_totals(reader: Any) -> dict[str, Any]:
     """Read an InMemoryMetricReader into the numbers a report should agree with: {"seconds": {category: s} (job),
     "attempt_seconds": {category: s}, "checkpoint_seconds": {part: s} (job), "failures": n, "ettr": {window: v},
+    "replay": {"steps", "divergences", "first_divergence"} (once a step was trained again),
     "last_step": s, "age": s, "step_window": {part: s}, "step_window_first_step": s,
     "step_window_steps": n,
     "<histogram>": {"count", "sum"}}."""
@@ -323,6 +349,8 @@ def metric_totals(reader: Any) -> dict[str, Any]:
                         out.setdefault("checkpoint_seconds", {})[p.attributes["ettr.part"]] = p.value
                     elif m.name == "ettr.job.failures":
                         out["failures"] = p.value
+                    elif m.name.startswith("ettr.replay."):
+                        out.setdefault("replay", {})[m.name[len("ettr.replay.") :]] = p.value
                     elif m.name == "ettr.ratio":
                         out["ettr"][p.attributes["ettr.window"]] = p.value
                     elif m.name == "ettr.checkpoint.last_step":

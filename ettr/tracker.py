@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import logging
 import os
 import socket
 import threading
@@ -15,10 +17,12 @@ from typing import Any
 from .attribution import SAVE_SPLIT, Attribution, attribute
 from .clock import Clock, SystemClock
 from .ledger import FORMAT_VERSION, SAVE_PARTS, TIERS, UPLOAD_INTERVAL_S, LedgerWriter, read_ledgers
+from .replay import Replay, compare, float_bits
 from .stragglers import WAIT, WINDOW_STEPS, WindowMeter
 from .telemetry import GoodputMetrics
 
 FLUSHED_SPANS = frozenset({"checkpoint_save", "checkpoint_restore"})
+log = logging.getLogger("ettr")
 
 
 def _env_rank() -> int:
@@ -58,6 +62,25 @@ def _tier(tier: str | None) -> dict[str, str]:
 
 
 _STEP = '{"k":"step","s":%d,"b":%d,"e":%d,"o":%d}\n'
+_STEP_DIGEST = '{"k":"step","s":%d,"b":%d,"e":%d,"o":%d%s}\n'  # the last: the digest's fields (`_digest`)
+
+
+def _digest(loss: Any, batch: str | None, scalars: dict[str, Any] | None) -> tuple[tuple, str]:
+    """A step's digest, (loss bits, batch, scalars' bits) as a plain tuple (`Digest`'s fields: one the garbage
+    collector stops tracking), and its record's fields ``,"l":...,"h":...,"x":{...}`` (ettr.replay)."""
+    try:
+        bits = None if loss is None else float_bits(loss)
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of more than one element
+        raise TypeError(f"loss must be a number or a one-element tensor, got {loss!r}") from None
+    text = "" if bits is None else ',"l":"' + bits + '"'
+    if batch is not None:
+        if type(batch) is not str:
+            raise TypeError(f"batch must be the batch hash as a string (e.g. sampler.batch_hash(step)), got {batch!r}")
+        text += ',"h":"' + batch + '"' if batch.isalnum() else ',"h":' + json.dumps(batch)
+    named = tuple(sorted((str(k), float_bits(v)) for k, v in scalars.items())) if scalars else ()
+    if named:
+        text += ',"x":' + json.dumps(dict(named), separators=(",", ":"))
+    return (bits, batch, named), text
 
 
 @functools.lru_cache(maxsize=256)
@@ -67,9 +90,12 @@ def _quoted(name: str) -> str:
 
 
 def _encode(rec: tuple | dict[str, Any]) -> str:
-    """One ledger line from a buffered record: (step, b, e, order), (category, b, e, order, attrs) or a dict."""
+    """One ledger line from a buffered record: (step, b, e, order[, digest fields]), (category, b, e, order, attrs)
+    or a dict."""
     if type(rec) is tuple and len(rec) == 4:
         return _STEP % rec
+    if type(rec) is tuple and type(rec[0]) is int:
+        return _STEP_DIGEST % rec
     if type(rec) is tuple:
         category, begin, end, order, attrs = rec
         if not attrs:
@@ -95,18 +121,24 @@ class _Span:
 
 
 class _Step:
-    """Context manager form of step_begin/step_end."""
+    """Context manager form of step_begin/step_end; `record` attaches the step's digest to its end."""
 
-    __slots__ = ("_tracker", "_step")
+    __slots__ = ("_tracker", "_step", "_loss", "_batch", "_scalars")
 
     def __init__(self, tracker: GoodputTracker, step: int) -> None:
         self._tracker, self._step = tracker, step
+        self._loss = self._batch = self._scalars = None
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> _Step:
         self._tracker.step_begin(self._step)
+        return self
+
+    def record(self, loss: Any = None, *, batch: str | None = None, scalars: dict[str, Any] | None = None) -> None:
+        """The step's loss, batch hash and scalars, written with its record when it ends (see `step_end`)."""
+        self._loss, self._batch, self._scalars = loss, batch, scalars
 
     def __exit__(self, *exc: object) -> None:
-        self._tracker.step_end(self._step)
+        self._tracker.step_end(self._step, self._loss, batch=self._batch, scalars=self._scalars)
 
 
 class GoodputTracker:
@@ -164,6 +196,12 @@ class GoodputTracker:
         self._resume_known = False  # a restore, a first step or the end tells where this attempt resumed
         self._history: deque[tuple[int, int]] = deque()  # (time, own productive us) at exports, for the window
         self._exported: dict[str, int] = {}  # this attempt's microseconds per category already counted
+        # replay verification (ettr.replay): this attempt's steps compared so far; the first passes of the steps it
+        # has yet to train again, the last of them, and the digests of those ended since the last comparison
+        self._replay = Replay()
+        self._expect: dict[int, tuple[str, tuple | None]] = {}  # step -> (attempt, digest fields)
+        self._through: int | None = None
+        self._replayed: list[tuple[int, tuple | None]] = []
         self._windows = WindowMeter(straggler_window)  # busy and collective-wait time per window of steps, live
 
     # -- lifecycle -------------------------------------------------------------------------------------------
@@ -250,20 +288,32 @@ class GoodputTracker:
             self._order += 1
             self._stack.append([self._order, "productive", step, t, None])
 
-    def step_end(self, step: int) -> None:
-        """A training step ends: its record goes to the OS now; flushes once the last flush is flush_interval old."""
+    def step_end(
+        self, step: int, loss: Any = None, *, batch: str | None = None, scalars: dict[str, Any] | None = None
+    ) -> None:
+        """A training step ends: its record goes to the OS now; flushes once the last flush is flush_interval old.
+
+        `loss` (a float, or a 0-dim tensor: ``float()`` reads it, which waits for a device's kernels), `batch` (the
+        batch hash, e.g. ``sampler.batch_hash(step)``) and `scalars` ({name: number}) go into the record as its
+        digest: a step trained again after a resume is compared with it bit for bit (docs/goodput.md, replay)."""
+        if loss is None and batch is None and not scalars:
+            found = digest = None
+        else:
+            found, digest = _digest(loss, batch, scalars)
         with self._lock:
             t = self._credit()
             stack = self._stack
             top = stack[-1] if stack else None
             entry = stack.pop() if top is not None and top[2] == step and top[1] == "productive" else self._pop(step)
-            record = (step, entry[3], t, entry[0])
+            record = (step, entry[3], t, entry[0]) if digest is None else (step, entry[3], t, entry[0], digest)
+            if self._through is not None and step <= self._through:  # a step trained again: compared at the flush
+                self._replayed.append((step, found))
             window = self._windows.step(step, t - entry[3])
             if window is not None:
                 self.metrics.set_step_window(*window)
             due = t - self._last_flush >= self._flush_us
             if not (due or self._buf):  # the common case: nothing buffered to go before it
-                self._writer.append(_STEP % record)
+                self._writer.append((_STEP if digest is None else _STEP_DIGEST) % record)
                 return
             self._buf.append(record)
             if due:
@@ -392,6 +442,7 @@ class GoodputTracker:
             self._last_flush = t
             if self._prior_done or self._load_prior():
                 self._export(t)
+                self._verify()
 
     def _load_prior(self) -> bool:
         """Once this attempt's resume point is on disk, attribute the earlier attempts (for job-level telemetry)."""
@@ -412,8 +463,49 @@ class GoodputTracker:
             mine_split = {**me.checkpoint_split_us, "background_write": me.background_us}
             self._earlier_split = {part: us - mine_split.get(part, 0) for part, us in split.items()}
             failures = sum(a.failed for a in self._prior.attempts[:-1])
+            # the steps of this attempt already recorded are compared; plain tuples, which the collector lets be
+            self._expect = {s: (a, None if d is None else tuple(d)) for s, (a, d) in me.replay.pending.items()}
+            self._through = me.replay.through
+            self._report_replay(me.replay)
         self.metrics.set_failures(failures)
         return True
+
+    def replay(self) -> Replay:
+        """This attempt's replay verification so far: the steps it trained again after its resume, compared bit
+        for bit with their first pass in the earlier attempts' ledgers (the ones ended since the last flush too).
+        `Replay.text()` says ``replayed 50 step(s): 50 bitwise equal``; `Replay.through` is the last step still to
+        be trained again (None once all are)."""
+        with self._lock:
+            if not self._prior_done:
+                self.flush()
+            self._verify()
+            return self._replay
+
+    def _verify(self) -> None:
+        """Compare the steps trained again since the last call with their first pass; call with the lock held."""
+        if not self._replayed:
+            return
+        found = compare(self._expect, self.attempt_id, self._replayed, self.root)  # pops what it compared
+        self._replayed = []
+        if not self._expect:
+            self._through = None
+        self._report_replay(found)
+
+    def _report_replay(self, found: Replay) -> None:
+        """Add a comparison to this attempt's replay and its metrics; a first divergence is a logged warning."""
+        first = self._replay.first_divergence is None and found.first_divergence is not None
+        self._replay = dataclasses.replace(self._replay + found, pending=self._expect)
+        d = found.first_divergence
+        self.metrics.replayed(found.replayed, found.diverged, d.step if first else None)
+        if first:
+            log.warning(
+                "replay diverged at step %d: %s (attempt %s against %s); its batch: %s",
+                d.step,
+                d.text(),
+                d.attempt,
+                d.first_attempt,
+                d.explain,
+            )
 
     def totals_us(self, at_us: int | None = None) -> dict[str, int]:
         """Job-level microseconds per category as this process sees them: earlier attempts plus this one live."""

@@ -1,5 +1,5 @@
 """Helpers shared by the trainer adapters: tracker ownership, the advised interval, step resolution, save-once,
-read-all, delete."""
+read-all, delete, the batch hash a step record carries."""
 
 from __future__ import annotations
 
@@ -62,6 +62,20 @@ def advised_interval(
         return None if advice.too_short else advice.recommended_interval_s
 
     return interval_s
+
+
+def batch_hash(samplers: Mapping[str, Any], step: int | None = None) -> str | None:
+    """The hash of the batch of `step` (None: of each sampler's next batch, the one being trained before it
+    advances) for the goodput ledger's replay check: the `ckpt` sampler's ``batch_hash``, several joined as
+    ``name:hash,...`` in name order; None without one (another sampler cannot say)."""
+    found = [
+        (name, s.batch_hash(s.step + 1 if step is None else step))
+        for name, s in sorted(samplers.items())
+        if hasattr(s, "batch_hash")
+    ]
+    if len(found) < 2:
+        return found[0][1] if found else None
+    return ",".join(f"{name}:{digest}" for name, digest in found)
 
 
 def advised_two_tier(

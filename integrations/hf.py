@@ -51,23 +51,33 @@ _WEIGHTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_IN
 class GoodputCallback(TrainerCallback):
     """Times each optimizer step (all its accumulation micro-batches) as goodput step ``global_step + 1``.
 
-    Standalone, the caller starts and ends the tracker; `CkptTrainerMixin` adds one of these wired to its own.
+    Standalone, the caller starts and ends the tracker; `CkptTrainerMixin` adds one of these wired to its own, and
+    hands it each micro-batch's loss (`add_loss`): their sum goes into the step's record, where a step trained again
+    after a resume is compared with its first pass (docs/goodput.md, replay verification).
     """
 
     def __init__(self, tracker: GoodputTracker | None = None) -> None:
         self.tracker = tracker
+        self._loss: Any = None
+
+    def add_loss(self, loss: Any) -> None:
+        """A micro-batch's loss (a tensor: summed on its device, read once at the step's end) of the open step."""
+        loss = loss.detach() if hasattr(loss, "detach") else loss
+        self._loss = loss if self._loss is None else self._loss + loss
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Open the step the coming optimizer step completes."""
+        self._loss = None
         if self.tracker is not None:
             self.tracker.step_begin(state.global_step + 1)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        """Close it (global_step was just incremented)."""
+        """Close it (global_step was just incremented) with its loss, if given."""
+        loss, self._loss = self._loss, None
         if self.tracker is not None:
-            self.tracker.step_end(state.global_step)
+            self.tracker.step_end(state.global_step, loss)
 
 
 class SaveDecisionCallback(TrainerCallback):
@@ -199,6 +209,9 @@ class CkptTrainerMixin:
             folder in the background so that ``from_pretrained`` loads it; False leaves only ``trainer_state.json``.
         save_decision: a `ckpt.SaveDecision` that asks for saves besides HF's ``save_strategy`` (see
             `SaveDecisionCallback`), e.g. ``ckpt.EveryNSeconds(1800)`` or an advised interval.
+        record_loss: put each step's loss (its micro-batches' ``training_step`` losses summed) into its goodput
+            record, where a step trained again after a resume is compared with its first pass (docs/goodput.md,
+            replay verification). Reading it on a GPU waits for the step's kernels once per step; False: not.
     Single process only (no DeepSpeed, FSDP or multi-process runs).
     """
 
@@ -212,6 +225,7 @@ class CkptTrainerMixin:
         overwrite: bool = False,
         folder_files: bool = True,
         save_decision: SaveDecision | None = None,
+        record_loss: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -234,6 +248,7 @@ class CkptTrainerMixin:
         self.ckpt_root = os.fspath(ckpt_root) if ckpt_root is not None else default_root
         self.ckpt_manager: CheckpointManager | None = None
         self.run_id, self.overwrite, self.folder_files = run_id, overwrite, folder_files
+        self.record_loss = record_loss
         # typed and checked now; the run id is the mixin's own (given or from the launcher)
         self._ckpt_options = typed({**(manager_options or {}), "run_id": run_id})
         self._lease = TrackerLease(self.ckpt_root, tracker)
@@ -384,6 +399,13 @@ class CkptTrainerMixin:
         staged = read_step(self.ckpt_manager, resolve_step(self.ckpt_manager, checkpoint_step(checkpoint)))
         self._staged = (os.path.abspath(checkpoint), staged)
         return staged
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """HF's, its loss also handed to the goodput step (`GoodputCallback.add_loss`) unless ``record_loss=False``."""
+        loss = super().training_step(*args, **kwargs)
+        if self.record_loss:
+            self._goodput.add_loss(loss)
+        return loss
 
     def _span(self, category: str, **attrs: Any) -> ContextManager[Any]:
         """A span of the train() call's tracker (none outside train())."""

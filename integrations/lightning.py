@@ -30,7 +30,7 @@ from ckpt.options import typed
 from ckpt.state import encodable
 from ettr import GoodputTracker
 
-from ._common import TrackerLease, delete_step, read_step, resolve_step, save_once
+from ._common import TrackerLease, batch_hash, delete_step, read_step, resolve_step, save_once
 
 POINTER_FORMAT = "ckpt-lightning-pointer/1"
 POINTERS = "lightning_pointers"  # metadata: the folder whose pointer files name a step, relative to the root
@@ -422,6 +422,10 @@ class GoodputCallback(Callback):
             restored before the loaders iterate.
         rng: an `RNGState` (with registered generators), True for every global RNG, False for none. It is
             restored lazily at the first training batch after a resume, so no draw in Lightning's setup shifts it.
+        record_loss: put each batch's loss (``training_step``'s, as Lightning hands it to ``on_train_batch_end``) and
+            the samplers' batch hash into its goodput record, where a step trained again after a resume is compared
+            with its first pass (docs/goodput.md, replay verification). Reading a loss on a GPU waits for the
+            step's kernels (``.item()``); False records the batch hash only.
     """
 
     def __init__(
@@ -431,8 +435,10 @@ class GoodputCallback(Callback):
         tracker: GoodputTracker | None = None,
         samplers: Mapping[str, Sampler] | None = None,
         rng: RNGState | bool = True,
+        record_loss: bool = True,
     ) -> None:
         self._lease = TrackerLease(_abs_root(root) if root is not None else None, tracker)
+        self.record_loss = record_loss
         self.samplers = dict(samplers or {})
         self.rng = RNGState() if rng is True else (rng or None)
         self._pending_rng: dict[str, Any] | None = None
@@ -497,8 +503,12 @@ class GoodputCallback(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Close the step and count the batch as consumed by every sampler (before ModelCheckpoint saves)."""
-        self.tracker.step_end(self._open)
+        """Close the step with its loss and batch hash; count the batch as consumed by every sampler (before
+        ModelCheckpoint saves)."""
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if not (self.record_loss and (hasattr(loss, "item") or isinstance(loss, float))):
+            loss = None  # not asked for, or not a number (manual optimization returns what it likes)
+        self.tracker.step_end(self._open, loss, batch=batch_hash(self.samplers))
         self._open = None
         for sampler in self.samplers.values():
             sampler.advance()

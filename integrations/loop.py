@@ -36,7 +36,7 @@ from ckpt.options import typed
 from ckpt.schedule import PREEMPTION_SIGNALS
 from ettr import GoodputTracker
 
-from ._common import advised_interval, advised_two_tier
+from ._common import advised_interval, advised_two_tier, batch_hash
 
 log = logging.getLogger("integrations")
 
@@ -126,6 +126,7 @@ class TrainLoop:
         self.decision = decision if decision is not None else self._interval(every_steps, every_seconds, advise)
         self.rng = RNGState() if rng is True else (rng or None)
         self.sampler = sampler
+        self._samplers = {"sampler": sampler} if sampler is not None else {}
         self.state: dict[str, Any] = {
             **state,
             **({"rng": self.rng} if self.rng else {}),
@@ -214,14 +215,16 @@ class TrainLoop:
         """End step `step`; save if the interval is due; after a preemption signal save it and raise `Preempted`.
 
         Returns True when a checkpoint of `step` was started. `metrics` go into the checkpoint's metadata
-        (for keep_best retention).
+        (for keep_best retention); its ``"loss"``, with the sampler's batch hash, into the step's goodput record, where
+        a step trained again after a resume is compared with its first pass (docs/goodput.md, replay verification).
         """
         if self._open_step != step:
             raise RuntimeError(
                 f"on_step_end({step}) without step_begin({step}): iterate loop.steps(total) "
                 f"or call loop.step_begin(step) first"
             )
-        self.tracker.step_end(step)
+        loss = metrics.get("loss") if metrics else None
+        self.tracker.step_end(step, loss, batch=batch_hash(self._samplers, step))
         self._open_step = None
         self.step, self._metrics = step, metrics
         signum = self.preemption.signum

@@ -234,7 +234,7 @@ FLOORS = {
         "tools": {"cli", "__main__", "__init__"},
         "reports": {"report", "advice", "simulate"},
         "recording": {"tracker", "telemetry"},
-        "accounting": {"attribution", "formulas", "ledger", "clock", "stragglers"},
+        "accounting": {"attribution", "replay", "formulas", "ledger", "clock", "stragglers"},
     },
 }
 

@@ -152,6 +152,21 @@ def test_allow_data_change_carries_the_position_and_the_valid_skips_over_to_the_
     assert all(3 not in resumed.explain(k).indices for k in range(4, 4 + 427 // 8 + 2)), "the skip list carried over"
 
 
+def test_batch_hash_is_the_hash_of_what_training_received_remembered_from_the_draw(dataset):
+    """What the goodput ledger records per step (docs/goodput.md, replay): the loader's draw leaves each step's hash
+    behind (workers fetch, the main process draws), a step never drawn is computed, a resume forgets the old draws."""
+    s = _sampler(dataset, world_size=2, rank=1)  # the hash covers the global batch, whichever rank draws
+    batches = _run(make_loader(dataset, s, num_workers=2), s, 3)
+    assert sorted(s._hashes)[:3] == [1, 2, 3]  # drawn, and maybe a few prefetched beyond
+    whole = _sampler(dataset)
+    for step, batch in enumerate(batches, start=1):
+        assert s.batch_hash(step) == whole.explain(step).batch_hash == s.explain(step).batch_hash
+        assert batch["t"].tolist() == whole.explain(step).counters[4:]  # rank 1's half of the same global batch
+    assert s.batch_hash(40) == whole.explain(40).batch_hash and 40 not in s._hashes  # never drawn: computed
+    s.load_state_dict(s.state_dict())
+    assert not s._hashes and s.batch_hash(2) == whole.explain(2).batch_hash
+
+
 def test_explain_matches_the_hash_of_what_training_received(dataset):
     s = _sampler(dataset)
     batches = _run(make_loader(dataset, s, num_workers=2), s, 4)

@@ -24,6 +24,10 @@ def test_quick_demo_crashes_resumes_and_proves_determinism(tmp_path):
     out = run_demo("--quick", f"--run-dir={run_dir}")
     assert "chaos: SIGKILL during the background write" in out
     assert "[chaos attempt 2] resumed from step" in out
+    # the resume trained the steps after its checkpoint again, each bitwise equal to its first pass; the report agrees
+    said = re.search(r"^\[chaos attempt 2\] replayed (\d+) step\(s\): (\d+) bitwise equal$", out, re.M)
+    assert said and said[1] == said[2] and int(said[1]) > 0, out
+    assert f"\nreplayed {said[1]} step(s): {said[1]} bitwise equal\n" in out
     lines = out.rstrip().splitlines()
     png = run_dir.resolve() / "timeline.png"
     assert lines[-2:] == [f"timeline: {png}", "deterministic: yes"]
@@ -52,6 +56,8 @@ def test_quick_demo_with_two_tiers_restores_locally_then_from_durable_after_a_no
     assert re.search(r"\[chaos attempt 2\] resumed from step \d+ \(local tier\)", out), out
     assert "chaos: SIGKILL in step" in out and "and the node is lost" in out
     assert re.search(r"\[chaos attempt 3\] resumed from step \d+ \(durable tier\)", out), out
+    replays = r"^\[chaos attempt [23]\] (replayed (\d+) step\(s\): \2 bitwise equal|no step trained twice)$"
+    assert len(re.findall(replays, out, re.M)) == 2, out  # a kill inside the step after a save replays none
     assert re.search(r"restores per tier: local 1 \(.*\), durable 1 \(", out)
     assert "failures by class: 1 the local tier survived, 1 it did not (node), 0 unclassified" in out
     assert re.search(r"\n\S+ +ok +\d+  durable +\d+-40 ", out), out  # the attempt table: where each restore read

@@ -19,7 +19,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 
 from transformers import TrainerCallback  # noqa: E402
 
-from kill_resume import assert_reported, assert_same_bits, losses, straight_killed_resumed  # noqa: E402
+from ettr import attribute_root  # noqa: E402
+from ettr.replay import bits_value  # noqa: E402
+from kill_resume import (  # noqa: E402
+    assert_replayed,
+    assert_reported,
+    assert_same_bits,
+    finish,
+    losses,
+    start,
+    straight_killed_resumed,
+)
 
 CHILD = Path(__file__).parent / "procs" / "hf_train.py"
 STEPS, KILL_AT = 16, 10  # the child saves every 4 steps (save_total_limit=2): the resume is from step 8
@@ -59,6 +69,23 @@ def test_sigkill_resume_without_launcher_ids_is_bitwise_and_reported(tmp_path):
     assert all(loaded[k].numpy().tobytes() == final[k].tobytes() for k in final.files)
 
     assert_reported(job / "ckpt", restored=8, lost_steps=KILL_AT - 8)
+    # HangAt runs before the goodput callback: step 10 never ended in the killed attempt; step 9 is the one replayed
+    assert_replayed(job / "ckpt", runs.resumed, restored=8, killed_at=KILL_AT - 1)
+
+
+def test_a_loss_that_differs_after_the_resume_is_reported_at_its_step(tmp_path):
+    """Killed after step 10 (9 ended), resumed from 8 with step 9's loss nudged: step 9 diverges, no batch hash."""
+    job = tmp_path / "job"
+    killed = start(CHILD, job, tmp_path / "unused.npz", STEPS, hang_at=KILL_AT)
+    assert ["hanging"] in finish(killed)
+    resumed = start(CHILD, job, tmp_path / "resumed.npz", STEPS, env={"PERTURB_STEP": "9"})
+    assert ["done"] in finish(resumed) and resumed.returncode == 0
+    r = attribute_root(str(job / "ckpt")).replay
+    assert (r.replayed, r.equal, r.diverged, r.first_divergence.step) == (1, 0, 1, 9)
+    d = r.first_divergence
+    assert d.first.batch is None and d.text() == (
+        f"loss 0x{d.first.loss} ({bits_value(d.first.loss)!r}) vs 0x{d.again.loss} ({bits_value(d.again.loss)!r})"
+    )
 
 
 def test_checkpoint_step_names(tmp_path):

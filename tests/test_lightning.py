@@ -16,10 +16,19 @@ import torch
 pytest.importorskip("lightning")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 
-from ckpt import explain, layout  # noqa: E402
+from ckpt import ShuffledSampler, explain, layout  # noqa: E402
 from ckpt.storage import open_storage  # noqa: E402
+from ettr import attribute_root, read_ledgers  # noqa: E402
 from integrations.lightning import CkptCheckpointIO, saveable  # noqa: E402
-from kill_resume import assert_reported, assert_same_bits, finish, losses, start, straight_killed_resumed  # noqa: E402
+from kill_resume import (  # noqa: E402
+    assert_replayed,
+    assert_reported,
+    assert_same_bits,
+    finish,
+    losses,
+    start,
+    straight_killed_resumed,
+)
 
 
 def committed_steps(root) -> list[int]:
@@ -48,6 +57,27 @@ def test_sigkill_resume_without_launcher_ids_is_bitwise_and_reported(tmp_path):
     assert [p.name for p in (tmp_path / "job").glob("step_*")] == ["step_00000016"]
 
     assert_reported(tmp_path / "job", restored=8, lost_steps=KILL_AT - 8)
+    assert_replayed(tmp_path / "job", runs.resumed, restored=8, killed_at=KILL_AT)
+    # each step record carries the hash of the batch the ShuffledSampler drew for it (steps from 1)
+    order = ShuffledSampler(64, 8, seed=1, rank=0, world_size=1)
+    records = [r for ledger in read_ledgers(str(tmp_path / "job")) for r in ledger.records if r["k"] == "step"]
+    assert len(records) == KILL_AT + STEPS - 8 and all(r["h"] == order.batch_hash(r["s"]) for r in records)
+
+
+def test_a_loss_that_differs_after_the_resume_is_reported_at_its_step(tmp_path):
+    """Killed after step 10, resumed from 8 with step 10's loss nudged: step 9 equal, 10 diverges, batch equal."""
+    job = tmp_path / "job"
+    killed = start(CHILD, job, tmp_path / "unused.npz", STEPS, hang_at=KILL_AT)
+    assert ["hanging"] in finish(killed)
+    resumed = start(CHILD, job, tmp_path / "resumed.npz", STEPS, env={"PERTURB_STEP": str(KILL_AT)})
+    assert ["done"] in finish(resumed) and resumed.returncode == 0
+    r = attribute_root(str(job)).replay
+    assert (r.replayed, r.equal, r.diverged, r.first_divergence.step) == (2, 1, 1, KILL_AT)
+    assert (
+        r.first_divergence.text().endswith(", batch equal")
+        and r.first_divergence.first.loss != r.first_divergence.again.loss
+    )
+    assert r.first_divergence.explain == f"python -m ckpt explain {job} --step {KILL_AT}"
 
 
 def pointers(root: Path) -> dict[str, int]:

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from ckpt import EveryNSeconds, EveryNSteps, RandomWindowSampler, TokenWindowDataset, layout, make_loader
 from ckpt.determinism.data import hash_batch
 from ckpt.storage import open_storage
-from ettr import GoodputTracker, attribute_root, read_ledgers
+from ettr import GoodputTracker, attribute_root, read_ledgers, report_text
+from ettr.replay import bits_value
 from integrations import Preempted, TrainLoop
 
 TOTAL, EVERY, WINDOW, BATCH, VOCAB = 24, 4, 9, 4, 64
@@ -39,7 +40,9 @@ def tiny_model() -> torch.nn.Module:
 def train(root: str, tokens: str, every: int, local: str | None = None) -> None:
     """The child: resume, train to TOTAL printing each step, write the final weights to ROOT/final.bin.
 
-    With `local`, two tiers: every save to the local tier LOCAL, none persisted by the interval (persist_every)."""
+    With `local`, two tiers: every save to the local tier LOCAL, none persisted by the interval (persist_every). With
+    PERTURB_STEP in the environment, that step's loss is nudged (a divergence for the replay check to find)."""
+    perturb = int(os.environ.get("PERTURB_STEP", "0"))
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -62,6 +65,8 @@ def train(root: str, tokens: str, every: int, local: str | None = None) -> None:
             for step, batch in zip(loop.steps(TOTAL), sampler.track(make_loader(dataset, sampler))):
                 x = batch["tokens"] % VOCAB
                 loss = F.cross_entropy(model(x[:, :-1]).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+                if step == perturb:
+                    loss = loss * (1 + 2**-10)
                 optim.zero_grad()
                 loss.backward()
                 optim.step()
@@ -82,13 +87,21 @@ def run_child(
     signal_on: tuple[str, int] | None = None,
     local: Path | None = None,
     stderr: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> tuple[int, list[str]]:
-    """Run the child; send `signal_on[1]` when it prints `signal_on[0]`. Returns its exit status and lines; its
-    stderr goes to the file `stderr` if given."""
+    """Run the child (with `env` added to its environment); send `signal_on[1]` when it prints `signal_on[0]`.
+    Returns its exit status and lines; its stderr goes to the file `stderr` if given."""
     cmd = [sys.executable, __file__, str(root), str(tokens), str(every)]
     cmd += [f"--local={local}"] if local else []
     with open(stderr, "w") if stderr else contextlib.nullcontext() as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=Path(__file__).parent)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            cwd=Path(__file__).parent,
+            env={**os.environ, **(env or {})},
+        )
         lines = []
         for line in proc.stdout:
             lines.append(line.strip())
@@ -202,6 +215,55 @@ def test_sigkill_resume_is_bitwise_identical_and_the_report_shows_it(tmp_path, t
     assert first.lost_steps == first.last_step - restored > 0 and a.micros["lost"] > 0
     assert a.micros["checkpoint_restore"] > 0 and a.micros["downtime"] > 0
     assert sum(a.micros.values()) == a.wall_us
+
+    # the steps after the checkpoint were trained twice, with the same loss bits and batch: the report says so
+    replayed = first.last_step - restored
+    assert (a.replay.replayed, a.replay.equal, a.replay.diverged) == (replayed, replayed, 0)
+    assert f"replayed {replayed} step(s): {replayed} bitwise equal" in report_text(a).splitlines()
+    logged = {int(step): digest for kind, step, digest in (l.split() for l in killed if l.startswith("batch"))}
+    (ledger,) = [l for l in read_ledgers(str(run)) if l.attempt == second.attempt]
+    records = {r["s"]: r for r in ledger.records if r["k"] == "step"}
+    assert all(records[s]["h"] == logged[s] for s in logged if s > restored)  # the sampler's hash, as logged
+
+
+def test_a_loss_that_differs_after_the_resume_is_reported_at_its_step_with_the_batch_equal(tmp_path, tokens):
+    """Killed after step 10, resumed from 4 or 8 with step 9's loss nudged: steps after the checkpoint up to 8 are
+    equal, 9 diverges first (and everything after it); a warning in the log, the report, the explain command."""
+    run = tmp_path / "run"
+    code, killed = run_child(run, tokens, signal_on=("step 10", signal.SIGKILL))
+    assert code == -signal.SIGKILL
+    code, resumed = run_child(run, tokens, env={"PERTURB_STEP": "9"}, stderr=tmp_path / "err")
+    assert code == 0, resumed[-3:]
+    restored = int(resumed[0].split()[1])
+    a = attribute_root(str(run))
+    last = a.attempts[0].last_step
+    r = a.replay
+    assert (r.replayed, r.equal, r.diverged) == (last - restored, 8 - restored, last - 8)
+    d = r.first_divergence
+    logged = {int(step): digest for kind, step, digest in (l.split() for l in killed if l.startswith("batch"))}
+    assert d.step == 9 and d.first.batch == d.again.batch == logged[9] and d.first.loss != d.again.loss
+    assert d.text() == (
+        f"loss 0x{d.first.loss} ({bits_value(d.first.loss)!r}) vs 0x{d.again.loss} ({bits_value(d.again.loss)!r}), "
+        "batch equal"
+    )
+    lines = report_text(a).splitlines()
+    assert (
+        f"replayed {last - restored} step(s): {8 - restored} bitwise equal, {last - 8} diverged; diverged first at step 9: {d.text()}"
+        in lines
+    )
+    assert f"  its batch: python -m ckpt explain {run} --step 9" in lines
+    warned = [l for l in (tmp_path / "err").read_text().splitlines() if "replay diverged" in l]
+    assert warned == [
+        f"replay diverged at step 9: {d.text()} (attempt {d.attempt} against {d.first_attempt}); its batch: "
+        f"python -m ckpt explain {run} --step 9"
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "ckpt", "explain", str(run), "--step", "9"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert out.returncode == 0 and f"batch hash {logged[9]}\n" in out.stdout, out.stderr
 
 
 def test_preemption_right_after_an_interval_save_does_not_save_twice(tmp_path, caplog):

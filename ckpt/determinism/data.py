@@ -29,8 +29,16 @@ T = TypeVar("T")
 
 def hash_batch(counters: Iterable[int], values: Iterable[int]) -> str:
     """Hash of a global batch as (sample counter, yielded value) pairs; training logs it, `explain` recomputes it."""
-    pairs = np.stack([np.asarray(list(counters), dtype="<i8"), np.asarray(list(values), dtype="<i8")])
+    pairs = np.stack([_int64(counters), _int64(values)])
     return hashlib.sha256(pairs.tobytes()).hexdigest()[:16]
+
+
+def _int64(xs: Iterable[int]) -> np.ndarray:
+    """Little-endian int64s of an array (as is: no Python ints made) or any iterable of ints."""
+    return np.asarray(xs if isinstance(xs, np.ndarray) else list(xs), dtype="<i8")
+
+
+HASHES_KEPT = 256  # batch hashes a sampler remembers from the loader's draws (prefetch runs a few batches ahead)
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,7 @@ class _CounterSampler(Sampler[list[Any]]):
         self._step = 0
         self._skip: list[int] = []
         self._generation = 0
+        self._hashes: dict[int, str] = {}  # step -> batch hash of the global batch the loader drew for it
 
     # ----- position -------------------------------------------------------------------------------
     @property
@@ -149,11 +158,24 @@ class _CounterSampler(Sampler[list[Any]]):
         return counters, self.indices(counters)
 
     def local_batch(self, step: int) -> list[Any]:
-        """This rank's contiguous slice of `step`'s global batch, as the values the DataLoader receives."""
+        """This rank's contiguous slice of `step`'s global batch, as the values the DataLoader receives; the global
+        batch's hash is remembered for `batch_hash`."""
         local = self.global_batch_size // self.world_size
         counters, indices = self.global_batch(step)
+        self._hashes[step] = hash_batch(counters, self._values(indices))
+        if len(self._hashes) > HASHES_KEPT:
+            del self._hashes[next(iter(self._hashes))]
         sl = slice(self.rank * local, (self.rank + 1) * local)
         return self._yielded(counters[sl], indices[sl])
+
+    def batch_hash(self, step: int) -> str:
+        """The hash of step `step`'s global batch, as ``explain(step).batch_hash``: remembered from when the loader
+        drew it (a dict lookup; the goodput ledger records it per step), computed when it did not."""
+        found = self._hashes.get(step)
+        if found is None:
+            counters, indices = self.global_batch(step)
+            found = hash_batch(counters, self._values(indices))
+        return found
 
     def __iter__(self) -> Iterator[list[Any]]:
         """Endless local batches from the next step on; fails loudly if state is loaded while iterating."""
@@ -197,6 +219,7 @@ class _CounterSampler(Sampler[list[Any]]):
         self._t, self._step = int(state["t"]), int(state["step"])
         self._skip = [int(i) for i in state["skip"] if int(i) < self.num_items]
         self._generation += 1
+        self._hashes.clear()  # the next iterator draws again from the new position
 
     def explain(self, step: int) -> Explanation:
         """The global batch of step `step` (from 1) without touching data: counters, epochs, items, offsets, hash."""

@@ -87,6 +87,7 @@ def train(args: argparse.Namespace) -> None:
             f"{tag} resumed from step {loop.start_step}{tier}" if loop.start_step else f"{tag} fresh start", flush=True
         )
         chaos = Chaos.for_attempt(args.chaos, args.seed, attempt, loop.start_step, args.steps, args.node_loss)
+        replaying = loop.start_step > 0  # until the steps the earlier attempts trained after it are trained again
         batches = sampler.track(make_loader(dataset, sampler, num_workers=args.workers, tracker=tracker))
         schedule = retuned(loop)
         if args.advise:
@@ -108,6 +109,10 @@ def train(args: argparse.Namespace) -> None:
                     f"  last checkpoint {loop.last_saved}",
                     flush=True,
                 )
+            if replaying and tracker.replay().through is None:  # each step trained again compared with its first pass
+                replaying = False
+                said = tracker.replay().text()
+                print(f"{tag} {said}" if said else f"{tag} no step trained twice", flush=True)
             if chaos is not None:
                 chaos.after_step(step, saved, settle=loop.manager.wait)
     final = {"steps": loop.step, "sha256": weights_sha256(model)}

@@ -2,7 +2,8 @@
 
 Usage: hf_train.py OUTPUT_DIR OUT.npz MAX_STEPS [HANG_AT]
 Prints "loss STEP HEX" per step; with HANG_AT it drains the saves after that step, prints "hanging" and sleeps
-(the test SIGKILLs it). Otherwise it writes the final weights to OUT.npz and prints "done".
+(the test SIGKILLs it). Otherwise it writes the final weights to OUT.npz and prints "done". With PERTURB_STEP in the
+environment, that step's loss is nudged (a divergence for the replay check to find).
 """
 
 import gc
@@ -23,6 +24,12 @@ from integrations.hf import CkptTrainer  # noqa: E402
 
 class LossPrinter(CkptTrainer):
     """Prints every micro-batch loss exactly (float hex) under the step it belongs to."""
+
+    def compute_loss(self, *args, **kwargs):
+        loss = super().compute_loss(*args, **kwargs)
+        if self.state.global_step + 1 == int(os.environ.get("PERTURB_STEP", "0")):
+            loss = loss * (1 + 2**-10) if torch.is_tensor(loss) else (loss[0] * (1 + 2**-10), *loss[1:])
+        return loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)

@@ -122,3 +122,20 @@ def assert_reported(root: Path, restored: int, lost_steps: int) -> str:
     text = report_text(report)
     assert "failed" in text and "1 failure(s)" in text
     return text
+
+
+def assert_replayed(root: Path, resumed: list[list[str]], restored: int, killed_at: int) -> None:
+    """The resumed attempt trained steps restored+1..killed_at again (the steps whose first pass ended), each bitwise
+    equal to its first pass, and its ledger's step records carry the losses it printed (exact bits); the report says
+    so."""
+    from ettr import attribute_root, read_ledgers, report_text
+    from ettr.replay import float_bits
+
+    report = attribute_root(str(root))
+    n = killed_at - restored
+    assert (report.replay.replayed, report.replay.equal, report.replay.diverged) == (n, n, 0), report.replay
+    assert f"replayed {n} step(s): {n} bitwise equal" in report_text(report).splitlines()
+    (ledger,) = [l for l in read_ledgers(str(root)) if l.attempt == report.attempts[-1].attempt]
+    recorded = {r["s"]: r["l"] for r in ledger.records if r["k"] == "step"}
+    printed = {step: float_bits(float.fromhex(hexes[-1])) for step, hexes in losses(resumed).items()}
+    assert recorded == printed and len(printed) > n

@@ -2,7 +2,8 @@
 
 Usage: lightning_train.py ROOT OUT.npz MAX_STEPS [HANG_AT]
 Prints "loss STEP HEX" and "batch STEP I,J,..." (the dataset indices) per step; with HANG_AT it drains the saves after that step, prints "hanging" and sleeps
-(the test SIGKILLs it). Otherwise it writes the final weights to OUT.npz and prints "done".
+(the test SIGKILLs it). Otherwise it writes the final weights to OUT.npz and prints "done". With PERTURB_STEP in the
+environment, that step's loss is nudged (a divergence for the replay check to find).
 """
 
 import gc
@@ -47,6 +48,8 @@ class Net(LightningModule):
     def training_step(self, batch, batch_idx):
         x, y, index = batch
         loss = torch.nn.functional.mse_loss(self.net(x + 0.01 * torch.randn_like(x)), y)
+        if self.global_step + 1 == int(os.environ.get("PERTURB_STEP", "0")):
+            loss = loss * (1 + 2**-10)
         print(f"loss {self.global_step + 1} {loss.item().hex()}", flush=True)
         print(f"batch {self.global_step + 1} {','.join(map(str, index.tolist()))}", flush=True)
         return loss
