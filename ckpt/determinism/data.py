@@ -461,7 +461,7 @@ class TokenWindowDataset(Dataset[dict[str, Any]]):
         return {
             "t": torch.from_numpy(np.ascontiguousarray(counters)),
             "start": torch.from_numpy(np.ascontiguousarray(starts)),
-            "tokens": torch.from_numpy(tokens.astype(np.int64)),
+            "tokens": torch.from_numpy(tokens.astype(np.int64, copy=False)),
         }
 
 
@@ -511,16 +511,18 @@ class WindowBatches(Dataset[Any]):
         pairs = np.asarray(keys, dtype=np.int64).reshape(-1, 2)
         counters, starts = pairs[:, 0], pairs[:, 1]
         reader = self.dataset.reader()
+        # a collated batch without a transform is int64: the reader widens as it copies out, once
+        dtype = np.int64 if self.collate and self.dataset.transform is None else None
         if self._pid != os.getpid():
             self._pid, self._pending = os.getpid(), {}
         hit = self._pending.pop(int(counters[0]), None) if len(counters) else None
         if hit is not None and np.array_equal(hit[0], starts):
-            tokens = reader.collect(hit[1])
+            tokens = reader.collect(hit[1], dtype)
             self.hits += 1
         else:  # not foreseen (first batch, resume, skip): drop what was read ahead, read this one now
             reader.drain()
             self._pending.clear()
-            tokens = reader.read(starts)
+            tokens = reader.read(starts, dtype)
             self.misses += 1
         self._read_ahead(counters)
         if self.collate:
