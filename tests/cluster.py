@@ -584,6 +584,11 @@ def replication_seconds(text: str) -> list[float]:
     return [float(s) for s in re.findall(r"replicated step \d+: .* in ([0-9.]+) s$", text, re.M)]
 
 
+def replication_bytes(text: str) -> list[int]:
+    """The bytes each replication of a job's log received (the same INFO line)."""
+    return [int(b) for b in re.findall(r"replicated step \d+: sent to rank \d+, (\d+) bytes", text)]
+
+
 def wait_for(
     read: Callable[[], str], pattern: str, timeout: float, alive: Callable[[], bool] = lambda: True
 ) -> "re.Match[str]":
@@ -656,10 +661,10 @@ def main(argv: list[str] | None = None) -> int:
         if "slow" in args.scenarios:
             reason = netem_missing()
             if reason:
-                print(f"slow link: no 50 ms delay ({reason}); node 1 limited to 20 Mbit/s instead", flush=True)
+                print(f"slow link: no 50 ms delay ({reason}); node 1 limited to 8 Mbit/s instead", flush=True)
             job = Job(c, "slow", steps=8)
             if reason:
-                c.nodes[1].rate(20)
+                c.nodes[1].rate(8)
             else:
                 c.nodes[1].delay(50)
             try:
@@ -668,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 c.nodes[1].delay(None)
             slow = replication_seconds(job.text())
-            how = "limited to 20 Mbit/s" if reason else "delayed 50 ms"
+            how = "limited to 8 Mbit/s" if reason else "delayed 50 ms"
             print(
                 f"replication, node 1 {how}: median {statistics.median(slow):.3f} s over {len(slow)}, saves committed"
             )
