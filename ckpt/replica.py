@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,14 @@ from .save import begin_step, commit_step
 from .storage import LocalStorage
 
 PIECE = 64 << 20  # bytes per message: a file larger than this goes in several
+
+
+class Transferred(NamedTuple):
+    """What one `transfer` did: bytes received, and seconds until the peers met (the first message between them
+    arrives once both are in `transfer`), so a log can tell waiting for a late peer from moving bytes."""
+
+    received: int
+    waited: float
 
 
 def _files(storage: LocalStorage, step: int) -> list[tuple[str, int]]:
@@ -48,12 +58,13 @@ def transfer(
     source: LocalStorage | None = None,
     recv_from: int | None = None,
     dest: LocalStorage | None = None,
-) -> int:
+) -> Transferred:
     """Send `source`'s step to rank `send_to` and/or receive rank `recv_from`'s into `dest`, both at once.
 
     The receiver writes every file, then the manifest last, only if the sender read every file it sent; a step
-    already committed in `dest` is replaced (a replica is a copy). Returns the bytes received.
+    already committed in `dest` is replaced (a replica is a copy). Returns the bytes received and the wait.
     """
+    began = time.perf_counter()
     group = getattr(ranks, "group", None)
     op = f"the replica of step {step}"
 
@@ -80,6 +91,7 @@ def transfer(
     header = json.dumps(files).encode()
     length = torch.zeros(1, dtype=torch.int64)
     exchange(torch.tensor([len(header)], dtype=torch.int64) if sending else None, length if receiving else None)
+    waited = time.perf_counter() - began
     theirs = torch.zeros(int(length.item()) if receiving else 0, dtype=torch.uint8)
     exchange(_tensor(header) if sending else None, theirs if receiving else None)
     incoming = json.loads(bytes(theirs.numpy())) if receiving else []
@@ -146,7 +158,7 @@ def transfer(
         raise read_error
     if write_error is not None:
         raise write_error
-    return sum(size for _, size in incoming)
+    return Transferred(sum(size for _, size in incoming), waited)
 
 
 def _tensor(data: bytes | bytearray) -> torch.Tensor:

@@ -225,7 +225,7 @@ class Tiers:
             world, rank = self.ranks.world_size, self.ranks.rank
             source = (rank - self.offset) % world
             t0 = time.perf_counter()
-            received = transfer(
+            done = transfer(
                 self.ranks,
                 step,
                 send_to=(rank + self.offset) % world,
@@ -234,12 +234,14 @@ class Tiers:
                 dest=self.replica(source),
             )
             log.info(
-                "replicated step %d: sent to rank %d, %d bytes of rank %d's kept, in %.3f s",
+                "replicated step %d: sent to rank %d, %d bytes of rank %d's kept, in %.3f s "
+                "(%.3f s of it waiting for the peers)",
                 step,
                 (rank + self.offset) % world,
-                received,
+                done.received,
                 source,
                 time.perf_counter() - t0,
+                done.waited,
             )
             self._retain(self.replica(source), set())
         self._retain(
@@ -346,7 +348,7 @@ class Tiers:
                     transfer(self.ranks, source.step, send_to=rank, source=self.replica(rank))
                 else:
                     self.take_lease()
-                    got = transfer(self.ranks, source.step, recv_from=holder, dest=self.local)
+                    got = transfer(self.ranks, source.step, recv_from=holder, dest=self.local).received
                     log.warning(
                         "step %d was missing from this rank's local tier: %d bytes back from rank %d's replica",
                         source.step,

@@ -247,6 +247,10 @@ class Node:
         else:
             _sh(*tc, "replace", "dev", "eth0", "root", "netem", "delay", f"{ms}ms")
 
+    def qdisc(self) -> str:
+        """`tc -s qdisc` of the node's eth0: what its delay or rate limit did (packets sent, held, dropped)."""
+        return _sh("ip", "netns", "exec", self.ns, "tc", "-s", "qdisc", "show", "dev", "eth0").stdout
+
     def rate(self, mbit: int) -> None:
         """Limit what the node sends to `mbit` Mbit/s (a token bucket on its eth0; `delay(None)` removes it): a slow
         NIC where the kernel has no netem."""
@@ -580,8 +584,10 @@ def faults(job: Job, cases: list[str], node: int = 1, say: Callable[[str], None]
 
 
 def replication_seconds(text: str) -> list[float]:
-    """The seconds of every replication a job's log reports (ckpt's INFO line ``replicated step N: ... in S s``)."""
-    return [float(s) for s in re.findall(r"replicated step \d+: .* in ([0-9.]+) s$", text, re.M)]
+    """The seconds each replication of a job's log spent moving bytes: ckpt's INFO line ``replicated step N: ... in
+    S s (W s of it waiting for the peers)``, S less W."""
+    pattern = r"replicated step \d+: .* in ([0-9.]+) s \(([0-9.]+) s of it waiting"
+    return [float(s) - float(w) for s, w in re.findall(pattern, text)]
 
 
 def replication_bytes(text: str) -> list[int]:
