@@ -103,33 +103,41 @@ def transfer(
             begin_step(dest, step, None)
         except Exception as e:
             write_error = e
-    out_msgs = [(i, a, b) for i, (_, size) in enumerate(files) for a, b in _pieces(size)]
-    in_msgs = [(i, a, b) for i, (_, size) in enumerate(incoming) for a, b in _pieces(size)]
-    current: tuple[int, bytes] | None = None  # the file being sent
-    received: dict[int, bytearray] = {i: bytearray(size) for i, (_, size) in enumerate(incoming) if size == 0}
-    pending: bytearray | None = None
+    # the files travel as one stream (their bytes in order, cut into PIECE messages): a step of many small files
+    # (the local tier's arrays) costs a message or two, not a round trip per file
+    out_msgs = _pieces(sum(size for _, size in files))
+    in_msgs = _pieces(sum(size for _, size in incoming))
+    unsent = iter(range(len(files)))
+    outbuf = bytearray()  # read, not yet sent
+    inbuf = bytearray()  # received, not yet a whole file
+    whole = iter(range(len(incoming)))
+    j = next(whole, None)  # the next incoming file to complete
+    received: dict[int, bytearray] = {}
     manifest: bytes | None = None
-    for k in range(max(len(out_msgs), len(in_msgs))):
+    for k in range(max(len(out_msgs), len(in_msgs), 1)):
         out = None
         if k < len(out_msgs):
-            i, a, b = out_msgs[k]
-            if current is None or current[0] != i:
-                current = (i, source.read(f"{layout.step_dir(step)}/{files[i][0]}") or b"")
-                if len(current[1]) != files[i][1]:
+            a, b = out_msgs[k]
+            while len(outbuf) < b - a:
+                i = next(unsent)
+                data = source.read(f"{layout.step_dir(step)}/{files[i][0]}") or b""
+                if len(data) != files[i][1]:
                     read_error = read_error or OSError(f"{files[i][0]} of step {step} changed while being sent")
-                    current = (i, bytes(files[i][1]))
-            out = _tensor(current[1][a:b])
+                    data = bytes(files[i][1])
+                outbuf += data
+            out = _tensor(outbuf[: b - a])
+            del outbuf[: b - a]
         into = None
         if k < len(in_msgs):
-            into = torch.empty(in_msgs[k][2] - in_msgs[k][1], dtype=torch.uint8)
-        exchange(out, into)
+            into = torch.empty(in_msgs[k][1] - in_msgs[k][0], dtype=torch.uint8)
+        if out is not None or into is not None:
+            exchange(out, into)
         if into is not None:
-            i, a, b = in_msgs[k]
-            if a == 0:
-                pending = bytearray(incoming[i][1])
-            pending[a:b] = into.numpy().tobytes()
-            if b == incoming[i][1]:
-                received[i], pending = pending, None
+            inbuf += into.numpy().tobytes()
+        while j is not None and len(inbuf) >= incoming[j][1]:
+            received[j] = inbuf[: incoming[j][1]]
+            del inbuf[: incoming[j][1]]
+            j = next(whole, None)
         for i in sorted(received):
             data = received.pop(i)
             if incoming[i][0] == layout.MANIFEST:

@@ -151,7 +151,7 @@ RATE_MBIT = 8  # the slow NIC where the kernel has no netem: what node 1 sends, 
 def test_a_slow_link_still_commits_and_replication_takes_longer(nodes, reference):
     """50 ms of netem delay on node 1's link; where the kernel has no netem (say so), a slow NIC instead: what node 1
     sends is limited to RATE_MBIT by a token bucket. Saves commit, and every replication takes at least the delay (or
-    the time the bytes node 1 sends take at that rate), which the fastest replication of the reference did not."""
+    the time the bytes node 1 sends take at that rate), which most of the reference's replications did not."""
     no_netem = cluster.netem_missing()
     job = cluster.Job(nodes, "slow", steps=8)
     if no_netem:
@@ -179,4 +179,4 @@ def test_a_slow_link_still_commits_and_replication_takes_longer(nodes, reference
         f"{statistics.median(slow):.3f} s); the link alone makes it at least {least:.3f} s",
         flush=True,
     )
-    assert min(slow) >= least, (fast, slow, least)
+    assert min(slow) >= least > statistics.median(fast), (fast, slow, least)
