@@ -111,8 +111,7 @@ def transfer(
     outbuf = bytearray()  # read, not yet sent
     inbuf = bytearray()  # received, not yet a whole file
     whole = iter(range(len(incoming)))
-    j = next(whole, None)  # the next incoming file to complete
-    received: dict[int, bytearray] = {}
+    j = next(whole, None)  # the next incoming file to complete (they complete in order)
     manifest: bytes | None = None
     for k in range(max(len(out_msgs), len(in_msgs), 1)):
         out = None
@@ -135,18 +134,17 @@ def transfer(
         if into is not None:
             inbuf += into.numpy().tobytes()
         while j is not None and len(inbuf) >= incoming[j][1]:
-            received[j] = inbuf[: incoming[j][1]]
-            del inbuf[: incoming[j][1]]
-            j = next(whole, None)
-        for i in sorted(received):
-            data = received.pop(i)
-            if incoming[i][0] == layout.MANIFEST:
-                manifest = bytes(data)
+            name, size = incoming[j]
+            data = bytes(inbuf[:size])
+            del inbuf[:size]
+            if name == layout.MANIFEST:
+                manifest = data
             elif write_error is None:
                 try:
-                    dest.write_atomic(f"{layout.step_dir(step)}/{incoming[i][0]}", bytes(data))
+                    dest.write_atomic(f"{layout.step_dir(step)}/{name}", data)
                 except Exception as e:
                     write_error = e
+            j = next(whole, None)
     status = torch.zeros(1, dtype=torch.int64)
     exchange(
         torch.tensor([0 if read_error is None else 1], dtype=torch.int64) if sending else None,

@@ -132,7 +132,7 @@ class TokenStream:
                         extra.append((w, f, (a - int(self.bounds[f])) * item, (b - a) * item, a - lo))
             cols = np.asarray(extra, dtype=np.int64).T
             win, fil, off, length, dest = (np.concatenate([x, y]) for x, y in zip((win, fil, off, length, dest), cols))
-        return _Pieces(len(starts), win, fil, off, length, dest, single=not crossing.size)
+        return _Pieces(len(starts), win, fil, off, length, dest)
 
     def _describe(self) -> str:
         return self.files[0] if len(self.files) == 1 else f"{len(self.files)} files ({self.files[0]}, ...)"
@@ -140,7 +140,8 @@ class TokenStream:
 
 @dataclass
 class _Pieces:
-    """The reads of one batch of windows; `single` when each window is one piece, in window order."""
+    """The reads of one batch of windows: per piece, its window (row), file, byte offset and length, and where in
+    the window its tokens go."""
 
     count: int
     window: np.ndarray
@@ -148,7 +149,6 @@ class _Pieces:
     offset: np.ndarray
     length: np.ndarray
     dest: np.ndarray
-    single: bool
 
 
 def _aligned_buffer(nbytes: int) -> np.ndarray:
