@@ -42,6 +42,7 @@ INIT = "import os, time  # ckcl node init\nwhile True:\n    try:\n        os.wai
 DOC = Path(__file__).resolve().parents[1] / "docs" / "checkpointing.md"
 PREFIX = "ckcl"  # every namespace this harness makes: ckcl<pid>x<hex>-<role>
 TMPFS_SIZE = "256m"
+SLOW_MBIT = 8  # the slow NIC where the kernel has no netem: what the slow node sends, limited to 1 MB/s
 
 
 def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -667,10 +668,10 @@ def main(argv: list[str] | None = None) -> int:
         if "slow" in args.scenarios:
             reason = netem_missing()
             if reason:
-                print(f"slow link: no 50 ms delay ({reason}); node 1 limited to 8 Mbit/s instead", flush=True)
+                print(f"slow link: no 50 ms delay ({reason}); node 1 limited to {SLOW_MBIT} Mbit/s instead", flush=True)
             job = Job(c, "slow", steps=8)
             if reason:
-                c.nodes[1].rate(8)
+                c.nodes[1].rate(SLOW_MBIT)
             else:
                 c.nodes[1].delay(50)
             try:
@@ -679,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 c.nodes[1].delay(None)
             slow = replication_seconds(job.text())
-            how = "limited to 8 Mbit/s" if reason else "delayed 50 ms"
+            how = f"limited to {SLOW_MBIT} Mbit/s" if reason else "delayed 50 ms"
             print(
                 f"replication, node 1 {how}: median {statistics.median(slow):.3f} s over {len(slow)}, saves committed"
             )

@@ -145,18 +145,15 @@ def test_partitions_and_a_stopped_rank_fail_every_rank_within_the_timeout_and_co
         assert step + 1 in got["after"]  # the link is back: the next save commits, in the durable tier too
 
 
-RATE_MBIT = 8  # the slow NIC where the kernel has no netem: what node 1 sends, limited to 1 MB/s
-
-
 def test_a_slow_link_still_commits_and_replication_takes_longer(nodes, reference):
     """50 ms of netem delay on node 1's link; where the kernel has no netem (say so), a slow NIC instead: what node 1
-    sends is limited to RATE_MBIT by a token bucket. Saves commit, and every replication takes at least the delay (or
-    the time the bytes node 1 sends take at that rate), which most of the reference's replications did not."""
+    sends is limited to `cluster.SLOW_MBIT` by a token bucket. Saves commit, and every replication takes at least
+    the delay (or the time the bytes node 1 sends take at that rate), which most of the reference's did not."""
     no_netem = cluster.netem_missing()
     job = cluster.Job(nodes, "slow", steps=8)
     if no_netem:
-        print(f"no 50 ms delay ({no_netem}): node 1 limited to {RATE_MBIT} Mbit/s instead", flush=True)
-        nodes.nodes[1].rate(RATE_MBIT)
+        print(f"no 50 ms delay ({no_netem}): node 1 limited to {cluster.SLOW_MBIT} Mbit/s instead", flush=True)
+        nodes.nodes[1].rate(cluster.SLOW_MBIT)
     else:
         nodes.nodes[1].delay(50)
     try:
@@ -173,10 +170,10 @@ def test_a_slow_link_still_commits_and_replication_takes_longer(nodes, reference
     # or than one replica's bytes at the limited rate (node 1 sends two at once). The least time is the figure: the
     # rest is the writer thread's share of two cores beside four training ranks, which varies run to run.
     # (less the bucket's 4 KB burst and a margin: 0.9 of the bytes' time)
-    least = 0.05 if not no_netem else 0.9 * max(cluster.replication_bytes(job.text())) * 8 / (RATE_MBIT * 1e6)
+    least = 0.05 if not no_netem else 0.9 * max(cluster.replication_bytes(job.text())) * 8 / (cluster.SLOW_MBIT * 1e6)
     print(
         f"replication moving bytes: least {min(fast):.3f} s (median {statistics.median(fast):.3f} s), with node 1 "
-        f"{'delayed 50 ms' if not no_netem else f'at {RATE_MBIT} Mbit/s'} least {min(slow):.3f} s (median "
+        f"{'delayed 50 ms' if not no_netem else f'at {cluster.SLOW_MBIT} Mbit/s'} least {min(slow):.3f} s (median "
         f"{statistics.median(slow):.3f} s); the link alone makes it at least {least:.3f} s",
         flush=True,
     )
