@@ -7,8 +7,9 @@ Layout of a root::
                                      directory of its own, so a writer that lost the lease never touches the files
                                      its successor commits (before ckpt/4: arrays/ and packs/ in the step directory)
     step_00001200/w-<token>/packs/rank_00000/  one zarr3 uint8 array per rank: every box it writes, in <= 4 files
+                                               (in a rank's own root, the local tier: every box it holds)
     step_00001200/w-<token>/arrays/<name>/     a zarr3 array of its own (zarr.json + chunk files c/...): an empty
-                                               tensor, pack_bytes=0, a rank's own root (the local tier)
+                                               tensor, or any with pack_bytes=0
     step_00001200/_IN_PROGRESS       marker of a save in flight (pid, host, time, lease); never read on restore
     _quarantine/step_00001200-<unix ms>/   a damaged step moved aside: its files and _DAMAGED (reason, time, host, pid)
     _LEASE, _GC_LOCK                 the writer's lease and gc's lock (see lease.py)

@@ -38,8 +38,8 @@ class WriteOptions:
             the target size of one chunk file of an array of its own (at most 4 GiB).
         pack_bytes: the boxes (a rank's slice of a tensor) of the tensors whose every box is at most this size are
             placed in their writer's pack, at most 4 files per rank and step whatever the number of tensors
-            (docs/checkpointing.md, "On disk"). Default: every tensor. 0: every tensor an array of its own, chunked
-            by `chunk_bytes`, files growing as tensors times ranks (and as a rank's own root, the local tier, is).
+            (docs/checkpointing.md, "On disk"), in the durable root and the local tier alike. Default: every tensor.
+            0: every tensor an array of its own, chunked by `chunk_bytes`, files growing as tensors times ranks.
         max_staging_bytes: cap on the host snapshot buffer; larger states are snapshotted in waves.
         write_budget: what a background write may use of the machine: a `WriteBudget` (share of the CPUs,
             file operations per core, niceness of the write's threads) or a number, the share of the CPUs.

@@ -1,15 +1,19 @@
 """Mechanism of a persist: a step committed in the local tier copied to the durable root, verified, manifest last.
 
-No second snapshot from training memory: the bytes come from the local tier's committed files. Every chunk is
-checked on the way (size, its crc32c, the manifest's digest) and every zarr.json against the manifest, so a
-damaged local copy never becomes a durable checkpoint. Among ranks each copies the regions it is the designated
-writer of (replicated tensors once), and the leader commits for all, exactly as a save does. The manager
+No second snapshot from training memory: the bytes come from the local tier's committed files. Every byte is
+checked on the way (each chunk's size, crc32c and digest, each zarr.json against the manifest; each placed box
+segment by segment against its digest), so a damaged local copy never becomes a durable checkpoint. Among ranks each
+copies the regions it is the designated writer of (replicated tensors once): its placed boxes, which its local pack
+holds beside replicas, laid out anew in its pack of the shared root (`relay_pack`), its other arrays' chunk files as
+they are. The leader commits for all, exactly as a save does, the local manifest with the shared places. The manager
 (policy, through `tiers.py`) decides which steps and when.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping
 
@@ -19,8 +23,11 @@ from .distributed import Box, Ranks
 from .errors import CorruptCheckpointError
 from .format import Manifest, chunk_key, zarr_mismatch
 from .lease import Lease
-from .save import begin_step, clear_attempt, commit_step, raise_outcome
-from .storage import Storage, where
+from .packs import BoxRead, PackWriter, read_boxes
+from .planner import ArrayPlan
+from .pools import Inline
+from .save import begin_step, clear_attempt, commit_step, raise_outcome, settle
+from .storage import Storage, context, where
 
 
 def copy_region(
@@ -47,8 +54,89 @@ def copy_region(
     return copied
 
 
+def relay_pack(
+    src: Storage,
+    dst: Storage,
+    step: int,
+    manifest: Manifest,
+    shared: ArrayPlan,
+    pack: str,
+    boxes: Mapping[str, Box],
+    files: ChunkWriter | None,
+    pool: ThreadPoolExecutor,
+    ahead: int,
+) -> int:
+    """Write pack `pack` of the shared root from the placed `boxes` (array -> box) of the local step of `manifest`:
+    each box read segment by segment from the local pack (up to `ahead` segments at once on `pool`), checked against
+    the manifest's digest, and fed at its shared place. Returns the bytes of the boxes. `files`: as `copy_region`."""
+    info = shared.packs.get(pack)
+    if info is None:
+        return 0
+    order = []
+    for name, box in boxes.items():
+        i = shared.arrays[name].boxes.index(box)
+        order.append((shared.arrays[name].places[i][1], name, i))
+    path = layout.pack_path(step, pack, manifest.data)
+    opened = store.create(dst.kvstore_spec(path), info, context())
+    local = dst.direct_path(path) if files is not None else None
+    writer = PackWriter(info, local or "", files if local else None, opened.result, reference=False)
+
+    def read(name: str, i: int, lo: int, hi: int) -> memoryview:
+        dest = memoryview(bytearray(hi - lo))
+        path_of = lambda p: layout.pack_path(step, p, manifest.data)  # noqa: E731
+        for f in read_boxes(
+            src, manifest.packs, path_of, [BoxRead(manifest.arrays[name], i, lo, hi, dest)], Inline(), step=step
+        ):
+            f.result()
+        return dest
+
+    segments = [(name, i, lo, hi) for _, name, i in sorted(order) for lo, hi, _ in manifest.arrays[name].segments(i)]
+    reads: collections.deque = collections.deque()
+    fed = 0
+    try:
+        for k, (name, i, lo, hi) in enumerate(segments):
+            while len(reads) < ahead and k + len(reads) < len(segments):
+                reads.append(pool.submit(read, *segments[k + len(reads)]))
+            writer.feed(shared.arrays[name], i, lo, reads.popleft().result())
+            fed += hi - lo
+        writer.finish()
+        settle(writer.futures + [opened])
+    except BaseException:
+        writer.close()
+        for f in reads:
+            f.cancel()
+        raise
+    for name, sums in writer.digests.items():  # the bytes written are the bytes checked
+        expected = manifest.arrays[name].digests
+        for index, value in sums.items():
+            if value != expected[index]:
+                raise CorruptCheckpointError(
+                    f"placed tensor changed while persisted: segment {index} crc32c {value:08x}, the manifest "
+                    f"expects {expected[index]:08x}",
+                    step=step,
+                    key=name,
+                    file=where(src, layout.pack_path(step, pack, manifest.data)),
+                )
+    return fed
+
+
+def durable_manifest(local: Manifest, shared: ArrayPlan) -> Manifest:
+    """The shared root's manifest of a step persisted from a local tier: the local one, digests and all, with every
+    placed box at its place in the shared packs."""
+    arrays = {}
+    for name, info in local.arrays.items():
+        places = shared.arrays[name].places if name in shared.arrays else None
+        if (info.places is None) != (places is None):
+            raise RuntimeError(f"array {name!r}: the local step and the plan of the shared root place it differently")
+        arrays[name] = info if places is None else dataclasses.replace(info, places=places)
+    packs = {name: dataclasses.replace(p, digests=()) for name, p in shared.packs.items()}
+    return dataclasses.replace(local, arrays=arrays, packs=packs)
+
+
 class PersistJob:
-    """One persist of `step` from `src` (this rank's local tier) to `dst` (the durable root), run on every rank."""
+    """One persist of `step` from `src` (this rank's local tier) to `dst` (the durable root), run on every rank:
+    `regions`, the box of each array this rank is the designated writer of, laid out as `shared` (the rank's part of
+    the shared root's plan of the step, `ArrayPlan.durable`) says."""
 
     def __init__(
         self,
@@ -56,11 +144,13 @@ class PersistJob:
         dst: Storage,
         step: int,
         regions: Mapping[str, Box],
+        shared: ArrayPlan,
         ranks: Ranks,
         lease: Lease | None,
         threads: int = 4,
     ):
         self.src, self.dst, self.step, self.regions, self.ranks, self.lease = src, dst, step, regions, ranks, lease
+        self.shared = shared
         self.threads = threads  # bounded: a persist runs beside training and must not starve it
 
     def run(self) -> int | None:
@@ -85,13 +175,22 @@ class PersistJob:
         try:  # every rank reaches the collectives below, whatever fails here
             manifest_bytes = self.src.read(layout.manifest_path(self.step)) or b""
             manifest = Manifest.from_bytes(manifest_bytes, file=where(self.src, layout.manifest_path(self.step)))
-            data = manifest.data  # the local save's data directory: the manifest, copied as it is, names it
+            data = manifest.data  # the local save's data directory: the durable manifest names it too
+            if self.ranks.leader:
+                manifest_bytes = durable_manifest(manifest, self.shared).to_bytes()
+            placed = {n: b for n, b in self.regions.items() if manifest.arrays[n].places}
+            placed = {n: b for n, b in placed.items() if b in manifest.arrays[n].boxes}  # not its empty ones
             with ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-persist-io") as pool:
                 futures = [
                     pool.submit(copy_region, self.src, self.dst, self.step, manifest, name, box, files)
                     for name, box in self.regions.items()
+                    if not manifest.arrays[name].places
                 ]
-                copied = sum(f.result() for f in futures)
+                pack = layout.pack_name(self.ranks.rank)
+                copied = relay_pack(
+                    self.src, self.dst, self.step, manifest, self.shared, pack, placed, files, pool, self.threads
+                )
+                copied += sum(f.result() for f in futures)
             if files is not None:
                 files.close()  # every chunk file copied is durable
         except Exception as e:

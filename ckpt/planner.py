@@ -3,7 +3,9 @@
 Planning a save among N ranks needs every rank's description of its tensors (name, dtype, global shape, box). The
 leader alone gathers them, computes the arrays and each rank's writes, and sends each rank only its own part, so
 neither the bytes nor the work of a rank grow with N times the tensors (a rank's own root, the local tier, is the
-exception: each rank commits a manifest of every array there, so every rank gathers every description). While
+exception: each rank commits a manifest of every array there, so every rank gathers every description). In its own
+root a rank places every box it holds in its own pack; its plan also carries the shared root's (`durable`), which a
+persist lays the rank's designated boxes out by. While
 every rank's description hashes as at the last agreement, the plan is reused: a save then costs one all-reduce of a
 flag, whatever the world size and the tensor count.
 
@@ -45,6 +47,7 @@ class ArrayPlan:
     written: frozenset[str]
     designated: frozenset[str]
     packs: dict[str, ArrayInfo]
+    durable: "ArrayPlan | None" = None  # of a private root: this rank's part of the shared root's plan (a persist's)
 
 
 class Planner:
@@ -71,8 +74,7 @@ class Planner:
         writes; with `every_holder` (a root of this rank's own: the local tier) each rank writes every box it holds.
         Every box of an array whose boxes are all of at most `pack_bytes` (0: none) is placed in its
         writer's pack, a few large files per rank (`format.pack_layout`); other arrays are chunked arrays of their
-        own. A rank's own root is not packed: it holds boxes that other ranks' packs would hold, and a persist
-        copies its files as they are into the shared layout.
+        own. In a rank's own root its pack holds every box it holds, replicas included (`_own_root`).
         """
         mine = {name: local_box(t) for name, t in tensors.items()}
         described = {
@@ -92,16 +94,18 @@ class Planner:
 def _agree(ranks: Ranks, described: Description, chunk_bytes: int, pack_bytes: int, every_holder: bool) -> ArrayPlan:
     """Every rank's descriptions to the leader (to every rank with `every_holder`), and each rank its part back."""
     if every_holder:
-        return _global(ranks.all_gather_json(described), ranks.rank, chunk_bytes, 0)[ranks.rank]
+        gathered = ranks.all_gather_json(described)
+        shared = _global(gathered, chunk_bytes, pack_bytes, ranks.rank)[ranks.rank]
+        return _own_root(shared, gathered[ranks.rank], ranks.rank, chunk_bytes)
     gathered = ranks.gather_json(described)
-    plans = None if gathered is None else _global(gathered, None, chunk_bytes, pack_bytes)
+    plans = None if gathered is None else _global(gathered, chunk_bytes, pack_bytes)
     part = ranks.scatter_json(None if plans is None else [_to_json(plans[r]) for r in range(ranks.world_size)])
     return plans[ranks.rank] if plans is not None else _from_json(part)
 
 
-def _global(gathered: list[Any], holder_writes: int | None, chunk_bytes: int, pack_bytes: int) -> dict[int, ArrayPlan]:
-    """Every rank's plan from every rank's descriptions (JSON: boxes as lists). `holder_writes`: that rank writes
-    every box it holds (its own root), and its plan is the only one computed."""
+def _global(gathered: list[Any], chunk_bytes: int, pack_bytes: int, only: int | None = None) -> dict[int, ArrayPlan]:
+    """Every rank's plan of a shared root from every rank's descriptions (JSON: boxes as lists); `only`: that
+    rank's alone."""
     held: dict[str, tuple[str, tuple[int, ...], dict[Box, list[int]]]] = {}  # name -> dtype, shape, box -> ranks
     for rank, arrays in enumerate(gathered):
         for name, (dt, shape, box) in arrays.items():
@@ -111,7 +115,7 @@ def _global(gathered: list[Any], holder_writes: int | None, chunk_bytes: int, pa
             if entry[0] != dt or entry[1] != shape:
                 raise ValueError(f"ranks disagree on tensor {name!r}: {entry[:2]} vs {(dt, shape)} on rank {rank}")
             entry[2].setdefault(box, []).append(rank)
-    world = range(len(gathered)) if holder_writes is None else [holder_writes]
+    world = range(len(gathered)) if only is None else [only]
     arrays: dict[str, ArrayInfo] = {}
     written: dict[int, set[str]] = {r: set() for r in world}
     designated: dict[int, set[str]] = {r: set() for r in world}
@@ -136,9 +140,8 @@ def _global(gathered: list[Any], holder_writes: int | None, chunk_bytes: int, pa
             writer = rks[0] if len(rks) == 1 else rks[zlib.crc32(name.encode()) % len(rks)]
             if writer in designated:
                 designated[writer].add(name)
-            for r in rks if holder_writes is not None else [writer]:
-                if r in written:
-                    written[r].add(name)
+            if writer in written:
+                written[writer].add(name)
             if place and _volume(box):
                 placed.setdefault(writer, []).append((name, full.index(box)))
     packs = {}
@@ -154,6 +157,30 @@ def _global(gathered: list[Any], holder_writes: int | None, chunk_bytes: int, pa
         for n, _ in boxes:
             arrays[n] = dataclasses.replace(arrays[n], places=tuple(places[n]))
     return {r: ArrayPlan(arrays, frozenset(written[r]), frozenset(designated[r]), packs) for r in world}
+
+
+def _own_root(shared: ArrayPlan, mine: Mapping[str, Any], rank: int, chunk_bytes: int) -> ArrayPlan:
+    """A rank's plan of a root of its own from its part of the shared one: it writes every box it holds (`mine`, as
+    described), its placed boxes all in its own pack, in the shared order (without replicas, the shared pack's very
+    layout); boxes it does not hold keep their shared places, in other ranks' packs, which this root never holds."""
+    boxes = {name: tuple(map(tuple, box)) for name, (_, _, box) in mine.items()}
+    order = {name: k for k, name in enumerate(shared.arrays)}
+    own = sorted(
+        ((n, shared.arrays[n].boxes.index(b)) for n, b in boxes.items() if shared.arrays[n].places and _volume(b)),
+        key=lambda p: order[p[0]],
+    )
+    offsets, total, chunk = pack_layout(
+        [shared.arrays[n].box_nbytes(shared.arrays[n].boxes[i]) for n, i in own], chunk_bytes
+    )
+    pack = pack_name(rank)
+    arrays, packs = dict(shared.arrays), {k: v for k, v in shared.packs.items() if k != pack}
+    if own:
+        packs[pack] = ArrayInfo(pack, "uint8", (total,), (chunk,), (((0, total),),), raw=True)
+    for (n, i), offset in zip(own, offsets):
+        places = list(arrays[n].places)
+        places[i] = (pack, offset)
+        arrays[n] = dataclasses.replace(arrays[n], places=tuple(places))
+    return ArrayPlan(arrays, frozenset(boxes), shared.designated, packs, durable=shared)
 
 
 def _to_json(plan: ArrayPlan) -> dict[str, Any]:

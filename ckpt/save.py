@@ -30,7 +30,7 @@ from .errors import LeaseHeldError, StepExistsError, StorageError
 from .format import ArrayInfo, Manifest
 from .lease import Lease
 from .packs import PackWriter
-from .planner import Planner
+from .planner import ArrayPlan, Planner
 from .snapshot import Pending
 from .staging import Staged, StagingArena
 from .storage import Storage
@@ -67,6 +67,7 @@ class WritePlan:
     designated: frozenset[str] = frozenset()  # arrays whose box this rank alone writes to a shared root
     packs: dict[str, ArrayInfo] = field(default_factory=dict)  # the pack arrays, as `arrays` (see `planner.py`)
     rank: int = 0
+    durable: ArrayPlan | None = None  # private: this rank's part of the shared root's plan, which a persist follows
 
     @property
     def pack(self) -> ArrayInfo | None:
@@ -116,6 +117,7 @@ def plan(
         agreed.designated,
         agreed.packs,
         ranks.rank,
+        agreed.durable,
     )
 
 
@@ -254,7 +256,7 @@ class SaveJob:
                 futures += self._pack.futures  # buffered chunks: their own memory, but waited for like the rest
                 self._pack.futures = []
         finally:  # never leave writes that reference the arena behind: wait for each, then raise the first error
-            _settle(futures)  # each resolves once its chunk is written and fsync'd (file kvstore's file_io_sync)
+            settle(futures)  # each resolves once its chunk is written and fsync'd (file kvstore's file_io_sync)
 
     def run(self) -> None:
         """Background part: write the last wave, wait until durable, then commit — once, for all ranks.
@@ -268,7 +270,7 @@ class SaveJob:
             if self.pending is not None:
                 self.pending.result()  # the copies overlapped with training, unchanged meanwhile
             self._write_staged(self.staged, last=True)
-            _settle(list(self._open_arrays().values()))  # zarr.json of the arrays whose chunks were written directly
+            settle(list(self._open_arrays().values()))  # zarr.json of the arrays whose chunks were written directly
             if self._files is not None:
                 self._files.close()  # every chunk file written here is durable
         except BaseException as e:
@@ -331,7 +333,7 @@ class SaveJob:
         if self.pending is not None:  # deferred copies still writing into the arena, which the next save reuses
             self.pending.wait()
         with contextlib.suppress(Exception):  # arrays still being created would write their files after the delete
-            _settle(list((self._arrays or {}).values()))
+            settle(list((self._arrays or {}).values()))
         if self._pack is not None:
             self._pack.close()
         if self._files is not None:
@@ -349,7 +351,7 @@ class SaveJob:
         commit_step(self.storage, self.plan.step, self.manifest(digests).to_bytes(), self.lease)
 
 
-def _settle(futures: Sequence[ts.Future]) -> None:
+def settle(futures: Sequence[ts.Future]) -> None:
     """Wait for every future, then raise the first one's error, if any: none is left running behind an error."""
     first: BaseException | None = None
     for f in futures:

@@ -30,6 +30,7 @@ from .distributed import Box, Ranks
 from .errors import CorruptCheckpointError, LeaseHeldError, StepNotFoundError
 from .options import TierOptions
 from .persist import PersistJob
+from .planner import ArrayPlan
 from .replica import transfer
 from .retention import StepMetadata, doomed
 from .save import WritePlan
@@ -219,7 +220,8 @@ class Tiers:
             if self._persisting is not None:  # one persist at a time: a slower durable tier holds the writer back
                 futures_wait([self._persisting[1]])
             regions = {name: plan.boxes[name] for name in plan.designated}
-            future = self._persister.submit(self._persist, step, regions, durable_lease, done)
+            assert plan.durable is not None  # a private root's plan carries the shared root's
+            future = self._persister.submit(self._persist, step, regions, plan.durable, durable_lease, done)
             self._persisting = (step, future)
         if self.offset:
             world, rank = self.ranks.world_size, self.ranks.rank
@@ -253,12 +255,13 @@ class Tiers:
         self,
         step: int,
         regions: dict[str, Box],
+        shared: ArrayPlan,
         lease: lease_mod.Lease | None,
         done: Persisted,
     ) -> None:
         t0 = time.perf_counter()
         try:
-            copied = PersistJob(self.local, self.durable, step, regions, self._persist_ranks, lease).run()
+            copied = PersistJob(self.local, self.durable, step, regions, shared, self._persist_ranks, lease).run()
         except BaseException as e:
             log.error("persisting step %d to %s failed: %s", step, self.durable.url, e)
             done(step, e, time.perf_counter() - t0, None)

@@ -16,7 +16,9 @@ import ckpt
 from ckpt import catalog, layout
 from ckpt.distributed import Ranks
 from ckpt.errors import CorruptCheckpointError
+from ckpt.format import PACK_BYTES
 from ckpt.persist import PersistJob
+from ckpt.planner import Planner
 from ckpt.storage import open_storage
 from step_paths import data_dir
 
@@ -58,7 +60,8 @@ def flip_byte(path: str) -> None:
 
 
 def chunk(root: str, step: int) -> str:
-    return os.path.join(data_dir(root, step), "arrays", "w", "c", "0", "0")
+    """The first file of rank 0's pack ("w" at its start: byte 5 is in "w")."""
+    return os.path.join(data_dir(root, step), "packs", "rank_00000", "c", "0")
 
 
 def test_every_save_is_local_and_every_kth_is_persisted_with_its_own_retention(tmp_path):
@@ -150,7 +153,9 @@ def test_a_persist_never_copies_a_damaged_local_file(tmp_path):
     durable, local = saved(tmp_path, [1], persist_every=5)  # nothing persisted
     flip_byte(chunk(local, 1))
     src, dst = open_storage(local), open_storage(durable)
-    job = PersistJob(src, dst, 1, {"w": ((0, 64), (0, 33)), "b": ((0, 17),)}, Ranks.local(), None)
+    tensors = {k: v for k, v in state(1).items() if k != "meta"}
+    plan, _, boxes = Planner().plan(Ranks.local(), tensors, 64 << 20, PACK_BYTES, every_holder=True)
+    job = PersistJob(src, dst, 1, boxes, plan.durable, Ranks.local(), None)
     with pytest.raises(CorruptCheckpointError, match="crc32c"):
         job.run()
     assert layout.step_dirs(dst) == []  # nothing partial left behind
@@ -196,7 +201,7 @@ def test_sigkill_during_a_persist_leaves_no_partial_durable_step_and_a_valid_loc
                 for s in layout.step_dirs(open_storage(durable))
                 if os.path.exists(os.path.join(durable, layout.in_progress_path(s)))
                 and any(
-                    os.path.isdir(os.path.join(durable, layout.data_path(s, d), "arrays", "w", "c"))
+                    os.path.isdir(os.path.join(durable, layout.data_path(s, d), "packs", "rank_00000", "c"))
                     for d in layout.data_dirs(open_storage(durable), s)
                 )
                 and not layout.is_committed(open_storage(durable), s)
@@ -240,7 +245,8 @@ def test_cli_ls_verify_gc_cover_both_tiers(tmp_path, capsys):
     assert cli.main(["verify", "-q", durable, "--local", local]) == 1
     out = capsys.readouterr().out
     assert "step 2: ok" in out.split("== local tier")[0]
-    assert f"step 3: DAMAGED: chunk checksum (crc32c) mismatch (step=3, key=w, file={chunk(local, 3)})" in out
+    assert "step 3: DAMAGED: placed tensor checksum (crc32c) mismatch" in out
+    assert f"(step=3, key=w, file={chunk(local, 3)})" in out
 
     os.makedirs(os.path.join(local, layout.step_dir(9), "arrays"))  # a crashed local save's leftovers
     assert cli.main(["gc", durable, "--local", local]) == 0

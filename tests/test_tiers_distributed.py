@@ -23,12 +23,31 @@ def _restored(results) -> list[tuple[int, str, bool]]:
     return out
 
 
+def _data_files(root: str, step: int) -> dict[str, int]:
+    """The data files of a committed step by the array or pack directory that holds them (zarr.json left out)."""
+    storage = open_storage(root)
+    data = os.path.join(root, layout.data_path(step, layout.read_manifest(storage, step).data))
+    out: dict[str, int] = {}
+    for dirpath, _, names in os.walk(data):
+        for name in names:
+            if name != "zarr.json":
+                top = os.path.relpath(dirpath, data).split(os.sep)[:2]
+                out["/".join(top)] = out.get("/".join(top), 0) + 1
+    return out
+
+
 def test_lost_local_tier_comes_back_from_the_peer_and_two_lost_fall_back_to_durable(tmp_path, capsys):
     root = str(tmp_path)
     _ok(run_ranks(4, "save", root, worker=tiers_worker))
     durable = open_storage(os.path.join(root, "durable"))
     assert layout.committed_steps(durable) == [2]
     assert list(catalog.verify(durable, 2)) == []  # the ranks' persisted regions make the whole step
+    # a pack per rank in both tiers (issue 25): the local one with the replicated table too, the durable one with
+    # each box once, by its designated writer
+    files = _data_files(os.path.join(root, "durable"), 2)
+    assert set(files) <= {f"packs/rank_{r:05d}" for r in range(4)} and all(n <= 4 for n in files.values()), files
+    for r in range(4):
+        assert _data_files(os.path.join(root, f"local{r}"), 2) == {f"packs/rank_{r:05d}": 1}
     for r in range(4):
         local = open_storage(os.path.join(root, f"local{r}"))
         assert layout.committed_steps(local) == [2, 3]
