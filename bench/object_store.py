@@ -19,9 +19,11 @@ cache cannot be dropped (`--drop-caches` drops it where allowed), the server's m
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -58,6 +60,20 @@ def adapter(args, model, optim) -> Adapter:
     )
 
 
+def requests(args) -> collections.Counter:
+    """The S3 gateway's requests so far by type (PUT, GET, LIST, ...), from SeaweedFS's Prometheus metrics."""
+    import urllib.request
+
+    out: collections.Counter = collections.Counter()
+    text = urllib.request.urlopen(args.metrics, timeout=10).read().decode()
+    for line in text.splitlines():
+        m = re.match(r"SeaweedFS_s3_request_total\{(.*)\} (\S+)$", line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            out[labels.get("type", "?")] += int(float(m.group(2)))
+    return out
+
+
 def run_method(args) -> dict:
     """Saves then restores of one method in this (fresh) process."""
     import torch
@@ -74,7 +90,9 @@ def run_method(args) -> dict:
     for _ in range(args.repeats):
         impl.delete(step)  # one checkpoint in the bucket at a time; not timed
         step += 1
+        before = requests(args)
         stall, durable = timed_save(impl, step)
+        res["save_requests"] = dict(requests(args) - before)  # of the last save: one checkpoint's
         res["stall"].append(stall)
         res["durable"].append(durable)
     impl.end_saves()
@@ -83,9 +101,11 @@ def run_method(args) -> dict:
         scramble(impl.model, impl.optim)
         gc.collect()
         res["cold"] = (args.drop_caches and drop_caches()) and res["cold"]
+        before = requests(args)
         t0 = time.perf_counter()
         impl.restore(step)
         res["restore"].append(time.perf_counter() - t0)
+        res["restore_requests"] = dict(requests(args) - before)
         impl.end_restore()
         if fingerprint(impl.model, impl.optim) != expect:
             raise SystemExit(f"{args.method}: restored state differs from the saved state")
@@ -194,6 +214,11 @@ def report(floor: dict | None, rows: list[dict], args) -> str:
             for r in rows
         )
     )
+    lines += ["", "| method | requests of one save | requests of one restore |", "|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {ADAPTERS[r['method']].label} | {_counts(r['save_requests'])} | {_counts(r['restore_requests'])} |"
+        )
     ck = next((r for r in rows if r["method"] == "ckpt"), None)
     dcp = next((r for r in rows if r["method"] == "dcp_s3fs"), None)
     if ck and dcp:
@@ -203,6 +228,10 @@ def report(floor: dict | None, rows: list[dict], args) -> str:
             f"restore {rs:.2f}x [{'PASS' if rs <= 1.0 else 'FAIL'} <= 1.0x]"
         )
     return "\n".join(lines)
+
+
+def _counts(by_type: dict) -> str:
+    return ", ".join(f"{n} {t}" for t, n in sorted(by_type.items(), key=lambda kv: -kv[1])) or "none"
 
 
 def main(argv=None) -> None:
@@ -232,6 +261,7 @@ def main(argv=None) -> None:
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_bucket", dest="bucket", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_endpoint", dest="endpoint", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_metrics", dest="metrics", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.chunk_bytes = int(args.chunk_mb * (1 << 20))
     if args._child:
@@ -247,9 +277,10 @@ def main(argv=None) -> None:
     only = set(args.only.split(",")) if args.only else {*METHODS, "floor"}
     if only - {*METHODS, "floor"}:
         ap.error(f"unknown --only entries {sorted(only - {*METHODS, 'floor'})}")
-    from seaweed import SeaweedServer
+    from seaweed import SeaweedServer, _free_ports
 
-    server = SeaweedServer()  # a temp dir of its own, removed by close()
+    port = _free_ports(1)[0]  # the gateway's request counters (Prometheus), read before and after each save/restore
+    server = SeaweedServer(extra_args=(f"-metricsPort={port}", "-metricsIp=127.0.0.1"))  # removed by close()
     server.start()
     try:
         args.bucket, args.endpoint = "bench", server.endpoint
@@ -264,6 +295,7 @@ def main(argv=None) -> None:
             "--dcp-sync-files" if args.dcp_sync_files else "--no-dcp-sync-files",
             f"--_bucket={args.bucket}",
             f"--_endpoint={args.endpoint}",
+            f"--_metrics=http://127.0.0.1:{port}/metrics",
         ]
         floor = child(args, "floor") if "floor" in only else None
         rows = []
