@@ -1,0 +1,56 @@
+"""The snapshot's copy into the staging arena on several threads: large contiguous tensors are cut into pieces
+copied meanwhile, and every byte lands where one serial copy would put it, whatever the dtype, layout or size."""
+
+import torch
+
+from ckpt.staging import StagingArena, copy, default_copy_threads
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {  # the arena's pieces are 16 MiB
+        "big": torch.randn(5 << 20, generator=g),  # 20 MiB: a piece and a short one
+        "odd": torch.randint(0, 255, ((33 << 20) + 5,), dtype=torch.uint8, generator=g),  # 5 bytes past 2 pieces
+        "bf16": torch.randn(700, 1500, generator=g).to(torch.bfloat16),
+        "flags": torch.rand(2_000_001, generator=g) > 0.5,
+        "cols": torch.randn(1024, 512, generator=g)[:, ::2],  # not contiguous: copied whole
+        "scalar": torch.tensor(7.25),
+        "empty": torch.empty(0, 4),
+    }
+
+
+def test_a_parallel_snapshot_copies_every_byte_where_a_serial_one_does():
+    tensors = _tensors()
+    arena = StagingArena(copy_threads=3)
+    serial = StagingArena(copy_threads=1)
+    wave = arena.plan(tensors)[0]
+    got, _ = arena.stage(tensors, wave)
+    want, _ = serial.stage(tensors, wave)
+    assert [s.name for s in got] == list(tensors)
+    for g, w in zip(got, want):
+        assert g.host.tobytes() == w.host.tobytes(), g.name
+        t = tensors[g.name]
+        assert g.host.tobytes() == t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), g.name
+
+
+def test_pieces_cover_a_tensor_exactly_at_any_piece_size():
+    from concurrent.futures import ThreadPoolExecutor
+
+    src = torch.arange(10_007, dtype=torch.int64)
+    with ThreadPoolExecutor(4) as pool:
+        for piece in (1, 8, 4096, 80_055, 80_056, 1 << 20):
+            dst = torch.zeros(src.nbytes, dtype=torch.uint8)
+            copy([(dst, src)], pool, piece=piece)
+            assert torch.equal(dst.view(torch.int64), src), piece
+
+
+def test_copy_threads_share_the_cpus_among_the_node_ranks(monkeypatch):
+    import os
+
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert default_copy_threads() == max(1, min(8, cpus))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cpus))
+    assert default_copy_threads() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "garbage")
+    assert default_copy_threads() == max(1, min(8, cpus))
