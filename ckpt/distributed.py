@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CollectiveTimeout, StateMismatchError
-from .format import ArrayInfo
+from .format import ArrayInfo, torch_dtype
 from .state import is_dtensor
 
 Box = tuple[tuple[int, int], ...]
@@ -195,15 +195,45 @@ def read_region(info: ArrayInfo, template: Any) -> tuple[Any, Box] | None:
     return template, local_box(template)[1]
 
 
-def prepare_optimizers(state: Mapping[str, Any], keys: Any) -> None:
-    """Give optimizers of sharded (DTensor) parameters their state tensors, so a restore can fill them in place."""
-    for k, v in state.items():
-        if (
-            (keys is None or k in keys)
-            and isinstance(v, torch.optim.Optimizer)
-            and not v.state
-            and any(is_dtensor(p) for g in v.param_groups for p in g["params"])
-        ):
-            from torch.distributed.checkpoint.state_dict import _init_optim_state
+class ShardedLike:
+    """Where a restore reads an optimizer's state tensor for a DTensor parameter that has no state yet: sharded as
+    the parameter is, when the saved array has its shape (not the step count)."""
 
-            _init_optim_state(v)
+    def __init__(self, param: Any, key: Any):
+        self.param, self.key = param, key
+
+    def tensor(self, info: ArrayInfo) -> torch.Tensor | None:
+        """An uninitialised DTensor laid out as the parameter, of the saved dtype; None: read the array whole."""
+        p = self.param
+        if tuple(p.shape) != info.shape or (p.dim() == 0 and self.key == "step"):
+            return None
+        return torch.empty_like(p, dtype=torch_dtype(info.dtype))
+
+
+class _EveryKey(Mapping):
+    """The template of one parameter's optimizer state: any key (exp_avg, momentum_buffer...) is sharded like it."""
+
+    def __init__(self, param: Any):
+        self.param = param
+
+    def __getitem__(self, key: Any) -> ShardedLike:
+        return ShardedLike(self.param, key)
+
+    def __iter__(self) -> Any:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+def restore_template(obj: Any) -> Any:
+    """What a restore reads a Stateful object's state into: its state_dict, and for an optimizer of DTensor parameters
+    that has no state yet (a fresh process), per parameter a template that shards each state tensor like it. DCP
+    runs an optimizer step on zero gradients instead (`_init_optim_state`): that costs a step's compute and leaves
+    state (step 1) behind even when there is no checkpoint."""
+    sd = obj.state_dict()
+    if isinstance(obj, torch.optim.Optimizer) and not obj.state:
+        params = [p for g in obj.param_groups for p in g["params"]]
+        if any(is_dtensor(p) for p in params):
+            sd = {**sd, "state": {i: _EveryKey(p) for i, p in enumerate(params) if is_dtensor(p)}}
+    return sd

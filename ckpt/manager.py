@@ -18,7 +18,7 @@ from . import snapshot as snapshot_mod
 from . import state as state_mod
 from .background import Background, SaveHandle
 from .budget import WriteBudget
-from .distributed import Ranks, local_box, prepare_optimizers
+from .distributed import Ranks, local_box
 from .errors import (
     CheckpointWriteError,
     StepExistsError,
@@ -358,7 +358,6 @@ class CheckpointManager:
         tracker = self.tracker if track else NO_TRACKER
         bg, tier = self._background, None
         with tracker.span("checkpoint_restore"):
-            prepare_optimizers(state, keys)
             t0 = time.perf_counter()
 
             def read(storage: Storage, s: int) -> Any:  # the durable root is every rank's: shared regions read once

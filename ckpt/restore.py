@@ -28,7 +28,7 @@ import torch
 
 from . import layout, packs, planner, store
 from . import state as state_mod
-from .distributed import Ranks, read_region
+from .distributed import Ranks, ShardedLike, read_region, restore_template
 from .errors import CheckpointError, CorruptCheckpointError, StateKeyError, StateMismatchError, StepNotFoundError
 from .format import ArrayInfo, Manifest, chunk_key, torch_dtype
 from .layout import StepFiles, step_files  # noqa: F401 (restore.step_files, as before)
@@ -121,6 +121,8 @@ def plan_restore(
     def plan_read(name: str, template: Any, as_numpy: bool) -> Any:
         """A tensor reference met by `state.decode`: plan its read (no IO) and give the value the state will hold."""
         info = manifest.arrays[name]
+        if isinstance(template, ShardedLike):
+            template = template.tensor(info)
         tmpl = torch.from_numpy(template) if isinstance(template, np.ndarray) and template.flags.writeable else template
         shard = read_region(info, tmpl)
         if shard is not None:
@@ -142,7 +144,10 @@ def plan_restore(
             value = r.fresh
         return value.numpy() if as_numpy else value
 
-    values = {k: state_mod.decode(node, plan_read, target[k], k, strict=True) for k, node in nodes.items()}
+    values = {
+        k: state_mod.decode(node, plan_read, target[k], k, strict=True, state_of=restore_template)
+        for k, node in nodes.items()
+    }
     if keys is None:
         extra = [k for k in tree if k not in target]
         if extra:

@@ -240,22 +240,27 @@ def _np_scalar(x: np.generic, key: str) -> dict[str, Any]:
 
 
 def decode(
-    node: Any, load: Callable[[str, Any, bool], Any], template: Any = None, key: str = "", strict: bool = False
+    node: Any,
+    load: Callable[[str, Any, bool], Any],
+    template: Any = None,
+    key: str = "",
+    strict: bool = False,
+    state_of: Callable[[Any], Any] = lambda obj: obj.state_dict(),
 ) -> Any:
     """Rebuild a value from a checked JSON tree; `load(name, template, as_numpy)` returns the array for a reference.
 
-    `template` is the value currently at this position in the caller's state (or its state_dict for
-    Stateful objects), so tensors can be read in place into the caller's memory. With `strict`, a dict of
-    the caller's state must hold exactly the checkpoint's keys, else a StateKeyError names the key path. Below a
+    `template` is the value currently at this position in the caller's state (for Stateful objects, what `state_of`
+    gives: by default their state_dict), so tensors can be read in place into the caller's memory. With `strict`, a
+    dict of the caller's state must hold exactly the checkpoint's keys, else a StateKeyError names the key path. Below a
     Stateful object only an nn.Module's keys are compared (its load_state_dict would refuse a mismatch,
     but only after loading the rest); other objects' load_state_dict judge their own state.
     """
     if is_stateful(template):
         strict = isinstance(template, torch.nn.Module)
-        template = template.state_dict()
+        template = state_of(template)
     if isinstance(node, list):
         tl = template if isinstance(template, (list, tuple)) and len(template) == len(node) else [None] * len(node)
-        return [decode(v, load, t, f"{key}.{i}", strict) for i, (v, t) in enumerate(zip(node, tl))]
+        return [decode(v, load, t, f"{key}.{i}", strict, state_of) for i, (v, t) in enumerate(zip(node, tl))]
     if not isinstance(node, dict):
         return node
     tag = _tag(node)
@@ -264,7 +269,7 @@ def decode(
         if strict and isinstance(template, Mapping):
             _same_keys([k for k, _ in pairs], list(template), key)
         return (OrderedDict if tag == "$odict" else dict)(
-            (k, decode(v, load, _child(template, k), _join(key, k), strict)) for k, v in pairs
+            (k, decode(v, load, _child(template, k), _join(key, k), strict, state_of)) for k, v in pairs
         )
     v = node[tag]
     if tag in ("$tensor", "$ndarray"):
@@ -273,7 +278,7 @@ def decode(
         return float(v)
     if tag == "$tuple":
         tl = template if isinstance(template, (list, tuple)) and len(template) == len(v) else [None] * len(v)
-        return tuple(decode(x, load, t, f"{key}.{i}", strict) for i, (x, t) in enumerate(zip(v, tl)))
+        return tuple(decode(x, load, t, f"{key}.{i}", strict, state_of) for i, (x, t) in enumerate(zip(v, tl)))
     if tag == "$size":
         return torch.Size(v)
     if tag == "$bytes":
@@ -282,7 +287,7 @@ def decode(
         return _np_value(node)
     if tag == "$dtype":
         return _TORCH_DTYPES[v]
-    return decode(node["v"], load, template, key, strict)  # "$state": a Stateful object's state_dict
+    return decode(node["v"], load, template, key, strict, state_of)  # "$state": a Stateful object's state_dict
 
 
 def _same_keys(saved: list[Any], current: list[Any], key: str) -> None:

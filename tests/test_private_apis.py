@@ -124,8 +124,6 @@ USES = [
         _mc("_save_checkpoint"), _attr("integrations.lightning", "DecisionCheckpoint", "_save_checkpoint")),
     Use("torch.distributed.tensor._utils.compute_local_shape_and_global_offset", "torch", "ckpt/distributed.py",
         _attr("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"), call=(3, ())),
-    Use("torch.distributed.checkpoint.state_dict._init_optim_state", "torch", "ckpt/distributed.py",
-        _attr("torch.distributed.checkpoint.state_dict", "_init_optim_state"), call=(1, ())),
     Use("torch.utils.data._utils.collate.default_collate", "torch", "ckpt/determinism/data.py",
         _attr("torch.utils.data._utils.collate", "default_collate"), call=(1, ())),
     Use("torch.Tensor._version", "torch", "ckpt/snapshot.py (the overlapped snapshot's change check)",

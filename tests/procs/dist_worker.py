@@ -218,8 +218,14 @@ def main(mode: str, root: str) -> None:
                 print(f"latest {m.latest_step()}", flush=True)
                 os._exit(0)  # the dead peer would make process-group teardown hang
     else:
+        with ckpt.CheckpointManager(f"{root}.empty") as m:  # nothing to resume: the fresh optimizer stays untouched
+            assert m.restore(state_of(model, opt)) is None and not opt.state, opt.state
         with ckpt.CheckpointManager(root) as m:
             step = m.restore(state_of(model, opt))
+        for p in model.parameters():  # state tensors shaped like a sharded parameter are sharded as it is
+            for k, v in opt.state[p].items():
+                like = hasattr(p, "placements") and v.shape == p.shape
+                assert hasattr(v, "placements") == like and (not like or v.placements == p.placements), (k, v)
         ref = torch.load(os.path.join(root, "..", "reference.pt"))
         got = flat_reference(model, opt)
         saved_world = len([f for f in os.listdir(os.path.join(root, "..")) if f.startswith("rng")])
