@@ -244,3 +244,4 @@ class Background:
             self._fence.close()
         self.fsyncs.shutdown(wait=True)
         self.readers.shutdown(wait=True)
+        self.arena.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from datetime import timedelta
 from typing import Any, Callable, Mapping
 
@@ -29,6 +30,12 @@ def topology() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def ranks_per_node() -> int:
+    """Ranks on this process's node: torchrun's ``LOCAL_WORLD_SIZE``, else 1 (unset, empty, not a positive integer)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
 class Ranks:

@@ -14,12 +14,14 @@ import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Callable, Container, Iterator
 
 import numpy as np
 import torch
 
+from .distributed import ranks_per_node
 from .pools import Inline, submit_or_run
 
 _ALIGN = 4096
@@ -93,6 +95,11 @@ class StagingArena:
         self._lock = threading.Lock()  # serialises a background `reserve` with `stage` and `scratch`
         self._count = threading.Lock()
         self._wanted = 0  # saves waiting for `_lock`: a reservation in progress hands the arena over to them
+
+    def close(self) -> None:
+        """Stop the copy threads (a closed manager's arena copies nothing more)."""
+        if isinstance(self._copier, ThreadPoolExecutor):
+            self._copier.shutdown(wait=True)
 
     @property
     def capacity(self) -> int:
@@ -201,28 +208,45 @@ class StagingArena:
 def default_copy_threads() -> int:
     """Threads for a snapshot's copy: the CPUs this process may run on, shared with the other ranks of its node
     (``LOCAL_WORLD_SIZE``, as torchrun sets it), at most 8: memory bandwidth is the bound past that."""
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return max(1, min(8, len(os.sched_getaffinity(0)) // (int(local) if local.isdigit() and int(local) else 1)))
+    return max(1, min(8, len(os.sched_getaffinity(0)) // ranks_per_node()))
 
 
 def copy(copies: list[Copy], pool: ThreadPoolExecutor | Inline = Inline(), piece: int = _PIECE) -> None:
     """Make staged copies; returns once they are in host memory (a CUDA source: its own device synchronized, as
-    the calling thread's current device may be another). Contiguous host tensors of more than `piece` bytes are cut
-    into pieces that `pool` copies meanwhile: torch copies on one thread under torchrun's ``OMP_NUM_THREADS=1``
-    (6.6 GB/s here, against 12.4 on two: docs/benchmarks.md), and a copy inside `save` is the training's stall."""
-    futures = []
+    the calling thread's current device may be another). Host copies are cut into tasks of about `piece` bytes
+    (a contiguous tensor past it into pieces, smaller ones grouped) that `pool` runs meanwhile: torch copies on one
+    thread under torchrun's ``OMP_NUM_THREADS=1`` (7 GB/s here, against 13 on two: docs/benchmarks.md), and a
+    copy inside `save` is the training's stall. A failed copy raises once every task has stopped writing."""
+    tasks: list[list[Copy]] = [[]]
+    filled = 0
     for dst, src in copies:
-        if src.is_cuda or not src.is_contiguous() or src.nbytes <= piece or isinstance(pool, Inline):
-            dst.view(src.dtype).view(src.shape).copy_(src, non_blocking=src.is_cuda)
+        if src.is_cuda:
+            dst.view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
             continue
-        flat = src.reshape(-1).view(torch.uint8)
-        for lo in range(0, src.nbytes, piece):
-            futures.append(submit_or_run(pool, _copy_piece, dst[lo : lo + piece], flat[lo : lo + piece]))
+        for part in _parts(dst, src, piece):
+            tasks[-1].append(part)
+            filled += part[1].nbytes
+            if filled >= piece:
+                tasks.append([])
+                filled = 0
+    futures = [submit_or_run(pool, _copy_all, task) for task in tasks if task]  # runs here past interpreter exit
+    futures_wait(futures)
     for f in futures:
         f.result()
     for device in {src.device for _, src in copies if src.is_cuda}:
         torch.cuda.synchronize(device)
 
 
-def _copy_piece(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.copy_(src)
+def _parts(dst: torch.Tensor, src: torch.Tensor, piece: int) -> Iterator[Copy]:
+    """(destination, source) pairs of like shape that together copy host `src` into the uint8 arena view `dst`."""
+    if not src.is_contiguous() or src.nbytes <= piece:
+        yield dst.view(src.dtype).view(src.shape), src
+        return
+    flat = src.reshape(-1).view(torch.uint8)
+    for lo in range(0, src.nbytes, piece):
+        yield dst[lo : lo + piece], flat[lo : lo + piece]
+
+
+def _copy_all(task: list[Copy]) -> None:
+    for dst, src in task:
+        dst.copy_(src)

@@ -26,7 +26,7 @@ import fsspec
 from . import catalog, layout
 from . import lease as lease_mod
 from . import run as run_mod
-from .distributed import Box, Ranks
+from .distributed import Box, Ranks, ranks_per_node
 from .errors import CorruptCheckpointError, LeaseHeldError, StepNotFoundError
 from .options import TierOptions
 from .persist import PersistJob
@@ -69,7 +69,7 @@ def restore_order(durable: Iterable[int], inventories: list[dict]) -> list[Sourc
 
 def default_offset(world_size: int) -> int:
     """Replicate to the same local rank of the next node (torchrun's LOCAL_WORLD_SIZE), else to the next rank."""
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    per_node = ranks_per_node()
     return per_node if 0 < per_node < world_size else 1
 
 

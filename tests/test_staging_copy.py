@@ -1,9 +1,26 @@
-"""The snapshot's copy into the staging arena on several threads: large contiguous tensors are cut into pieces
-copied meanwhile, and every byte lands where one serial copy would put it, whatever the dtype, layout or size."""
+"""The snapshot's copy into the staging arena on several threads: large contiguous tensors are cut into pieces,
+small ones grouped, copied meanwhile, and every byte lands where one serial copy would put it, whatever the dtype,
+layout or size; a closed manager leaves no copy thread behind."""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+import ckpt
 from ckpt.staging import StagingArena, copy, default_copy_threads
+
+
+class CountingPool(ThreadPoolExecutor):
+    """A thread pool that counts the tasks it was given."""
+
+    def __init__(self, workers: int):
+        super().__init__(workers)
+        self.tasks = 0
+
+    def submit(self, fn, *args):
+        self.tasks += 1
+        return super().submit(fn, *args)
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -34,8 +51,6 @@ def test_a_parallel_snapshot_copies_every_byte_where_a_serial_one_does():
 
 
 def test_pieces_cover_a_tensor_exactly_at_any_piece_size():
-    from concurrent.futures import ThreadPoolExecutor
-
     src = torch.arange(10_007, dtype=torch.int64)
     with ThreadPoolExecutor(4) as pool:
         for piece in (1, 8, 4096, 80_055, 80_056, 1 << 20):
@@ -54,3 +69,29 @@ def test_copy_threads_share_the_cpus_among_the_node_ranks(monkeypatch):
     assert default_copy_threads() == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "garbage")
     assert default_copy_threads() == max(1, min(8, cpus))
+
+
+def test_many_small_tensors_are_copied_on_the_pool_in_groups_of_about_a_piece():
+    # a model's tensors are mostly under a piece (a 1024-wide block's are 4-16 MiB): copied one after another on the
+    # calling thread, they made most of a 2 GiB save's stall
+    g = torch.Generator().manual_seed(5)
+    srcs = [torch.randn(256 * 1024, generator=g) for _ in range(64)]  # 1 MiB each
+    dsts = [torch.zeros(s.nbytes, dtype=torch.uint8) for s in srcs]
+    with CountingPool(2) as pool:
+        copy(list(zip(dsts, srcs)), pool, piece=4 << 20)
+    assert pool.tasks == 16
+    for d, s in zip(dsts, srcs):
+        assert torch.equal(d.view(torch.float32), s)
+
+
+def _copy_threads() -> int:
+    return sum(t.name.startswith("ckpt-copy") for t in threading.enumerate())
+
+
+def test_closing_a_manager_stops_its_copy_threads(tmp_path):
+    before = _copy_threads()
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"w": torch.randn(1 << 20)})
+        m.wait()
+        assert _copy_threads() > before or default_copy_threads() == 1  # one CPU: the caller copies
+    assert _copy_threads() == before
