@@ -70,7 +70,7 @@ def restore_order(durable: Iterable[int], inventories: list[dict]) -> list[Sourc
 def default_offset(world_size: int) -> int:
     """Replicate to the same local rank of the next node (torchrun's LOCAL_WORLD_SIZE), else to the next rank."""
     per_node = ranks_per_node()
-    return per_node if 0 < per_node < world_size else 1
+    return per_node if per_node < world_size else 1
 
 
 def _run_id(storage: Storage) -> str | None:

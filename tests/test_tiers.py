@@ -317,3 +317,18 @@ def test_an_attempt_restored_from_a_local_step_the_durable_tier_lacks_persists_i
         for s in range(7, 10):
             m.save(s, state(s)).wait()
     assert layout.committed_steps(open_storage(durable)) == [3, 6, 9]
+
+
+@pytest.mark.parametrize(
+    "local, world, offset",
+    [("4", 8, 4), ("4", 4, 1), (None, 8, 1), ("", 8, 1), ("0", 8, 1), ("four", 8, 1)],
+)
+def test_the_default_replica_goes_to_the_same_local_rank_of_the_next_node(monkeypatch, local, world, offset):
+    # one node (or LOCAL_WORLD_SIZE unset or unreadable): the next rank, never rank + 0 (itself) or a crash
+    from ckpt.tiers import default_offset
+
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    assert default_offset(world) == offset
