@@ -121,14 +121,19 @@ def plan_restore(
     def plan_read(name: str, template: Any, as_numpy: bool) -> Any:
         """A tensor reference met by `state.decode`: plan its read (no IO) and give the value the state will hold."""
         info = manifest.arrays[name]
-        if isinstance(template, ShardedLike):
+        ours = isinstance(template, ShardedLike)  # a tensor this restore makes: nothing of the caller's to set aside
+        if ours:
             template = template.tensor(info)
         tmpl = torch.from_numpy(template) if isinstance(template, np.ndarray) and template.flags.writeable else template
         shard = read_region(info, tmpl)
         if shard is not None:
             dtensor, box = shard
             _check_match(info, dtensor, step)
-            _add_target(read(name, box), dtensor.to_local())
+            r = read(name, box)
+            if ours and r.fresh is None and not r.targets:
+                r.fresh = dtensor.to_local()
+            else:
+                _add_target(r, dtensor.to_local())
             return dtensor
         whole = tuple((0, n) for n in info.shape)
         r = read(name, whole)

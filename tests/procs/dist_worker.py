@@ -221,7 +221,18 @@ def main(mode: str, root: str) -> None:
         with ckpt.CheckpointManager(f"{root}.empty") as m:  # nothing to resume: the fresh optimizer stays untouched
             assert m.restore(state_of(model, opt)) is None and not opt.state, opt.state
         with ckpt.CheckpointManager(root) as m:
-            step = m.restore(state_of(model, opt))
+            arena, asked = m._background.arena, []
+            scratch = arena.scratch
+            arena.scratch = lambda sizes: asked.extend(sizes) or scratch(sizes)
+            state = state_of(model, opt)
+            step = m.restore(state)
+        # the caller's tensors are set aside in scratch (the model's shards, the table, the RNG states); the fresh
+        # optimizer's state is read straight into tensors of the restore's own: nothing of the caller's to keep
+        rng = state["rng"].state_dict()
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+        theirs = sum(t.numel() * t.element_size() for t in [*local, state["table"], rng["torch"]])
+        theirs += rng["numpy"]["state"]["key"].nbytes
+        assert sum(asked) <= theirs, f"restore asked for {sum(asked)} bytes of scratch; the caller's tensors: {theirs}"
         for p in model.parameters():  # state tensors shaped like a sharded parameter are sharded as it is
             for k, v in opt.state[p].items():
                 like = hasattr(p, "placements") and v.shape == p.shape
