@@ -210,11 +210,17 @@ class ShardedLike:
         self.param, self.key = param, key
 
     def tensor(self, info: ArrayInfo) -> torch.Tensor | None:
-        """An uninitialised DTensor laid out as the parameter, of the saved dtype; None: read the array whole."""
+        """An uninitialised DTensor laid out as the parameter, of the saved dtype; None: read the array whole.
+
+        Made from a local tensor: `torch.empty_like` on the DTensor runs DTensor's sharding propagation, ~1 ms for
+        each shape a fresh process has not met yet, against ~30 us."""
+        from torch.distributed.tensor import DTensor
+
         p = self.param
         if tuple(p.shape) != info.shape or (p.dim() == 0 and self.key == "step"):
             return None
-        return torch.empty_like(p, dtype=torch_dtype(info.dtype))
+        local = torch.empty_like(p.to_local(), dtype=torch_dtype(info.dtype))
+        return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
 
 
 class _EveryKey(Mapping):
