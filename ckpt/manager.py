@@ -192,21 +192,27 @@ class CheckpointManager:
         """
         self._check_open()
         bg = self._background
-        bg.raise_error()
         with self.tracker.span("checkpoint_save", step=step):
-            if bg.inflight is not None and not bg.inflight.done():  # a part of the save's time, told apart
-                with self.tracker.span("checkpoint_save", step=step, part="previous_wait"):
-                    bg.drain()
-            bg.drain()
-            self._root_lease.take(collective=True)
-            bg.wait_delete(step)  # a delete of this very step number must finish before it is written again
-            target, lease = self._target.writable(self._root_lease.lease)
-            if layout.is_committed(target, step):
-                raise StepExistsError(
-                    f"step {step} is already committed in {target.url}; a committed checkpoint is never overwritten"
-                )
+            failure = None  # among ranks, a rank that cannot save tells the others in the plan's first message
+            try:
+                bg.raise_error()
+                if bg.inflight is not None and not bg.inflight.done():  # a part of the save's time, told apart
+                    with self.tracker.span("checkpoint_save", step=step, part="previous_wait"):
+                        bg.drain()
+                bg.drain()
+                self._root_lease.take(collective=True)
+                bg.wait_delete(step)  # a delete of this very step number must finish before it is written again
+                target, lease = self._target.writable(self._root_lease.lease)
+                if layout.is_committed(target, step):
+                    raise StepExistsError(
+                        f"step {step} is already committed in {target.url}; a committed checkpoint is never overwritten"
+                    )
+            except Exception as e:
+                if self.ranks.world_size == 1:
+                    raise
+                failure = e
             t0 = time.perf_counter()
-            owned = snapshot_mod.optimizer_owned(state) if self.snapshot == "overlap" else set()
+            owned = snapshot_mod.optimizer_owned(state) if self.snapshot == "overlap" and failure is None else set()
             w = self.write
             written = plan(
                 step,
@@ -217,6 +223,7 @@ class CheckpointManager:
                 self._planner,
                 w.pack_bytes,
                 private=self._target.private,
+                failure=failure,
             )
             defer = snapshot_mod.versions(written.tensors, owned)
             job = SaveJob(target, written, bg.arena, self._write_context, self.ranks, lease, bg.fsyncs, defer=defer)

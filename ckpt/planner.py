@@ -28,6 +28,7 @@ from typing import Any, Mapping
 import torch
 
 from .distributed import Box, Ranks, local_box
+from .errors import CheckpointWriteError
 from .format import ArrayInfo, chunk_shape, dtype_name, pack_layout, torch_dtype
 from .layout import pack_name
 
@@ -66,8 +67,14 @@ class Planner:
         pack_bytes: int = 0,
         *,
         every_holder: bool = False,
+        step: int = 0,
+        failure: str | None = None,
     ) -> tuple[ArrayPlan, dict[str, torch.Tensor], dict[str, Box]]:
         """(this rank's part of the plan, the local tensors it writes by array, the box of each).
+
+        The save's first message among the ranks carries each rank's `step` and, where this rank cannot save,
+        `failure` (why; `tensors` may then be empty): when any rank failed or the ranks' steps differ, every rank
+        raises `CheckpointWriteError`, so no rank pairs up the messages of one save with another's.
 
         A box held by several ranks (replicated tensors, DTensor Replicate) has one designated writer, chosen by a
         hash of the array name so that the writing is spread over the ranks. A shared root gets only the designated
@@ -82,13 +89,32 @@ class Planner:
         }
         params = [chunk_bytes, pack_bytes, every_holder, ranks.world_size, ranks.rank]
         key = hashlib.blake2b(json.dumps([params, described]).encode(), digest_size=16).hexdigest()
-        if not ranks.all_true(key == self._key):
+        told = ranks.all_gather_json([step, failure, failure is None and key == self._key])
+        _check_opening(step, told)
+        if not all(same for _, _, same in told):
             self._key = None  # an agreement that fails on some rank leaves no plan behind on any
             self._plan = _agree(ranks, described, chunk_bytes, pack_bytes, every_holder)
             self._key, self.agreements = key, self.agreements + 1
         plan = self._plan
         assert plan is not None
         return plan, {n: mine[n][0] for n in plan.written}, {n: mine[n][1] for n in plan.written}
+
+
+def _check_opening(step: int, told: list[Any]) -> None:
+    """Raise on every rank when some rank cannot save `step` or saves another step (`told`: each rank's step,
+    failure and plan flag, in rank order)."""
+    failures = [f"rank {r}: {failure}" for r, (_, failure, _) in enumerate(told) if failure]
+    if failures:
+        raise CheckpointWriteError(step, RuntimeError("; ".join(failures)))
+    if len({s for s, _, _ in told}) > 1:
+        steps = ", ".join(f"rank {r}: {s}" for r, (s, _, _) in enumerate(told))
+        raise CheckpointWriteError(
+            step,
+            RuntimeError(
+                f"the ranks called save with different steps ({steps}): every rank must save the same step in the "
+                f"same order (did a rank skip a save, or go on after a save that raised on it alone?)"
+            ),
+        )
 
 
 def _agree(ranks: Ranks, described: Description, chunk_bytes: int, pack_bytes: int, every_holder: bool) -> ArrayPlan:

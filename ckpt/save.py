@@ -26,7 +26,7 @@ from . import layout, store
 from . import state as state_mod
 from .chunk_files import ChunkWriter
 from .distributed import Ranks
-from .errors import LeaseHeldError, StepExistsError, StorageError
+from .errors import CheckpointWriteError, LeaseHeldError, StepExistsError, StorageError
 from .format import ArrayInfo, Manifest
 from .lease import Lease
 from .packs import PackWriter
@@ -85,6 +85,7 @@ def plan(
     pack_bytes: int = 0,
     *,
     private: bool = False,
+    failure: Exception | None = None,
 ) -> WritePlan:
     """What this process writes for `step`: alone, every tensor is a whole array; among ranks, its slices (agreed,
     or reused, by `planner`). The boxes it places in its pack come first, in the order of their places (its pack is
@@ -92,10 +93,23 @@ def plan(
 
     `private`: each rank writes into a root of its own (the local tier), so it writes every box it holds and
     commits its own copy of the manifest; the root then holds what this rank needs to restore at this topology.
+
+    `failure`: this rank cannot save (raised before, e.g. an earlier write's error). Among ranks, a rank that cannot
+    save (that, or a state or metadata it cannot write) still takes part in the plan's first message, so that every
+    rank raises and none waits for it or pairs this save with its next one; it raises its own error.
     """
-    flat = state_mod.flatten(state, rank=ranks.rank)
-    meta = _json_metadata(metadata)
-    agreed, writes, boxes = planner.plan(ranks, flat.tensors, chunk_bytes, pack_bytes, every_holder=private)
+    try:
+        if failure is not None:
+            raise failure
+        flat = state_mod.flatten(state, rank=ranks.rank)
+        meta = _json_metadata(metadata)
+    except Exception as e:
+        if ranks.world_size == 1:
+            raise
+        with contextlib.suppress(CheckpointWriteError):  # every rank raises; this one its own error
+            planner.plan(ranks, {}, chunk_bytes, pack_bytes, every_holder=private, step=step, failure=_told(e))
+        raise e
+    agreed, writes, boxes = planner.plan(ranks, flat.tensors, chunk_bytes, pack_bytes, every_holder=private, step=step)
     per_rank = state_mod.per_rank_entries(flat.tree)
     tree = flat.tree
     if per_rank:  # every rank's entries, side by side in the manifest, to whoever commits it
@@ -121,6 +135,10 @@ def plan(
     )
 
 
+def _told(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
 def _place(info: ArrayInfo, box: tuple[tuple[int, int], ...]) -> int:
     """Where a box this rank writes is placed in its pack (an empty box: nowhere, first)."""
     return info.places[info.boxes.index(box)][1] if box in info.boxes else -1
@@ -134,13 +152,16 @@ def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
             return x.item()
         raise TypeError(f"{type(x).__qualname__} is not JSON")
 
-    try:
-        return json.loads(json.dumps(dict(metadata or {}), allow_nan=False, default=number))
-    except (TypeError, ValueError) as e:
-        raise TypeError(
-            f"metadata must be JSON (finite numbers, str, lists, dicts; 0-d tensors and numpy scalars "
-            f"become numbers): {e}"
-        ) from None
+    out = {}
+    for key, value in dict(metadata or {}).items():
+        try:  # NaN and inf are kept (a diverged loss): the manifest writes them as the state tree does
+            out |= json.loads(json.dumps({key: value}, default=number))
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"metadata[{key!r}] must be JSON (numbers, str, bool, None, lists, dicts; 0-d tensors and numpy "
+                f"scalars become numbers): {e}"
+            ) from None
+    return out
 
 
 class SaveJob:

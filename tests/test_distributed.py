@@ -90,6 +90,21 @@ def test_a_plan_is_agreed_once_and_again_only_when_the_states_structure_changes(
     assert all(f"restored 5: mismatched [], extra {list(map(float, range(12)))}" in r.stdout for r in results), results
 
 
+def test_a_save_one_rank_cannot_make_fails_on_every_rank_and_the_next_one_commits(tmp_path):
+    """Rank 1's metadata is not JSON: it raises its TypeError, rank 0 a CheckpointWriteError naming it, and neither
+    takes rank 1's next save for this one; saves of different steps on different ranks fail everywhere."""
+    results = run_ranks(2, "refused", str(tmp_path / "ck"), timeout=120)
+    _ok(results)
+    zero, one = (r.stdout for r in results)
+    assert (
+        "save 2 refused: CheckpointWriteError: saving step 2 failed: RuntimeError: rank 1: TypeError: metadata" in zero
+    )
+    assert "save 2 refused: TypeError: metadata" in one
+    assert "save 4 refused: CheckpointWriteError" in zero and "save 5 refused: CheckpointWriteError" in one
+    assert "different steps (rank 0: 4, rank 1: 5)" in zero
+    assert all("steps [1, 3, 6]" in r.stdout for r in results), results
+
+
 def test_rank_killed_during_save_fails_the_others_and_keeps_previous_step(tmp_path):
     root = str(tmp_path / "ck")
     results = run_ranks(2, "kill", root, timeout=120)

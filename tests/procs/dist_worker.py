@@ -162,6 +162,19 @@ def main(mode: str, root: str) -> None:
         got = flat_reference(model, opt)
         bad = [k for k in ref if not torch.equal(ref[k], got[k])]
         print(f"restored {step}: mismatched {bad}, extra {state['extra'].flatten().tolist()}", flush=True)
+    elif mode == "refused":
+        # a save one rank cannot make (its metadata is not JSON) fails on every rank, and ranks that call save with
+        # different steps fail too: no rank pairs one save's messages with another's, later saves commit
+        with ckpt.CheckpointManager(root, collective_timeout=20) as m:
+            m.save(1, state_of(model, opt)).wait()
+            for step, metadata in ((2, {"bad": object()} if rank == 1 else {}), (4 + rank, {})):
+                try:
+                    m.save(step, state_of(model, opt), metadata=metadata).wait()
+                    print(f"save {step} ok", flush=True)
+                except (TypeError, ckpt.CheckpointWriteError) as e:
+                    print(f"save {step} refused: {type(e).__name__}: {e}", flush=True)
+                m.save(step + 1 if step == 2 else 6, state_of(model, opt)).wait()
+            print(f"steps {m.steps()}", flush=True)
     elif mode == "restore_damaged":
         with ckpt.CheckpointManager(root, collective_timeout=20) as m:
             # step 2 asked for: every rank but the last reads its part intact (straight into the model), the last
