@@ -472,6 +472,29 @@ def pack_overlap(arrays: dict[str, ArrayInfo]) -> tuple[str, tuple[str, int], tu
     return None
 
 
+def _floats_out(value: Any) -> Any:
+    """User metadata for the manifest: a NaN or infinite float (a diverged loss) as ``{"$float": "nan"}``, as
+    the state tree writes it (the manifest is strict JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"$float": repr(value)}
+    if isinstance(value, dict):
+        return {k: _floats_out(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_floats_out(v) for v in value]
+    return value
+
+
+def _floats_in(value: Any) -> Any:
+    """The inverse of `_floats_out`."""
+    if isinstance(value, dict):
+        if value.keys() == {"$float"} and value["$float"] in ("nan", "inf", "-inf"):
+            return float(value["$float"])
+        return {k: _floats_in(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_floats_in(v) for v in value]
+    return value
+
+
 @dataclass
 class Manifest:
     """The committed description of one step: state tree, arrays, metadata, versions."""
@@ -499,7 +522,7 @@ class Manifest:
             "time": self.time,
             "world_size": self.world_size,
             "versions": self.versions or {},
-            "metadata": self.metadata,
+            "metadata": _floats_out(self.metadata),
             "tree": self.tree,
             "arrays": {k: v.to_json(self.format) for k, v in self.arrays.items()},
             **({"packs": {k: v.to_json(self.format) for k, v in self.packs.items()}} if self.format in _PACKED else {}),
@@ -577,7 +600,7 @@ class Manifest:
             step=body["step"],
             tree=body["tree"],
             arrays=arrays,
-            metadata=body["metadata"],
+            metadata=_floats_in(body["metadata"]),
             time=float(body["time"]),
             world_size=body["world_size"],
             versions=body["versions"],

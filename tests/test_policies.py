@@ -76,6 +76,26 @@ def test_manager_takes_a_policy_or_the_shorthands_with_the_same_result(tmp_path)
     assert _save(tmp_path / "best", range(1, 6), retention=KeepBest(2, "loss", "max")) == [1, 2, 5]
 
 
+def test_a_diverged_loss_is_saved_as_metadata_and_never_ranked_best(tmp_path):
+    """A NaN or infinite loss in a save's metadata (a diverged run) is written, read back as that float (also by a
+    fresh manager, from the manifest), and KeepBest keeps finite losses over it; a value that is not JSON is
+    refused naming its key."""
+    losses = {1: 0.5, 2: math.nan, 3: -math.inf, 4: 0.25}
+    with ckpt.CheckpointManager(tmp_path, retention=KeepBest(2, "loss")) as m:
+        for s, loss in losses.items():
+            m.save(s, {"w": torch.full((4,), float(s))}, metadata={"loss": loss, "hist": [loss, 1.0]}).wait()
+        with pytest.raises(TypeError, match=r"metadata\['when'\] must be JSON"):
+            m.save(5, {"w": torch.zeros(4)}, metadata={"loss": 1.0, "when": object()})
+    reader = ckpt.CheckpointManager(tmp_path)
+    assert reader.steps() == [1, 4]  # the two finite losses, the newest among them
+    raw = (tmp_path / "step_00000004" / "manifest.json").read_text()
+    assert "NaN" not in raw and "Infinity" not in raw  # strict JSON on disk
+    with ckpt.CheckpointManager(tmp_path / "all") as m:
+        m.save(2, {"w": torch.zeros(4)}, metadata={"loss": math.nan, "hist": [-math.inf]}).wait()
+    got = ckpt.CheckpointManager(tmp_path / "all").metadata(2)
+    assert math.isnan(got["loss"]) and got["hist"] == [-math.inf]
+
+
 def test_the_newest_committed_step_survives_any_policy(tmp_path):
     assert _save(tmp_path, range(1, 5), retention=_KeepNothing()) == [4]
 
