@@ -14,7 +14,9 @@ picks the step and handles failures.
 
 from __future__ import annotations
 
+import copy
 import functools
+import logging
 import math
 import os
 import queue
@@ -28,7 +30,7 @@ import torch
 
 from . import layout, packs, planner, store
 from . import state as state_mod
-from .distributed import Ranks, ShardedLike, read_region, restore_template
+from .distributed import Ranks, ShardedLike, is_dtensor, read_region, restore_template
 from .errors import CheckpointError, CorruptCheckpointError, StateKeyError, StateMismatchError, StepNotFoundError
 from .format import ArrayInfo, Manifest, chunk_key, torch_dtype
 from .layout import StepFiles, step_files  # noqa: F401 (restore.step_files, as before)
@@ -36,6 +38,7 @@ from .staging import StagingArena
 from .storage import Storage
 
 Box = tuple[tuple[int, int], ...]
+log = logging.getLogger("ckpt")
 
 
 @dataclass
@@ -634,16 +637,75 @@ class _After:
 
 
 def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
-    """Land a verified read in the caller's state: copy each buffer into its tensors, then set or load values."""
-    cuda = False
-    for r in plan.reads.values():
-        for t in r.targets[1:] if r.saved is not None else r.targets:  # a direct read's first target holds it
+    """Land a verified read in the caller's state: copy each buffer into its tensors, then set or load values.
+
+    A Stateful object's own `load_state_dict` may still refuse (a sampler over other data, a scheduler of another
+    kind), so the objects whose state holds none of the tensors copied here load first (samplers, schedulers, RNG
+    states: nothing of the caller's changed yet but the tensors read into directly), then the copies, the other
+    objects (modules, optimizers: `state.decode` checked their keys, shapes and groups), the plain values last.
+    When a load raises, the objects loaded so far get their state from before back and so do the tensors read into
+    directly; only tensors copied into here (CUDA, strided or tied ones) keep the step's bytes then."""
+    copied = [(r, t) for r in plan.reads.values() for t in (r.targets[1:] if r.saved is not None else r.targets)]
+    into = {(t.device, t.untyped_storage().data_ptr()) for _, t in copied}
+    stateful = [k for k in plan.values if state_mod.is_stateful(target.get(k))]
+    first = [k for k in stateful if not _holds(plan.values[k], into)]
+    loaded: list[tuple[Any, Any]] = []
+    try:
+        for k in first:
+            loaded.append(_before(target[k]))
+            state_mod.apply(target, k, plan.values[k])
+        cuda = False
+        for r, t in copied:  # a direct read's first target already holds it
             t.copy_(r.buffer, non_blocking=t.is_cuda)
             cuda = cuda or t.is_cuda
-    if cuda:
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
+        for k in (k for k in stateful if k not in first):
+            loaded.append(_before(target[k]))
+            state_mod.apply(target, k, plan.values[k])
+    except BaseException:
+        plan.undo()
+        for obj, state in reversed(loaded):
+            try:
+                obj.load_state_dict(state)
+            except Exception as e:  # the error that stopped the restore is the one to raise
+                log.warning("restore failed, and %s could not be given its state back: %s", type(obj).__name__, e)
+        raise
     for k, v in plan.values.items():
-        state_mod.apply(target, k, v)
+        if k not in stateful:
+            state_mod.apply(target, k, v)
+
+
+def _holds(value: Any, storages: set[tuple[torch.device, int]]) -> bool:
+    """Whether a decoded value holds a tensor whose memory is one of `storages` (device, storage address)."""
+    if isinstance(value, torch.Tensor):
+        t = value.to_local() if is_dtensor(value) else value
+        return (t.device, t.untyped_storage().data_ptr()) in storages
+    if isinstance(value, Mapping):
+        return any(_holds(v, storages) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds(v, storages) for v in value)
+    return False
+
+
+def _before(obj: Any) -> tuple[Any, Any]:
+    """An object and its state before a load, to give back if the restore fails: containers copied, tensors held
+    as they are (their bytes are given back by `ReadPlan.undo`)."""
+    state = obj.state_dict()
+    tensors: list[torch.Tensor] = []
+    _tensors(state, tensors)
+    return obj, copy.deepcopy(state, memo={id(t): t for t in tensors})
+
+
+def _tensors(value: Any, out: list[torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            _tensors(v, out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensors(v, out)
 
 
 def read_step(

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .errors import StateKeyError
+from .errors import StateKeyError, StateMismatchError
 from .format import MAX_DEPTH, escape_segment
 from .tree import (  # noqa: F401 (the tree's grammar, importable here as before)
     _NP_SCALAR,
@@ -256,8 +256,22 @@ def decode(
     but only after loading the rest); other objects' load_state_dict judge their own state.
     """
     if is_stateful(template):
-        strict = isinstance(template, torch.nn.Module)
+        if isinstance(node, dict) and _tag(node) in ("$tensor", "$ndarray"):  # a state_dict of its own is a dict
+            raise StateMismatchError(
+                f"restore: key {key!r} is a {type(template).__qualname__} in the state passed to restore, but the "
+                f"checkpoint holds {_kind(node)} there"
+            )
+        obj, strict = template, isinstance(template, torch.nn.Module)
         template = state_of(template)
+        own = isinstance(node, dict) and _tag(node) == "$state"  # else a plain state_dict that was saved as such
+        value = decode(node["v"] if own else node, load, template, key, strict, state_of)
+        if isinstance(obj, torch.optim.Optimizer):
+            _check_groups(value, template, key)
+        return value
+    if isinstance(template, torch.Tensor) and not (isinstance(node, dict) and _tag(node) in ("$tensor", "$ndarray")):
+        raise StateMismatchError(
+            f"restore: key {key!r} is a tensor in the state passed to restore, but the checkpoint holds {_kind(node)}"
+        )
     if isinstance(node, list):
         tl = template if isinstance(template, (list, tuple)) and len(template) == len(node) else [None] * len(node)
         return [decode(v, load, t, f"{key}.{i}", strict, state_of) for i, (v, t) in enumerate(zip(node, tl))]
@@ -288,6 +302,29 @@ def decode(
     if tag == "$dtype":
         return _TORCH_DTYPES[v]
     return decode(node["v"], load, template, key, strict, state_of)  # "$state": a Stateful object's state_dict
+
+
+def _kind(node: Any) -> str:
+    """What a checkpoint's tree holds at a node, in words (for a mismatch)."""
+    if not isinstance(node, dict):
+        return f"a {type(node).__name__} value"
+    tag = _tag(node)
+    if tag == "$state":
+        return f"the state of a {node['$state']}"
+    names = {None: "a dict", "$tensor": "a tensor", "$ndarray": "a numpy array"}
+    return names[tag] if tag in names else f"a {tag[1:]} value"
+
+
+def _check_groups(value: Any, current: Mapping[str, Any], key: str) -> None:
+    """An optimizer's saved parameter groups match its own in number and size (its load_state_dict would refuse
+    them only after the rest of the state was loaded)."""
+    saved = [len(g.get("params", ())) for g in value.get("param_groups", ())] if isinstance(value, dict) else None
+    mine = [len(g["params"]) for g in current.get("param_groups", ())]
+    if saved != mine:
+        raise StateMismatchError(
+            f"restore: key {key!r}: the checkpoint's optimizer has parameter groups of {saved} parameters, the "
+            f"optimizer passed to restore {mine}"
+        )
 
 
 def _same_keys(saved: list[Any], current: list[Any], key: str) -> None:

@@ -280,3 +280,85 @@ def test_tensor_larger_than_2gib_round_trips(tmp_path):
     with ckpt.CheckpointManager(tmp_path) as m:
         m.restore(out)
     assert torch.equal(out["x"], x), "every byte of the >2 GiB tensor comes back"
+
+
+def _trained(seed: int, lr: float):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+class _Buffer:
+    """A Stateful object of the caller's own; `refuse`: its load_state_dict refuses (as a sampler over other data)."""
+
+    def __init__(self, refuse: bool = False):
+        self.buf, self.refuse = torch.arange(4.0), refuse
+
+    def state_dict(self):
+        return {"buf": self.buf}
+
+    def load_state_dict(self, sd):
+        if self.refuse:
+            raise ValueError("this object refuses the checkpoint's state")
+        self.buf = sd["buf"]
+
+
+def test_a_restore_an_objects_own_load_refuses_leaves_every_object_as_it_was(tmp_path):
+    """The module, optimizer, scheduler, RNG and sampler of a state whose last object refuses its state (or whose
+    sampler runs over other data) are all as they were after the failed restore: values, state and tensors."""
+    import copy
+
+    model, opt = _trained(0, 0.5)
+    state = {"model": model, "optim": opt, "sched": torch.optim.lr_scheduler.StepLR(opt, 3), "rng": ckpt.RNGState()}
+    state["sampler"], state["last"] = ckpt.ShuffledSampler(100, 4, seed=0), _Buffer()
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, state).wait()
+    for refusing in ("last", "sampler"):
+        model, opt = _trained(5, 0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 7)
+        sampler = ckpt.ShuffledSampler(120 if refusing == "sampler" else 100, 4, seed=0)
+        last = _Buffer(refuse=refusing == "last")
+        mine = {"model": model, "optim": opt, "sched": sched, "rng": ckpt.RNGState(), "sampler": sampler, "last": last}
+        before = copy.deepcopy({k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in mine.items()})
+        torch.manual_seed(123)
+        rng = torch.get_rng_state()
+        with pytest.raises((ValueError, ckpt.DataMismatchError)), ckpt.CheckpointManager(tmp_path) as m:
+            m.restore(mine)
+        after = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in mine.items()}
+        assert torch.equal(torch.get_rng_state(), rng), refusing
+        for k in ("model", "sched", "sampler", "last"):
+            assert json.dumps(after[k], default=lambda t: t.tolist()) == json.dumps(
+                before[k], default=lambda t: t.tolist()
+            ), (refusing, k)
+        assert after["optim"]["param_groups"] == before["optim"]["param_groups"], refusing
+        for i in (0, 1):
+            for name in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(after["optim"]["state"][i][name], before["optim"]["state"][i][name]), (i, name)
+
+
+@pytest.mark.parametrize("case", ["module_for_tensor", "tensor_for_module", "optimizer_groups"])
+def test_a_restore_into_objects_of_another_kind_is_refused_before_anything_changes(tmp_path, case):
+    """A module where the checkpoint holds a tensor, a tensor where it holds a module, an optimizer with other
+    parameter groups: a StateMismatchError naming the key, raised before any tensor of the caller changed."""
+    model, opt = _trained(0, 0.5)
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"model": model, "x": torch.zeros(2), "optim": opt}).wait()
+    model, opt = _trained(5, 0.1)
+    weight = model.weight.detach().clone()
+    state = {"model": model, "x": torch.ones(2), "optim": opt}
+    if case == "module_for_tensor":
+        state["x"], match = (
+            torch.nn.Linear(1, 1),
+            "key 'x' is a Linear in the state passed to restore, but the checkpoint holds a tensor",
+        )
+    elif case == "tensor_for_module":
+        state["model"], match = torch.zeros(3), "key 'model' is a tensor .* holds the state of a Linear"
+    else:
+        state["optim"], match = torch.optim.AdamW([model.weight]), r"key 'optim': .* groups of \[2\] .* \[1\]"
+    with pytest.raises(ckpt.StateMismatchError, match=match), ckpt.CheckpointManager(tmp_path) as m:
+        m.restore(state)
+    assert torch.equal(model.weight, weight)
+    assert case == "module_for_tensor" or torch.equal(state["x"], torch.ones(2))
