@@ -72,7 +72,12 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--window", type=_seconds(True), default=3600.0, help="sliding ETTR window in seconds")
         s.add_argument("--mttf", type=_seconds(True), default=None, help="MTTF in seconds instead of the one fitted")
         if name == "plot":
-            s.add_argument("-o", "--output", default="timeline.png")
+            s.add_argument(
+                "-o",
+                "--output",
+                default="timeline.png",
+                help="file to write, format by extension (none: PNG); a directory: DIR/timeline.png (default %(default)s)",
+            )
         else:
             s.add_argument("--json", action="store_true", help="machine-readable output")
             _two_tier_flags(s)
@@ -158,8 +163,7 @@ def _run(args: argparse.Namespace) -> str:
         args.root, rank=args.rank, window_s=args.window, storage_options=storage_args.options(args) or None
     )
     if args.cmd == "plot":
-        plot_timeline(a, args.output)
-        return args.output
+        return plot_timeline(a, args.output)  # the path written: an existing directory gets timeline.png inside
     adv = advise(a, mttf_s=args.mttf, two_tier=_two_tier_inputs(args, a))
     if args.cmd == "report":
         s = stragglers_root(args.root, window=args.straggler_window, storage_options=storage_args.options(args) or None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from .advice import Advice
@@ -160,8 +161,12 @@ def report_json(a: Attribution, advice: Advice | None = None, stragglers: Stragg
     return json.dumps(out, indent=2)
 
 
-def plot_timeline(a: Attribution, path: str, *, title: str | None = None) -> None:
-    """Draw attempts as rows of colored category bars over time, failures marked, cumulative ETTR on a second axis."""
+def plot_timeline(a: Attribution, path: str, *, title: str | None = None) -> str:
+    """Draw attempts as rows of colored category bars over time, failures marked, cumulative ETTR on a second axis.
+
+    Writes exactly `path` (an existing directory: `path`/timeline.png), in the format its extension names (.png,
+    .svg, .pdf, ...) or PNG when it has none, and returns the path written: matplotlib alone would write ``t.png``
+    for ``t``, a file the caller was never told of."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,8 +202,14 @@ def plot_timeline(a: Attribution, path: str, *, title: str | None = None) -> Non
     ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.08, 0.5), fontsize=8, frameon=False)
     ax.set_title(title or f"ETTR {a.ettr:.3f} over {a.wall_us / 1e6 / scale:.2f} {unit}, {a.failures} failure(s)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "timeline.png")
+    try:
+        fig.savefig(path, dpi=110, format=None if os.path.splitext(path)[1] else "png")
+    finally:
+        plt.close(fig)
+    return path
 
 
 def _time_unit(seconds: float) -> tuple[float, str]:

@@ -6,6 +6,8 @@ import dataclasses
 import functools
 import json
 import logging
+import math
+import operator
 import os
 import socket
 import threading
@@ -16,6 +18,7 @@ from typing import Any
 
 from .attribution import SAVE_SPLIT, Attribution, attribute
 from .clock import Clock, SystemClock
+from .formulas import check_seconds
 from .ledger import FORMAT_VERSION, SAVE_PARTS, TIERS, UPLOAD_INTERVAL_S, LedgerWriter, read_ledgers
 from .replay import Replay, compare, float_bits
 from .stragglers import WAIT, WINDOW_STEPS, WindowMeter
@@ -50,6 +53,49 @@ def _new_attempt_id(wall_us: int) -> str:
     return (
         time.strftime("%Y%m%dT%H%M%S", time.gmtime(wall_us / 1e6)) + f"{wall_us % 1_000_000:06d}-{uuid.uuid4().hex[:6]}"
     )
+
+
+def _integer(name: str, value: Any) -> int:
+    """`value` as an int: an int, a numpy integer or a 0-d integer tensor (``operator.index``); a bool, a float or
+    anything else is a TypeError naming `name`. Steps and byte counts reach the ledger as JSON integers: one that did
+    not would make the whole job's ledger unreadable, or fail a later record far from the call that passed it."""
+    if type(value) is int:
+        return value
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+
+
+def _number(value: Any) -> Any:
+    """`json.dumps`'s fallback: a 0-d tensor or numpy scalar is its Python number, as in ckpt's save metadata."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"{type(value).__qualname__} is not JSON")
+
+
+_PLAIN = (str, int, bool, type(None))  # attribute values written as they are, no JSON round trip
+
+
+def _json_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
+    """A span's attributes as the ledger will hold them, checked at the call: finite numbers, str, bool, None, lists
+    and dicts of them, 0-d tensors and numpy scalars as numbers (a copy: later changes to a list do not reach the
+    record). Anything else is an error naming the attribute now, not a lost record and a failing later flush."""
+    out: dict[str, Any] = {}
+    for name, value in attrs.items():
+        if type(value) in _PLAIN or (type(value) is float and math.isfinite(value)):
+            out[name] = value
+            continue
+        try:
+            out[name] = json.loads(json.dumps(value, allow_nan=False, default=_number))
+        except (TypeError, ValueError) as e:  # ValueError: NaN or infinity, or a circular reference
+            raise (ValueError if isinstance(e, ValueError) else TypeError)(
+                f"span attribute {name}= must be JSON (finite numbers, str, bool, None, lists, dicts; 0-d tensors "
+                f"and numpy scalars become numbers), got {type(value).__name__} {value!r}: {e}"
+            ) from None
+    return out
 
 
 def _tier(tier: str | None) -> dict[str, str]:
@@ -102,6 +148,27 @@ def _encode(rec: tuple | dict[str, Any]) -> str:
             return '{"k":"span","c":%s,"b":%d,"e":%d,"o":%d}\n' % (_quoted(category), begin, end, order)
         rec = {"k": "span", "c": category, "b": begin, "e": end, "o": order, "a": attrs}
     return json.dumps(rec, separators=(",", ":")) + "\n"
+
+
+def _check_args(root: Any, job_id: Any, attempt_id: Any, rank: Any, storage_options: Any) -> str:
+    """GoodputTracker's root as a str (a path, os.PathLike, or URL); a TypeError or ValueError naming an argument of
+    the wrong type or value, at construction rather than from fsspec at start() or from a ledger no report can read."""
+    if isinstance(root, os.PathLike):
+        root = os.fspath(root)
+    if not isinstance(root, str):
+        raise TypeError(f"root must be a path or URL (str or os.PathLike), got {type(root).__name__} {root!r}")
+    if not root:
+        raise ValueError("root must be a path or URL, got ''")
+    for name, value in (("job_id", job_id), ("attempt_id", attempt_id)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name} must be a string or None, got {type(value).__name__} {value!r}")
+    if attempt_id and "/" in attempt_id:
+        raise ValueError(f"attempt_id names a ledger file and cannot hold '/', got {attempt_id!r}")
+    if rank is not None and _integer("rank", rank) < 0:
+        raise ValueError(f"rank must be a non-negative integer, got {rank!r}")
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise TypeError(f"storage_options must be a dict or None, got {type(storage_options).__name__}")
+    return root
 
 
 class _Span:
@@ -168,9 +235,13 @@ class GoodputTracker:
         upload_interval: float = UPLOAD_INTERVAL_S,
         straggler_window: int = WINDOW_STEPS,
     ) -> None:
+        root = _check_args(root, job_id, attempt_id, rank, storage_options)
+        check_seconds("flush_interval", flush_interval)
+        check_seconds("window_s", window_s, positive=True)
+        check_seconds("upload_interval", upload_interval)
         self.root = root
         self.clock = clock or SystemClock()
-        self.rank = _env_rank() if rank is None else rank
+        self.rank = _env_rank() if rank is None else _integer("rank", rank)
         # the job: job_id=, else the environment's; else the run id a CheckpointManager tells (use_run_id), and
         # until it does (or without one) the root
         self.job_id = job_id or _env_job() or root
@@ -202,7 +273,8 @@ class GoodputTracker:
         self._expect: dict[int, tuple[str, tuple | None]] = {}  # step -> (attempt, digest fields)
         self._through: int | None = None
         self._replayed: list[tuple[int, tuple | None]] = []
-        self._windows = WindowMeter(straggler_window)  # busy and collective-wait time per window of steps, live
+        # busy and collective-wait time per window of steps, live
+        self._windows = WindowMeter(_integer("straggler_window", straggler_window))
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> GoodputTracker:
@@ -253,6 +325,8 @@ class GoodputTracker:
 
     def end(self, status: str = "ok") -> None:
         """Mark a clean end (or status="error"), flush and close the ledger."""
+        if not isinstance(status, str):
+            raise TypeError(f"status must be a string ('ok' or 'error'), got {type(status).__name__} {status!r}")
         window = self._windows.close()  # the window in progress, partial or not
         if window is not None:
             self.metrics.set_step_window(*window)
@@ -282,6 +356,8 @@ class GoodputTracker:
 
     def step_begin(self, step: int) -> None:
         """A training step starts."""
+        if type(step) is not int:
+            step = _integer("step", step)
         with self._lock:  # the manager's hooks may open spans from another thread
             t = self._credit()
             self._gap = "other"
@@ -296,6 +372,8 @@ class GoodputTracker:
         `loss` (a float, or a 0-dim tensor: ``float()`` reads it, which waits for a device's kernels), `batch` (the
         batch hash, e.g. ``sampler.batch_hash(step)``) and `scalars` ({name: number}) go into the record as its
         digest: a step trained again after a resume is compared with it bit for bit (docs/goodput.md, replay)."""
+        if type(step) is not int:
+            step = _integer("step", step)
         if loss is None and batch is None and not scalars:
             found = digest = None
         else:
@@ -323,25 +401,35 @@ class GoodputTracker:
 
     def step(self, step: int) -> _Step:
         """`with tracker.step(i):` around one training step."""
-        return _Step(self, step)
+        return _Step(self, step if type(step) is int else _integer("step", step))
 
     def span(self, category: str, **attrs: Any) -> _Span:
         """`with tracker.span("data_wait"):` time a category; checkpoint_save/restore flush at both ends.
 
         A span opened directly inside an open span of the same category is part of it (one record): an
         integration's save around the manager's save is one checkpoint_save.
+
+        The category must be a non-empty str and the attributes JSON (0-d tensors and numpy scalars become numbers):
+        anything else is refused here, before a record is written, since one bad record makes the ledger unreadable.
         """
+        if not isinstance(category, str):
+            raise TypeError(f"span category must be a string, got {type(category).__name__} {category!r}")
+        if not category:
+            raise ValueError("span category must be a non-empty string, got ''")
         if category in ("productive", "lost", "downtime", "startup"):
             raise ValueError(f"{category!r} is derived by attribution, not a span category")
+        if attrs:
+            attrs = _json_attrs(attrs)
+            part = attrs.get("part") if category == "checkpoint_save" else None
+            if part is not None and part not in SAVE_PARTS:
+                raise ValueError(f"part of a checkpoint_save must be one of {', '.join(SAVE_PARTS)}, got {part!r}")
         return _Span(self, category, attrs)
 
     def _open(self, category: str, step: int | None, attrs: dict[str, Any]) -> list[Any] | None:
         """Push a span onto the open stack; None inside an open span of the same category (it is part of that one),
         unless it names a part of a save (``part=``, SAVE_PARTS): the wait for the previous save inside save() is a
-        span of its own within the save's, so that attribution can split the save's seconds."""
+        span of its own within the save's, so that attribution can split the save's seconds (`span` checked it)."""
         part = attrs.get("part") if category == "checkpoint_save" else None
-        if part is not None and part not in SAVE_PARTS:
-            raise ValueError(f"part of a checkpoint_save must be one of {', '.join(SAVE_PARTS)}, got {part!r}")
         with self._lock:
             top = self._stack[-1] if self._stack else None
             if top is not None and top[1] == category and (part is None or top[4].get("part") == part):
@@ -393,6 +481,11 @@ class GoodputTracker:
     ) -> None:
         """The manager made the checkpoint of `step` (`nbytes` of tensor data) durable after `background_seconds`
         of background work; `tier` names the tier it reached (TIERS; None: the only one)."""
+        step = _integer("step", step)
+        background_seconds = check_seconds("background_seconds", background_seconds)
+        nbytes = None if nbytes is None else _integer("nbytes", nbytes)
+        if nbytes is not None and nbytes < 0:
+            raise ValueError(f"nbytes must be a non-negative integer or None, got {nbytes!r}")
         t = self._now()
         self._buf.append({"k": "commit", "s": step, "t": t, "bg": background_seconds, **_tier(tier)})
         with self._lock:
@@ -403,6 +496,7 @@ class GoodputTracker:
     def checkpoint_restored(self, step: int | None, *, tier: str | None = None) -> None:
         """The manager restored `step` (None: no checkpoint, a fresh start) from `tier` (TIERS; None: the only one);
         attribution classes the failure before it by the tier (docs/goodput.md)."""
+        step = None if step is None else _integer("step", step)
         self._buf.append({"k": "restore", "s": step, "t": self._now(), **_tier(tier)})
         self._resume_known = True
         self.flush()
@@ -410,10 +504,12 @@ class GoodputTracker:
     def checkpoint_deleted(self, step: int, *, tier: str | None = None) -> None:
         """The manager deleted the committed checkpoint of `step` (retention, or delete()) from `tier` (TIERS; None:
         the only one): the report tells it from the retained ones. Goes to the ledger with the next records."""
+        step = _integer("step", step)
         self._buf.append({"k": "delete", "s": step, "t": self._now(), **_tier(tier)})
 
     def checkpoint_failed(self, step: int, error: BaseException) -> None:
         """A background checkpoint write failed; it will not count as committed."""
+        step = _integer("step", step)
         self._buf.append({"k": "ckpt_failed", "s": step, "t": self._now(), "err": f"{type(error).__name__}: {error}"})
         self.flush()
 

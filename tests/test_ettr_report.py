@@ -155,6 +155,18 @@ def test_plot_draws_each_category_as_long_as_its_seconds(job, tmp_path):
     assert titles == [f"ETTR {EXPECTED['productive'] / WALL:.3f} over {WALL / 3600:.2f} h, 2 failure(s)"]
 
 
+def test_plot_writes_the_path_it_is_given_and_prints_the_one_it_wrote(job, tmp_path):
+    """`-o t` wrote t.png (matplotlib appends .png) but printed `t`. Now it writes `t` exactly, as PNG, and an
+    existing directory gets timeline.png inside; what is printed is the file written."""
+    bare, folder = tmp_path / "t", tmp_path / "plots"
+    folder.mkdir()
+    for given, written in ((bare, bare), (folder, folder / "timeline.png")):
+        out = cli("plot", job, "-o", str(given))
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == f"{written}\n" and written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plots", "t"]  # no t.png, no plots.png beside them
+
+
 def test_rank_selects_whose_ledger_is_reported(tmp_path):
     """Two ranks of one attempt: rank 1 waits 5 s for data before each of its 4 steps. `--rank` picks the ledger;
     without it the lowest rank's; a rank without a ledger is an error."""

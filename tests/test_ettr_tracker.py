@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from ettr import CATEGORIES, attribute_root
+import pytest
+
+from ettr import CATEGORIES, FakeClock, GoodputTracker, attribute_root
 from ettr.clock import to_us
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,3 +69,125 @@ def test_steps_before_a_sigkill_are_lost_work_not_downtime(tmp_path):
         "productive": steps * 0.1,
     }
     assert a.micros == {c: to_us(want.get(c, 0.0)) for c in CATEGORIES}
+
+
+# -- arguments refused at the call, before anything reaches the ledger ----------------------------------------------
+
+
+def ledger_text(root: Path) -> str:
+    """The one ledger under `root` as written."""
+    (path,) = (root / "ettr").glob("ledger-*.jsonl")
+    return path.read_text()
+
+
+def test_a_span_category_that_is_not_a_string_is_refused_and_the_job_keeps_its_report(tmp_path):
+    """span(None) and span(3) were accepted: span(3) wrote `"o":1{}}` (taken for a step record), span(None) a record
+    the reader refuses, and the whole job's report was lost. Now the call raises and nothing bad is written."""
+    clock = FakeClock(1000.0)
+    tr = GoodputTracker(str(tmp_path), attempt_id="a1", rank=0, job_id="job", clock=clock).start()
+    for category, kind in ((None, TypeError), (3, TypeError), (b"eval", TypeError), ("", ValueError)):
+        with pytest.raises(
+            kind, match=f"span category must be a non-empty string|must be a string, got .*{category!r}"
+        ):
+            with tr.span(category):
+                clock.advance(1.0)
+    tr.step_begin(1)
+    clock.advance(2.0)
+    tr.step_end(1)
+    tr.end()
+    assert '"c":null' not in ledger_text(tmp_path) and "}}" not in ledger_text(tmp_path)
+    assert attribute_root(str(tmp_path)).seconds["productive"] == 2.0
+    out = subprocess.run(
+        [sys.executable, "-m", "ettr", "report", str(tmp_path)], capture_output=True, text=True, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr
+
+
+def test_span_attributes_must_be_json_numpy_scalars_and_0d_tensors_become_numbers(tmp_path):
+    """An attribute json cannot write was accepted, its record silently dropped, and the next step_end raised
+    `Object of type int64 is not JSON serializable`, naming neither. Now: numpy scalars and 0-d tensors become numbers
+    (as in ckpt's save metadata), anything else is refused at the call naming the attribute and its value."""
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    clock = FakeClock(1000.0)
+    tr = GoodputTracker(str(tmp_path), attempt_id="a1", rank=0, job_id="job", clock=clock).start()
+    with pytest.raises(TypeError, match=r"span attribute model= must be JSON .* got object <object"):
+        tr.span("eval", model=object())
+    with pytest.raises(TypeError, match=r"span attribute w= must be JSON .* got ndarray"):
+        tr.span("eval", w=np.zeros(3))
+    with pytest.raises(ValueError, match=r"span attribute loss= must be JSON \(finite numbers.* got float nan"):
+        tr.span("eval", loss=float("nan"))
+    tags = ["a"]
+    with tr.span("eval", epoch=np.int64(3), loss=torch.tensor(0.5), lr=np.float32(0.25), tags=tags, n={"k": 1}):
+        tags.append("b")  # the record holds the attributes as they were at the call
+        clock.advance(1.0)
+    tr.step_begin(1)
+    clock.advance(2.0)
+    tr.step_end(1)  # raised a TypeError from json here
+    tr.end()
+    (span,) = [r for r in map(json.loads, ledger_text(tmp_path).splitlines()) if r["k"] == "span"]
+    assert span["c"] == "eval" and span["a"] == {"epoch": 3, "loss": 0.5, "lr": 0.25, "tags": ["a"], "n": {"k": 1}}
+    assert attribute_root(str(tmp_path)).seconds["eval"] == 1.0
+
+
+def test_steps_and_hook_arguments_must_be_integers_and_seconds(tmp_path):
+    """step_begin("a") raised `unsupported operand type(s) for //: 'str' and 'int'`; now every recording method names
+    the argument. numpy integers and 0-d integer tensors are steps (as ints in the ledger)."""
+    np = pytest.importorskip("numpy")
+    clock = FakeClock(1000.0)
+    tr = GoodputTracker(str(tmp_path), attempt_id="a1", rank=0, job_id="job", clock=clock).start()
+    for call in (
+        lambda: tr.step_begin("a"),
+        lambda: tr.step_end("a"),
+        lambda: tr.step(1.5),
+        lambda: tr.step_begin(True),
+        lambda: tr.checkpoint_committed("3", 1.0),
+        lambda: tr.checkpoint_restored(2.0),
+        lambda: tr.checkpoint_deleted(None),
+        lambda: tr.checkpoint_failed("x", RuntimeError()),
+    ):
+        with pytest.raises(TypeError, match="step must be an integer, got"):
+            call()
+    with pytest.raises(ValueError, match="background_seconds must be a finite non-negative number of seconds"):
+        tr.checkpoint_committed(3, -1.0)
+    with pytest.raises(ValueError, match="nbytes must be a non-negative integer or None, got -5"):
+        tr.checkpoint_committed(3, 1.0, -5)
+    with pytest.raises(TypeError, match="status must be a string"):
+        tr.end(None)
+    with tr.step(np.int64(1)):
+        clock.advance(1.0)
+    tr.checkpoint_committed(np.int64(1), np.float64(0.5), np.int64(10))
+    tr.end()
+    records = [json.loads(line) for line in ledger_text(tmp_path).splitlines()]
+    assert [(r["k"], r["s"]) for r in records if "s" in r] == [("step", 1), ("commit", 1)]
+
+
+@pytest.mark.parametrize(
+    "args, kind, message",
+    [
+        ((None,), TypeError, "root must be a path or URL .* got NoneType None"),
+        ((5,), TypeError, "root must be a path or URL .* got int 5"),
+        (("",), ValueError, "root must be a path or URL, got ''"),
+        (("r", {"flush_interval": -1}), ValueError, "flush_interval must be a finite non-negative .* got -1"),
+        (("r", {"window_s": 0}), ValueError, "window_s must be a finite positive number of seconds, got 0"),
+        (("r", {"upload_interval": float("nan")}), ValueError, "upload_interval must be a finite"),
+        (("r", {"rank": -1}), ValueError, "rank must be a non-negative integer, got -1"),
+        (("r", {"rank": "0"}), TypeError, "rank must be an integer, got str '0'"),
+        (("r", {"job_id": 7}), TypeError, "job_id must be a string or None, got int 7"),
+        (("r", {"attempt_id": "a/b"}), ValueError, "attempt_id names a ledger file and cannot hold '/'"),
+        (("r", {"storage_options": "k=v"}), TypeError, "storage_options must be a dict or None, got str"),
+        (("r", {"straggler_window": "a"}), TypeError, "straggler_window must be an integer, got str 'a'"),
+    ],
+)
+def test_constructor_arguments_are_checked_at_construction(args, kind, message):
+    """GoodputTracker(None) or (5) was accepted and start() raised a TypeError from fsspec; flush_interval=-1 was
+    accepted. Now construction refuses them, naming the argument and the value."""
+    with pytest.raises(kind, match=message):
+        GoodputTracker(*args[:1], **(args[1] if len(args) > 1 else {}))
+
+
+def test_a_pathlike_root_is_a_path(tmp_path):
+    """A pathlib.Path root (os.PathLike) is its path: it made the start record unwritable before."""
+    tr = GoodputTracker(tmp_path, attempt_id="a1", rank=0, clock=FakeClock(1000.0)).start()
+    tr.end()
+    assert tr.root == str(tmp_path) and attribute_root(str(tmp_path)).attempts[0].status == "ok"
