@@ -183,6 +183,9 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
         print(f"no committed checkpoint in {storage.url}")
         return 0
     bad = 0
+    if args.step is not None and not layout.is_committed(storage, args.step):  # not damage: nothing to check
+        committed = layout.committed_steps(storage)
+        raise StepNotFoundError(f"step {args.step} is not committed in {storage.url} (committed: {committed})")
     for step in steps:
         try:
             total = sum(a.nbytes for a in read_manifest(storage, step).arrays.values())
@@ -284,6 +287,8 @@ def _step(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a step number: {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"a step is never negative: {value}")
+    if value >= 1 << 63:
+        raise argparse.ArgumentTypeError(f"a step is at most 2**63 - 1, got {value}")
     return value
 
 

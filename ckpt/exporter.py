@@ -160,12 +160,24 @@ class _staged:
         self.tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-{os.getpid()}")
 
     def __enter__(self) -> str:
-        os.makedirs(os.path.dirname(self.out), exist_ok=True)
-        if self.directory:
-            os.mkdir(self.tmp)
+        try:
+            os.makedirs(os.path.dirname(self.out), exist_ok=True)
+            if self.directory:
+                os.mkdir(self.tmp)
+        except OSError as e:
+            raise self._named(e) from e
         return self.tmp
 
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+    def _named(self, e: OSError) -> OSError:
+        """An error of the temporary file, told as one of the output the user named."""
+        return type(e)(e.errno, f"{e.strerror} (writing {self.out})", self.out)
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self._finish(exc_type)
+        if isinstance(exc, OSError) and self.tmp in str(exc.filename or ""):
+            raise self._named(exc) from exc
+
+    def _finish(self, exc_type: Any) -> None:
         try:
             if exc_type is None:
                 if self.directory:

@@ -168,6 +168,12 @@ class CheckpointManager:
 
     @tracker.setter
     def tracker(self, tracker: CheckpointObserver | None) -> None:
+        needs = ("span", "checkpoint_committed", "checkpoint_restored", "checkpoint_failed")
+        lacks = [name for name in needs if tracker is not None and not callable(getattr(tracker, name, None))]
+        if lacks:
+            raise TypeError(
+                f"tracker must be a CheckpointObserver (e.g. ettr.GoodputTracker), got {tracker!r}: no {lacks}"
+            )
         self._tracker = tracker if tracker is not None else NO_TRACKER
         tell_run_id(self._tracker, self.run.id)
 
@@ -360,6 +366,10 @@ class CheckpointManager:
         """
         if rank_map not in ("modulo", "skip"):
             raise ValueError(f"rank_map must be 'modulo' or 'skip', got {rank_map!r}")
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict of the objects to restore into, got {type(state).__name__}")
+        if isinstance(keys, str):
+            raise TypeError(f"keys must be a list of top-level keys, e.g. [{keys!r}], not a str")
         self._check_open()
         self.wait()
         tracker = self.tracker if track else NO_TRACKER
@@ -412,6 +422,7 @@ class CheckpointManager:
         """Delete a committed step in the background (manifest first); never the newest committed one, nor one
         still being written. Returns at once; `steps()` stops listing it; an error is raised by the next call."""
         self._check_open()
+        layout.step_dir(step)  # a ValueError for a step that is not a non-negative int
         self._background.raise_error()
         if self._background.writing(step):
             raise ValueError(f"step {step} is still being written")

@@ -56,6 +56,9 @@ class WriteOptions:
     io_threads: int = 8
 
     def __post_init__(self) -> None:
+        _ints(self, "chunk_bytes", "pack_bytes", "io_threads")
+        if self.max_staging_bytes is not None:
+            _ints(self, "max_staging_bytes")
         if self.snapshot not in MODES:
             raise ValueError(f"snapshot must be one of {MODES}, got {self.snapshot!r}")
         if not 1 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
@@ -97,6 +100,11 @@ class TierOptions:
     replica_offset: int | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.local, (str, os.PathLike)) or not os.fspath(self.local):
+            raise TypeError(f"local must be a directory (a str or path), got {self.local!r}")
+        _ints(self, "persist_every", "keep_local")
+        if self.replica_offset is not None:
+            _ints(self, "replica_offset")
         if self.persist_every < 1 or self.keep_local < 1:
             raise ValueError(
                 f"persist_every and keep_local must be >= 1, got {self.persist_every} and {self.keep_local}"
@@ -130,6 +138,11 @@ class RootOptions:
     collective_timeout: float = 600.0
 
     def __post_init__(self) -> None:
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise TypeError(f"storage_options must be a dict, got {self.storage_options!r}")
+        if self.run_id is not None and not (isinstance(self.run_id, str) and self.run_id):
+            raise TypeError(f"run_id must be a non-empty str, got {self.run_id!r}")
+        _numbers(self, "lease_ttl", "collective_timeout")
         if not self.lease_ttl > 0:
             raise ValueError(f"lease_ttl must be positive seconds, got {self.lease_ttl!r}")
         if not self.collective_timeout > 0:
@@ -137,6 +150,22 @@ class RootOptions:
 
 
 Options = TypeVar("Options", WriteOptions, TierOptions, RootOptions)
+
+
+def _ints(options: Any, *names: str) -> None:
+    """Each named field is an int (not a bool), else a TypeError naming it."""
+    for name in names:
+        value = getattr(options, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+
+
+def _numbers(options: Any, *names: str) -> None:
+    """Each named field is a real number (not a bool), else a TypeError naming it."""
+    for name in names:
+        value = getattr(options, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number of seconds, got {value!r}")
 
 
 def resolve(

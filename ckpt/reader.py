@@ -20,7 +20,7 @@ import torch
 from . import layout, restore
 from . import state as state_mod
 from .distributed import Ranks
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, StateKeyError
 from .format import ArrayInfo, torch_dtype
 from .staging import StagingArena
 from .storage import Storage, open_storage
@@ -132,6 +132,8 @@ def load(
     restore does (but nothing is moved aside: loading never changes the root). `storage_options`: as for
     `CheckpointManager` (object stores).
     """
+    if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
+        raise ValueError(f"io_threads must be an int >= 1, got {io_threads!r}")
     storage = open_storage(root, storage_options)
     with ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-load") as pool:
         if step is not None:
@@ -213,7 +215,7 @@ def _route(node: Any, path: str, key: str, above: Route, step: int) -> Route:
     raise _NoMatch(len(above), f"key {key!r} is not in checkpoint step {step}: no {path!r} under {where} ({listing})")
 
 
-class _NoMatch(KeyError):
+class _NoMatch(StateKeyError):
     def __init__(self, depth: int, message: str):
         super().__init__(message)
         self.depth = depth

@@ -66,6 +66,8 @@ class KeepBest:
         _positive("keep_best", self.n)
         if not self.metric:
             raise ValueError("keep_best needs best_metric (the metadata key to rank checkpoints by)")
+        if not isinstance(self.metric, str):
+            raise TypeError(f"best_metric must be the metadata key (a str) to rank checkpoints by, got {self.metric!r}")
         if self.mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {self.mode!r}")
 

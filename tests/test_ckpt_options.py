@@ -4,7 +4,18 @@ tier's retention a real policy."""
 import pytest
 import torch
 
-from ckpt import CheckpointManager, KeepBest, KeepEvery, RootOptions, TierOptions, WriteOptions, layout
+from ckpt import (
+    CheckpointManager,
+    KeepBest,
+    KeepEvery,
+    RootOptions,
+    ShuffledSampler,
+    StateKeyError,
+    TierOptions,
+    WriteOptions,
+    layout,
+    load,
+)
 from ckpt.storage import open_storage
 from integrations.loop import TrainLoop
 
@@ -28,6 +39,46 @@ def state(s: int) -> dict:
 def test_a_bad_option_fails_where_it_is_made_naming_the_field(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: CheckpointManager(None), "root must be a path or URL .str or os.PathLike., got NoneType None"),
+        (lambda: WriteOptions(chunk_bytes="64MB"), "chunk_bytes must be an int, got '64MB'"),
+        (lambda: WriteOptions(io_threads=1.5), "io_threads must be an int, got 1.5"),
+        (lambda: TierOptions(3), "local must be a directory .a str or path., got 3"),
+        (lambda: RootOptions(storage_options=3), "storage_options must be a dict, got 3"),
+        (lambda: RootOptions(run_id=5), "run_id must be a non-empty str, got 5"),
+        (lambda: RootOptions(lease_ttl="a"), "lease_ttl must be a number of seconds, got 'a'"),
+        (lambda: KeepBest(1, 3), "best_metric must be the metadata key"),
+        (lambda: ShuffledSampler(4.5, 2, 0), "num_items must be an int, got float 4.5"),
+    ],
+)
+def test_an_option_of_the_wrong_type_fails_where_it_is_made_naming_the_field(make, message):
+    """Not later, from deep inside a save (an AttributeError of None, a comparison of str and int)."""
+    with pytest.raises(TypeError, match=message):
+        make()
+
+
+def test_the_manager_refuses_a_tracker_an_empty_root_and_arguments_of_the_wrong_type(tmp_path):
+    with pytest.raises(ValueError, match="root must be a path or URL, got ''"):
+        CheckpointManager("")  # an unset variable: not the working directory
+    with pytest.raises(TypeError, match="tracker must be a CheckpointObserver"):
+        CheckpointManager(tmp_path, tracker=1)
+    with CheckpointManager(tmp_path) as m:
+        m.save(1, state(1)).wait()
+        m.save(2, state(2)).wait()
+        with pytest.raises(TypeError, match=r"keys must be a list of top-level keys, e.g. \['w'\], not a str"):
+            m.restore(state(0), keys="w")
+        with pytest.raises(TypeError, match="state must be a dict"):
+            m.restore([1])
+        with pytest.raises(ValueError, match="step must be a non-negative int, got '1'"):
+            m.delete("1")
+    with pytest.raises(StateKeyError, match="key 'nope' is not in checkpoint step 2"):
+        load(tmp_path, keys=["nope"])
+    with pytest.raises(ValueError, match="io_threads must be an int >= 1, got 0"):
+        load(tmp_path, io_threads=0)
 
 
 def test_a_write_budget_that_is_neither_a_budget_nor_a_share_is_refused_at_once():

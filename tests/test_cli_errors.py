@@ -58,6 +58,8 @@ CKPT_ERRORS = [  # argv (ROOT names a fixture root), exit status, text of the on
     (["verify", "{good}", "--step", "-1"], 2, "a step is never negative"),
     (["explain", "{good}", "--step", "x"], 2, "not a step number"),
     (["inspect", "{good}", "--step", "5"], 1, "step 5 is not committed"),
+    (["verify", "{good}", "--step", "5"], 1, "step 5 is not committed"),
+    (["explain", "{good}", "--step", str(1 << 64)], 2, "a step is at most 2**63 - 1"),
     (["inspect", "{empty}"], 1, "no committed checkpoint"),
     (["gc", "{good}", "--bogus"], 2, "unrecognized arguments"),
 ]

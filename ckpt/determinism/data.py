@@ -73,6 +73,12 @@ class _CounterSampler(Sampler[list[Any]]):
         found_rank, found_world = topology()
         rank = found_rank if rank is None else rank
         world_size = found_world if world_size is None else world_size
+        for name, value in (("num_items", num_items), ("global_batch_size", global_batch_size), ("seed", seed)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        for name, value in (("rank", rank), ("world_size", world_size)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
         if global_batch_size < 1 or global_batch_size % world_size:
             raise ValueError(
                 f"global_batch_size {global_batch_size} must be a positive multiple of world_size {world_size}"

@@ -48,11 +48,15 @@ def open_storage(root: str | os.PathLike | Storage, storage_options: Mapping[str
     credentials fail now, within the timeout, with a `StorageError`.
     """
     options = validated_options(storage_options)
+    if not isinstance(root, (str, os.PathLike)) and not hasattr(root, "url"):
+        raise TypeError(f"root must be a path or URL (str or os.PathLike), got {type(root).__name__} {root!r}")
     if not isinstance(root, (str, os.PathLike)):
         if options:
             raise ValueError(f"storage_options configure a root given by URL, not the Storage {root.url}")
         return root
     root = os.fspath(root)
+    if not root:  # an empty variable would scatter steps into the working directory
+        raise ValueError("root must be a path or URL, got ''")
     protocol, path = fsspec.core.split_protocol(root)
     if protocol in (None, "file", "local"):
         return LocalStorage(path)
