@@ -35,6 +35,7 @@ class SaveHandle:
         self.step, self._future, self._background, self._pending = step, future, background, pending
 
     def done(self) -> bool:
+        """Whether the save has ended: committed, or failed (`wait` raises its error)."""
         return self._future.done()
 
     def wait_snapshot(self) -> None:
@@ -49,6 +50,7 @@ class SaveHandle:
             self._background.await_snapshot(self._pending)
 
     def wait(self, timeout: float | None = None) -> None:
+        """Block until the save is committed (durable), or raise its `CheckpointWriteError`; `timeout` in seconds."""
         try:
             self._future.result(timeout)
         except CheckpointWriteError as e:

@@ -10,12 +10,23 @@ from typing import Any, ContextManager, Protocol
 class CheckpointObserver(Protocol):
     """What the manager tells a goodput tracker (e.g. `ettr.GoodputTracker`); every method must be thread-safe."""
 
-    def span(self, category: str, **attrs: Any) -> ContextManager[Any]: ...
+    def span(self, category: str, **attrs: Any) -> ContextManager[Any]:
+        """Time the block as `category` (``checkpoint_save``, ``checkpoint_restore``; `attrs`: step, part)."""
+        ...
+
     def checkpoint_committed(
         self, step: int, background_seconds: float, nbytes: int, *, tier: str | None = None
-    ) -> None: ...
-    def checkpoint_restored(self, step: int | None, *, tier: str | None = None) -> None: ...
-    def checkpoint_failed(self, step: int, error: BaseException) -> None: ...
+    ) -> None:
+        """Step `step` is committed (durable): its background write took `background_seconds` for `nbytes`."""
+        ...
+
+    def checkpoint_restored(self, step: int | None, *, tier: str | None = None) -> None:
+        """A restore ended: the step it loaded from `tier`, or None (a fresh start)."""
+        ...
+
+    def checkpoint_failed(self, step: int, error: BaseException) -> None:
+        """The save of `step` failed in the background with `error` (nothing was committed)."""
+        ...
 
     # Optional (the manager calls them when the observer has them): `use_run_id(run_id)` when the observer is
     # handed to the manager; `checkpoint_deleted(step[, tier=])` when a committed step is deleted (retention or

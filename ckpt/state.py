@@ -50,9 +50,13 @@ _TORCH_DTYPES = torch_dtypes()
 class Stateful(Protocol):
     """An object whose state is a tree of tensors and JSON values (modules, optimizers, samplers...)."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """The object's state: what `save` writes (tensors as arrays, the rest as typed JSON)."""
+        ...
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any:
+        """Take a restored state; raising refuses it, and the restore gives every object its state back."""
+        ...
 
 
 def is_dtensor(t: Any) -> bool:
