@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 import torch
 
+from . import layout
 from .exporter import HF_CONFIG, INDEX
 from .manager import CheckpointManager
 from .safetensors_file import open_tensors
@@ -50,6 +51,7 @@ def import_checkpoint(
     in the step's metadata (``export --format hf`` uses it), and weights tied in the model it describes (the
     output embedding HF does not save) are restored as tied names, so the step restores into that model.
     """
+    layout.step_dir(step)  # a bad step fails before the root is touched (no lease left in a new root)
     src = os.fspath(src)
     kind, state, metadata = read_source(src)
     if key is not None:
