@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import heapq
 import itertools
 import json
 import math
@@ -360,6 +361,8 @@ class ArrayInfo:
             need(info.chunk == info.shape and info.nbytes > 0, "a placed array is one non-empty chunk")
             need(len(places) == len(info.boxes), f"needs a place per box ({len(info.boxes)}), has {len(places)}")
             need(all(info.box_nbytes(b) > 0 for b in info.boxes), "a placed array's boxes are not empty")
+            untiled = _untiled(info.shape, info.boxes)  # a read fills the tensor from its boxes alone
+            need(untiled is None, f"its boxes do not tile its shape {list(info.shape)}: {untiled}")
             segment = d.get("segment", 0) if format == FORMAT else 0
             need(type(segment) is int and (segment >= 1 or format != FORMAT), f"bad segment {str(segment)[:50]!r}")
             info = dataclasses.replace(info, segment=segment, places=places)
@@ -380,6 +383,29 @@ class ArrayInfo:
         unit = "segment" if places is not None else "chunk"
         need(_ints(sums, 0, (1 << 32) - 1) and len(sums) == count, f"needs {count} {unit} digests (crc32c values)")
         return dataclasses.replace(info, digests=tuple(sums), places=places)
+
+
+def _untiled(shape: tuple[int, ...], boxes: Sequence[Sequence[tuple[int, int]]]) -> str | None:
+    """Why non-empty `boxes` inside `shape` do not tile it exactly (every element in exactly one box); None when
+    they do. A 0-d array is tiled by exactly one box. Boxes are swept in order of their start along the dimension
+    they are cut most along, each compared with those still open there: one for shards along one dimension, a row
+    of the grid for grid shards."""
+    total, held = math.prod(shape), sum(math.prod(b - a for a, b in box) for box in boxes)
+    if held != total:
+        return f"they hold {held} of its {total} elements"
+    if not shape:
+        return None
+    k = max(range(len(shape)), key=lambda d: len({box[d][0] for box in boxes}))
+    open_: list[tuple[int, int]] = []  # (end along dimension k, box index): a heap
+    for i in sorted(range(len(boxes)), key=lambda i: boxes[i][k][0]):
+        box = boxes[i]
+        while open_ and open_[0][0] <= box[k][0]:
+            heapq.heappop(open_)
+        for _, j in open_:
+            if all(a < d and c < b for (a, b), (c, d) in zip(box, boxes[j])):
+                return f"boxes {min(i, j)} and {max(i, j)} overlap"
+        heapq.heappush(open_, (box[k][1], i))
+    return None
 
 
 def _places(d: dict[str, Any], format: str, need: Any) -> tuple[tuple[str, int], ...] | None:

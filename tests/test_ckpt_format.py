@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt.errors import CorruptCheckpointError
-from ckpt.format import chunk_shape, escape_segment
+from ckpt.format import ArrayInfo, chunk_shape, escape_segment
 from ckpt.paths import validate_array_name
 
 
@@ -34,6 +34,46 @@ def test_chunks_align_with_every_writer_and_respect_the_size_target(rows, cols, 
 def test_zero_dim_and_empty_shapes():
     assert chunk_shape((), 4, ((),), 1 << 20) == ()
     assert chunk_shape((0, 5), 4, ((0, 0),), 1 << 20) == (1, 5)
+
+
+def _placed(shape, boxes) -> dict:
+    """A ckpt/5 manifest entry of a float32 array placed in packs: one place and one digest per box."""
+    places, at = [], 0
+    for box in boxes:
+        places.append(["rank_00000", at])
+        at += 4 * math.prod(b - a for a, b in box)
+    return {"dtype": "float32", "shape": shape, "chunk": shape, "boxes": boxes, "digests": [0] * len(boxes),
+            "places": places, "segment": 1 << 26}  # fmt: skip
+
+
+TILINGS = [  # shape, boxes, why not a tiling (None: one)
+    ([8, 6], [[[0, 8], [0, 6]]], None),
+    ([8, 6], [[[4, 8], [0, 6]], [[0, 4], [0, 6]]], None),  # row shards, in any order
+    ([8, 6], [[[0, 4], [0, 3]], [[0, 4], [3, 6]], [[4, 8], [0, 3]], [[4, 8], [3, 6]]], None),  # a 2x2 grid
+    ([8, 6], [[[0, 5], [0, 3]], [[0, 5], [3, 6]], [[5, 8], [0, 6]]], None),
+    ([], [[]], None),  # a 0-d array: one box
+    ([8, 6], [], "hold 0 of its 48 elements"),
+    ([8, 6], [[[0, 4], [0, 6]]], "hold 24 of its 48 elements"),
+    ([8, 6], [[[0, 4], [0, 6]], [[0, 4], [0, 6]]], "overlap"),  # as many elements as the shape, half of it twice
+    ([8, 6], [[[0, 6], [0, 3]], [[2, 8], [3, 6]], [[0, 2], [3, 6]], [[6, 8], [0, 3]], [[3, 4], [1, 2]]], "hold 49"),
+    ([8, 6], [[[0, 4], [0, 6]], [[3, 7], [0, 6]]], "boxes 0 and 1 overlap"),  # row 3 twice, row 7 left out
+    ([8, 6], [[[4, 8], [0, 6]], [[0, 4], [0, 3]], [[0, 4], [2, 5]]], "boxes 1 and 2 overlap"),  # column 2 twice
+    ([], [], "hold 0 of its 1 elements"),
+    ([], [[], []], "hold 2 of its 1 elements"),
+]
+
+
+@pytest.mark.parametrize("shape, boxes, why", TILINGS)
+def test_a_placed_array_is_read_from_boxes_that_tile_its_shape_exactly(shape, boxes, why):
+    """A read fills a placed tensor from its boxes alone: a manifest whose boxes leave an element out (or hold one
+    twice, which a sum of their sizes alone would not tell) is damage, naming the key."""
+    entry = _placed(shape, boxes)
+    if why is None:
+        assert ArrayInfo.from_json("w", entry).boxes == tuple(tuple(map(tuple, b)) for b in boxes)
+    else:
+        with pytest.raises(CorruptCheckpointError, match=f"do not tile its shape.*{why}") as info:
+            ArrayInfo.from_json("w", entry)
+        assert info.value.key == "w"
 
 
 def test_escaped_segments_are_safe_and_distinct():

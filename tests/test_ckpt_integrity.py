@@ -12,6 +12,7 @@ import uuid
 import warnings
 from pathlib import Path
 
+import crc32c
 import numpy as np
 import pytest
 import torch
@@ -511,6 +512,59 @@ def test_crafted_manifests_and_files_are_damage_and_fall_back(tmp_path, two_step
         with pytest.warns(RuntimeWarning, match="step 2 is damaged"):
             assert m.restore(target) == 1
     assert torch.equal(target["a"], _state(1)["a"]) and torch.equal(target["c"], _state(1)["c"])
+
+
+def _placed_state(step: int) -> dict:
+    """Tensors placed in the rank's pack (the default format): a 2-D one, a 0-d one."""
+    return {"w": torch.arange(2048.0).reshape(64, 32) + step, "s": torch.tensor(float(step)), "n": step}
+
+
+def _uncover(body, pack_bytes: bytes, name: str, boxes: list, offsets: list[int]) -> None:
+    """Give a placed float32 array these boxes, at these byte offsets from its place in the pack, each with the
+    right digest of those bytes (`pack_bytes`: the pack's files, back to back): well signed, checks out byte for byte."""
+    info = body["arrays"][name]
+    pack, start = info["places"][0]
+    info["boxes"], info["places"], info["digests"] = boxes, [], []
+    for box, at in zip(boxes, offsets):
+        n = 4 * int(np.prod([b - a for a, b in box]))
+        info["places"].append([pack, start + at])
+        info["digests"].append(crc32c.crc32c(pack_bytes[start + at : start + at + n]))
+
+
+_UNCOVERED = {  # (array, boxes, byte offsets of each box in the array's bytes)
+    "no_box": ("w", [], []),
+    "half_the_rows": ("w", [[[0, 32], [0, 32]]], [0]),  # rows 32.. would keep the target's bytes, or garbage
+    "two_boxes_of_the_same_rows": ("w", [[[0, 32], [0, 32]], [[0, 32], [0, 32]]], [0, 4096]),  # as many elements
+    "0d_without_a_box": ("s", [], []),
+}
+
+
+@pytest.mark.parametrize("case", list(_UNCOVERED))
+def test_a_placed_array_whose_boxes_do_not_tile_its_shape_is_damage(tmp_path, case):
+    """Every element of a placed tensor is in exactly one of its boxes: a manifest whose boxes leave some out (or
+    cover some twice, leaving others out) would restore the target's old bytes there, and `ckpt.load` uninitialised
+    memory; it is damage, however well signed, and the restore falls back."""
+    root = tmp_path / "ck"
+    with ckpt.CheckpointManager(root) as m:
+        for s in (1, 2):
+            m.save(s, _placed_state(s))
+    name, boxes, offsets = _UNCOVERED[case]
+    files = sorted(Path(_data(_step(root, 2))).glob("packs/rank_00000/c/*"), key=lambda p: int(p.name))
+    pack_bytes = b"".join(p.read_bytes() for p in files)
+    _resign(root, 2, lambda body: _uncover(body, pack_bytes, name, boxes, offsets))
+    problems = list(catalog.verify(open_storage(str(root)), 2))
+    assert problems and all(isinstance(p, CorruptCheckpointError) for p in problems), problems
+    assert problems[0].key == name and "step_00000002" in problems[0].file and "tile" in str(problems[0])
+    res = subprocess.run([sys.executable, "-m", "ckpt", "verify", str(root)], capture_output=True, text=True)
+    assert res.returncode == 1 and "do not tile" in res.stdout + res.stderr, (res.stdout, res.stderr)
+    target = {"w": torch.full((64, 32), -1.0), "s": torch.tensor(-1.0), "n": None}
+    with ckpt.CheckpointManager(root) as m:
+        with pytest.raises(CorruptCheckpointError, match="do not tile"):
+            m.restore(target, step=2)
+        with pytest.warns(RuntimeWarning, match="step 2 is damaged"):
+            assert m.restore(target) == 1
+    assert torch.equal(target["w"], _placed_state(1)["w"]) and target["s"].item() == 1.0 and target["n"] == 1
+    assert torch.equal(ckpt.load(root)["w"], _placed_state(1)["w"])  # the damaged step 2 was set aside
 
 
 def test_format_1_steps_without_digests_are_still_read(tmp_path):
