@@ -100,10 +100,18 @@ class FileLease:
 
     def __init__(self, storage: Storage, role: str, ttl: float):
         """`ttl` is for leases that expire; a flock lasts as long as its descriptor."""
+        self._fd: int | None = None  # first: `__del__` releases whatever was taken, even when this fails
         root = storage.local_path("")  # a root whose lease_kind is "flock" has a directory here
-        makedirs_durable(root)
         self.root, self.holder = root, _new_holder(role)
-        self._fd: int | None = os.open(os.path.join(root, LEASE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            makedirs_durable(root)
+            self._fd = os.open(os.path.join(root, LEASE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except NotADirectoryError:
+            if os.path.lexists(root):
+                raise NotADirectoryError(f"the checkpoint root {root} is not a directory") from None
+            raise NotADirectoryError(
+                f"the checkpoint root {root} cannot be created: a part of its path is not a directory"
+            ) from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

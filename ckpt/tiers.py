@@ -27,7 +27,7 @@ from . import catalog, layout
 from . import lease as lease_mod
 from . import run as run_mod
 from .distributed import Box, Ranks, ranks_per_node
-from .errors import CorruptCheckpointError, LeaseHeldError, StepNotFoundError
+from .errors import CorruptCheckpointError, LeaseHeldError, RunMismatchError, StepNotFoundError
 from .options import TierOptions
 from .persist import PersistJob
 from .planner import ArrayPlan
@@ -44,9 +44,11 @@ def restore_order(durable: Iterable[int], inventories: list[dict]) -> list[Sourc
     """Every source a restore may try, newest step first; for a step in both tiers, the local tier first.
 
     A step is in the local tier when every rank holds it in its own local tier or a peer holds a replica of it;
-    `inventories` are the ranks' `Tiers.inventory()`, in rank order.
+    `inventories` are the ranks' `Tiers.inventory()`, in rank order. A rank whose local tier is another run's
+    (`"other_run"`) has no local copy and none is brought back into it: only the durable tier is read.
     """
     own = [set(inv["local"]) for inv in inventories]
+    other = [bool(inv.get("other_run")) for inv in inventories]
     held = [{int(r): set(steps) for r, steps in inv["replica"].items()} for inv in inventories]
     durable = set(durable)
     out = []
@@ -55,6 +57,9 @@ def restore_order(durable: Iterable[int], inventories: list[dict]) -> list[Sourc
         for r in range(len(inventories)):
             if s in own[r]:
                 continue
+            if other[r]:
+                heal = None
+                break
             holder = next((h for h in range(len(inventories)) if h != r and s in held[h].get(r, ())), None)
             if holder is None:
                 heal = None
@@ -73,13 +78,12 @@ def default_offset(world_size: int) -> int:
     return per_node if per_node < world_size else 1
 
 
-def _run_id(storage: Storage) -> str | None:
-    """The id of the run a root records, if it records a readable one."""
+def _recorded(storage: Storage) -> run_mod.Run | None:
+    """The run a root records, if it records a readable one."""
     try:
-        run = run_mod.recorded_run(storage)
+        return run_mod.recorded_run(storage)
     except CorruptCheckpointError:
         return None
-    return run.id if run else None
 
 
 class Tiers:
@@ -109,6 +113,28 @@ class Tiers:
         self._persisting: tuple[int, Future] | None = None
         self._unpersisted = 0  # committed saves since the last persist (counted alike on every rank)
         self.lease: lease_mod.Lease | None = None
+        self._own = False  # the local tier was found to be this run's: this manager records its run there
+
+    def other_run(self) -> tuple[run_mod.Run, run_mod.Run | None] | None:
+        """(the local tier's run, the durable root's) when the local tier is another run's; None when it is this one's.
+
+        Every rank's local tier records the run its durable root records (a save records it in both), so a local tier
+        whose recorded run the durable root does not record (another id, or none: a new durable root) holds another
+        run's steps: they are never restored, listed, counted or deleted, and a save into it is refused. A local tier
+        without a record (new, or older than run records) is this run's. Not the manager's own id: without a
+        launcher's id each process draws a new one, and a restart must still resume its local steps."""
+        if self._own:
+            return None
+        local = _recorded(self.local)
+        if local is None:
+            return None
+        durable = _recorded(self.durable)
+        return None if durable is not None and durable.id == local.id else (local, durable)
+
+    def _held_steps(self) -> list[int]:
+        """The committed steps of this rank's local tier and of the replicas it keeps."""
+        replicas = [self.replica(r) for r in layout.replica_ranks(self.local)]
+        return sorted({s for storage in [self.local, *replicas] for s in layout.committed_steps(storage)})
 
     def take_lease(self) -> lease_mod.Lease:
         """This rank's local tier's lease (held until `close`): one writer per local tier."""
@@ -131,8 +157,25 @@ class Tiers:
         return LocalStorage(os.path.join(self.local.root, layout.replica_root(rank)))
 
     def writable(self, durable_lease: lease_mod.Lease | None) -> tuple[Storage, lease_mod.Lease | None]:
-        """A save commits to this rank's local tier, under its own lease."""
-        return self.local, self.take_lease()
+        """A save commits to this rank's local tier, under its own lease; never into a local tier holding another
+        run's steps (`RunMismatchError`, nothing written or deleted)."""
+        lease = self.take_lease()  # first: a live writer of this tier is named as such
+        other = self.other_run()
+        steps = self._held_steps() if other is not None else []
+        if other is not None and steps:
+            local, durable = other
+            lease.release()  # held only to look: another run's tier stays free for it
+            self.lease = None
+            raise RunMismatchError(
+                f"the local tier {self.local.url} holds committed steps {steps} of {local.describe()}, and the durable "
+                f"root {self.durable.url} records "
+                f"{durable.describe() if durable is not None else 'no run (a new root)'}: a run never writes into, "
+                f"restores or deletes another run's local tier. No step was written or deleted. Give this run a local "
+                f"tier of its own (put the run id in local=, e.g. local='/local_nvme/ckpt/RUN_ID/{{rank}}'), or remove "
+                f"{self.local.root} once run {local.id!r} needs it no more."
+            )
+        self._own = True  # this save records this run in the local tier (an empty one of another run's included)
+        return self.local, lease
 
     def storage_of(self, source: Source) -> Storage:
         return self.local if source.tier == LOCAL else self.durable
@@ -141,8 +184,9 @@ class Tiers:
         return f" in the {source.tier} tier"
 
     def metadata_root(self, step: int) -> Storage:
-        """The local tier when it holds `step`, else the durable root."""
-        return self.local if layout.is_committed(self.local, step) else self.durable
+        """The local tier when it holds `step` (and is this run's), else the durable root."""
+        mine = layout.is_committed(self.local, step) and self.other_run() is None
+        return self.local if mine else self.durable
 
     @property
     def persist_every(self) -> int:
@@ -167,8 +211,7 @@ class Tiers:
         that some ranks hold and others lost, which no restore can take and the job's next saves of those steps
         would collide with (`StepExistsError`). A local tier of another run, and steps saved at another world size,
         are left alone."""
-        mine, durable = _run_id(self.local), _run_id(self.durable)
-        if mine and durable and mine != durable:
+        if self.other_run() is not None:
             return
         for storage in [self.local] + [self.replica(r) for r in layout.replica_ranks(self.local)]:
             for s in self._restorable(storage):  # of this world size: other world sizes' steps are no restore's
@@ -301,17 +344,18 @@ class Tiers:
 
     def inventory(self) -> dict:
         """What this rank holds: its local tier's committed steps and those of each replica it keeps; nothing
-        when the local tier belongs to another run than the durable root (a run never resumes another's steps)."""
-        mine, durable = _run_id(self.local), _run_id(self.durable)
-        if mine and durable and mine != durable:
+        when the local tier is another run's (`other_run`: a run never resumes another's steps)."""
+        other = self.other_run()
+        if other is not None:
+            local, durable = other
             log.warning(
-                "the local tier %s belongs to run %r, the durable root %s to run %r: its steps are not restored",
+                "the local tier %s belongs to run %r, the durable root %s to %s: its steps are not restored",
                 self.local.url,
-                mine,
+                local.id,
                 self.durable.url,
-                durable,
+                f"run {durable.id!r}" if durable is not None else "no run",
             )
-            return {"local": [], "replica": {}}
+            return {"local": [], "replica": {}, "other_run": True}
         return {
             "local": self._restorable(self.local),
             "replica": {str(r): self._restorable(self.replica(r)) for r in layout.replica_ranks(self.local)},
@@ -366,8 +410,10 @@ class Tiers:
         return error
 
     def steps(self, durable: Iterable[int]) -> list[Step]:
-        """This rank's committed steps in either tier, ascending, each with its tiers."""
-        local, durable = set(layout.committed_steps(self.local)), set(durable)
+        """This rank's committed steps in either tier, ascending, each with its tiers (none of another run's local
+        tier)."""
+        local = set(layout.committed_steps(self.local)) if self.other_run() is None else set()
+        durable = set(durable)
         return [
             Step(s, [t for t, held in ((LOCAL, s in local), (DURABLE, s in durable)) if held])
             for s in sorted(local | durable)

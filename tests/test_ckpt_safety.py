@@ -113,6 +113,36 @@ def test_bad_input_errors_name_the_key(tmp_path):
             m.save(-1, {})
 
 
+ROOT_IS_A_FILE = """
+import sys, torch, ckpt
+try:
+    ckpt.CheckpointManager(sys.argv[1]).save(1, {"x": torch.zeros(2)})
+except NotADirectoryError as e:
+    print(e)
+"""
+
+
+@pytest.mark.parametrize("under", [False, True], ids=["root_is_a_file", "root_under_a_file"])
+def test_a_root_that_is_not_a_directory_is_one_clear_error(tmp_path, under):
+    """Taking the lease of a root that is a file (or lies under one) fails naming the root, with nothing else on
+    stderr (a lease that was never taken is not released); the CLI says it in one line."""
+    file = tmp_path / "afile"
+    file.write_text("not a root")
+    root = str(file / "sub" if under else file)
+    what = "cannot be created: a part of its path is not a directory" if under else "is not a directory"
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    res = subprocess.run([sys.executable, "-c", ROOT_IS_A_FILE, root], capture_output=True, text=True, env=env)
+    assert res.returncode == 0 and res.stdout.strip() == f"the checkpoint root {root} {what}", (res.stdout, res.stderr)
+    assert not res.stderr, res.stderr
+    sd = tmp_path / "sd.pt"
+    torch.save({"x": torch.zeros(2)}, sd)
+    res = subprocess.run(
+        [sys.executable, "-m", "ckpt", "import", str(sd), root, "--step", "1"], capture_output=True, text=True, env=env
+    )
+    assert res.returncode == 1 and res.stderr.strip() == f"error: the checkpoint root {root} {what}", res.stderr
+    assert not res.stdout and "Exception ignored" not in res.stderr
+
+
 def test_errors_are_one_family_and_keep_the_builtin_types_callers_caught(tmp_path):
     """Every refusal is a `CheckpointError` of its own type, and still the built-in it was before."""
     with ckpt.CheckpointManager(tmp_path) as m:

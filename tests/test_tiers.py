@@ -1,6 +1,7 @@
 """Two tiers: every save commits to a local tier, every K-th is persisted to the durable root from the local
 files; restore takes the newest intact step, local first; a lost or damaged local copy falls back to the durable one."""
 
+import json
 import os
 import shutil
 import signal
@@ -276,6 +277,47 @@ def test_a_local_tier_of_another_run_is_never_resumed(tmp_path):
         got = blank()
         assert m.restore(got) == 2  # its durable step, not the first run's local step 3
     assert same(got, state(2))
+
+
+def test_a_new_run_never_restores_counts_or_deletes_another_runs_local_steps(tmp_path):
+    """Run B starts with a durable root of its own and run A's local tier: A's local steps are not restored, not
+    listed, not counted by B's local retention, and B's save into that tier is refused (no step written or deleted);
+    run A still resumes from them."""
+    local = str(tmp_path / "local")
+    with ckpt.CheckpointManager(tmp_path / "a", local=local, persist_every=100, run_id="runA") as m:
+        for s in (1, 2, 3):
+            m.save(s, state(s)).wait()
+    held = layout.committed_steps(open_storage(local))
+    assert held == [2, 3]
+    with ckpt.CheckpointManager(tmp_path / "b", local=local, persist_every=100, run_id="runB", keep_local=1) as m:
+        got = blank()
+        assert m.restore(got) is None and same(got, blank())
+        assert m.steps() == [] and m.latest_step() is None
+        with pytest.raises(ckpt.RunMismatchError, match=r"holds committed steps \[2, 3\] of run 'runA'.*no run"):
+            m.save(1, state(1))
+        with pytest.raises(ckpt.StepNotFoundError):
+            m.delete(2)
+    assert layout.committed_steps(open_storage(local)) == held
+    assert json.loads(open(os.path.join(local, "run.json")).read())["id"] == "runA"
+    assert layout.committed_steps(open_storage(str(tmp_path / "b"))) == []
+    with ckpt.CheckpointManager(tmp_path / "a", local=local, run_id="runA") as m:  # A's restart: its local step 3
+        got = blank()
+        assert m.restore(got) == 3
+    assert same(got, state(3))
+
+
+def test_a_restart_without_a_run_id_resumes_its_own_local_steps(tmp_path, monkeypatch):
+    """Without run_id= nor a launcher's id every process draws a new id: its local tier is still its own, being of
+    the run its durable root records."""
+    for var in ("CKPT_RUN_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    durable, local = saved(tmp_path, [1, 2, 3], persist_every=2)
+    with ckpt.CheckpointManager(durable, local=local) as m:
+        got = blank()
+        assert m.restore(got) == 3
+        assert [(int(s), s.tiers) for s in m.steps()] == [(2, ("local", "durable")), (3, ("local",))]
+        m.save(4, state(4)).wait()
+    assert same(got, state(3))
 
 
 def test_the_durable_tier_can_be_an_object_store(tmp_path):
