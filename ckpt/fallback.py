@@ -23,7 +23,7 @@ from .target import DURABLE, Source, Target
 log = logging.getLogger("ckpt")
 MAX_RELISTS = 100  # steps vanishing under a restore, in a row, before it gives up
 
-Read = Callable[[Storage, int], "tuple[restore_mod.ReadPlan | None, CorruptCheckpointError | StepNotFoundError | None]"]
+Read = Callable[[Storage, int], "tuple[restore_mod.ReadPlan | None, Exception | None]"]
 
 
 @dataclass

@@ -719,19 +719,24 @@ def read_step(
     arena: StagingArena,
     *,
     shared: bool = False,
-) -> tuple[ReadPlan | None, CorruptCheckpointError | StepNotFoundError | None]:
+) -> tuple[ReadPlan | None, Exception | None]:
     """This rank's read of `step`, the mirror of a save: manifest, plan, verified reads; or why it failed.
 
     `shared`: every rank reads `storage` (one root for all), so a region several ranks restore is read once and
     exchanged (`planner.share_reads`, collective: then every rank calls this). A mismatch between `state` and the
-    checkpoint (StateKeyError, StateMismatchError) is raised here, before anything is read. Nothing is applied to
-    `state`.
+    checkpoint (StateKeyError, StateMismatchError) is found before anything is read: alone it is raised here; among
+    ranks it is returned, as damage is, so that `agree` tells every rank (none waits for this one). Nothing is
+    applied to `state`.
     """
     plan, error, bands = None, None, {}
     try:
         manifest = layout.read_manifest(storage, step)
         plan = plan_restore(manifest, state, keys, ranks, rank_map=rank_map, files=step_files(storage, step))
     except (CorruptCheckpointError, StepNotFoundError) as e:
+        error = e
+    except Exception as e:
+        if ranks.world_size == 1:
+            raise
         error = e
     finally:  # a rank that could not plan still takes part, so that no rank waits for it: nothing is shared then
         if shared:
@@ -747,18 +752,25 @@ def read_step(
         return None, e
 
 
-def agree(
-    storage: Storage, ranks: Ranks, step: int, error: CorruptCheckpointError | StepNotFoundError | None
-) -> CorruptCheckpointError | str | None:
+def agree(storage: Storage, ranks: Ranks, step: int, error: Exception | None) -> CorruptCheckpointError | str | None:
     """Every rank's outcome of reading `step`, one decision for all: None (read everywhere), "vanished" (it was
-    deleted meanwhile, e.g. by another process's retention: no damage) or its damage."""
+    deleted meanwhile, e.g. by another process's retention: no damage) or its damage. A rank whose state does not fit
+    the step (`read_step`) makes every rank raise: it its own error, the others a StateMismatchError naming it."""
     if error is None:
         verdict = "ok"
+    elif not isinstance(error, (CorruptCheckpointError, StepNotFoundError)):
+        verdict = "refused"
     elif isinstance(error, StepNotFoundError) or not layout.is_committed(storage, step):
         verdict = "vanished"
     else:
         verdict = "damaged"
-    reports = ranks.all_gather_json([verdict, None if error is None else str(error)])
+    told = None if error is None else f"{type(error).__name__}: {error}" if verdict == "refused" else str(error)
+    reports = ranks.all_gather_json([verdict, told])
+    refused = [(r, m) for r, (v, m) in enumerate(reports) if v == "refused"]
+    if refused:
+        if verdict == "refused":
+            raise error
+        raise StateMismatchError(f"rank {refused[0][0]} cannot restore step {step} into its state: {refused[0][1]}")
     verdicts = [v for v, _ in reports]
     if "vanished" in verdicts:
         return "vanished"

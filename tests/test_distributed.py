@@ -105,6 +105,17 @@ def test_a_save_one_rank_cannot_make_fails_on_every_rank_and_the_next_one_commit
     assert all("steps [1, 3, 6]" in r.stdout for r in results), results
 
 
+def test_a_restore_one_ranks_state_does_not_fit_fails_on_every_rank_and_changes_nothing(tmp_path):
+    """Rank 1's state has a key the checkpoint lacks: every rank raises (none waits for it until the timeout, or pairs
+    its next save with this restore), every tensor is as it was, and the next save commits."""
+    results = run_ranks(2, "restore_refused", str(tmp_path / "ck"), timeout=120)
+    _ok(results)
+    zero, one = (r.stdout for r in results)
+    assert "refused: StateMismatchError: rank 1 cannot restore step 1 into its state: StateKeyError" in zero, zero
+    assert "refused: StateKeyError" in one and "'extra'" in one, one
+    assert all("changed []" in r.stdout and "steps [1, 2]" in r.stdout for r in results), results
+
+
 def test_rank_killed_during_save_fails_the_others_and_keeps_previous_step(tmp_path):
     root = str(tmp_path / "ck")
     results = run_ranks(2, "kill", root, timeout=120)

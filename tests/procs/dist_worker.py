@@ -175,6 +175,23 @@ def main(mode: str, root: str) -> None:
                     print(f"save {step} refused: {type(e).__name__}: {e}", flush=True)
                 m.save(step + 1 if step == 2 else 6, state_of(model, opt)).wait()
             print(f"steps {m.steps()}", flush=True)
+    elif mode == "restore_refused":
+        # rank 1's state has a key the checkpoint lacks: it raises its StateKeyError, rank 0 a StateMismatchError
+        # naming it, neither waits for the other, every tensor is as it was, and a save after it commits
+        with ckpt.CheckpointManager(root, collective_timeout=20) as m:
+            m.save(1, state_of(model, opt)).wait()
+            train(model, opt, torch.Generator().manual_seed(1))
+            before = flat_reference(model, opt)
+            state = {**state_of(model, opt), **({"extra": torch.zeros(2)} if rank == 1 else {})}
+            try:
+                m.restore(state)
+                print("NO ERROR", flush=True)
+            except (ckpt.StateKeyError, ckpt.StateMismatchError) as e:
+                print(f"refused: {type(e).__name__}: {e}", flush=True)
+            after = flat_reference(model, opt)
+            print(f"changed {[k for k in before if not torch.equal(before[k], after[k])]}", flush=True)
+            m.save(2, state_of(model, opt)).wait()
+            print(f"steps {m.steps()}", flush=True)
     elif mode == "restore_damaged":
         with ckpt.CheckpointManager(root, collective_timeout=20) as m:
             # step 2 asked for: every rank but the last reads its part intact (straight into the model), the last
