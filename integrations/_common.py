@@ -98,11 +98,18 @@ def advised_two_tier(
     return advice
 
 
-def resolve_step(manager: CheckpointManager, step: int) -> int:
-    """`step` if committed, else the newest committed step before it (with a warning): a save that died unfinished."""
+def resolve_step(manager: CheckpointManager, step: int) -> int | None:
+    """`step` if committed, else the newest committed step before it (with a warning): a save that died unfinished.
+
+    None when the root has no committed step at all (the run died before its first save committed): there is nothing
+    to resume, and the caller decides whether that is a fresh start. Committed steps that are all newer than `step`
+    raise FileNotFoundError: falling back is impossible and starting fresh would pass over them.
+    """
     committed = manager.steps()
     if step in committed:
         return step
+    if not committed:
+        return None
     earlier = [s for s in committed if s < step]
     if not earlier:
         raise FileNotFoundError(
@@ -115,6 +122,14 @@ def resolve_step(manager: CheckpointManager, step: int) -> int:
         stacklevel=3,
     )
     return earlier[-1]
+
+
+def never_committed(manager: CheckpointManager, step: int, named_by: str) -> str:
+    """The message for a resume from `step` (named by `named_by`) of a root where no step is committed."""
+    return (
+        f"{named_by} names step {step} of {manager.storage.url}, which was never committed, and no step of the root "
+        f"is (the process died before its first save committed)"
+    )
 
 
 def save_once(

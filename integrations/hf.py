@@ -30,7 +30,7 @@ from typing import Any, Callable, ContextManager
 import fsspec
 import safetensors.torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 from ckpt import CheckpointManager, RNGState, RunMismatchError, SaveDecision, SaveHandle
@@ -40,7 +40,7 @@ from ckpt.options import typed
 from ettr import GoodputTracker
 from ettr.ledger import ledger_dir
 
-from ._common import TrackerLease, delete_step, read_step, resolve_step, save_once
+from ._common import TrackerLease, delete_step, never_committed, read_step, resolve_step, save_once
 
 TRAINER_STATE = "trainer_state.json"
 _CHECKPOINT_DIR = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
@@ -116,6 +116,12 @@ def checkpoint_step(path: str | os.PathLike[str]) -> int:
 def is_stock_checkpoint(folder: str | os.PathLike[str]) -> bool:
     """Whether a ``checkpoint-N`` folder was written by the stock Trainer (it holds HF's optimizer/scheduler/RNG files)."""
     return any(os.path.isfile(os.path.join(folder, name)) for name in _STOCK_STATE)
+
+
+def _holds_state(folder: str) -> bool:
+    """Whether a ``checkpoint-N`` folder holds training state: the stock Trainer's files or model weights. One whose
+    step never committed holds neither (HF wrote its ``trainer_state.json``; the weights follow the commit)."""
+    return is_stock_checkpoint(folder) or any(os.path.exists(os.path.join(folder, w)) for w in _WEIGHTS)
 
 
 def _checkpoint_folders(run_dir: str) -> dict[int, str]:
@@ -319,11 +325,7 @@ class CkptTrainerMixin:
                 return resume
             if same_run:
                 return True
-            foreign = sorted(
-                os.path.basename(p)
-                for p in _checkpoint_folders(run_dir).values()
-                if is_stock_checkpoint(p) or any(os.path.exists(os.path.join(p, w)) for w in _WEIGHTS)
-            )
+            foreign = sorted(os.path.basename(p) for p in _checkpoint_folders(run_dir).values() if _holds_state(p))
             if foreign:
                 raise RunMismatchError(
                     f"{run_dir} holds checkpoint folders {foreign} of another run, which a fresh train() would rotate "
@@ -357,7 +359,8 @@ class CkptTrainerMixin:
 
     def _resolve_resume(self, resume: str | bool | None, trial: Any) -> str | None:
         """Read the step to resume from (newest committed for True) and lay out its ``checkpoint-N`` folder;
-        a stock Trainer folder (named, or the newest one when the root is empty) is passed on as it is."""
+        a stock Trainer folder (named, or the newest one when the root is empty) is passed on as it is. None: start
+        fresh (nothing asked, or nothing to resume: `_without_steps`)."""
         if resume is None:
             return None
         manager = self.ckpt_manager
@@ -365,14 +368,13 @@ class CkptTrainerMixin:
         if resume is True:
             step = manager.latest_step()
             if step is None:
-                last = get_last_checkpoint(run_dir) if os.path.isdir(run_dir) else None
-                if last is not None and is_stock_checkpoint(last):
-                    return self._resume_stock(last)
-                raise ValueError(f"No valid checkpoint found in {manager.storage.url} or {run_dir}")
+                return self._without_steps(run_dir, None)
         elif is_stock_checkpoint(resume):
             return self._resume_stock(os.fspath(resume))
         else:
             step = resolve_step(manager, checkpoint_step(resume))
+            if step is None:
+                return self._without_steps(run_dir, os.fspath(resume))
         staged = read_step(manager, step)
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
         os.makedirs(folder, exist_ok=True)
@@ -381,6 +383,55 @@ class CkptTrainerMixin:
         self._staged = (os.path.abspath(folder), staged)
         self._done.add(step)
         return folder
+
+    def _without_steps(self, run_dir: str, named: str | None) -> str | None:
+        """A resume (True, or the folder `named`) into a root with no committed step: HF's newest ``checkpoint-N``
+        folder up to the named one, passing over folders that hold no state (their step never committed: the
+        process died before its first save committed). A stock Trainer folder is resumed as it is; none at all is a
+        fresh start (None, with a warning) when such folders were passed over, else the stock Trainer's ValueError.
+        A folder holding weights but no step, or one newer than the named folder holding state, raises: neither a
+        fresh start nor an older folder may pass over it."""
+        root = self.ckpt_manager.storage.url
+        folders = _checkpoint_folders(run_dir)
+        upto = checkpoint_step(named) if named is not None else None
+        if named is not None:
+            if not os.path.isdir(named):
+                raise FileNotFoundError(f"{named} does not exist and no step of {root} is committed")
+            folders[upto] = named
+            newer = sorted(os.path.basename(p) for s, p in folders.items() if s > upto and _holds_state(p))
+            if newer:
+                raise FileNotFoundError(
+                    f"{never_committed(self.ckpt_manager, upto, named)}, while {newer} in {run_dir} hold training "
+                    f"state: resume one of them (resume_from_checkpoint=True for the newest)"
+                )
+        passed = []
+        for step in sorted((s for s in folders if upto is None or s <= upto), reverse=True):
+            folder = folders[step]
+            if is_stock_checkpoint(folder):
+                if passed:
+                    warnings.warn(
+                        f"{sorted(passed)} hold no training state and no step of {root} is committed (their saves "
+                        f"died): resuming from the stock Trainer's {folder} instead",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
+                return self._resume_stock(folder)
+            if _holds_state(folder):
+                raise ValueError(
+                    f"{folder} holds model weights but no step of {root} is committed (its root was deleted or "
+                    f"moved, or it belongs to another root): nothing to resume it from"
+                )
+            passed.append(os.path.basename(folder))
+        if not passed:
+            raise ValueError(f"No valid checkpoint found in {root} or {run_dir}")
+        what = (
+            never_committed(self.ckpt_manager, upto, named)
+            if named is not None
+            else f"{run_dir} holds {sorted(passed)}, whose steps never committed, and no step of {root} is committed "
+            f"(the process died before its first save committed)"
+        )
+        warnings.warn(f"{what}: nothing to resume, train() starts fresh", RuntimeWarning, stacklevel=4)
+        return None
 
     def _resume_stock(self, folder: str) -> str:
         """Resume from a folder the stock Trainer wrote: its own loading reads it (torch.load with weights_only)."""
@@ -396,7 +447,10 @@ class CkptTrainerMixin:
             return self._staged[1]
         if self.ckpt_manager is None:
             raise RuntimeError("CkptTrainerMixin loads checkpoints inside train() only (the manager is opened there)")
-        staged = read_step(self.ckpt_manager, resolve_step(self.ckpt_manager, checkpoint_step(checkpoint)))
+        step = resolve_step(self.ckpt_manager, checkpoint_step(checkpoint))
+        if step is None:
+            raise FileNotFoundError(never_committed(self.ckpt_manager, checkpoint_step(checkpoint), checkpoint))
+        staged = read_step(self.ckpt_manager, step)
         self._staged = (os.path.abspath(checkpoint), staged)
         return staged
 

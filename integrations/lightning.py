@@ -21,6 +21,7 @@ from typing import Any
 
 import fsspec
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import __version__ as lightning_version
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import CheckpointIO
 
@@ -30,7 +31,7 @@ from ckpt.options import typed
 from ckpt.state import encodable
 from ettr import GoodputTracker
 
-from ._common import TrackerLease, batch_hash, delete_step, read_step, resolve_step, save_once
+from ._common import TrackerLease, batch_hash, delete_step, never_committed, read_step, resolve_step, save_once
 
 POINTER_FORMAT = "ckpt-lightning-pointer/1"
 POINTERS = "lightning_pointers"  # metadata: the folder whose pointer files name a step, relative to the root
@@ -129,6 +130,18 @@ def saveable(tree: Any, key: str = "") -> tuple[Any, list[str]]:
     return walk(tree, key), dropped
 
 
+class NothingToLoad(dict):
+    """What `CkptCheckpointIO.load_checkpoint` returns when a fit starts fresh: a dict that is false, as Lightning's
+    own "no checkpoint loaded" is (its connector restores nothing from a false checkpoint), with the version entry
+    Lightning's checkpoint migration reads before that."""
+
+    def __init__(self) -> None:
+        super().__init__({"pytorch-lightning_version": lightning_version})
+
+    def __bool__(self) -> bool:
+        return False
+
+
 def _folder(path: str) -> str:
     """The absolute, symlink-free folder of a pointer path (URLs keep their protocol)."""
     return os.path.dirname(path) if "://" in path else _real(os.path.dirname(os.path.abspath(path)))
@@ -167,7 +180,8 @@ class CkptCheckpointIO(CheckpointIO):
 
     ``save_checkpoint(ckpt, "dir/epoch=0-step=10.ckpt")`` starts an async save of step ``ckpt["global_step"]`` and
     writes that path as a JSON pointer to it; ``load_checkpoint`` follows the pointer (falling back to the newest
-    committed step before it if the process died while writing it); ``remove_checkpoint`` deletes the pointer and,
+    committed step before it if the process died while writing it; a fit with `GoodputCallback` starts fresh, with a
+    warning, if no step of the root is committed); ``remove_checkpoint`` deletes the pointer and,
     once no other pointer beside it names the step and a newer step is committed, the step itself;
     ``teardown()`` drains the writes. A `GoodputCallback` in the same Trainer reports saves and restores to its tracker.
     Values that cannot be stored without pickle (arbitrary hyper-parameters) are dropped with a warning.
@@ -188,7 +202,10 @@ class CkptCheckpointIO(CheckpointIO):
         self._stored: tuple[int, dict[str, dict[str, str | None]]] | None = None  # last step, its dict's paths
         self._orphans: dict[int, str] = {}  # step -> folder of its removed pointer, for steps not deletable yet
         self._adopted: set[str] = set()
-        self.before_load: Callable[[], None] | None = None  # GoodputCallback: a resume starts the tracker first
+        # GoodputCallback, between a fit's setup and its start: a resume starts the tracker first. Only a fit's load
+        # may find nothing to resume and start fresh (validate/test/predict must not run on untrained weights)
+        self.before_load: Callable[[], None] | None = None
+        self._fresh: str | None = None  # the pointer folder of a fit starting fresh, cleaned by start_fit
 
     @property
     def manager(self) -> CheckpointManager:
@@ -238,12 +255,21 @@ class CkptCheckpointIO(CheckpointIO):
 
         That is the step's stored dict with the pointer's own callback paths (e.g. ModelCheckpoint's
         ``last_model_path`` of ``last.ckpt``) and, for a moved root, every callback path under it rebased.
+
+        If the pointer's step never committed and no step of the root is (the process died before its first save
+        committed), a fit with `GoodputCallback` starts fresh: a warning and `NothingToLoad`, from which Lightning
+        restores nothing, as when it finds no checkpoint; its start-up check follows in `on_fit_start`. Any other
+        load (validate, test, predict; a fit without `GoodputCallback`, whose stage this IO cannot know) raises
+        FileNotFoundError.
         """
+        self._fresh = None
+        pointer = self._pointer(os.fspath(path))
+        step = resolve_step(self.manager, int(pointer["step"]))
+        if step is None:
+            return self._nothing_to_load(os.fspath(path), int(pointer["step"]))
         if self.before_load is not None:
             self.before_load()
         self._sweep(_folder(os.fspath(path)))
-        pointer = self._pointer(os.fspath(path))
-        step = resolve_step(self.manager, int(pointer["step"]))
         checkpoint = read_step(self.manager, step)
         callbacks = checkpoint.get("callbacks")
         self._stored = step, _path_fields(callbacks)
@@ -257,11 +283,31 @@ class CkptCheckpointIO(CheckpointIO):
         self._done.add(step)
         return checkpoint
 
-    def start_fit(self, resume: bool) -> bool:
+    @property
+    def starting_fresh(self) -> bool:
+        """Whether the last load found nothing to resume (`NothingToLoad`) and the fit's `start_fit` is yet to come."""
+        return self._fresh is not None
+
+    def _nothing_to_load(self, path: str, step: int) -> NothingToLoad:
+        """A fit's load finds no committed step in the root: a fresh start (the check and the clean-up of the
+        folder's pointers to steps that never committed follow in `start_fit`). Not a fit's: FileNotFoundError."""
+        what = never_committed(self.manager, step, path)
+        if self.before_load is None:
+            raise FileNotFoundError(
+                f"{what}: there is no checkpoint to load. A fit(ckpt_path=...) with GoodputCallback starts fresh "
+                f"here; without it, delete the pointers naming steps that never committed (or fit without ckpt_path)"
+            )
+        warnings.warn(f"{what}: nothing to resume, the fit starts fresh", RuntimeWarning, stacklevel=3)
+        self._fresh = _folder(path)
+        return NothingToLoad()
+
+    def start_fit(self, resume: bool, writer: bool = True) -> bool:
         """The start-up check of a fit, before anything is written (`ckpt.run.check_start`): True to resume the
         root's newest step. A fit that loaded no checkpoint into a root holding another run's committed steps raises
         `ckpt.RunMismatchError`; a resume claims the root for this run. Once the start is allowed, the pointer
-        folders of the root's steps are cleared of temporary pointer files left by a writer killed mid-write."""
+        folders of the root's steps are cleared of temporary pointer files left by a writer killed mid-write, and,
+        by the `writer` (the rank that saves: rank 0), after a load that found nothing to resume (`NothingToLoad`),
+        its folder of pointers to steps that never committed (ModelCheckpoint would otherwise pick ``-v1`` names)."""
         same_run = ckpt_run.check_start(
             self.manager.storage,
             self.manager.run,
@@ -271,6 +317,10 @@ class CkptCheckpointIO(CheckpointIO):
         )
         for folder in self._known_folders():
             self._sweep(folder)
+        fresh, self._fresh = self._fresh, None
+        if fresh is not None and writer:
+            self._sweep(fresh)
+            self._adopt(fresh)
         return same_run
 
     def load_newest(self) -> dict[str, Any]:
@@ -465,13 +515,18 @@ class GoodputCallback(Callback):
         io.before_load = lambda: self._begin(io, resume=True)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """A fit that loaded no checkpoint: refused before anything is written if the root holds another run's steps
-        (`ckpt.RunMismatchError`); a restart of the root's own run (same run id) resumes its newest step silently."""
+        """A fit that loaded no checkpoint (also one whose ``ckpt_path`` named a step that never committed in a root
+        without committed steps: `NothingToLoad`): refused before anything is written if the root holds another run's
+        steps (`ckpt.RunMismatchError`); a restart of the root's own run (same run id) resumes its newest step
+        silently."""
         io = _ckpt_io(trainer)
         if io is None or self._begun:
             return
-        same_run = io.start_fit(resume=False)
+        fresh = io.starting_fresh
+        same_run = io.start_fit(resume=False, writer=trainer.is_global_zero)
         self._begin(io, resume=False)
+        if fresh and not same_run:
+            trainer.ckpt_path = None  # nothing was loaded from it (Lightning's public setter; None: no checkpoint)
         if same_run:  # Lightning's own path for strategies that restore after setup; the rest follows in fit
             connector = trainer._checkpoint_connector
             connector._loaded_checkpoint = io.load_newest()

@@ -376,3 +376,101 @@ def test_resume_is_bitwise_only_with_the_rng_restored(tmp_path, rng):
     else:
         assert sorted(resumed) == [3, 4, 5, 6] and resumed[3] != reference[3]
         assert _weights(runs["resumed"].model) != _weights(runs["straight"].model)
+
+
+@pytest.fixture
+def failing_commits(monkeypatch):
+    """fail(n): from now on the n-th commit (manifest write) of each CkptTrainer's train() fails, as if the process
+    had died after HF made that save's checkpoint-N folder (its trainer_state.json) and before the step committed;
+    fail(None): none fails any more."""
+    import integrations.hf
+    from ckpt import CheckpointManager, layout
+    from ckpt.storage import open_storage
+    from fault_storage import FaultStorage
+
+    def fail(n: int | None) -> None:
+        def manager(root, **options):
+            manifest = lambda path: path.endswith(layout.MANIFEST)  # noqa: E731
+            return CheckpointManager(FaultStorage(open_storage(str(root)), fail_path=manifest, fail_write=n), **options)
+
+        monkeypatch.setattr(integrations.hf, "CheckpointManager", CheckpointManager if n is None else manager)
+
+    return fail
+
+
+def test_a_train_whose_first_save_never_committed_restarts_fresh(tmp_path, failing_commits):
+    """The first save (step 2) never commits, leaving checkpoint-2 with only its trainer_state.json. A resume from
+    that folder, and resume_from_checkpoint=True, start fresh with a warning instead of failing on every restart,
+    and the end equals a straight run."""
+    import ckpt
+
+    out = tmp_path / "out"
+    failing_commits(1)
+    with pytest.raises(ckpt.CheckpointWriteError, match="injected fault"):
+        _trainer(out, 2).train()
+    assert sorted(p.name for p in (out / "checkpoint-2").iterdir()) == ["trainer_state.json"]
+    assert ckpt.CheckpointManager(out / "ckpt").steps() == []
+
+    again = _trainer(out, 2)  # its own first save never commits either
+    with (
+        pytest.warns(RuntimeWarning, match=r"checkpoint-2 names step 2 of .*never committed.*train\(\) starts fresh"),
+        pytest.raises(ckpt.CheckpointWriteError, match="injected fault"),
+    ):
+        again.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert again.step_log.steps == [1, 2] and ckpt.CheckpointManager(out / "ckpt").steps() == []
+
+    failing_commits(None)
+    straight = _trainer(tmp_path / "straight", 4)
+    straight.train()
+    with pytest.warns(RuntimeWarning, match=r"\['checkpoint-2'\], whose steps never committed.*starts fresh"):
+        resumed = _trainer(out, 4)
+        resumed.train(resume_from_checkpoint=True)
+    assert resumed.step_log.steps == [1, 2, 3, 4]
+    assert _weights(resumed.model) == _weights(straight.model)
+    assert ckpt.CheckpointManager(out / "ckpt").steps() == [2, 4]
+
+
+def test_resume_true_passes_over_a_folder_whose_step_never_committed(tmp_path, failing_commits):
+    """Step 2 committed, step 4's save never did (checkpoint-4 holds only trainer_state.json): True resumes step 2,
+    the newest committed step. A folder that holds weights while the root has no step is not passed over."""
+    import ckpt
+
+    out = tmp_path / "out"
+    failing_commits(2)
+    with pytest.raises(ckpt.CheckpointWriteError, match="injected fault"):
+        _trainer(out, 4).train()  # its last save is the one that fails: no later save races the error
+    assert ckpt.CheckpointManager(out / "ckpt").steps() == [2]
+    assert sorted(p.name for p in (out / "checkpoint-4").iterdir()) == ["trainer_state.json"]
+    failing_commits(None)
+    resumed = _trainer(out, 6)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.step_log.steps == [3, 4, 5, 6]
+
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(out / "checkpoint-6", other / "checkpoint-6")  # weights and trainer_state.json, but no root
+    with pytest.raises(ValueError, match=r"checkpoint-6 holds model weights but no step of .* is committed"):
+        _trainer(other, 8).train(resume_from_checkpoint=True)
+
+
+def test_resume_true_passes_over_a_folder_whose_step_never_committed_to_a_stock_folder(
+    tmp_path, no_launcher_ids, failing_commits
+):
+    """Switched from the stock Trainer: resumed from its checkpoint-4, the first save of our own (step 6) never
+    committed. True resumes the stock folder again, with a warning, rather than starting fresh over it."""
+    import ckpt
+
+    out = tmp_path / "out"
+    _trainer(out, 4, stock=True).train()
+    failing_commits(1)
+    with pytest.raises(ckpt.CheckpointWriteError, match="injected fault"):
+        _trainer(out, 6).train(resume_from_checkpoint=True)
+    assert sorted(p.name for p in (out / "checkpoint-6").iterdir()) == ["trainer_state.json"]
+    failing_commits(None)
+    resumed = _trainer(out, 6)
+    with pytest.warns(
+        RuntimeWarning, match=r"\['checkpoint-6'\] hold no training state.*stock Trainer's .*checkpoint-4"
+    ):
+        resumed.train(resume_from_checkpoint=True)
+    assert resumed.step_log.steps == [5, 6] and ckpt.CheckpointManager(out / "ckpt").steps() == [6]

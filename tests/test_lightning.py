@@ -189,10 +189,12 @@ def _fit(
     strategy: object = "auto",
     accelerator: str = "cpu",
     callbacks: tuple = (),
+    io: CkptCheckpointIO | None = None,
     **io_options,
 ) -> dict[str, torch.Tensor]:
     """A tiny fit through CkptCheckpointIO + GoodputCallback (the child's model and data); returns its final weights.
-    `callbacks` replace the ModelCheckpoint saving every 4 steps. Negative controls: `without="rng"` leaves the RNG
+    `callbacks` replace the ModelCheckpoint saving every 4 steps; `io` the CkptCheckpointIO(root, **io_options).
+    Negative controls: `without="rng"` leaves the RNG
     state out of the checkpoint, `without="sampler"` leaves the sampler where it is on a resume instead of loading
     its saved position."""
     from lightning.pytorch import Trainer
@@ -215,7 +217,7 @@ def _fit(
         limit_val_batches=0,
         deterministic=True,
         strategy=strategy,
-        plugins=[CkptCheckpointIO(root, **io_options)],
+        plugins=[io or CkptCheckpointIO(root, **io_options)],
         callbacks=[
             (_forgets_samplers() if without == "sampler" else GoodputCallback)(
                 samplers={"train": sampler}, rng=without != "rng"
@@ -417,3 +419,75 @@ def test_a_start_load_or_save_removes_temporary_pointer_files_left_by_a_killed_w
         _fit(root, 12, ckpt_path="last" if how == "ckpt_path=last" else None, run_id="job-1")
     assert not stale.exists() and live.exists() and other.read_text() == "mine"
     assert "last.ckpt" in {p.name for p in folder.iterdir()}
+
+
+class _CommitFails(CkptCheckpointIO):
+    """A CkptCheckpointIO whose root fails its first commit (a step's manifest write): that save never commits, as
+    when the process dies between writing a step's pointers and committing the step (the fits using it save once)."""
+
+    @property
+    def manager(self):
+        from ckpt import CheckpointManager, layout
+        from fault_storage import FaultStorage
+
+        if self._manager is None:
+            storage = FaultStorage(open_storage(self.root), fail_path=lambda p: p.endswith(layout.MANIFEST))
+            self._manager = CheckpointManager(storage, tracker=self.tracker)
+        return self._manager
+
+
+def test_a_fit_whose_first_save_never_committed_restarts_fresh_from_last(tmp_path, no_launcher_ids):
+    """The first attempt's only save (step 4) never commits, after ModelCheckpoint wrote last.ckpt and
+    epoch=0-step=4.ckpt naming it. Every fit(ckpt_path="last") then starts fresh with a warning (the docs' Run
+    identity table: no committed step is a fresh start), also after a restart whose own first save never commits
+    again; the end equals a straight fit, and the dangling pointers are gone. A load that is not a fit's start (here
+    the IO alone, which cannot tell) refuses instead, deleting nothing."""
+    from ckpt import CheckpointWriteError
+
+    root = tmp_path / "job"
+    fresh = r"last.ckpt names step 4 of .*never committed.*no step of the root is.*the fit starts fresh"
+    with pytest.raises(CheckpointWriteError, match="injected fault"):
+        _fit(root, 6, io=_CommitFails(root))
+    assert pointers(root) == {"epoch=0-step=4.ckpt": 4, "last.ckpt": 4} and committed_steps(root) == []
+    with pytest.warns(RuntimeWarning, match=fresh), pytest.raises(CheckpointWriteError, match="injected fault"):
+        _fit(root, 6, ckpt_path="last", io=_CommitFails(root))
+    assert pointers(root) == {"epoch=0-step=4.ckpt": 4, "last.ckpt": 4} and committed_steps(root) == []
+
+    before = _tree(root)
+    io = CkptCheckpointIO(root)
+    with pytest.raises(FileNotFoundError, match=r"names step 4 of .*never committed.*no checkpoint to load"):
+        io.load_checkpoint(root / "pointers" / "last.ckpt")
+    io.teardown()
+    assert _tree(root) == before, "a load that refuses deletes nothing"
+
+    from lightning.pytorch import Callback
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class LoadedFrom(Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.path = trainer.ckpt_path
+
+    straight, loaded_from = _fit(tmp_path / "straight", 8), LoadedFrom()
+    every4 = ModelCheckpoint(dirpath=root / "pointers", every_n_train_steps=4, save_last=True)
+    with pytest.warns(RuntimeWarning, match=fresh):
+        resumed = _fit(root, 8, ckpt_path="last", callbacks=(every4, loaded_from))
+    assert loaded_from.path is None, "trainer.ckpt_path: no checkpoint was loaded"
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert pointers(root) == {"epoch=0-step=8.ckpt": 8, "last.ckpt": 8}  # no -v1 names beside stale pointers
+    assert committed_steps(root) == [8]
+    assert [a.restored_step for a in attribute_root(str(root)).attempts] == [None, None, None]
+
+
+def test_a_pointer_to_a_step_that_never_committed_never_skips_a_newer_committed_step(tmp_path):
+    """Step 4 never committed, step 8 is: no fallback (nothing earlier) and no fresh start (it would pass over 8),
+    even for a fit's load."""
+    root, folder = tmp_path / "root", tmp_path / "root" / "p"
+    io = CkptCheckpointIO(root)
+    io.save_checkpoint({"global_step": 8, "w": torch.arange(3.0)}, folder / "a.ckpt")
+    io.teardown()
+    (folder / "b.ckpt").write_text(json.dumps({"format": "ckpt-lightning-pointer/1", "root": "..", "step": 4}))
+    io = CkptCheckpointIO(root)
+    io.before_load = lambda: pytest.fail("a resume that loads nothing must not start")  # as GoodputCallback's fit
+    with pytest.raises(FileNotFoundError, match=r"step 4 is not committed .* no earlier step is \(committed: \[8\]\)"):
+        io.load_checkpoint(folder / "b.ckpt")
+    io.teardown()
