@@ -21,6 +21,7 @@ from .budget import WriteBudget
 from .distributed import Ranks, local_box
 from .errors import (
     CheckpointWriteError,
+    CollectiveTimeout,
     StepExistsError,
     StepNotFoundError,
 )
@@ -199,6 +200,9 @@ class CheckpointManager:
         self._check_open()
         bg = self._background
         with self.tracker.span("checkpoint_save", step=step):
+            first = not self._root_lease.agreed
+            if first:  # the lease's first take is a collective of its own: a refusal reaches every rank from it
+                self._root_lease.take(collective=True)
             failure = None  # among ranks, a rank that cannot save tells the others in the plan's first message
             try:
                 bg.raise_error()
@@ -206,7 +210,8 @@ class CheckpointManager:
                     with self.tracker.span("checkpoint_save", step=step, part="previous_wait"):
                         bg.drain()
                 bg.drain()
-                self._root_lease.take(collective=True)
+                if not first:
+                    self._root_lease.take(collective=True)  # rank 0 checks it still holds the lease
                 bg.wait_delete(step)  # a delete of this very step number must finish before it is written again
                 target, lease = self._target.writable(self._root_lease.lease)
                 if layout.is_committed(target, step):
@@ -214,7 +219,13 @@ class CheckpointManager:
                         f"step {step} is already committed in {target.url}; a committed checkpoint is never overwritten"
                     )
             except Exception as e:
-                if self.ranks.world_size == 1:
+                # alone, or once a message among the ranks timed out (they are out of step: another would only wait
+                # again and hide this error), raised here; else told to every rank by the plan's first message
+                if (
+                    self.ranks.world_size == 1
+                    or isinstance(e, CollectiveTimeout)
+                    or isinstance(e.__cause__, CollectiveTimeout)
+                ):
                     raise
                 failure = e
             t0 = time.perf_counter()

@@ -755,22 +755,34 @@ def read_step(
 def agree(storage: Storage, ranks: Ranks, step: int, error: Exception | None) -> CorruptCheckpointError | str | None:
     """Every rank's outcome of reading `step`, one decision for all: None (read everywhere), "vanished" (it was
     deleted meanwhile, e.g. by another process's retention: no damage) or its damage. A rank whose state does not fit
-    the step (`read_step`) makes every rank raise: it its own error, the others a StateMismatchError naming it."""
+    the step, or that could not read it for another reason than damage (`read_step`), makes every rank raise: that
+    rank its own error, the others a StateMismatchError (a CheckpointError for the other reasons) naming it."""
     if error is None:
         verdict = "ok"
+    elif isinstance(error, (StateKeyError, StateMismatchError)):
+        verdict = "mismatch"
     elif not isinstance(error, (CorruptCheckpointError, StepNotFoundError)):
-        verdict = "refused"
+        verdict = "refused"  # e.g. the manifest could not be read (StorageError)
     elif isinstance(error, StepNotFoundError) or not layout.is_committed(storage, step):
         verdict = "vanished"
     else:
         verdict = "damaged"
-    told = None if error is None else f"{type(error).__name__}: {error}" if verdict == "refused" else str(error)
+    told = (
+        None
+        if error is None
+        else str(error)
+        if verdict in ("damaged", "vanished")
+        else f"{type(error).__name__}: {error}"
+    )
     reports = ranks.all_gather_json([verdict, told])
-    refused = [(r, m) for r, (v, m) in enumerate(reports) if v == "refused"]
+    refused = [(r, v, m) for r, (v, m) in enumerate(reports) if v in ("mismatch", "refused")]
     if refused:
-        if verdict == "refused":
+        if verdict in ("mismatch", "refused"):
             raise error
-        raise StateMismatchError(f"rank {refused[0][0]} cannot restore step {step} into its state: {refused[0][1]}")
+        rank, kind, message = refused[0]
+        if kind == "mismatch":
+            raise StateMismatchError(f"rank {rank} cannot restore step {step} into its state: {message}")
+        raise CheckpointError(f"rank {rank} could not read step {step}: {message}")
     verdicts = [v for v, _ in reports]
     if "vanished" in verdicts:
         return "vanished"

@@ -17,6 +17,11 @@ class RootLease:
         self.lease: lease_mod.Lease | None = None  # rank 0's, once taken
         self._agreed = False  # every rank knows the lease is held
 
+    @property
+    def agreed(self) -> bool:
+        """Whether every rank knows the lease is held (a collective `take` succeeded): later takes are rank 0's."""
+        return self._agreed
+
     def take(self, collective: bool) -> None:
         """Hold the lease (rank 0) or check it is still held; `collective`: every rank takes part (a save), so a
         refusal reaches every rank at once, none waiting in a collective for a rank that gave up."""
