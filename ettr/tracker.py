@@ -150,6 +150,13 @@ def _encode(rec: tuple | dict[str, Any]) -> str:
     return json.dumps(rec, separators=(",", ":")) + "\n"
 
 
+def _not_started() -> int:
+    raise RuntimeError(
+        "GoodputTracker records nothing before start(): call tracker.start(), or use it as a context manager "
+        "(with GoodputTracker(root) as tracker: ...)"
+    )
+
+
 def _check_args(root: Any, job_id: Any, attempt_id: Any, rank: Any, storage_options: Any) -> str:
     """GoodputTracker's root as a str (a path, os.PathLike, or URL); a TypeError or ValueError naming an argument of
     the wrong type or value, at construction rather than from fsspec at start() or from a ledger no report can read."""
@@ -257,6 +264,7 @@ class GoodputTracker:
         self._acc: defaultdict[str, int] = defaultdict(int)
         self._lock = threading.RLock()
         self._writer: LedgerWriter | None = None
+        self._mono = _not_started  # the attempt's clock, from start(): nothing is recorded before it
         self._prior: Attribution | None = None
         self._earlier: dict[str, int] = {}  # microseconds per category of the earlier attempts
         # checkpoint time by part (SAVE_SPLIT, and "background_write"): this attempt's from its closed spans and

@@ -191,3 +191,11 @@ def test_a_pathlike_root_is_a_path(tmp_path):
     tr = GoodputTracker(tmp_path, attempt_id="a1", rank=0, clock=FakeClock(1000.0)).start()
     tr.end()
     assert tr.root == str(tmp_path) and attribute_root(str(tmp_path)).attempts[0].status == "ok"
+
+
+def test_recording_before_start_is_a_clear_error(tmp_path):
+    """A step, span or end before start() says to call start(), not an AttributeError of the tracker's insides."""
+    tracker = GoodputTracker(str(tmp_path))
+    for record in (lambda: tracker.step_begin(1), lambda: tracker.span("eval").__enter__(), tracker.end):
+        with pytest.raises(RuntimeError, match=r"records nothing before start\(\)"):
+            record()
