@@ -265,16 +265,18 @@ class CheckpointManager:
         """Writer thread: record the run once, write and commit, tell the target (a local tier replicates and
         persists); returns whether the durable root's retention runs now."""
         step, t0 = job.plan.step, time.perf_counter()
-        if not self._run_recorded:
-            roots = [(job.storage, job.leader)]
-            if job.storage is not self.storage:  # a local tier: the durable root records the run too
-                roots.append((self.storage, self.ranks.leader))
-            for storage, writer in roots:
-                if writer:
-                    run_mod.claim(storage, self.run)
-            self._run_recorded = True
+        tiered = job.storage is not self.storage
+        if not self._run_recorded:  # the root that commits records the run before any step of it commits there
+            if tiered:
+                run_mod.claim(job.storage, self.run, durable=self.storage.url)
+            elif self.ranks.leader:
+                run_mod.claim(self.storage, self.run)
         self._budget.lower_pool_threads()
         job.run()
+        if not self._run_recorded:
+            if tiered and self.ranks.leader:  # after every rank's local tier recorded it (job.run's messages)
+                run_mod.claim(self.storage, self.run)
+            self._run_recorded = True
         retain_now = self._target.committed(job.plan, self._root_lease.lease, self._persisted, persist)
         self._budget.lower_pool_threads()  # workers tensorstore started during this write
         seconds, nbytes = time.perf_counter() - t0, sum(t.nbytes for t in job.plan.tensors.values())  # this rank's

@@ -13,6 +13,7 @@ import socket
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from . import catalog, layout
 from .errors import CorruptCheckpointError, RunMismatchError
@@ -57,6 +58,8 @@ def recorded_run(storage: Storage) -> Run | None:
     file = where(storage, RUN_FILE)
     try:
         body = json.loads(data)
+        body.pop("previous", None)  # `lineage`
+        body.pop("durable", None)  # `durable_root`
         if body.pop("format") != RUN_FORMAT:
             raise ValueError(f"format is not {RUN_FORMAT!r}")
         return Run(str(body["id"]), str(body["source"]), str(body["host"]), float(body["created"]))
@@ -64,14 +67,49 @@ def recorded_run(storage: Storage) -> Run | None:
         raise CorruptCheckpointError(f"run record is malformed: {e}", file=file) from None
 
 
-def claim(storage: Storage, run: Run) -> None:
-    """Record `run` as the root's run (atomically), unless it already is; a malformed record is replaced."""
+LINEAGE = 16  # run ids a root remembers having recorded before its current one
+
+
+def claim(storage: Storage, run: Run, *, durable: str | None = None) -> None:
+    """Record `run` as the root's run (atomically), unless it already is; a malformed record is replaced. The ids it
+    recorded before are kept (`lineage`). `durable`: the root is a local tier, and this the URL of its durable root.
+
+    A save records its run in every rank's local tier before its durable root does, so a local tier's lineage holds
+    the run its durable root records whatever instant an attempt died at (`tiers.Tiers.other_run`)."""
     try:
         recorded = recorded_run(storage)
+        before = lineage(storage)
     except CorruptCheckpointError:
-        recorded = None
+        recorded, before = None, []
     if recorded is None or recorded.id != run.id:
-        storage.write_atomic(RUN_FILE, json.dumps({"format": RUN_FORMAT, **asdict(run)}).encode())
+        body = {"format": RUN_FORMAT, **asdict(run), "previous": before[:LINEAGE]}
+        storage.write_atomic(RUN_FILE, json.dumps(body | ({"durable": durable} if durable else {})).encode())
+
+
+def lineage(storage: Storage) -> list[str]:
+    """The ids of the runs the root recorded, newest first: its current run's, then those it replaced."""
+    recorded = recorded_run(storage)
+    return [] if recorded is None else [recorded.id, *_extra(storage)["previous"]]
+
+
+def durable_root(storage: Storage) -> str | None:
+    """The URL of the durable root a local tier records that it belongs to (None: not a local tier, or older)."""
+    return _extra(storage)["durable"]
+
+
+def _extra(storage: Storage) -> dict[str, Any]:
+    """A run record's fields beside the run itself, checked."""
+    data = storage.read(RUN_FILE)
+    try:
+        body = json.loads(data) if data is not None else {}
+    except ValueError as e:
+        raise CorruptCheckpointError(f"run record is malformed: {e}", file=where(storage, RUN_FILE)) from None
+    previous, durable = body.get("previous", []), body.get("durable")
+    if not (isinstance(previous, list) and all(isinstance(p, str) for p in previous)) or not (
+        durable is None or isinstance(durable, str)
+    ):
+        raise CorruptCheckpointError("run record is malformed: previous or durable", file=where(storage, RUN_FILE))
+    return {"previous": previous, "durable": durable}
 
 
 def check_start(storage: Storage, run: Run, *, resume: bool, how_to_resume: str, how_to_start_over: str) -> bool:

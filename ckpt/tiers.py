@@ -118,18 +118,27 @@ class Tiers:
     def other_run(self) -> tuple[run_mod.Run, run_mod.Run | None] | None:
         """(the local tier's run, the durable root's) when the local tier is another run's; None when it is this one's.
 
-        Every rank's local tier records the run its durable root records (a save records it in both), so a local tier
-        whose recorded run the durable root does not record (another id, or none: a new durable root) holds another
-        run's steps: they are never restored, listed, counted or deleted, and a save into it is refused. A local tier
-        without a record (new, or older than run records) is this run's. Not the manager's own id: without a
-        launcher's id each process draws a new one, and a restart must still resume its local steps."""
+        A run's first save records it in every rank's local tier, with the durable root's URL, and only then in the
+        durable root, each keeping the ids it recorded before (`run.lineage`). So the local tier of this job holds
+        the run its durable root records in its lineage, whatever instant an attempt died at. Another run's local
+        tier names another durable root, or (a durable root taken over by another run) lacks the run the durable
+        root records: its steps are never restored, listed, counted or deleted, and a save into it is refused. A
+        local tier without a record (new, or older than run records), or whose durable root records no run yet, is
+        this run's. Not the manager's own id: without a launcher's id each process draws a new one, and a restart
+        must still resume its local steps."""
         if self._own:
             return None
         local = _recorded(self.local)
         if local is None:
             return None
         durable = _recorded(self.durable)
-        return None if durable is not None and durable.id == local.id else (local, durable)
+        try:
+            url, lineage = run_mod.durable_root(self.local), run_mod.lineage(self.local)
+        except CorruptCheckpointError:
+            url, lineage = None, [local.id]
+        if url is not None and url != self.durable.url:
+            return local, durable
+        return None if durable is None or durable.id in lineage else (local, durable)
 
     def _held_steps(self) -> list[int]:
         """The committed steps of this rank's local tier and of the replicas it keeps."""

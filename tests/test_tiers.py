@@ -15,6 +15,7 @@ import torch
 
 import ckpt
 from ckpt import catalog, layout
+from ckpt import run as run_mod
 from ckpt.distributed import Ranks
 from ckpt.errors import CorruptCheckpointError
 from ckpt.format import PACK_BYTES
@@ -318,6 +319,38 @@ def test_a_restart_without_a_run_id_resumes_its_own_local_steps(tmp_path, monkey
         assert [(int(s), s.tiers) for s in m.steps()] == [(2, ("local", "durable")), (3, ("local",))]
         m.save(4, state(4)).wait()
     assert same(got, state(3))
+
+
+@pytest.mark.parametrize("died", ["before its first commit", "before the durable root recorded it"])
+def test_an_attempt_killed_between_recording_its_run_in_the_two_tiers_leaves_a_restart_that_resumes(tmp_path, died):
+    """Run A's local steps; attempt B (an id of its own: no launcher's) recorded itself in the local tier and died
+    before its first step committed, or before the durable root recorded it: the next attempt resumes the newest
+    local step and saves, as the same job. A new job's local tier whose durable root records no run yet is its own."""
+    local, durable = str(tmp_path / "local"), str(tmp_path / "d")
+    with ckpt.CheckpointManager(durable, local=local, persist_every=100, run_id="A") as m:
+        for s in (1, 2, 3):
+            m.save(s, state(s)).wait()
+    run_mod.claim(open_storage(local), run_mod.Run("B", "generated"), durable=os.path.abspath(durable))
+    newest = 3
+    if died == "before the durable root recorded it":  # B's step 4 committed in the local tier only
+        with ckpt.CheckpointManager(local, run_id="B") as m:
+            m.save(4, state(4)).wait()
+        newest = 4
+    assert run_mod.lineage(open_storage(local)) == ["B", "A"] and run_mod.lineage(open_storage(durable)) == ["A"]
+    with ckpt.CheckpointManager(durable, local=local, run_id="C") as m:
+        got = blank()
+        assert m.restore(got) == newest
+        m.save(5, state(5)).wait()
+    assert same(got, state(newest))
+    assert run_mod.lineage(open_storage(local))[:3] == ["C", "B", "A"]
+    assert run_mod.lineage(open_storage(durable))[:2] == ["C", "A"]
+    fresh_local, fresh_durable = str(tmp_path / "l2"), str(tmp_path / "d2")
+    run_mod.claim(open_storage(fresh_local), run_mod.Run("D", "generated"), durable=os.path.abspath(fresh_durable))
+    with ckpt.CheckpointManager(fresh_local, run_id="D") as m:  # a new job's first step, in its local tier only
+        m.save(1, state(1)).wait()
+    with ckpt.CheckpointManager(fresh_durable, local=fresh_local, run_id="E") as m:
+        assert m.restore(blank()) == 1
+        m.save(2, state(2)).wait()
 
 
 def test_the_durable_tier_can_be_an_object_store(tmp_path):
