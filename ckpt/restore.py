@@ -644,16 +644,19 @@ def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
     states: nothing of the caller's changed yet but the tensors read into directly), then the copies, the other
     objects (modules, optimizers: `state.decode` checked their keys, shapes and groups), the plain values last.
     When a load raises, the objects loaded so far get their state from before back and so do the tensors read into
-    directly; only tensors copied into here (CUDA, strided or tied ones) keep the step's bytes then."""
+    directly; when tensors were copied into here (CUDA, strided or tied ones) and a load after the copies raises,
+    nothing is given back (every object keeps the step's values: a consistent state, as the docs say)."""
     copied = [(r, t) for r in plan.reads.values() for t in (r.targets[1:] if r.saved is not None else r.targets)]
     into = {(t.device, t.untyped_storage().data_ptr()) for _, t in copied}
     stateful = [k for k in plan.values if state_mod.is_stateful(target.get(k))]
     first = [k for k in stateful if not _holds(plan.values[k], into)]
     loaded: list[tuple[Any, Any]] = []
+    copied_yet = False
     try:
         for k in first:
             loaded.append(_before(target[k]))
             state_mod.apply(target, k, plan.values[k])
+        copied_yet = True
         cuda = False
         for r, t in copied:  # a direct read's first target already holds it
             t.copy_(r.buffer, non_blocking=t.is_cuda)
@@ -664,6 +667,8 @@ def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
             loaded.append(_before(target[k]))
             state_mod.apply(target, k, plan.values[k])
     except BaseException:
+        if copied_yet and copied:  # bytes that cannot be given back: leave every object at the step's values
+            raise
         plan.undo()
         for obj, state in reversed(loaded):
             try:
@@ -677,7 +682,10 @@ def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
 
 
 def _holds(value: Any, storages: set[tuple[torch.device, int]]) -> bool:
-    """Whether a decoded value holds a tensor whose memory is one of `storages` (device, storage address)."""
+    """Whether a decoded value holds a tensor whose memory is one of `storages` (device, storage address), or a numpy
+    array (which may view one: such objects load after the copies, as before)."""
+    if isinstance(value, np.ndarray):
+        return True
     if isinstance(value, torch.Tensor):
         t = value.to_local() if is_dtensor(value) else value
         return (t.device, t.untyped_storage().data_ptr()) in storages
@@ -692,20 +700,21 @@ def _before(obj: Any) -> tuple[Any, Any]:
     """An object and its state before a load, to give back if the restore fails: containers copied, tensors held
     as they are (their bytes are given back by `ReadPlan.undo`)."""
     state = obj.state_dict()
-    tensors: list[torch.Tensor] = []
-    _tensors(state, tensors)
-    return obj, copy.deepcopy(state, memo={id(t): t for t in tensors})
+    arrays: list[Any] = []
+    _arrays(state, arrays)
+    return obj, copy.deepcopy(state, memo={id(t): t for t in arrays})
 
 
-def _tensors(value: Any, out: list[torch.Tensor]) -> None:
-    if isinstance(value, torch.Tensor):
+def _arrays(value: Any, out: list[Any]) -> None:
+    """The tensors and numpy arrays in a state (kept by reference: their bytes are given back by `ReadPlan.undo`)."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
         out.append(value)
     elif isinstance(value, Mapping):
         for v in value.values():
-            _tensors(v, out)
+            _arrays(v, out)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            _tensors(v, out)
+            _arrays(v, out)
 
 
 def read_step(

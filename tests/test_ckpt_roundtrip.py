@@ -362,3 +362,30 @@ def test_a_restore_into_objects_of_another_kind_is_refused_before_anything_chang
         m.restore(state)
     assert torch.equal(model.weight, weight)
     assert case == "module_for_tensor" or torch.equal(state["x"], torch.ones(2))
+
+
+class _Whitening:
+    """A strided numpy array in an object's state, copied out by its load."""
+
+    def __init__(self, seed: int):
+        self.M = np.random.default_rng(seed).standard_normal((4, 3)).T
+
+    def state_dict(self):
+        return {"M": self.M}
+
+    def load_state_dict(self, sd):
+        self.M = np.array(sd["M"])
+
+
+def test_objects_whose_state_is_read_into_strided_memory_load_after_it_and_a_tensor_lr_takes_a_float(tmp_path):
+    """An object's strided numpy state gets the step's values (it loads after they are copied in), and an optimizer
+    with a tensor learning rate restores a checkpoint saved with a float one (its own load judges)."""
+    model, opt = _trained(0, 0.01)
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"w": _Whitening(0), "optim": opt}).wait()
+    model, _ = _trained(5, 0.02)
+    mine = {"w": _Whitening(7), "optim": torch.optim.Adam(model.parameters(), lr=torch.tensor(0.02))}
+    with ckpt.CheckpointManager(tmp_path) as m:
+        assert m.restore(mine) == 1
+    assert np.array_equal(mine["w"].M, _Whitening(0).M)
+    assert float(mine["optim"].param_groups[0]["lr"]) == 0.01
