@@ -48,10 +48,29 @@ def candidates(
 
 
 def walk(
-    durable: Storage, target: Target, ranks: Ranks, step: int | None, read: Read, lease: lease_mod.Lease | None
+    durable: Storage,
+    target: Target,
+    ranks: Ranks,
+    step: int | None,
+    read: Read,
+    lease: lease_mod.Lease | None,
+    failure: Exception | None = None,
 ) -> Found:
     """Try the candidates until one is read intact everywhere (`read` verifies, applies nothing); raises when
-    `step` was asked for and is not committed or damaged, or when every committed step is damaged."""
+    `step` was asked for and is not committed or damaged, or when every committed step is damaged.
+
+    First every rank learns the others' `step` and `failure` (this rank cannot restore: an earlier write's error):
+    any failure, or steps that differ, raise on every rank (that rank its own error, the others a CheckpointError
+    naming it), so none waits for another or reads another step's bytes."""
+    told = ranks.all_gather_json([step, None if failure is None else f"{type(failure).__name__}: {failure}"])
+    if failure is not None:
+        raise failure
+    failed = [(r, m) for r, (_, m) in enumerate(told) if m]
+    if failed:
+        raise CheckpointError(f"rank {failed[0][0]} cannot restore: {failed[0][1]}")
+    if len({s for s, _ in told}) > 1:
+        steps = ", ".join(f"rank {r}: {s}" for r, (s, _) in enumerate(told))
+        raise CheckpointError(f"the ranks called restore with different steps ({steps}): every rank restores the same")
     found = Found()
     todo, relists = candidates(durable, target, ranks, step, found.damaged), 0
     while todo:

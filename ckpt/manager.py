@@ -241,6 +241,7 @@ class CheckpointManager:
                 w.pack_bytes,
                 private=self._target.private,
                 failure=failure,
+                persist=persist,
             )
             defer = snapshot_mod.versions(written.tensors, owned)
             job = SaveJob(target, written, bg.arena, self._write_context, self.ranks, lease, bg.fsyncs, defer=defer)
@@ -384,7 +385,17 @@ class CheckpointManager:
         if isinstance(keys, str):
             raise TypeError(f"keys must be a list of top-level keys, e.g. [{keys!r}], not a str")
         self._check_open()
-        self.wait()
+        failure = None  # among ranks, told to every rank by the restore's first message
+        try:
+            self.wait()
+        except Exception as e:
+            if (
+                self.ranks.world_size == 1
+                or isinstance(e, CollectiveTimeout)
+                or isinstance(e.__cause__, CollectiveTimeout)
+            ):
+                raise
+            failure = e
         tracker = self.tracker if track else NO_TRACKER
         bg, tier = self._background, None
         with tracker.span("checkpoint_restore"):
@@ -394,7 +405,7 @@ class CheckpointManager:
                 args = (state, keys, self.ranks, rank_map, bg.readers, bg.arena)
                 return restore_mod.read_step(storage, s, *args, shared=storage is self.storage)
 
-            found = fallback.walk(self.storage, self._target, self.ranks, step, read, self._root_lease.lease)
+            found = fallback.walk(self.storage, self._target, self.ranks, step, read, self._root_lease.lease, failure)
             source, plan = found.source, found.plan
             if source is not None and plan is not None:
                 restore_mod.apply(plan, state)

@@ -69,10 +69,11 @@ class Planner:
         every_holder: bool = False,
         step: int = 0,
         failure: str | None = None,
+        persist: bool | None = None,
     ) -> tuple[ArrayPlan, dict[str, torch.Tensor], dict[str, Box]]:
         """(this rank's part of the plan, the local tensors it writes by array, the box of each).
 
-        The save's first message among the ranks carries each rank's `step` and, where this rank cannot save,
+        The save's first message among the ranks carries each rank's `step` (and `persist`) and, where this rank cannot save,
         `failure` (why; `tensors` may then be empty): when any rank failed or the ranks' steps differ, every rank
         raises `CheckpointWriteError`, so no rank pairs up the messages of one save with another's.
 
@@ -89,7 +90,7 @@ class Planner:
         }
         params = [chunk_bytes, pack_bytes, every_holder, ranks.world_size, ranks.rank]
         key = hashlib.blake2b(json.dumps([params, described]).encode(), digest_size=16).hexdigest()
-        told = ranks.all_gather_json([step, failure, failure is None and key == self._key])
+        told = ranks.all_gather_json([[step, persist], failure, failure is None and key == self._key])
         _check_opening(step, told)
         if not all(same for _, _, same in told):
             self._key = None  # an agreement that fails on some rank leaves no plan behind on any
@@ -106,8 +107,14 @@ def _check_opening(step: int, told: list[Any]) -> None:
     failures = [f"rank {r}: {failure}" for r, (_, failure, _) in enumerate(told) if failure]
     if failures:
         raise CheckpointWriteError(step, RuntimeError("; ".join(failures)))
-    if len({s for s, _, _ in told}) > 1:
-        steps = ", ".join(f"rank {r}: {s}" for r, (s, _, _) in enumerate(told))
+    if len({json.dumps(s) for s, _, _ in told}) > 1:
+        steps = ", ".join(f"rank {r}: {s}" for r, ((s, persist), _, _) in enumerate(told))
+        if len({s for (s, _), _, _ in told}) == 1:
+            persists = ", ".join(f"rank {r}: {persist}" for r, ((_, persist), _, _) in enumerate(told))
+            raise CheckpointWriteError(
+                step,
+                RuntimeError(f"the ranks called save with different persist= ({persists}): give every rank the same"),
+            )
         raise CheckpointWriteError(
             step,
             RuntimeError(
@@ -124,8 +131,20 @@ def _agree(ranks: Ranks, described: Description, chunk_bytes: int, pack_bytes: i
         shared = _global(gathered, chunk_bytes, pack_bytes, ranks.rank)[ranks.rank]
         return _own_root(shared, gathered[ranks.rank], ranks.rank, chunk_bytes)
     gathered = ranks.gather_json(described)
-    plans = None if gathered is None else _global(gathered, chunk_bytes, pack_bytes)
-    part = ranks.scatter_json(None if plans is None else [_to_json(plans[r]) for r in range(ranks.world_size)])
+    plans, refused = None, None
+    if gathered is not None:
+        try:
+            plans = _global(gathered, chunk_bytes, pack_bytes)
+        except ValueError as e:  # the ranks' tensors do not fit together: every rank learns it, none waits
+            refused = e
+    parts = None if gathered is None else [{"refused": str(refused)}] * ranks.world_size if refused else None
+    if plans is not None:
+        parts = [_to_json(plans[r]) for r in range(ranks.world_size)]
+    part = ranks.scatter_json(parts)
+    if refused is not None:
+        raise refused
+    if "refused" in part:
+        raise ValueError(f"rank 0 could not plan the save: {part['refused']}")
     return plans[ranks.rank] if plans is not None else _from_json(part)
 
 

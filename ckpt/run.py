@@ -67,7 +67,7 @@ def recorded_run(storage: Storage) -> Run | None:
         raise CorruptCheckpointError(f"run record is malformed: {e}", file=file) from None
 
 
-LINEAGE = 16  # run ids a root remembers having recorded before its current one
+LINEAGE = 1000  # run ids a root remembers having recorded before its current one (~40 bytes each)
 
 
 def claim(storage: Storage, run: Run, *, durable: str | None = None) -> None:

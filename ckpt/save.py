@@ -86,6 +86,7 @@ def plan(
     *,
     private: bool = False,
     failure: Exception | None = None,
+    persist: bool | None = None,
 ) -> WritePlan:
     """What this process writes for `step`: alone, every tensor is a whole array; among ranks, its slices (agreed,
     or reused, by `planner`). The boxes it places in its pack come first, in the order of their places (its pack is
@@ -94,7 +95,8 @@ def plan(
     `private`: each rank writes into a root of its own (the local tier), so it writes every box it holds and
     commits its own copy of the manifest; the root then holds what this rank needs to restore at this topology.
 
-    `failure`: this rank cannot save (raised before, e.g. an earlier write's error). Among ranks, a rank that cannot
+    `persist`: the save's `persist=` (every rank must pass the same, as the same step). `failure`: this rank
+    cannot save (raised before, e.g. an earlier write's error). Among ranks, a rank that cannot
     save (that, or a state or metadata it cannot write) still takes part in the plan's first message, so that every
     rank raises and none waits for it or pairs this save with its next one; it raises its own error.
     """
@@ -107,16 +109,21 @@ def plan(
         if ranks.world_size == 1:
             raise
         with contextlib.suppress(CheckpointWriteError):  # every rank raises; this one its own error
-            planner.plan(ranks, {}, chunk_bytes, pack_bytes, every_holder=private, step=step, failure=_told(e))
+            planner.plan(
+                ranks, {}, chunk_bytes, pack_bytes, every_holder=private, step=step, failure=_told(e), persist=persist
+            )
         raise e
-    agreed, writes, boxes = planner.plan(ranks, flat.tensors, chunk_bytes, pack_bytes, every_holder=private, step=step)
+    agreed, writes, boxes = planner.plan(
+        ranks, flat.tensors, chunk_bytes, pack_bytes, every_holder=private, step=step, persist=persist
+    )
     per_rank = state_mod.per_rank_entries(flat.tree)
     tree = flat.tree
-    if per_rank:  # every rank's entries, side by side in the manifest, to whoever commits it
+    if per_rank or ranks.world_size > 1:  # every rank's entries, side by side in the manifest, to whoever commits it
+        # (among ranks always: a rank whose state has them where another's has not must not leave it waiting)
         gathered = ranks.all_gather_json(per_rank) if private else ranks.gather_json(per_rank)
         tree = dict(flat.tree)
-        for k in per_rank if gathered is not None else ():
-            tree[k] = state_mod.per_rank_node([entry for g in gathered for entry in g[k]])
+        for k in dict.fromkeys(k for g in gathered or () for k in g):
+            tree[k] = state_mod.per_rank_node([entry for g in gathered for entry in g.get(k, [])])
     placed = {n: _place(agreed.arrays[n], b) for n, b in boxes.items() if agreed.arrays[n].places}
     writes = {n: writes[n] for n in sorted(placed, key=placed.get)} | writes
     return WritePlan(

@@ -78,6 +78,11 @@ def default_offset(world_size: int) -> int:
     return per_node if per_node < world_size else 1
 
 
+def _resolved(url: str) -> str:
+    """A root's URL with a local path's links resolved (one directory under two names is one root)."""
+    return url if "://" in url else os.path.realpath(url)
+
+
 def _recorded(storage: Storage) -> run_mod.Run | None:
     """The run a root records, if it records a readable one."""
     try:
@@ -136,7 +141,7 @@ class Tiers:
             url, lineage = run_mod.durable_root(self.local), run_mod.lineage(self.local)
         except CorruptCheckpointError:
             url, lineage = None, [local.id]
-        if url is not None and url != self.durable.url:
+        if url is not None and _resolved(url) != _resolved(self.durable.url):
             return local, durable
         return None if durable is None or durable.id in lineage else (local, durable)
 
@@ -175,8 +180,13 @@ class Tiers:
             local, durable = other
             lease.release()  # held only to look: another run's tier stays free for it
             self.lease = None
+            try:
+                written_for = run_mod.durable_root(self.local)
+            except CorruptCheckpointError:
+                written_for = None
             raise RunMismatchError(
-                f"the local tier {self.local.url} holds committed steps {steps} of {local.describe()}, and the durable "
+                f"the local tier {self.local.url} holds committed steps {steps} of {local.describe()}"
+                f"{f' for the durable root {written_for}' if written_for else ''}, and the durable "
                 f"root {self.durable.url} records "
                 f"{durable.describe() if durable is not None else 'no run (a new root)'}: a run never writes into, "
                 f"restores or deletes another run's local tier. No step was written or deleted. Give this run a local "

@@ -174,6 +174,12 @@ def main(mode: str, root: str) -> None:
                 except (TypeError, ckpt.CheckpointWriteError) as e:
                     print(f"save {step} refused: {type(e).__name__}: {e}", flush=True)
                 m.save(step + 1 if step == 2 else 6, state_of(model, opt)).wait()
+            try:  # a tensor whose shape differs between ranks: rank 0 cannot plan it, and every rank learns so
+                m.save(7, {**state_of(model, opt), "odd": torch.zeros(8 + rank)}).wait()
+                print("save 7 ok", flush=True)
+            except ValueError as e:
+                print(f"save 7 refused: {e}", flush=True)
+            m.save(8, {**state_of(model, opt), "rng": RNGState()} if rank == 0 else state_of(model, opt)).wait()
             print(f"steps {m.steps()}", flush=True)
     elif mode == "restore_refused":
         # rank 1's state has a key the checkpoint lacks: it raises its StateKeyError, rank 0 a StateMismatchError
@@ -192,6 +198,12 @@ def main(mode: str, root: str) -> None:
             print(f"changed {[k for k in before if not torch.equal(before[k], after[k])]}", flush=True)
             m.save(2, state_of(model, opt)).wait()
             print(f"steps {m.steps()}", flush=True)
+            try:  # ranks asking for different steps: every rank raises, none reads another's step
+                m.restore(state_of(model, opt), step=1 + rank)
+                print("NO ERROR", flush=True)
+            except ckpt.CheckpointError as e:
+                print(f"steps refused: {e}", flush=True)
+            print(f"then restored {m.restore(state_of(model, opt))}", flush=True)
     elif mode == "restore_damaged":
         with ckpt.CheckpointManager(root, collective_timeout=20) as m:
             # step 2 asked for: every rank but the last reads its part intact (straight into the model), the last
