@@ -348,13 +348,24 @@ def _same_keys(saved: list[Any], current: list[Any], key: str) -> None:
         )
 
 
+def _in_place(x: Any) -> bool:
+    """A value `apply` fills where it is (a tuple of them needs no new tuple)."""
+    return is_stateful(x) or isinstance(x, (torch.Tensor, dict))
+
+
 def _child(template: Any, k: Any) -> Any:
     return template.get(k) if isinstance(template, Mapping) else None
 
 
-def apply(target: dict[str, Any], key: str, value: Any) -> None:
-    """Put a restored value into the caller's state: Stateful objects load it, tensors are copied in place."""
-    current = target.get(key)
+def apply(target: dict[str, Any] | list[Any], key: Any, value: Any) -> None:
+    """Put a restored value into the caller's state: Stateful objects load it, tensors are copied in place, and
+    dicts and lists (two optimizers of a GAN) are entered, so that the objects in them load too."""
+    current = target.get(key) if isinstance(target, dict) else target[key]
+    if isinstance(current, (list, tuple)) and isinstance(value, (list, tuple)) and len(current) == len(value):
+        if isinstance(current, list) or all(_in_place(c) for c in current):
+            for i, v in enumerate(value):
+                apply(current, i, v)
+            return
     if is_stateful(current):
         current.load_state_dict(value)
     elif isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor) and current.shape == value.shape:

@@ -389,3 +389,28 @@ def test_objects_whose_state_is_read_into_strided_memory_load_after_it_and_a_ten
         assert m.restore(mine) == 1
     assert np.array_equal(mine["w"].M, _Whitening(0).M)
     assert float(mine["optim"].param_groups[0]["lr"]) == 0.01
+
+
+def test_objects_in_a_list_of_the_state_load_their_state(tmp_path):
+    """A GAN's two optimizers in a list (and a tuple) stay the caller's objects and get the step's whole state,
+    their param_groups' learning rates included, not only the tensors read into directly."""
+
+    def make(seed: int):
+        torch.manual_seed(seed)
+        g, d = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        opts = [torch.optim.Adam(g.parameters(), lr=0.1 + seed), torch.optim.Adam(d.parameters(), lr=0.2 + seed)]
+        (g(torch.ones(1, 2)).sum() + d(torch.ones(1, 2)).sum()).backward()
+        for o in opts:
+            o.step()
+        return {"models": {"g": g, "d": d}, "opts": opts, "pair": tuple(opts[::-1]), "n": [1, 2]}
+
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, make(0)).wait()
+    mine, saved = make(3), make(0)
+    opts, numbers = mine["opts"], mine["n"]
+    with ckpt.CheckpointManager(tmp_path) as m:
+        assert m.restore(mine) == 1
+    assert mine["opts"] is opts and mine["n"] is numbers and all(isinstance(o, torch.optim.Adam) for o in mine["pair"])
+    assert [o.param_groups[0]["lr"] for o in opts] == [0.1, 0.2]
+    for got, want in zip(opts, saved["opts"]):
+        assert torch.equal(got.state_dict()["state"][0]["exp_avg"], want.state_dict()["state"][0]["exp_avg"])
