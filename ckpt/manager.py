@@ -219,15 +219,7 @@ class CheckpointManager:
                         f"step {step} is already committed in {target.url}; a committed checkpoint is never overwritten"
                     )
             except Exception as e:
-                # alone, or once a message among the ranks timed out (they are out of step: another would only wait
-                # again and hide this error), raised here; else told to every rank by the plan's first message
-                if (
-                    self.ranks.world_size == 1
-                    or isinstance(e, CollectiveTimeout)
-                    or isinstance(e.__cause__, CollectiveTimeout)
-                ):
-                    raise
-                failure = e
+                failure = self._to_tell(e)
             t0 = time.perf_counter()
             owned = snapshot_mod.optimizer_owned(state) if self.snapshot == "overlap" and failure is None else set()
             w = self.write
@@ -261,6 +253,14 @@ class CheckpointManager:
             then=lambda retain_now: self._retain_after(step) if retain_now else None,
             pending=job.pending,
         )
+
+    def _to_tell(self, error: Exception) -> Exception:
+        """An error met before a save's or restore's first message among the ranks, which tells it to every rank;
+        raised here alone, or once a message among the ranks timed out (they are out of step: another would only
+        wait again and hide this error)."""
+        if self.ranks.world_size == 1 or any(isinstance(e, CollectiveTimeout) for e in (error, error.__cause__)):
+            raise error
+        return error
 
     def _commit(self, job: SaveJob, stall: float, persist: bool | None) -> bool:
         """Writer thread: record the run once, write and commit, tell the target (a local tier replicates and
@@ -389,13 +389,7 @@ class CheckpointManager:
         try:
             self.wait()
         except Exception as e:
-            if (
-                self.ranks.world_size == 1
-                or isinstance(e, CollectiveTimeout)
-                or isinstance(e.__cause__, CollectiveTimeout)
-            ):
-                raise
-            failure = e
+            failure = self._to_tell(e)
         tracker = self.tracker if track else NO_TRACKER
         bg, tier = self._background, None
         with tracker.span("checkpoint_restore"):

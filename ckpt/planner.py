@@ -102,25 +102,24 @@ class Planner:
 
 
 def _check_opening(step: int, told: list[Any]) -> None:
-    """Raise on every rank when some rank cannot save `step` or saves another step (`told`: each rank's step,
-    failure and plan flag, in rank order)."""
+    """Raise on every rank when some rank cannot save `step`, or saves another step or with another `persist=`
+    (`told`: each rank's [step, persist], failure and plan flag, in rank order)."""
     failures = [f"rank {r}: {failure}" for r, (_, failure, _) in enumerate(told) if failure]
     if failures:
         raise CheckpointWriteError(step, RuntimeError("; ".join(failures)))
-    if len({json.dumps(s) for s, _, _ in told}) > 1:
-        steps = ", ".join(f"rank {r}: {s}" for r, ((s, persist), _, _) in enumerate(told))
-        if len({s for (s, _), _, _ in told}) == 1:
-            persists = ", ".join(f"rank {r}: {persist}" for r, ((_, persist), _, _) in enumerate(told))
-            raise CheckpointWriteError(
-                step,
-                RuntimeError(f"the ranks called save with different persist= ({persists}): give every rank the same"),
-            )
+    if len({s for (s, _), _, _ in told}) > 1:
+        steps = ", ".join(f"rank {r}: {s}" for r, ((s, _), _, _) in enumerate(told))
         raise CheckpointWriteError(
             step,
             RuntimeError(
                 f"the ranks called save with different steps ({steps}): every rank must save the same step in the "
                 f"same order (did a rank skip a save, or go on after a save that raised on it alone?)"
             ),
+        )
+    if len({p for (_, p), _, _ in told}) > 1:
+        persists = ", ".join(f"rank {r}: {p}" for r, ((_, p), _, _) in enumerate(told))
+        raise CheckpointWriteError(
+            step, RuntimeError(f"the ranks called save with different persist= ({persists}): give every rank the same")
         )
 
 
@@ -131,15 +130,13 @@ def _agree(ranks: Ranks, described: Description, chunk_bytes: int, pack_bytes: i
         shared = _global(gathered, chunk_bytes, pack_bytes, ranks.rank)[ranks.rank]
         return _own_root(shared, gathered[ranks.rank], ranks.rank, chunk_bytes)
     gathered = ranks.gather_json(described)
-    plans, refused = None, None
+    plans, refused, parts = None, None, None
     if gathered is not None:
         try:
             plans = _global(gathered, chunk_bytes, pack_bytes)
+            parts = [_to_json(plans[r]) for r in range(ranks.world_size)]
         except ValueError as e:  # the ranks' tensors do not fit together: every rank learns it, none waits
-            refused = e
-    parts = None if gathered is None else [{"refused": str(refused)}] * ranks.world_size if refused else None
-    if plans is not None:
-        parts = [_to_json(plans[r]) for r in range(ranks.world_size)]
+            refused, parts = e, [{"refused": str(e)}] * ranks.world_size
     part = ranks.scatter_json(parts)
     if refused is not None:
         raise refused

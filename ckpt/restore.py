@@ -23,7 +23,7 @@ import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -684,37 +684,32 @@ def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
 def _holds(value: Any, storages: set[tuple[torch.device, int]]) -> bool:
     """Whether a decoded value holds a tensor whose memory is one of `storages` (device, storage address), or a numpy
     array (which may view one: such objects load after the copies, as before)."""
-    if isinstance(value, np.ndarray):
-        return True
-    if isinstance(value, torch.Tensor):
-        t = value.to_local() if is_dtensor(value) else value
-        return (t.device, t.untyped_storage().data_ptr()) in storages
-    if isinstance(value, Mapping):
-        return any(_holds(v, storages) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds(v, storages) for v in value)
+    for a in _arrays(value):
+        if isinstance(a, np.ndarray):
+            return True
+        t = a.to_local() if is_dtensor(a) else a
+        if (t.device, t.untyped_storage().data_ptr()) in storages:
+            return True
     return False
 
 
 def _before(obj: Any) -> tuple[Any, Any]:
-    """An object and its state before a load, to give back if the restore fails: containers copied, tensors held
-    as they are (their bytes are given back by `ReadPlan.undo`)."""
+    """An object and its state before a load, to give back if the restore fails: containers copied, tensors and
+    numpy arrays held as they are (their bytes are given back by `ReadPlan.undo`)."""
     state = obj.state_dict()
-    arrays: list[Any] = []
-    _arrays(state, arrays)
-    return obj, copy.deepcopy(state, memo={id(t): t for t in arrays})
+    return obj, copy.deepcopy(state, memo={id(a): a for a in _arrays(state)})
 
 
-def _arrays(value: Any, out: list[Any]) -> None:
-    """The tensors and numpy arrays in a state (kept by reference: their bytes are given back by `ReadPlan.undo`)."""
+def _arrays(value: Any) -> Iterator[Any]:
+    """The tensors and numpy arrays in a value, through its dicts, lists and tuples."""
     if isinstance(value, (torch.Tensor, np.ndarray)):
-        out.append(value)
+        yield value
     elif isinstance(value, Mapping):
         for v in value.values():
-            _arrays(v, out)
+            yield from _arrays(v)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            _arrays(v, out)
+            yield from _arrays(v)
 
 
 def read_step(
