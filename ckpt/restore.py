@@ -77,6 +77,13 @@ class ReadPlan:
                 r.targets[0].detach().copy_(r.saved)
                 r.saved = None
 
+    def release(self) -> None:
+        """Drop the references to scratch and to the bytes set aside, once applied: their host memory goes back
+        with the arena's at `close`, not whenever the garbage collector next finds the restore's cycles."""
+        for r in self.reads.values():
+            r.saved = None
+            r.buffer = r.fresh
+
 
 def plan_restore(
     manifest: Manifest,
@@ -676,6 +683,8 @@ def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
             except Exception as e:  # the error that stopped the restore is the one to raise
                 log.warning("restore failed, and %s could not be given its state back: %s", type(obj).__name__, e)
         raise
+    finally:
+        plan.release()
     for k, v in plan.values.items():
         if k not in stateful:
             state_mod.apply(target, k, v)

@@ -97,9 +97,13 @@ class StagingArena:
         self._wanted = 0  # saves waiting for `_lock`: a reservation in progress hands the arena over to them
 
     def close(self) -> None:
-        """Stop the copy threads (a closed manager's arena copies nothing more)."""
+        """Stop the copy threads and give the buffer back (a closed manager's arena copies nothing more, and its
+        host memory is freed at `close`, not whenever the garbage collector next finds the manager's cycles)."""
         if isinstance(self._copier, ThreadPoolExecutor):
             self._copier.shutdown(wait=True)
+        with self._lock:
+            self._buf = _allocate(0)
+            self._np = self._buf.numpy()
 
     @property
     def capacity(self) -> int:
