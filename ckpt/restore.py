@@ -558,7 +558,8 @@ class _PlacedReads:
 
 def _direct_targets(reads: Sequence[ArrayRead]) -> set[int]:
     """The reads (by id) whose first target can be read into directly: a contiguous CPU tensor of the read's dtype
-    and shape whose bytes no other read's target shares (tied or overlapping views stay read into scratch)."""
+    and shape, not a conjugate view, whose bytes no other read's target shares (tied or overlapping views stay read
+    into scratch)."""
     spans: dict[int, tuple[int, int]] = {}
     for r in reads:
         t = r.targets[0] if r.targets else None
@@ -566,6 +567,7 @@ def _direct_targets(reads: Sequence[ArrayRead]) -> set[int]:
             t is not None
             and t.device.type == "cpu"
             and t.is_contiguous()
+            and not (t.is_conj() or t.is_neg())  # a lazy conjugate (or negative) view: its bytes are not its values
             and t.dtype == torch_dtype(r.info.dtype)
             and tuple(t.shape) == r.shape
             and t.numel() > 0

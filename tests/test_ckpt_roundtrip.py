@@ -268,6 +268,22 @@ def test_chunking_keeps_file_count_sane_and_reads_back(tmp_path):
     assert torch.equal(out["x"], x)
 
 
+def test_lazy_conjugate_views_are_saved_and_restored_by_their_values(tmp_path):
+    """`x.conj()` and its imaginary part (a negative view) hold other bytes than their values: a save writes the
+    values, and a restore into such a view gives it the values (it is read into scratch, then copied in)."""
+    x = torch.randn(5, dtype=torch.complex64, generator=torch.Generator().manual_seed(2))
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"c": x.conj(), "n": x.conj().imag}).wait()
+    base = torch.zeros(5, dtype=torch.complex64)
+    into = {"c": torch.zeros(5, dtype=torch.complex64).conj(), "n": base.conj().imag}
+    assert into["c"].is_conj() and into["n"].is_neg()
+    with ckpt.CheckpointManager(tmp_path) as m:
+        assert m.restore(into) == 1
+    assert torch.equal(into["c"], x.conj()) and into["c"].is_conj()
+    assert torch.equal(into["n"], x.conj().imag) and torch.equal(base.imag, x.imag)
+    assert torch.equal(ckpt.load(tmp_path)["c"], x.conj().resolve_conj())
+
+
 def test_tensor_larger_than_2gib_round_trips(tmp_path):
     n = (2 << 30) + 4096 * 3
     x = torch.empty(n, dtype=torch.uint8)
