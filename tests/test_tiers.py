@@ -195,21 +195,33 @@ def test_sigkill_during_a_persist_leaves_no_partial_durable_step_and_a_valid_loc
     script = tmp_path / "persister.py"
     script.write_text(_PERSISTER)
     proc = subprocess.Popen([sys.executable, str(script), durable, local], stdout=subprocess.PIPE, env=os.environ)
+
+    def in_flight() -> list[int]:
+        """Persists in flight once an earlier one committed: marked, some of their files copied, no manifest yet."""
+        d = open_storage(durable)
+        committed = layout.committed_steps(d)
+        return [
+            s
+            for s in layout.step_dirs(d)
+            if committed
+            and s not in committed
+            and os.path.exists(os.path.join(durable, layout.in_progress_path(s)))
+            and any(
+                os.path.isdir(os.path.join(durable, layout.data_path(s, x), "packs", "rank_00000", "c"))
+                for x in layout.data_dirs(d, s)
+            )
+            and not layout.is_committed(d, s)
+        ]
+
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # a persist in flight: marked, some of its files copied, no manifest yet
-            partial = [
-                s
-                for s in layout.step_dirs(open_storage(durable))
-                if os.path.exists(os.path.join(durable, layout.in_progress_path(s)))
-                and any(
-                    os.path.isdir(os.path.join(durable, layout.data_path(s, d), "packs", "rank_00000", "c"))
-                    for d in layout.data_dirs(open_storage(durable), s)
-                )
-                and not layout.is_committed(open_storage(durable), s)
-            ]
-            if partial and layout.committed_steps(open_storage(durable)):
-                break
+        while time.monotonic() < deadline:
+            if in_flight():  # stop the process, and kill it only if the persist is still in flight once stopped
+                proc.send_signal(signal.SIGSTOP)
+                partial = in_flight()
+                if partial:
+                    break
+                proc.send_signal(signal.SIGCONT)
             time.sleep(0.005)
         else:
             pytest.fail("never saw a persist in flight")
