@@ -252,6 +252,11 @@ class ArrayInfo:
     def box_nbytes(self, box: Sequence[tuple[int, int]]) -> int:
         return math.prod(b - a for a, b in box) * self.itemsize
 
+    @functools.cached_property
+    def box_sizes(self) -> list[int]:
+        """`box_nbytes` of each box, in order (a manifest of R ranks x T tensors has R x T boxes: each once)."""
+        return [self.box_nbytes(box) for box in self.boxes]
+
     def segments(self, box: int, lo: int = 0, hi: int | None = None) -> list[tuple[int, int, int]]:
         """The segments of a placed box that hold its bytes [lo, hi): (first byte, end byte in the box, index of
         its digest)."""
@@ -270,8 +275,8 @@ class ArrayInfo:
     def _digest_starts(self) -> list[int]:
         """The index of each placed box's first digest (`segments`), and their count last."""
         out = [0]
-        for box in self.boxes:
-            out.append(out[-1] + -(-self.box_nbytes(box) // (self.segment or self.box_nbytes(box) or 1)))
+        for n in self.box_sizes:
+            out.append(out[-1] + -(-n // (self.segment or n or 1)))
         return out
 
     @property
@@ -345,14 +350,7 @@ class ArrayInfo:
         )
         boxes = d.get("boxes")
         need(
-            isinstance(boxes, list)
-            and len(boxes) <= MAX_CHUNKS
-            and all(
-                isinstance(box, list)
-                and len(box) == len(shape)
-                and all(_ints(r, 0, n) and len(r) == 2 and r[0] <= r[1] for r, n in zip(box, shape))
-                for box in boxes
-            ),
+            isinstance(boxes, list) and len(boxes) <= MAX_CHUNKS and _boxes_inside(boxes, shape),
             "boxes must be lists of [start, stop] inside the shape",
         )
         info = cls(name, d["dtype"], tuple(shape), tuple(chunk), tuple(tuple((a, b) for a, b in box) for box in boxes))
@@ -360,7 +358,7 @@ class ArrayInfo:
         if places is not None:
             need(info.chunk == info.shape and info.nbytes > 0, "a placed array is one non-empty chunk")
             need(len(places) == len(info.boxes), f"needs a place per box ({len(info.boxes)}), has {len(places)}")
-            need(all(info.box_nbytes(b) > 0 for b in info.boxes), "a placed array's boxes are not empty")
+            need(all(n > 0 for n in info.box_sizes), "a placed array's boxes are not empty")
             untiled = _untiled(info.shape, info.boxes)  # a read fills the tensor from its boxes alone
             need(untiled is None, f"its boxes do not tile its shape {list(info.shape)}: {untiled}")
             segment = d.get("segment", 0) if format == FORMAT else 0
@@ -419,15 +417,15 @@ def _places(d: dict[str, Any], format: str, need: Any) -> tuple[tuple[str, int],
         need(isinstance(raw, list), f"bad places {str(raw)[:100]!r}")
     else:
         return None
-    for p in raw:
-        need(
-            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and _ints(p[1:], 0, _MAX_DIM),
-            f"bad place {str(p)[:100]!r} (expected [pack name, byte offset])",
-        )
-    for p in raw:
+    for p in raw:  # the message is formatted only for a bad place: a manifest holds one place per box
+        ok = isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and type(p[1]) is int
+        if not (ok and 0 <= p[1] <= _MAX_DIM):
+            need(False, f"bad place {str(p)[:100]!r} (expected [pack name, byte offset])")
+    for name in {p[0] for p in raw}:  # a pack's name once, not once per box placed in it
         try:
-            validate_array_name(p[0])
+            validate_array_name(name)
         except CorruptCheckpointError as e:
+            p = next(p for p in raw if p[0] == name)
             need(False, f"bad place {str(p)[:100]!r}: {e}")
     return tuple((p[0], p[1]) for p in raw)
 
@@ -435,6 +433,21 @@ def _places(d: dict[str, Any], format: str, need: Any) -> tuple[tuple[str, int],
 def _span(info: ArrayInfo, i: int) -> str:
     at = info.places[i][1]
     return f"bytes [{at}, {at + info.box_nbytes(info.boxes[i])})"
+
+
+def _boxes_inside(boxes: list[Any], shape: list[int]) -> bool:
+    """Every box a list of one [start, stop] of ints per dimension, 0 <= start <= stop <= that dimension."""
+    rank = len(shape)
+    for box in boxes:
+        if not (isinstance(box, list) and len(box) == rank):
+            return False
+        for r, n in zip(box, shape):
+            if not (isinstance(r, list) and len(r) == 2):
+                return False
+            a, b = r
+            if not (type(a) is int and type(b) is int and 0 <= a <= b <= n):
+                return False
+    return True
 
 
 def _ints(v: Any, lo: int, hi: int) -> bool:
@@ -468,11 +481,10 @@ def pack_layout(sizes: Sequence[int], chunk_bytes: int) -> tuple[list[int], int,
 def pack_mismatch(info: ArrayInfo, packs: dict[str, ArrayInfo], format: str) -> str | None:
     """Why a placed box's place in its pack is impossible (no such pack, out of it, across a chunk where the format
     does not allow it, a pack of the other kind); else None."""
-    for (pack_name, offset), box in zip(info.places, info.boxes):
+    for (pack_name, offset), n in zip(info.places, info.box_sizes):
         pack = packs.get(pack_name)
         if pack is None:
             return f"names pack {pack_name!r}, which the manifest does not list"
-        n = info.box_nbytes(box)
         if offset + n > pack.shape[0]:
             return f"bytes [{offset}, {offset + n}) do not lie in pack {pack.name!r} {list(pack.shape)}"
         if format in _OLD_PACKS and offset // pack.chunk[0] != (offset + n - 1) // pack.chunk[0]:
@@ -485,8 +497,8 @@ def pack_overlap(arrays: dict[str, ArrayInfo]) -> tuple[str, tuple[str, int], tu
     none do. A writer lays them out apart (`pack_layout`), so any overlap is a crafted or damaged manifest."""
     by_pack: dict[str, list[tuple[int, int, str, int]]] = {}
     for name, info in arrays.items():
-        for i, (pack, at) in enumerate(info.places or ()):
-            by_pack.setdefault(pack, []).append((at, at + info.box_nbytes(info.boxes[i]), name, i))
+        for i, ((pack, at), n) in enumerate(zip(info.places or (), info.box_sizes)):
+            by_pack.setdefault(pack, []).append((at, at + n, name, i))
     for pack, members in by_pack.items():
         members.sort()
         end, last = 0, ("", 0)

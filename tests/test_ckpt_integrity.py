@@ -567,6 +567,31 @@ def test_a_placed_array_whose_boxes_do_not_tile_its_shape_is_damage(tmp_path, ca
     assert torch.equal(ckpt.load(root)["w"], _placed_state(1)["w"])  # the damaged step 2 was set aside
 
 
+_BAD_PLACES = {  # the 2-D placed array's one place, and what its error says
+    "place_is_str": ("rank_00000", "bad place"),
+    "offset_negative": (["rank_00000", -4096], "bad place"),
+    "offset_is_bool": (["rank_00000", True], "bad place"),
+    "offset_is_float": (["rank_00000", 0.0], "bad place"),
+    "name_unsafe": (["../rank_00000", 0], "bad place"),
+    "name_not_a_pack": (["rank_00007", 0], "does not list"),
+    "past_the_pack": (["rank_00000", 1 << 40], "do not lie in pack"),
+}
+
+
+@pytest.mark.parametrize("case", list(_BAD_PLACES))
+def test_a_placed_array_with_a_malformed_place_is_damage_naming_the_key(tmp_path, case):
+    root = tmp_path / "ck"
+    with ckpt.CheckpointManager(root) as m:
+        for s in (1, 2):
+            m.save(s, _placed_state(s))
+    place, says = _BAD_PLACES[case]
+    _resign(root, 2, _set(["arrays", "w", "places"], [place]))
+    (problem,) = catalog.verify(open_storage(str(root)), 2)
+    assert isinstance(problem, CorruptCheckpointError) and problem.key == "w" and says in str(problem), problem
+    with ckpt.CheckpointManager(root) as m, pytest.warns(RuntimeWarning, match="step 2 is damaged"):
+        assert m.restore({"w": torch.zeros(64, 32), "s": torch.tensor(0.0), "n": None}) == 1
+
+
 def test_format_1_steps_without_digests_are_still_read(tmp_path):
     _save(tmp_path, [1])
 
