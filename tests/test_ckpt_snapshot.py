@@ -36,16 +36,22 @@ class Gate:
     def open_once_waiting(self, thread_id: int, hold: float) -> None:
         """Open `hold` seconds after thread `thread_id` is seen waiting for the snapshot (not after a fixed delay,
         which a loaded machine spends before the wait even starts)."""
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            frame = sys._current_frames().get(thread_id)
-            while frame is not None and frame.f_code.co_name != "await_snapshot":
-                frame = frame.f_back
-            if frame is not None:
-                break
-            time.sleep(0.005)
+        seen_calling(thread_id, "await_snapshot", "wait")
         time.sleep(hold)
         self.open()
+
+
+def seen_calling(thread_id: int, caller: str, callee: str, timeout: float = 10) -> None:
+    """Return once thread `thread_id` is inside `callee` called from `caller` (by function names), or after
+    `timeout`: what a test times from then on surely began before."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        frame, inner = sys._current_frames().get(thread_id), None
+        while frame is not None and not (frame.f_code.co_name == caller and inner == callee):
+            frame, inner = frame.f_back, frame.f_code.co_name
+        if frame is not None:
+            return
+        time.sleep(0.005)
 
 
 def make():

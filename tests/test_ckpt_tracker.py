@@ -1,10 +1,13 @@
 """What the manager tells a goodput tracker lands in the ledger: saves, commits, restores, failures."""
 
+import time
+
 import pytest
 import torch
 
 import ckpt
 import ettr
+from test_ckpt_snapshot import seen_calling
 
 
 def _records(root):
@@ -106,7 +109,8 @@ def test_a_save_that_waits_for_the_previous_one_reports_the_wait_as_a_part_of_it
         commit = m._commit
         m._commit = lambda *args: (gate.wait(), commit(*args))[1]  # the first write cannot finish before the gate
         m.save(1, {"w": torch.ones(3)})
-        threading.Timer(0.3, gate.set).start()
+        main = threading.get_ident()  # the gate opens 0.3 s after save(2) is seen draining save 1 (its wait began)
+        threading.Thread(target=lambda: (seen_calling(main, "save", "drain"), time.sleep(0.3), gate.set())).start()
         m.save(2, {"w": torch.ones(3)}).wait()
     tracker.end()
     spans = [r for r in _records(tmp_path) if r.get("k") == "span" and r["c"] == "checkpoint_save"]

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +42,10 @@ def train(root: str, tokens: str, every: int, local: str | None = None) -> None:
     """The child: resume, train to TOTAL printing each step, write the final weights to ROOT/final.bin.
 
     With `local`, two tiers: every save to the local tier LOCAL, none persisted by the interval (persist_every). With
-    PERTURB_STEP in the environment, that step's loss is nudged (a divergence for the replay check to find)."""
-    perturb = int(os.environ.get("PERTURB_STEP", "0"))
+    PERTURB_STEP in the environment, that step's loss is nudged (a divergence for the replay check to find). With
+    HOLD_AT, the child stops after that step's lines until a signal comes (a SIGKILL ends it there, a SIGTERM is
+    seen by the loop): the signal lands in that step however late the parent sends it."""
+    perturb, hold = int(os.environ.get("PERTURB_STEP", "0")), int(os.environ.get("HOLD_AT", "0"))
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -73,6 +76,9 @@ def train(root: str, tokens: str, every: int, local: str | None = None) -> None:
                 loop.on_step_end(step, {"loss": loss.item()})
                 print(f"step {step}", flush=True)
                 print(f"batch {step} {hash_batch(batch['t'].tolist(), batch['start'].tolist())}", flush=True)
+                deadline = time.monotonic() + 120
+                while step == hold and not loop.preempted and time.monotonic() < deadline:
+                    time.sleep(0.005)
     except Preempted as e:
         print(f"preempted {e.step}", flush=True)
         raise
@@ -89,9 +95,12 @@ def run_child(
     stderr: Path | None = None,
     env: dict[str, str] | None = None,
 ) -> tuple[int, list[str]]:
-    """Run the child (with `env` added to its environment); send `signal_on[1]` when it prints `signal_on[0]`.
-    Returns its exit status and lines; its stderr goes to the file `stderr` if given."""
+    """Run the child (with `env` added to its environment); send `signal_on[1]` when it prints `signal_on[0]`
+    ("step N": the child waits there for the signal). Returns its exit status and lines; its stderr goes to the
+    file `stderr` if given."""
     cmd = [sys.executable, __file__, str(root), str(tokens), str(every)]
+    if signal_on:
+        env = {**(env or {}), "HOLD_AT": signal_on[0].split()[1]}
     cmd += [f"--local={local}"] if local else []
     with open(stderr, "w") if stderr else contextlib.nullcontext() as err:
         proc = subprocess.Popen(
