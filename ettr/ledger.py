@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -351,7 +352,15 @@ def read_ledgers(root: str, storage_options: dict[str, Any] | None = None, *, ra
             part, part_torn = parse_lines(files.read(name).decode("utf-8", errors="replace"), files.where(name))
             records.extend(part)
             torn = torn or part_torn
-        if not records or records[0]["k"] != "start":
+        if not records:  # an attempt that died (or found the disk full) before its start record was written
+            warnings.warn(
+                f"{files.where(parts[0][1])}: an empty ledger (its attempt ended before writing its start record): "
+                "left out of the report",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            continue
+        if records[0]["k"] != "start":
             raise LedgerError(f"{files.where(parts[0][1])}:1: a ledger must begin with a 'start' record")
         ledgers.append(Ledger(files.where(parts[0][1]), attempt, r, tuple(records), torn))
     return ledgers

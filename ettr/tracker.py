@@ -19,7 +19,7 @@ from typing import Any
 from .attribution import SAVE_SPLIT, Attribution, attribute
 from .clock import Clock, SystemClock
 from .formulas import check_seconds
-from .ledger import FORMAT_VERSION, SAVE_PARTS, TIERS, UPLOAD_INTERVAL_S, LedgerWriter, read_ledgers
+from .ledger import FORMAT_VERSION, SAVE_PARTS, TIERS, UPLOAD_INTERVAL_S, LedgerError, LedgerWriter, read_ledgers
 from .replay import Replay, compare, float_bits
 from .stragglers import WAIT, WINDOW_STEPS, WindowMeter
 from .telemetry import GoodputMetrics
@@ -553,7 +553,11 @@ class GoodputTracker:
         if not (self._resume_known or self._gap == "other"):
             return False
         self._prior_done = True
-        ledgers = read_ledgers(self.root, self._storage_options, rank=self.rank)
+        try:
+            ledgers = read_ledgers(self.root, self._storage_options, rank=self.rank)
+        except (LedgerError, OSError) as e:  # the goodput of earlier attempts is lost to telemetry, not the training
+            log.warning("goodput: the earlier attempts' ledgers cannot be read (%s): telemetry counts this one only", e)
+            ledgers = []
         commits = [(r["s"], r["t"]) for l in ledgers for r in l.records if r["k"] == "commit"]
         if commits:  # the job's newest checkpoint so far, for the last-step and age gauges
             self.metrics.committed(*max(commits))

@@ -278,3 +278,29 @@ def test_advise_without_a_save_says_so(tmp_path):
     adv = advise(attribute_root(str(tmp_path)), mttf_s=3600.0)
     assert adv.too_short == "5 step(s) and 0 save(s) in the ledger; a fit needs at least one of each"
     assert "run too short to fit a checkpoint interval: 5 step(s) and 0 save(s)" in adv.text()
+
+
+def test_an_attempt_that_left_an_empty_ledger_neither_stops_the_next_one_nor_the_report(tmp_path):
+    """An attempt killed (or out of disk) between creating its ledger and writing its start record leaves 0 bytes:
+    the next attempt's restore, which attributes the earlier attempts for telemetry, trains on, and the report
+    leaves the empty ledger out, saying so."""
+    root, clock = str(tmp_path), FakeClock(1000.0)
+    first = GoodputTracker(root, attempt_id="a1", clock=clock).start()
+    first.checkpoint_restored(None)
+    for s in range(1, 6):
+        first.step_begin(s)
+        clock.advance(1.0)
+        first.step_end(s)
+    first.checkpoint_committed(5, 0.1)
+    first.flush()  # then it dies: no end
+    open(os.path.join(root, "ettr", "ledger-a2-rank0.jsonl"), "w").close()  # the attempt after it: 0 bytes
+    clock.advance(30.0)
+    third = GoodputTracker(root, attempt_id="a3", clock=clock).start()
+    with pytest.warns(RuntimeWarning, match="ledger-a2-rank0.jsonl: an empty ledger"):
+        third.checkpoint_restored(5)
+    third.end()
+    with pytest.warns(RuntimeWarning, match="an empty ledger"):
+        a = attribute_root(root)
+    assert [at.attempt for at in a.attempts] == ["a1", "a3"] and a.failures == 1
+    out = cli("report", root)
+    assert out.returncode == 0 and "ETTR" in out.stdout and "an empty ledger" in out.stderr, out.stderr
