@@ -162,10 +162,14 @@ class Background:
         return self.inflight is not None and self.inflight.step == step and not self.inflight.done()
 
     def drain(self) -> None:
-        """Wait for the save in flight; its error is raised here unless a handle already reported it."""
-        handle, self.inflight = self.inflight, None
+        """Wait for the save in flight; its error is raised here unless a handle already reported it. Interrupted
+        (Ctrl-C), the save stays in flight: the next save waits for it before it copies into the arena it writes
+        from."""
+        handle = self.inflight
         if handle is not None:
             futures_wait([handle._future])
+            if self.inflight is handle:
+                self.inflight = None
         self.raise_error()
 
     def barrier(self) -> None:

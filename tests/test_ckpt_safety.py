@@ -384,3 +384,33 @@ def test_cli_explain_prints_the_batch_of_a_step(tmp_path):
         expected.batch_hash in out.stdout and f"tokens [{expected.starts[0]}, {expected.starts[0] + 16})" in out.stdout
     )
     assert _cli("explain", str(tmp_path), "--step", "7", "--key", "nope").returncode == 1
+
+
+def test_a_ctrl_c_in_wait_leaves_the_save_in_flight_and_the_next_save_waits_for_it(tmp_path):
+    """Ctrl-C while `wait()` waits for a save: the save goes on writing from the arena, so the next `save` must wait
+    for it before it copies into that arena (it used to copy at once: the first step committed damaged)."""
+    import signal
+
+    from test_ckpt_snapshot import seen_calling
+
+    main, gate = threading.get_ident(), threading.Event()
+    state = {"w": torch.ones(1 << 20)}
+    with ckpt.CheckpointManager(tmp_path) as m:
+        commit = m._commit
+        m._commit = lambda *args: (gate.wait(30), commit(*args))[1]  # save 1 cannot finish before the gate
+        first = m.save(1, state)
+        threading.Thread(
+            target=lambda: (seen_calling(main, "wait", "drain"), signal.pthread_kill(main, signal.SIGINT))
+        ).start()
+        with pytest.raises(KeyboardInterrupt):
+            m.wait()
+        assert not first.done()
+        state["w"].fill_(2.0)
+        threading.Thread(target=lambda: (seen_calling(main, "save", "drain"), gate.set())).start()
+        m.save(2, state)
+        assert first.done(), "save 2 copied into the arena while save 1 was still writing from it"
+        m.wait()
+    storage = open_storage(str(tmp_path))
+    assert [list(catalog.verify(storage, s)) for s in (1, 2)] == [[], []]
+    assert torch.equal(ckpt.load(tmp_path, step=1)["w"], torch.ones(1 << 20))
+    assert torch.equal(ckpt.load(tmp_path, step=2)["w"], torch.full((1 << 20,), 2.0))
