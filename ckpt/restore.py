@@ -22,6 +22,7 @@ import os
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -316,11 +317,19 @@ def execute(
     aside.start()
     exchange.start()
     errors = []
-    for f in futures:
-        try:
-            f.result()
-        except Exception as e:
-            errors.append(e)
+    try:
+        for f in futures:
+            try:
+                f.result()
+            except Exception as e:
+                errors.append(e)
+    except BaseException:  # Ctrl-C: once restore has raised, no read may go on writing into the caller's tensors
+        for f in futures:
+            f.cancel()
+        futures_wait(futures)
+        aside.join()
+        plan.undo()
+        raise
     aside.join()
     if not errors and aside.error is None:
         placed.apply()

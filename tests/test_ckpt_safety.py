@@ -414,3 +414,29 @@ def test_a_ctrl_c_in_wait_leaves_the_save_in_flight_and_the_next_save_waits_for_
     assert [list(catalog.verify(storage, s)) for s in (1, 2)] == [[], []]
     assert torch.equal(ckpt.load(tmp_path, step=1)["w"], torch.ones(1 << 20))
     assert torch.equal(ckpt.load(tmp_path, step=2)["w"], torch.full((1 << 20,), 2.0))
+
+
+def test_a_ctrl_c_during_a_restore_leaves_the_callers_tensors_as_they_were(tmp_path, monkeypatch):
+    """Ctrl-C while a restore's reads are in flight: the restore raises only once every read has stopped and the
+    tensors read into directly have their bytes back (they used to go on being written after it raised)."""
+    import signal
+
+    from ckpt import packs
+    from test_ckpt_snapshot import seen_calling
+
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"w": torch.ones(1 << 21)}).wait()
+    main, gate = threading.get_ident(), threading.Event()
+    read_spans = packs._read_spans
+    monkeypatch.setattr(packs, "_read_spans", lambda *a, **k: (gate.wait(30), read_spans(*a, **k))[1])
+    interrupt = lambda: (seen_calling(main, "execute", "result"), signal.pthread_kill(main, signal.SIGINT))  # noqa: E731
+    threading.Thread(target=lambda: (interrupt(), seen_calling(main, "execute", "wait"), gate.set())).start()
+    target = {"w": torch.full((1 << 21,), 5.0)}
+    m = ckpt.CheckpointManager(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        m.restore(target)
+    m.close()  # its readers are done
+    assert torch.equal(target["w"], torch.full((1 << 21,), 5.0)), "the reads went on into the caller's tensor"
+    assert gate.is_set()
+    with ckpt.CheckpointManager(tmp_path) as m:
+        assert m.restore(target) == 1 and torch.equal(target["w"], torch.ones(1 << 21))
