@@ -204,9 +204,15 @@ class SaveJob:
         self._files = ChunkWriter(fsyncs) if fsyncs is not None and storage.direct_path("") is not None else None
         self._arrays: dict[str, ts.Future] | None = None
         self._prepared = False
+        self.pending: Pending | None = None
         waves = arena.plan(plan.tensors)
-        for wave in waves[:-1]:  # beyond the staging cap: write earlier waves before returning
-            self._write_staged(arena.stage(plan.tensors, wave)[0])
+        try:
+            for wave in waves[:-1]:  # beyond the staging cap: write earlier waves before returning
+                self._write_staged(arena.stage(plan.tensors, wave)[0])
+        except BaseException:  # raised from save() itself: what this save opened and wrote goes with it
+            with contextlib.suppress(Exception):
+                self.abandon()
+            raise
         defer = dict(defer or {}) if len(waves) == 1 else {}
         self.staged, later = arena.stage(plan.tensors, waves[-1], later=defer)
         self.pending = Pending(plan.step, later, plan.tensors, defer) if defer else None

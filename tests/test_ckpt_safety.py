@@ -440,3 +440,42 @@ def test_a_ctrl_c_during_a_restore_leaves_the_callers_tensors_as_they_were(tmp_p
     assert gate.is_set()
     with ckpt.CheckpointManager(tmp_path) as m:
         assert m.restore(target) == 1 and torch.equal(target["w"], torch.ones(1 << 21))
+
+
+_WAVES_PAST_A_LIMIT = r"""
+import json, os, resource, signal, sys, torch, ckpt
+root = sys.argv[1]
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+g = torch.Generator().manual_seed(0)
+small, big = {"w": torch.randn(100, 100, generator=g)}, {"w": torch.randn(1000, 1000, generator=g)}
+fds = lambda: len(os.listdir("/proc/self/fd"))
+seen = {}
+with ckpt.CheckpointManager(root, max_staging_bytes=1 << 20) as m:
+    m.save(1, small).wait()
+    before = fds()
+    for _ in range(3):
+        try:
+            m.save(2, big)  # 4 MB past a 1 MiB cap: its first waves are written inside save, and fail there
+            seen["save"] = "no error"
+        except OSError as e:
+            seen["save"] = f"{type(e).__name__}: {e}"
+    seen["fds_leaked"] = fds() - before
+    seen["leftovers"] = sorted(os.listdir(root))
+    m.save(3, small).wait()
+    seen["steps"] = m.steps()
+print(json.dumps(seen))
+"""
+
+
+def test_a_save_past_the_staging_cap_that_fails_inside_save_leaves_no_file_open_and_nothing_behind(tmp_path):
+    """Past `max_staging_bytes` a save writes its first waves before it returns: a failure there is raised by
+    `save` itself, and closes and removes what the save opened and wrote (it used to leak an fd and leave the
+    step's files, which kept a full disk full)."""
+    root = tmp_path / "ck"
+    out = subprocess.run([sys.executable, "-c", _WAVES_PAST_A_LIMIT, str(root)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.splitlines()[-1])
+    assert "File too large" in seen["save"], seen
+    assert seen["fds_leaked"] == 0 and [d for d in seen["leftovers"] if d.startswith("step_")] == ["step_00000001"]
+    assert seen["steps"] == [1, 3]
