@@ -147,6 +147,7 @@ class CheckpointManager:
             self._target = Tiers(self.storage, tiering, self.ranks, timeout)
             self._target.on_local_delete = lambda step: tell_deleted(self.tracker, step, tier=LOCAL)
         self._closed = False
+        self._released = False  # `close` finished releasing threads and leases
 
     @property
     def snapshot(self) -> str:
@@ -463,16 +464,23 @@ class CheckpointManager:
         return layout.read_manifest(self._target.metadata_root(step), step).metadata
 
     def close(self) -> None:
-        """Drain writes (raising a background error, if any), release threads and the root's lease."""
-        if self._closed:
+        """Drain writes (raising a background error, if any), release threads and the root's lease. Each release is
+        made whatever the one before raised (a second Ctrl-C); a close that did not finish is finished by the next."""
+        if self._released:
             return
         try:
-            self.wait()
+            if not self._closed:
+                self.wait()
         finally:
             self._closed = True
-            self._background.close()
-            self._target.close()
-            self._root_lease.release()
+            try:
+                self._background.close()
+            finally:
+                try:
+                    self._target.close()
+                finally:
+                    self._root_lease.release()
+        self._released = True
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import catalog, lease
+from ckpt import catalog, layout, lease
 from ckpt.errors import CheckpointWriteError, CorruptCheckpointError
 from ckpt.storage import open_storage
 from step_paths import data_dir
@@ -479,3 +479,36 @@ def test_a_save_past_the_staging_cap_that_fails_inside_save_leaves_no_file_open_
     assert "File too large" in seen["save"], seen
     assert seen["fds_leaked"] == 0 and [d for d in seen["leftovers"] if d.startswith("step_")] == ["step_00000001"]
     assert seen["steps"] == [1, 3]
+
+
+def test_a_close_interrupted_twice_still_releases_the_root_and_a_second_close_finishes_it(tmp_path):
+    """Two Ctrl-Cs in `close()`: one in its wait for the save in flight, one while it stops the threads. The root's
+    lease is released anyway, and another close() finishes the rest (the first close used to mark the manager
+    closed before releasing anything: the lease stayed held by a closed manager)."""
+    import signal
+
+    from test_ckpt_snapshot import seen_calling
+
+    main, gate = threading.get_ident(), threading.Event()
+
+    def interrupt_twice() -> None:
+        seen_calling(main, "wait", "drain")
+        signal.pthread_kill(main, signal.SIGINT)
+        seen_calling(main, "close", "shutdown")
+        signal.pthread_kill(main, signal.SIGINT)
+        gate.set()
+
+    m = ckpt.CheckpointManager(tmp_path)
+    commit = m._commit
+    m._commit = lambda *args: (gate.wait(30), commit(*args))[1]
+    m.save(1, {"w": torch.ones(4)})
+    threading.Thread(target=interrupt_twice).start()
+    with pytest.raises(KeyboardInterrupt):
+        m.close()
+    with ckpt.CheckpointManager(tmp_path) as other:  # the root's lease was released: another writer saves at once
+        other.save(2, {"w": torch.full((4,), 2.0)}).wait()
+    m.close()  # finishes stopping its threads (its save committed before the lease went, or never)
+    assert not [t for t in threading.enumerate() if t.is_alive() and t.name.startswith(("ckpt-writer", "ckpt-copy"))]
+    storage = open_storage(str(tmp_path))
+    steps = layout.committed_steps(storage)
+    assert set(steps) <= {1, 2} and 2 in steps and all(list(catalog.verify(storage, s)) == [] for s in steps)
