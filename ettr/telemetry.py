@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from opentelemetry import metrics
 
+from .formulas import check_seconds
+
 if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource
 
@@ -275,6 +277,7 @@ def configure_metrics(
     service_name: str | None = None,
     interval_s: float = 10.0,
     endpoint: str | None = None,
+    export_timeout_s: float = 3.0,
     prometheus_port: int | None = None,
     set_global: bool = True,
     identity_on_points: bool = False,
@@ -286,7 +289,11 @@ def configure_metrics(
     The provider's resource is `goodput_resource(tracker, service_name)`; a given (unstarted) tracker reports to it.
     `identity_on_points`: every point also carries `service.name` and `host.name` (and `ettr.job`, as always), not
     only the resource (Prometheus's `target_info`), for backends and queries that do not join it.
+    `export_timeout_s` bounds each OTLP export, its retries included (the SDK's default, 10 s of retries, made a
+    process whose collector is down linger 10-18 s at exit, after a SIGTERM too); a missed export's counts go out
+    with the next one (they are cumulative).
     """
+    check_seconds("export_timeout_s", export_timeout_s, positive=True)
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import (
         ConsoleMetricExporter,
@@ -304,7 +311,9 @@ def configure_metrics(
         except ImportError as err:
             raise ImportError("exporter='otlp' needs `pip install opentelemetry-exporter-otlp-proto-http`") from err
         reader = PeriodicExportingMetricReader(
-            OTLPMetricExporter(endpoint=endpoint), export_interval_millis=interval_s * 1000
+            OTLPMetricExporter(endpoint=endpoint, timeout=export_timeout_s),
+            export_interval_millis=interval_s * 1000,
+            export_timeout_millis=export_timeout_s * 1000,
         )
     elif exporter == "prometheus":
         try:

@@ -341,3 +341,9 @@ def test_console_export_prints_the_numbers(tmp_path):
                 else:
                     points[(name, attributes)] = p["value"]
     _assert_exported(points, resource_metrics["resource"]["attributes"])
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "3"])
+def test_the_otlp_export_timeout_is_checked(bad):
+    with pytest.raises(ValueError, match="export_timeout_s"):
+        configure_metrics("otlp", endpoint="http://127.0.0.1:9/v1/metrics", export_timeout_s=bad, set_global=False)
