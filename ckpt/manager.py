@@ -480,6 +480,7 @@ class CheckpointManager:
                     self._target.close()
                 finally:
                     self._root_lease.release()
+        self.ranks.close()  # last: every rank is past its last message of this manager
         self._released = True
 
     def __enter__(self) -> "CheckpointManager":

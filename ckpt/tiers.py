@@ -352,12 +352,14 @@ class Tiers:
             futures_wait([self._persisting[1]])
 
     def close(self) -> None:
-        """Wait for the persist in flight, stop its thread, release this rank's local tier."""
+        """Wait for the persist in flight, stop its thread, release this rank's local tier and the persists' group."""
         self.wait()
         self._persister.shutdown(wait=True)
         if self.lease is not None:
             self.lease.release()
             self.lease = None
+        if self._persist_ranks is not self.ranks:
+            self._persist_ranks.close()
 
     # -- restoring ----------------------------------------------------------------------------------
 

@@ -162,6 +162,16 @@ def main(mode: str, root: str) -> None:
         got = flat_reference(model, opt)
         bad = [k for k in ref if not torch.equal(ref[k], got[k])]
         print(f"restored {step}: mismatched {bad}, extra {state['extra'].flatten().tolist()}", flush=True)
+    elif mode == "sweep":
+        # an evaluation sweep: a manager (two tiers: a group for the persists too) per checkpoint, each closed
+        with ckpt.CheckpointManager(root, collective_timeout=20) as m:
+            m.save(1, state_of(model, opt)).wait()
+        fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+        before = fds()
+        for _ in range(10):
+            with ckpt.CheckpointManager(root, local=f"{root}.local/{rank}", collective_timeout=20) as m:
+                m.restore(state_of(model, opt), track=False)
+        print(f"fds grew {fds() - before} over 10 managers", flush=True)
     elif mode == "refused":
         # a save one rank cannot make (its metadata is not JSON) fails on every rank, and ranks that call save with
         # different steps fail too: no rank pairs one save's messages with another's, later saves commit
