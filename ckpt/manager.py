@@ -8,6 +8,7 @@ import functools
 import logging
 import os
 import time
+import weakref
 from datetime import timedelta
 from typing import Any, Mapping, Sequence
 
@@ -36,6 +37,13 @@ from .target import DURABLE, LOCAL, PEER, SingleRoot, Step, Target
 from .tiers import Tiers
 
 log = logging.getLogger("ckpt")
+
+
+def _span_of(manager: "weakref.ref[CheckpointManager]", category: str, **attrs: Any) -> Any:
+    """The manager's tracker's span, for its background threads (through a weak reference: the manager and its
+    background would otherwise keep each other alive, and the root's lease with them, until the collector ran)."""
+    m = manager()
+    return (m._tracker if m is not None else NO_TRACKER).span(category, **attrs)
 
 
 class CheckpointManager:
@@ -131,7 +139,7 @@ class CheckpointManager:
             self._budget,
             io_threads=self.write.io_threads,
             max_staging_bytes=self.write.max_staging_bytes,
-            span=lambda category, **attrs: self._tracker.span(category, **attrs),
+            span=functools.partial(_span_of, weakref.ref(self)),  # no cycle: a dropped manager is freed at once
         )
         self.tracker = tracker
         timeout = timedelta(seconds=reach.collective_timeout)

@@ -28,3 +28,24 @@ def test_retention_runs_at_exit_without_close_and_reports_nothing(tmp_path):
     assert steps == [5, 6], "every save committed and retention kept the last two"
     for s in steps:
         assert not list(catalog.verify(storage, s))
+
+
+def test_a_manager_dropped_without_close_frees_the_root_at_once(tmp_path):
+    """A notebook cell run again rebinds `m` to a new manager: the dropped one (no save in flight) releases the
+    root's lease when its last reference goes, not when the garbage collector next finds its cycles (the new
+    manager's save used to fail with LeaseHeldError naming this very process)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    gc.disable()
+    try:
+        m = ckpt.CheckpointManager(tmp_path)
+        m.save(1, {"w": torch.ones(4)}).wait()
+        m = ckpt.CheckpointManager(tmp_path)
+        m.save(2, {"w": torch.ones(4)}).wait()
+        assert m.steps() == [1, 2]
+        m.close()
+    finally:
+        gc.enable()
