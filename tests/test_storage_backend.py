@@ -2,6 +2,8 @@
 CheckpointManager saves to and restores from unchanged, and the faults it injects surface as the documented errors
 (`CheckpointWriteError` at `wait()`, a fallback on restore) with nothing damaged committed."""
 
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -89,3 +91,28 @@ def test_open_storage_takes_a_backend_as_the_root_and_no_options_for_it(tmp_path
     assert open_storage(backend) is backend
     with pytest.raises(ValueError, match="storage_options configure a root given by URL"):
         open_storage(backend, {"timeout": 5})
+
+
+_FULL_WRITE = r"""
+import os, resource, signal, sys
+from ckpt.storage import open_storage
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (16, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+storage = open_storage(sys.argv[1])
+for write in (storage.write_atomic, storage.create):
+    try:
+        write("run.json", b"x" * 100)
+    except OSError as e:
+        print(e.errno)
+print(sorted(os.listdir(sys.argv[1])))
+"""
+
+
+def test_a_local_write_that_fails_leaves_no_temporary_file(tmp_path):
+    """A write that fails (a full disk: here a file size limit) raises and leaves nothing: its temporary file used
+    to stay, one more in the root per failed attempt, and gc never removed it."""
+    root = tmp_path / "root"
+    root.mkdir()
+    out = subprocess.run([sys.executable, "-c", _FULL_WRITE, str(root)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["27", "27", "[]"], out.stdout

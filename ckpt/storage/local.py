@@ -134,16 +134,26 @@ class LocalStorage:
         final = self._p(path)
         makedirs_durable(os.path.dirname(final))
         tmp = f"{final}.tmp-{os.getpid()}-{threading.get_ident()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:  # a full disk: no temp file left behind, one per failed write
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
         return tmp, final
 
     def write_atomic(self, path: str, data: bytes) -> None:
         """temp file + fsync + rename + fsync of the directory: the file is either whole or absent."""
         tmp, final = self._durable_temp(path, data)
-        os.replace(tmp, final)
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
         fsync_dir(os.path.dirname(final))
 
     def create(self, path: str, data: bytes, timeout: float | None = None) -> None:
