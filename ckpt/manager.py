@@ -476,6 +476,7 @@ class CheckpointManager:
         made whatever the one before raised (a second Ctrl-C); a close that did not finish is finished by the next."""
         if self._released:
             return
+        self._background.arena.closing()  # a reservation for a next save would only delay the close
         try:
             if not self._closed:
                 self.wait()

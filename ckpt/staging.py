@@ -95,6 +95,12 @@ class StagingArena:
         self._lock = threading.Lock()  # serialises a background `reserve` with `stage` and `scratch`
         self._count = threading.Lock()
         self._wanted = 0  # saves waiting for `_lock`: a reservation in progress hands the arena over to them
+        self._closing = False  # no save is coming: a reservation stops where it is
+
+    def closing(self) -> None:
+        """No save will come (the manager closes): a reservation in progress, or one queued, faults nothing more, so
+        that `close` (and a crash right after a fresh start) does not wait for a whole state's pages."""
+        self._closing = True
 
     def close(self) -> None:
         """Stop the copy threads and give the buffer back (a closed manager's arena copies nothing more, and its
@@ -159,7 +165,7 @@ class StagingArena:
         nbytes = nbytes if self.max_bytes is None else min(nbytes, self.max_bytes)
         with self._lock:
             if nbytes > self.capacity:
-                self._buf = _allocate(nbytes, stop=lambda: self._wanted > 0)
+                self._buf = _allocate(nbytes, stop=lambda: self._wanted > 0 or self._closing)
                 self._np = self._buf.numpy()
 
     def scratch(self, sizes: list[int]) -> list[torch.Tensor]:
