@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 from . import catalog, layout, lease, storage_args
 from . import tree as tree_mod
-from .errors import CheckpointError, StepNotFoundError
+from .errors import CheckpointError, StepNotFoundError, described
 from .layout import read_manifest
 from .storage import Storage, open_storage
 
@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except Exception as e:  # a command line tool answers in one line, never with a traceback
         known = isinstance(e, (CheckpointError, OSError, ValueError))
-        print(f"error: {e if known and str(e) else f'{type(e).__name__}: {e}'}", file=sys.stderr)
+        print(f"error: {e if known and str(e) else described(e)}", file=sys.stderr)
         return 1
 
 

@@ -16,11 +16,16 @@ class CorruptCheckpointError(CheckpointError):
         self.step, self.key, self.file = step, key, file
 
 
+def described(error: BaseException) -> str:
+    """An error in one line for a message that crosses ranks or wraps it: its type, then its text."""
+    return f"{type(error).__name__}: {error}"
+
+
 class CheckpointWriteError(CheckpointError):
     """A background write failed; the step it names was not committed and earlier steps are untouched."""
 
     def __init__(self, step: int, cause: BaseException):
-        super().__init__(f"saving step {step} failed: {type(cause).__name__}: {cause}")
+        super().__init__(f"saving step {step} failed: {described(cause)}")
         self.step = step
         self.__cause__ = cause
 
@@ -44,7 +49,7 @@ class CheckpointDeleteError(CheckpointError):
     """A background deletion failed; the step may be partly deleted (its manifest goes first, so it is not restored)."""
 
     def __init__(self, step: int, cause: BaseException):
-        super().__init__(f"deleting step {step} failed: {type(cause).__name__}: {cause}")
+        super().__init__(f"deleting step {step} failed: {described(cause)}")
         self.step = step
         self.__cause__ = cause
 

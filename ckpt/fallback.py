@@ -16,7 +16,7 @@ from . import layout
 from . import lease as lease_mod
 from . import restore as restore_mod
 from .distributed import Ranks
-from .errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
+from .errors import CheckpointError, CorruptCheckpointError, StepNotFoundError, described
 from .storage import Storage
 from .target import DURABLE, Source, Target
 
@@ -62,7 +62,7 @@ def walk(
     First every rank learns the others' `step` and `failure` (this rank cannot restore: an earlier write's error):
     any failure, or steps that differ, raise on every rank (that rank its own error, the others a CheckpointError
     naming it), so none waits for another or reads another step's bytes."""
-    told = ranks.all_gather_json([step, None if failure is None else f"{type(failure).__name__}: {failure}"])
+    told = ranks.all_gather_json([step, None if failure is None else described(failure)])
     if failure is not None:
         raise failure
     failed = [(r, m) for r, (_, m) in enumerate(told) if m]

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, described
 from .paths import validate_array_name
 
 if TYPE_CHECKING:
@@ -582,7 +582,7 @@ class Manifest:
             body = outer["body"]
             text = json.dumps(body, allow_nan=False, separators=(",", ":"))  # key order is part of the state
         except (ValueError, KeyError, TypeError, RecursionError) as e:
-            raise CorruptCheckpointError(f"manifest is not valid JSON: {type(e).__name__}: {e}", file=file) from None
+            raise CorruptCheckpointError(f"manifest is not valid JSON: {described(e)}", file=file) from None
         if hashlib.sha256(text.encode()).hexdigest() != outer.get("sha256"):
             raise CorruptCheckpointError("manifest checksum mismatch", file=file)
         if not isinstance(body, dict):

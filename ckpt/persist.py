@@ -20,7 +20,7 @@ from typing import Mapping
 from . import layout, store
 from .chunk_files import ChunkWriter
 from .distributed import Box, Ranks
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, described
 from .format import Manifest, chunk_key, zarr_mismatch
 from .lease import Lease
 from .packs import BoxRead, PackWriter, read_boxes
@@ -163,7 +163,7 @@ class PersistJob:
                 try:
                     begin_step(self.dst, self.step, self.lease)
                 except Exception as e:
-                    began = f"rank 0 could not start: {type(e).__name__}: {e}"
+                    began = f"rank 0 could not start: {described(e)}"
         began = self.ranks.broadcast_json(began)
         if began == "exists":
             return None
@@ -200,9 +200,7 @@ class PersistJob:
                     files.close()
         finally:
             fsyncs.shutdown(wait=True)
-        reports = self.ranks.gather_json(
-            None if error is None else f"rank {self.ranks.rank}: {type(error).__name__}: {error}"
-        )
+        reports = self.ranks.gather_json(None if error is None else f"rank {self.ranks.rank}: {described(error)}")
         failures = [f for f in reports or () if f]
         commit_error = None
         if reports is not None and not failures:

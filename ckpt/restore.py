@@ -32,7 +32,14 @@ import torch
 from . import layout, packs, planner, store
 from . import state as state_mod
 from .distributed import Ranks, ShardedLike, is_dtensor, read_region, restore_template
-from .errors import CheckpointError, CorruptCheckpointError, StateKeyError, StateMismatchError, StepNotFoundError
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    StateKeyError,
+    StateMismatchError,
+    StepNotFoundError,
+    described,
+)
 from .format import ArrayInfo, Manifest, chunk_key, torch_dtype
 from .layout import StepFiles, step_files  # noqa: F401 (restore.step_files, as before)
 from .staging import StagingArena
@@ -791,13 +798,7 @@ def agree(storage: Storage, ranks: Ranks, step: int, error: Exception | None) ->
         verdict = "vanished"
     else:
         verdict = "damaged"
-    told = (
-        None
-        if error is None
-        else str(error)
-        if verdict in ("damaged", "vanished")
-        else f"{type(error).__name__}: {error}"
-    )
+    told = None if error is None else str(error) if verdict in ("damaged", "vanished") else described(error)
     reports = ranks.all_gather_json([verdict, told])
     refused = [(r, v, m) for r, (v, m) in enumerate(reports) if v in ("mismatch", "refused")]
     if refused:

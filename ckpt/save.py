@@ -26,7 +26,7 @@ from . import layout, store
 from . import state as state_mod
 from .chunk_files import ChunkWriter
 from .distributed import Ranks
-from .errors import CheckpointWriteError, LeaseHeldError, StepExistsError, StorageError
+from .errors import CheckpointWriteError, LeaseHeldError, StepExistsError, StorageError, described
 from .format import ArrayInfo, Manifest
 from .lease import Lease
 from .packs import PackWriter
@@ -110,7 +110,14 @@ def plan(
             raise
         with contextlib.suppress(CheckpointWriteError):  # every rank raises; this one its own error
             planner.plan(
-                ranks, {}, chunk_bytes, pack_bytes, every_holder=private, step=step, failure=_told(e), persist=persist
+                ranks,
+                {},
+                chunk_bytes,
+                pack_bytes,
+                every_holder=private,
+                step=step,
+                failure=described(e),
+                persist=persist,
             )
         raise e
     agreed, writes, boxes = planner.plan(
@@ -140,10 +147,6 @@ def plan(
         ranks.rank,
         agreed.durable,
     )
-
-
-def _told(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
 
 
 def _place(info: ArrayInfo, box: tuple[tuple[int, int], ...]) -> int:
@@ -311,7 +314,7 @@ class SaveJob:
             error = e
         rank = self.ranks.rank
         report = {
-            "error": None if error is None else f"rank {rank}: {type(error).__name__}: {error}",
+            "error": None if error is None else f"rank {rank}: {described(error)}",
             "digests": {name: list(d.items()) for name, d in self.digests.done.items()},
         }
         if self._pack is not None:
@@ -409,11 +412,7 @@ def raise_outcome(
     (its write's, then its commit's), else the others', else nothing. `failures`: the ranks' write errors, as the
     committer saw them. The leader commits for all and tells them; with `each_commits` (private roots) every rank
     committed its own and all tell all."""
-    mine = (
-        None
-        if commit_error is None
-        else f"rank {ranks.rank} could not commit: {type(commit_error).__name__}: {commit_error}"
-    )
+    mine = None if commit_error is None else f"rank {ranks.rank} could not commit: {described(commit_error)}"
     if each_commits:
         verdict = next((v for v in ranks.all_gather_json(mine) if v), None)
     else:

@@ -27,7 +27,7 @@ from . import catalog, layout
 from . import lease as lease_mod
 from . import run as run_mod
 from .distributed import Box, Ranks, ranks_per_node
-from .errors import CorruptCheckpointError, LeaseHeldError, RunMismatchError, StepNotFoundError
+from .errors import CorruptCheckpointError, LeaseHeldError, RunMismatchError, StepNotFoundError, described
 from .options import TierOptions
 from .persist import PersistJob
 from .planner import ArrayPlan
@@ -425,7 +425,7 @@ class Tiers:
                     )
             except Exception as e:
                 error = CorruptCheckpointError(
-                    f"could not bring back rank {rank}'s local copy from rank {holder}: {type(e).__name__}: {e}",
+                    f"could not bring back rank {rank}'s local copy from rank {holder}: {described(e)}",
                     step=source.step,
                 )
         return error
