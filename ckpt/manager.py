@@ -477,18 +477,13 @@ class CheckpointManager:
         if self._released:
             return
         self._background.arena.closing()  # a reservation for a next save would only delay the close
-        try:
+        with contextlib.ExitStack() as releases:  # on the way out, last first, each whatever the one before raised
+            releases.callback(self._root_lease.release)
+            releases.callback(self._target.close)
+            releases.callback(self._background.close)
+            releases.callback(setattr, self, "_closed", True)
             if not self._closed:
                 self.wait()
-        finally:
-            self._closed = True
-            try:
-                self._background.close()
-            finally:
-                try:
-                    self._target.close()
-                finally:
-                    self._root_lease.release()
         self.ranks.close()  # last: every rank is past its last message of this manager
         self._released = True
 

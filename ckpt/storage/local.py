@@ -8,6 +8,7 @@ import os
 import shutil
 import stat
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -129,8 +130,10 @@ class LocalStorage:
         finally:
             os.close(fd)
 
-    def _durable_temp(self, path: str, data: bytes) -> tuple[str, str]:
-        """`data` in a fsync'd temp file beside `path` (its directory made durably); returns (temp, final)."""
+    @contextlib.contextmanager
+    def _durable_temp(self, path: str, data: bytes) -> Iterator[tuple[str, str]]:
+        """`data` in a fsync'd temp file beside `path` (its directory made durably): (temp, final), for the caller
+        to move into place. The temp file is gone afterwards, whatever failed (a full disk leaves none behind)."""
         final = self._p(path)
         makedirs_durable(os.path.dirname(final))
         tmp = f"{final}.tmp-{os.getpid()}-{threading.get_ident()}"
@@ -139,21 +142,15 @@ class LocalStorage:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-        except BaseException:  # a full disk: no temp file left behind, one per failed write
-            with contextlib.suppress(OSError):
+            yield tmp, final
+        finally:
+            with contextlib.suppress(FileNotFoundError):  # renamed into place, or never made
                 os.remove(tmp)
-            raise
-        return tmp, final
 
     def write_atomic(self, path: str, data: bytes) -> None:
         """temp file + fsync + rename + fsync of the directory: the file is either whole or absent."""
-        tmp, final = self._durable_temp(path, data)
-        try:
+        with self._durable_temp(path, data) as (tmp, final):
             os.replace(tmp, final)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise
         fsync_dir(os.path.dirname(final))
 
     def create(self, path: str, data: bytes, timeout: float | None = None) -> None:
@@ -162,11 +159,8 @@ class LocalStorage:
 
         `timeout` is for stores whose requests can hang; a local write has none.
         """
-        tmp, final = self._durable_temp(path, data)
-        try:
+        with self._durable_temp(path, data) as (tmp, final):
             os.link(tmp, final)
-        finally:
-            os.remove(tmp)
         fsync_dir(os.path.dirname(final))
 
     def delete_tree(self, path: str) -> None:
