@@ -105,6 +105,8 @@ def relay_pack(
         writer.close()
         for f in reads:
             f.cancel()
+        with contextlib.suppress(Exception):  # the pack still being created would write its files after the cleanup
+            settle(writer.futures + [opened])
         raise
     for name, sums in writer.digests.items():  # the bytes written are the bytes checked
         expected = manifest.arrays[name].digests
