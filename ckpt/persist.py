@@ -25,7 +25,7 @@ from .format import Manifest, chunk_key, zarr_mismatch
 from .lease import Lease
 from .packs import BoxRead, PackWriter, read_boxes
 from .planner import ArrayPlan
-from .pools import Inline
+from .pools import Inline, submit_or_run
 from .save import begin_step, clear_attempt, commit_step, raise_outcome, settle
 from .storage import Storage, context, where
 
@@ -96,7 +96,7 @@ def relay_pack(
     try:
         for k, (name, i, lo, hi) in enumerate(segments):
             while len(reads) < ahead and k + len(reads) < len(segments):
-                reads.append(pool.submit(read, *segments[k + len(reads)]))
+                reads.append(submit_or_run(pool, read, *segments[k + len(reads)]))
             writer.feed(shared.arrays[name], i, lo, reads.popleft().result())
             fed += hi - lo
         writer.finish()
@@ -184,7 +184,7 @@ class PersistJob:
             placed = {n: b for n, b in placed.items() if b in manifest.arrays[n].boxes}  # not its empty ones
             with ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-persist-io") as pool:
                 futures = [
-                    pool.submit(copy_region, self.src, self.dst, self.step, manifest, name, box, files)
+                    submit_or_run(pool, copy_region, self.src, self.dst, self.step, manifest, name, box, files)
                     for name, box in self.regions.items()
                     if not manifest.arrays[name].places
                 ]

@@ -31,6 +31,7 @@ from .errors import CorruptCheckpointError, LeaseHeldError, RunMismatchError, St
 from .options import TierOptions
 from .persist import PersistJob
 from .planner import ArrayPlan
+from .pools import submit_or_run
 from .replica import transfer
 from .retention import StepMetadata, doomed
 from .save import WritePlan
@@ -283,7 +284,7 @@ class Tiers:
                 futures_wait([self._persisting[1]])
             regions = {name: plan.boxes[name] for name in plan.designated}
             assert plan.durable is not None  # a private root's plan carries the shared root's
-            future = self._persister.submit(self._persist, step, regions, plan.durable, durable_lease, done)
+            future = submit_or_run(self._persister, self._persist, step, regions, plan.durable, durable_lease, done)
             self._persisting = (step, future)
         if self.offset:
             world, rank = self.ranks.world_size, self.ranks.rank

@@ -30,6 +30,30 @@ def test_retention_runs_at_exit_without_close_and_reports_nothing(tmp_path):
         assert not list(catalog.verify(storage, s))
 
 
+LOCAL_CHILD = """
+import sys, torch, ckpt
+m = ckpt.CheckpointManager(sys.argv[1], local=sys.argv[2], persist_every=2, keep_local=2)
+for step in range(1, 5):
+    m.save(step, {"w": torch.full((256, 1024), float(step))})
+# no close(): step 4's persist is queued at the last save, as the interpreter begins to exit
+"""
+
+
+def test_a_local_tier_persists_its_last_step_at_exit_without_close(tmp_path):
+    """With a local tier, the persist queued by the last save still reaches the durable root when the process
+    exits without close() (its own pool refused the work at exit: the durable root stayed at step 2)."""
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    run = subprocess.run(
+        [sys.executable, "-c", LOCAL_CHILD, durable, local], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    assert "failed" not in run.stderr, run.stderr
+    storage = open_storage(durable)
+    with ckpt.CheckpointManager(durable) as m:
+        assert m.steps() == [2, 4], "every K-th step persisted, the last one too"
+    assert not list(catalog.verify(storage, 4))
+
+
 def test_a_manager_dropped_without_close_frees_the_root_at_once(tmp_path):
     """A notebook cell run again rebinds `m` to a new manager: the dropped one (no save in flight) releases the
     root's lease when its last reference goes, not when the garbage collector next finds its cycles (the new
