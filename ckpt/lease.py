@@ -216,7 +216,8 @@ class KvLease:
         """`storage` has conditional writes (`read_versioned`, `write_if`: see `storage.KvStorage`)."""
         self.storage, self.ttl, self.holder = storage, ttl, _new_holder(role)
         self._lost: str | None = None
-        self._lock = threading.Lock()
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread: threading.Thread | None = None  # first: `__del__` releases only what was taken
         for _ in range(100):  # each round either wins or sees a newer generation: bounded by contention
             data, gen = storage.read_versioned(LEASE)
             current = _parse(data)
@@ -229,28 +230,32 @@ class KvLease:
                 break
         else:
             raise LeaseHeldError(f"could not take the lease on {storage.url}: other writers keep changing it")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._heartbeat, name="ckpt-lease", daemon=True)
+        self._thread = threading.Thread(  # holds the lease weakly: a manager dropped without close() lets it go
+            target=_beat, args=(weakref.ref(self), self._stop, ttl / 4), name="ckpt-lease", daemon=True
+        )
         self._thread.start()
 
     @property
     def id(self) -> str:
         return self.holder["id"]
 
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(self.ttl / 4):
-            with self._lock:
-                if self._stop.is_set():
-                    return
-                holder = dict(self.holder, expires=time.time() + self.ttl)
-                try:
-                    new = self.storage.write_if(LEASE, json.dumps(holder).encode(), self._gen)
-                except Exception:  # a transient store error: try again at the next beat; the expiry decides
-                    continue
-                if new is None:
-                    self._lost = f"the lease on {self.storage.url} was taken over by {_describe(_parse(self.storage.read(LEASE)))}"
-                    return
-                self._gen, self.holder = new, holder
+    def _renew(self) -> bool:
+        """One heartbeat: extend the expiry. False once the lease is released or lost (the heartbeat stops)."""
+        with self._lock:
+            if self._stop.is_set():
+                return False
+            holder = dict(self.holder, expires=time.time() + self.ttl)
+            try:
+                new = self.storage.write_if(LEASE, json.dumps(holder).encode(), self._gen)
+            except Exception:  # a transient store error: try again at the next beat; the expiry decides
+                return True
+            if new is None:
+                self._lost = (
+                    f"the lease on {self.storage.url} was taken over by {_describe(_parse(self.storage.read(LEASE)))}"
+                )
+                return False
+            self._gen, self.holder = new, holder
+            return True
 
     def check(self) -> float:
         """Raise if this writer may no longer write: the lease was taken over, or it expired unrenewed.
@@ -271,13 +276,19 @@ class KvLease:
         yield
 
     def release(self) -> None:
+        if self._thread is None:  # never taken
+            return
         self._stop.set()
         with self._lock:
             if self._lost is None:
                 with contextlib.suppress(Exception):
                     self.storage.write_if(LEASE, None, self._gen)
             self._lost = self._lost or "released"
-        self._thread.join()
+        if threading.current_thread() is not self._thread:  # `__del__` may run on the heartbeat's last beat
+            self._thread.join()
+
+    def __del__(self) -> None:  # a manager dropped without close()
+        self.release()
 
     @staticmethod
     def live_holder(storage: Storage) -> dict[str, Any] | None:
@@ -290,6 +301,15 @@ class KvLease:
     def beside_writer(storage: Storage) -> Iterator[dict[str, Any] | None]:
         """Nothing keeps a live writer's saves from starting (nor one that lost the lease from writing): yields None."""
         yield None
+
+
+def _beat(lease: "weakref.ref[KvLease]", stop: threading.Event, period: float) -> None:
+    """The heartbeat thread of a `KvLease`: renews it every `period` until it is released, lost or dropped."""
+    while not stop.wait(period):
+        held = lease()
+        if held is None or not held._renew():
+            return
+        del held  # referenced only while it renews: dropped meanwhile, it is released by `__del__`
 
 
 Lease = FileLease | KvLease

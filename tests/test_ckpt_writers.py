@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 
@@ -176,6 +177,26 @@ def test_one_writer_per_object_store_root_in_one_process():
     second.save(2, writer.state_for(2)).wait()
     second.close()
     assert ckpt.CheckpointManager(root).steps() == [1, 2]
+
+
+def test_an_object_store_manager_dropped_without_close_frees_the_root_at_once():
+    """As for a local root (test_exit_without_close): a manager rebound in a notebook releases the object-store
+    lease when its last reference goes. Its heartbeat thread used to hold it alive, renewing it forever."""
+    import gc
+
+    root = f"memory://{uuid.uuid4().hex}/run"
+    gc.collect()
+    gc.disable()
+    try:
+        m = ckpt.CheckpointManager(root)
+        m.save(1, writer.state_for(1)).wait()
+        m = ckpt.CheckpointManager(root)
+        m.save(2, writer.state_for(2)).wait()
+        assert m.steps() == [1, 2]
+        m.close()
+    finally:
+        gc.enable()
+    assert not [t for t in threading.enumerate() if t.name == "ckpt-lease"], "no heartbeat outlives its lease"
 
 
 @pytest.mark.parametrize("kind", ["local", "memory"])
