@@ -16,6 +16,7 @@ import fsspec
 LEDGER_DIR = "ettr"
 # 2: a checkpoint_save span may carry a `part` attribute (SAVE_PARTS); 1 had none (overlap waits looked like saves)
 FORMAT_VERSION = 2
+_RANK_DIR = re.compile(r"rank\d+")  # an object store's per-rank prefix
 _NAME = re.compile(r"^ledger-(?P<attempt>.+)-rank(?P<rank>\d+)(?:\.(?P<seg>\d{6}))?\.jsonl$")
 # Fields every record of a kind must carry; unknown kinds are skipped so newer writers stay readable.
 REQUIRED: dict[str, tuple[str, ...]] = {
@@ -293,7 +294,7 @@ class _Files:
     def names(self, rank: int | None = None) -> list[str]:
         """Paths relative to ettr/ of the ledgers (of `rank` only when given)."""
         if self._store is None:
-            return sorted(os.listdir(self._base)) if os.path.isdir(self._base) else []
+            return _local_names(self._base, rank)
         with self._unreachable():
             names = self._store.list_files(LEDGER_DIR if rank is None else f"{LEDGER_DIR}/rank{rank}")
         return [n if rank is None else f"rank{rank}/{n}" for n in names]
@@ -311,6 +312,22 @@ class _Files:
     def where(self, name: str) -> str:
         """The path or URL a user finds the file at."""
         return os.path.join(self._base, name) if self._store is None else f"{self._url}/{name}"
+
+
+def _local_names(base: str, rank: int | None) -> list[str]:
+    """A local folder's ledger names: flat as written here, and under ``rank<r>/`` as in a copy of an object-store
+    root (``aws s3 sync``), only rank `rank`'s folder when given."""
+    if not os.path.isdir(base):
+        return []
+    names = []
+    for entry in sorted(os.listdir(base)):
+        folder = os.path.join(base, entry)
+        if _RANK_DIR.fullmatch(entry) and os.path.isdir(folder):
+            if rank is None or entry == f"rank{rank}":
+                names += [f"{entry}/{n}" for n in sorted(os.listdir(folder))]
+        else:
+            names.append(entry)
+    return names
 
 
 def _grouped(names: list[str], rank: int | None = None) -> dict[tuple[str, int], list[tuple[int, str]]]:

@@ -57,6 +57,27 @@ def test_each_rank_lists_and_reads_only_its_own_prefix():
     assert attribute_root(root, rank=2).micros["productive"] == to_us(3.0)
 
 
+def test_a_local_copy_of_an_object_store_root_reads_as_the_store(tmp_path):
+    """`aws s3 sync s3://bucket/run ./run` keeps the per-rank prefixes as folders: `ettr report ./run` reads the
+    same attempts from them (it used to list only the flat folder a local root writes, and found no ledgers)."""
+    root, clock = "memory://ettr-copied", FakeClock(1000.0)
+    for rank in (0, 1):
+        tr = GoodputTracker(root, attempt_id="a1", rank=rank, job_id="job", clock=clock).start()
+        tr.step_begin(1)
+        clock.advance(1.0 + rank)
+        tr.step_end(1)
+        tr.end()
+    store = open_url_store(root)
+    for key in store.list_files(LEDGER_DIR):
+        (tmp_path / LEDGER_DIR / key).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / LEDGER_DIR / key).write_bytes(store.read(f"{LEDGER_DIR}/{key}"))
+    assert [(l.attempt, l.rank, l.records) for l in read_ledgers(str(tmp_path))] == [
+        (l.attempt, l.rank, l.records) for l in read_ledgers(root)
+    ]
+    assert [l.rank for l in read_ledgers(str(tmp_path), rank=1)] == [1]
+    assert attribute_root(str(tmp_path), rank=1).micros == attribute_root(root, rank=1).micros
+
+
 # One attempt on a fake clock from START s: a 0.5 s restore of RESTORED (none: a fresh start), three steps of 0.1 s,
 # a 0.2 s save committed at once, three more steps; then it ends cleanly, or waits to be SIGKILLed.
 CHILD = r"""
