@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -100,6 +101,24 @@ def open_url_store(root: str, storage_options: dict[str, Any] | None = None) -> 
     return open_storage(root, storage_options)
 
 
+def _free_ids(attempt: str) -> Iterator[str]:
+    """`attempt`, then ``<attempt>.2``, ``.3``...: a process given the id of an earlier attempt (a requeued job
+    passing its scheduler's id) gets a ledger of its own instead of appending to that attempt's (one attempt
+    with two starts would hide the failure and the downtime between them)."""
+    return (attempt if n == 1 else f"{attempt}.{n}" for n in itertools.count(1))
+
+
+def _create_local(folder: str, attempt: str, rank: int) -> tuple[str, int]:
+    """Create the ledger file of the first free id of `attempt` (O_EXCL: two processes never share one)."""
+    for candidate in _free_ids(attempt):
+        try:
+            path = os.path.join(folder, f"ledger-{candidate}-rank{rank}.jsonl")
+            return candidate, os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable: the ids never run out")
+
+
 class LedgerWriter:
     """Appends whole lines: each `append` reaches the OS at once on local disks, `sync` makes them durable.
 
@@ -108,6 +127,9 @@ class LedgerWriter:
     whole current segment ``rank<r>/ledger-<attempt>-rank<r>.NNNNNN.jsonl`` again (one atomic PUT, never torn), at most
     every `upload_interval` seconds unless forced; a segment that reached `segment_bytes` is sealed and the next
     one starts, so a rank's object count grows with its ledger's size, not with its flushes.
+
+    `attempt` is the id the ledger was created under: the one asked for, or ``<id>.2``... if a ledger of that id
+    and rank exists already (`_free_ids`).
     """
 
     def __init__(
@@ -120,18 +142,19 @@ class LedgerWriter:
         upload_interval: float = UPLOAD_INTERVAL_S,
         segment_bytes: int = SEGMENT_BYTES,
     ) -> None:
-        name = f"ledger-{attempt}-rank{rank}"
-        self._name, self._closed = name, False
+        self._closed = False
         self._fd: int | None = None
         local = local_root(root)
         if local is not None:
             os.makedirs(os.path.join(local, LEDGER_DIR), exist_ok=True)
-            self._fd = os.open(
-                os.path.join(local, LEDGER_DIR, name + ".jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644
-            )
+            self.attempt, self._fd = _create_local(os.path.join(local, LEDGER_DIR), attempt, rank)
+            self._name = f"ledger-{self.attempt}-rank{rank}"
             return
         self._store = open_url_store(root, storage_options)
-        self._stem = f"{LEDGER_DIR}/rank{rank}/{name}"
+        taken = {m["attempt"] for m in map(_NAME.match, self._store.list_files(f"{LEDGER_DIR}/rank{rank}")) if m}
+        self.attempt = next(a for a in _free_ids(attempt) if a not in taken)
+        self._name = f"ledger-{self.attempt}-rank{rank}"
+        self._stem = f"{LEDGER_DIR}/rank{rank}/{self._name}"
         self._upload_us = round(upload_interval * 1e6)
         self._segment_bytes = segment_bytes
         self._segment = 0

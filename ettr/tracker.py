@@ -225,6 +225,9 @@ class GoodputTracker:
     checkpoint events and end() at once (docs/goodput.md: objects and requests). Also the duck-typed tracker
     that ckpt.CheckpointManager reports to (span, checkpoint_committed/restored/failed); every method is
     thread-safe, since those may come from the manager's writer thread.
+
+    `attempt_id` defaults to a new id per process; an id whose ledger exists already (a requeued job passing its
+    scheduler's id again) is recorded as ``<id>.2``, ``<id>.3``... with a warning, so each process is its own attempt.
     """
 
     def __init__(
@@ -295,6 +298,15 @@ class GoodputTracker:
         self._writer = LedgerWriter(
             self.root, self.attempt_id, self.rank, self._storage_options, upload_interval=self._upload_interval
         )
+        if self._writer.attempt != self.attempt_id:
+            log.warning(
+                "goodput: attempt %r of rank %d has a ledger already (an earlier process given the same "
+                "attempt_id): this one is recorded as attempt %r",
+                self.attempt_id,
+                self.rank,
+                self._writer.attempt,
+            )
+            self.attempt_id = self._writer.attempt
         self._start = self._last = self._last_flush = wall
         self._order = 0
         self._gap = "startup"

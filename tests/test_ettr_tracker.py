@@ -199,3 +199,31 @@ def test_recording_before_start_is_a_clear_error(tmp_path):
     for record in (lambda: tracker.step_begin(1), lambda: tracker.span("eval").__enter__(), tracker.end):
         with pytest.raises(RuntimeError, match=r"records nothing before start\(\)"):
             record()
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_second_process_given_the_same_attempt_id_is_its_own_attempt(tmp_path, caplog, where):
+    """A requeued job that passes its scheduler's id as attempt_id again: the second process used to append to the
+    first one's ledger (one attempt with two starts: the crash's lost work and the downtime vanished into 1,000 s
+    of start-up). It is recorded as '<id>.2', with a warning, and the time between the two is attributed."""
+    import uuid
+
+    root = str(tmp_path) if where == "local" else f"memory://{uuid.uuid4().hex}/run"
+    for start, crashed in ((1000.0, True), (2000.0, False)):
+        clock = FakeClock(start)
+        tracker = GoodputTracker(
+            root, attempt_id="slurm-42", rank=0, job_id="job", clock=clock, upload_interval=0
+        ).start()
+        for step in (1, 2, 3):
+            tracker.step_begin(step)
+            clock.advance(1.0)
+            tracker.step_end(step)
+        if crashed:
+            tracker.flush()  # then the process dies: no end()
+        else:
+            tracker.end()
+    assert tracker.attempt_id == "slurm-42.2"
+    assert "has a ledger already" in caplog.text and "'slurm-42.2'" in caplog.text
+    micros = attribute_root(root).micros
+    assert micros["productive"] == to_us(3.0) and micros["lost"] == to_us(3.0)
+    assert micros["downtime"] == to_us(997.0) and micros["startup"] == 0
