@@ -16,6 +16,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -50,8 +51,9 @@ def small_tokens(tokens: np.ndarray, rng: np.random.Generator) -> torch.Tensor:
     return noisy(tokens % VOCAB, rng)
 
 
-def train(root: str, tokens: str, log_path: str, final_path: str, omit: str | None) -> None:
-    """The child: resume from the newest checkpoint if any, train to STEPS, log losses and batch hashes."""
+def train(root: str, tokens: str, log_path: str, final_path: str, omit: str | None, hold_at: int | None) -> None:
+    """The child: resume from the newest checkpoint if any, train to STEPS, log losses and batch hashes; at step
+    `hold_at` it waits to be killed (a kill that came late would otherwise find it exited)."""
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     random.seed(0)
@@ -91,6 +93,8 @@ def train(root: str, tokens: str, log_path: str, final_path: str, omit: str | No
             log.write(json.dumps(record) + "\n")
             log.flush()
             print(f"step {step}", flush=True)
+            if step == hold_at:
+                time.sleep(600)
             if step % EVERY == 0:
                 manager.save(step, state)
                 print(f"saving {step}", flush=True)
@@ -98,16 +102,22 @@ def train(root: str, tokens: str, log_path: str, final_path: str, omit: str | No
     Path(final_path).write_bytes(weights.numpy().tobytes())
 
 
-def _child(run: Path, tokens: Path, omit: str | None) -> list[str]:
+def _child(run: Path, tokens: Path, omit: str | None, kill_on: str | None) -> list[str]:
+    """The child's command; killed on "step N" it holds there, on "saving N" at the next step (its write goes on)."""
     args = [sys.executable, __file__, "--root", str(run / "ckpt"), "--tokens", str(tokens), "--log", str(run / "log.jsonl"),
             "--final", str(run / "final.bin")]  # fmt: skip
+    if kill_on:
+        what, step = kill_on.split()
+        args += ["--hold-at", str(int(step) + (what == "saving"))]
     return args + (["--omit", omit] if omit else [])
 
 
 def _run(run: Path, tokens: Path, omit: str | None = None, kill_on: str | None = None) -> list[str]:
     """Run the child to the end, or SIGKILL it when it prints `kill_on`; return the lines it printed."""
     run.mkdir(exist_ok=True)
-    proc = subprocess.Popen(_child(run, tokens, omit), stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent)
+    proc = subprocess.Popen(
+        _child(run, tokens, omit, kill_on), stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line.strip())
@@ -236,6 +246,7 @@ if __name__ == "__main__":
     for flag in ("--root", "--tokens", "--log", "--final"):
         parser.add_argument(flag, required=True)
     parser.add_argument("--omit", choices=OMIT)
+    parser.add_argument("--hold-at", type=int)
     a = parser.parse_args()
-    train(a.root, a.tokens, a.log, a.final, a.omit)
+    train(a.root, a.tokens, a.log, a.final, a.omit, a.hold_at)
     gc.freeze()  # the child ends here: no final collections over torch's objects (~0.8 s a child)
