@@ -107,20 +107,17 @@ def _check_opening(step: int, told: list[Any]) -> None:
     failures = [f"rank {r}: {failure}" for r, (_, failure, _) in enumerate(told) if failure]
     if failures:
         raise CheckpointWriteError(step, RuntimeError("; ".join(failures)))
-    if len({s for (s, _), _, _ in told}) > 1:
-        steps = ", ".join(f"rank {r}: {s}" for r, ((s, _), _, _) in enumerate(told))
-        raise CheckpointWriteError(
-            step,
-            RuntimeError(
-                f"the ranks called save with different steps ({steps}): every rank must save the same step in the "
-                f"same order (did a rank skip a save, or go on after a save that raised on it alone?)"
-            ),
-        )
-    if len({p for (_, p), _, _ in told}) > 1:
-        persists = ", ".join(f"rank {r}: {p}" for r, ((_, p), _, _) in enumerate(told))
-        raise CheckpointWriteError(
-            step, RuntimeError(f"the ranks called save with different persist= ({persists}): give every rank the same")
-        )
+    for i, what, advice in (
+        (0, "steps", "every rank must save the same step in the same order (did a rank skip a save, or go on after "
+         "a save that raised on it alone?)"),
+        (1, "persist=", "give every rank the same"),
+    ):  # fmt: skip
+        values = [opening[i] for opening, _, _ in told]
+        if len(set(values)) > 1:
+            each = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise CheckpointWriteError(
+                step, RuntimeError(f"the ranks called save with different {what} ({each}): {advice}")
+            )
 
 
 def _agree(ranks: Ranks, described: Description, chunk_bytes: int, pack_bytes: int, every_holder: bool) -> ArrayPlan:
