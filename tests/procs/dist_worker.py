@@ -191,6 +191,14 @@ def main(mode: str, root: str) -> None:
                 print(f"save 7 refused: {e}", flush=True)
             m.save(8, {**state_of(model, opt), "rng": RNGState()} if rank == 0 else state_of(model, opt)).wait()
             print(f"steps {m.steps()}", flush=True)
+        with ckpt.CheckpointManager(f"{root}.tiered", local=f"{root}.local/{rank}", collective_timeout=20) as m:
+            try:  # ranks that disagree on persist=: no rank persists alone
+                m.save(1, state_of(model, opt), persist=rank == 0).wait()
+                print("persist ok", flush=True)
+            except ckpt.CheckpointWriteError as e:
+                print(f"persist refused: {e}", flush=True)
+            m.save(2, state_of(model, opt), persist=True).wait()
+        print(f"tiered steps {ckpt.CheckpointManager(f'{root}.tiered').steps()}", flush=True)
     elif mode == "restore_refused":
         # rank 1's state has a key the checkpoint lacks: it raises its StateKeyError, rank 0 a StateMismatchError
         # naming it, neither waits for the other, every tensor is as it was, and a save after it commits
