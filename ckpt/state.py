@@ -104,6 +104,8 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
             local.stride(),
             t.dtype,
             t.device,
+            t.is_conj(),  # a conjugate or negative view of a tensor is not that tensor
+            t.is_neg(),
         )
         if t.numel() and ident in seen:
             return {tag: seen[ident]}
@@ -125,7 +127,11 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
         if isinstance(x, np.ndarray):
             if x.dtype == object:
                 raise TypeError(f"numpy array at key {key!r} has dtype object, which cannot be saved without pickle")
-            ref = tensor_ref(torch.from_numpy(np.ascontiguousarray(x)), path, "$ndarray")
+            try:  # np.require keeps a 0-d array 0-d (np.ascontiguousarray makes it 1-d)
+                as_tensor = torch.from_numpy(np.require(x, requirements="C"))
+            except (TypeError, ValueError) as e:  # big-endian, strings, datetimes: torch's message names no key
+                raise TypeError(f"numpy array at key {key!r} (dtype {x.dtype.str}) cannot be saved: {e}") from None
+            ref = tensor_ref(as_tensor, path, "$ndarray")
             flat.numpy_names.add(ref["$ndarray"])
             return ref
         if isinstance(x, np.generic):  # first: np.float64, np.str_ and np.bytes_ are also float, str and bytes

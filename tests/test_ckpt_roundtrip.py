@@ -284,6 +284,29 @@ def test_lazy_conjugate_views_are_saved_and_restored_by_their_values(tmp_path):
     assert torch.equal(ckpt.load(tmp_path)["c"], x.conj().resolve_conj())
 
 
+def test_a_conjugate_or_negative_view_saved_beside_its_base_is_not_an_alias_of_it(tmp_path):
+    """Same memory, shape and strides as its base, other values: it was stored as a tie to the base and came back
+    with the base's values, silently."""
+    c = torch.tensor([1 + 2j, 3 + 4j], dtype=torch.complex64)
+    x = torch.tensor([1.0, 2.0, 3.0])
+    state = {"c": c, "c_conj": c.conj(), "x": x, "x_neg": torch._neg_view(x)}
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, state).wait()
+    out = ckpt.load(tmp_path)
+    assert torch.equal(out["c_conj"], c.conj()) and torch.equal(out["x_neg"], -x)
+    assert torch.equal(out["c"], c) and torch.equal(out["x"], x)
+
+
+def test_numpy_arrays_keep_a_0d_shape_and_one_that_cannot_be_saved_names_its_key(tmp_path):
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"a": np.array(2.5), "b": np.array(True)}).wait()
+        for bad in (np.arange(3, dtype=">i4"), np.array(["ab"]), np.array(["2026-12-06"], dtype="datetime64[D]")):
+            with pytest.raises(TypeError, match=r"numpy array at key 'model.stats' \(dtype"):
+                m.save(2, {"model": {"stats": bad}})
+    out = ckpt.load(tmp_path)
+    assert out["a"].shape == () and out["a"] == 2.5 and out["b"].shape == () and out["b"].dtype == np.bool_
+
+
 def test_tensor_larger_than_2gib_round_trips(tmp_path):
     n = (2 << 30) + 4096 * 3
     x = torch.empty(n, dtype=torch.uint8)
