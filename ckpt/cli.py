@@ -287,7 +287,7 @@ def _step(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a step number: {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"a step is never negative: {value}")
-    if value >= 1 << 63:
+    if value >= layout.STEP_LIMIT:
         raise argparse.ArgumentTypeError(f"a step is at most 2**63 - 1, got {value}")
     return value
 

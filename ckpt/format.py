@@ -510,13 +510,32 @@ def pack_overlap(arrays: dict[str, ArrayInfo]) -> tuple[str, tuple[str, int], tu
     return None
 
 
+_TAGS = ({"$float"}, {"$dict"})  # the keys of `_floats_out`'s own dicts
+
+
+def deeper_than(value: Any, limit: int) -> bool:
+    """Whether JSON `value` nests dicts and lists more than `limit` levels (no recursion: any depth is safe)."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(v, dict):
+            stack.extend((x, depth + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, depth + 1) for x in v)
+    return False
+
+
 def _floats_out(value: Any) -> Any:
     """User metadata for the manifest: a NaN or infinite float (a diverged loss) as ``{"$float": "nan"}``, as
-    the state tree writes it (the manifest is strict JSON)."""
+    the state tree writes it (the manifest is strict JSON); a user's dict that looks like one of these
+    (``{"$float": "inf"}``) is wrapped as ``{"$dict": ...}``, so it reads back as the dict it was."""
     if isinstance(value, float) and not math.isfinite(value):
         return {"$float": repr(value)}
     if isinstance(value, dict):
-        return {k: _floats_out(v) for k, v in value.items()}
+        out = {k: _floats_out(v) for k, v in value.items()}
+        return {"$dict": out} if value.keys() in _TAGS else out
     if isinstance(value, list):
         return [_floats_out(v) for v in value]
     return value
@@ -527,6 +546,8 @@ def _floats_in(value: Any) -> Any:
     if isinstance(value, dict):
         if value.keys() == {"$float"} and value["$float"] in ("nan", "inf", "-inf"):
             return float(value["$float"])
+        if value.keys() == {"$dict"} and isinstance(value["$dict"], dict):
+            return {k: _floats_in(v) for k, v in value["$dict"].items()}
         return {k: _floats_in(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_floats_in(v) for v in value]
@@ -594,10 +615,11 @@ class Manifest:
             )
         fields = {
             "step": lambda v: type(v) is int and v >= 0,
-            "time": lambda v: type(v) in (int, float),
+            "time": lambda v: type(v) in (int, float) and -(2**53) <= v <= 2**53,  # no NaN, inf or 10**400
             "world_size": lambda v: type(v) is int and 1 <= v <= MAX_CHUNKS,
             "versions": lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
-            "metadata": lambda v: isinstance(v, dict),
+            # saved at most MAX_DEPTH deep, each level perhaps wrapped ({"$dict": ...}), a {"$float"} at the bottom
+            "metadata": lambda v: isinstance(v, dict) and not deeper_than(v, 2 * MAX_DEPTH + 1),
             "tree": lambda v: isinstance(v, dict),
             "arrays": lambda v: isinstance(v, dict),
         }

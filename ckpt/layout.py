@@ -46,10 +46,13 @@ _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _QUARANTINED_RE = re.compile(r"^step_(\d{8,})-(\d+)$")
 
 
+STEP_LIMIT = 1 << 63  # steps are below it: a signed 64-bit counter (the CLI, other tools) holds every one
+
+
 def step_dir(step: int) -> str:
     """The directory of a step; zero-padded so names sort by step."""
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < STEP_LIMIT:
+        raise ValueError(f"step must be a non-negative int below 2**63, got {step!r}")
     return f"step_{step:08d}"
 
 

@@ -76,7 +76,10 @@ class KeepBest:
 
         def score(s: int) -> float:
             v = metadata.get(s, {}).get(self.metric)
-            return sign * float(v) if isinstance(v, (int, float)) and math.isfinite(v) else math.inf
+            try:  # an int past a float's range (10**400) is no finite value either
+                return sign * float(v) if isinstance(v, (int, float)) and math.isfinite(v) else math.inf
+            except OverflowError:
+                return math.inf
 
         ranked = sorted((s for s in steps if score(s) != math.inf), key=lambda s: (score(s), -s))
         return set(ranked[: self.n])

@@ -27,7 +27,7 @@ from . import state as state_mod
 from .chunk_files import ChunkWriter
 from .distributed import Ranks
 from .errors import CheckpointWriteError, LeaseHeldError, StepExistsError, StorageError, described
-from .format import ArrayInfo, Manifest
+from .format import MAX_DEPTH, ArrayInfo, Manifest, deeper_than
 from .lease import Lease
 from .packs import PackWriter
 from .planner import ArrayPlan, Planner
@@ -166,11 +166,13 @@ def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     for key, value in dict(metadata or {}).items():
         try:  # NaN and inf are kept (a diverged loss): the manifest writes them as the state tree does
             out |= json.loads(json.dumps({key: value}, default=number))
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RecursionError) as e:
             raise TypeError(
                 f"metadata[{key!r}] must be JSON (numbers, str, bool, None, lists, dicts; 0-d tensors and numpy "
-                f"scalars become numbers): {e}"
+                f"scalars become numbers): {described(e)}"
             ) from None
+        if deeper_than(out[key], MAX_DEPTH - 1):
+            raise TypeError(f"metadata[{key!r}] is nested deeper than {MAX_DEPTH} levels")
     return out
 
 

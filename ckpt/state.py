@@ -84,6 +84,9 @@ class Flat:
     numpy_names: set[str] = field(default_factory=set)
 
 
+_INT_BITS = 13_000  # about 3,900 decimal digits
+
+
 def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
     """Encode a state; calls `state_dict()` on Stateful leaves; tied tensors are stored once.
 
@@ -139,6 +142,8 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
         if x is None or isinstance(x, (bool, str)):
             return x
         if isinstance(x, int):
+            if x.bit_length() > _INT_BITS:  # JSON reading refuses ints past 4,300 digits
+                raise TypeError(f"int at key {key!r} has {x.bit_length()} bits: at most {_INT_BITS} can be saved")
             return int(x)
         if isinstance(x, float):
             return _float(x)

@@ -2,8 +2,10 @@
 skipped and set aside; a step that vanishes under a reader is not damage; types and keys keep their promises."""
 
 import collections
+import functools
 import hashlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -383,6 +385,8 @@ _CRAFTED = {
     "step_is_bool": _set(["step"], True),
     "world_size_0": _set(["world_size"], 0),
     "time_is_str": _set(["time"], "noon"),
+    "time_past_a_float": _set(["time"], 10**400),  # OverflowError, not damage, failed every restore and `ckpt ls`
+    "metadata_600_deep": _set(["metadata"], functools.reduce(lambda d, _: {"a": d}, range(600), {})),
     "metadata_is_list": _set(["metadata"], [1]),
     "versions_is_list": _set(["versions"], ["x"]),
     "tree_is_list": _set(["tree"], [1]),
@@ -680,6 +684,30 @@ def test_metadata_takes_scalar_tensors_and_numpy_scalars(tmp_path):
     assert meta == {"loss": 0.25, "acc": 0.5, "n": 3} and type(meta["loss"]) is float and type(meta["n"]) is int
     with ckpt.CheckpointManager(tmp_path) as m, pytest.raises(TypeError, match="metadata"):
         m.save(2, {"w": torch.zeros(2)}, metadata={"loss": torch.zeros(3)})
+
+
+def test_metadata_that_could_not_be_read_back_is_refused_at_save_and_tag_like_dicts_round_trip(tmp_path):
+    """Metadata 200 levels deep used to commit (and fail later restores called deep in a stack); a huge int failed in
+    the background; a user's dict shaped like the manifest's own NaN tag came back as a float."""
+    deep = functools.reduce(lambda d, _: {"a": d}, range(200), {})
+    with ckpt.CheckpointManager(tmp_path, keep_best=1, best_metric="loss") as m:
+        with pytest.raises(TypeError, match=r"metadata\['deep'\] is nested deeper than 100 levels"):
+            m.save(1, {"w": torch.zeros(2)}, metadata={"deep": deep})
+        with pytest.raises(TypeError, match=r"metadata\['loss'\] must be JSON"):
+            m.save(1, {"w": torch.zeros(2)}, metadata={"loss": 10**5000})
+        with pytest.raises(TypeError, match=r"int at key 'n' has 16610 bits"):
+            m.save(1, {"n": 10**5000})
+        with pytest.raises(ValueError, match=r"below 2\*\*63"):
+            m.save(1 << 63, {"w": torch.zeros(2)})
+        tags = {"tag": {"$float": "inf"}, "wrapped": {"$dict": {"$float": "nan"}}, "nan": float("nan")}
+        m.save(1, {"w": torch.zeros(2)}, metadata=tags).wait()
+        meta = m.metadata(1)
+        m.save(2, {"w": torch.zeros(2)}, metadata={"loss": 10**400}).wait()  # no float: never among the best
+        m.save(3, {"w": torch.zeros(2)}, metadata={"loss": 1.0}).wait()
+        m.save(4, {"w": torch.zeros(2)}, metadata={"loss": 2.0}).wait()
+        assert m.steps() == [3, 4], "retention ran past the metric no float holds (it failed at every commit)"
+    assert meta["tag"] == {"$float": "inf"} and meta["wrapped"] == {"$dict": {"$float": "nan"}}
+    assert math.isnan(meta["nan"])
 
 
 def test_checkpoint_keys_missing_from_the_target_are_a_key_error_before_anything_is_applied(tmp_path):
