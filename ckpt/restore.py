@@ -157,6 +157,12 @@ def plan_restore(
         r = read(name, whole)
         if isinstance(tmpl, torch.Tensor):
             _check_match(info, tmpl, step)
+            if torch._debug_has_internal_overlap(tmpl) == 1:  # copy_ refuses it, after other targets were written
+                raise StateMismatchError(
+                    f"restore of key {info.name!r} (step {step}): the target tensor's elements share memory (an "
+                    f"expanded view, strides {list(tmpl.stride())}): it cannot hold {list(info.shape)} distinct "
+                    "values; restore into a tensor of its own"
+                )
             _add_target(r, tmpl)
             value = tmpl
         elif r.targets:  # a second reference to an array already read into the caller's tensor: tied stays tied

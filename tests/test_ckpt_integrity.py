@@ -710,6 +710,17 @@ def test_metadata_that_could_not_be_read_back_is_refused_at_save_and_tag_like_di
     assert math.isnan(meta["nan"])
 
 
+def test_an_expanded_target_tensor_is_a_mismatch_before_anything_is_applied(tmp_path):
+    """torch refuses to copy into a tensor whose elements share memory: that used to surface as a RuntimeError
+    after the other targets had been overwritten."""
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"a": torch.ones(4), "z": torch.arange(5.0)}).wait()
+        target = {"a": torch.zeros(4), "z": torch.zeros(1).expand(5)}
+        with pytest.raises(ckpt.StateMismatchError, match=r"key 'z' .* share memory .* strides \[0\]"):
+            m.restore(target)
+    assert not target["a"].any()
+
+
 def test_checkpoint_keys_missing_from_the_target_are_a_key_error_before_anything_is_applied(tmp_path):
     with ckpt.CheckpointManager(tmp_path) as m:
         m.save(1, {"w": torch.ones(3), "opt": {"lr": 0.1, "m": torch.ones(2)}, "extra": 5}).wait()
