@@ -26,10 +26,10 @@ from .errors import (
     StepExistsError,
     StepNotFoundError,
 )
-from .observer import NO_TRACKER, CheckpointObserver, tell_deleted, tell_run_id
+from .observer import NO_TRACKER, CheckpointObserver, check_observer, tell_deleted, tell_run_id
 from .options import RootOptions, TierOptions, WriteOptions, resolve
 from .planner import Planner
-from .retention import RetentionPolicy, StepMetadata, doomed, from_keywords
+from .retention import RetentionPolicy, StepMetadata, doomed, policy_of
 from .root_lease import RootLease
 from .save import SaveJob, plan
 from .storage import Storage, context, open_storage
@@ -123,12 +123,7 @@ class CheckpointManager:
             run_id=run_id,
             collective_timeout=collective_timeout,
         )
-        shorthand = from_keywords(keep_last, keep_every, keep_best, best_metric, best_mode)
-        if retention is not None and shorthand is not None:
-            raise ValueError("give retention= or the keep_last/keep_every/keep_best shorthands, not both")
-        if retention is not None and not isinstance(retention, RetentionPolicy):
-            raise TypeError(f"retention must be a RetentionPolicy (a keep(steps, metadata) method), got {retention!r}")
-        self.retention: RetentionPolicy | None = retention if retention is not None else shorthand
+        self.retention = policy_of(retention, keep_last, keep_every, keep_best, best_metric, best_mode)
         self.storage: Storage = open_storage(root, reach.storage_options)
         self.run = run_mod.Run.current(reach.run_id)
         self._run_recorded = False
@@ -178,13 +173,7 @@ class CheckpointManager:
 
     @tracker.setter
     def tracker(self, tracker: CheckpointObserver | None) -> None:
-        needs = ("span", "checkpoint_committed", "checkpoint_restored", "checkpoint_failed")
-        lacks = [name for name in needs if tracker is not None and not callable(getattr(tracker, name, None))]
-        if lacks:
-            raise TypeError(
-                f"tracker must be a CheckpointObserver (e.g. ettr.GoodputTracker), got {tracker!r}: no {lacks}"
-            )
-        self._tracker = tracker if tracker is not None else NO_TRACKER
+        self._tracker = NO_TRACKER if check_observer(tracker) is None else tracker
         tell_run_id(self._tracker, self.run.id)
 
     # -- saving -------------------------------------------------------------------------------------

@@ -52,6 +52,15 @@ class _NoTracker:
 NO_TRACKER = _NoTracker()
 
 
+def check_observer(tracker: Any) -> CheckpointObserver | None:
+    """`tracker` (None: none) if it has every `CheckpointObserver` method; else a TypeError naming those it lacks."""
+    needs = ("span", "checkpoint_committed", "checkpoint_restored", "checkpoint_failed")
+    lacks = [name for name in needs if tracker is not None and not callable(getattr(tracker, name, None))]
+    if lacks:
+        raise TypeError(f"tracker must be a CheckpointObserver (e.g. ettr.GoodputTracker), got {tracker!r}: no {lacks}")
+    return tracker
+
+
 def tell_run_id(observer: CheckpointObserver, run_id: str) -> None:
     """Tell an observer the run's id, if it listens (the optional `use_run_id`: ettr's job id defaults to it)."""
     use_run_id = getattr(observer, "use_run_id", None)

@@ -8,6 +8,7 @@ keywords of the same names are shorthands for them (`merge`).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, TypeVar
@@ -15,7 +16,8 @@ from typing import Any, Mapping, TypeVar
 from .budget import WriteBudget
 from .format import MAX_CHUNK_BYTES, PACK_BYTES
 from .lease import TTL_S
-from .retention import KeepLast, RetentionPolicy
+from .observer import check_observer
+from .retention import KeepLast, RetentionPolicy, policy_of
 from .snapshot import MODES
 
 
@@ -207,6 +209,9 @@ def _merge(kind: type[Options], given: Options | None, name: str, **shorthands: 
     return kind(**set_)
 
 
+_RETENTION = set(inspect.signature(policy_of).parameters)  # retention=, keep_last=... as CheckpointManager has them
+
+
 def typed(keywords: Mapping[str, Any]) -> dict[str, Any]:
     """A manager's keywords with every shorthand folded into its option object (``write=``, ``tiers=``,
     ``root_options=``) and checked now; the others (retention, tracker) as they are. What an integration hands
@@ -214,6 +219,13 @@ def typed(keywords: Mapping[str, Any]) -> dict[str, Any]:
     groups = {"write", "tiers", "root_options"}
     fields = _fields(WriteOptions) | _fields(TierOptions) | _fields(RootOptions)
     rest = {k: v for k, v in keywords.items() if k not in fields and k not in groups}
+    unknown = sorted(set(rest) - _RETENTION - {"tracker"})
+    if unknown:
+        raise TypeError(
+            f"unknown CheckpointManager option(s) {unknown}; known: {sorted(fields | groups | _RETENTION | {'tracker'})}"
+        )
+    policy_of(**{k: v for k, v in rest.items() if k in _RETENTION})
+    check_observer(rest.get("tracker"))
     write, tiers, root = resolve(
         keywords.get("write"),
         keywords.get("tiers"),

@@ -126,6 +126,23 @@ def from_keywords(
     return policies[0] if len(policies) == 1 else Keep(*policies)
 
 
+def policy_of(
+    retention: RetentionPolicy | None = None,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    keep_best: int | None = None,
+    best_metric: str | None = None,
+    best_mode: str = "min",
+) -> RetentionPolicy | None:
+    """`CheckpointManager`'s retention from its keywords: `retention`, or the shorthands' policy, checked."""
+    shorthand = from_keywords(keep_last, keep_every, keep_best, best_metric, best_mode)
+    if retention is not None and shorthand is not None:
+        raise ValueError("give retention= or the keep_last/keep_every/keep_best shorthands, not both")
+    if retention is not None and not isinstance(retention, RetentionPolicy):
+        raise TypeError(f"retention must be a RetentionPolicy (a keep(steps, metadata) method), got {retention!r}")
+    return retention if retention is not None else shorthand
+
+
 class StepMetadata(Mapping[int, Mapping[str, Any]]):
     """The save metadata of `steps`, each read by `read(step)` on first access and cached in `cache`, so a policy
     that never looks (KeepLast) costs no manifest read."""

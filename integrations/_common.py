@@ -11,6 +11,39 @@ import ettr
 from ckpt import CheckpointManager, SaveHandle
 from ettr import GoodputTracker
 
+
+def check_flag(name: str, value: Any) -> bool:
+    """A True/False argument, refused at construction otherwise (``"no"`` would read as True)."""
+    if type(value) is not bool:
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_decision(decision: Any) -> Any:
+    """A `ckpt.SaveDecision` (``should_save`` and ``saved`` methods), refused at construction otherwise."""
+    lacks = [m for m in ("should_save", "saved") if not callable(getattr(decision, m, None))]
+    if lacks:
+        raise TypeError(f"decision must be a ckpt.SaveDecision (e.g. EveryNSteps(100)), got {decision!r}: no {lacks}")
+    return decision
+
+
+def check_samplers(samplers: Any) -> dict[str, Any]:
+    """Name -> ckpt sampler, refused at construction otherwise (a list would be iterated as pairs: a sampler's
+    endless iteration hung the constructor)."""
+    if samplers is None:
+        return {}
+    if not isinstance(samplers, Mapping):
+        raise TypeError(f"samplers must map a name to each ckpt sampler, e.g. {{'train': sampler}}, got {samplers!r}")
+    for name, s in samplers.items():
+        lacks = [m for m in ("advance", "state_dict", "load_state_dict") if not callable(getattr(s, m, None))]
+        if not isinstance(name, str) or lacks:
+            raise TypeError(
+                f"samplers[{name!r}] must be a ckpt sampler (ShuffledSampler, RandomWindowSampler) under a str name, "
+                f"got {s!r}" + (f": no {lacks}" if lacks else "")
+            )
+    return dict(samplers)
+
+
 KEYS = "keys"  # metadata entry listing a checkpoint's top-level keys, so it can be read without a template
 
 
@@ -18,6 +51,8 @@ class TrackerLease:
     """The GoodputTracker of one training call: the caller's (they start/end it) or one made here for `root`."""
 
     def __init__(self, root: str | None, tracker: GoodputTracker | None) -> None:
+        if tracker is not None and not isinstance(tracker, GoodputTracker):
+            raise TypeError(f"tracker must be an ettr.GoodputTracker, got {tracker!r}")
         self.root, self.given = root, tracker
         self.tracker: GoodputTracker | None = tracker
         self._open = False

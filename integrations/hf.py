@@ -29,6 +29,7 @@ from typing import Any, Callable, ContextManager
 
 import fsspec
 import safetensors.torch
+import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
@@ -40,7 +41,16 @@ from ckpt.options import typed
 from ettr import GoodputTracker
 from ettr.ledger import ledger_dir
 
-from ._common import TrackerLease, delete_step, never_committed, read_step, resolve_step, save_once
+from ._common import (
+    TrackerLease,
+    check_decision,
+    check_flag,
+    delete_step,
+    never_committed,
+    read_step,
+    resolve_step,
+    save_once,
+)
 
 TRAINER_STATE = "trainer_state.json"
 _CHECKPOINT_DIR = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
@@ -80,6 +90,24 @@ class GoodputCallback(TrainerCallback):
             self.tracker.step_end(state.global_step, loss)
 
 
+def _load_whole(model: Any, state: dict[str, Any]) -> None:
+    """``model.load_state_dict(state)``, refused before any tensor is copied when a key or a shape does not fit
+    (torch copies every tensor that fits, then raises: a failed resume left the model half overwritten)."""
+    own = model.state_dict()
+    problems = [f"missing key {k!r}" for k in own if k not in state]
+    problems += [f"unexpected key {k!r}" for k in state if k not in own]
+    problems += [
+        f"size mismatch for {k}: the checkpoint has shape {list(v.shape)}, the model {list(own[k].shape)}"
+        for k, v in state.items()
+        if k in own and isinstance(v, torch.Tensor) and v.shape != own[k].shape
+    ]
+    if problems:
+        raise RuntimeError(
+            f"cannot load the checkpoint into {type(model).__name__} (nothing was loaded): " + "; ".join(problems[:10])
+        )
+    model.load_state_dict(state)
+
+
 class SaveDecisionCallback(TrainerCallback):
     """Saves when a `ckpt.SaveDecision` says so (every T seconds, the advised interval, a preemption signal), by
     setting ``control.should_save`` after an optimizer step; HF's own ``save_strategy`` still saves too
@@ -90,7 +118,7 @@ class SaveDecisionCallback(TrainerCallback):
     """
 
     def __init__(self, decision: SaveDecision, clock: Callable[[], float] = time.monotonic) -> None:
-        self.decision, self.clock = decision, clock
+        self.decision, self.clock = check_decision(decision), clock
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -253,8 +281,9 @@ class CkptTrainerMixin:
         default_root = os.path.join(trainer.args.output_dir, "ckpt")
         self.ckpt_root = os.fspath(ckpt_root) if ckpt_root is not None else default_root
         self.ckpt_manager: CheckpointManager | None = None
-        self.run_id, self.overwrite, self.folder_files = run_id, overwrite, folder_files
-        self.record_loss = record_loss
+        self.run_id = run_id
+        self.overwrite, self.folder_files = check_flag("overwrite", overwrite), check_flag("folder_files", folder_files)
+        self.record_loss = check_flag("record_loss", record_loss)
         # typed and checked now; the run id is the mixin's own (given or from the launcher)
         self._ckpt_options = typed({**(manager_options or {}), "run_id": run_id})
         self._lease = TrackerLease(self.ckpt_root, tracker)
@@ -472,7 +501,7 @@ class CkptTrainerMixin:
         if self._is_stock(resume_from_checkpoint):
             with self._span("checkpoint_restore"):
                 return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        (model if model is not None else self.model).load_state_dict(self._staged_for(resume_from_checkpoint)["model"])
+        _load_whole(model if model is not None else self.model, self._staged_for(resume_from_checkpoint)["model"])
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Optimizer and LR scheduler from the manager (absent when saved with save_only_model)."""

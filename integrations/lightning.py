@@ -27,11 +27,23 @@ from lightning.pytorch.plugins.io import CheckpointIO
 
 from ckpt import CheckpointManager, RandomWindowSampler, RNGState, SaveDecision, ShuffledSampler
 from ckpt import run as ckpt_run
+from ckpt.observer import check_observer
 from ckpt.options import typed
 from ckpt.state import encodable
 from ettr import GoodputTracker
 
-from ._common import TrackerLease, batch_hash, delete_step, never_committed, read_step, resolve_step, save_once
+from ._common import (
+    TrackerLease,
+    batch_hash,
+    check_decision,
+    check_flag,
+    check_samplers,
+    delete_step,
+    never_committed,
+    read_step,
+    resolve_step,
+    save_once,
+)
 
 POINTER_FORMAT = "ckpt-lightning-pointer/1"
 POINTERS = "lightning_pointers"  # metadata: the folder whose pointer files name a step, relative to the root
@@ -195,7 +207,7 @@ class CkptCheckpointIO(CheckpointIO):
         self, root: str | os.PathLike[str], *, tracker: GoodputTracker | None = None, **manager_options: Any
     ) -> None:
         self.root = _abs_root(root)
-        self.tracker = tracker
+        self.tracker = check_observer(tracker)
         self._options = typed(manager_options)  # checked now, where the trainer is configured
         self._manager: CheckpointManager | None = None
         self._done: set[int] = set()  # steps saved or restored by this process: a repeated request is a no-op
@@ -488,8 +500,10 @@ class GoodputCallback(Callback):
         record_loss: bool = True,
     ) -> None:
         self._lease = TrackerLease(_abs_root(root) if root is not None else None, tracker)
-        self.record_loss = record_loss
-        self.samplers = dict(samplers or {})
+        self.record_loss = check_flag("record_loss", record_loss)
+        self.samplers = check_samplers(samplers)
+        if not (type(rng) is bool or isinstance(rng, RNGState)):
+            raise TypeError(f"rng must be True, False or a ckpt.RNGState, got {rng!r}")
         self.rng = RNGState() if rng is True else (rng or None)
         self._pending_rng: dict[str, Any] | None = None
         self._attempts: list[str] = []
@@ -638,7 +652,7 @@ class DecisionCheckpoint(ModelCheckpoint):
         self, decision: SaveDecision, *, clock: Callable[[], float] = time.monotonic, **model_checkpoint: Any
     ) -> None:
         super().__init__(**model_checkpoint)
-        self.decision, self.clock = decision, clock
+        self.decision, self.clock = check_decision(decision), clock
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)

@@ -474,3 +474,32 @@ def test_resume_true_passes_over_a_folder_whose_step_never_committed_to_a_stock_
     ):
         resumed.train(resume_from_checkpoint=True)
     assert resumed.step_log.steps == [5, 6] and ckpt.CheckpointManager(out / "ckpt").steps() == [6]
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ({"overwrite": "yes"}, "overwrite must be True or False, got 'yes'"),
+        ({"folder_files": "no"}, "folder_files must be True or False, got 'no'"),
+        ({"tracker": "x"}, "tracker must be an ettr.GoodputTracker, got 'x'"),
+        ({"save_decision": "x"}, r"decision must be a ckpt.SaveDecision .* got 'x'"),
+        ({"manager_options": {"keep_lst": 3}}, r"unknown CheckpointManager option\(s\) \['keep_lst'\]"),
+        ({"manager_options": {"keep_last": -1}}, "keep_last must be a positive int, got -1"),
+    ],
+)
+def test_bad_arguments_are_refused_when_the_trainer_is_built(tmp_path, option, message):
+    """They used to fail at train() (AttributeError: 'str' object has no attribute 'saved'), or not at all."""
+    with pytest.raises((TypeError, ValueError), match=message):
+        _trainer(tmp_path / "out", 2, **option)
+
+
+def test_a_resume_into_a_model_of_another_shape_changes_no_weight(tmp_path):
+    """torch's load_state_dict copies every tensor that fits before it raises: the model was left half resumed."""
+    out = tmp_path / "out"
+    _trainer(out, 2).train()
+    trainer = _trainer(out, 4)
+    trainer.model.transformer.wpe = torch.nn.Embedding(16, 16)  # the checkpoint has 8 positions
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"nothing was loaded.*transformer.wpe.weight.*\[8, 16\].*\[16, 16\]"):
+        trainer.train(resume_from_checkpoint=True)
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())

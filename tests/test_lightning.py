@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 from ckpt import ShuffledSampler, explain, layout  # noqa: E402
 from ckpt.storage import open_storage  # noqa: E402
 from ettr import attribute_root, read_ledgers  # noqa: E402
-from integrations.lightning import CkptCheckpointIO, saveable  # noqa: E402
+from integrations.lightning import CkptCheckpointIO, DecisionCheckpoint, GoodputCallback, saveable  # noqa: E402
 from kill_resume import (  # noqa: E402
     assert_replayed,
     assert_reported,
@@ -491,3 +491,24 @@ def test_a_pointer_to_a_step_that_never_committed_never_skips_a_newer_committed_
     with pytest.raises(FileNotFoundError, match=r"step 4 is not committed .* no earlier step is \(committed: \[8\]\)"):
         io.load_checkpoint(folder / "b.ckpt")
     io.teardown()
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda root: CkptCheckpointIO(root, keep_lst=3), r"unknown CheckpointManager option\(s\) \['keep_lst'\]"),
+        (lambda root: CkptCheckpointIO(root, keep_last=-1), "keep_last must be a positive int, got -1"),
+        (lambda root: CkptCheckpointIO(root, tracker="x"), "tracker must be a CheckpointObserver"),
+        (lambda root: GoodputCallback(root, samplers=[ShuffledSampler(64, 8, seed=1)]), "samplers must map a name"),
+        (lambda root: GoodputCallback(root, samplers={"train": "x"}), r"samplers\['train'\] must be a ckpt sampler"),
+        (lambda root: GoodputCallback(root, rng="yes"), "rng must be True, False or a ckpt.RNGState"),
+        (lambda root: GoodputCallback(root, record_loss="no"), "record_loss must be True or False"),
+        (lambda root: GoodputCallback(root, tracker=5), "tracker must be an ettr.GoodputTracker"),
+        (lambda root: DecisionCheckpoint("x"), "decision must be a ckpt.SaveDecision"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction(tmp_path, build, message):
+    """They used to fail at the first save, hundreds of steps in, or hang: a list of samplers was iterated as
+    name-sampler pairs, that is, the sampler's endless iteration."""
+    with pytest.raises((TypeError, ValueError), match=message):
+        build(str(tmp_path / "ck"))
