@@ -70,7 +70,10 @@ def quarantined(storage: Storage) -> list[QuarantinedStep]:
     """Damaged steps moved to ``_quarantine/`` (by a restore that skipped them), in step order."""
     out = []
     for step, name in layout.quarantined_dirs(storage):
-        record = _json_object(storage.read(layout.damaged_path(layout.quarantined_path(name)))) or {}
+        try:
+            record = _json_object(storage.read(layout.damaged_path(layout.quarantined_path(name)))) or {}
+        except UnsafeFileError:  # a FIFO or a link planted there: no record, and the listing goes on
+            record = {}
         reason = record.get("reason")
         when = record.get("time")
         out.append(
@@ -78,7 +81,7 @@ def quarantined(storage: Storage) -> list[QuarantinedStep]:
                 step,
                 name,
                 reason if isinstance(reason, str) else f"no readable {layout.DAMAGED} record",
-                float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else None,
+                float(when) if type(when) in (int, float) and -(2**53) <= when <= 2**53 else None,
             )
         )
     return sorted(out, key=lambda q: (q.step, q.name))

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -30,9 +31,10 @@ from typing import Any, Iterator
 
 from .errors import LeaseHeldError
 from .layout import GC_LOCK, LEASE
-from .storage import Storage, makedirs_durable
+from .storage import Storage, UnsafeFileError, makedirs_durable, open_regular
 
 TTL_S = 60.0  # object stores: a lease not renewed for this long is free
+_HOLDER_BYTES = 1 << 16  # a holder record is a few hundred bytes of JSON
 WAIT_FOR_GC_S = 60.0  # a writer waits this long for a running `ckpt gc` to finish before giving up
 
 _live: "weakref.WeakSet[FileLease]" = weakref.WeakSet()
@@ -105,7 +107,11 @@ class FileLease:
         self.root, self.holder = root, _new_holder(role)
         try:
             makedirs_durable(root)
-            self._fd = os.open(os.path.join(root, LEASE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            path = os.path.join(root, LEASE)
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            mode = os.fstat(self._fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise UnsafeFileError(errno.EINVAL, f"not a regular file (mode {stat.filemode(mode)}): remove it", path)
         except NotADirectoryError:
             if os.path.lexists(root):
                 raise NotADirectoryError(f"the checkpoint root {root} is not a directory") from None
@@ -188,9 +194,9 @@ class FileLease:
 
 def current_holder_local(root: str) -> dict[str, Any] | None:
     """What ``ROOT/_LEASE`` says about its holder (the last one, if nobody holds it now)."""
-    try:
-        with open(os.path.join(root, LEASE), "rb") as f:
-            return _parse(f.read())
+    try:  # a FIFO or a device planted there is no holder: never block on it, nor read a device's endless bytes
+        with open(open_regular(os.path.join(root, LEASE)), "rb") as f:
+            return _parse(f.read(_HOLDER_BYTES))
     except OSError:
         return None
 

@@ -321,7 +321,12 @@ def check_sizes(storage: Storage, path: str, pack: ArrayInfo, *, step: int | Non
     n = pack.file_nbytes
     for k in range(-(-pack.shape[0] // pack.chunk[0])):
         file_path = f"{path}/{chunk_key((k,))}"
-        tail = storage.read_range(file_path, n - 1, None)  # its last byte, and nothing after it
+        try:
+            tail = storage.read_range(file_path, n - 1, None)  # its last byte, and nothing after it
+        except UnsafeFileError as e:
+            raise CorruptCheckpointError(
+                f"pack file is {e.strerror}", step=step, key=pack.name, file=where(storage, file_path)
+            ) from None
         if tail is None or len(tail) != 1:
             raise CorruptCheckpointError(
                 "pack file is missing"

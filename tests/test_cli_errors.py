@@ -82,6 +82,32 @@ def test_ckpt_cli_reads_crafted_markers_without_a_traceback(roots, capsys):
     assert code == 0 and "no checkpoints" in out  # an existing empty root is not an error
 
 
+def test_special_files_planted_in_a_root_are_damage_or_ignored_never_a_hang_or_an_abort(tmp_path, capsys):
+    """A FIFO as ``_LEASE`` hung `ckpt ls` (and `/dev/zero` there read without end); a FIFO as a quarantined step's
+    record aborted the whole listing; a pack file replaced by a directory aborted `verify` at that step, leaving
+    the later steps unchecked."""
+    root = tmp_path / "ck"
+    with ckpt.CheckpointManager(root) as m:
+        for step in (1, 2, 3):
+            m.save(step, {"w": torch.full((4,), float(step))}).wait()
+    (pack_file,) = root.glob("step_00000002/*/packs/rank_00000/c/0")
+    pack_file.unlink()
+    pack_file.mkdir()
+    (root / "_LEASE").unlink()
+    os.mkfifo(root / "_LEASE")
+    (root / "_quarantine" / "step_00000009-1").mkdir(parents=True)
+    os.mkfifo(root / "_quarantine" / "step_00000009-1" / "_DAMAGED")
+    code, out, err = _run(ckpt.cli.main, ["ls", str(root)], capsys)
+    assert code == 0 and not err, err
+    assert "3  committed" in out and "9  damaged" in out and "no readable _DAMAGED record" in out
+    code, out, err = _run(ckpt.cli.main, ["verify", str(root)], capsys)
+    assert code == 1 and not err, err
+    assert "step 2: DAMAGED: pack file is a directory" in out and "step 3: ok" in out
+    with pytest.raises(OSError, match="not a regular file .*: remove it"):
+        with ckpt.CheckpointManager(root) as m:
+            m.save(4, {"w": torch.zeros(4)})
+
+
 ETTR_ERRORS = [
     (["report", "{goodput}", "--mttf", "0"], "must be a finite positive"),
     (["advise", "{goodput}", "--window", "-5"], "must be a finite positive"),
