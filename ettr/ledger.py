@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import re
+import stat
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ SAVE_PARTS = {
 
 # Where a commit or restore record's optional `tier` says the checkpoint went or came from (absent: one tier).
 TIERS = ("local", "peer", "durable")
-_INT, _NUM, _STR = "an integer", "a number", "a string"
+_INT, _NUM, _STR = "a 64-bit integer", "a finite number", "a string"
 # The type of every field attribution reads; a line with another type is an error naming its file and line.
 FIELD_TYPES: dict[str, str] = {
     "t": _INT,
@@ -62,9 +63,14 @@ FIELD_TYPES: dict[str, str] = {
 
 
 def _has_type(value: Any, kind: str) -> bool:
+    """Of `kind`, and numbers in a range the attribution's arithmetic holds (no NaN, inf or 10**400)."""
     if isinstance(value, bool):
         return False
-    return isinstance(value, {_INT: int, _NUM: (int, float), _STR: str}[kind])
+    if kind == _INT:
+        return isinstance(value, int) and -(2**63) < value < 2**63
+    if kind == _NUM:
+        return isinstance(value, (int, float)) and -1e15 <= value <= 1e15  # NaN compares false
+    return isinstance(value, str)
 
 
 class LedgerError(ValueError):
@@ -229,11 +235,13 @@ def parse_lines(text: str, source: str) -> tuple[list[dict[str, Any]], bool]:
         try:
             rec = json.loads(line)
             _check(rec, source, i)
-        except (json.JSONDecodeError, LedgerError) as err:
-            if last and (not complete or isinstance(err, json.JSONDecodeError)):
+        except (ValueError, RecursionError) as err:  # not JSON (too deep, an int past 4,300 digits), or our check
+            if last and (not complete or not isinstance(err, LedgerError)):
                 torn = True
                 break
-            raise err if isinstance(err, LedgerError) else LedgerError(f"{source}:{i}: {err}") from None
+            if isinstance(err, LedgerError):
+                raise
+            raise LedgerError(f"{source}:{i}: not a JSON record ({type(err).__name__}: {str(err)[:100]})") from None
         records.append(rec)
     return records, torn
 
@@ -324,8 +332,7 @@ class _Files:
 
     def read(self, name: str) -> bytes:
         if self._store is None:
-            with open(os.path.join(self._base, name), "rb") as f:
-                return f.read()
+            return _read_regular(os.path.join(self._base, name))
         with self._unreachable():
             data = self._store.read(f"{LEDGER_DIR}/{name}")
         if data is None:
@@ -335,6 +342,15 @@ class _Files:
     def where(self, name: str) -> str:
         """The path or URL a user finds the file at."""
         return os.path.join(self._base, name) if self._store is None else f"{self._url}/{name}"
+
+
+def _read_regular(path: str) -> bytes:
+    """A local ledger's bytes; a FIFO or a device there (``/dev/zero``) is a LedgerError, never read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise LedgerError(f"{path}: not a regular file (mode {stat.filemode(os.fstat(fd).st_mode)})")
+        return f.read()
 
 
 def _local_names(base: str, rank: int | None) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
@@ -224,6 +225,25 @@ def test_bad_line_in_the_middle_names_file_and_line(tmp_path):
         attribute_root(str(tmp_path))
 
 
+def test_a_line_too_deep_for_json_names_file_and_line(tmp_path):
+    two_attempts(tmp_path)
+    [first] = [l for l in read_ledgers(str(tmp_path)) if l.attempt == "a1"]
+    lines = open(first.source).read().splitlines(keepends=True)
+    lines[3] = "[" * 100_000 + "\n"  # RecursionError, a traceback
+    open(first.source, "w").write("".join(lines))
+    with pytest.raises(LedgerError, match=r"ledger-a1-rank0\.jsonl:4: not a JSON record \(RecursionError"):
+        attribute_root(str(tmp_path))
+
+
+@pytest.mark.parametrize("special", ["fifo", "device"])
+def test_a_ledger_that_is_not_a_regular_file_is_an_error_never_a_hang_or_an_endless_read(tmp_path, special):
+    two_attempts(tmp_path)
+    path = tmp_path / "ettr" / "ledger-zzz-rank0.jsonl"
+    os.mkfifo(path) if special == "fifo" else os.symlink("/dev/zero", path)
+    with pytest.raises(LedgerError, match=r"ledger-zzz-rank0\.jsonl: not a regular file"):
+        attribute_root(str(tmp_path))
+
+
 def test_object_store_ledger_in_segments():
     """Object stores get the step records of the last upload interval (60 s) only at the next upload: the three
     steps between the last commit and the crash never reached the store, so they count as downtime, not lost."""
@@ -292,6 +312,9 @@ def test_a_wall_clock_that_went_back_between_attempts_invents_no_downtime(tmp_pa
         (1, "rank", "0"),
         (6, "s", "4"),
         (15, "bg", "1s"),
+        (15, "bg", -1e308),  # OverflowError in the arithmetic, a traceback
+        (15, "bg", float("nan")),  # "cannot convert float NaN to integer", naming no file
+        (8, "b", 10**30),
         (3, "open", [["step", "one", 1, 2]]),
         (3, "open", "x"),
     ],
