@@ -67,9 +67,9 @@ class FaultStorage:
     def list_files(self, path: str) -> list[str]:
         return self.inner.list_files(path)
 
-    def read(self, path: str) -> bytes | None:
+    def read(self, path: str, limit: int | None = None) -> bytes | None:
         self.reads.append(path)
-        data = self.inner.read(path)
+        data = self.inner.read(path, limit)
         self.read_bytes.append((path, len(data or b"")))
         if data and self.corrupt(path):
             return bytes([data[0] ^ 1]) + data[1:]

@@ -472,6 +472,11 @@ def _manifest_fifo(step_dir):
     os.mkfifo(os.path.join(step_dir, "manifest.json"))
 
 
+def _manifest_sparse(step_dir):
+    with open(os.path.join(step_dir, "manifest.json"), "r+b") as f:
+        f.truncate(2 << 30)  # 2 GiB that cost no disk: every reader held them in memory
+
+
 def _zarr_json_symlink(step_dir):
     path = os.path.join(_data(step_dir), "arrays", "a", "zarr.json")
     other = os.path.join(_data(step_dir.replace("step_00000002", "step_00000001")), "arrays", "a", "zarr.json")
@@ -486,6 +491,7 @@ _FILES = {
     "symlink_array_dir": _symlink_dir,
     "manifest_is_dir": _manifest_dir,
     "manifest_is_fifo": _manifest_fifo,
+    "manifest_sparse_2GiB": _manifest_sparse,
     "symlink_zarr_json": _zarr_json_symlink,
 }
 

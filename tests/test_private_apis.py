@@ -2,7 +2,7 @@
 
 The integrations override or call private `Trainer` methods (integrations/hf.py), reach into Lightning's checkpoint
 connector and `ModelCheckpoint`'s private save methods (integrations/lightning.py), and ckpt uses torch internals
-(ckpt/distributed.py, ckpt/snapshot.py, ckpt/determinism/data.py). An upgrade that renames or reshapes one fails
+(ckpt/distributed.py, ckpt/snapshot.py, ckpt/restore.py, ckpt/determinism/data.py). An upgrade that renames or reshapes one fails
 here, in one place, with a message naming the name, the code that uses it and the installed version.
 
 Each name is checked the way the code uses it: an override must take the same parameters as the method it replaces
@@ -75,6 +75,14 @@ def _has_loaded_checkpoint(connector: Any) -> str | None:
     return None
 
 
+def _sees_overlap(fn: Any) -> str | None:
+    import torch
+
+    if fn(torch.zeros(1).expand(3)) != 1 or fn(torch.zeros(3)) != 0:
+        return "no longer tells an expanded tensor (1) from a plain one (0)"
+    return None
+
+
 def _version_counts(t_cls: Any) -> str | None:
     import torch
 
@@ -128,6 +136,8 @@ USES = [
         _attr("torch.utils.data._utils.collate", "default_collate"), call=(1, ())),
     Use("torch.Tensor._version", "torch", "ckpt/snapshot.py (the overlapped snapshot's change check)",
         _attr("torch", "Tensor"), check=_version_counts),
+    Use("torch._debug_has_internal_overlap", "torch", "ckpt/restore.py (an expanded target is refused first)",
+        _attr("torch", "_debug_has_internal_overlap"), check=_sees_overlap),
 ]  # fmt: skip
 
 

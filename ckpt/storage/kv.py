@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import tensorstore as ts
 
 from ..errors import StorageError
+from .local import too_big
 from .protocol import checked
 from .spec import DEFAULT_TIMEOUT_S, kvstore_spec, validated_options
 
@@ -80,9 +81,12 @@ class KvStorage:
         prefix = checked(path).rstrip("/") + "/"
         return [k[len(prefix) :] for k in self._keys(prefix)]
 
-    def read(self, path: str) -> bytes | None:
+    def read(self, path: str, limit: int | None = None) -> bytes | None:
         r = self._wait(self._kv.read(checked(path)), "read", path)
-        return r.value if r.state == "value" else None
+        if r.state != "value":
+            return None
+        too_big(len(r.value), limit, self.url + path)  # read already: an object's bytes were paid to upload
+        return r.value
 
     def read_range(self, path: str, start: int, stop: int | None) -> bytes | None:
         """One ranged GET. A range past the object's end is refused (OUT_OF_RANGE): then its tail from `start`

@@ -38,6 +38,12 @@ def open_regular(path: str) -> int:
     return fd
 
 
+def too_big(size: int, limit: int | None, path: str) -> None:
+    """An UnsafeFileError when a file of `size` bytes is past `limit` (None: no limit)."""
+    if limit is not None and size > limit:
+        raise UnsafeFileError(errno.EFBIG, f"{size} bytes, more than the {limit} any checkpoint writes", path)
+
+
 def _kind(mode: int) -> str:
     return (
         "a directory"
@@ -110,13 +116,15 @@ class LocalStorage:
         base = self._p(path)
         return sorted(os.path.relpath(os.path.join(d, f), base) for d, _, fs in os.walk(base) for f in fs)
 
-    def read(self, path: str) -> bytes | None:
-        """The file's bytes, None when it is missing; UnsafeFileError when it is not a regular file."""
+    def read(self, path: str, limit: int | None = None) -> bytes | None:
+        """The file's bytes, None when it is missing; UnsafeFileError when it is not a regular file or is larger
+        than `limit`."""
         try:
             fd = open_regular(self._p(path))
         except (FileNotFoundError, NotADirectoryError):
             return None
         with open(fd, "rb") as f:
+            too_big(os.fstat(fd).st_size, limit, self._p(path))
             return f.read()
 
     def read_range(self, path: str, start: int, stop: int | None) -> bytes | None:

@@ -48,8 +48,9 @@ class Storage(Protocol):
     def list_dirs(self, path: str = "") -> list[str]: ...
     def list_files(self, path: str) -> list[str]: ...
 
-    def read(self, path: str) -> bytes | None:
-        """The file's bytes, None when it is missing."""
+    def read(self, path: str, limit: int | None = None) -> bytes | None:
+        """The file's bytes, None when it is missing; past `limit` bytes an UnsafeFileError (a local file is never
+        read then: a sparse one of gigabytes costs its maker nothing, each reader its size in memory)."""
         ...
 
     def read_range(self, path: str, start: int, stop: int | None) -> bytes | None:
