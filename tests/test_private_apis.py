@@ -2,8 +2,9 @@
 
 The integrations override or call private `Trainer` methods (integrations/hf.py), reach into Lightning's checkpoint
 connector and `ModelCheckpoint`'s private save methods (integrations/lightning.py), and ckpt uses torch internals
-(ckpt/distributed.py, ckpt/snapshot.py, ckpt/restore.py, ckpt/determinism/data.py). An upgrade that renames or reshapes one fails
-here, in one place, with a message naming the name, the code that uses it and the installed version.
+(ckpt/distributed.py, ckpt/snapshot.py, ckpt/restore.py, ckpt/determinism/data.py). An upgrade that renames or
+reshapes one fails here, in one place, with a message naming the name, the code that uses it and the installed
+version.
 
 Each name is checked the way the code uses it: an override must take the same parameters as the method it replaces
 (the library calls ours as it would call its own); a call must bind the arguments our code passes.
