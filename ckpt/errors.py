@@ -13,7 +13,7 @@ class CorruptCheckpointError(CheckpointError):
     def __init__(self, message: str, *, step: int | None = None, key: str | None = None, file: str | None = None):
         where = ", ".join(f"{k}={v}" for k, v in (("step", step), ("key", key), ("file", file)) if v is not None)
         super().__init__(f"{message} ({where})" if where else message)
-        self.step, self.key, self.file = step, key, file
+        self.message, self.step, self.key, self.file = message, step, key, file
 
 
 def described(error: BaseException) -> str:

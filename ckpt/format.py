@@ -655,7 +655,7 @@ class Manifest:
                     key=b,
                 )
         except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(str(e), key=e.key, file=file) from None
+            raise CorruptCheckpointError(e.message, step=e.step, key=e.key, file=file) from None
         return cls(
             step=body["step"],
             tree=body["tree"],
