@@ -214,8 +214,11 @@ def _read_segments(
             dest, at = dest[n:], at + n
     names = [r.info.name for r, _, _, _ in group]
     pack = packs[group[0][0].info.places[group[0][0].box][0]]
-    for path in dict.fromkeys(p for p, _, _, _ in spans):
-        _read_spans(storage, path, [s for s in spans if s[0] == path], pack, names, step)
+    by_file: dict[str, list[tuple[str, int, int, memoryview]]] = {}
+    for span in spans:  # one pass: a manifest's segment size decides how many there are
+        by_file.setdefault(span[0], []).append(span)
+    for path, in_file in by_file.items():
+        _read_spans(storage, path, in_file, pack, names, step)
     for r, lo, hi, index in group:
         value = crc32c.crc32c(r.dest[lo - r.lo : hi - r.lo])
         if r.info.digests is not None and value != r.info.digests[index]:
@@ -288,18 +291,19 @@ def _preadv_exact(
 ) -> None:
     """Fill every view from the file at `offset` on, in order (preadv, resumed after a short read)."""
     views = [v for v in views if len(v)]
-    while views:
-        n = os.preadv(fd, views[:512], offset)  # IOV_MAX is 1024 on Linux
+    i = 0  # the first view not yet filled (no pop(0): a manifest's segment size decides how many views there are)
+    while i < len(views):
+        n = os.preadv(fd, views[i : i + 512], offset)  # IOV_MAX is 1024 on Linux
         if n <= 0:
             raise CorruptCheckpointError(
                 f"pack file ends at byte {offset} (pack {pack.name!r})", step=step, key=_key(pack, names), file=path
             )
         offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
+        while i < len(views) and n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
         if n:
-            views[0] = views[0][n:]
+            views[i] = views[i][n:]
 
 
 def files_needed(pack: ArrayInfo, start: int, n: int) -> range:
