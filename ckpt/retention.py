@@ -104,14 +104,16 @@ class Keep:
         return isinstance(other, Keep) and self.policies == other.policies
 
 
-def from_keywords(
+def policy_of(
+    retention: RetentionPolicy | None = None,
     keep_last: int | None = None,
     keep_every: int | None = None,
     keep_best: int | None = None,
     best_metric: str | None = None,
     best_mode: str = "min",
 ) -> RetentionPolicy | None:
-    """The policy `CheckpointManager`'s shorthand keywords stand for; None (keep everything) when none is set."""
+    """`CheckpointManager`'s retention from its keywords, checked: `retention`, or the policy the shorthands stand
+    for; None (keep everything) when none is set."""
     if keep_best is None and best_mode not in ("min", "max"):
         raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
     policies: list[RetentionPolicy] = []
@@ -121,26 +123,13 @@ def from_keywords(
         policies.append(KeepEvery(keep_every))
     if keep_best is not None:
         policies.append(KeepBest(keep_best, best_metric or "", best_mode))
-    if not policies:
-        return None
-    return policies[0] if len(policies) == 1 else Keep(*policies)
-
-
-def policy_of(
-    retention: RetentionPolicy | None = None,
-    keep_last: int | None = None,
-    keep_every: int | None = None,
-    keep_best: int | None = None,
-    best_metric: str | None = None,
-    best_mode: str = "min",
-) -> RetentionPolicy | None:
-    """`CheckpointManager`'s retention from its keywords: `retention`, or the shorthands' policy, checked."""
-    shorthand = from_keywords(keep_last, keep_every, keep_best, best_metric, best_mode)
-    if retention is not None and shorthand is not None:
+    if retention is not None and policies:
         raise ValueError("give retention= or the keep_last/keep_every/keep_best shorthands, not both")
     if retention is not None and not isinstance(retention, RetentionPolicy):
         raise TypeError(f"retention must be a RetentionPolicy (a keep(steps, metadata) method), got {retention!r}")
-    return retention if retention is not None else shorthand
+    if retention is not None or not policies:
+        return retention
+    return policies[0] if len(policies) == 1 else Keep(*policies)
 
 
 class StepMetadata(Mapping[int, Mapping[str, Any]]):

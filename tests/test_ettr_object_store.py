@@ -41,15 +41,21 @@ def test_six_hours_of_one_step_a_second_make_two_objects_and_one_upload_a_minute
     assert attribute_root(root).micros["productive"] == to_us(hours * 3600)
 
 
-def test_each_rank_lists_and_reads_only_its_own_prefix():
-    """A restarting tracker (and `ettr report --rank`) pages through its rank's objects only, not 1,000 ranks'."""
-    root, clock = "memory://ettr-ranks", FakeClock(1000.0)
-    for rank in (0, 1, 2):
+def _one_step_per_rank(root: str, ranks: int) -> str:
+    """An attempt of one step on each rank, rank r's taking 1 + r seconds."""
+    clock = FakeClock(1000.0)
+    for rank in range(ranks):
         tr = GoodputTracker(root, attempt_id="a1", rank=rank, job_id="job", clock=clock).start()
         tr.step_begin(1)
         clock.advance(1.0 + rank)
         tr.step_end(1)
         tr.end()
+    return root
+
+
+def test_each_rank_lists_and_reads_only_its_own_prefix():
+    """A restarting tracker (and `ettr report --rank`) pages through its rank's objects only, not 1,000 ranks'."""
+    root = _one_step_per_rank("memory://ettr-ranks", 3)
     store = open_url_store(root)
     assert store.list_dirs(LEDGER_DIR) == ["rank0", "rank1", "rank2"]
     assert [l.rank for l in read_ledgers(root, rank=1)] == [1]
@@ -60,13 +66,7 @@ def test_each_rank_lists_and_reads_only_its_own_prefix():
 def test_a_local_copy_of_an_object_store_root_reads_as_the_store(tmp_path):
     """`aws s3 sync s3://bucket/run ./run` keeps the per-rank prefixes as folders: `ettr report ./run` reads the
     same attempts from them (it used to list only the flat folder a local root writes, and found no ledgers)."""
-    root, clock = "memory://ettr-copied", FakeClock(1000.0)
-    for rank in (0, 1):
-        tr = GoodputTracker(root, attempt_id="a1", rank=rank, job_id="job", clock=clock).start()
-        tr.step_begin(1)
-        clock.advance(1.0 + rank)
-        tr.step_end(1)
-        tr.end()
+    root = _one_step_per_rank("memory://ettr-copied", 2)
     store = open_url_store(root)
     for key in store.list_files(LEDGER_DIR):
         (tmp_path / LEDGER_DIR / key).parent.mkdir(parents=True, exist_ok=True)
