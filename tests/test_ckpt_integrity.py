@@ -716,6 +716,24 @@ def test_metadata_that_could_not_be_read_back_is_refused_at_save_and_tag_like_di
     assert math.isnan(meta["nan"])
 
 
+def test_a_step_directory_that_is_a_symbolic_link_is_never_read_through(tmp_path):
+    """A link in place of a step (to a valid step elsewhere) is no step of this root: not listed, and named
+    explicitly it is damage. `ckpt inspect --step` and `metadata()` used to read the other place's manifest."""
+    root, elsewhere = tmp_path / "ck", tmp_path / "elsewhere"
+    with ckpt.CheckpointManager(root) as m:
+        m.save(1, {"w": torch.ones(2)}).wait()
+        m.save(2, {"w": torch.full((2,), 2.0)}).wait()
+    os.rename(root / "step_00000002", elsewhere)
+    os.symlink(elsewhere, root / "step_00000002")
+    with ckpt.CheckpointManager(root) as m:
+        assert m.steps() == [1]
+        for read in (lambda: m.metadata(2), lambda: m.restore({"w": torch.zeros(2)}, step=2)):
+            with pytest.raises(CorruptCheckpointError, match="manifest is reached through a symbolic link"):
+                read()
+        target = {"w": torch.zeros(2)}
+        assert m.restore(target) == 1 and torch.equal(target["w"], torch.ones(2))
+
+
 def test_an_expanded_target_tensor_is_a_mismatch_before_anything_is_applied(tmp_path):
     """torch refuses to copy into a tensor whose elements share memory: that used to surface as a RuntimeError
     after the other targets had been overwritten."""

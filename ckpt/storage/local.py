@@ -116,11 +116,22 @@ class LocalStorage:
         base = self._p(path)
         return sorted(os.path.relpath(os.path.join(d, f), base) for d, _, fs in os.walk(base) for f in fs)
 
+    def _unlinked(self, path: str) -> str:
+        """`path` to read, reached from the root through no symbolic link (a step directory that is a link would
+        read another place's files as this root's); UnsafeFileError otherwise."""
+        full = self._p(path)
+        parent = os.path.dirname(full)
+        if os.path.realpath(parent) != os.path.normpath(
+            os.path.join(os.path.realpath(self.root), os.path.dirname(checked(path)))
+        ):
+            raise UnsafeFileError(errno.ELOOP, "reached through a symbolic link", full)
+        return full
+
     def read(self, path: str, limit: int | None = None) -> bytes | None:
-        """The file's bytes, None when it is missing; UnsafeFileError when it is not a regular file or is larger
-        than `limit`."""
+        """The file's bytes, None when it is missing; UnsafeFileError when it is not a regular file, is larger
+        than `limit` or is reached through a symbolic link inside the root."""
         try:
-            fd = open_regular(self._p(path))
+            fd = open_regular(self._unlinked(path))
         except (FileNotFoundError, NotADirectoryError):
             return None
         with open(fd, "rb") as f:
@@ -129,7 +140,7 @@ class LocalStorage:
 
     def read_range(self, path: str, start: int, stop: int | None) -> bytes | None:
         try:
-            fd = open_regular(self._p(path))
+            fd = open_regular(self._unlinked(path))
         except (FileNotFoundError, NotADirectoryError):
             return None
         try:
