@@ -140,12 +140,12 @@ def test_gc_beside_a_live_writer_removes_dead_writers_leftovers_only(tmp_path, p
 def test_object_store_lease_expires_after_its_holder_stops_and_a_paused_holder_learns_it_lost(tmp_path, procs):
     # tensorstore's file kvstore stands in for an object store: the same conditional writes, and real processes
     url = f"file://{tmp_path}/kv"
-    # 4 s: renewed every 1 s, so a holder starved for a second or two on a busy machine still holds it
-    child = _start(procs, writer.hold_kv, url, 4.0, str(tmp_path / "h"))
+    # 8 s: renewed every 2 s, so a holder starved for up to 6 s on a busy machine still holds it at the first check
+    child = _start(procs, writer.hold_kv, url, 8.0, str(tmp_path / "h"))
     wait_for(tmp_path / "h", "holding")
     storage = KvStorage(url, context())
     with pytest.raises(LeaseHeldError, match=f"pid {child.pid} on host {socket.gethostname()}"):
-        lease.acquire(storage, ttl=4.0)
+        lease.acquire(storage, ttl=8.0)
     os.kill(child.pid, signal.SIGSTOP)  # alive but silent: its heartbeat stops
     try:
         deadline = time.monotonic() + 60
