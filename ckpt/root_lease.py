@@ -25,15 +25,15 @@ class RootLease:
     def take(self, collective: bool) -> None:
         """Hold the lease (rank 0) or check it is still held; `collective`: every rank takes part (a save), so a
         refusal reaches every rank at once, none waiting in a collective for a rank that gave up."""
-        error: LeaseHeldError | StorageError | None = None
+        error: LeaseHeldError | StorageError | OSError | None = None
         if self.ranks.leader:
             try:
                 if self.lease is None:
                     self.lease = lease_mod.acquire(self.storage, ttl=self.ttl)
                 else:
                     self.lease.check()
-            except (LeaseHeldError, StorageError) as e:  # every rank learns it, none waits in the gather below
-                error = e
+            except (LeaseHeldError, StorageError, OSError) as e:  # a root that cannot be created too: every
+                error = e  # rank learns it, none waits for rank 0 in the broadcast below until the collective timeout
         if collective and not self._agreed:
             verdict = self.ranks.broadcast_json(None if error is None else str(error))
             if verdict and error is None:

@@ -172,6 +172,16 @@ def main(mode: str, root: str) -> None:
             with ckpt.CheckpointManager(root, local=f"{root}.local/{rank}", collective_timeout=20) as m:
                 m.restore(state_of(model, opt), track=False)
         print(f"fds grew {fds() - before} over 10 managers", flush=True)
+    elif mode == "uncreatable":
+        # a root under a file: rank 0 cannot take the lease, and rank 1 learns why at once (not at the timeout)
+        if rank == 0:
+            open(f"{root}.file", "w").close()
+        with ckpt.CheckpointManager(f"{root}.file/ck", collective_timeout=60) as m:
+            try:
+                m.save(1, state_of(model, opt)).wait()
+                print("NO ERROR", flush=True)
+            except Exception as e:
+                print(f"refused after the save: {type(e).__name__}: {e}", flush=True)
     elif mode == "refused":
         # a save one rank cannot make (its metadata is not JSON) fails on every rank, and ranks that call save with
         # different steps fail too: no rank pairs one save's messages with another's, later saves commit
