@@ -152,6 +152,60 @@ def test_allow_data_change_carries_the_position_and_the_valid_skips_over_to_the_
     assert all(3 not in resumed.explain(k).indices for k in range(4, 4 + 427 // 8 + 2)), "the skip list carried over"
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"t": 16.9}, r"key 't' must be an int"),
+        ({"t": "16"}, r"key 't' must be an int"),
+        ({"t": -8}, r"key 't' must be an int"),  # failed at the first batch, far from the load
+        ({"t": 2**70}, r"key 't' must be an int"),  # OverflowError at the first batch
+        ({"step": None}, r"key 'step' must be an int"),
+        ({"skip": "12"}, r"key 'skip' must be a list"),  # read as [1, 2]
+        ({"skip": [-1]}, r"key 'skip' must be a list"),
+        ({"skip": list(range(713))}, r"key 'skip' skips all 713 items"),  # iteration looped forever
+    ],
+)
+def test_a_sampler_state_it_cannot_take_is_refused_at_load_naming_its_key(dataset, change, message):
+    s = _sampler(dataset)
+    state = {**json.loads(json.dumps(s.state_dict())), **change}
+    with pytest.raises(DataMismatchError, match=message):
+        _sampler(dataset).load_state_dict(state)
+    with pytest.raises(TypeError, match="sampler state must be a dict"):
+        s.load_state_dict([1])
+
+
+def test_a_resume_onto_data_so_small_that_the_skips_cover_it_is_refused(tmp_path, dataset):
+    """allow_data_change onto a 2-window stream, with both windows skipped before: iteration used to loop forever."""
+    s = _sampler(dataset, global_batch_size=2)
+    s.skip([0, 1])
+    tiny = TokenWindowDataset(write_tokens(tmp_path / "tiny.bin", 16 + 7), np.uint16, 16, SEED)
+    resumed = _sampler(tiny, global_batch_size=2, allow_data_change=True)
+    with pytest.raises(DataMismatchError, match="skips all 2 items"):
+        resumed.load_state_dict(json.loads(json.dumps(s.state_dict())))
+
+
+def test_bad_data_arguments_are_refused_where_given(tmp_path, dataset):
+    """A FIFO token file hung the fingerprint; a sampler whose windows are not the dataset's gave other batches
+    than explain() names, silently; world_size=0 was a ZeroDivisionError."""
+    import os
+
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ValueError, match="fifo: not a regular file"):
+        TokenWindowDataset(tmp_path / "fifo", np.uint16, 16, SEED)
+    with pytest.raises(TypeError, match="token dtype must be numeric"):
+        TokenWindowDataset(dataset.path, object, 16, SEED)
+    for window, seed, match in ((0, SEED, "need 1 <= window"), (6000, SEED, "need 1 <= window"), (16, -1, "seed")):
+        with pytest.raises(ValueError, match=match):
+            TokenWindowDataset(dataset.path, np.uint16, window, seed)
+    with pytest.raises(TypeError, match="window must be an int, got float"):
+        TokenWindowDataset(dataset.path, np.uint16, 2.5, SEED)
+    other_window = RandomWindowSampler(dataset.n_tokens, 100, 7, 8, SEED, fingerprint=dataset.fingerprint())
+    with pytest.raises(ValueError, match=r"sampler \(window 100.*does not fit the dataset \(window 16"):
+        make_loader(dataset, other_window)
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
+        _sampler(dataset, rank=0, world_size=0)
+
+
 def test_batch_hash_is_the_hash_of_what_training_received_remembered_from_the_draw(dataset):
     """What the goodput ledger records per step (docs/goodput.md, replay): the loader's draw leaves each step's hash
     behind (workers fetch, the main process draws), a step never drawn is computed, a resume forgets the old draws."""

@@ -54,6 +54,9 @@ class Explanation:
     batch_hash: str
 
 
+_POSITION_LIMIT = 1 << 62  # counters stay int64 with a batch added
+
+
 class _CounterSampler(Sampler[list[Any]]):
     """Batch sampler over a keyed per-epoch permutation of `num_items`; position = (global counter t, steps done)."""
 
@@ -79,6 +82,8 @@ class _CounterSampler(Sampler[list[Any]]):
         for name, value in (("rank", rank), ("world_size", world_size)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
         if global_batch_size < 1 or global_batch_size % world_size:
             raise ValueError(
                 f"global_batch_size {global_batch_size} must be a positive multiple of world_size {world_size}"
@@ -208,7 +213,10 @@ class _CounterSampler(Sampler[list[Any]]):
         return {"kind": self.kind, **self._config(), "t": self._t, "step": self._step, "skip": list(self._skip)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume at the saved position; a different kind, config or data fingerprint raises unless allowed."""
+        """Resume at the saved position; a different kind, config or data fingerprint raises unless allowed, and a
+        position this sampler cannot take (a tampered or foreign state) raises naming its key."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"sampler state must be a dict (a state_dict()), got {type(state).__name__}")
         if state.get("kind") != self.kind:
             raise DataMismatchError(f"sampler state key 'kind': expected {self.kind!r}, got {state.get('kind')!r}")
         mismatches = [
@@ -222,8 +230,19 @@ class _CounterSampler(Sampler[list[Any]]):
                 + "; ".join(mismatches)
                 + "); pass allow_data_change=True to force it"
             )
-        self._t, self._step = int(state["t"]), int(state["step"])
-        self._skip = [int(i) for i in state["skip"] if int(i) < self.num_items]
+        for key in ("t", "step"):
+            value = state.get(key)
+            if type(value) is not int or not 0 <= value < _POSITION_LIMIT:
+                raise DataMismatchError(f"sampler state key {key!r} must be an int in [0, 2**62), got {value!r}")
+        skip = state.get("skip")
+        if not isinstance(skip, list) or any(type(i) is not int or i < 0 for i in skip):
+            raise DataMismatchError(f"sampler state key 'skip' must be a list of item indices, got {str(skip)[:80]}")
+        kept = sorted({i for i in skip if i < self.num_items})  # items past a smaller dataset no longer exist
+        if len(kept) >= self.num_items:
+            raise DataMismatchError(
+                f"sampler state key 'skip' skips all {self.num_items} items of this run's data: nothing to yield"
+            )
+        self._t, self._step, self._skip = state["t"], state["step"], kept
         self._generation += 1
         self._hashes.clear()  # the next iterator draws again from the new position
 
@@ -282,6 +301,9 @@ class RandomWindowSampler(_CounterSampler):
         fingerprint: str | None = None,
         allow_data_change: bool = False,
     ) -> None:
+        for name, value in (("n_tokens", n_tokens), ("window", window), ("stride", stride)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
         if window < 1 or stride < 1 or n_tokens < window:
             raise ValueError(
                 f"need window >= 1, stride >= 1, n_tokens >= window; got n={n_tokens} L={window} c={stride}"
@@ -412,6 +434,13 @@ class TokenWindowDataset(Dataset[dict[str, Any]]):
         self.path = self.files[0] if len(self.files) == 1 else None  # the token file, when there is one
         self.stream = TokenStream(self.files, dtype)
         self.dtype, self.n_tokens = self.stream.dtype, self.stream.n_tokens
+        for name, value in (("window", window), ("seed", seed)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if not 1 <= window <= self.n_tokens or seed < 0:
+            raise ValueError(
+                f"need 1 <= window <= the stream's {self.n_tokens} tokens and seed >= 0; got window={window} seed={seed}"
+            )
         self.window, self.seed, self.transform = window, seed, transform
         self._tokens: list[np.memmap] | None = None
         self._reader: WindowReader | None = None
@@ -595,6 +624,11 @@ def make_loader(
     """
     kwargs.setdefault("generator", torch_generator(sampler.seed, "loader"))
     if isinstance(dataset, TokenWindowDataset) and isinstance(sampler, RandomWindowSampler):
+        if sampler.window != dataset.window or sampler.n_tokens > dataset.n_tokens:
+            raise ValueError(  # other windows than explain() and the batch hashes name, or windows past the end
+                f"the sampler (window {sampler.window}, {sampler.n_tokens} tokens) does not fit the dataset (window "
+                f"{dataset.window}, {dataset.n_tokens} tokens): build both from one stream"
+            )
         collate = "collate_fn" not in kwargs
         dataset = WindowBatches(
             dataset, sampler, prefetch_batches=prefetch_batches, max_prefetch_bytes=max_prefetch_bytes, collate=collate

@@ -19,6 +19,7 @@ import hashlib
 import mmap
 import os
 import platform
+import stat
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -83,8 +84,13 @@ class TokenStream:
     def __init__(self, files: Sequence[str], dtype: np.dtype | str) -> None:
         self.files = list(files)
         self.dtype = np.dtype(dtype)
+        if self.dtype.kind not in "biuf":
+            raise TypeError(f"token dtype must be numeric (e.g. uint16), got {self.dtype}")
         sizes = []
         for path in self.files:
+            mode = os.stat(path).st_mode
+            if not stat.S_ISREG(mode):  # a FIFO would block the fingerprint's read, a device read without end
+                raise ValueError(f"{path}: not a regular file (mode {stat.filemode(mode)}): token files are files")
             size = os.path.getsize(path)
             if size % self.dtype.itemsize:
                 raise ValueError(
