@@ -108,8 +108,13 @@ def read_hf_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     """The weights of a folder written by ``save_pretrained`` (memory-mapped) and its config as step metadata."""
     index = os.path.join(folder, INDEX)
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map", {})
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map", {})
+        except (ValueError, RecursionError, AttributeError) as e:  # not JSON, or not an object
+            raise ValueError(f"{index} is not a safetensors index ({type(e).__name__}: {str(e)[:100]})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: weight_map must map each tensor to a file name")
         files = list(dict.fromkeys(weight_map.values()))
     else:
         files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))

@@ -14,7 +14,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -118,12 +118,12 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[Entry, int]], 
         if size < 8 or n > min(MAX_HEADER, size - 8):
             raise ValueError(f"{path} is not a safetensors file (header length {n}, file size {size})")
         try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise ValueError(f"{path}: safetensors header is not JSON: {e}") from None
+            header = json.loads(f.read(n), object_pairs_hook=_unique_keys)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"{path}: safetensors header is not JSON: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: safetensors header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ValueError(f"{path}: __metadata__ must map str to str")
     entries, data = {}, 8 + n
@@ -133,6 +133,7 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[Entry, int]], 
             and d.get("dtype") in _BY_NAME
             and isinstance(d.get("shape"), list)
             and all(type(x) is int and x >= 0 for x in d["shape"])
+            and math.prod(x for x in d["shape"] if x) < 1 << 62  # a zero-size tensor too: torch holds its shape
             and isinstance(d.get("data_offsets"), list)
             and len(d["data_offsets"]) == 2
             and all(type(x) is int for x in d["data_offsets"])
@@ -147,7 +148,29 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[Entry, int]], 
                 f"{e.nbytes} bytes inside the file's {size - data} bytes of data"
             )
         entries[name] = (e, data + a)
+    end = 0  # the spec's buffer: every byte of it indexed once, in order (no overlap, alias or hole)
+    for name, (a, b) in sorted(
+        ((k, (o - data, o - data + e.nbytes)) for k, (e, o) in entries.items()), key=lambda x: x[1]
+    ):
+        if a != end:
+            raise ValueError(
+                f"{path}: tensor {name!r} starts at data byte {a}, where {end} was expected: tensors overlap or "
+                "leave a hole (safetensors indexes every byte once)"
+            )
+        end = b
+    if end != size - data:
+        raise ValueError(f"{path}: the tensors' data ends at byte {end} of the file's {size - data} bytes of data")
     return entries, metadata, size
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are unique (json keeps the last of a repeated key, silently)."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"key {key!r} appears twice")
+        seen[key] = value
+    return seen
 
 
 def open_tensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -451,3 +451,44 @@ def test_import_runs_no_code_from_a_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="posix.system|os.system"):
         ckpt.import_checkpoint(tmp_path / "dcp", tmp_path / "root", step=1)
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "root").exists()
+
+
+def _safetensors(path, header: str | bytes, data: bytes = b"") -> str:
+    """A safetensors file with this header text (its length first) and data bytes, as a hostile writer makes one."""
+    raw = header.encode() if isinstance(header, str) else header
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "header, data, message",
+    [
+        ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}',
+         bytes(12), "tensor 'b' starts at data byte 4, where 8 was expected"),  # overlapping: imported silently
+        ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"I32","shape":[2],"data_offsets":[0,8]}}',
+         bytes(8), "tensor 'b' starts at data byte 0"),  # one buffer read as two dtypes
+        ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}', bytes(8), "starts at data byte 4, where 0"),
+        ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"I32","shape":[1],"data_offsets":[0,4]}}',
+         bytes(4), "key 'a' appears twice"),  # the last one won, silently
+        ('{"a":{"dtype":"F32","shape":[18446744073709551616,0],"data_offsets":[0,0]}}', b"", "malformed header entry"),
+        ('{"a":{"dtype":"F32","shape":[0,4611686018427387904,4611686018427387904],"data_offsets":[0,0]}}', b"",
+         "malformed header entry"),  # a C++ stack trace, or tensorstore's, naming neither file nor key
+        ("[" * 100_000, b"", "header is not JSON: RecursionError"),
+        ('{"__metadata__":[],"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', bytes(4), "__metadata__ must map"),
+    ],
+)  # fmt: skip
+def test_import_of_a_safetensors_file_that_breaks_the_format_names_it_and_writes_nothing(
+    tmp_path, header, data, message
+):
+    path = _safetensors(tmp_path / "bad.safetensors", header, data)
+    with pytest.raises(ValueError, match=message) as info:
+        ckpt.import_checkpoint(path, tmp_path / "root", step=1)
+    assert "bad.safetensors" in str(info.value)
+    assert not (tmp_path / "root").exists() or not ckpt.CheckpointManager(tmp_path / "root").steps()
+
+
+def test_import_of_a_folder_whose_index_is_not_an_object_names_it(tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text("[1]")
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json is not a safetensors index"):
+        ckpt.import_checkpoint(tmp_path / "hf", tmp_path / "root", step=1)
