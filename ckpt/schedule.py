@@ -214,6 +214,10 @@ class Preemption:
 
     def __init__(self, signals: Sequence[int] = PREEMPTION_SIGNALS) -> None:
         self.signals = tuple(signals)
+        for signum in self.signals:  # checked here, not when the handlers are installed
+            valid = type(signum) is int or isinstance(signum, signal.Signals)
+            if not valid or signum not in signal.valid_signals() or signum in (signal.SIGKILL, signal.SIGSTOP):
+                raise ValueError(f"signals: {signum!r} is not a signal a handler can catch (e.g. signal.SIGTERM)")
         self.signum: int | None = None
         self._pending = False
         self._previous: dict[int, Any] = {}

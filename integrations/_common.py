@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ettr
-from ckpt import CheckpointManager, SaveHandle
+from ckpt import CheckpointManager, RNGState, SaveHandle
 from ettr import GoodputTracker
 
 
@@ -25,6 +25,13 @@ def check_decision(decision: Any) -> Any:
     if lacks:
         raise TypeError(f"decision must be a ckpt.SaveDecision (e.g. EveryNSteps(100)), got {decision!r}: no {lacks}")
     return decision
+
+
+def check_rng(rng: Any) -> Any:
+    """True, False or a `ckpt.RNGState`, refused at construction otherwise (``"yes"`` was saved as a string)."""
+    if not (type(rng) is bool or isinstance(rng, RNGState)):
+        raise TypeError(f"rng must be True, False or a ckpt.RNGState, got {rng!r}")
+    return rng
 
 
 def check_samplers(samplers: Any) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from ._common import (
     batch_hash,
     check_decision,
     check_flag,
+    check_rng,
     check_samplers,
     delete_step,
     never_committed,
@@ -502,9 +503,7 @@ class GoodputCallback(Callback):
         self._lease = TrackerLease(_abs_root(root) if root is not None else None, tracker)
         self.record_loss = check_flag("record_loss", record_loss)
         self.samplers = check_samplers(samplers)
-        if not (type(rng) is bool or isinstance(rng, RNGState)):
-            raise TypeError(f"rng must be True, False or a ckpt.RNGState, got {rng!r}")
-        self.rng = RNGState() if rng is True else (rng or None)
+        self.rng = RNGState() if check_rng(rng) is True else (rng or None)
         self._pending_rng: dict[str, Any] | None = None
         self._attempts: list[str] = []
         self._open: int | None = None

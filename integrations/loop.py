@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import os
 import signal
 import time
 import warnings
@@ -36,7 +38,7 @@ from ckpt.options import typed
 from ckpt.schedule import PREEMPTION_SIGNALS
 from ettr import GoodputTracker
 
-from ._common import advised_interval, advised_two_tier, batch_hash
+from ._common import advised_interval, advised_two_tier, batch_hash, check_rng
 
 log = logging.getLogger("integrations")
 
@@ -108,7 +110,13 @@ class TrainLoop:
             raise ValueError(f"state keys {reserved} are reserved for the loop's own entries; rename them")
         if decision is not None and (every_steps is not None or every_seconds is not None or advise):
             raise ValueError("give decision= or every_steps/every_seconds/advise, not both")
-        self.root = str(root)
+        if not isinstance(root, (str, os.PathLike)):  # None became a folder named 'None'
+            raise TypeError(f"root must be a path or URL, got {root!r}")
+        if mttf_s is not None and not (type(mttf_s) in (int, float) and 0 < mttf_s < math.inf):
+            raise ValueError(f"mttf_s must be a finite positive number of seconds, got {mttf_s!r}")
+        if tracker is not None and not isinstance(tracker, GoodputTracker):
+            raise TypeError(f"tracker must be an unstarted ettr.GoodputTracker, got {tracker!r}")
+        self.root = os.fspath(root)
         self.mttf_s = mttf_s
         if overlap:
             warnings.warn(
@@ -124,7 +132,11 @@ class TrainLoop:
         # one configuration for the root's store
         self._storage_options = self._manager_options["root_options"].storage_options
         self.decision = decision if decision is not None else self._interval(every_steps, every_seconds, advise)
-        self.rng = RNGState() if rng is True else (rng or None)
+        self.rng = RNGState() if check_rng(rng) is True else (rng or None)
+        if sampler is not None and not all(
+            callable(getattr(sampler, m, None)) for m in ("state_dict", "load_state_dict")
+        ):
+            raise TypeError(f"sampler must be checkpointable (state_dict and load_state_dict), got {sampler!r}")
         self.sampler = sampler
         self._samplers = {"sampler": sampler} if sampler is not None else {}
         self.state: dict[str, Any] = {

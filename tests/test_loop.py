@@ -395,6 +395,26 @@ def test_the_loop_copies_the_whole_state_inside_a_save_unless_overlap_is_asked_f
         assert loop.manager.snapshot == "overlap"
 
 
+@pytest.mark.parametrize(
+    "kw, error, message",
+    [
+        ({"rng": "yes"}, TypeError, "rng must be True, False or a ckpt.RNGState"),  # saved as the string 'yes'
+        ({"sampler": [1, 2]}, TypeError, "sampler must be checkpointable"),  # saved as a JSON list
+        ({"signals": [signal.SIGKILL]}, ValueError, "is not a signal a handler can catch"),  # OSError at enter
+        ({"signals": ["SIGTERM"]}, ValueError, "is not a signal a handler can catch"),
+        ({"mttf_s": -5}, ValueError, "mttf_s must be a finite positive number"),  # after the root was made
+        ({"tracker": "x"}, TypeError, "tracker must be an unstarted ettr.GoodputTracker"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction_and_make_nothing(tmp_path, kw, error, message):
+    root = tmp_path / "ck"
+    with pytest.raises(error, match=message):
+        TrainLoop(str(root), {"w": torch.zeros(1)}, every_steps=1, **kw)
+    with pytest.raises(TypeError, match="root must be a path or URL, got None"):  # a folder named 'None'
+        TrainLoop(None, {"w": torch.zeros(1)}, every_steps=1)
+    assert not root.exists()
+
+
 def test_misuse_fails_loudly(tmp_path):
     with pytest.raises(ValueError, match="reserved"):
         TrainLoop(str(tmp_path), {"rng": 1}, every_steps=1)
