@@ -54,6 +54,13 @@ class Explanation:
     batch_hash: str
 
 
+def _ints(**arguments: Any) -> None:
+    """A TypeError naming the first argument that is not an int (a bool is not; a numpy integer is)."""
+    for name, value in arguments.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+
+
 _POSITION_LIMIT = 1 << 62  # counters stay int64 with a batch added
 
 
@@ -76,12 +83,7 @@ class _CounterSampler(Sampler[list[Any]]):
         found_rank, found_world = topology()
         rank = found_rank if rank is None else rank
         world_size = found_world if world_size is None else world_size
-        for name, value in (("num_items", num_items), ("global_batch_size", global_batch_size), ("seed", seed)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-        for name, value in (("rank", rank), ("world_size", world_size)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        _ints(num_items=num_items, global_batch_size=global_batch_size, seed=seed, rank=rank, world_size=world_size)
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if global_batch_size < 1 or global_batch_size % world_size:
@@ -301,9 +303,7 @@ class RandomWindowSampler(_CounterSampler):
         fingerprint: str | None = None,
         allow_data_change: bool = False,
     ) -> None:
-        for name, value in (("n_tokens", n_tokens), ("window", window), ("stride", stride)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        _ints(n_tokens=n_tokens, window=window, stride=stride)
         if window < 1 or stride < 1 or n_tokens < window:
             raise ValueError(
                 f"need window >= 1, stride >= 1, n_tokens >= window; got n={n_tokens} L={window} c={stride}"
@@ -434,9 +434,7 @@ class TokenWindowDataset(Dataset[dict[str, Any]]):
         self.path = self.files[0] if len(self.files) == 1 else None  # the token file, when there is one
         self.stream = TokenStream(self.files, dtype)
         self.dtype, self.n_tokens = self.stream.dtype, self.stream.n_tokens
-        for name, value in (("window", window), ("seed", seed)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        _ints(window=window, seed=seed)
         if not 1 <= window <= self.n_tokens or seed < 0:
             raise ValueError(
                 f"need 1 <= window <= the stream's {self.n_tokens} tokens and seed >= 0; got window={window} seed={seed}"
