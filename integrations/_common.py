@@ -19,11 +19,16 @@ def check_flag(name: str, value: Any) -> bool:
     return value
 
 
+def lacks(obj: Any, *methods: str) -> list[str]:
+    """The methods of `methods` that `obj` does not have (an argument checked for the duck type it must be)."""
+    return [m for m in methods if not callable(getattr(obj, m, None))]
+
+
 def check_decision(decision: Any) -> Any:
     """A `ckpt.SaveDecision` (``should_save`` and ``saved`` methods), refused at construction otherwise."""
-    lacks = [m for m in ("should_save", "saved") if not callable(getattr(decision, m, None))]
-    if lacks:
-        raise TypeError(f"decision must be a ckpt.SaveDecision (e.g. EveryNSteps(100)), got {decision!r}: no {lacks}")
+    missing = lacks(decision, "should_save", "saved")
+    if missing:
+        raise TypeError(f"decision must be a ckpt.SaveDecision (e.g. EveryNSteps(100)), got {decision!r}: no {missing}")
     return decision
 
 
@@ -42,11 +47,11 @@ def check_samplers(samplers: Any) -> dict[str, Any]:
     if not isinstance(samplers, Mapping):
         raise TypeError(f"samplers must map a name to each ckpt sampler, e.g. {{'train': sampler}}, got {samplers!r}")
     for name, s in samplers.items():
-        lacks = [m for m in ("advance", "state_dict", "load_state_dict") if not callable(getattr(s, m, None))]
-        if not isinstance(name, str) or lacks:
+        missing = lacks(s, "advance", "state_dict", "load_state_dict")
+        if not isinstance(name, str) or missing:
             raise TypeError(
                 f"samplers[{name!r}] must be a ckpt sampler (ShuffledSampler, RandomWindowSampler) under a str name, "
-                f"got {s!r}" + (f": no {lacks}" if lacks else "")
+                f"got {s!r}" + (f": no {missing}" if missing else "")
             )
     return dict(samplers)
 

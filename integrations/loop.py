@@ -38,7 +38,7 @@ from ckpt.options import typed
 from ckpt.schedule import PREEMPTION_SIGNALS
 from ettr import GoodputTracker
 
-from ._common import advised_interval, advised_two_tier, batch_hash, check_rng
+from ._common import advised_interval, advised_two_tier, batch_hash, check_rng, lacks
 
 log = logging.getLogger("integrations")
 
@@ -114,7 +114,7 @@ class TrainLoop:
             raise TypeError(f"root must be a path or URL, got {root!r}")
         if mttf_s is not None and not (type(mttf_s) in (int, float) and 0 < mttf_s < math.inf):
             raise ValueError(f"mttf_s must be a finite positive number of seconds, got {mttf_s!r}")
-        if tracker is not None and not isinstance(tracker, GoodputTracker):
+        if tracker is not None and not isinstance(tracker, GoodputTracker):  # the loop starts it itself
             raise TypeError(f"tracker must be an unstarted ettr.GoodputTracker, got {tracker!r}")
         self.root = os.fspath(root)
         self.mttf_s = mttf_s
@@ -133,9 +133,7 @@ class TrainLoop:
         self._storage_options = self._manager_options["root_options"].storage_options
         self.decision = decision if decision is not None else self._interval(every_steps, every_seconds, advise)
         self.rng = RNGState() if check_rng(rng) is True else (rng or None)
-        if sampler is not None and not all(
-            callable(getattr(sampler, m, None)) for m in ("state_dict", "load_state_dict")
-        ):
+        if sampler is not None and lacks(sampler, "state_dict", "load_state_dict"):
             raise TypeError(f"sampler must be checkpointable (state_dict and load_state_dict), got {sampler!r}")
         self.sampler = sampler
         self._samplers = {"sampler": sampler} if sampler is not None else {}
