@@ -88,10 +88,12 @@ class TokenStream:
             raise TypeError(f"token dtype must be numeric (e.g. uint16), got {self.dtype}")
         sizes = []
         for path in self.files:
-            mode = os.stat(path).st_mode
-            if not stat.S_ISREG(mode):  # a FIFO would block the fingerprint's read, a device read without end
-                raise ValueError(f"{path}: not a regular file (mode {stat.filemode(mode)}): token files are files")
-            size = os.path.getsize(path)
+            found = os.stat(path)
+            if not stat.S_ISREG(found.st_mode):  # a FIFO would block the fingerprint's read, a device read without end
+                raise ValueError(
+                    f"{path}: not a regular file (mode {stat.filemode(found.st_mode)}): token files are files"
+                )
+            size = found.st_size
             if size % self.dtype.itemsize:
                 raise ValueError(
                     f"{path}: size {size} is not a multiple of {self.dtype} itemsize {self.dtype.itemsize}"

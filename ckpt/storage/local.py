@@ -130,12 +130,13 @@ class LocalStorage:
     def read(self, path: str, limit: int | None = None) -> bytes | None:
         """The file's bytes, None when it is missing; UnsafeFileError when it is not a regular file, is larger
         than `limit` or is reached through a symbolic link inside the root."""
+        full = self._unlinked(path)
         try:
-            fd = open_regular(self._unlinked(path))
+            fd = open_regular(full)
         except (FileNotFoundError, NotADirectoryError):
             return None
         with open(fd, "rb") as f:
-            too_big(os.fstat(fd).st_size, limit, self._p(path))
+            too_big(os.fstat(fd).st_size, limit, full)
             return f.read()
 
     def read_range(self, path: str, start: int, stop: int | None) -> bytes | None:
