@@ -32,7 +32,7 @@ def test_quick_demo_crashes_resumes_and_proves_determinism(tmp_path):
     png = run_dir.resolve() / "timeline.png"
     assert lines[-2:] == [f"timeline: {png}", "deterministic: yes"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "1 failure(s)" in out and "recommended interval" in out
+    assert "1 failure(s)" in out and "recommended interval" in out, out[-4000:]  # a failure shows the report
     # what docs/demo.md calls H: one SHA-256 of the final weights, the same for both runs of this demo
     hashes = re.findall(r"^(reference|resumed) +weights sha256 ([0-9a-f]{64}) after \d+ steps$", out, re.M)
     assert [name for name, _ in hashes] == ["reference", "resumed"] and hashes[0][1] == hashes[1][1], out
