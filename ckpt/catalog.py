@@ -170,11 +170,22 @@ def collect_garbage(storage: Storage, *, force: bool = False) -> list[int]:
         finally:
             held.release()
     with lease.lease_class(storage).beside_writer(storage) as holder:
-        if holder is None:
-            return []
-        return _delete_uncommitted(
-            storage, [e for e in entries(storage) if not e.committed and e.owner != holder.get("id")]
-        )
+        return [] if holder is None else _delete_leftovers(storage, holder.get("id"))
+
+
+def collect_leftovers(storage: Storage, writer: lease.Lease) -> list[int]:
+    """The root's writer deleting what crashed saves and interrupted deletes (a kill during retention) left: every
+    uncommitted step directory not marked by `writer`'s own saves. Only under an exclusive lease (a local root's
+    flock: no other writer lives); elsewhere nothing, as `collect_garbage` does beside a live writer."""
+    if not writer.exclusive:
+        return []
+    with lease.lease_class(storage).beside_writer(storage):
+        return _delete_leftovers(storage, writer.id)
+
+
+def _delete_leftovers(storage: Storage, writer_id: str | None) -> list[int]:
+    """Under ``_GC_LOCK``: delete the uncommitted step directories whose marker names another writer, or none."""
+    return _delete_uncommitted(storage, [e for e in entries(storage) if not e.committed and e.owner != writer_id])
 
 
 def stale_data(storage: Storage) -> list[tuple[int, str]]:

@@ -276,6 +276,7 @@ class CheckpointManager:
             if tiered and self.ranks.leader:  # after every rank's local tier recorded it (job.run's messages)
                 run_mod.claim(self.storage, self.run)
             self._run_recorded = True
+            self._queue_leftovers()
         retain_now = self._target.committed(job.plan, self._root_lease.lease, self._persisted, persist)
         self._budget.lower_pool_threads()  # workers tensorstore started during this write
         seconds, nbytes = time.perf_counter() - t0, sum(t.nbytes for t in job.plan.tensors.values())  # this rank's
@@ -313,6 +314,21 @@ class CheckpointManager:
                 self._queue_delete(s, report=False)
         except Exception as e:
             log.warning("retention after step %d failed: %s", step, e)
+
+    def _queue_leftovers(self) -> None:
+        """Once the root is this run's (its first commit): delete, on the deleter thread, what earlier processes' kills
+        left in it (a save's partial step, a step whose delete a kill interrupted), so that no disk stays taken until
+        a `ckpt gc`. The leader alone, under its exclusive lease (`catalog.collect_leftovers`)."""
+        held = self._root_lease.lease
+        if held is None or not self.ranks.leader:
+            return
+
+        def sweep() -> None:
+            removed = catalog.collect_leftovers(self.storage, held)
+            if removed:
+                log.info("removed the leftovers of crashed saves or deletes: steps %s", removed)
+
+        self._background.queue_delete("leftovers", sweep, report=False)
 
     def _queue_delete(self, step: int, *, report: bool) -> None:
         """Delete a committed step of the durable root (manifest first) on the deleter thread."""

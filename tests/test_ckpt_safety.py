@@ -346,6 +346,29 @@ def test_retention_keep_last_every_and_best(tmp_path):
         assert m.steps() == [6]
 
 
+def test_a_writer_removes_what_kills_during_retention_and_saves_left(tmp_path):
+    """A kill between a retention's manifest delete and its tree delete left step 1's arrays with no manifest; a kill
+    mid-save left step 3's partial files, marked by a dead writer. The next writer's first commit removes both in the
+    background (no disk stays taken until a `ckpt gc`); every committed step stays, its own saves in flight too."""
+    root = tmp_path / "ck"
+    _save_steps(str(root), [1, 2])
+    os.remove(root / layout.manifest_path(1))
+    (root / "step_00000003" / "arrays").mkdir(parents=True)
+    (root / layout.in_progress_path(3)).write_text(
+        json.dumps({"pid": 1 << 22, "host": "gone", "time": 0.0, "lease": "a-dead-writer"})
+    )
+    storage = open_storage(str(root))
+    assert [(e.step, e.committed) for e in catalog.entries(storage)] == [(1, False), (2, True), (3, False)]
+    with ckpt.CheckpointManager(root, **UNPACKED) as m:
+        t = _state(0)
+        assert m.restore(t) == 2 and torch.equal(t["w"], _state(2)["w"])
+        for s in (4, 5, 6):  # saves in flight while the leftovers go
+            m.save(s, _state(s))
+    assert [(e.step, e.committed) for e in catalog.entries(storage)] == [(s, True) for s in (2, 4, 5, 6)]
+    for s in (2, 4, 5, 6):
+        assert not list(catalog.verify(storage, s)), s
+
+
 def test_memory_root_is_one_store(tmp_path):
     root = f"memory://{uuid.uuid4().hex}/run"
     _save_steps(root, [1, 2], keep_last=1)
