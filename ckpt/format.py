@@ -14,7 +14,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .errors import CheckpointError, CorruptCheckpointError, described
 from .paths import validate_array_name
@@ -331,56 +331,77 @@ class ArrayInfo:
     def from_json(cls, name: str, d: Any, *, format: str = FORMAT, raw: bool = False) -> "ArrayInfo":
         """Validated: known dtype, bounded shape and chunk grid, boxes inside the shape, one digest per chunk (per
         box where placed; none where `raw`, a ckpt/5 pack); a place per box (its bounds in the pack are
-        `pack_mismatch`'s, with the packs)."""
+        `pack_mismatch`'s, with the packs). Each message is made only for a failed check (`lazy`): a manifest holds
+        one entry per tensor, and a restore reads them all."""
         validate_array_name(name)
 
-        def need(ok: bool, what: str) -> None:
+        def need(ok: bool, what: Callable[[], str]) -> None:
             if not ok:
-                raise CorruptCheckpointError(f"malformed array entry in manifest: {what}", key=name)
+                raise CorruptCheckpointError(f"malformed array entry in manifest: {what()}", key=name)
 
-        need(isinstance(d, dict), "not an object")
-        need(isinstance(d.get("dtype"), str) and d["dtype"] in _DTYPE_NAMES, f"unknown dtype {d.get('dtype')!r}")
+        need(isinstance(d, dict), lambda: "not an object")
+        dtype = d.get("dtype")
+        need(isinstance(dtype, str) and dtype in _DTYPE_NAMES, lambda: f"unknown dtype {dtype!r}")
         shape, chunk = d.get("shape"), d.get("chunk")
-        need(_ints(shape, 0, _MAX_DIM) and len(shape) <= MAX_RANK, f"bad shape {shape!r}")
+        need(_ints(shape, 0, _MAX_DIM) and len(shape) <= MAX_RANK, lambda: f"bad shape {shape!r}")
         need(
             _ints(chunk, 1, _MAX_DIM)
             and len(chunk) == len(shape)
             and all(c <= max(n, 1) for c, n in zip(chunk, shape)),
-            f"chunk {chunk!r} does not fit shape {shape}",
+            lambda: f"chunk {chunk!r} does not fit shape {shape}",
         )
         boxes = d.get("boxes")
         need(
             isinstance(boxes, list) and len(boxes) <= MAX_CHUNKS and _boxes_inside(boxes, shape),
-            "boxes must be lists of [start, stop] inside the shape",
+            lambda: "boxes must be lists of [start, stop] inside the shape",
         )
-        info = cls(name, d["dtype"], tuple(shape), tuple(chunk), tuple(tuple((a, b) for a, b in box) for box in boxes))
         places = _places(d, format, need)
+        segment = d.get("segment", 0) if places is not None and format == FORMAT else 0
+        sums = d.get("digests")
+        digests = None if format == "ckpt/1" else () if raw else tuple(sums) if isinstance(sums, list) else ()
+        info = cls(
+            name,
+            dtype,
+            tuple(shape),
+            tuple(chunk),
+            tuple(tuple((a, b) for a, b in box) for box in boxes),
+            digests=digests,
+            places=places,
+            segment=segment if type(segment) is int else 0,
+            raw=raw and format != "ckpt/1",
+        )
         if places is not None:
-            need(info.chunk == info.shape and info.nbytes > 0, "a placed array is one non-empty chunk")
-            need(len(places) == len(info.boxes), f"needs a place per box ({len(info.boxes)}), has {len(places)}")
-            need(all(n > 0 for n in info.box_sizes), "a placed array's boxes are not empty")
+            need(info.chunk == info.shape and info.nbytes > 0, lambda: "a placed array is one non-empty chunk")
+            need(
+                len(places) == len(info.boxes), lambda: f"needs a place per box ({len(info.boxes)}), has {len(places)}"
+            )
+            need(all(n > 0 for n in info.box_sizes), lambda: "a placed array's boxes are not empty")
             untiled = _untiled(info.shape, info.boxes)  # a read fills the tensor from its boxes alone
-            need(untiled is None, f"its boxes do not tile its shape {list(info.shape)}: {untiled}")
-            segment = d.get("segment", 0) if format == FORMAT else 0
-            need(type(segment) is int and (segment >= 1 or format != FORMAT), f"bad segment {str(segment)[:50]!r}")
-            info = dataclasses.replace(info, segment=segment, places=places)
+            need(untiled is None, lambda: f"its boxes do not tile its shape {list(info.shape)}: {untiled}")
+            need(
+                type(segment) is int and (segment >= 1 or format != FORMAT),
+                lambda: f"bad segment {str(segment)[:50]!r}",
+            )
             count = info.digest_count
-            need(count <= MAX_CHUNKS, f"{count} segments, more than {MAX_CHUNKS}")
+            need(count <= MAX_CHUNKS, lambda: f"{count} segments, more than {MAX_CHUNKS}")
         else:
             need(
-                info.chunk_nbytes <= MAX_CHUNK_BYTES, f"chunk of {info.chunk_nbytes} bytes, more than {MAX_CHUNK_BYTES}"
+                info.chunk_nbytes <= MAX_CHUNK_BYTES,
+                lambda: f"chunk of {info.chunk_nbytes} bytes, more than {MAX_CHUNK_BYTES}",
             )
             count = math.prod(info.grid)
-            need(count <= MAX_CHUNKS, f"{count} chunks, more than {MAX_CHUNKS}")
+            need(count <= MAX_CHUNKS, lambda: f"{count} chunks, more than {MAX_CHUNKS}")
         if format == "ckpt/1":
             return info
         if raw:
-            need(d.get("digests") == [] and places is None, "a pack of raw bytes has no digests of its own")
-            return dataclasses.replace(info, digests=(), raw=True)
-        sums = d.get("digests")
+            need(sums == [] and places is None, lambda: "a pack of raw bytes has no digests of its own")
+            return info
         unit = "segment" if places is not None else "chunk"
-        need(_ints(sums, 0, (1 << 32) - 1) and len(sums) == count, f"needs {count} {unit} digests (crc32c values)")
-        return dataclasses.replace(info, digests=tuple(sums), places=places)
+        need(
+            _ints(sums, 0, (1 << 32) - 1) and len(sums) == count,
+            lambda: f"needs {count} {unit} digests (crc32c values)",
+        )
+        return info
 
 
 def _untiled(shape: tuple[int, ...], boxes: Sequence[Sequence[tuple[int, int]]]) -> str | None:
@@ -406,27 +427,28 @@ def _untiled(shape: tuple[int, ...], boxes: Sequence[Sequence[tuple[int, int]]])
     return None
 
 
-def _places(d: dict[str, Any], format: str, need: Any) -> tuple[tuple[str, int], ...] | None:
+def _places(
+    d: dict[str, Any], format: str, need: Callable[[bool, Callable[[], str]], None]
+) -> tuple[tuple[str, int], ...] | None:
     """An entry's places in packs: ckpt/5's "places" (one per box), ckpt/3-4's "pack" (its one box); None."""
-    need(d.get("pack") is None or format in _OLD_PACKS, f"packed in format {format}")
-    need(d.get("places") is None or format == FORMAT, f"placed in format {format}")
+    need(d.get("pack") is None or format in _OLD_PACKS, lambda: f"packed in format {format}")
+    need(d.get("places") is None or format == FORMAT, lambda: f"placed in format {format}")
     if d.get("pack") is not None:
         raw = [d["pack"]]
     elif d.get("places") is not None:
         raw = d["places"]
-        need(isinstance(raw, list), f"bad places {str(raw)[:100]!r}")
+        need(isinstance(raw, list), lambda: f"bad places {str(raw)[:100]!r}")
     else:
         return None
-    for p in raw:  # the message is formatted only for a bad place: a manifest holds one place per box
+    for p in raw:
         ok = isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and type(p[1]) is int
-        if not (ok and 0 <= p[1] <= _MAX_DIM):
-            need(False, f"bad place {str(p)[:100]!r} (expected [pack name, byte offset])")
+        need(ok and 0 <= p[1] <= _MAX_DIM, lambda: f"bad place {str(p)[:100]!r} (expected [pack name, byte offset])")
     for name in {p[0] for p in raw}:  # a pack's name once, not once per box placed in it
         try:
             validate_array_name(name)
         except CorruptCheckpointError as e:
-            p = next(p for p in raw if p[0] == name)
-            need(False, f"bad place {str(p)[:100]!r}: {e}")
+            p, why = next(p for p in raw if p[0] == name), str(e)
+            need(False, lambda: f"bad place {str(p)[:100]!r}: {why}")
     return tuple((p[0], p[1]) for p in raw)
 
 
