@@ -77,12 +77,14 @@ MIN_UNFAILED_RUN_S = 3600.0
 
 
 def _too_short(a: Attribution, compute_s: float, recommended_s: float, mttf_given: bool) -> str | None:
-    """Why a run is too short to fit an interval (None: it is not): it took no save or ran no step; or, with the
+    """Why a run is too short to fit an interval (None: it is not): it took no save, ran no step or no compute; or, with the
     MTTF fitted from the run itself (no `mttf_s`), it saw no failure in less than MIN_UNFAILED_RUN_S of running, or
     the interval it would be advised is longer than all the compute it ran (an extrapolation)."""
     steps = sum(at.steps for at in a.attempts)
     if not steps or not a.saves:
         return f"{steps} step(s) and {a.saves} save(s) in the ledger; a fit needs at least one of each"
+    if not compute_s:  # every step's time in spans of their own (a user's "forward"), or steps of no time
+        return f"its {steps} step(s) hold no compute time (productive and lost: 0 s); a fit needs some"
     if mttf_given:
         return None
     running_s = (a.wall_us - a.micros["downtime"]) / 1e6

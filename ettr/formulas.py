@@ -13,11 +13,18 @@ from typing import Callable
 NODE_DAY_S = 86_400.0
 
 
+# The most seconds any duration may be (317 years): a window, an interval, an MTTF. Past it microsecond counts and the
+# formulas overflow (a window of 1e308 s failed at the tracker's first flush, inside the training loop).
+MAX_SECONDS = 1e10
+
+
 def check_seconds(name: str, value: float, *, positive: bool = False) -> float:
-    """`value` if it is a finite, non-negative (or positive) number of seconds; else a ValueError naming it."""
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and (value > 0 if positive else value >= 0)):
+    """`value` if it is a non-negative (or positive) number of seconds, at most MAX_SECONDS; else a ValueError naming
+    it (NaN and inf fail the comparisons; an int of any size is compared exactly)."""
+    if not (isinstance(value, (int, float)) and (0 < value if positive else 0 <= value) and value <= MAX_SECONDS):
         raise ValueError(
-            f"{name} must be a finite {'positive' if positive else 'non-negative'} number of seconds, got {value!r}"
+            f"{name} must be a finite {'positive' if positive else 'non-negative'} number of seconds, at most "
+            f"{MAX_SECONDS:g} (317 years), got {value!r}"
         )
     return float(value)
 
@@ -44,8 +51,8 @@ def expected_ettr(interval_s: float, write_s: float, restart_s: float, mttf_s: f
     """Exact expectation for exponential failures that may strike during compute, writes and restarts (Daly):
     ETTR = T / (M e^{R/M} (e^{(T+d)/M} - 1))."""
     m = mttf_s
-    try:
-        return interval_s / (m * math.exp(restart_s / m) * math.expm1((interval_s + write_s) / m))
+    try:  # M (e^{(T+d)/M} - 1) first: it tends to T + d as M grows, where M e^{R/M} alone would overflow to inf
+        return interval_s / (math.exp(restart_s / m) * (m * math.expm1((interval_s + write_s) / m)))
     except OverflowError:  # failures come so much faster than a segment completes that nothing ever does
         return 0.0
 

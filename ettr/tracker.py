@@ -9,6 +9,7 @@ import logging
 import math
 import operator
 import os
+import reprlib
 import socket
 import threading
 import time
@@ -59,14 +60,27 @@ def _integer(name: str, value: Any) -> int:
     """`value` as an int: an int, a numpy integer or a 0-d integer tensor (``operator.index``); a bool, a float or
     anything else is a TypeError naming `name`. Steps and byte counts reach the ledger as JSON integers: one that did
     not would make the whole job's ledger unreadable, or fail a later record far from the call that passed it."""
-    if type(value) is int:
-        return value
-    if not isinstance(value, bool):
+    if type(value) is not int:
+        if isinstance(value, bool):
+            raise TypeError(f"{name} must be an integer, got bool {value!r}")
         try:
-            return operator.index(value)
+            value = operator.index(value)
         except TypeError:
-            pass
-    raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+            raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+    if not -_INT64 < value < _INT64:  # as the ledger's reader takes them (`ledger.FIELD_TYPES`)
+        raise ValueError(f"{name} must be a 64-bit integer (below 2**63 in size), got {_shown(value)}")
+    return value
+
+
+_INT64 = 1 << 63
+
+
+def _shown(value: Any) -> str:
+    """`value` for a message, cut short; one holding an int too long for `repr` (4,300 digits) by its type."""
+    try:
+        return reprlib.repr(value)
+    except ValueError:
+        return f"({type(value).__name__} holding an int of over 4,300 digits)"
 
 
 def _number(value: Any) -> Any:
@@ -85,7 +99,9 @@ def _json_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
     record). Anything else is an error naming the attribute now, not a lost record and a failing later flush."""
     out: dict[str, Any] = {}
     for name, value in attrs.items():
-        if type(value) in _PLAIN or (type(value) is float and math.isfinite(value)):
+        if (type(value) in _PLAIN and (type(value) is not int or -_INT64 < value < _INT64)) or (
+            type(value) is float and math.isfinite(value)
+        ):
             out[name] = value
             continue
         try:
@@ -93,7 +109,7 @@ def _json_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
         except (TypeError, ValueError) as e:  # ValueError: NaN or infinity, or a circular reference
             raise (ValueError if isinstance(e, ValueError) else TypeError)(
                 f"span attribute {name}= must be JSON (finite numbers, str, bool, None, lists, dicts; 0-d tensors "
-                f"and numpy scalars become numbers), got {type(value).__name__} {value!r}: {e}"
+                f"and numpy scalars become numbers), got {type(value).__name__} {_shown(value)}: {e}"
             ) from None
     return out
 
@@ -376,7 +392,7 @@ class GoodputTracker:
 
     def step_begin(self, step: int) -> None:
         """A training step starts."""
-        if type(step) is not int:
+        if type(step) is not int or not -_INT64 < step < _INT64:
             step = _integer("step", step)
         with self._lock:  # the manager's hooks may open spans from another thread
             t = self._credit()
@@ -392,7 +408,7 @@ class GoodputTracker:
         `loss` (a float, or a 0-dim tensor: ``float()`` reads it, which waits for a device's kernels), `batch` (the
         batch hash, e.g. ``sampler.batch_hash(step)``) and `scalars` ({name: number}) go into the record as its
         digest: a step trained again after a resume is compared with it bit for bit (docs/goodput.md, replay)."""
-        if type(step) is not int:
+        if type(step) is not int or not -_INT64 < step < _INT64:
             step = _integer("step", step)
         if loss is None and batch is None and not scalars:
             found = digest = None
@@ -421,7 +437,7 @@ class GoodputTracker:
 
     def step(self, step: int) -> _Step:
         """`with tracker.step(i):` around one training step."""
-        return _Step(self, step if type(step) is int else _integer("step", step))
+        return _Step(self, _integer("step", step))
 
     def span(self, category: str, **attrs: Any) -> _Span:
         """`with tracker.span("data_wait"):` time a category; checkpoint_save/restore flush at both ends.

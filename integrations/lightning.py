@@ -506,7 +506,9 @@ class GoodputCallback(Callback):
         self.rng = RNGState() if check_rng(rng) is True else (rng or None)
         self._pending_rng: dict[str, Any] | None = None
         self._attempts: list[str] = []
-        self._open: int | None = None
+        self._open: int | None = None  # the goodput step open since its first micro-batch, and what they recorded
+        self._losses: list[Any] = []
+        self._batches: list[str | None] = []
         self._begun = False
 
     @property
@@ -565,21 +567,32 @@ class GoodputCallback(Callback):
         if self._pending_rng is not None:
             state, self._pending_rng = self._pending_rng, None
             self._load_rng(state)
-        self._open = trainer.global_step + 1
-        self.tracker.step_begin(self._open)
+        if self._open is None:  # the step's first micro-batch (accumulate_grad_batches: the others join it)
+            self._open, self._losses, self._batches = trainer.global_step + 1, [], []
+            self.tracker.step_begin(self._open)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Close the step with its loss and batch hash; count the batch as consumed by every sampler (before
-        ModelCheckpoint saves)."""
+        """Count the batch as consumed by every sampler (before ModelCheckpoint saves); once the optimizer stepped,
+        close the step with its micro-batches' losses summed and their batch hashes joined by ``+``: one record per
+        optimizer step, as the checkpoints count them."""
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        if not (self.record_loss and (hasattr(loss, "item") or isinstance(loss, float))):
-            loss = None  # not asked for, or not a number (manual optimization returns what it likes)
-        self.tracker.step_end(self._open, loss, batch=batch_hash(self.samplers))
-        self._open = None
+        if self.record_loss and (hasattr(loss, "item") or isinstance(loss, float)):  # not asked for, or not a
+            self._losses.append(loss.detach() if hasattr(loss, "detach") else loss)  # number (manual optimization)
+        self._batches.append(batch_hash(self.samplers))
         for sampler in self.samplers.values():
             sampler.advance()
+        if trainer.global_step >= self._open:
+            self._close()
+
+    def _close(self) -> None:
+        """End the open goodput step with what its micro-batches recorded (a loss only if each gave one)."""
+        losses, batches, step = self._losses, self._batches, self._open
+        self._open = None
+        loss = sum(losses[1:], losses[0]) if losses and len(losses) == len(batches) else None
+        batch = "+".join(batches) if all(b is not None for b in batches) else None
+        self.tracker.step_end(step, loss, batch=batch)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Drain what can be drained and end the attempt as a failure."""
@@ -596,6 +609,8 @@ class GoodputCallback(Callback):
         """After a successful fit: wait for the last saves to commit, then end the attempt."""
         if stage != "fit":
             return
+        if self._open is not None:  # micro-batches after the last optimizer step (manual optimization): trained time
+            self._close()
         io = _ckpt_io(trainer)
         try:
             if io is not None:
@@ -608,6 +623,7 @@ class GoodputCallback(Callback):
         if io is not None:
             io.use_tracker(None)
             io.before_load = None
+        self._open = None
         self._lease.end(status)
 
     def state_dict(self) -> dict[str, Any]:

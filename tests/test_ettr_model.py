@@ -102,6 +102,29 @@ def test_advise_fits_costs_from_ledger(tmp_path):
     assert adv.gain > 0 and "rests on 2 failure(s)" in adv.text()
 
 
+def test_huge_and_degenerate_inputs_give_a_number_or_a_clear_error(tmp_path):
+    """An MTTF far beyond the segment: expected_ettr tends to T / (T + d) (it returned 0.0, M e^{R/M} overflowing);
+    durations past MAX_SECONDS are refused naming the argument (simulate printed inf intervals); a ledger whose
+    steps hold no compute time is too short to advise (advise raised a TypeError)."""
+    assert expected_ettr(600, 10, 60, 1e10) == pytest.approx(600 / 610, rel=1e-6)
+    assert expected_ettr(600, 10, 1e308, 1e308) == pytest.approx(600 / 610 / math.e, rel=1e-6)
+    with pytest.raises(ValueError, match=r"mttf must be a finite positive number of seconds, at most 1e\+10"):
+        simulate(600, 10, 60, 1.7e308)
+    clock = FakeClock(0.0)
+    tr = GoodputTracker(str(tmp_path), attempt_id="a", rank=0, clock=clock).start()
+    for s in (1, 2):
+        with tr.step(s):
+            pass  # all its time elsewhere
+        clock.advance(1.0)
+    with tr.span("checkpoint_save", step=2):
+        clock.advance(0.5)
+    tr.checkpoint_committed(2, 0.0)
+    tr.end()
+    adv = advise(attribute_root(str(tmp_path)), mttf_s=3600)
+    assert adv.too_short == "its 2 step(s) hold no compute time (productive and lost: 0 s); a fit needs some"
+    assert adv.interval_s is None and "run too short" in adv.text()
+
+
 # -- two tiers -----------------------------------------------------------------------------------------------------
 
 
@@ -176,7 +199,7 @@ def test_advised_pair_beats_the_best_single_tier_interval_in_the_simulator(mttfs
 
 
 def test_two_tier_bad_input_names_the_parameter():
-    with pytest.raises(ValueError, match="persist_s must be a finite non-negative number of seconds, got -1"):
+    with pytest.raises(ValueError, match="persist_s must be a finite non-negative number of seconds, .* got -1"):
         TwoTierCosts(5, -1, 60, 600, 3600, 3600)
     with pytest.raises(ValueError, match="node_mttf_s must be a positive number of seconds .* got 0"):
         TwoTierCosts(5, 1, 60, 600, 3600, 0)

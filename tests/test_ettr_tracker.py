@@ -152,6 +152,18 @@ def test_steps_and_hook_arguments_must_be_integers_and_seconds(tmp_path):
         tr.checkpoint_committed(3, -1.0)
     with pytest.raises(ValueError, match="nbytes must be a non-negative integer or None, got -5"):
         tr.checkpoint_committed(3, 1.0, -5)
+    # what the ledger's reader refuses is refused at the call: one such record cost the whole job's report
+    for call, shown in (
+        (lambda: tr.step(2**63), "9223372036854775808"),
+        (lambda: tr.step_begin(-(2**63)), "-9223372036854775808"),
+        (lambda: tr.checkpoint_committed(np.uint64(2**64 - 1), 1.0), "18446744073709551615"),
+        (lambda: tr.step(10**5000), "int holding an int of over 4,300 digits"),
+    ):
+        with pytest.raises(ValueError, match=f"step must be a 64-bit integer .* got .*{shown}"):
+            call()
+    for value in (10**5000, [10**5000]):
+        with pytest.raises(ValueError, match="span attribute n= must be JSON .* over 4,300 digits"):
+            tr.span("eval", n=value)
     with pytest.raises(TypeError, match="status must be a string"):
         tr.end(None)
     with tr.step(np.int64(1)):
@@ -169,7 +181,8 @@ def test_steps_and_hook_arguments_must_be_integers_and_seconds(tmp_path):
         ((5,), TypeError, "root must be a path or URL .* got int 5"),
         (("",), ValueError, "root must be a path or URL, got ''"),
         (("r", {"flush_interval": -1}), ValueError, "flush_interval must be a finite non-negative .* got -1"),
-        (("r", {"window_s": 0}), ValueError, "window_s must be a finite positive number of seconds, got 0"),
+        (("r", {"window_s": 0}), ValueError, "window_s must be a finite positive number of seconds, .* got 0"),
+        (("r", {"window_s": 1e308}), ValueError, "window_s .* at most 1e\\+10 \\(317 years\\), got 1e\\+308"),
         (("r", {"upload_interval": float("nan")}), ValueError, "upload_interval must be a finite"),
         (("r", {"rank": -1}), ValueError, "rank must be a non-negative integer, got -1"),
         (("r", {"rank": "0"}), TypeError, "rank must be an integer, got str '0'"),

@@ -190,6 +190,7 @@ def _fit(
     accelerator: str = "cpu",
     callbacks: tuple = (),
     io: CkptCheckpointIO | None = None,
+    accumulate: int = 1,
     **io_options,
 ) -> dict[str, torch.Tensor]:
     """A tiny fit through CkptCheckpointIO + GoodputCallback (the child's model and data); returns its final weights.
@@ -216,6 +217,7 @@ def _fit(
         num_sanity_val_steps=0,
         limit_val_batches=0,
         deterministic=True,
+        accumulate_grad_batches=accumulate,
         strategy=strategy,
         plugins=[io or CkptCheckpointIO(root, **io_options)],
         callbacks=[
@@ -252,6 +254,20 @@ def test_decision_checkpoint_saves_on_the_decision_and_on_a_preemption_signal(tm
     # every 3 steps (3), the signal's step (5), and 3 steps after that would be 8: past the end
     assert pointers(tmp_path) == {"epoch=0-step=3.ckpt": 3, "epoch=0-step=5.ckpt": 5}
     assert committed_steps(str(tmp_path)) == [3, 5]
+
+
+def test_accumulated_micro_batches_are_one_goodput_step_per_optimizer_step(tmp_path):
+    """accumulate_grad_batches=3: one step record per optimizer step, numbered as the checkpoints count them, timing
+    all its micro-batches, with their losses summed and their batch hashes joined by '+'."""
+    _fit(tmp_path, 4, accumulate=3)
+    steps = [r for ledger in read_ledgers(str(tmp_path)) for r in ledger.records if r["k"] == "step"]
+    assert [r["s"] for r in steps] == [1, 2, 3, 4]
+    sampler = ShuffledSampler(64, 8, seed=1)
+    hashes = [sampler.batch_hash(k) for k in range(1, 13)]
+    assert [r["h"] for r in steps] == ["+".join(hashes[k : k + 3]) for k in (0, 3, 6, 9)]
+    assert all(len(r["l"]) == 16 for r in steps)  # the bits of the micro-batches' summed loss
+    attempt = attribute_root(str(tmp_path)).attempts[0]
+    assert attempt.steps == 4 and (attempt.first_step, attempt.last_step) == (1, 4)
 
 
 def _forgets_samplers():
