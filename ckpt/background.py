@@ -77,7 +77,7 @@ class Background:
         self.fsyncs = ThreadPoolExecutor(budget.threads()[1], "ckpt-fsync", initializer=lower)
         self._pending: snapshot_mod.Pending | None = None  # the copies of the save in flight not yet made
         self._fence: snapshot_mod.Fence | None = None  # makes optimizer steps wait for them
-        self._deleting: dict[int | str, Future] = {}  # a step, or a named cleanup
+        self._deleting: dict[int, Future] = {}
         self.inflight: SaveHandle | None = None
         self._error: CheckpointError | None = None
         self._lock = threading.Lock()
@@ -195,7 +195,7 @@ class Background:
     def deleting(self) -> set[int]:
         """Steps queued for deletion and not yet gone."""
         with self._lock:
-            return {s for s in self._deleting if isinstance(s, int)}
+            return set(self._deleting)
 
     def wait_delete(self, step: int) -> None:
         """Wait for a delete of `step` in flight, if any (a step is never written while it is being deleted)."""
@@ -204,8 +204,8 @@ class Background:
         if pending is not None:
             futures_wait([pending])
 
-    def queue_delete(self, step: int | str, delete: Callable[[], None], *, report: bool) -> None:
-        """Run `delete` of `step` (or of a named cleanup) on the deleter thread; neither training nor a later save waits for it. Its failure
+    def queue_delete(self, step: int, delete: Callable[[], None], *, report: bool) -> None:
+        """Run `delete` of `step` on the deleter thread; neither training nor a later save waits for it. Its failure
         is logged, and with `report` raised by the next call (retention: a step left behind is no data loss).
 
         Once the interpreter is exiting without `close()` (its thread pools take no new work), the delete runs here
@@ -221,16 +221,15 @@ class Background:
                 self._deleting[step] = done
         done.add_done_callback(lambda _: placeholder.set_result(None))  # for a `wait()` that took the placeholder
 
-    def _delete_now(self, step: int | str, delete: Callable[[], None], report: bool) -> None:
-        what = f"step {step}" if isinstance(step, int) else step
+    def _delete_now(self, step: int, delete: Callable[[], None], report: bool) -> None:
         try:
             delete()
-            log.info("deleted %s", what)
+            log.info("deleted step %d", step)
         except Exception as e:
             if not report:
-                log.warning("retention could not delete %s: %s", what, e)
+                log.warning("retention could not delete step %d: %s", step, e)
             else:
-                log.error("deleting %s failed: %s", what, e)
+                log.error("deleting step %d failed: %s", step, e)
                 self.fail(CheckpointDeleteError(step, e), unless_failed=True)
         finally:
             with self._lock:

@@ -276,7 +276,7 @@ class CheckpointManager:
             if tiered and self.ranks.leader:  # after every rank's local tier recorded it (job.run's messages)
                 run_mod.claim(self.storage, self.run)
             self._run_recorded = True
-            self._queue_leftovers()
+            self._remove_leftovers(job)
         retain_now = self._target.committed(job.plan, self._root_lease.lease, self._persisted, persist)
         self._budget.lower_pool_threads()  # workers tensorstore started during this write
         seconds, nbytes = time.perf_counter() - t0, sum(t.nbytes for t in job.plan.tensors.values())  # this rank's
@@ -315,20 +315,23 @@ class CheckpointManager:
         except Exception as e:
             log.warning("retention after step %d failed: %s", step, e)
 
-    def _queue_leftovers(self) -> None:
-        """Once the root is this run's (its first commit): delete, on the deleter thread, what earlier processes' kills
-        left in it (a save's partial step, a step whose delete a kill interrupted), so that no disk stays taken until
-        a `ckpt gc`. The leader alone, under its exclusive lease (`catalog.collect_leftovers`)."""
-        held = self._root_lease.lease
-        if held is None or not self.ranks.leader:
-            return
-
-        def sweep() -> None:
-            removed = catalog.collect_leftovers(self.storage, held)
+    def _remove_leftovers(self, job: SaveJob) -> None:
+        """Writer thread, once the roots are this run's (its first commit): delete what earlier processes' kills left
+        in them (a save's partial step, a step whose delete a kill interrupted), so that no disk stays taken until a
+        `ckpt gc`. Each root by the rank holding its exclusive lease (`catalog.collect_leftovers`): the root this save
+        committed to (with a local tier, each rank's own), and the durable root by the leader. Before the save's
+        handle is done, so nothing of it outlives a manager dropped after `wait()`; a failure is only logged."""
+        roots = [(job.storage, job.lease)]
+        if job.storage is not self.storage and self.ranks.leader:
+            roots.append((self.storage, self._root_lease.lease))
+        for storage, held in roots:
+            try:
+                removed = [] if held is None else catalog.collect_leftovers(storage, held)
+            except Exception as e:
+                log.warning("could not remove the leftovers of crashed saves or deletes in %s: %s", storage.url, e)
+                continue
             if removed:
-                log.info("removed the leftovers of crashed saves or deletes: steps %s", removed)
-
-        self._background.queue_delete("leftovers", sweep, report=False)
+                log.info("removed the leftovers of crashed saves or deletes in %s: steps %s", storage.url, removed)
 
     def _queue_delete(self, step: int, *, report: bool) -> None:
         """Delete a committed step of the durable root (manifest first) on the deleter thread."""

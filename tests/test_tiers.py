@@ -244,6 +244,21 @@ def test_sigkill_during_a_persist_leaves_no_partial_durable_step_and_a_valid_loc
     assert not [e.step for e in catalog.entries(d) if not e.committed], "the next writer removed the half persist"
 
 
+def test_the_next_writer_removes_what_kills_left_in_both_tiers(tmp_path):
+    """A kill during each tier's retention left step 1 without its manifest, in the local tier and in the durable
+    root: the next manager's first commit removes both (no `ckpt gc`); every committed step stays."""
+    durable, local = saved(tmp_path, [1, 2], persist_every=1)
+    for root in (durable, local):
+        os.remove(os.path.join(root, layout.manifest_path(1)))
+        assert [e.step for e in catalog.entries(open_storage(root)) if not e.committed] == [1]
+    with ckpt.CheckpointManager(durable, local=local, persist_every=1) as m:
+        got = blank()
+        assert m.restore(got) == 2 and same(got, state(2))
+        m.save(3, state(3)).wait()
+    for root in (durable, local):
+        assert [(e.step, e.committed) for e in catalog.entries(open_storage(root))] == [(2, True), (3, True)], root
+
+
 def test_cli_ls_verify_gc_cover_both_tiers(tmp_path, capsys):
     from ckpt import cli
 
