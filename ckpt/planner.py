@@ -70,12 +70,14 @@ class Planner:
         step: int = 0,
         failure: str | None = None,
         persist: bool | None = None,
+        skeleton: list[str] | None = None,
     ) -> tuple[ArrayPlan, dict[str, torch.Tensor], dict[str, Box]]:
         """(this rank's part of the plan, the local tensors it writes by array, the box of each).
 
-        The save's first message among the ranks carries each rank's `step` (and `persist`) and, where this rank cannot save,
-        `failure` (why; `tensors` may then be empty): when any rank failed or the ranks' steps differ, every rank
-        raises `CheckpointWriteError`, so no rank pairs up the messages of one save with another's.
+        The save's first message among the ranks carries each rank's `step` (and `persist`, and a hash of its state's
+        `skeleton`, `tree.skeleton`) and, where this rank cannot save, `failure` (why; `tensors` may then be empty):
+        when any rank failed, or the ranks' steps or skeletons differ, every rank raises `CheckpointWriteError`, so
+        no rank pairs up the messages of one save with another's and none commits a tree that lacks another's keys.
 
         A box held by several ranks (replicated tensors, DTensor Replicate) has one designated writer, chosen by a
         hash of the array name so that the writing is spread over the ranks. A shared root gets only the designated
@@ -90,8 +92,11 @@ class Planner:
         }
         params = [chunk_bytes, pack_bytes, every_holder, ranks.world_size, ranks.rank]
         key = hashlib.blake2b(json.dumps([params, described]).encode(), digest_size=16).hexdigest()
-        told = ranks.all_gather_json([[step, persist], failure, failure is None and key == self._key])
+        shape = None if skeleton is None else hashlib.blake2b("\n".join(skeleton).encode(), digest_size=16).hexdigest()
+        told = ranks.all_gather_json([[step, persist, shape], failure, failure is None and key == self._key])
         _check_opening(step, told)
+        if len({opening[2] for opening, _, _ in told}) > 1:  # every rank sees it: each takes part in naming the keys
+            raise CheckpointWriteError(step, RuntimeError(_unshared(ranks.all_gather_json(skeleton))))
         if not all(same for _, _, same in told):
             self._key = None  # an agreement that fails on some rank leaves no plan behind on any
             self._plan = _agree(ranks, described, chunk_bytes, pack_bytes, every_holder)
@@ -118,6 +123,23 @@ def _check_opening(step: int, told: list[Any]) -> None:
             raise CheckpointWriteError(
                 step, RuntimeError(f"the ranks called save with different {what} ({each}): {advice}")
             )
+
+
+def _unshared(skeletons: list[list[str]]) -> str:
+    """What differs between the ranks' skeletons, against rank 0's: a few paths each rank has alone, or lacks."""
+    first = set(skeletons[0])
+    diffs = []
+    for r, skeleton in enumerate(skeletons[1:], 1):
+        extra, missing = sorted(set(skeleton) - first), sorted(first - set(skeleton))
+        for what, lines in (("has", extra), ("lacks", missing)):
+            if lines:
+                more = f" and {len(lines) - 3} more" if len(lines) > 3 else ""
+                diffs.append(f"rank {r} {what} {', '.join(repr(line) for line in lines[:3])}{more}")
+    return (
+        f"the ranks' states differ in their keys (against rank 0's: {'; '.join(diffs)}). Every rank saves the same "
+        "keys, and rank 0's tree is the one committed; state that differs per rank goes in a top-level entry whose "
+        "object has per_rank = True"
+    )
 
 
 def _agree(ranks: Ranks, described: Description, chunk_bytes: int, pack_bytes: int, every_holder: bool) -> ArrayPlan:

@@ -121,7 +121,14 @@ def plan(
             )
         raise e
     agreed, writes, boxes = planner.plan(
-        ranks, flat.tensors, chunk_bytes, pack_bytes, every_holder=private, step=step, persist=persist
+        ranks,
+        flat.tensors,
+        chunk_bytes,
+        pack_bytes,
+        every_holder=private,
+        step=step,
+        persist=persist,
+        skeleton=state_mod.skeleton(flat.tree) if ranks.world_size > 1 else None,
     )
     per_rank = state_mod.per_rank_entries(flat.tree)
     tree = flat.tree

@@ -38,6 +38,7 @@ from .tree import (  # noqa: F401 (the tree's grammar, importable here as before
     per_rank_entries,
     per_rank_node,
     select_rank,
+    skeleton,
     tensor_refs,
     torch_dtypes,
     walk,

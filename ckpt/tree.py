@@ -103,6 +103,19 @@ def per_rank_node(entries: list[list[Any]]) -> dict[str, Any]:
     return {"$per_rank": entries}
 
 
+def skeleton(tree: Mapping[str, Any]) -> list[str]:
+    """The structure every rank of a save must share, one line per node: its key path, kind and (a tensor, a state)
+    name; not its values, which may differ per rank (an RNG state inside a callback's), nor the top-level per-rank
+    entries (each rank's own). The leader commits its own tree: ranks whose skeletons differ would lose the other
+    ranks' keys and leave their arrays unreferenced."""
+    return [
+        f"{'.'.join(map(str, path))} ({n.kind}{' ' + n.name if n.name else ''})"
+        for key, sub in tree.items()
+        if node_of(sub).kind != PER_RANK
+        for path, n in walk(sub, (key,))
+    ]
+
+
 def select_rank(tree: Any, rank: int, saved_world: int, world: int, rank_map: str) -> Any | None:
     """The entry of a per-rank node this rank restores: its own on the same world size; on another,
     rank ``rank % saved_world`` ("modulo") or nothing ("skip", the caller keeps its current state)."""

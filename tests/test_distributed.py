@@ -103,7 +103,8 @@ def test_a_closed_manager_gives_its_process_groups_back(tmp_path):
 
 def test_a_save_one_rank_cannot_make_fails_on_every_rank_and_the_next_one_commits(tmp_path):
     """Rank 1's metadata is not JSON: it raises its TypeError, rank 0 a CheckpointWriteError naming it, and neither
-    takes rank 1's next save for this one; saves of different steps (or persist=) on different ranks fail everywhere."""
+    takes rank 1's next save for this one; saves of different steps (or persist=), or of states with different keys,
+    on different ranks fail everywhere."""
     results = run_ranks(2, "refused", str(tmp_path / "ck"), timeout=120)
     _ok(results)
     zero, one = (r.stdout for r in results)
@@ -115,6 +116,12 @@ def test_a_save_one_rank_cannot_make_fails_on_every_rank_and_the_next_one_commit
     assert "different steps (rank 0: 4, rank 1: 5)" in zero
     assert "save 7 refused: ranks disagree on tensor 'odd'" in zero and "save 7 refused: rank 0 could not plan" in one
     assert all("steps [1, 3, 6, 8]" in r.stdout for r in results), results  # 8: an RNG state on rank 0 alone
+    for key in ("'ema (tensor ema)'", "'note (value)'"):  # was committed without it, its array unreferenced
+        assert all(
+            f"save 9 refused: saving step 9 failed: RuntimeError: the ranks' states differ in their keys (against rank "
+            f"0's: rank 1 has {key})" in r.stdout
+            for r in results
+        ), results
     assert all("different persist= (rank 0: True, rank 1: False)" in r.stdout for r in results), results
     assert all("tiered steps [2]" in r.stdout for r in results), results
 

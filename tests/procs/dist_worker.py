@@ -200,6 +200,12 @@ def main(mode: str, root: str) -> None:
             except ValueError as e:
                 print(f"save 7 refused: {e}", flush=True)
             m.save(8, {**state_of(model, opt), "rng": RNGState()} if rank == 0 else state_of(model, opt)).wait()
+            for extra in ({"ema": torch.ones(4)}, {"note": "x"}):  # a key on rank 1 alone: rank 0's tree lacks it
+                try:
+                    m.save(9, {**state_of(model, opt), **(extra if rank == 1 else {})}).wait()
+                    print("save 9 ok", flush=True)
+                except ckpt.CheckpointWriteError as e:
+                    print(f"save 9 refused: {e}", flush=True)
             print(f"steps {m.steps()}", flush=True)
         with ckpt.CheckpointManager(f"{root}.tiered", local=f"{root}.local/{rank}", collective_timeout=20) as m:
             try:  # ranks that disagree on persist=: no rank persists alone
