@@ -26,7 +26,7 @@ from .lease import Lease
 from .packs import BoxRead, PackWriter, read_boxes
 from .planner import ArrayPlan
 from .pools import Inline, submit_or_run
-from .save import begin_step, clear_attempt, commit_step, raise_outcome, settle
+from .save import ManifestInDoubt, begin_step, clear_attempt, commit_step, raise_outcome, settle
 from .storage import Storage, context, where
 
 
@@ -214,6 +214,6 @@ class PersistJob:
             raise_outcome(self.ranks, error, commit_error, failures)
         except BaseException:
             if self.ranks.leader and not layout.is_committed(self.dst, self.step):  # nothing partial stays behind
-                clear_attempt(self.dst, self.step, data, self.lease)
+                clear_attempt(self.dst, self.step, data, self.lease, in_doubt=isinstance(commit_error, ManifestInDoubt))
             raise
         return copied

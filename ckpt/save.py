@@ -216,6 +216,7 @@ class SaveJob:
         self._files = ChunkWriter(fsyncs) if fsyncs is not None and storage.direct_path("") is not None else None
         self._arrays: dict[str, ts.Future] | None = None
         self._prepared = False
+        self._in_doubt = False  # the manifest's write failed in a way the store may still apply (`ManifestInDoubt`)
         self.pending: Pending | None = None
         waves = arena.plan(plan.tensors)
         try:
@@ -340,7 +341,7 @@ class SaveJob:
             try:
                 self.commit(digests)
             except Exception as e:
-                commit_error = e
+                commit_error, self._in_doubt = e, isinstance(e, ManifestInDoubt)
         raise_outcome(self.ranks, error, commit_error, failures, each_commits=self.plan.private)
 
     def manifest(self, digests: Mapping[str, Mapping[int, int]]) -> Manifest:
@@ -388,7 +389,7 @@ class SaveJob:
         if not (self.leader and self._prepared):
             return
         if not layout.is_committed(self.storage, self.plan.step):
-            clear_attempt(self.storage, self.plan.step, self.data, self.lease)
+            clear_attempt(self.storage, self.plan.step, self.data, self.lease, in_doubt=self._in_doubt)
         elif layout.read_manifest(self.storage, self.plan.step).data != self.data:
             self.storage.delete_tree(layout.data_path(self.plan.step, self.data))
 
@@ -457,10 +458,25 @@ def begin_step(storage: Storage, step: int, lease: Lease | None) -> None:
         storage.write_atomic(layout.in_progress_path(step), json.dumps(marker).encode())
 
 
-def clear_attempt(storage: Storage, step: int, data: str | None, lease: Lease | None) -> None:
+class ManifestInDoubt(StorageError):
+    """The manifest's write failed in a way the store may still apply (no answer in time, a lost connection): the step
+    may yet become committed, with this save's data."""
+
+
+def clear_attempt(
+    storage: Storage, step: int, data: str | None, lease: Lease | None, *, in_doubt: bool = False
+) -> None:
     """Remove what a failed save of `step` wrote: the whole step directory where no other writer can be writing it
     (this one still holds an exclusive lease), else only this save's data directory (`data`; None: not known, left to
-    gc) and its marker."""
+    gc) and its marker. `in_doubt` (its manifest's write may still land, `ManifestInDoubt`): nothing, so that a step
+    committed late finds its data; gc removes it if it never commits."""
+    if in_doubt:
+        log.warning(
+            "step %d: its manifest's write may still land, so this save's files stay for it (`ckpt gc` removes them "
+            "if the step never commits)",
+            step,
+        )
+        return
     if lease is None or (lease.exclusive and _holds(lease)):
         storage.delete_tree(layout.step_dir(step))
         return
@@ -490,11 +506,10 @@ def commit_step(storage: Storage, step: int, manifest: bytes, lease: Lease | Non
     try:
         storage.create(layout.manifest_path(step), manifest, timeout=None if math.isinf(left) else left)
     except StorageError as e:
-        if math.isinf(left):
-            raise
-        raise StorageError(
-            f"{e}; the manifest's write was cut at the lease's deadline ({left:.1f} s after its check): should the "
-            f"store still apply it, step {step} becomes committed with this save's data (`ckpt ls` tells)",
+        cut = "" if math.isinf(left) else f" was cut at the lease's deadline ({left:.1f} s after its check)"
+        raise ManifestInDoubt(
+            f"{e}; the manifest's write{cut} failed: should the store still apply it, step {step} becomes committed "
+            f"with this save's data, which stays for it (`ckpt ls` tells)",
             url=e.url,
             endpoint=e.endpoint,
             bucket=e.bucket,

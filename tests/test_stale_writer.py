@@ -119,6 +119,36 @@ def test_a_committed_manifest_is_never_replaced(tmp_path, where):
         assert [f for f in os.listdir(tmp_path / layout.step_dir(1)) if ".tmp" in f] == []
 
 
+def test_a_manifest_write_in_doubt_leaves_the_saves_data_for_a_late_commit(tmp_path, monkeypatch):
+    """The manifest's PUT got no answer in time, and the store applies it later: the failed save left its data for
+    it, so the step that commits late verifies. (Its cleanup deleted the data the late manifest named: `ckpt ls` said
+    committed, `verify` found every pack missing.)"""
+    from ckpt.errors import StorageError
+    from ckpt.storage import KvStorage
+
+    real, held = KvStorage.create, []
+
+    def create(self, path, data, timeout=None):
+        if path != layout.manifest_path(2):
+            return real(self, path, data, timeout)
+        held.append((self, path, data))  # sent, unanswered: the store applies it after the save gave up
+        raise StorageError("no answer within 3 s", url=self.url, endpoint=None, bucket=None, key=path)
+
+    root = f"memory://{tmp_path.name}/doubt"
+    monkeypatch.setattr(KvStorage, "create", create)
+    with ckpt.CheckpointManager(root) as m:
+        m.save(1, {"x": torch.ones(4)}).wait()
+        with pytest.raises(ckpt.CheckpointWriteError, match="should the store still apply it, step 2 becomes committed"):
+            m.save(2, {"x": torch.full((4,), 2.0)}).wait()
+    storage, path, data = held[0]
+    real(storage, path, data)  # the late landing
+    assert layout.committed_steps(storage) == [1, 2]
+    assert [list(catalog.verify(storage, s)) for s in (1, 2)] == [[], []]
+    got = {"x": torch.zeros(4)}
+    with ckpt.CheckpointManager(root) as m:
+        assert m.restore(got) == 2 and torch.equal(got["x"], torch.full((4,), 2.0))
+
+
 def test_the_manifest_write_is_bounded_by_the_time_the_lease_has_left(s3_server, s3_bucket, monkeypatch):
     """A store that stops answering right at the commit: the manifest PUT is cut within the lease's remaining time
     (less its margin), not the store's 30 s timeout, so it cannot land after another writer could take the root."""
