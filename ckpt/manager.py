@@ -308,6 +308,7 @@ class CheckpointManager:
         if self.retention is None or not self.ranks.leader:
             return
         try:
+            self._check_lease()  # a writer that lost the root lists nothing: the steps are its successor's now
             steps = layout.committed_steps(self.storage)
             read = functools.partial(layout.saved_metadata, self.storage)
             for s in doomed(self.retention, steps, StepMetadata(steps, read, self._metadata)):
@@ -333,10 +334,16 @@ class CheckpointManager:
             if removed:
                 log.info("removed the leftovers of crashed saves or deletes in %s: steps %s", storage.url, removed)
 
+    def _check_lease(self) -> None:
+        """Raise `LeaseHeldError` unless this process still holds the durable root's lease (where it took one)."""
+        if self._root_lease.lease is not None:
+            self._root_lease.lease.check()
+
     def _queue_delete(self, step: int, *, report: bool) -> None:
         """Delete a committed step of the durable root (manifest first) on the deleter thread."""
 
         def delete() -> None:
+            self._check_lease()  # checked again here: a delete queued before the writer lost the root deletes nothing
             catalog.delete_step(self.storage, step)
             self._metadata.pop(step, None)
             tell_deleted(self.tracker, step, tier=DURABLE if self._target.commit_tier else None)

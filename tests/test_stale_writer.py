@@ -119,6 +119,40 @@ def test_a_committed_manifest_is_never_replaced(tmp_path, where):
         assert [f for f in os.listdir(tmp_path / layout.step_dir(1)) if ".tmp" in f] == []
 
 
+def test_a_writer_that_lost_the_root_runs_no_retention(tmp_path, caplog):
+    """A writer paused between its commit and its retention past its lease, while another took the root, listed the
+    successor's steps on waking and deleted all but the newest. Its retention now checks the lease first, and so does
+    each queued delete: it deletes nothing and says why. (Here the lease is lost just after step 2's commit.)"""
+    import contextlib as cl
+
+    root = tmp_path / "ck"
+
+    class LosesTheRoot:
+        def span(self, category, **attrs):
+            return cl.nullcontext()
+
+        def checkpoint_committed(self, step, seconds, nbytes, **kw):
+            if step == 2:  # another writer's lease file where this one's was
+                os.replace(tmp_path / "other", root / layout.LEASE)
+
+        def checkpoint_restored(self, step, **kw):
+            pass
+
+        def checkpoint_failed(self, step, error):
+            pass
+
+    (tmp_path / "other").write_text("{}")
+    m = ckpt.CheckpointManager(root, keep_last=1, tracker=LosesTheRoot())
+    m.save(1, {"x": torch.ones(4)}).wait()
+    with caplog.at_level("WARNING", logger="ckpt"):
+        m.save(2, {"x": torch.ones(4)}).wait()
+        with pytest.raises(ckpt.LeaseHeldError, match="was removed or replaced"):
+            m.save(3, {"x": torch.ones(4)})
+        m.close()
+    assert layout.committed_steps(open_storage(str(root))) == [1, 2]
+    assert "retention after step 2 failed: " in caplog.text and "was removed or replaced" in caplog.text
+
+
 def test_a_manifest_write_in_doubt_leaves_the_saves_data_for_a_late_commit(tmp_path, monkeypatch):
     """The manifest's PUT got no answer in time, and the store applies it later: the failed save left its data for
     it, so the step that commits late verifies. (Its cleanup deleted the data the late manifest named: `ckpt ls` said
