@@ -22,10 +22,16 @@ def described(error: BaseException) -> str:
 
 
 class CheckpointWriteError(CheckpointError):
-    """A background write failed; the step it names was not committed and earlier steps are untouched."""
+    """A background write failed; the step it names was not committed and earlier steps are untouched. Except where
+    `committed`: a rank went away after rank 0 had committed the step (complete and verified) and before every rank
+    heard so, which this rank found in the root; the ranks are out of step all the same."""
 
     def __init__(self, step: int, cause: BaseException):
-        super().__init__(f"saving step {step} failed: {described(cause)}")
+        self.committed = bool(getattr(cause, "committed", False))
+        if self.committed:
+            super().__init__(f"step {step} is committed, but its save did not end on every rank: {described(cause)}")
+        else:
+            super().__init__(f"saving step {step} failed: {described(cause)}")
         self.step = step
         self.__cause__ = cause
 

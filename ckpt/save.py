@@ -26,7 +26,7 @@ from . import layout, store
 from . import state as state_mod
 from .chunk_files import ChunkWriter
 from .distributed import Ranks
-from .errors import CheckpointWriteError, LeaseHeldError, StepExistsError, StorageError, described
+from .errors import CheckpointWriteError, CollectiveTimeout, LeaseHeldError, StepExistsError, StorageError, described
 from .format import MAX_DEPTH, ArrayInfo, Manifest, deeper_than
 from .lease import Lease
 from .packs import PackWriter
@@ -342,7 +342,11 @@ class SaveJob:
                 self.commit(digests)
             except Exception as e:
                 commit_error, self._in_doubt = e, isinstance(e, ManifestInDoubt)
-        raise_outcome(self.ranks, error, commit_error, failures, each_commits=self.plan.private)
+        try:
+            raise_outcome(self.ranks, error, commit_error, failures, each_commits=self.plan.private)
+        except CollectiveTimeout as e:  # a rank went away before all heard the verdict: the step may be committed
+            e.committed = error is None and commit_error is None and layout.is_committed(self.storage, self.plan.step)
+            raise
 
     def manifest(self, digests: Mapping[str, Mapping[int, int]]) -> Manifest:
         """The manifest of this save: every array with the digest of each of its chunks, or of each of its boxes

@@ -162,6 +162,24 @@ def test_rank_killed_during_save_fails_the_others_and_keeps_previous_step(tmp_pa
     assert opt.state and all(p.abs().sum() > 0 for p in model.parameters())
 
 
+def test_a_rank_killed_after_the_commit_leaves_an_error_that_says_the_step_is_committed(tmp_path):
+    """Rank 1 dies after rank 0 gathered every report and committed step 2, before the verdict reached it: rank 0
+    said "saving step 2 failed" of a step that is committed and intact (restore resumes from it)."""
+    root = str(tmp_path / "ck")
+    results = run_ranks(2, "kill_at_verdict", root, timeout=120)
+    assert results[1].returncode == -9
+    zero = results[0].stdout
+    assert results[0].returncode == 0 and "save 1 ok" in zero, zero[-3000:]
+    assert "save 2 raised (committed True): step 2 is committed, but its save did not end on every rank" in zero, zero
+    assert "committed [1, 2]" in zero
+    from ckpt import CheckpointManager, catalog
+
+    with CheckpointManager(root) as m:
+        assert not list(catalog.verify(m.storage, 2))
+        model, opt = dist_worker.build()
+        assert m.restore(dist_worker.state_of(model, opt)) == 2
+
+
 def _restored(results, step: int) -> None:
     for rank, r in enumerate(results):
         assert r.returncode == 0 and f"rank {rank} restored {step}: mismatched [];" in r.stdout, r.stdout[-3000:]

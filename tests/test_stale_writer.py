@@ -172,7 +172,9 @@ def test_a_manifest_write_in_doubt_leaves_the_saves_data_for_a_late_commit(tmp_p
     monkeypatch.setattr(KvStorage, "create", create)
     with ckpt.CheckpointManager(root) as m:
         m.save(1, {"x": torch.ones(4)}).wait()
-        with pytest.raises(ckpt.CheckpointWriteError, match="should the store still apply it, step 2 becomes committed"):
+        with pytest.raises(
+            ckpt.CheckpointWriteError, match="should the store still apply it, step 2 becomes committed"
+        ):
             m.save(2, {"x": torch.full((4,), 2.0)}).wait()
     storage, path, data = held[0]
     real(storage, path, data)  # the late landing

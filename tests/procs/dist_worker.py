@@ -238,6 +238,28 @@ def main(mode: str, root: str) -> None:
             except ckpt.CheckpointError as e:
                 print(f"steps refused: {e}", flush=True)
             print(f"then restored {m.restore(state_of(model, opt))}", flush=True)
+    elif mode == "kill_at_verdict":
+        # rank 1 dies once rank 0 gathered its report of step 2 and commits, before the verdict reaches it: rank 0's
+        # error says the step is committed (it is, complete), not that the save failed
+        from ckpt import save as save_mod
+
+        real = save_mod.raise_outcome
+
+        def dying(*args, **kw):
+            if rank == 1 and dying.step == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*args, **kw)
+
+        save_mod.raise_outcome = dying
+        with ckpt.CheckpointManager(root, collective_timeout=20) as m:
+            for dying.step in (1, 2):
+                try:
+                    m.save(dying.step, state_of(model, opt)).wait()
+                    print(f"save {dying.step} ok", flush=True)
+                except ckpt.CheckpointWriteError as e:
+                    print(f"save {dying.step} raised (committed {e.committed}): {e}", flush=True)
+            print(f"committed {ckpt.layout.committed_steps(m.storage)}", flush=True)
+            os._exit(0)  # the dead peer would make process-group teardown hang
     elif mode == "restore_damaged":
         with ckpt.CheckpointManager(root, collective_timeout=20) as m:
             # step 2 asked for: every rank but the last reads its part intact (straight into the model), the last
