@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from . import lease as lease_mod
 from .distributed import Ranks
-from .errors import LeaseHeldError, StorageError
+from .errors import CheckpointError, LeaseHeldError, StorageError
 from .storage import Storage
 
 
@@ -35,12 +35,38 @@ class RootLease:
             except (LeaseHeldError, StorageError, OSError) as e:  # a root that cannot be created too: every
                 error = e  # rank learns it, none waits for rank 0 in the broadcast below until the collective timeout
         if collective and not self._agreed:
-            verdict = self.ranks.broadcast_json(None if error is None else str(error))
-            if verdict and error is None:
-                error = LeaseHeldError(verdict)
-            self._agreed = verdict is None
+            told = self.ranks.broadcast_json({"error": None if error is None else str(error), "id": self._id()})
+            if told["error"] and error is None:
+                error = LeaseHeldError(told["error"])
+            if error is None and self.ranks.world_size > 1:
+                error = self._same_root(told["id"])
+            self._agreed = error is None
         if error is not None:
             raise error
+
+    def _id(self) -> str | None:
+        return None if self.lease is None else self.lease.id
+
+    def _same_root(self, leader_id: str) -> CheckpointError | None:
+        """Every rank reads the lease rank 0 just took from its own root, once (a collective): a rank that cannot see
+        it writes somewhere else (a node-local path given on several nodes, or another path per rank), and rank 0
+        would commit steps naming files that are not there. The error names those ranks, on every rank."""
+        if self.ranks.leader:
+            mine = None
+        else:
+            try:
+                seen = (lease_mod.live_holder(self.storage) or {}).get("id")
+            except Exception as e:  # an unreadable lease is no proof of the same root either
+                seen = f"unreadable ({e})"
+            mine = None if seen == leader_id else f"rank {self.ranks.rank} sees {seen or 'none'}"
+        blind = [m for m in self.ranks.all_gather_json(mine) if m]
+        if not blind:
+            return None
+        return CheckpointError(
+            f"the ranks do not share the root {self.storage.url}: rank 0 holds its lease {leader_id}, "
+            f"{'; '.join(blind[:5])}{' ...' if len(blind) > 5 else ''}. Every rank must reach the same root (a shared "
+            "file system or an object store, not a path on each node's own disk)"
+        )
 
     def release(self) -> None:
         if self.lease is not None:

@@ -162,6 +162,16 @@ def test_rank_killed_during_save_fails_the_others_and_keeps_previous_step(tmp_pa
     assert opt.state and all(p.abs().sum() > 0 for p in model.parameters())
 
 
+def test_ranks_that_do_not_share_the_root_fail_the_first_save_on_every_rank(tmp_path):
+    """Each rank's root on its own disk: rank 0 committed manifests naming packs that only the other ranks' disks
+    held, so every step was damaged. The first save now finds that rank 1 cannot see rank 0's lease."""
+    results = run_ranks(2, "own_roots", str(tmp_path / "ck"), timeout=120)
+    _ok(results)
+    for r in results:
+        assert "refused: CheckpointError: the ranks do not share the root" in r.stdout, r.stdout[-3000:]
+        assert "rank 1 sees none" in r.stdout and "committed []" in r.stdout, r.stdout[-3000:]
+
+
 def test_a_rank_killed_after_the_commit_leaves_an_error_that_says_the_step_is_committed(tmp_path):
     """Rank 1 dies after rank 0 gathered every report and committed step 2, before the verdict reached it: rank 0
     said "saving step 2 failed" of a step that is committed and intact (restore resumes from it)."""

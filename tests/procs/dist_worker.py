@@ -238,6 +238,15 @@ def main(mode: str, root: str) -> None:
             except ckpt.CheckpointError as e:
                 print(f"steps refused: {e}", flush=True)
             print(f"then restored {m.restore(state_of(model, opt))}", flush=True)
+    elif mode == "own_roots":
+        # a path on each node's own disk (here: another directory per rank): the first save fails on every rank
+        with ckpt.CheckpointManager(f"{root}/node{rank}", collective_timeout=20) as m:
+            try:
+                m.save(1, state_of(model, opt)).wait()
+                print("NO ERROR", flush=True)
+            except ckpt.CheckpointError as e:
+                print(f"refused: {type(e).__name__}: {e}", flush=True)
+        print(f"committed {ckpt.layout.committed_steps(ckpt.storage.open_storage(f'{root}/node0'))}", flush=True)
     elif mode == "kill_at_verdict":
         # rank 1 dies once rank 0 gathered its report of step 2 and commits, before the verdict reaches it: rank 0's
         # error says the step is committed (it is, complete), not that the save failed
