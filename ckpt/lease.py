@@ -256,9 +256,15 @@ class KvLease:
             except Exception:  # a transient store error: try again at the next beat; the expiry decides
                 return True
             if new is None:
-                self._lost = (
-                    f"the lease on {self.storage.url} was taken over by {_describe(_parse(self.storage.read(LEASE)))}"
-                )
+                try:
+                    data, gen = self.storage.read_versioned(LEASE)
+                except Exception:  # as above: the next beat tries again
+                    return True
+                current = _parse(data) or {}
+                if current.get("id") == self.id and _expires(current):  # an earlier renewal of its own, whose answer
+                    self._gen, self.holder = gen, current  # timed out (a stalled store), applied later: still held
+                    return True
+                self._lost = f"the lease on {self.storage.url} was taken over by {_describe(current)}"
                 return False
             self._gen, self.holder = new, holder
             return True

@@ -179,6 +179,28 @@ def test_one_writer_per_object_store_root_in_one_process():
     assert ckpt.CheckpointManager(root).steps() == [1, 2]
 
 
+def test_a_renewal_of_its_own_that_the_store_applied_late_keeps_the_lease():
+    """A stalled store timed a heartbeat's renewal out, then applied it: the next renewal's condition failed on that
+    newer generation, and the only writer of the root declared its lease taken over by itself, refusing every save
+    until a new manager. It now recognises its own record and keeps the lease."""
+    from ckpt import lease as lease_mod
+    from ckpt.storage import open_storage
+
+    root = f"memory://{uuid.uuid4().hex}/run"
+    with ckpt.CheckpointManager(root, lease_ttl=2.0) as m:
+        m.save(1, writer.state_for(1)).wait()
+        storage = open_storage(root)
+        record = json.loads(storage.read(lease_mod.LEASE))
+        late = dict(record, expires=record["expires"] + 0.5)
+        storage.write_atomic(lease_mod.LEASE, json.dumps(late).encode())  # its renewal, applied late: a new generation
+        deadline = time.monotonic() + 60
+        while json.loads(storage.read(lease_mod.LEASE))["expires"] <= late["expires"]:  # a heartbeat after it
+            assert time.monotonic() < deadline, "the heartbeat stopped renewing the lease"
+            time.sleep(0.05)
+        m.save(2, writer.state_for(2)).wait()
+        assert m.steps() == [1, 2]
+
+
 def test_an_object_store_manager_dropped_without_close_frees_the_root_at_once():
     """As for a local root (test_exit_without_close): a manager rebound in a notebook releases the object-store
     lease when its last reference goes. Its heartbeat thread used to hold it alive, renewing it forever."""
