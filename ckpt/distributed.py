@@ -106,6 +106,7 @@ class GlooRanks(Ranks):
     def __init__(self, timeout: timedelta):
         super().__init__(*topology())
         self.group = dist.new_group(backend="gloo", timeout=timeout)
+        self._broken: CollectiveTimeout | None = None  # gloo closes a pair that timed out: the group is done for
 
     def close(self) -> None:
         """Destroy the group: its sockets and threads (~5 fds and 3 threads a rank) would otherwise live as long as
@@ -117,10 +118,21 @@ class GlooRanks(Ranks):
     def _op(self, op: str, peer: int, call: Callable[[], Any]) -> Any:
         """`call()`, a message to or from rank `peer`: a timeout or a closed connection (raised by the call or by the
         wait) becomes a `CollectiveTimeout` naming `peer`."""
+        if self._broken is not None:  # every later message would fail at once, naming a closed pair, not the cause
+            raise CollectiveTimeout(
+                op,
+                self.rank,
+                peer,
+                RuntimeError(
+                    f"this manager's group broke earlier ({self._broken}); the ranks are out of step: make a new "
+                    "CheckpointManager on every rank"
+                ),
+            )
         try:
             return call()
         except RuntimeError as e:
-            raise CollectiveTimeout(op, self.rank, peer, e) from e
+            self._broken = CollectiveTimeout(op, self.rank, peer, e)
+            raise self._broken from e
 
     def _send(self, op: str, messages: Mapping[int, bytes]) -> None:
         """Send each rank its bytes (the length first), all at once; return once every send is done."""

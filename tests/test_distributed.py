@@ -153,6 +153,8 @@ def test_rank_killed_during_save_fails_the_others_and_keeps_previous_step(tmp_pa
     assert results[1].returncode == -9
     assert results[0].returncode == 0, results[0].stdout[-3000:]
     assert "error after" in results[0].stdout and "latest 1" in results[0].stdout, results[0].stdout
+    assert "this manager's group broke earlier (rank 0 waited for rank 1 in" in results[0].stdout, results[0].stdout
+    assert "make a new CheckpointManager on every rank" in results[0].stdout, results[0].stdout
     from ckpt import CheckpointManager
 
     with CheckpointManager(root) as m:  # the previous step is still the newest and restores (here at world size 1)

@@ -323,6 +323,11 @@ def main(mode: str, root: str) -> None:
                 except ckpt.CheckpointWriteError as e:
                     print(f"error after {time.monotonic() - t0:.1f}s: {e}", flush=True)
                 print(f"latest {m.latest_step()}", flush=True)
+                try:  # the group broke with rank 1: the next save says so (not a closed pair's message)
+                    m.save(3, state_of(model, opt)).wait()
+                    print("NO ERROR", flush=True)
+                except ckpt.CheckpointError as e:
+                    print(f"next save: {type(e).__name__}: {e}", flush=True)
                 os._exit(0)  # the dead peer would make process-group teardown hang
     else:
         with ckpt.CheckpointManager(f"{root}.empty") as m:  # nothing to resume: the fresh optimizer stays untouched
