@@ -230,8 +230,16 @@ def _sampler_states(tree: Any, path: str = "") -> list[tuple[str, Any]]:
     return [found for k, sub in node.children for found in _sampler_states(sub, f"{path}.{k}" if path else str(k))]
 
 
+def _explaining(storage: Storage, step: int) -> int:
+    """The checkpoint whose sampler state trained `step`: the earliest at or after it (a `skip()` made at a later
+    resume changes the batches from that resume on, and the checkpoints after it carry it), else the newest."""
+    steps = layout.committed_steps(storage)
+    after = [s for s in steps if s >= step]
+    return after[0] if after else _pick_step(storage, None)
+
+
 def cmd_explain(storage: Storage, args: argparse.Namespace) -> int:
-    m = read_manifest(storage, _pick_step(storage, args.checkpoint))
+    m = read_manifest(storage, _explaining(storage, args.step) if args.checkpoint is None else args.checkpoint)
     found = [(k, v) for k, v in _sampler_states(m.tree) if args.key is None or k == args.key]
     if not found:
         print(f"error: no sampler state{f' at key {args.key!r}' if args.key else ''} in step {m.step}", file=sys.stderr)
@@ -382,7 +390,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the training step to explain, numbered from 1 as in training logs and checkpoint names "
         "(the checkpoint of step N holds the state after step N's batch)",
     )
-    s.add_argument("--checkpoint", type=_step, help="checkpoint to read the sampler state from (default: newest)")
+    s.add_argument(
+        "--checkpoint",
+        type=_step,
+        help="checkpoint to read the sampler state from (default: the earliest at or after --step, which holds the "
+        "state that trained it: a skip() at a later resume is not in it; else the newest)",
+    )
     s.add_argument("--key", help="key path of the sampler in the state, when there are several")
     s = sub.add_parser(
         "export",

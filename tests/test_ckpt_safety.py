@@ -4,6 +4,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -407,6 +408,33 @@ def test_cli_explain_prints_the_batch_of_a_step(tmp_path):
         expected.batch_hash in out.stdout and f"tokens [{expected.starts[0]}, {expected.starts[0] + 16})" in out.stdout
     )
     assert _cli("explain", str(tmp_path), "--step", "7", "--key", "nope").returncode == 1
+
+
+def test_cli_explain_names_the_batch_a_step_trained_before_a_later_skip(tmp_path):
+    """A resume from step 20 skips a window step 3 trained (the record-of-death workflow): explain --step 3 read the
+    newest sampler state, skip list included, and named the replacement window. It now reads the earliest checkpoint
+    at or after the step by default."""
+    from ckpt import RandomWindowSampler
+
+    def sampler():
+        return RandomWindowSampler(1000, 17, 8, global_batch_size=8, seed=5, rank=0, world_size=1)
+
+    first = sampler()
+    trained = dict(zip(range(1, 21), first.track(iter(first))))
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(20, {"sampler": first})
+    again = sampler()
+    with ckpt.CheckpointManager(tmp_path) as m:
+        assert m.restore({"sampler": again}) == 20
+        again.skip([trained[3][0][1] // 8])  # the window of step 3's first sample: it recurs in epoch 1
+        trained |= dict(zip(range(21, 31), again.track(iter(again))))
+        m.save(30, {"sampler": again})
+    for step, checkpoint in ((3, 20), (25, 30)):
+        out = _cli("explain", str(tmp_path), "--step", str(step))
+        assert out.returncode == 0 and f"from checkpoint step {checkpoint}" in out.stdout, out.stdout + out.stderr
+        named = [[int(t), int(s)] for t, s in re.findall(r"t=(\d+) epoch=\d+ index=\d+ tokens \[(\d+),", out.stdout)]
+        assert named == [list(map(int, pair)) for pair in trained[step]], step
+    assert "from checkpoint step 30" in _cli("explain", str(tmp_path), "--step", "40").stdout  # none after: newest
 
 
 def test_a_ctrl_c_in_wait_leaves_the_save_in_flight_and_the_next_save_waits_for_it(tmp_path):
