@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import queue
+import signal
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -77,13 +78,22 @@ class ReadPlan:
     reads: dict[tuple[str, Box], ArrayRead]
     values: dict[str, Any]  # top-level key -> decoded value (tensors: the caller's own, or fresh ones)
     bands: dict[tuple[str, Box], tuple[planner.Band, ...]] = field(default_factory=dict)  # regions shared with ranks
+    _held: "_HeldInterrupts | None" = None
 
-    def undo(self) -> None:
-        """Give the tensors read into directly their bytes from before the restore back (a step that failed)."""
+    def hold_interrupts(self) -> None:
+        """Once every read verified: a Ctrl-C waits until the plan is undone or released (`_HeldInterrupts`)."""
+        if self._held is None:
+            self._held = _HeldInterrupts()
+
+    def undo(self, *, let_go: bool = True) -> None:
+        """Give the tensors read into directly their bytes from before the restore back (a step that failed); then,
+        unless the caller gives more back first (`let_go=False`, then `release`), a held Ctrl-C acts."""
         for r in self.reads.values():
             if r.saved is not None:
                 r.targets[0].detach().copy_(r.saved)
                 r.saved = None
+        if let_go:
+            self._let_go()
 
     def release(self) -> None:
         """Drop the references to scratch and to the bytes set aside, once applied: their host memory goes back
@@ -91,6 +101,37 @@ class ReadPlan:
         for r in self.reads.values():
             r.saved = None
             r.buffer = r.fresh
+        self._let_go()
+
+    def _let_go(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.let_go()
+
+
+class _HeldInterrupts:
+    """SIGINT (Ctrl-C) held back from a verified read until it has landed whole in the caller's state, or been given
+    back: between those, half a state could be neither undone nor completed. The signal then acts as it would have
+    (KeyboardInterrupt). Only where Python runs signal handlers, the main thread; elsewhere nothing is held."""
+
+    def __init__(self) -> None:
+        self._previous: Any = None
+        self._got = False
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._note)
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self._got = True
+
+    def let_go(self) -> None:
+        previous, self._previous = self._previous, None
+        if previous is None:
+            return
+        signal.signal(signal.SIGINT, previous)
+        if self._got and callable(previous):
+            previous(signal.SIGINT, None)
+        elif self._got and previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
 
 
 def plan_restore(
@@ -287,50 +328,50 @@ def execute(
     for r in plan.reads.values():
         if r.fresh is not None:
             r.buffer = r.fresh
-    exchange = _Exchange(plan, ranks, aside)
+    aside.start()  # first: a read into a caller's tensor waits for its bytes to be aside
     futures: list[Future] = []
-    placed = _PlacedReads(aside)
-    for key, r in plan.reads.items():
-        bands = plan.bands.get(key)
-        parts = [(None, r)] if not bands else [(b, _band(r, b)) for b in bands if b.reader == rank]
-        if r.info.places is not None:
+    try:  # from the first read submitted: an interrupt (Ctrl-C) anywhere stops the reads and gives every byte back
+        exchange = _Exchange(plan, ranks, aside)
+        placed = _PlacedReads(aside)
+        for key, r in plan.reads.items():
+            bands = plan.bands.get(key)
+            parts = [(None, r)] if not bands else [(b, _band(r, b)) for b in bands if b.reader == rank]
+            if r.info.places is not None:
+                for band, part in parts:
+                    exchange.expect(band, part.nbytes)
+                    placed.add(part, r, functools.partial(exchange.landed, band))
+                continue
+            if not parts:
+                continue
+            path = layout.array_path(step, r.info.name, plan.manifest.data)
+            futures.append(pool.submit(store.check_zarr_json, storage, path, r.info, step=step))
+            local = storage.direct_path(path)
+            into = aside.reads_of(r, pool)
             for band, part in parts:
-                exchange.expect(band, part.nbytes)
-                placed.add(part, r, functools.partial(exchange.landed, band))
-            continue
-        if not parts:
-            continue
-        path = layout.array_path(step, r.info.name, plan.manifest.data)
-        futures.append(pool.submit(store.check_zarr_json, storage, path, r.info, step=step))
-        local = storage.direct_path(path)
-        into = aside.reads_of(r, pool)
-        for band, part in parts:
-            rows = store.direct_rows(r.info, part.box) if local is not None else None
-            reads = []
-            if rows is not None:
-                reads = store.read_direct(local, r.info, part.buffer, rows, into, step=step)
-            elif part.buffer.numel():
-                reads = store.read_chunks(storage, path, r.info, part.buffer, part.box, into, step=step)
-            exchange.expect(band, len(reads))
-            for f in reads:
-                f.add_done_callback(functools.partial(exchange.verified, band))
-            futures += reads
-    manifest = plan.manifest
-    for name in dict.fromkeys(placed.packs()):
-        pack_path = layout.pack_path(step, name, manifest.data)
-        futures.append(pool.submit(store.check_zarr_json, storage, pack_path, manifest.packs[name], step=step))
-    futures += packs.read_boxes(
-        storage,
-        manifest.packs,
-        lambda name: layout.pack_path(step, name, manifest.data),
-        placed.boxes,
-        pool,
-        step=step,
-    )
-    aside.start()
-    exchange.start()
-    errors = []
-    try:
+                rows = store.direct_rows(r.info, part.box) if local is not None else None
+                reads = []
+                if rows is not None:
+                    reads = store.read_direct(local, r.info, part.buffer, rows, into, step=step)
+                elif part.buffer.numel():
+                    reads = store.read_chunks(storage, path, r.info, part.buffer, part.box, into, step=step)
+                exchange.expect(band, len(reads))
+                for f in reads:
+                    f.add_done_callback(functools.partial(exchange.verified, band))
+                futures += reads
+        manifest = plan.manifest
+        for name in dict.fromkeys(placed.packs()):
+            pack_path = layout.pack_path(step, name, manifest.data)
+            futures.append(pool.submit(store.check_zarr_json, storage, pack_path, manifest.packs[name], step=step))
+        futures += packs.read_boxes(
+            storage,
+            manifest.packs,
+            lambda name: layout.pack_path(step, name, manifest.data),
+            placed.boxes,
+            pool,
+            step=step,
+        )
+        exchange.start()
+        errors = []
         for f in futures:
             try:
                 f.result()
@@ -343,6 +384,8 @@ def execute(
         aside.join()
         plan.undo()
         raise
+    if any(r.targets for r in plan.reads.values()):  # the caller's tensors: from here given back or applied whole
+        plan.hold_interrupts()  # (`apply` releases the plan, or `undo`; a read into tensors of its own needs neither)
     aside.join()
     if not errors and aside.error is None:
         placed.apply()
@@ -689,29 +732,29 @@ def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
             state_mod.apply(target, k, plan.values[k])
         copied_yet = True
         cuda = False
-        for r, t in copied:  # a direct read's first target already holds it
-            t.copy_(r.buffer, non_blocking=t.is_cuda)
-            cuda = cuda or t.is_cuda
+        with torch.no_grad():  # a leaf that requires grad (a strided one: not read into directly) takes its bytes
+            for r, t in copied:  # a direct read's first target already holds it
+                t.copy_(r.buffer, non_blocking=t.is_cuda)
+                cuda = cuda or t.is_cuda
         if cuda:
             torch.cuda.synchronize()
         for k in (k for k in stateful if k not in first):
             loaded.append(_before(target[k]))
             state_mod.apply(target, k, plan.values[k])
+        for k, v in plan.values.items():
+            if k not in stateful:
+                state_mod.apply(target, k, v)
     except BaseException:
-        if copied_yet and copied:  # bytes that cannot be given back: leave every object at the step's values
-            raise
-        plan.undo()
-        for obj, state in reversed(loaded):
-            try:
-                obj.load_state_dict(state)
-            except Exception as e:  # the error that stopped the restore is the one to raise
-                log.warning("restore failed, and %s could not be given its state back: %s", type(obj).__name__, e)
-        raise
-    finally:
+        if not (copied_yet and copied):  # else bytes that cannot be given back: every object keeps the step's values
+            plan.undo(let_go=False)
+            for obj, state in reversed(loaded):
+                try:
+                    obj.load_state_dict(state)
+                except Exception as e:  # the error that stopped the restore is the one to raise
+                    log.warning("restore failed, and %s could not be given its state back: %s", type(obj).__name__, e)
         plan.release()
-    for k, v in plan.values.items():
-        if k not in stateful:
-            state_mod.apply(target, k, v)
+        raise
+    plan.release()  # last: a Ctrl-C held back until the state is whole is raised here
 
 
 def _holds(value: Any, storages: set[tuple[torch.device, int]]) -> bool:

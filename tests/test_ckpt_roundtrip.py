@@ -453,3 +453,23 @@ def test_objects_in_a_list_of_the_state_load_their_state(tmp_path):
     assert [o.param_groups[0]["lr"] for o in opts] == [0.1, 0.2]
     for got, want in zip(opts, saved["opts"]):
         assert torch.equal(got.state_dict()["state"][0]["exp_avg"], want.state_dict()["state"][0]["exp_avg"])
+
+
+def test_a_strided_tensor_that_requires_grad_restores_in_place(tmp_path):
+    """A transposed or channels_last tensor that requires grad (not read into directly: copied in once verified):
+    the copy raised torch's in-place-on-a-leaf error, naming no key, after the model had been overwritten."""
+
+    def state(v: float) -> dict:
+        return {
+            "t": torch.full((4, 3), v).t().detach().requires_grad_(True),
+            "conv": torch.full((2, 3, 4, 4), v).to(memory_format=torch.channels_last).requires_grad_(True),
+            "w": torch.full((5,), v),
+        }
+
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, state(1.0)).wait()
+    target = state(2.0)
+    with ckpt.CheckpointManager(tmp_path) as m:
+        assert m.restore(target) == 1
+    assert all(torch.equal(t.detach(), s) for t, s in zip(target.values(), state(1.0).values()))
+    assert target["t"].requires_grad and target["conv"].is_contiguous(memory_format=torch.channels_last)

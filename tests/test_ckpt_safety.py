@@ -493,6 +493,51 @@ def test_a_ctrl_c_during_a_restore_leaves_the_callers_tensors_as_they_were(tmp_p
         assert m.restore(target) == 1 and torch.equal(target["w"], torch.ones(1 << 21))
 
 
+@pytest.mark.parametrize("when", ["submitting", "applying"])
+def test_a_ctrl_c_at_either_end_of_a_restore_leaves_the_state_whole_and_the_manager_closes(tmp_path, monkeypatch, when):
+    """A SIGINT while the reads are being submitted (before the set-aside thread had started, the reads waited for it
+    forever: close() and the interpreter's exit hung), or once they verified and land in the state (half the
+    tensors were the checkpoint's, a strided one the caller's): the state is as before, or the checkpoint's whole,
+    and KeyboardInterrupt is raised; the manager closes."""
+    import signal
+
+    from ckpt import packs
+    from ckpt import restore as restore_mod
+
+    def state(seed: int) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        lin = torch.nn.Linear(64, 64)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(64, 64, generator=g))
+            lin.bias.copy_(torch.randn(64, generator=g))
+        return {"model": lin, "extra": {"w": torch.randn(32, 16, generator=g).t()}}  # strided: copied in by apply
+
+    def values(s: dict) -> list:
+        return [t.clone() for t in (*s["model"].state_dict().values(), s["extra"]["w"])]
+
+    with ckpt.CheckpointManager(tmp_path, **UNPACKED) as m:  # arrays of their own: read before the packs
+        m.save(1, state(1)).wait()
+    module, name = (packs, "read_boxes") if when == "submitting" else (restore_mod, "apply")
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: (signal.raise_signal(signal.SIGINT), real(*a, **k))[1])
+    target = state(2)
+    before, saved = values(target), values(state(1))
+    m = ckpt.CheckpointManager(tmp_path, **UNPACKED)
+    with pytest.raises(KeyboardInterrupt):
+        m.restore(target)
+    closing = threading.Thread(target=m.close, daemon=True)
+    closing.start()
+    closing.join(120)
+    assert not closing.is_alive(), "close() hangs: reads wait for a set-aside thread that never started"
+    expected = before if when == "submitting" else saved
+    assert all(torch.equal(a, b) for a, b in zip(values(target), expected)), "a mixed state"
+    monkeypatch.setattr(module, name, real)
+    with ckpt.CheckpointManager(tmp_path) as m:
+        assert m.restore(state(3)) == 1
+    ckpt.load(tmp_path)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "Ctrl-C is held back for good"
+
+
 _WAVES_PAST_A_LIMIT = r"""
 import json, os, resource, signal, sys, torch, ckpt
 root = sys.argv[1]
