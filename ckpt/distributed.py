@@ -76,6 +76,10 @@ class Ranks:
         """The leader's JSON value on every rank (`obj` is read on the leader only)."""
         return obj
 
+    def max_ints(self, values: list[int]) -> list[int]:
+        """Each of `values`' largest value among the ranks (a reduction: O(log ranks) messages, for every step)."""
+        return list(values)
+
     def all_true(self, flag: bool) -> bool:
         """Whether `flag` is true on every rank."""
         return flag
@@ -115,9 +119,9 @@ class GlooRanks(Ranks):
         if group is not None and dist.is_initialized():
             dist.destroy_process_group(group)
 
-    def _op(self, op: str, peer: int, call: Callable[[], Any]) -> Any:
-        """`call()`, a message to or from rank `peer`: a timeout or a closed connection (raised by the call or by the
-        wait) becomes a `CollectiveTimeout` naming `peer`."""
+    def _op(self, op: str, peer: int | None, call: Callable[[], Any]) -> Any:
+        """`call()`, a message to or from rank `peer` (None: a reduction among all): a timeout or a closed connection
+        (raised by the call or by the wait) becomes a `CollectiveTimeout` naming `peer`."""
         if self._broken is not None:  # every later message would fail at once, naming a closed pair, not the cause
             raise CollectiveTimeout(
                 op,
@@ -179,6 +183,11 @@ class GlooRanks(Ranks):
         data = _encode(obj)
         self._send(op, {r: data for r in range(1, self.world_size)})
         return json.loads(data)
+
+    def max_ints(self, values: list[int]) -> list[int]:
+        out = torch.tensor(values, dtype=torch.int64)
+        self._op("an all-reduce", None, lambda: dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group))
+        return out.tolist()
 
     def all_true(self, flag: bool) -> bool:
         return all(self.all_gather_json(bool(flag)))

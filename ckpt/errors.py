@@ -40,8 +40,9 @@ class CollectiveTimeout(CheckpointError):
     """A collective of checkpointing gave up on a rank: no message from it (or to it) within `collective_timeout`, or
     its connection closed (a dead rank, a partitioned node, a stopped process). Names that rank."""
 
-    def __init__(self, op: str, rank: int, waited_for: int, cause: BaseException):
-        super().__init__(f"rank {rank} waited for rank {waited_for} in {op} and gave up: {cause}")
+    def __init__(self, op: str, rank: int, waited_for: int | None, cause: BaseException):
+        whom = "the other ranks" if waited_for is None else f"rank {waited_for}"
+        super().__init__(f"rank {rank} waited for {whom} in {op} and gave up: {cause}")
         self.op, self.rank, self.waited_for = op, rank, waited_for
         self.__cause__ = cause
 

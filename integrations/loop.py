@@ -237,12 +237,15 @@ class TrainLoop:
         self.tracker.step_end(step, loss, batch=batch_hash(self._samplers, step))
         self._open_step = None
         self.step, self._metrics = step, metrics
-        signum = self.preemption.signum
+        signum, due = self.preemption.signum, self.decision.should_save(step, time.monotonic())
+        if self.manager.ranks.world_size > 1:  # one answer for all: a signal on any rank, a decision on any (a clock)
+            agreed, due = self.manager.ranks.max_ints([signum or 0, int(due)])
+            signum = agreed or None
         if signum is not None:  # with two tiers also persisted: the job may come back on another node
             self._save_and_exit(signum, step, metrics)
         if step == self._total:  # the job's end: saved whatever the interval says, persisted with two tiers
             return self.save(step, metrics, persist=True)
-        if self.decision.should_save(step, time.monotonic()):
+        if due:
             return self.save(step, metrics)
         if step == self.start_step + 1:  # the optimizer's state exists now: the first save copies into warm memory
             self.manager.reserve(self.state)

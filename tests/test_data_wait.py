@@ -46,12 +46,13 @@ def test_the_wait_for_each_batch_is_data_wait_to_the_microsecond(tmp_path):
     assert seconds["productive"] == 4.0
 
 
-def test_without_a_tracker_make_loader_is_a_plain_dataloader_and_records_nothing(tmp_path):
+def test_without_a_tracker_make_loader_iterates_as_a_plain_dataloader_and_records_nothing(tmp_path):
     clock = FakeClock(1000.0)
     tracker = GoodputTracker(str(tmp_path), attempt_id="a1", rank=0, job_id="job", clock=clock).start()
     sampler = ShuffledSampler(64, 4, seed=3, rank=0, world_size=1)
     loader = make_loader(SlowItems(64, clock, 0.05), sampler)
-    assert type(loader) is torch.utils.data.DataLoader
+    assert isinstance(loader, torch.utils.data.DataLoader)
+    assert type(iter(loader)) is torch.utils.data.dataloader._SingleProcessDataLoaderIter  # no timing around it
     with tracker.step(1):
         next(iter(sampler.track(loader)))
     tracker.end()

@@ -164,6 +164,16 @@ def test_rank_killed_during_save_fails_the_others_and_keeps_previous_step(tmp_pa
     assert opt.state and all(p.abs().sum() > 0 for p in model.parameters())
 
 
+def test_a_preemption_signal_on_one_rank_saves_the_same_step_on_every_rank(tmp_path):
+    """SIGTERM on rank 0 alone (ranks signalled one after another): TrainLoop agrees on it at each step's end, so
+    every rank saves that step and exits 143. Rank 0 used to save alone and wait in its collective for rank 1,
+    which trained on: collective_timeout later, nothing saved."""
+    results = run_ranks(2, "loop_preempt", str(tmp_path / "ck"), timeout=180)
+    _ok(results)
+    for r in results:
+        assert "preempted at 5 with 143; committed [5]" in r.stdout, r.stdout[-3000:]
+
+
 def test_ranks_that_do_not_share_the_root_fail_the_first_save_on_every_rank(tmp_path):
     """Each rank's root on its own disk: rank 0 committed manifests naming packs that only the other ranks' disks
     held, so every step was damaged. The first save now finds that rank 1 cannot see rank 0's lease."""

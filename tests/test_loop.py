@@ -44,8 +44,10 @@ def train(root: str, tokens: str, every: int, local: str | None = None) -> None:
     With `local`, two tiers: every save to the local tier LOCAL, none persisted by the interval (persist_every). With
     PERTURB_STEP in the environment, that step's loss is nudged (a divergence for the replay check to find). With
     HOLD_AT, the child stops after that step's lines until a signal comes (a SIGKILL ends it there, a SIGTERM is
-    seen by the loop): the signal lands in that step however late the parent sends it."""
+    seen by the loop): the signal lands in that step however late the parent sends it. WORKERS: the loader's
+    worker processes."""
     perturb, hold = int(os.environ.get("PERTURB_STEP", "0")), int(os.environ.get("HOLD_AT", "0"))
+    workers = int(os.environ.get("WORKERS", "0"))  # DataLoader worker processes
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -65,7 +67,8 @@ def train(root: str, tokens: str, every: int, local: str | None = None) -> None:
             **tiers,
         ) as loop:
             print(f"restored {loop.start_step}", flush=True)
-            for step, batch in zip(loop.steps(TOTAL), sampler.track(make_loader(dataset, sampler))):
+            batches = sampler.track(make_loader(dataset, sampler, num_workers=workers))
+            for step, batch in zip(loop.steps(TOTAL), batches):
                 x = batch["tokens"] % VOCAB
                 loss = F.cross_entropy(model(x[:, :-1]).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
                 if step == perturb:
@@ -94,10 +97,12 @@ def run_child(
     local: Path | None = None,
     stderr: Path | None = None,
     env: dict[str, str] | None = None,
+    group: bool = False,
 ) -> tuple[int, list[str]]:
     """Run the child (with `env` added to its environment); send `signal_on[1]` when it prints `signal_on[0]`
-    ("step N": the child waits there for the signal). Returns its exit status and lines; its stderr goes to the
-    file `stderr` if given."""
+    ("step N": the child waits there for the signal), with `group` to its whole process group (its loader's workers
+    too, as scancel or `kill -TERM -PGID` do). Returns its exit status and lines; its stderr goes to the file
+    `stderr` if given."""
     cmd = [sys.executable, __file__, str(root), str(tokens), str(every)]
     if signal_on:
         env = {**(env or {}), "HOLD_AT": signal_on[0].split()[1]}
@@ -110,12 +115,13 @@ def run_child(
             text=True,
             cwd=Path(__file__).parent,
             env={**os.environ, **(env or {})},
+            start_new_session=group,
         )
         lines = []
         for line in proc.stdout:
             lines.append(line.strip())
             if signal_on and line.strip() == signal_on[0]:
-                os.kill(proc.pid, signal_on[1])
+                (os.killpg if group else os.kill)(proc.pid, signal_on[1])
         return proc.wait(timeout=120), lines
 
 
@@ -184,6 +190,40 @@ def test_sigterm_saves_the_current_step_says_so_in_one_line_and_restart_loses_no
     assert [at.lost_steps for at in a.attempts] == [0, 0] and a.micros["lost"] == 0
     assert [at.restored_step for at in a.attempts] == [None, saved]
     assert a.committed_steps == (saved, TOTAL)  # the restart's end saved its last step
+
+
+def test_sigterm_to_the_process_group_with_loader_workers_saves_and_exits_143(tmp_path, tokens):
+    """scancel or `kill -TERM -PGID` signals the loader's workers too: they died of it, and the main process raised
+    "DataLoader worker ... is killed by signal" from its next batch instead of saving. The workers now leave it to the
+    main process, which saves, and ends them at exit (multiprocessing's own SIGTERM would go unheeded: a hang)."""
+    root = tmp_path / "run"
+    signal_on = ("step 7", signal.SIGTERM)
+    code, lines = run_child(
+        root, tokens, every=1000, signal_on=signal_on, stderr=tmp_path / "err", env={"WORKERS": "2"}, group=True
+    )
+    said = (tmp_path / "err").read_text()
+    assert code == 128 + signal.SIGTERM and lines[-1].startswith("preempted"), (lines[-3:], said[-2000:])
+    assert "killed by signal" not in said and "SIGTERM received: checkpoint of step" in said, said[-2000:]
+    code, resumed = run_child(root, tokens, every=1000)
+    assert code == 0 and resumed[0] == f"restored {lines[-1].split()[1]}"
+
+
+def test_loader_workers_leave_preemption_signals_to_the_main_process(tokens):
+    """A SIGTERM or SIGUSR1 that reaches a worker of `make_loader` (a signal to the whole process group) used to kill
+    it: the next batch raised "DataLoader worker ... is killed by signal". It is ignored there; the batches go on."""
+    import multiprocessing
+
+    dataset = TokenWindowDataset(tokens, np.uint16, WINDOW, seed=3)
+    sampler = RandomWindowSampler(dataset.n_tokens, WINDOW, 3, BATCH, seed=3, fingerprint=dataset.fingerprint())
+    batches = iter(make_loader(dataset, sampler, num_workers=1, prefetch_factor=1))
+    next(batches)  # the worker has run its init
+    (worker,) = multiprocessing.active_children()
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        os.kill(worker.pid, signum)
+    assert len([next(batches) for _ in range(6)]) == 6 and worker.is_alive()
+    del batches  # ends its worker as a finished DataLoader does
+    worker.join(60)
+    assert not worker.is_alive()
 
 
 def test_sigterm_with_two_tiers_persists_the_preemption_save_so_a_new_node_resumes_from_it(tmp_path, tokens):

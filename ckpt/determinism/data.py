@@ -6,8 +6,14 @@ on the s-th global batch, and a checkpoint of step s holds a sampler whose `step
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import functools
 import hashlib
 import os
+import signal
+import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -581,13 +587,37 @@ def _collated(batch: Any) -> Any:
     return batch
 
 
-class _DataWaitLoader(DataLoader[Any]):
-    """A DataLoader whose iterator times each wait for a batch as a ``data_wait`` span of `tracker`."""
+class _Loader(DataLoader[Any]):
+    """`make_loader`'s DataLoader. Its workers leave preemption signals to the main process (`_worker_init`), which
+    ends them itself at exit (`_end_workers`): multiprocessing would SIGTERM them, and then wait for good. With a
+    `tracker`, each wait for a batch is timed as a ``data_wait`` span."""
 
     tracker: CheckpointObserver = NO_TRACKER
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        return _timed(super().__iter__(), self.tracker)
+        batches = super().__iter__()
+        return batches if self.tracker is NO_TRACKER else _timed(batches, self.tracker)
+
+    def _get_iterator(self) -> Any:
+        batches = super()._get_iterator()
+        if self.num_workers > 0:
+            with _LIVE_LOCK:
+                if not _LIVE_WORKERS:  # registered after multiprocessing's own exit function: runs before it
+                    atexit.register(_end_workers)
+                _LIVE_WORKERS.add(batches)
+        return batches
+
+
+_LIVE_WORKERS: weakref.WeakSet[Any] = weakref.WeakSet()  # iterators of `_Loader`s with workers
+_LIVE_LOCK = threading.Lock()
+
+
+def _end_workers() -> None:
+    """At exit: end the workers of every live iterator as the DataLoader does when done with them (a sentinel, a
+    join), before multiprocessing's exit would SIGTERM them, which they ignore (a preemption's signal)."""
+    for batches in list(_LIVE_WORKERS):
+        with contextlib.suppress(Exception):
+            batches._shutdown_workers()
 
 
 _END = object()
@@ -601,6 +631,22 @@ def _timed(batches: Iterator[Any], tracker: CheckpointObserver) -> Iterator[Any]
         if batch is _END:
             return
         yield batch
+
+
+# Signals a preemption may send to the whole process group (`kill -TERM -PGID`, SLURM's scancel, a cgroup stop): the
+# ones `ckpt.Preemption` handles by default, and SIGUSR2. torch's workers die of them (SIGTERM from another process
+# than their parent is re-raised with its default action), and the main process then raises "DataLoader worker ...
+# is killed by signal" from the next batch or wait(), instead of saving and exiting.
+_WORKERS_IGNORE = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _worker_init(user_init: Callable[[int], Any] | None, worker_id: int) -> None:
+    """A `make_loader` worker: leaves preemption signals to the main process (which ends the workers itself, as
+    `_Loader` does), then runs the caller's own `worker_init_fn`."""
+    for signum in _WORKERS_IGNORE:
+        signal.signal(signum, signal.SIG_IGN)
+    if user_init is not None:
+        user_init(worker_id)
 
 
 def make_loader(
@@ -621,6 +667,7 @@ def make_loader(
     batch is recorded as ``data_wait``, so the goodput report shows the data's share with no code in the loop.
     """
     kwargs.setdefault("generator", torch_generator(sampler.seed, "loader"))
+    kwargs["worker_init_fn"] = functools.partial(_worker_init, kwargs.get("worker_init_fn"))
     if isinstance(dataset, TokenWindowDataset) and isinstance(sampler, RandomWindowSampler):
         if sampler.window != dataset.window or sampler.n_tokens > dataset.n_tokens:
             raise ValueError(  # other windows than explain() and the batch hashes name, or windows past the end
@@ -634,8 +681,7 @@ def make_loader(
         if collate:
             kwargs["collate_fn"] = _collated
         kwargs.setdefault("pin_memory", torch.cuda.is_available())
-    if tracker is None:
-        return DataLoader(dataset, batch_sampler=sampler, **kwargs)
-    loader = _DataWaitLoader(dataset, batch_sampler=sampler, **kwargs)
-    loader.tracker = tracker
+    loader = _Loader(dataset, batch_sampler=sampler, **kwargs)
+    if tracker is not None:
+        loader.tracker = tracker
     return loader

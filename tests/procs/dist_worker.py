@@ -238,6 +238,25 @@ def main(mode: str, root: str) -> None:
             except ckpt.CheckpointError as e:
                 print(f"steps refused: {e}", flush=True)
             print(f"then restored {m.restore(state_of(model, opt))}", flush=True)
+    elif mode == "loop_preempt":
+        # SIGTERM reaches rank 0 alone, during step 5 (a launcher signalling ranks one after another): every rank
+        # saves step 5 and exits 143; alone, rank 0 waited in the save's collective while rank 1 trained on
+        from integrations import Preempted, TrainLoop
+
+        model, opt = build()
+        g = torch.Generator().manual_seed(1)
+        sampler = ckpt.ShuffledSampler(64, 2 * WORLD, seed=0)
+        try:
+            state = {"model": model, "opt": opt}
+            with TrainLoop(root, state, sampler=sampler, every_steps=1000, collective_timeout=60) as loop:
+                for step in loop.steps(40):
+                    train(model, opt, g)  # FSDP2: collectives of the job's own every step
+                    if step == 5 and rank == 0:
+                        signal.raise_signal(signal.SIGTERM)
+                    loop.on_step_end(step)
+            print("NOT PREEMPTED", flush=True)
+        except Preempted as e:
+            print(f"preempted at {e.step} with {e.code}; committed {ckpt.layout.committed_steps(loop.manager.storage)}")
     elif mode == "own_roots":
         # a path on each node's own disk (here: another directory per rank): the first save fails on every rank
         with ckpt.CheckpointManager(f"{root}/node{rank}", collective_timeout=20) as m:
