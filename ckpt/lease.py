@@ -179,8 +179,13 @@ class FileLease:
     @staticmethod
     def live_holder(storage: Storage) -> dict[str, Any] | None:
         """The holder named in ``_LEASE`` if its process is alive (other hosts: assumed alive)."""
-        holder = current_holder_local(storage.local_path(""))
+        holder = FileLease.recorded(storage)
         return None if holder is None or _local_pid_dead(holder) else holder
+
+    @staticmethod
+    def recorded(storage: Storage) -> dict[str, Any] | None:
+        """The holder ``_LEASE`` names, alive or not."""
+        return current_holder_local(storage.local_path(""))
 
     @staticmethod
     @contextlib.contextmanager
@@ -305,8 +310,13 @@ class KvLease:
     @staticmethod
     def live_holder(storage: Storage) -> dict[str, Any] | None:
         """The lease object, if not expired."""
-        holder = _parse(storage.read(LEASE))
+        holder = KvLease.recorded(storage)
         return holder if _expires(holder) > time.time() else None
+
+    @staticmethod
+    def recorded(storage: Storage) -> dict[str, Any] | None:
+        """The holder the lease object names, expired or not."""
+        return _parse(storage.read(LEASE))
 
     @staticmethod
     @contextlib.contextmanager
@@ -354,3 +364,8 @@ def acquire(storage: Storage, *, role: str = "writer", wait_for_gc: float = WAIT
 def live_holder(storage: Storage) -> dict[str, Any] | None:
     """Who holds the root's lease now, as far as a reader can tell without taking it (None: nobody)."""
     return lease_class(storage).live_holder(storage)
+
+
+def recorded_holder(storage: Storage) -> dict[str, Any] | None:
+    """Who the root's lease record names, whether or not that process is alive (this host may not see its pid)."""
+    return lease_class(storage).recorded(storage)

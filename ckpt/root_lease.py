@@ -55,7 +55,7 @@ class RootLease:
             mine = None
         else:
             try:
-                seen = (lease_mod.live_holder(self.storage) or {}).get("id")
+                seen = (lease_mod.recorded_holder(self.storage) or {}).get("id")  # rank 0's pid: maybe not seen here
             except Exception as e:  # an unreadable lease is no proof of the same root either
                 seen = f"unreadable ({e})"
             mine = None if seen == leader_id else f"rank {self.ranks.rank} sees {seen or 'none'}"
