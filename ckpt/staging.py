@@ -249,8 +249,8 @@ def copy(copies: list[Copy], pool: ThreadPoolExecutor | Inline = Inline(), piece
 
 def _parts(dst: torch.Tensor, src: torch.Tensor, piece: int) -> Iterator[Copy]:
     """(destination, source) pairs of like shape that together copy host `src` into the uint8 arena view `dst`."""
-    if not src.is_contiguous() or src.nbytes <= piece:
-        yield dst.view(src.dtype).view(src.shape), src
+    if not src.is_contiguous() or src.nbytes <= piece or src.is_conj() or src.is_neg():  # a lazy conjugate or
+        yield dst.view(src.dtype).view(src.shape), src  # negative view has no bytes of its values: copy_ makes them
         return
     flat = src.reshape(-1).view(torch.uint8)
     for lo in range(0, src.nbytes, piece):
