@@ -183,7 +183,11 @@ def plan_restore(
         ours = isinstance(template, ShardedLike)  # a tensor this restore makes: nothing of the caller's to set aside
         if ours:
             template = template.tensor(info)
-        tmpl = torch.from_numpy(template) if isinstance(template, np.ndarray) and template.flags.writeable else template
+        in_place = (
+            isinstance(template, np.ndarray) and template.flags.writeable and min(template.strides, default=0) >= 0
+        )
+        tmpl = torch.from_numpy(template) if in_place else template  # else (read-only, or negative strides, which
+        # torch cannot view) a new array takes its place in the state
         shard = read_region(info, tmpl)
         if shard is not None:
             dtensor, box = shard

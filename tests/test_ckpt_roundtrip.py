@@ -484,3 +484,14 @@ def test_a_large_conjugate_view_saves_its_values(tmp_path):
         m.save(1, state).wait()
     got = ckpt.load(tmp_path)
     assert torch.equal(got["z"], state["z"].resolve_conj()) and torch.equal(got["n"], state["n"].resolve_neg())
+
+
+def test_a_numpy_array_with_negative_strides_restores(tmp_path):
+    """A reversed numpy view saved fine, but restoring into one raised torch's negative-stride error, naming no key:
+    like a read-only array, it now gets a new array in its place."""
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"a": np.arange(10.0)[::-2], "b": np.arange(3)}).wait()
+    target = {"a": np.zeros(5)[::-1], "b": np.zeros(3, dtype=np.int64)}
+    with ckpt.CheckpointManager(tmp_path) as m:
+        assert m.restore(target) == 1
+    assert target["a"].tolist() == [9.0, 7.0, 5.0, 3.0, 1.0] and target["b"].tolist() == [0, 1, 2]
