@@ -477,10 +477,14 @@ def test_a_ctrl_c_during_a_restore_leaves_the_callers_tensors_as_they_were(tmp_p
 
     with ckpt.CheckpointManager(tmp_path) as m:
         m.save(1, {"w": torch.ones(1 << 21)}).wait()
-    main, gate = threading.get_ident(), threading.Event()
+    main, gate, reading = threading.get_ident(), threading.Event(), threading.Event()
     read_spans = packs._read_spans
-    monkeypatch.setattr(packs, "_read_spans", lambda *a, **k: (gate.wait(30), read_spans(*a, **k))[1])
-    interrupt = lambda: (seen_calling(main, "execute", "result"), signal.pthread_kill(main, signal.SIGINT))  # noqa: E731
+    monkeypatch.setattr(packs, "_read_spans", lambda *a, **k: (reading.set(), gate.wait(30), read_spans(*a, **k))[2])
+    interrupt = lambda: (  # noqa: E731 (a read in flight, held at the gate; the restore waiting for it)
+        reading.wait(60),
+        seen_calling(main, "execute", "result"),
+        signal.pthread_kill(main, signal.SIGINT),
+    )
     threading.Thread(target=lambda: (interrupt(), seen_calling(main, "execute", "wait"), gate.set())).start()
     target = {"w": torch.full((1 << 21,), 5.0)}
     m = ckpt.CheckpointManager(tmp_path)
