@@ -115,22 +115,22 @@ class _HeldInterrupts:
     (KeyboardInterrupt). Only where Python runs signal handlers, the main thread; elsewhere nothing is held."""
 
     def __init__(self) -> None:
-        self._previous: Any = None
+        self._held = threading.current_thread() is threading.main_thread()
         self._got = False
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._note)
+        # None: a handler set outside Python, which signal.signal cannot put back (the default then)
+        self._previous = signal.signal(signal.SIGINT, self._note) if self._held else None
 
     def _note(self, signum: int, frame: Any) -> None:
         self._got = True
 
     def let_go(self) -> None:
-        previous, self._previous = self._previous, None
-        if previous is None:
+        if not self._held:
             return
-        signal.signal(signal.SIGINT, previous)
+        self._held, previous = False, self._previous
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
         if self._got and callable(previous):
             previous(signal.SIGINT, None)
-        elif self._got and previous == signal.SIG_DFL:
+        elif self._got and previous in (signal.SIG_DFL, None):
             signal.raise_signal(signal.SIGINT)
 
 
