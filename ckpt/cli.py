@@ -234,8 +234,9 @@ def _explaining(storage: Storage, step: int) -> int:
     """The checkpoint whose sampler state trained `step`: the earliest at or after it (a `skip()` made at a later
     resume changes the batches from that resume on, and the checkpoints after it carry it), else the newest."""
     steps = layout.committed_steps(storage)
-    after = [s for s in steps if s >= step]
-    return after[0] if after else _pick_step(storage, None)
+    if not steps:
+        return _pick_step(storage, None)  # the error naming the root
+    return next((s for s in steps if s >= step), steps[-1])
 
 
 def cmd_explain(storage: Storage, args: argparse.Namespace) -> int:

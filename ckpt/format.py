@@ -331,8 +331,8 @@ class ArrayInfo:
     def from_json(cls, name: str, d: Any, *, format: str = FORMAT, raw: bool = False) -> "ArrayInfo":
         """Validated: known dtype, bounded shape and chunk grid, boxes inside the shape, one digest per chunk (per
         box where placed; none where `raw`, a ckpt/5 pack); a place per box (its bounds in the pack are
-        `pack_mismatch`'s, with the packs). Each message is made only for a failed check (`lazy`): a manifest holds
-        one entry per tensor, and a restore reads them all."""
+        `pack_mismatch`'s, with the packs). Each message is made only for a failed check: a manifest holds one entry
+        per tensor, and a restore reads them all."""
         validate_array_name(name)
 
         def need(ok: bool, what: Callable[[], str]) -> None:

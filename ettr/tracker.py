@@ -392,8 +392,7 @@ class GoodputTracker:
 
     def step_begin(self, step: int) -> None:
         """A training step starts."""
-        if type(step) is not int or not -_INT64 < step < _INT64:
-            step = _integer("step", step)
+        step = _integer("step", step)
         with self._lock:  # the manager's hooks may open spans from another thread
             t = self._credit()
             self._gap = "other"
@@ -408,8 +407,7 @@ class GoodputTracker:
         `loss` (a float, or a 0-dim tensor: ``float()`` reads it, which waits for a device's kernels), `batch` (the
         batch hash, e.g. ``sampler.batch_hash(step)``) and `scalars` ({name: number}) go into the record as its
         digest: a step trained again after a resume is compared with it bit for bit (docs/goodput.md, replay)."""
-        if type(step) is not int or not -_INT64 < step < _INT64:
-            step = _integer("step", step)
+        step = _integer("step", step)
         if loss is None and batch is None and not scalars:
             found = digest = None
         else:

@@ -602,8 +602,8 @@ class _Loader(DataLoader[Any]):
         batches = super()._get_iterator()
         if self.num_workers > 0:
             with _LIVE_LOCK:
-                if not _LIVE_WORKERS:  # registered after multiprocessing's own exit function: runs before it
-                    atexit.register(_end_workers)
+                atexit.unregister(_end_workers)  # once, and after multiprocessing's own exit function: runs before it
+                atexit.register(_end_workers)
                 _LIVE_WORKERS.add(batches)
         return batches
 
