@@ -220,9 +220,20 @@ class _CounterSampler(Sampler[list[Any]]):
         """About a hundred bytes of JSON: kind, config, fingerprint, counter t, steps done and skip list."""
         return {"kind": self.kind, **self._config(), "t": self._t, "step": self._step, "skip": list(self._skip)}
 
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Raise what `load_state_dict(state)` would raise, changing nothing: a restore checks samplers first and
+        loads them last, so a restore that fails elsewhere leaves a live iterator running."""
+        self._checked(state)
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at the saved position; a different kind, config or data fingerprint raises unless allowed, and a
         position this sampler cannot take (a tampered or foreign state) raises naming its key."""
+        self._t, self._step, self._skip = self._checked(state)
+        self._generation += 1
+        self._hashes.clear()  # the next iterator draws again from the new position
+
+    def _checked(self, state: Mapping[str, Any]) -> tuple[int, int, list[int]]:
+        """The position (t, step, kept skips) `state` would set, or the error that refuses it."""
         if not isinstance(state, Mapping):
             raise TypeError(f"sampler state must be a dict (a state_dict()), got {type(state).__name__}")
         if state.get("kind") != self.kind:
@@ -250,9 +261,7 @@ class _CounterSampler(Sampler[list[Any]]):
             raise DataMismatchError(
                 f"sampler state key 'skip' skips all {self.num_items} items of this run's data: nothing to yield"
             )
-        self._t, self._step, self._skip = state["t"], state["step"], kept
-        self._generation += 1
-        self._hashes.clear()  # the next iterator draws again from the new position
+        return state["t"], state["step"], kept
 
     def explain(self, step: int) -> Explanation:
         """The global batch of step `step` (from 1) without touching data: counters, epochs, items, offsets, hash."""
