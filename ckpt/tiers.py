@@ -106,6 +106,7 @@ class Tiers:
         if protocol not in (None, "file", "local"):
             raise ValueError(f"local= must be a directory on this machine (NVMe, /dev/shm), got {local!r}")
         self.local = LocalStorage(path)
+        self.local.check_creatable()
         if durable.local_path("") == self.local.root:
             raise ValueError(f"the local tier {self.local.root} must not be the durable root")
         self.durable, self.ranks = durable, ranks

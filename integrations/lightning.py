@@ -30,6 +30,7 @@ from ckpt import run as ckpt_run
 from ckpt.observer import check_observer
 from ckpt.options import typed
 from ckpt.state import encodable
+from ckpt.storage import open_storage
 from ettr import GoodputTracker
 
 from ._common import (
@@ -210,6 +211,7 @@ class CkptCheckpointIO(CheckpointIO):
         self.root = _abs_root(root)
         self.tracker = check_observer(tracker)
         self._options = typed(manager_options)  # checked now, where the trainer is configured
+        open_storage(self.root, self._options["root_options"].storage_options).check_creatable()  # and the root
         self._manager: CheckpointManager | None = None
         self._done: set[int] = set()  # steps saved or restored by this process: a repeated request is a no-op
         self._stored: tuple[int, dict[str, dict[str, str | None]]] | None = None  # last step, its dict's paths

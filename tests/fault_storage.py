@@ -61,6 +61,9 @@ class FaultStorage:
     def check_root(self) -> None:
         self.inner.check_root()
 
+    def check_creatable(self) -> None:
+        self.inner.check_creatable()
+
     def list_dirs(self, path: str = "") -> list[str]:
         return self.inner.list_dirs(path)
 

@@ -117,7 +117,7 @@ def test_bad_input_errors_name_the_key(tmp_path):
 ROOT_IS_A_FILE = """
 import sys, torch, ckpt
 try:
-    ckpt.CheckpointManager(sys.argv[1]).save(1, {"x": torch.zeros(2)})
+    manager = ckpt.CheckpointManager(sys.argv[1])
 except NotADirectoryError as e:
     print(e)
 """
@@ -125,12 +125,13 @@ except NotADirectoryError as e:
 
 @pytest.mark.parametrize("under", [False, True], ids=["root_is_a_file", "root_under_a_file"])
 def test_a_root_that_is_not_a_directory_is_one_clear_error(tmp_path, under):
-    """Taking the lease of a root that is a file (or lies under one) fails naming the root, with nothing else on
-    stderr (a lease that was never taken is not released); the CLI says it in one line."""
+    """A manager of a root that is a file (or lies under one) fails where it is made, naming the root (and the file
+    in its way), with nothing else on stderr (a lease that was never taken is not released); the CLI says it in one
+    line."""
     file = tmp_path / "afile"
     file.write_text("not a root")
     root = str(file / "sub" if under else file)
-    what = "cannot be created: a part of its path is not a directory" if under else "is not a directory"
+    what = f"cannot be created: {file} is not a directory" if under else "is not a directory"
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     res = subprocess.run([sys.executable, "-c", ROOT_IS_A_FILE, root], capture_output=True, text=True, env=env)
     assert res.returncode == 0 and res.stdout.strip() == f"the checkpoint root {root} {what}", (res.stdout, res.stderr)
@@ -142,6 +143,24 @@ def test_a_root_that_is_not_a_directory_is_one_clear_error(tmp_path, under):
     )
     assert res.returncode == 1 and res.stderr.strip() == f"error: the checkpoint root {root} {what}", res.stderr
     assert not res.stdout and "Exception ignored" not in res.stderr
+
+
+def test_a_root_no_save_could_create_fails_where_the_manager_is_made_creating_nothing(tmp_path):
+    """A root through a file, or in a directory this process may not write (procfs refuses even root), fails the
+    manager's construction, not its first save an hour later; so does such a local tier; a root that is merely
+    missing is created by the first save and a constructor creates nothing."""
+    file = tmp_path / "afile"
+    file.write_text("x")
+    with pytest.raises(NotADirectoryError, match=f"{file}/a/b cannot be created: {file} is not a directory"):
+        ckpt.CheckpointManager(file / "a" / "b")
+    with pytest.raises(PermissionError, match="/proc/1/ck cannot be created: no permission to write in /proc/1$"):
+        ckpt.CheckpointManager("/proc/1/ck")
+    with pytest.raises(NotADirectoryError, match=f"{file}/local cannot be created"):
+        ckpt.CheckpointManager(tmp_path / "durable", local=file / "local")
+    with ckpt.CheckpointManager(tmp_path / "new" / "root", local=tmp_path / "new" / "local") as m:
+        assert not (tmp_path / "new").exists()
+        m.save(1, {"x": torch.zeros(2)}).wait()
+    assert (tmp_path / "new" / "root").is_dir() and (tmp_path / "new" / "local").is_dir()
 
 
 def test_errors_are_one_family_and_keep_the_builtin_types_callers_caught(tmp_path):

@@ -127,8 +127,9 @@ def test_a_save_one_rank_cannot_make_fails_on_every_rank_and_the_next_one_commit
 
 
 def test_a_root_that_cannot_be_created_fails_the_first_save_on_every_rank_at_once(tmp_path):
-    """Rank 0 raised its NotADirectoryError alone; rank 1 waited in the lease's broadcast until rank 0's group
-    went away (or the collective timeout, were rank 0 to go on), and named only that."""
+    """A root made uncreatable after the managers were: rank 0 raised its NotADirectoryError alone; rank 1 waited
+    in the lease's broadcast until rank 0's group went away (or the collective timeout, were rank 0 to go on), and
+    named only that."""
     results = run_ranks(2, "uncreatable", str(tmp_path / "ck"), timeout=120)
     _ok(results)
     assert all("refused after" in r.stdout and "cannot be created" in r.stdout for r in results), results

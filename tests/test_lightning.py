@@ -521,10 +521,13 @@ def test_a_pointer_to_a_step_that_never_committed_never_skips_a_newer_committed_
         (lambda root: GoodputCallback(root, record_loss="no"), "record_loss must be True or False"),
         (lambda root: GoodputCallback(root, tracker=5), "tracker must be an ettr.GoodputTracker"),
         (lambda root: DecisionCheckpoint("x"), "decision must be a ckpt.SaveDecision"),
+        (lambda root: CkptCheckpointIO(os.path.join(root, "file", "sub")), "file/sub cannot be created: .* directory"),
     ],
 )
 def test_bad_arguments_are_refused_at_construction(tmp_path, build, message):
     """They used to fail at the first save, hundreds of steps in, or hang: a list of samplers was iterated as
-    name-sampler pairs, that is, the sampler's endless iteration."""
-    with pytest.raises((TypeError, ValueError), match=message):
+    name-sampler pairs, that is, the sampler's endless iteration; a root under a file was found by the first save."""
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "file").write_text("x")
+    with pytest.raises((TypeError, ValueError, OSError), match=message):
         build(str(tmp_path / "ck"))

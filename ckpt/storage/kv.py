@@ -57,6 +57,9 @@ class KvStorage:
     def check_root(self) -> None:
         """Any prefix of a store is a root (an empty one until written); `__init__` probed a remote one."""
 
+    def check_creatable(self) -> None:
+        """A prefix is made by its first write; `__init__` probed that the store answers."""
+
     def _wait(self, future: Any, what: str, key: str = "", timeout: float | None = None) -> Any:
         """The future's result within the root's timeout (or `timeout`, when shorter); any failure becomes a
         `StorageError` saying what to check."""

@@ -106,6 +106,23 @@ class LocalStorage:
             what = "not a directory" if os.path.exists(self.root) else "no such directory"
             raise FileNotFoundError(f"{self.root}: {what}")
 
+    def check_creatable(self) -> None:
+        """A root must be a directory or not exist: an existing one is left to its lease (a read-only root still
+        restores); a missing one needs its nearest existing ancestor to be a directory this process may write in."""
+        there = self.root
+        while not os.path.lexists(there):
+            there = os.path.dirname(there)
+        if there == self.root:
+            if not os.path.isdir(there):
+                raise NotADirectoryError(f"the checkpoint root {self.root} is not a directory")
+            return
+        if not os.path.isdir(there):
+            raise NotADirectoryError(f"the checkpoint root {self.root} cannot be created: {there} is not a directory")
+        if not os.access(there, os.W_OK | os.X_OK):
+            raise PermissionError(
+                errno.EACCES, f"the checkpoint root {self.root} cannot be created: no permission to write in {there}"
+            )
+
     def list_dirs(self, path: str = "") -> list[str]:
         base = self._p(path)
         if not os.path.isdir(base):

@@ -173,10 +173,11 @@ def main(mode: str, root: str) -> None:
                 m.restore(state_of(model, opt), track=False)
         print(f"fds grew {fds() - before} over 10 managers", flush=True)
     elif mode == "uncreatable":
-        # a root under a file: rank 0 cannot take the lease, and rank 1 learns why at once (not at the timeout)
-        if rank == 0:
-            open(f"{root}.file", "w").close()
+        # a root under a file made after the managers: rank 0 cannot take the lease, and rank 1 learns why at once
+        # (not at the timeout)
         with ckpt.CheckpointManager(f"{root}.file/ck", collective_timeout=60) as m:
+            if rank == 0:
+                open(f"{root}.file", "w").close()
             try:
                 m.save(1, state_of(model, opt)).wait()
                 print("NO ERROR", flush=True)
