@@ -136,6 +136,26 @@ def test_fingerprint_detects_other_data(tmp_path, dataset):
         ShuffledSampler(10, 2, SEED).load_state_dict(state)
 
 
+def test_a_sampler_built_from_numpy_integers_saves_a_state_it_loads(tmp_path):
+    """numpy integers (a batch size computed with numpy, a step from an array) are ints: the state holds Python
+    ints, so it loads again, also through a checkpoint (its counter was a numpy int its own load refused)."""
+    import ckpt
+
+    windows = RandomWindowSampler(np.int64(10_000), np.int32(100), np.int64(50), np.int64(8), np.uint64(5))
+    shuffled = ShuffledSampler(100, np.int64(8), np.int64(0), world_size=np.int64(1), rank=np.int64(0))
+    for s in (windows, shuffled):
+        s.advance(np.int64(3))
+        assert all(type(v) is int for k, v in s.state_dict().items() if k not in ("kind", "fingerprint", "skip"))
+        s.load_state_dict(s.state_dict())
+        assert s.counter(np.int64(5)) == 32 and type(s.counter(np.int64(5))) is int
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(3, {"sampler": windows}).wait()
+        resumed = RandomWindowSampler(10_000, 100, 50, 8, 5)
+        assert m.restore({"sampler": resumed}) == 3 and resumed.state_dict() == windows.state_dict()
+    with pytest.raises(TypeError, match="batches must be an int, got float 1.0"):
+        shuffled.advance(1.0)
+
+
 def test_allow_data_change_carries_the_position_and_the_valid_skips_over_to_the_new_data(tmp_path, dataset):
     s = _sampler(dataset)
     s.skip([3, 600])

@@ -121,6 +121,24 @@ def test_generator_kind_mismatch_and_unsupported_type():
         RNGState({"legacy": np.random.RandomState(0)})
 
 
+def test_a_refused_state_changes_no_rng_and_names_the_bit_generators():
+    """A numpy generator of another bit generator is named as such (numpy said "state must be for a Philox PRNG"),
+    and the global RNGs it would have been set after are left as they were (they had taken the checkpoint's)."""
+    saved = RNGState({"noise": np.random.default_rng(0), "g": torch.Generator().manual_seed(1)})
+    state = saved.state_dict()
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)
+    ours = RNGState({"noise": np.random.Generator(np.random.Philox(3)), "g": torch.Generator().manual_seed(5)})
+    before = ours.state_dict()
+    with pytest.raises(TypeError, match="'noise': checkpoint has a PCG64 bit generator, this run registered a Philox"):
+        ours.load_state_dict(state)
+    after = ours.state_dict()
+    assert after["python"] == before["python"] and torch.equal(after["torch"], before["torch"])
+    assert torch.equal(after["generators"]["g"]["state"], before["generators"]["g"]["state"])
+    assert json.dumps(after["numpy"], default=lambda a: a.tolist()) == json.dumps(
+        before["numpy"], default=lambda a: a.tolist()
+    )
+
+
 def test_state_of_another_rank_loads_as_given():
     """Which rank's state a rank gets is the manager's mapping (modulo the saved world size), not refused here."""
     assert RNGState.per_rank is True

@@ -60,11 +60,13 @@ class Explanation:
     batch_hash: str
 
 
-def _ints(**arguments: Any) -> None:
-    """A TypeError naming the first argument that is not an int (a bool is not; a numpy integer is)."""
+def _ints(**arguments: Any) -> list[int]:
+    """The arguments as Python ints (a numpy integer is one: a saved state must hold the ints its load checks for),
+    or a TypeError naming the first that is not an int (a bool is not)."""
     for name, value in arguments.items():
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return [int(value) for value in arguments.values()]
 
 
 _POSITION_LIMIT = 1 << 62  # counters stay int64 with a batch added
@@ -89,7 +91,9 @@ class _CounterSampler(Sampler[list[Any]]):
         found_rank, found_world = topology()
         rank = found_rank if rank is None else rank
         world_size = found_world if world_size is None else world_size
-        _ints(num_items=num_items, global_batch_size=global_batch_size, seed=seed, rank=rank, world_size=world_size)
+        num_items, global_batch_size, seed, rank, world_size = _ints(
+            num_items=num_items, global_batch_size=global_batch_size, seed=seed, rank=rank, world_size=world_size
+        )
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if global_batch_size < 1 or global_batch_size % world_size:
@@ -121,6 +125,7 @@ class _CounterSampler(Sampler[list[Any]]):
 
     def counter(self, step: int) -> int:
         """Global sample counter of the first sample of step `step`'s global batch (steps count from 1)."""
+        (step,) = _ints(step=step)
         if step < 1:
             raise ValueError(f"steps count from 1 (step s trains on the s-th global batch), got step {step}")
         t = self._t + (step - 1 - self._step) * self.global_batch_size
@@ -130,6 +135,7 @@ class _CounterSampler(Sampler[list[Any]]):
 
     def advance(self, batches: int = 1) -> None:
         """Mark `batches` global batches as consumed by training (call after each step, or use `track`)."""
+        (batches,) = _ints(batches=batches)
         self._t = self.counter(self._step + batches + 1)
         self._step += batches
 
@@ -318,7 +324,7 @@ class RandomWindowSampler(_CounterSampler):
         fingerprint: str | None = None,
         allow_data_change: bool = False,
     ) -> None:
-        _ints(n_tokens=n_tokens, window=window, stride=stride)
+        n_tokens, window, stride = _ints(n_tokens=n_tokens, window=window, stride=stride)
         if window < 1 or stride < 1 or n_tokens < window:
             raise ValueError(
                 f"need window >= 1, stride >= 1, n_tokens >= window; got n={n_tokens} L={window} c={stride}"

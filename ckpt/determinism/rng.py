@@ -72,6 +72,12 @@ def _restore(name: str, generator: Generator, saved: Mapping[str, Any]) -> None:
     if isinstance(generator, random.Random):
         _python_restore(generator, saved["state"])
     elif isinstance(generator, np.random.Generator):
+        ours = generator.bit_generator.state["bit_generator"]
+        theirs = saved["state"].get("bit_generator") if isinstance(saved["state"], Mapping) else None
+        if theirs != ours:
+            raise TypeError(
+                f"RNG generator {name!r}: checkpoint has a {theirs} bit generator, this run registered a {ours} one"
+            )
         generator.bit_generator.state = saved["state"]
     else:
         generator.set_state(_byte_tensor(saved["state"], f"generators.{name}"))
@@ -122,7 +128,8 @@ class RNGState:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore every enabled source exactly; a missing entry or another device count raises.
+        """Restore every enabled source exactly, or raise and change nothing (a missing entry, another device count,
+        a generator of another kind).
 
         Which rank's state arrives here is the manager's choice (see the class docstring).
         """
@@ -139,8 +146,17 @@ class RNGState:
                 raise ValueError(
                     f"RNG state 'cuda': checkpoint has {len(state['cuda'])} CUDA devices, this process sees {devices}"
                 )
-            if devices:
-                torch.cuda.set_rng_state_all([_byte_tensor(s, f"cuda.{i}") for i, s in enumerate(state["cuda"])])
+        before = self.state_dict()
+        try:
+            self._set(state)
+        except BaseException:  # a state refused halfway (a generator of another kind, a malformed entry)
+            self._set(before)
+            raise
+
+    def _set(self, state: Mapping[str, Any]) -> None:
+        """Set every enabled source and registered generator from a checked state, in order."""
+        if self.sources["cuda"] and state["cuda"]:
+            torch.cuda.set_rng_state_all([_byte_tensor(s, f"cuda.{i}") for i, s in enumerate(state["cuda"])])
         if self.sources["python"]:
             _python_restore(random, state["python"])
         if self.sources["numpy"]:
