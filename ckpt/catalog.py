@@ -243,6 +243,32 @@ def collect_damaged(storage: Storage) -> list[QuarantinedStep]:
     return removed
 
 
+def newer_steps(storage: Storage, step: int) -> list[int]:
+    """The committed steps after `step`, newest first: what a roll back to `step` removes. A root with no committed
+    step at or before `step` is refused: a roll back always leaves a step to resume from."""
+    committed = layout.committed_steps(storage)
+    if not any(s <= step for s in committed):
+        raise StepNotFoundError(
+            f"no committed step of {storage.url} is at or before step {step} (committed: {committed}): "
+            f"rolling back would leave nothing to resume"
+        )
+    return sorted((s for s in committed if s > step), reverse=True)
+
+
+def roll_back(storage: Storage, step: int) -> list[int]:
+    """Delete the committed steps after `step`, newest first, under the root's lease (`LeaseHeldError` while a
+    writer holds it): a run resumed from `step` saves those step numbers again, and a committed step is never
+    overwritten. A kill midway leaves the newest steps gone and the others whole; returns the steps removed."""
+    held = lease.acquire(storage, role="gc", wait_for_gc=0)
+    try:
+        removed = newer_steps(storage, step)  # under the lease
+        for s in removed:
+            delete_step(storage, s)
+        return removed
+    finally:
+        held.release()
+
+
 def delete_step(storage: Storage, step: int) -> None:
     """Remove a committed step: the manifest first (it vanishes atomically), then its arrays."""
     storage.delete_file(layout.manifest_path(step))

@@ -1,7 +1,7 @@
-"""`python -m ckpt ls|inspect|verify|gc|explain|export|import`: look at a checkpoint root, take weights out, bring
-checkpoints in, without writing Python.
+"""`python -m ckpt ls|inspect|verify|gc|rollback|explain|export|import`: look at a checkpoint root, take weights
+out, bring checkpoints in, roll a run back, without writing Python.
 
-``ls``, ``inspect``, ``verify`` and ``gc`` of a local root read JSON and bytes only: they import neither torch nor
+``ls``, ``inspect``, ``verify``, ``gc`` and ``rollback`` of a local root read JSON and bytes only: they import neither torch nor
 numpy nor tensorstore (tests/test_cli_imports.py); ``explain``, ``export`` and ``import`` load them when they run.
 """
 
@@ -288,6 +288,21 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rollback(storage: Storage, args: argparse.Namespace) -> int:
+    """Delete the committed steps after ``--to``, newest first, so a run resumed from it can save them again."""
+    if args.dry_run:
+        victims = catalog.newer_steps(storage, args.to)
+        for step in victims:
+            print(f"would remove committed step {step}")
+    else:
+        victims = catalog.roll_back(storage, args.to)
+        for step in victims:
+            print(f"removed committed step {step}")
+    if not victims:
+        print(f"no committed step after {args.to}")
+    return 0
+
+
 def _step(text: str) -> int:
     """A checkpoint step number on the command line: a non-negative integer."""
     try:
@@ -381,6 +396,15 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--dry-run", action="store_true")
     s.add_argument("--local", action="append", metavar="DIR", help=local_help + ", collected too; repeatable")
     s = sub.add_parser(
+        "rollback",
+        parents=store,
+        help="delete the committed steps after --to, newest first, to resume from it (no live writer)",
+    )
+    s.add_argument("root")
+    s.add_argument("--to", type=_step, required=True, help="the step to resume from: every later one is removed")
+    s.add_argument("--dry-run", action="store_true")
+    s.add_argument("--local", action="append", metavar="DIR", help=local_help + ", rolled back too; repeatable")
+    s = sub.add_parser(
         "explain", parents=store, help="the samples that formed a step's global batch, from a saved sampler state"
     )
     s.add_argument("root")
@@ -430,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         "inspect": cmd_inspect,
         "verify": _each_tier(cmd_verify),
         "gc": _each_tier(cmd_gc),
+        "rollback": _each_tier(cmd_rollback),
         "explain": cmd_explain,
         "export": cmd_export,
         "import": cmd_import,

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ettr
-from ckpt import CheckpointManager, RNGState, SaveHandle
+from ckpt import CheckpointManager, RNGState, SaveHandle, StepExistsError
 from ettr import GoodputTracker
 
 
@@ -169,6 +169,20 @@ def resolve_step(manager: CheckpointManager, step: int) -> int | None:
         stacklevel=3,
     )
     return earlier[-1]
+
+
+def refuse_rollback(manager: CheckpointManager, step: int) -> None:
+    """Training on from `step` while later steps of the root are committed would fail at the first save that repeats
+    one (a committed step is never overwritten), after its compute was spent: refuse it before training, saying how
+    to roll back (or resume the newest)."""
+    newer = [int(s) for s in manager.steps() if s > step]
+    if newer:
+        raise StepExistsError(
+            f"resuming from step {step}, but steps {newer} of {manager.storage.url} are committed after it: training "
+            f"on would save them again, and a committed step is never overwritten. Nothing was written. To roll back "
+            f"(deletes them): python -m ckpt rollback {manager.storage.url} --to {step} (with --local DIR for a local "
+            f"tier); to go on, resume the newest step"
+        )
 
 
 def never_committed(manager: CheckpointManager, step: int, named_by: str) -> str:

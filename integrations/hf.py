@@ -48,6 +48,7 @@ from ._common import (
     delete_step,
     never_committed,
     read_step,
+    refuse_rollback,
     resolve_step,
     save_once,
 )
@@ -401,9 +402,11 @@ class CkptTrainerMixin:
         elif is_stock_checkpoint(resume):
             return self._resume_stock(os.fspath(resume))
         else:
+            self._check_folder(os.fspath(resume), run_dir)
             step = resolve_step(manager, checkpoint_step(resume))
             if step is None:
                 return self._without_steps(run_dir, os.fspath(resume))
+            refuse_rollback(manager, step)
         staged = read_step(manager, step)
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
         os.makedirs(folder, exist_ok=True)
@@ -412,6 +415,17 @@ class CkptTrainerMixin:
         self._staged = (os.path.abspath(folder), staged)
         self._done.add(step)
         return folder
+
+    def _check_folder(self, named: str, run_dir: str) -> None:
+        """A named ``checkpoint-N`` folder must be one of this trainer's (a bare name is): another run's folder
+        resumed this root's step N, whatever that folder held."""
+        where = os.path.dirname(os.path.normpath(named))
+        if where and os.path.realpath(where) != os.path.realpath(run_dir):
+            raise ValueError(
+                f"resume_from_checkpoint {named} is not a folder of this trainer's output_dir {run_dir} (a "
+                f"{PREFIX_CHECKPOINT_DIR}-N path names step N of its ckpt_root {self.ckpt_manager.storage.url}): "
+                f"name one of its folders, or pass True for the newest"
+            )
 
     def _without_steps(self, run_dir: str, named: str | None) -> str | None:
         """A resume (True, or the folder `named`) into a root with no committed step: HF's newest ``checkpoint-N``

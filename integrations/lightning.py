@@ -43,6 +43,7 @@ from ._common import (
     delete_step,
     never_committed,
     read_step,
+    refuse_rollback,
     resolve_step,
     save_once,
 )
@@ -282,7 +283,8 @@ class CkptCheckpointIO(CheckpointIO):
         step = resolve_step(self.manager, int(pointer["step"]))
         if step is None:
             return self._nothing_to_load(os.fspath(path), int(pointer["step"]))
-        if self.before_load is not None:
+        if self.before_load is not None:  # a fit: it trains on from `step`
+            refuse_rollback(self.manager, step)
             self.before_load()
         self._sweep(_folder(os.fspath(path)))
         checkpoint = read_step(self.manager, step)

@@ -1,4 +1,4 @@
-"""`ckpt ls|inspect|gc|verify` read JSON and bytes: in a fresh interpreter they import neither torch nor numpy (nor
+"""`ckpt ls|inspect|gc|rollback|verify` read JSON and bytes: in a fresh interpreter they import neither torch nor numpy (nor
 tensorstore, which imports numpy), through either entry point (`python -m ckpt`, the `ckpt` console script), on a
 real root a CheckpointManager wrote (a training state: model, optimizer, RNG, sampler; packed and chunked arrays)."""
 
@@ -82,6 +82,7 @@ def _run(entry: str, argv: list[str]) -> tuple[int, str, list[str]]:
         ["verify", "-q", "--step", "2"],
         ["gc", "--dry-run"],
         ["gc"],
+        ["rollback", "--to", "1", "--dry-run"],
     ],
     ids=" ".join,
 )
@@ -91,7 +92,13 @@ def test_reading_a_root_imports_neither_torch_nor_numpy(root, entry, command):
     code, out, heavy = _run(entry, [command[0], str(root), *command[1:]])
     assert code == 0, out
     assert heavy == [], f"`ckpt {' '.join(command)}` imported {heavy}"
-    expected = {"ls": "committed", "inspect": "model", "verify": "ok", "gc": "incomplete step 3"}[command[0]]
+    expected = {
+        "ls": "committed",
+        "inspect": "model",
+        "verify": "ok",
+        "gc": "incomplete step 3",
+        "rollback": "would remove committed step 2",
+    }[command[0]]
     assert expected in out, out
 
 
