@@ -130,6 +130,18 @@ def test_window_across_a_shard_boundary_is_the_tail_then_the_head(tmp_path):
         ds[(0, 191)]
 
 
+def test_an_empty_shard_is_skipped_by_both_paths(tmp_path):
+    """A 0-byte shard in a directory broke every `dataset[key]` (numpy cannot map an empty file) while the batch
+    path read on: it holds no tokens, so a window around it is the tail of the shard before and the head of the next."""
+    a, empty, b = _shards(tmp_path, [100, 0, 100])
+    ds = TokenWindowDataset(a.parent, np.uint16, 10, 0)
+    assert ds.files == [os.fspath(a), os.fspath(empty), os.fspath(b)] and ds.n_tokens == 200
+    ta, tb = np.fromfile(a, dtype=np.uint16), np.fromfile(b, dtype=np.uint16)
+    for start, want in ((95, np.concatenate([ta[95:], tb[:5]])), (100, tb[:10]), (0, ta[:10])):
+        assert ds[(0, start)]["tokens"].tolist() == want.tolist()
+        assert ds.__getitems__([(0, start)])[0]["tokens"].tolist() == want.tolist()
+
+
 def test_directory_is_one_stream_in_name_order_and_fingerprinted(tmp_path):
     files = _shards(tmp_path, [300, 200, 100])
     (files[0].parent / ".hidden").write_bytes(b"xx")

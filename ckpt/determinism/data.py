@@ -481,8 +481,11 @@ class TokenWindowDataset(Dataset[dict[str, Any]]):
     def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
         """One sample through memory maps: the reference path, and what a plain per-item DataLoader reads."""
         t, start = key
-        if self._tokens is None:
-            self._tokens = [np.memmap(f, dtype=self.dtype, mode="r") for f in self.files]
+        if self._tokens is None:  # an empty shard cannot be mapped; no window reads from it
+            self._tokens = [
+                np.memmap(f, dtype=self.dtype, mode="r") if n else np.empty(0, self.dtype)
+                for f, n in zip(self.files, self.stream.sizes.tolist())
+            ]
         p = self.stream.pieces(np.asarray([start]), self.window)
         item = self.dtype.itemsize
         tokens = np.empty(self.window, dtype=self.dtype)
