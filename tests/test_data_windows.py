@@ -1,10 +1,12 @@
-"""The batch window reader against today's per-item memory-mapped reads: same windows, order and bytes, over seeds,
-world sizes, workers, a resume, shards (a window across a boundary) and every backend; real files, no mocks."""
+"""The batch window reader against per-item reads: same windows, order and bytes, over seeds, world sizes, workers,
+a resume, shards (a window across a boundary) and every backend; real files, no mocks."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -21,7 +23,7 @@ WINDOW = 33
 
 
 class PerItem(Dataset):
-    """Today's path: a DataLoader that indexes the dataset one window at a time (memory map, no batch reads)."""
+    """A plain DataLoader's path: it indexes the dataset one window at a time (no `__getitems__`, no read-ahead)."""
 
     def __init__(self, dataset: TokenWindowDataset) -> None:
         self.dataset = dataset
@@ -167,6 +169,30 @@ def test_errors_name_the_file_and_the_sizes(tmp_path):
     os.truncate(path, 150)  # the file shrank under the reader: reads come back short
     with pytest.raises(OSError, match=r"t.bin: read at byte 0: expected 232 bytes, got 150 bytes"):
         reader.read([100])
+
+
+SHRUNK_UNDER_A_JOB = """
+import os, sys, numpy as np
+from ckpt import TokenWindowDataset
+ds = TokenWindowDataset(sys.argv[1], np.uint16, 4096, 0)
+ds[(0, 0)]
+os.truncate(sys.argv[1], 6000)  # the token file shrinks under the running job (rewritten in place)
+for read in (lambda: ds[(1, 2048)], lambda: ds.__getitems__([(1, 2048)])):
+    try:
+        read()
+    except OSError as e:
+        print(e)
+"""
+
+
+def test_a_token_file_that_shrank_under_the_job_is_an_error_naming_it_on_both_paths(tmp_path):
+    """`dataset[key]` read through memory maps kept since its first read: a window past the file's new end killed
+    the process with SIGBUS, no exception; now both paths raise the batch path's OSError with the sizes."""
+    path = write_tokens(tmp_path / "t.bin", 1 << 16)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    res = subprocess.run([sys.executable, "-c", SHRUNK_UNDER_A_JOB, path], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, (res.returncode, res.stderr[-2000:])
+    assert res.stdout.splitlines() == [f"{path}: read at byte 4096: expected 8192 bytes, got 1904 bytes"] * 2
 
 
 def test_read_ahead_serves_every_batch_after_the_first_and_a_resume_misses_once(tmp_path):

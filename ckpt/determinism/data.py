@@ -439,8 +439,8 @@ class TokenWindowDataset(Dataset[dict[str, Any]]):
     `path` is one token file, a directory (its regular non-hidden files, sorted by name) or a list of files (in
     the order given): the files are concatenated into one global stream of `n_tokens` tokens, and a window may
     cross a shard boundary (its tokens are the tail of one file followed by the head of the next).
-    `dataset[key]` reads one window through a memory map; `__getitems__` (what a DataLoader calls) reads a
-    whole batch with `WindowReader` (O_DIRECT, all reads in flight at once); `make_loader` also reads ahead.
+    `dataset[key]` reads one window and `__getitems__` (what a DataLoader calls) a whole batch, both with
+    `WindowReader` (O_DIRECT, all reads in flight at once); `make_loader` also reads ahead.
     """
 
     def __init__(
@@ -461,7 +461,6 @@ class TokenWindowDataset(Dataset[dict[str, Any]]):
                 f"need 1 <= window <= the stream's {self.n_tokens} tokens and seed >= 0; got window={window} seed={seed}"
             )
         self.window, self.seed, self.transform = window, seed, transform
-        self._tokens: list[np.memmap] | None = None
         self._reader: WindowReader | None = None
 
     def fingerprint(self) -> str:
@@ -474,24 +473,11 @@ class TokenWindowDataset(Dataset[dict[str, Any]]):
             self._reader = WindowReader(self.stream, self.window)
         return self._reader
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Send workers the paths, not the mapped arrays (pickling a memmap copies the whole file)."""
-        return {**self.__dict__, "_tokens": None}
-
     def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
-        """One sample through memory maps: the reference path, and what a plain per-item DataLoader reads."""
+        """One sample (what a plain per-item DataLoader reads), read as a batch of one: a file that shrank under
+        the job is then an OSError naming it, as on the batch path, where a memory map died of SIGBUS."""
         t, start = key
-        if self._tokens is None:  # an empty shard cannot be mapped; no window reads from it
-            self._tokens = [
-                np.memmap(f, dtype=self.dtype, mode="r") if n else np.empty(0, self.dtype)
-                for f, n in zip(self.files, self.stream.sizes.tolist())
-            ]
-        p = self.stream.pieces(np.asarray([start]), self.window)
-        item = self.dtype.itemsize
-        tokens = np.empty(self.window, dtype=self.dtype)
-        for f, off, length, dest in zip(p.file.tolist(), p.offset.tolist(), p.length.tolist(), p.dest.tolist()):
-            tokens[dest : dest + length // item] = self._tokens[f][off // item : (off + length) // item]
-        return self._sample(t, start, tokens)
+        return self._sample(t, start, self.reader().read([start])[0])
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
         """A batch of samples read with one `WindowReader.read` (a DataLoader calls this instead of indexing)."""
