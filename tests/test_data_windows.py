@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -169,6 +170,17 @@ def test_errors_name_the_file_and_the_sizes(tmp_path):
     os.truncate(path, 150)  # the file shrank under the reader: reads come back short
     with pytest.raises(OSError, match=r"t.bin: read at byte 0: expected 232 bytes, got 150 bytes"):
         reader.read([100])
+
+
+def test_a_stream_without_tokens_names_its_files(tmp_path):
+    """An empty token file (or a directory of empty shards) said only "the stream's 0 tokens", naming no file."""
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=re.escape(f"need 1 <= window <= the 0 tokens of {empty} and seed >= 0")):
+        TokenWindowDataset(empty, np.uint16, 4, 0)
+    a, _ = _shards(tmp_path, [0, 0])
+    with pytest.raises(ValueError, match=re.escape(f"the 0 tokens of 2 files ({a}, ...)")):
+        TokenWindowDataset(a.parent, np.uint16, 4, 0)
 
 
 SHRUNK_UNDER_A_JOB = """

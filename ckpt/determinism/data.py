@@ -458,7 +458,8 @@ class TokenWindowDataset(Dataset[dict[str, Any]]):
         _ints(window=window, seed=seed)
         if not 1 <= window <= self.n_tokens or seed < 0:
             raise ValueError(
-                f"need 1 <= window <= the stream's {self.n_tokens} tokens and seed >= 0; got window={window} seed={seed}"
+                f"need 1 <= window <= the {self.n_tokens} tokens of {self.stream.describe()} and seed >= 0; "
+                f"got window={window} seed={seed}"
             )
         self.window, self.seed, self.transform = window, seed, transform
         self._reader: WindowReader | None = None

@@ -119,7 +119,7 @@ class TokenStream:
         starts = np.asarray(starts, dtype=np.int64)
         if starts.size and (starts.min() < 0 or starts.max() + window > self.n_tokens):
             bad = int(starts.min()) if starts.min() < 0 else int(starts.max())
-            raise IndexError(f"window [{bad}, {bad + window}) exceeds the {self.n_tokens} tokens of {self._describe()}")
+            raise IndexError(f"window [{bad}, {bad + window}) exceeds the {self.n_tokens} tokens of {self.describe()}")
         item = self.dtype.itemsize
         first = np.searchsorted(self.bounds, starts, side="right") - 1
         last = np.searchsorted(self.bounds, starts + window - 1, side="right") - 1
@@ -142,7 +142,8 @@ class TokenStream:
             win, fil, off, length, dest = (np.concatenate([x, y]) for x, y in zip((win, fil, off, length, dest), cols))
         return _Pieces(len(starts), win, fil, off, length, dest)
 
-    def _describe(self) -> str:
+    def describe(self) -> str:
+        """The stream in an error message: its file, or the count of its files and the first one."""
         return self.files[0] if len(self.files) == 1 else f"{len(self.files)} files ({self.files[0]}, ...)"
 
 
