@@ -226,6 +226,15 @@ def test_bad_data_arguments_are_refused_where_given(tmp_path, dataset):
         _sampler(dataset, rank=0, world_size=0)
 
 
+def test_a_shuffled_sampler_of_a_count_that_is_not_an_int_is_a_type_error_naming_it():
+    """`num_items < 1` ran before the type check: None or "100" gave "'<' not supported between instances"."""
+    for num_items, kind in ((None, "NoneType"), ("100", "str"), (100.0, "float")):
+        with pytest.raises(TypeError, match=f"num_items must be an int, got {kind}"):
+            ShuffledSampler(num_items, 8, SEED, world_size=1, rank=0)
+    with pytest.raises(ValueError, match="num_items must be >= 1, got 0"):
+        ShuffledSampler(0, 8, SEED, world_size=1, rank=0)
+
+
 def test_batch_hash_is_the_hash_of_what_training_received_remembered_from_the_draw(dataset):
     """What the goodput ledger records per step (docs/goodput.md, replay): the loader's draw leaves each step's hash
     behind (workers fetch, the main process draws), a step never drawn is computed, a resume forgets the old draws."""

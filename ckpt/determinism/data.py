@@ -381,6 +381,7 @@ class ShuffledSampler(_CounterSampler):
         fingerprint: str | None = None,
         allow_data_change: bool = False,
     ) -> None:
+        _ints(num_items=num_items)  # before the comparison: `None < 1` is a TypeError naming no argument
         if num_items < 1:
             raise ValueError(f"num_items must be >= 1, got {num_items}")
         super().__init__(
