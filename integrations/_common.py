@@ -179,7 +179,7 @@ def refuse_rollback(manager: CheckpointManager, step: int) -> None:
     if newer:
         raise StepExistsError(
             f"resuming from step {step}, but steps {newer} of {manager.storage.url} are committed after it: training "
-            f"on would save them again, and a committed step is never overwritten. Nothing was written. To roll back "
+            f"on would save them again, and a committed step is never overwritten. No step was written. To roll back "
             f"(deletes them): python -m ckpt rollback {manager.storage.url} --to {step} (with --local DIR for a local "
             f"tier); to go on, resume the newest step"
         )

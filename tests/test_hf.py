@@ -326,6 +326,33 @@ def test_resume_from_a_folder_whose_step_never_committed_falls_back_with_a_warni
     assert json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())["global_step"] == 8
 
 
+def test_a_roll_back_to_an_older_step_is_refused_before_training_until_the_newer_steps_are_removed(tmp_path):
+    """resume_from_checkpoint=checkpoint-2 while steps 4 and 6 are committed trained steps 3 and 4 and then failed
+    with StepExistsError: it is refused before anything is written, naming the steps and `ckpt rollback`, which
+    removes them; the resume then trains from step 3. A checkpoint-N path of another output_dir is refused too (it
+    resumed this root's step N, whatever that folder held)."""
+    import subprocess
+
+    import ckpt
+
+    out = tmp_path / "out"
+    _trainer(out, 6, args={"save_total_limit": None}).train()
+    steps = lambda: {k: v for k, v in _tree(out / "ckpt").items() if k.startswith("step_")}  # noqa: E731
+    before = steps()
+    again = _trainer(out, 6, args={"save_total_limit": None})
+    with pytest.raises(ckpt.StepExistsError, match=r"from step 2, but steps \[4, 6\] .* ckpt rollback .* --to 2"):
+        again.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert again.step_log.steps == [] and steps() == before
+    with pytest.raises(ValueError, match=r"elsewhere/checkpoint-6 is not a folder of this trainer's output_dir"):
+        again.train(resume_from_checkpoint=str(tmp_path / "elsewhere" / "checkpoint-6"))
+    cli = [sys.executable, "-m", "ckpt", "rollback", str(out / "ckpt"), "--to", "2"]
+    res = subprocess.run(cli, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert res.stdout.splitlines() == ["removed committed step 6", "removed committed step 4"], res
+    rolled = _trainer(out, 6, args={"save_total_limit": None})
+    rolled.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert rolled.step_log.steps == [3, 4, 5, 6]
+
+
 class _StopAt(TrainerCallback):
     """Ends train() after step `at` (its checkpoint saved), as a job stopped there would."""
 

@@ -531,3 +531,28 @@ def test_bad_arguments_are_refused_at_construction(tmp_path, build, message):
     (tmp_path / "ck" / "file").write_text("x")
     with pytest.raises((TypeError, ValueError, OSError), match=message):
         build(str(tmp_path / "ck"))
+
+
+def test_a_fit_rolled_back_to_an_older_pointer_is_refused_before_training_until_the_newer_steps_are_removed(tmp_path):
+    """fit(ckpt_path=<the step-4 pointer>) while step 8 is committed trained steps 5 to 8 and then failed with
+    StepExistsError: it is refused before training, naming `ckpt rollback`; once that removed step 8 the fit
+    resumes from step 4 and ends where a straight fit does. A validate from the old pointer is no roll back."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ckpt import StepExistsError, catalog
+
+    root = tmp_path / "job"
+    every4 = lambda: ModelCheckpoint(dirpath=root / "pointers", every_n_train_steps=4, save_top_k=-1)  # noqa: E731
+    _fit(root, 8, callbacks=(every4(),))
+    old = root / "pointers" / "epoch=0-step=4.ckpt"
+    with pytest.raises(StepExistsError, match=r"from step 4, but steps \[8\] .* ckpt rollback .* --to 4"):
+        _fit(root, 8, ckpt_path=old, callbacks=(every4(),))
+    assert committed_steps(root) == [4, 8]
+    io = CkptCheckpointIO(root)
+    assert io.load_checkpoint(old)["global_step"] == 4  # not a fit's load: nothing is trained over
+    io.teardown()
+    assert catalog.roll_back(open_storage(str(root)), 4) == [8]
+    resumed = _fit(root, 8, ckpt_path=old, callbacks=(every4(),))
+    straight = _fit(tmp_path / "straight", 8)
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert committed_steps(root) == [4, 8]
