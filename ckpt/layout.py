@@ -57,9 +57,17 @@ def step_dir(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    """The step a directory name stands for, or None when it is not a step directory."""
+    """The step a directory name stands for, or None when it is not a step directory: only `step_dir`'s own
+    spelling is one (a stray ``step_9223372036854775808`` failed every listing of the root, and
+    ``step_000000000100`` listed step 100 twice)."""
     m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
+    return _canonical(m.group(1)) if m else None
+
+
+def _canonical(digits: str) -> int | None:
+    """The step `digits` spell as `step_dir` writes it (below 2**63, padded to 8 digits and no more), else None."""
+    step = int(digits) if len(digits) <= 19 else STEP_LIMIT
+    return step if step < STEP_LIMIT and digits == f"{step:08d}" else None
 
 
 def manifest_path(step: int) -> str:
@@ -140,7 +148,7 @@ def quarantined_path(name: str) -> str:
 def parse_quarantined_dir(name: str) -> int | None:
     """The step a directory under ``_quarantine/`` holds (``step_XXXXXXXX-<unix ms>``), or None."""
     m = _QUARANTINED_RE.match(name)
-    return int(m.group(1)) if m else None
+    return _canonical(m.group(1)) if m else None
 
 
 def damaged_path(quarantined: str) -> str:
@@ -192,7 +200,7 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
     m = Manifest.from_bytes(data, file=file)
     if m.step != step:
         raise CorruptCheckpointError(f"manifest says step {m.step}", step=step, file=file)
-    tree_mod.check_tree(m.tree, m.arrays, file=file)
+    tree_mod.check_tree(m.tree, m.arrays, file=file, world_size=m.world_size)
     return m
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .errors import StateKeyError, StateMismatchError
-from .format import MAX_DEPTH, escape_segment
+from .format import MAX_DEPTH, MAX_RANK, escape_segment
 from .tree import (  # noqa: F401 (the tree's grammar, importable here as before)
     _NP_SCALAR,
     MAPPING,
@@ -127,6 +127,7 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
             raise TypeError(f"value at key {key!r} is nested deeper than {MAX_DEPTH} levels (does it contain itself?)")
         if isinstance(x, torch.Tensor):
             _check_dense(x, key)
+            _check_rank(x.dim(), key)
             return tensor_ref(x.detach(), path, "$tensor")
         if isinstance(x, np.ndarray):
             if x.dtype == object:
@@ -135,6 +136,7 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
                 as_tensor = torch.from_numpy(np.require(x, requirements="C"))
             except (TypeError, ValueError) as e:  # big-endian, strings, datetimes: torch's message names no key
                 raise TypeError(f"numpy array at key {key!r} (dtype {x.dtype.str}) cannot be saved: {e}") from None
+            _check_rank(x.ndim, key)
             ref = tensor_ref(as_tensor, path, "$ndarray")
             flat.numpy_names.add(ref["$ndarray"])
             return ref
@@ -206,6 +208,15 @@ def _check_dense(t: torch.Tensor, key: str) -> None:
         raise TypeError(
             f"tensor at key {key!r} is {what}: only dense tensors with data can be saved "
             f"(convert it first, e.g. with .to_dense() or .unbind())"
+        )
+
+
+def _check_rank(dims: int, key: str) -> None:
+    """An array of more dimensions than a checkpoint holds (tensorstore's limit) fails the save naming its key: it
+    committed a step every reader refused as damaged."""
+    if dims > MAX_RANK:
+        raise TypeError(
+            f"array at key {key!r} has {dims} dimensions: a checkpoint holds at most {MAX_RANK} (reshape it first)"
         )
 
 

@@ -132,9 +132,10 @@ def tensor_refs(tree: Any) -> list[str]:
     return [n.name for _, n in walk(tree) if n.kind == TENSOR]
 
 
-def check_tree(tree: dict[str, Any], arrays: Mapping[str, ArrayInfo], *, file: str) -> None:
+def check_tree(tree: dict[str, Any], arrays: Mapping[str, ArrayInfo], *, file: str, world_size: int) -> None:
     """Validate a manifest's tree before anything is read: known tags, well-formed values, bounded depth,
-    per-rank entries only at the top, every tensor reference listed in `arrays`. Raises CorruptCheckpointError."""
+    per-rank entries only at the top and of ranks below the saved `world_size`, every tensor reference listed in
+    `arrays`. Raises CorruptCheckpointError."""
 
     def bad(what: str, key: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"malformed state tree in manifest: {what}", key=key or None, file=file)
@@ -201,9 +202,12 @@ def check_tree(tree: dict[str, Any], arrays: Mapping[str, ArrayInfo], *, file: s
             if (
                 set(node) != {"$per_rank"}
                 or not isinstance(entries, list)
-                or not all(isinstance(e, list) and len(e) == 2 and type(e[0]) is int and e[0] >= 0 for e in entries)
+                or not all(
+                    isinstance(e, list) and len(e) == 2 and type(e[0]) is int and 0 <= e[0] < world_size
+                    for e in entries
+                )
             ):
-                raise bad("$per_rank must be a list of [rank, tree]", k)
+                raise bad(f"$per_rank must be a list of [rank, tree], each rank below the world size {world_size}", k)
             for rank, sub in entries:
                 check(sub, f"{k}.rank{rank}", 1)
         else:

@@ -432,6 +432,7 @@ _CRAFTED = {
     "bad_dtype_tag": _set(["tree", "n"], {"$dtype": "float32; import os"}),
     "per_rank_nested": _set(["tree", "n"], {"x": {"$per_rank": [[0, 1]]}}),
     "per_rank_malformed": _set(["tree", "n"], {"$per_rank": [["zero", 1]]}),
+    "per_rank_past_the_world": _set(["tree", "n"], {"$per_rank": [[10**30, 1]]}),  # world size 1: rank 0 only
     "array_name_unsafe": lambda b: b["arrays"].update({"../../x": b["arrays"]["a"]}),
 }
 
@@ -675,11 +676,15 @@ def test_exact_types_round_trip(tmp_path):
         (torch.eye(3).to_sparse(), "sparse"),
         (torch.empty(3, device="meta"), "meta"),
         (torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]), "nested"),
+        (torch.zeros([2] + [1] * 32), "33 dimensions: a checkpoint holds at most 32"),
+        (np.zeros([1] * 40), "40 dimensions"),
     ],
 )
 def test_unsupported_values_fail_at_save_naming_the_key(tmp_path, value, what):
+    """...and commit nothing: a 33-dimensional tensor committed a step every reader then refused as damaged."""
     with ckpt.CheckpointManager(tmp_path) as m, pytest.raises(TypeError, match=rf"key 'opt\.inner'.*{what}"):
         m.save(1, {"opt": {"inner": value}})
+    assert ckpt.CheckpointManager(tmp_path).steps() == []
 
 
 def test_metadata_takes_scalar_tensors_and_numpy_scalars(tmp_path):

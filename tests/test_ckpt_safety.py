@@ -163,6 +163,28 @@ def test_a_root_no_save_could_create_fails_where_the_manager_is_made_creating_no
     assert (tmp_path / "new" / "root").is_dir() and (tmp_path / "new" / "local").is_dir()
 
 
+def test_directories_that_only_look_like_steps_are_not_steps(tmp_path):
+    """A stray ``step_99999999999999999999999`` (past 2**63) failed every listing, restore and gc of the root with
+    "step must be ... below 2**63"; a copy padded otherwise (``step_0000000000001``) listed step 1 twice. Only
+    the library's own spelling of a step is one; the others are left alone."""
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"x": torch.ones(2)}).wait()
+    shutil.copytree(tmp_path / "step_00000001", tmp_path / "step_0000000000001")
+    for name in ("step_99999999999999999999999", "step_9223372036854775808", "step_123"):
+        (tmp_path / name).mkdir()
+    state = {"x": torch.zeros(2)}
+    with ckpt.CheckpointManager(tmp_path) as m:
+        assert m.steps() == [1] and m.restore(state) == 1 and torch.equal(state["x"], torch.ones(2))
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    for command in (["ls"], ["gc"], ["verify", "-q"]):
+        res = subprocess.run(
+            [sys.executable, "-m", "ckpt", *command, str(tmp_path)], capture_output=True, text=True, env=env
+        )
+        assert res.returncode == 0 and not res.stderr, (command, res)
+        assert res.stdout.count("committed") <= 1 and "step_" not in res.stdout.replace("step_00000001", ""), res
+    assert (tmp_path / "step_99999999999999999999999").is_dir() and (tmp_path / "step_0000000000001").is_dir()
+
+
 def test_errors_are_one_family_and_keep_the_builtin_types_callers_caught(tmp_path):
     """Every refusal is a `CheckpointError` of its own type, and still the built-in it was before."""
     with ckpt.CheckpointManager(tmp_path) as m:
