@@ -303,6 +303,10 @@ def _write_safetensors(
     format: str,
 ) -> None:
     tensors, skipped = plan_tensors(reader, keys, routes)
+    if not tensors:
+        raise ValueError(
+            f"no tensor is under {list(keys)} in step {reader.step}: nothing to export ({format} holds tensors only)"
+        )
     for t in tensors:
         dtype_name(torch_dtype(t.info.dtype), t.name)  # refuse before writing anything
     _warn_skipped(skipped, format)

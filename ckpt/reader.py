@@ -60,6 +60,8 @@ class StepReader:
             return [(k,) for k in self.tree]
         if isinstance(keys, str):
             raise TypeError(f"keys must be a list of dotted paths, e.g. [{keys!r}], not a str")
+        if "" in keys:  # `--keys model,`: it selected the whole state, optimizer and all
+            raise ValueError(f"keys {list(keys)} hold an empty key: name each one (keys=None selects the whole state)")
         return [_route(self.tree, key, key, (), self.step) for key in keys]
 
     def select(self, keys: Sequence[str] | None) -> dict[str, Any]:

@@ -5,6 +5,8 @@ line; no code from an imported checkpoint runs."""
 import json
 import os
 import pickle
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -260,7 +262,7 @@ def test_hf_trainer_steps_export_to_from_pretrained_without_flags(tmp_path):
 def test_cli_errors_are_one_line_and_leave_nothing(tmp_path, capsys):
     model, _ = _trained()
     with ckpt.CheckpointManager(tmp_path / "root") as m:
-        m.save(1, {"model": model})
+        m.save(1, {"model": model, "epoch": 3})
     root, out = str(tmp_path / "root"), tmp_path / "out"
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("keep me")
@@ -269,6 +271,8 @@ def test_cli_errors_are_one_line_and_leave_nothing(tmp_path, capsys):
         (["--format", "safetensors", "--keys", "optim"], "key 'optim' is not in checkpoint step 1"),
         (["--format", "torch", "--keys", "model.embed.weight.x"], "no 'x' under model.embed.weight"),
         (["--format", "safetensors", "--max-shard-size", "lots"], "not a size: 'lots'"),
+        (["--format", "safetensors", "--keys", "model,"], "hold an empty key"),  # exported the whole state
+        (["--format", "safetensors", "--keys", "epoch"], "no tensor is under ['epoch'] in step 1"),  # an empty file
     ]
     for extra, message in cases:
         assert cli.main(["export", root, "-o", str(out), *extra]) == 1
@@ -281,6 +285,12 @@ def test_cli_errors_are_one_line_and_leave_nothing(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["full", "root"]  # no output, no temporary left behind
     assert cli.main(["import", str(tmp_path / "nothing.pt"), root, "--step", "2"]) == 1
     assert capsys.readouterr().err.count("\n") == 1
+    export = [sys.executable, "-m", "ckpt", "export", root, "--format", "safetensors", "-q", "--keys", "model,epoch"]
+    res = subprocess.run(
+        [*export, "-o", str(out)], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()}
+    )
+    assert res.returncode == 0 and res.stderr.startswith("warning: 1 values that are not tensors"), res.stderr
+    assert res.stderr.count("\n") == 1, res.stderr  # not Python's file:line and source line
 
 
 # -- import ---------------------------------------------------------------------------------------------------
