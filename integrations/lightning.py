@@ -488,7 +488,8 @@ class GoodputCallback(Callback):
             (batch_sampler=), advanced by one batch after each training batch; their positions are saved here and
             restored before the loaders iterate.
         rng: an `RNGState` (with registered generators), True for every global RNG, False for none. It is
-            restored lazily at the first training batch after a resume, so no draw in Lightning's setup shifts it.
+            restored lazily at the first training batch after a resume, so no draw in Lightning's setup shifts it;
+            a validation inside the fit hands it back as it found it (a resume does not re-run the validation).
         record_loss: put each batch's loss (``training_step``'s, as Lightning hands it to ``on_train_batch_end``) and
             the samplers' batch hash into its goodput record, where a step trained again after a resume is compared
             with its first pass (docs/goodput.md, replay verification). Reading a loss on a GPU waits for the
@@ -509,6 +510,7 @@ class GoodputCallback(Callback):
         self.samplers = check_samplers(samplers)
         self.rng = RNGState() if check_rng(rng) is True else (rng or None)
         self._pending_rng: dict[str, Any] | None = None
+        self._training_rng: dict[str, Any] | None = None  # the RNG state a validation from here gives back
         self._attempts: list[str] = []
         self._open: int | None = None  # the goodput step open since its first micro-batch, and what they recorded
         self._losses: list[Any] = []
@@ -580,7 +582,7 @@ class GoodputCallback(Callback):
     ) -> None:
         """Count the batch as consumed by every sampler (before ModelCheckpoint saves); once the optimizer stepped,
         close the step with its micro-batches' losses summed and their batch hashes joined by ``+``: one record per
-        optimizer step, as the checkpoints count them."""
+        optimizer step, as the checkpoints count them. Snapshot the RNG that a validation from here gives back."""
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if self.record_loss and (hasattr(loss, "item") or isinstance(loss, float)):  # not asked for, or not a
             self._losses.append(loss.detach() if hasattr(loss, "detach") else loss)  # number (manual optimization)
@@ -589,6 +591,15 @@ class GoodputCallback(Callback):
             sampler.advance()
         if trainer.global_step >= self._open:
             self._close()
+        if self.rng is not None and trainer.enable_validation:  # a validation may follow, drawing before its first
+            self._training_rng = self.rng.state_dict()  # hook (a DataLoader without a generator draws a base seed)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A validation after a training batch gives the RNG back as training left it (before ModelCheckpoint saves
+        here): a resume from a save before the validation does not re-run it, so training must not depend on it."""
+        if self._training_rng is not None:
+            state, self._training_rng = self._training_rng, None
+            self.rng.load_state_dict(state)
 
     def _close(self) -> None:
         """End the open goodput step with what its micro-batches recorded (a loss only if each gave one)."""
@@ -623,11 +634,12 @@ class GoodputCallback(Callback):
             self._release(io, "ok")
 
     def _release(self, io: CkptCheckpointIO | None, status: str) -> None:
-        """End the attempt's tracker; the IO stops reporting to it (a later test/validate load is not timed)."""
+        """End the attempt's tracker; the IO stops reporting to it (a later test/validate load is not timed), and a
+        later validation leaves the RNG alone."""
         if io is not None:
             io.use_tracker(None)
             io.before_load = None
-        self._open = None
+        self._open = self._training_rng = None
         self._lease.end(status)
 
     def state_dict(self) -> dict[str, Any]:

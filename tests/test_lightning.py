@@ -191,10 +191,13 @@ def _fit(
     callbacks: tuple = (),
     io: CkptCheckpointIO | None = None,
     accumulate: int = 1,
+    val_every: int | None = None,
     **io_options,
 ) -> dict[str, torch.Tensor]:
     """A tiny fit through CkptCheckpointIO + GoodputCallback (the child's model and data); returns its final weights.
-    `callbacks` replace the ModelCheckpoint saving every 4 steps; `io` the CkptCheckpointIO(root, **io_options).
+    `callbacks` replace the ModelCheckpoint saving every 4 steps; `io` the CkptCheckpointIO(root, **io_options);
+    `val_every` validates every that many steps (and in the sanity check) on a plain DataLoader, whose iterations
+    draw from the global RNG.
     Negative controls: `without="rng"` leaves the RNG
     state out of the checkpoint, `without="sampler"` leaves the sampler where it is on a resume instead of loading
     its saved position."""
@@ -207,6 +210,8 @@ def _fit(
 
     torch.manual_seed(0)
     sampler = ShuffledSampler(64, 8, seed=1)
+    no_validation = {"num_sanity_val_steps": 0, "limit_val_batches": 0}
+    validation = {"val_check_interval": val_every, "check_val_every_n_epoch": None} if val_every else no_validation
     trainer = Trainer(
         accelerator=accelerator,
         devices=1,
@@ -214,9 +219,8 @@ def _fit(
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         deterministic=True,
+        **validation,
         accumulate_grad_batches=accumulate,
         strategy=strategy,
         plugins=[io or CkptCheckpointIO(root, **io_options)],
@@ -228,7 +232,8 @@ def _fit(
         ],
     )
     model = Net()
-    trainer.fit(model, train_dataloaders=make_loader(Points(), sampler), ckpt_path=ckpt_path)
+    val = torch.utils.data.DataLoader(Points(), batch_size=16) if val_every else None
+    trainer.fit(model, make_loader(Points(), sampler), val, ckpt_path=ckpt_path)
     assert trainer.global_step == steps
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -338,6 +343,21 @@ def test_resume_is_bitwise_only_with_the_rng_and_sampler_restored(tmp_path, caps
         assert after == {s: reference[s] for s in range(9, 13)} and same_weights
     else:
         assert sorted(after) == list(range(9, 13)) and after[9] != reference[9] and not same_weights
+
+
+def test_a_validation_at_the_saved_step_does_not_shift_the_resumed_rng(tmp_path, capsys):
+    """Step 8 is saved, then validated (its DataLoader draws a base seed from the global RNG); the resume from 8 does
+    not validate again, so validations must leave training's RNG as they found it: a fit trains as without them."""
+    straight = _fit(tmp_path / "straight", 12, val_every=4)
+    reference = _losses(capsys.readouterr().out)
+    unvalidated = _fit(tmp_path / "unvalidated", 12)
+    assert _losses(capsys.readouterr().out) == reference
+    assert all(torch.equal(straight[k], unvalidated[k]) for k in straight)
+    _fit(tmp_path / "job", 8, val_every=4)
+    capsys.readouterr()
+    resumed = _fit(tmp_path / "job", 12, ckpt_path="last", val_every=4)
+    assert _losses(capsys.readouterr().out) == {s: reference[s] for s in range(9, 13)}
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
 def test_remove_checkpoint_deletes_a_step_once_no_pointer_names_it_and_a_newer_step_is_committed(tmp_path):

@@ -54,6 +54,10 @@ class Net(LightningModule):
         print(f"batch {self.global_step + 1} {','.join(map(str, index.tolist()))}", flush=True)
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        x, y, _ = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
     def configure_optimizers(self):
         opt = torch.optim.Adam(self.parameters(), lr=1e-2)
         return {
