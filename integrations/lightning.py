@@ -610,11 +610,12 @@ class GoodputCallback(Callback):
         self.tracker.step_end(step, loss, batch=batch)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        """Drain what can be drained and end the attempt as a failure."""
+        """Drain what can be drained and end the attempt as a failure. The IO is torn down here, while its deletions
+        are still recorded in this attempt's ledger: Lightning tears it down only after this hook."""
         io = _ckpt_io(trainer)
         try:
             if io is not None:
-                io.wait()
+                io.teardown()
         except Exception as e:  # noqa: BLE001 - the training exception is the one Lightning re-raises
             warnings.warn(f"checkpoint write failed while handling {type(exception).__name__}: {e}", RuntimeWarning)
         finally:

@@ -457,19 +457,56 @@ def test_a_start_load_or_save_removes_temporary_pointer_files_left_by_a_killed_w
     assert "last.ckpt" in {p.name for p in folder.iterdir()}
 
 
-class _CommitFails(CkptCheckpointIO):
-    """A CkptCheckpointIO whose root fails its first commit (a step's manifest write): that save never commits, as
-    when the process dies between writing a step's pointers and committing the step (the fits using it save once)."""
+class _FaultyRoot(CkptCheckpointIO):
+    """A CkptCheckpointIO whose root is a `FaultStorage`: the first write `fail_path` accepts raises (the predicate
+    may also hold a write back while it waits)."""
+
+    def __init__(self, root, fail_path):
+        super().__init__(root)
+        self.fail_path = fail_path
 
     @property
     def manager(self):
-        from ckpt import CheckpointManager, layout
+        from ckpt import CheckpointManager
         from fault_storage import FaultStorage
 
         if self._manager is None:
-            storage = FaultStorage(open_storage(self.root), fail_path=lambda p: p.endswith(layout.MANIFEST))
+            storage = FaultStorage(open_storage(self.root), fail_path=self.fail_path)
             self._manager = CheckpointManager(storage, tracker=self.tracker)
         return self._manager
+
+
+def _commit_fails(root):
+    """A CkptCheckpointIO whose root fails its first commit (a step's manifest write): that save never commits, as
+    when the process dies between writing a step's pointers and committing the step (the fits using it save once)."""
+    return _FaultyRoot(root, lambda path: path.endswith(layout.MANIFEST))
+
+
+def test_a_step_deleted_while_a_failed_fit_tears_down_is_in_the_ledger(tmp_path):
+    """Step 8 commits only once step 9 has failed (a write still going on), so step 4, named by no pointer since the
+    save of 8, is deleted while the failed fit tears its IO down: the failed attempt's ledger records that deletion,
+    and the report retains exactly the step left on disk."""
+    import threading
+
+    from lightning.pytorch import Callback
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    failed = threading.Event()
+
+    class FailsAtStep9(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 8:
+                failed.set()
+                raise RuntimeError("step 9 failed")
+
+    held = layout.manifest_path(8)  # its write waits for the failure (and fails if that never comes)
+    io = _FaultyRoot(tmp_path, lambda path: path == held and not failed.wait(60))
+    every4 = ModelCheckpoint(dirpath=tmp_path / "pointers", every_n_train_steps=4, save_last=True)
+    with pytest.raises(RuntimeError, match="step 9 failed"):
+        _fit(tmp_path, 12, io=io, callbacks=(FailsAtStep9(), every4))
+    assert committed_steps(tmp_path) == [8]
+    report = attribute_root(str(tmp_path))
+    assert (report.committed_steps, report.deleted_steps, report.retained_steps) == ((4, 8), (4,), (8,))
 
 
 def test_a_fit_whose_first_save_never_committed_restarts_fresh_from_last(tmp_path, no_launcher_ids):
@@ -483,10 +520,10 @@ def test_a_fit_whose_first_save_never_committed_restarts_fresh_from_last(tmp_pat
     root = tmp_path / "job"
     fresh = r"last.ckpt names step 4 of .*never committed.*no step of the root is.*the fit starts fresh"
     with pytest.raises(CheckpointWriteError, match="injected fault"):
-        _fit(root, 6, io=_CommitFails(root))
+        _fit(root, 6, io=_commit_fails(root))
     assert pointers(root) == {"epoch=0-step=4.ckpt": 4, "last.ckpt": 4} and committed_steps(root) == []
     with pytest.warns(RuntimeWarning, match=fresh), pytest.raises(CheckpointWriteError, match="injected fault"):
-        _fit(root, 6, ckpt_path="last", io=_CommitFails(root))
+        _fit(root, 6, ckpt_path="last", io=_commit_fails(root))
     assert pointers(root) == {"epoch=0-step=4.ckpt": 4, "last.ckpt": 4} and committed_steps(root) == []
 
     before = _tree(root)
