@@ -172,6 +172,24 @@ def test_allow_data_change_carries_the_position_and_the_valid_skips_over_to_the_
     assert all(3 not in resumed.explain(k).indices for k in range(4, 4 + 427 // 8 + 2)), "the skip list carried over"
 
 
+def test_allow_data_change_to_another_stride_or_window_skips_every_window_over_the_skipped_tokens():
+    """A skip is the tokens of its window: under another stride the saved index named another window, so the record
+    of death trained again and an innocent window was dropped. Every new window overlapping them is skipped."""
+    old = RandomWindowSampler(10_000, 100, 100, 8, 1, world_size=1, rank=0, fingerprint="f")
+    old.skip([3])  # tokens [300, 400)
+    old.advance(5)
+    for window, stride, expected in ((100, 50, [5, 6, 7]), (100, 100, [3]), (50, 100, [3]), (150, 100, [2, 3])):
+        new = RandomWindowSampler(
+            10_000, window, stride, 8, 1, world_size=1, rank=0, fingerprint="f", allow_data_change=True
+        )
+        new.load_state_dict(old.state_dict())
+        assert new.state_dict()["skip"] == expected, (window, stride)
+        starts = new.indices(np.arange(new.num_items)) * stride
+        assert not any(s < 400 and s + window > 300 for s in starts.tolist()), (window, stride)
+    with pytest.raises(DataMismatchError, match="key 'c' must be a positive int, got 0"):
+        new.load_state_dict({**old.state_dict(), "c": 0})
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

@@ -262,12 +262,16 @@ class _CounterSampler(Sampler[list[Any]]):
         skip = state.get("skip")
         if not isinstance(skip, list) or any(type(i) is not int or i < 0 for i in skip):
             raise DataMismatchError(f"sampler state key 'skip' must be a list of item indices, got {str(skip)[:80]}")
-        kept = sorted({i for i in skip if i < self.num_items})  # items past a smaller dataset no longer exist
+        kept = self._carried(state, skip)
         if len(kept) >= self.num_items:
             raise DataMismatchError(
                 f"sampler state key 'skip' skips all {self.num_items} items of this run's data: nothing to yield"
             )
         return state["t"], state["step"], kept
+
+    def _carried(self, state: Mapping[str, Any], skip: list[int]) -> list[int]:
+        """The saved skips as this sampler's items: those it has (items past a smaller dataset no longer exist)."""
+        return sorted({i for i in skip if i < self.num_items})
 
     def explain(self, step: int) -> Explanation:
         """The global batch of step `step` (from 1) without touching data: counters, epochs, items, offsets, hash."""
@@ -342,6 +346,23 @@ class RandomWindowSampler(_CounterSampler):
 
     def _config(self) -> dict[str, Any]:
         return {**super()._config(), "n": self.n_tokens, "L": self.window, "c": self.stride}
+
+    def _carried(self, state: Mapping[str, Any], skip: list[int]) -> list[int]:
+        """Under another window or stride (allow_data_change) a saved skip is the tokens of its window: every
+        window of this sampler that overlaps them is skipped (an index kept as it was named another window, and
+        the skipped tokens came back)."""
+        window, stride = state.get("L"), state.get("c")
+        if (window, stride) == (self.window, self.stride):
+            return super()._carried(state, skip)
+        for key, value in (("L", window), ("c", stride)):
+            if type(value) is not int or value < 1:
+                raise DataMismatchError(f"sampler state key {key!r} must be a positive int, got {value!r}")
+        overlapping = set()
+        for i in skip:
+            lo, hi = i * stride, i * stride + window  # the skipped tokens [lo, hi)
+            first = max(0, (lo - self.window) // self.stride + 1)
+            overlapping.update(range(first, min(self.num_items, -(-hi // self.stride))))
+        return sorted(overlapping)
 
     def _values(self, indices: np.ndarray) -> np.ndarray:
         return indices * self.stride
