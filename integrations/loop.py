@@ -233,6 +233,12 @@ class TrainLoop:
                 f"on_step_end({step}) without step_begin({step}): iterate loop.steps(total) "
                 f"or call loop.step_begin(step) first"
             )
+        behind = getattr(self.sampler, "step", None)
+        if hasattr(self.sampler, "batch_hash") and behind < step:  # a ckpt sampler nothing advanced
+            raise RuntimeError(
+                f"step {step} ended with the sampler at step {behind}: iterate sampler.track(loader) (or call "
+                f"sampler.advance() per step), else checkpoints hold a stale data position and a resume replays data"
+            )
         loss = metrics.get("loss") if metrics else None
         self.tracker.step_end(step, loss, batch=batch_hash(self._samplers, step))
         self._open_step = None

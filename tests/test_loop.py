@@ -22,7 +22,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ckpt import EveryNSeconds, EveryNSteps, RandomWindowSampler, TokenWindowDataset, layout, make_loader
+from ckpt import (
+    EveryNSeconds,
+    EveryNSteps,
+    RandomWindowSampler,
+    ShuffledSampler,
+    TokenWindowDataset,
+    layout,
+    make_loader,
+)
 from ckpt.determinism.data import hash_batch
 from ckpt.storage import open_storage
 from ettr import GoodputTracker, attribute_root, read_ledgers, report_text
@@ -467,6 +475,24 @@ def test_misuse_fails_loudly(tmp_path):
         with pytest.raises(RuntimeError, match="never ended"):
             loop.step_begin(2)
         loop.on_step_end(1)
+
+
+def test_a_step_that_ends_with_the_sampler_behind_fails_before_its_save(tmp_path):
+    """A loop over the loader without sampler.track saved the sampler's position of step 0 at every save: a resume
+    replayed the data from the start, and explain named batches that were not trained. It fails at that step's end,
+    before any save."""
+    sampler = ShuffledSampler(64, 8, seed=1)
+    with TrainLoop(str(tmp_path / "untracked"), {"w": torch.zeros(1)}, sampler=sampler, every_steps=1) as loop:
+        loop.step_begin(1)
+        with pytest.raises(RuntimeError, match="step 1 ended with the sampler at step 0: iterate sampler.track"):
+            loop.on_step_end(1)
+        assert loop.manager.steps() == []
+    sampler = ShuffledSampler(64, 8, seed=1)
+    with TrainLoop(str(tmp_path / "tracked"), {"w": torch.zeros(1)}, sampler=sampler, every_steps=1) as loop:
+        for step, _ in zip(loop.steps(2), sampler.track(iter(sampler))):
+            loop.on_step_end(step)
+        loop.manager.wait()
+        assert loop.manager.steps() == [1, 2]
 
 
 if __name__ == "__main__":
