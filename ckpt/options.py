@@ -19,6 +19,7 @@ from .lease import TTL_S
 from .observer import check_observer
 from .retention import KeepLast, RetentionPolicy, policy_of
 from .snapshot import MODES
+from .staging import check_max_bytes
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class WriteOptions:
         _ints(self, "chunk_bytes", "pack_bytes", "io_threads")
         if self.max_staging_bytes is not None:
             _ints(self, "max_staging_bytes")
+        check_max_bytes(self.max_staging_bytes)
         if self.snapshot not in MODES:
             raise ValueError(f"snapshot must be one of {MODES}, got {self.snapshot!r}")
         if not 1 <= self.chunk_bytes <= MAX_CHUNK_BYTES:

@@ -81,12 +81,17 @@ class Staged:
 Copy = tuple[torch.Tensor, torch.Tensor]  # (uint8 view of the arena, source tensor)
 
 
+def check_max_bytes(max_bytes: int | None) -> None:
+    """A cap on the arena holds at least one aligned block (checked where a manager's options are made)."""
+    if max_bytes is not None and max_bytes < _ALIGN:
+        raise ValueError(f"max_staging_bytes must be at least {_ALIGN}, got {max_bytes}")
+
+
 class StagingArena:
     """One host buffer reused by every snapshot; `plan` splits tensors into waves that fit."""
 
     def __init__(self, max_bytes: int | None = None, copy_threads: int | None = None):
-        if max_bytes is not None and max_bytes < _ALIGN:
-            raise ValueError(f"max_staging_bytes must be at least {_ALIGN}, got {max_bytes}")
+        check_max_bytes(max_bytes)
         self.max_bytes = max_bytes
         self.copy_threads = copy_threads or default_copy_threads()  # of `stage`'s copies (the caller waits)
         self._copier = ThreadPoolExecutor(self.copy_threads, "ckpt-copy") if self.copy_threads > 1 else Inline()

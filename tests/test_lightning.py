@@ -571,6 +571,7 @@ def test_a_pointer_to_a_step_that_never_committed_never_skips_a_newer_committed_
     [
         (lambda root: CkptCheckpointIO(root, keep_lst=3), r"unknown CheckpointManager option\(s\) \['keep_lst'\]"),
         (lambda root: CkptCheckpointIO(root, keep_last=-1), "keep_last must be a positive int, got -1"),
+        (lambda root: CkptCheckpointIO(root, max_staging_bytes=100), "max_staging_bytes must be at least 4096"),
         (lambda root: CkptCheckpointIO(root, tracker="x"), "tracker must be a CheckpointObserver"),
         (lambda root: GoodputCallback(root, samplers=[ShuffledSampler(64, 8, seed=1)]), "samplers must map a name"),
         (lambda root: GoodputCallback(root, samplers={"train": "x"}), r"samplers\['train'\] must be a ckpt sampler"),
