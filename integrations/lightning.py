@@ -25,7 +25,7 @@ from lightning.pytorch import __version__ as lightning_version
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from ckpt import CheckpointManager, RandomWindowSampler, RNGState, SaveDecision, ShuffledSampler
+from ckpt import CheckpointManager, RandomWindowSampler, RNGState, SaveDecision, ShuffledSampler, layout
 from ckpt import run as ckpt_run
 from ckpt.observer import check_observer
 from ckpt.options import typed
@@ -187,7 +187,13 @@ def _read_pointer(path: str) -> dict[str, Any] | None:
         return None
     if not (isinstance(pointer, dict) and pointer.get("format") == POINTER_FORMAT):
         return None
-    return {**pointer, "root": _resolve(pointer["root"], _folder(path))}
+    step, root = pointer.get("step"), pointer.get("root")
+    if type(step) is not int or not 0 <= step < layout.STEP_LIMIT or not isinstance(root, str):
+        raise ValueError(
+            f"{path} is a damaged {POINTER_FORMAT} pointer: 'step' must be a step number and 'root' a path, got "
+            f"{str(step)[:40]!r} and {str(root)[:200]!r}"
+        )
+    return {**pointer, "root": _resolve(root, _folder(path))}
 
 
 class CkptCheckpointIO(CheckpointIO):

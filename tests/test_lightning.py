@@ -614,3 +614,19 @@ def test_a_fit_rolled_back_to_an_older_pointer_is_refused_before_training_until_
     straight = _fit(tmp_path / "straight", 8)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert committed_steps(root) == [4, 8]
+
+
+@pytest.mark.parametrize(
+    "edit", [{"step": None}, {"step": "abc"}, {"root": 5}], ids=["no_step", "step_str", "root_int"]
+)
+def test_a_damaged_pointer_is_named_as_one(tmp_path, edit):
+    """A pointer whose step or root was edited raised a bare KeyError: 'step' or int()'s message."""
+    root = tmp_path / "job"
+    _fit(root, 4)
+    path = root / "pointers" / "last.ckpt"
+    pointer = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in {**pointer, **edit}.items() if v is not None}))
+    io = CkptCheckpointIO(root)
+    with pytest.raises(ValueError, match=r"last.ckpt is a damaged .* pointer: 'step' must be a step number"):
+        io.load_checkpoint(path)
+    io.teardown()
