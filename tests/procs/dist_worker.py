@@ -252,6 +252,7 @@ def main(mode: str, root: str) -> None:
             with TrainLoop(root, state, sampler=sampler, every_steps=1000, collective_timeout=60) as loop:
                 for step in loop.steps(40):
                     train(model, opt, g)  # FSDP2: collectives of the job's own every step
+                    sampler.advance()  # the batch it would have given (this test's data is the generator's)
                     if step == 5 and rank == 0:
                         signal.raise_signal(signal.SIGTERM)
                     loop.on_step_end(step)
