@@ -304,7 +304,7 @@ def _gather(ledger: Ledger) -> _Attempt:
         elif k == "span":
             part = None
             if r["c"] == "checkpoint_save":
-                attrs = r.get("a") if isinstance(r.get("a"), dict) else {}
+                attrs = r.get("a", {})
                 part = attrs.get("part") if attrs.get("part") in SAVE_PARTS else None
                 step = attrs.get("step")
                 if part is None and legacy and step is not None and step in saved:

@@ -59,7 +59,10 @@ FIELD_TYPES: dict[str, str] = {
     "attempt": _STR,
     "status": _STR,
     "err": _STR,
+    "v": _INT,
 }
+# Optional fields attribution reads, per kind (checked when present; `tier` and a step's digest apart).
+OPTIONAL: dict[str, tuple[str, ...]] = {"start": ("v",)}
 
 
 def _has_type(value: Any, kind: str) -> bool:
@@ -248,12 +251,12 @@ def parse_lines(text: str, source: str) -> tuple[list[dict[str, Any]], bool]:
 
 def _check(rec: Any, source: str, line: int) -> None:
     """Reject records whose shape the attribution cannot trust."""
-    if not isinstance(rec, dict) or "k" not in rec:
-        raise LedgerError(f"{source}:{line}: expected an object with a 'k' field, got {str(rec)[:80]!r}")
+    if not isinstance(rec, dict) or not isinstance(rec.get("k"), str):
+        raise LedgerError(f"{source}:{line}: expected an object with a string 'k' field, got {str(rec)[:80]!r}")
     missing = [f for f in REQUIRED.get(rec["k"], ()) if f not in rec]
     if missing:
         raise LedgerError(f"{source}:{line}: {rec['k']!r} record lacks {missing}")
-    for name in REQUIRED.get(rec["k"], ()):
+    for name in (*REQUIRED.get(rec["k"], ()), *(f for f in OPTIONAL.get(rec["k"], ()) if f in rec)):
         value, kind = rec[name], FIELD_TYPES.get(name)
         if kind and not _has_type(value, kind) and not (rec["k"] == "restore" and name == "s" and value is None):
             raise LedgerError(f"{source}:{line}: field {name!r} of a {rec['k']!r} record must be {kind}, got {value!r}")
@@ -261,6 +264,8 @@ def _check(rec: Any, source: str, line: int) -> None:
         raise LedgerError(f"{source}:{line}: field 'tier' of a {rec['k']!r} record must be {_STR}, got {rec['tier']!r}")
     if rec["k"] == "step" and len(rec) > 5:
         _check_digest(rec, source, line)
+    if rec["k"] == "span" and "a" in rec:
+        _check_attrs(rec, source, line)
     if rec["k"] == "alive" and not (isinstance(rec["open"], list) and all(_open_entry(x) for x in rec["open"])):
         raise LedgerError(
             f"{source}:{line}: field 'open' must be a list of [kind, name, begin, order], got {rec['open']!r}"
@@ -285,6 +290,22 @@ def _check_digest(rec: dict[str, Any], source: str, line: int) -> None:
         raise LedgerError(
             f"{source}:{line}: field 'x' of a 'step' record must map names to 16 hex digits, got {scalars!r}"
         )
+
+
+def _check_attrs(rec: dict[str, Any], source: str, line: int) -> None:
+    """A span's attributes `a`: an object; a checkpoint_save's `part` a string and `step` an integer (or null), as
+    attribution tells a save's parts and steps apart by them."""
+    attrs = rec["a"]
+    if not isinstance(attrs, dict):
+        raise LedgerError(f"{source}:{line}: field 'a' of a 'span' record must be an object, got {str(attrs)[:80]!r}")
+    if rec["c"] != "checkpoint_save":
+        return
+    for name, kind in (("part", _STR), ("step", _INT)):
+        value = attrs.get(name)
+        if value is not None and not _has_type(value, kind):
+            raise LedgerError(
+                f"{source}:{line}: field 'a.{name}' of a 'checkpoint_save' span must be {kind}, got {str(value)[:80]!r}"
+            )
 
 
 def _open_entry(x: Any) -> bool:

@@ -457,6 +457,8 @@ class GoodputTracker:
             part = attrs.get("part") if category == "checkpoint_save" else None
             if part is not None and part not in SAVE_PARTS:
                 raise ValueError(f"part of a checkpoint_save must be one of {', '.join(SAVE_PARTS)}, got {part!r}")
+            if category == "checkpoint_save" and attrs.get("step") is not None:
+                _integer("step of a checkpoint_save", attrs["step"])  # the ledger's reader requires it
         return _Span(self, category, attrs)
 
     def _open(self, category: str, step: int | None, attrs: dict[str, Any]) -> list[Any] | None:

@@ -9,6 +9,7 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+import ettr.cli
 from ettr import CATEGORIES, FakeClock, GoodputMetrics, GoodputTracker, LedgerError, attribute_root, metric_totals
 from ettr.clock import to_us
 from ettr.ledger import read_ledgers
@@ -332,6 +333,31 @@ def test_wrongly_typed_ledger_fields_name_file_and_line(tmp_path, line, field, v
         LedgerError, match=rf"ledger-a1-rank0\.jsonl:{line}: field '{field}' (of a '{rec['k']}' record )?must be"
     ):
         attribute_root(str(tmp_path))
+
+
+def edit_record(source: str, line: int, field: str, value: object) -> None:
+    """Set `field` (``a.step``: a key of the span's attributes) of the record at `line` of the ledger `source`."""
+    lines = open(source).read().splitlines(keepends=True)
+    rec = json.loads(lines[line - 1])
+    *outer, name = field.split(".")
+    (rec[outer[0]] if outer else rec)[name] = value
+    lines[line - 1] = json.dumps(rec) + "\n"
+    open(source, "w").write("".join(lines))
+
+
+@pytest.mark.parametrize(
+    "line, field, value",
+    [(8, "k", []), (8, "k", {}), (8, "k", 5), (13, "a", [2]), (13, "a.step", [2]), (13, "a.part", {}), (1, "v", "2")],
+)
+def test_a_malformed_record_is_one_error_line_naming_file_and_line(tmp_path, capsys, line, field, value):
+    """Any field attribution reads, `k` and a save's attributes included: one line, `error: FILE:LINE: ...`, exit 2
+    (`{"k": []}` was a TypeError traceback)."""
+    two_attempts(tmp_path)
+    [first] = [l for l in read_ledgers(str(tmp_path)) if l.attempt == "a1"]
+    edit_record(first.source, line, field, value)
+    assert ettr.cli.main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {first.source}:{line}: ") and len(err.splitlines()) == 1, err
 
 
 class _ProcessClock(FakeClock):

@@ -150,6 +150,15 @@ def test_an_unknown_part_is_refused(tmp_path):
     tr.end()
 
 
+def test_a_save_step_that_is_not_an_integer_is_refused(tmp_path):
+    """The ledger's reader refuses such a record, so the tracker refuses it at the call, before it is written."""
+    tr = GoodputTracker(str(tmp_path), attempt_id="a1", rank=0, clock=FakeClock(0.0)).start()
+    with pytest.raises(TypeError, match="step of a checkpoint_save must be an integer, got list"):
+        with tr.span("checkpoint_save", step=[2]):
+            pass
+    tr.end()
+
+
 def test_a_ledger_written_before_the_split_still_reports(tmp_path):
     """Format 1 (and a ledger without a version): no parts; an optimizer step's wait was a second checkpoint_save
     span of the step just saved. It reads as an overlap wait, not as a save."""
