@@ -179,10 +179,11 @@ def _golden_max(f: Callable[[float], float], lo: float, hi: float, iterations: i
 
 
 def _interval_bounds(mttf_s: float, min_interval_s: float) -> tuple[float, float]:
-    """Where an optimal interval can lie: from one step (or a nanosecond of MTTF) to four MTTFs."""
+    """Where an optimal interval can lie: from one step (or a nanosecond of MTTF) to four MTTFs, within MAX_SECONDS
+    (the longest interval a plan may have: an MTTF near it must not yield a bound the plan's check refuses)."""
     check_seconds("min_interval", min_interval_s)
-    lo = max(min_interval_s, mttf_s * 1e-9)
-    return lo, max(lo, 4.0 * mttf_s)
+    lo = min(max(min_interval_s, mttf_s * 1e-9), MAX_SECONDS)
+    return lo, min(max(lo, 4.0 * mttf_s), MAX_SECONDS)
 
 
 def best_single_interval(

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
 
+import ettr.cli
 from ettr import (
     FakeClock,
     GoodputTracker,
@@ -25,6 +27,7 @@ from ettr import (
     two_tier_ettr,
     young_interval,
 )
+from ettr.formulas import MAX_SECONDS
 
 # Meta, 16,384 GPUs = 2048 nodes, 6.5 failures per 1000 node-days, u0 = 5 min restart overhead, write cost 0.
 NODES, RATE, U0 = 2048, 6.5e-3, 300.0
@@ -173,6 +176,18 @@ def test_optimal_pair_is_the_argmax_and_follows_young_per_tier():
     single_t, single = best_single_interval(25.0, 600.0, 1 / (1 / 14_400 + 1 / 86_400))
     assert (plan.single_interval_s, plan.single_ettr) == (single_t, single)
     assert plan.gain == plan.ettr - single > 0.04
+
+
+def test_mttfs_as_long_as_a_duration_may_be_get_a_plan(capsys):
+    """MTTFs of MAX_SECONDS (1e10 s) are valid: the interval search stops at MAX_SECONDS, where its bound of four
+    combined MTTFs (2e10 s) was refused as an 'interval' the user never gave (`simulate` and `advise` exited 2)."""
+    plan = optimal_two_tier(TwoTierCosts(1.0, 0.0, 300.0, 300.0, MAX_SECONDS, MAX_SECONDS))
+    assert plan.interval_s == pytest.approx(young_interval(1.0, MAX_SECONDS / 2), rel=0.01)
+    slow = optimal_two_tier(TwoTierCosts(1e9, 0.0, 300.0, 300.0, MAX_SECONDS, MAX_SECONDS))
+    assert 0 < slow.interval_s <= MAX_SECONDS and 0 < slow.single_interval_s <= MAX_SECONDS
+    argv = ["simulate", "--interval", "600", "--write", "1", "--local-mttf", "1e10", "--node-mttf", "1e10", "--json"]
+    assert ettr.cli.main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["optimal_interval"] == pytest.approx(plan.interval_s)
 
 
 LOCAL_DOMINATES = list(
