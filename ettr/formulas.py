@@ -30,8 +30,9 @@ def check_seconds(name: str, value: float, *, positive: bool = False) -> float:
 
 
 def seed_ettr(interval_s: float, write_s: float, read_s: float, mttf_s: float) -> float:
-    """First-order model: ETTR = 1 - T_read/MTTF - T_write/T_period - T_period/(2 MTTF)."""
-    return 1.0 - read_s / mttf_s - write_s / interval_s - interval_s / (2.0 * mttf_s)
+    """First-order model: ETTR = 1 - T_read/MTTF - T_write/T_period - T_period/(2 MTTF), clamped at 0: an ETTR is never
+    negative, and losses that large are outside the first order's validity (`expected_ettr` holds there)."""
+    return max(0.0, 1.0 - read_s / mttf_s - write_s / interval_s - interval_s / (2.0 * mttf_s))
 
 
 def young_interval(write_s: float, mttf_s: float) -> float:
@@ -60,9 +61,10 @@ def expected_ettr(interval_s: float, write_s: float, restart_s: float, mttf_s: f
 def cluster_ettr(
     interval_s: float, n_nodes: int, failures_per_node_day: float, restart_s: float, write_s: float = 0.0
 ) -> float:
-    """Cluster form: E[ETTR] = (1 - N r (u0 + T/2)) / (1 + T_write/T), r per node-day, u0 = restart_s."""
+    """Cluster form: E[ETTR] = (1 - N r (u0 + T/2)) / (1 + T_write/T), r per node-day, u0 = restart_s; at least 0,
+    as `seed_ettr`."""
     rate = n_nodes * failures_per_node_day / NODE_DAY_S
-    return (1.0 - rate * (restart_s + interval_s / 2.0)) / (1.0 + write_s / interval_s)
+    return max(0.0, (1.0 - rate * (restart_s + interval_s / 2.0)) / (1.0 + write_s / interval_s))
 
 
 def mttf_from_rate(n_nodes: int, failures_per_node_day: float) -> float:

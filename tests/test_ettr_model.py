@@ -42,6 +42,17 @@ def test_reference_points():
     assert seed_ettr(300, 0, U0, m) == pytest.approx(cluster_ettr(300, NODES, RATE, U0))
 
 
+def test_first_order_forms_are_never_negative(capsys):
+    """A save ten times the interval: the seed form said -9.05 (`simulate`'s `seed_model`), the cluster form at a
+    day's interval -5.8; an ETTR is in [0, 1], so they give 0 there, where the exact form still holds."""
+    assert seed_ettr(100, 1000, 0, 1000) == 0.0
+    assert cluster_ettr(86_400, NODES, RATE, U0) == 0.0
+    argv = ["simulate", "--interval", "100", "--mttf", "1000", "--write", "1000", "--restart", "0", "--json"]
+    assert ettr.cli.main([*argv, "--segments", "1000"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["seed_model"] == 0.0 and out["expected_exact"] == pytest.approx(0.0499, abs=1e-4)
+
+
 def test_simulator_at_reference_points():
     m = mttf_from_rate(NODES, RATE)
     short = simulate(300, 0, U0, m)
