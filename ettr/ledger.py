@@ -366,11 +366,14 @@ class _Files:
 
 
 def _read_regular(path: str) -> bytes:
-    """A local ledger's bytes; a FIFO or a device there (``/dev/zero``) is a LedgerError, never read."""
+    """A local ledger's bytes; a FIFO, a device there (``/dev/zero``) or a directory is a LedgerError naming `path`,
+    never read (checked before the descriptor becomes a file object, which refuses a directory naming the fd)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise LedgerError(f"{path}: not a regular file (mode {stat.filemode(mode)})")
     with open(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise LedgerError(f"{path}: not a regular file (mode {stat.filemode(os.fstat(fd).st_mode)})")
         return f.read()
 
 

@@ -236,11 +236,12 @@ def test_a_line_too_deep_for_json_names_file_and_line(tmp_path):
         attribute_root(str(tmp_path))
 
 
-@pytest.mark.parametrize("special", ["fifo", "device"])
+@pytest.mark.parametrize("special", ["fifo", "device", "directory"])
 def test_a_ledger_that_is_not_a_regular_file_is_an_error_never_a_hang_or_an_endless_read(tmp_path, special):
+    """Named by its path (a directory was '[Errno 21] Is a directory: 3', naming a file descriptor)."""
     two_attempts(tmp_path)
     path = tmp_path / "ettr" / "ledger-zzz-rank0.jsonl"
-    os.mkfifo(path) if special == "fifo" else os.symlink("/dev/zero", path)
+    {"fifo": os.mkfifo, "device": lambda p: os.symlink("/dev/zero", p), "directory": os.mkdir}[special](path)
     with pytest.raises(LedgerError, match=r"ledger-zzz-rank0\.jsonl: not a regular file"):
         attribute_root(str(tmp_path))
 
