@@ -417,6 +417,21 @@ def no_ledgers(root: str) -> LedgerError:
     return LedgerError(f"no ledgers in {ledger_dir(root)}: a job's GoodputTracker on this root writes them there")
 
 
+def _check_attempt(located: list[tuple[str, int, dict[str, Any]]], rank: int) -> None:
+    """Records that contradict their ledger are an error naming file and line: a start record of another rank than
+    the file name's (its records would count as that rank's), a record dated before the attempt's start (one clock
+    runs through a ledger from its start: an earlier one would be cut off, the wall time left at 0)."""
+    source, _, start = located[0]
+    if start["rank"] != rank:
+        raise LedgerError(f"{source}:1: the start record's rank {start['rank']} is not the file name's (rank{rank})")
+    for source, line, rec in located[1:]:
+        t = rec.get("b", rec.get("t")) if rec["k"] in REQUIRED else None  # a kind we do not know: its fields either
+        if t is not None and t < start["t"]:
+            raise LedgerError(
+                f"{source}:{line}: a {rec['k']!r} record at t={t}, before its attempt's start (t={start['t']})"
+            )
+
+
 def read_ledgers(root: str, storage_options: dict[str, Any] | None = None, *, rank: int | None = None) -> list[Ledger]:
     """Read every attempt's ledger under ROOT/ettr/ (only rank `rank`'s when given), segments joined in order.
 
@@ -426,12 +441,13 @@ def read_ledgers(root: str, storage_options: dict[str, Any] | None = None, *, ra
     files = _Files(root, storage_options)
     ledgers = []
     for (attempt, r), parts in sorted(_grouped(files.names(rank), rank).items()):
-        records: list[dict[str, Any]] = []
+        located: list[tuple[str, int, dict[str, Any]]] = []  # (file, line, record)
         torn = False
         for _, name in sorted(parts):
             part, part_torn = parse_lines(files.read(name).decode("utf-8", errors="replace"), files.where(name))
-            records.extend(part)
+            located += [(files.where(name), line, rec) for line, rec in enumerate(part, start=1)]
             torn = torn or part_torn
+        records = [rec for *_, rec in located]
         if not records:  # an attempt that died (or found the disk full) before its start record was written
             warnings.warn(
                 f"{files.where(parts[0][1])}: an empty ledger (its attempt ended before writing its start record): "
@@ -442,5 +458,6 @@ def read_ledgers(root: str, storage_options: dict[str, Any] | None = None, *, ra
             continue
         if records[0]["k"] != "start":
             raise LedgerError(f"{files.where(parts[0][1])}:1: a ledger must begin with a 'start' record")
+        _check_attempt(located, r)
         ledgers.append(Ledger(files.where(parts[0][1]), attempt, r, tuple(records), torn))
     return ledgers

@@ -353,12 +353,33 @@ def edit_record(source: str, line: int, field: str, value: object) -> None:
 def test_a_malformed_record_is_one_error_line_naming_file_and_line(tmp_path, capsys, line, field, value):
     """Any field attribution reads, `k` and a save's attributes included: one line, `error: FILE:LINE: ...`, exit 2
     (`{"k": []}` was a TypeError traceback)."""
+    source, err = report_after_edit(tmp_path, capsys, line, field, value)
+    assert err.startswith(f"error: {source}:{line}: ") and len(err.splitlines()) == 1, err
+
+
+def report_after_edit(tmp_path, capsys, line: int, field: str, value: object) -> tuple[str, str]:
+    """(the edited ledger, stderr) of `python -m ettr report` on `two_attempts` with one field of a1's ledger set,
+    which must exit 2."""
     two_attempts(tmp_path)
     [first] = [l for l in read_ledgers(str(tmp_path)) if l.attempt == "a1"]
     edit_record(first.source, line, field, value)
     assert ettr.cli.main(["report", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"error: {first.source}:{line}: ") and len(err.splitlines()) == 1, err
+    return first.source, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "field, value, where",
+    [
+        ("rank", 7, "1: the start record's rank 7 is not the file name's (rank0)"),
+        ("rank", -3, "1: the start record's rank -3 is not the file name's (rank0)"),
+        ("t", 2_000_000_000, "2: a 'alive' record at t=1000000000, before its attempt's start (t=2000000000)"),
+    ],
+)
+def test_a_record_that_contradicts_its_ledger_is_an_error_naming_file_and_line(tmp_path, capsys, field, value, where):
+    """A start record of another rank than the file name's, records dated before the start (a wall time of 0): these
+    were reported without a word, as a bad field is not."""
+    source, err = report_after_edit(tmp_path, capsys, 1, field, value)
+    assert err == f"error: {source}:{where}\n"
 
 
 class _ProcessClock(FakeClock):
