@@ -171,23 +171,24 @@ def plot_timeline(a: Attribution, path: str, *, title: str | None = None) -> str
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch
 
     scale, unit = _time_unit(a.wall_us / 1e6)
     t0 = a.start_us
     n = len(a.attempts)
     fig, ax = plt.subplots(figsize=(12, 1.6 + 0.55 * (n + 1)))
-    for s in a.segments:
+    boxes, colors = [], []  # one collection for all bars and one line for all failures: an artist each took 53 s
+    for s in a.segments:  # and 1.4 GB for 2,000 attempts
         row = n - s.attempt - 1 if s.attempt != DOWNTIME else -1
-        ax.broken_barh(
-            [((s.begin_us - t0) / 1e6 / scale, (s.end_us - s.begin_us) / 1e6 / scale)],
-            (row - 0.35, 0.7),
-            facecolors=COLORS.get(s.category, "#17becf"),
-            linewidth=0,
-        )
-    for k, at in enumerate(a.attempts):
-        if at.failed:
-            ax.plot((at.end_us - t0) / 1e6 / scale, n - k - 1, marker="X", color="black", markersize=11, zorder=3)
+        x0, x1 = (s.begin_us - t0) / 1e6 / scale, (s.end_us - t0) / 1e6 / scale
+        boxes.append([(x0, row - 0.35), (x0, row + 0.35), (x1, row + 0.35), (x1, row - 0.35)])
+        colors.append(COLORS.get(s.category, "#17becf"))
+    ax.add_collection(PolyCollection(boxes, facecolors=colors, linewidth=0))
+    ax.autoscale_view()
+    failed = [((at.end_us - t0) / 1e6 / scale, n - k - 1) for k, at in enumerate(a.attempts) if at.failed]
+    if failed:
+        ax.plot(*zip(*failed), marker="X", ls="", color="black", markersize=11, zorder=3)
     ax.set_yticks(range(-1, n), ["downtime"] + [f"attempt {k + 1}" for k in reversed(range(n))])
     ax.set_xlabel(f"time since job start ({unit})")
     ax.set_xlim(0, a.wall_us / 1e6 / scale)
