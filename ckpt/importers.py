@@ -29,6 +29,7 @@ from . import layout
 from .exporter import HF_CONFIG, INDEX
 from .manager import CheckpointManager
 from .safetensors_file import open_tensors
+from .state import check_top_level_key
 
 DEFAULT_KEY = "model"
 IMPORTED = "imported_from"  # step metadata: {"path": ..., "kind": ...}
@@ -51,7 +52,9 @@ def import_checkpoint(
     in the step's metadata (``export --format hf`` uses it), and weights tied in the model it describes (the
     output embedding HF does not save) are restored as tied names, so the step restores into that model.
     """
-    layout.step_dir(step)  # a bad step fails before the root is touched (no lease left in a new root)
+    layout.step_dir(step)  # a bad step or key fails before the root is touched (no lease left in a new root)
+    if key is not None:
+        check_top_level_key(key)
     src = os.fspath(src)
     kind, state, metadata = read_source(src)
     if key is not None:

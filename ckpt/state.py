@@ -183,14 +183,19 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
 
     tree = {}
     for k, v in state.items():
-        if not isinstance(k, str) or k.startswith("$"):
-            raise TypeError(f"top-level state keys must be str not starting with '$', got {k!r}")
+        check_top_level_key(k)
         if is_per_rank(v):
             tree[k] = per_rank_node([[rank, enc(v, [escape_segment(k), f"rank_{rank:05d}"], k)]])
         else:
             tree[k] = enc(v, [escape_segment(k)], k)
     flat.tree = tree
     return flat
+
+
+def check_top_level_key(k: Any) -> None:
+    """TypeError unless `k` can be a top-level key of a state (a str not starting with '$', the tree's tags)."""
+    if not isinstance(k, str) or k.startswith("$"):
+        raise TypeError(f"top-level state keys must be str not starting with '$', got {k!r}")
 
 
 def _check_dense(t: torch.Tensor, key: str) -> None:

@@ -324,6 +324,9 @@ def test_import_torch_save_then_restore_is_bitwise(tmp_path):
     with pytest.raises(ValueError, match=r"step must be a non-negative int below 2\*\*63, got '1'"):
         ckpt.import_checkpoint(tmp_path / "weights.pt", tmp_path / "bad", step="1")
     assert not (tmp_path / "bad").exists()  # refused before the root was touched: no lease left behind
+    with pytest.raises(TypeError, match=r"top-level state keys must be str not starting with '\$', got '\$x'"):
+        ckpt.import_checkpoint(tmp_path / "weights.pt", tmp_path / "bad", step=1, key="$x")
+    assert not (tmp_path / "bad").exists()
 
 
 def test_import_dcp_then_restore_is_bitwise(tmp_path):
