@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pickle
 import warnings
@@ -28,7 +29,7 @@ import torch
 from . import layout
 from .exporter import HF_CONFIG, INDEX
 from .manager import CheckpointManager
-from .safetensors_file import open_tensors
+from .safetensors_file import number, open_tensors
 from .state import check_top_level_key
 
 DEFAULT_KEY = "model"
@@ -226,45 +227,38 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_dcp(folder: str) -> dict[str, Any]:
     """A DCP checkpoint as the nested state it was saved from; tensors in memory, non-tensor values with
-    ``weights_only=True``. Optimizer states get their int parameter ids back (DCP stores dict keys as str)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta, TensorStorageMetadata
+    ``weights_only=True``. Optimizer states get their int parameter ids back (DCP stores dict keys as str).
 
-    class Reader(dcp.FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            with open(os.path.join(folder, ".metadata"), "rb") as f:
-                try:
-                    metadata = _MetadataUnpickler(f).load()
-                except (pickle.UnpicklingError, EOFError, AttributeError, TypeError) as e:
-                    raise ValueError(f"{folder}/.metadata is not DCP metadata this can read: {e}") from None
-            _check_dcp_metadata(folder, metadata)
-            metadata.storage_meta = metadata.storage_meta or StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
+    Each stored item is read as DCP's FileSystemReader reads it (a ``torch.save`` blob at a byte range of a data
+    file); the metadata is checked first, so every element of a tensor comes from exactly one stored chunk."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-    class Planner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
-
-    reader = Reader(folder)
-    metadata = reader.read_metadata()
+    file = os.path.join(folder, ".metadata")
+    with open(file, "rb") as f:
+        try:
+            metadata = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError) as e:
+            raise ValueError(f"{file} is not DCP metadata this can read: {e}") from None
+    _check_dcp_metadata(folder, metadata)
     flat: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            flat[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        elif isinstance(md, BytesStorageMetadata):
-            flat[fqn] = None
-        else:
-            raise ValueError(f"{folder}: entry {fqn!r} is a {type(md).__name__}, which this import does not read")
-    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": a single process reads, as asked
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(
-            flat,
-            storage_reader=reader,
-            planner=Planner(flatten_state_dict=False, flatten_sharded_tensors=False),
-            no_dist=True,
-        )
+        if not isinstance(md, TensorStorageMetadata):
+            flat[fqn] = _dcp_item(folder, fqn, metadata.storage_data[MetadataIndex(fqn)])
+            continue
+        flat[fqn] = tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)  # the chunks tile it
+        for c in md.chunks:
+            piece = _dcp_item(folder, fqn, metadata.storage_data[MetadataIndex(fqn, c.offsets)])
+            if not (isinstance(piece, torch.Tensor) and piece.shape == c.sizes and piece.dtype == tensor.dtype):
+                what = (
+                    f"a {piece.dtype} tensor of shape {list(piece.shape)}"
+                    if isinstance(piece, torch.Tensor)
+                    else f"a {type(piece).__name__}"
+                )
+                raise ValueError(
+                    f"{file}: entry {fqn!r}: its chunk at offsets {list(c.offsets)} holds {what}, not the "
+                    f"{tensor.dtype} tensor of shape {list(c.sizes)} the metadata announces"
+                )
+            tensor[tuple(slice(a, a + n) for a, n in zip(c.offsets, c.sizes))] = piece
     state: dict[str, Any] = {}
     paths = metadata.planner_data or {}
     for fqn, value in flat.items():
@@ -273,16 +267,33 @@ def read_dcp(folder: str) -> dict[str, Any]:
             _set(state, path, value)
         except (TypeError, KeyError, IndexError, AttributeError):
             raise ValueError(
-                f"{folder}/.metadata is not DCP metadata this can read: entry {fqn!r} is placed at "
+                f"{file} is not DCP metadata this can read: entry {fqn!r} is placed at "
                 f"{list(path)!r} in the state, which another entry's place contradicts"
             ) from None
     return _int_param_ids(state)
 
 
+def _dcp_item(folder: str, fqn: str, info: Any) -> Any:
+    """One stored item of a DCP checkpoint (a ``torch.save`` blob at a checked byte range), weights_only."""
+    path = os.path.join(folder, os.fspath(info.relative_path))
+    with open(path, "rb") as f:
+        f.seek(info.offset)
+        blob = f.read(info.length)
+    try:
+        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch.load raises many types for a damaged or hostile blob
+        raise ValueError(
+            f"{path}: entry {fqn!r}: bytes {info.offset}..{info.offset + info.length} are not a torch.save blob "
+            f"this can read ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
+        ) from None
+
+
 def _check_dcp_metadata(folder: str, metadata: Any) -> None:
-    """Refuses a ``.metadata`` that DCP would follow out of `folder` (a data file at ``../x`` or an absolute path)
-    or fail on deep inside with a bare KeyError or IndexError: a ValueError names the file, the entry (its FQN) and
-    what is wrong, before any data file is opened."""
+    """Refuses a ``.metadata`` that DCP would follow out of `folder` (a data file at ``../x`` or an absolute path),
+    that would leave part of a tensor unread (chunks that do not tile its shape exactly, no gap and no overlap) or
+    announce more than its data files hold (a byte range past a file's end, two items sharing bytes, a chunk in
+    fewer bytes than its elements take), or that fails deep inside with a bare KeyError or IndexError: a ValueError
+    names the file, the entry (its FQN) and what is wrong, before any data is read or memory allocated for it."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
@@ -308,7 +319,9 @@ def _check_dcp_metadata(folder: str, metadata: Any) -> None:
         raise bad("its storage_data is not a dict (not written by DCP's FileSystemWriter?)")
     if paths is not None and not isinstance(paths, dict):
         raise bad("its planner_data is not a dict")
-    stored = set()
+    stored: dict[tuple[str, tuple[int, ...] | None], int] = {}  # (fqn, chunk offsets) -> stored byte length
+    file_sizes: dict[str, int] = {}
+    spans: dict[str, list[tuple[int, int, str]]] = {}  # data file -> (begin, end, fqn) of its items
     for index, info in storage.items():
         fqn = getattr(index, "fqn", None)
         if not isinstance(index, MetadataIndex) or not isinstance(fqn, str) or not isinstance(info, _StorageInfo):
@@ -316,7 +329,7 @@ def _check_dcp_metadata(folder: str, metadata: Any) -> None:
         rel = getattr(info, "relative_path", None)
         rel = os.fspath(rel) if isinstance(rel, (str, os.PathLike)) else rel
         if not isinstance(rel, str) or not rel or "\0" in rel:
-            raise bad(f"its data file is {rel!r}, not a path", fqn)
+            raise bad(f"its data file is {str(rel)[:100]!r}, not a path", fqn)
         if os.path.isabs(rel) or ".." in rel.split(os.sep):
             raise ValueError(
                 f"{file}: entry {fqn!r} is stored in {rel!r}, outside the checkpoint folder {folder}; refused (the "
@@ -324,17 +337,36 @@ def _check_dcp_metadata(folder: str, metadata: Any) -> None:
             )
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not (type(offset) is int and type(length) is int and offset >= 0 and length >= 0):
-            raise bad(f"bad byte range (offset {offset!r}, length {length!r}) in its data file {rel!r}", fqn)
+            raise bad(f"bad byte range (offset {str(offset)[:30]}, length {str(length)[:30]}) in {rel!r}", fqn)
+        if getattr(info, "transform_descriptors", None):
+            raise bad(f"its data is stored transformed ({str(info.transform_descriptors)[:100]}), not read here", fqn)
+        if rel not in file_sizes:
+            try:
+                file_sizes[rel] = os.path.getsize(os.path.join(folder, rel))
+            except OSError as e:
+                raise bad(f"its data file {rel!r} cannot be read ({e.strerror})", fqn) from None
+        if offset + length > file_sizes[rel]:
+            raise bad(
+                f"bytes {number(offset)}..{number(offset + length)} of its data file {rel!r} are past its end "
+                f"({file_sizes[rel]} bytes)",
+                fqn,
+            )
         at = getattr(index, "offset", None)
         if at is not None and not _dims(at):
-            raise bad(f"a storage_data item has offset {at!r}, not a list of ints", fqn)
-        stored.add((fqn, None if at is None else tuple(at)))
+            raise bad(f"a storage_data item has offset {str(at)[:100]}, not a list of ints", fqn)
+        stored[(fqn, None if at is None else tuple(at))] = length
+        spans.setdefault(rel, []).append((offset, offset + length, fqn))
+    for rel, items in spans.items():
+        items.sort()
+        for (_, end, first), (begin, _, second) in zip(items, items[1:]):
+            if begin < end:
+                raise bad(f"its bytes in {rel!r} overlap those of entry {first!r} (each item has its own)", second)
     for fqn, md in entries.items():
         if isinstance(md, TensorStorageMetadata):
             size, dtype = getattr(md, "size", None), getattr(getattr(md, "properties", None), "dtype", None)
             chunks = getattr(md, "chunks", None)
             if not _dims(size) or not isinstance(dtype, torch.dtype) or not isinstance(chunks, list):
-                raise bad(f"bad size {size!r}, dtype {dtype!r} or chunks of a tensor", fqn)
+                raise bad(f"bad size {str(size)[:100]}, dtype {dtype!r} or chunks of a tensor", fqn)
             for c in chunks:
                 at, n = getattr(c, "offsets", None), getattr(c, "sizes", None)
                 if not (
@@ -344,10 +376,31 @@ def _check_dcp_metadata(folder: str, metadata: Any) -> None:
                     and len(at) == len(n) == len(size)
                     and all(a + b <= m for a, b, m in zip(at, n, size))
                 ):
-                    raise bad(f"a chunk at offsets {at!r} of sizes {n!r} is not inside its shape {size!r}", fqn)
-                if (fqn, tuple(at)) not in stored:
+                    where = f"at offsets {str(at)[:100]} of sizes {str(n)[:100]}"
+                    raise bad(f"a chunk {where} is not inside its shape {str(size)[:100]}", fqn)
+                length = stored.get((fqn, tuple(at)))
+                if length is None:
                     raise bad(f"its chunk at offsets {list(at)} has no storage_data item (no data file)", fqn)
-        elif isinstance(md, BytesStorageMetadata) and (fqn, None) not in stored:
+                need = math.prod(n) * dtype.itemsize
+                if length < need:
+                    raise bad(
+                        f"its chunk at offsets {list(at)} of sizes {list(n)} takes {number(need)} bytes of "
+                        f"{dtype}, and is stored in {length}",
+                        fqn,
+                    )
+            held = sum(math.prod(c.sizes) for c in chunks)
+            if held != math.prod(size):
+                raise bad(
+                    f"its chunks hold {number(held)} elements of its {number(math.prod(size))} (shape "
+                    f"{str(list(size))[:100]}): they must tile the shape exactly",
+                    fqn,
+                )
+            overlap = _overlap([(tuple(c.offsets), tuple(c.sizes)) for c in chunks])
+            if overlap:
+                raise bad(f"its chunks at offsets {list(overlap[0])} and {list(overlap[1])} overlap", fqn)
+        elif not isinstance(md, BytesStorageMetadata):
+            raise bad(f"it is a {type(md).__name__}, which this import does not read", fqn)
+        elif (fqn, None) not in stored:
             raise bad("it has no storage_data item (no data file)", fqn)
         path = (paths or {}).get(fqn, (fqn,))
         if not (
@@ -355,7 +408,27 @@ def _check_dcp_metadata(folder: str, metadata: Any) -> None:
             and path
             and all(isinstance(k, str) or (type(k) is int and 0 <= k < _MAX_LIST) for k in path)
         ):
-            raise bad(f"its planner_data path {path!r} is not a non-empty list of str keys and list positions", fqn)
+            raise bad(
+                f"its planner_data path {str(path)[:100]} is not a non-empty list of str keys and list positions", fqn
+            )
+
+
+def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The offsets of two boxes (offsets, sizes) that share an element, or None. A sweep along the dimension
+    where their offsets differ most, so a row, column or grid sharding compares each box with few others."""
+    boxes = [b for b in boxes if 0 not in b[1]]  # an empty chunk holds no element
+    if len(boxes) < 2:
+        return None
+    dim = max(range(len(boxes[0][0])), key=lambda d: len({at[d] for at, _ in boxes}))
+    boxes.sort(key=lambda b: b[0][dim])
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for at, n in boxes:
+        active = [(a, m) for a, m in active if a[dim] + m[dim] > at[dim]]
+        for a, m in active:
+            if all(x < y + k and y < x + size for x, size, y, k in zip(at, n, a, m)):
+                return a, at
+        active.append((at, n))
+    return None
 
 
 _MAX_LIST = 1 << 20  # a list position in a DCP state's planner_data (the list is grown up to it)

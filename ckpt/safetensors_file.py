@@ -54,6 +54,12 @@ class Entry:
         return math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
 
 
+def number(x: int) -> str:
+    """An int for a message: in full up to 24 digits, else its first digits and how many it has."""
+    text = str(x)
+    return text if len(text) <= 24 else f"{text[:12]}...({len(text.lstrip('-'))} digits)"
+
+
 def dtype_name(dtype: torch.dtype, key: str) -> str:
     """The safetensors name of a torch dtype; TypeError naming the key when the format has none."""
     try:

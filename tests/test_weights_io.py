@@ -419,6 +419,32 @@ def _chunk_past_the_end(md, by_fqn):
     md.state_dict_metadata["w"].chunks[0].sizes = torch.Size([4])
 
 
+def _sized(n: int):
+    """w announced as n elements with no chunk: nothing stored for them (the import allocated n and kept garbage)."""
+
+    def edit(md, by_fqn):
+        md.state_dict_metadata["w"].size, md.state_dict_metadata["w"].chunks = torch.Size([n]), []
+
+    return edit
+
+
+def _overlapping_chunks(md, by_fqn):
+    """w's 3 elements as chunks [0:2] and [1:2], the second stored in b's bytes: 3 elements in all, one twice."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    md.state_dict_metadata["w"].chunks = [
+        ChunkStorageMetadata(torch.Size([0]), torch.Size([2])),
+        ChunkStorageMetadata(torch.Size([1]), torch.Size([1])),
+    ]
+    md.storage_data[MetadataIndex("w", [1])] = md.storage_data.pop(by_fqn["b"][0])
+    del md.state_dict_metadata["b"]
+
+
+def _shrunk(md, by_fqn):
+    """w announced as 2 elements; its data file holds 3."""
+    md.state_dict_metadata["w"].size = md.state_dict_metadata["w"].chunks[0].sizes = torch.Size([2])
+
+
 @pytest.mark.parametrize(
     "edit, key, what",
     [
@@ -427,11 +453,19 @@ def _chunk_past_the_end(md, by_fqn):
         (_set_attr("b", "relative_path", None), "b", "not a path"),
         (_set_attr("b", "length", -1), "b", "bad byte range"),
         (_chunk_past_the_end, "w", "not inside its shape"),
+        (_sized(4096), "w", r"its chunks hold 0 elements of its 4096 \(shape \[4096\]\): they must tile"),
+        (_sized(2**40), "w", "its chunks hold 0 elements of its 1099511627776"),  # no 4 TiB allocated
+        (_overlapping_chunks, "w", r"its chunks at offsets \[0\] and \[1\] overlap"),
+        (_set_attr("w", "length", 4), "w", r"of sizes \[3\] takes 12 bytes of torch.float32, and is stored in 4"),
+        (_set_attr("w", "length", 10**400), "w", r"bytes \d+\.\.100000000000\.\.\.\(401 digits\) of its data file"),
+        (lambda md, by_fqn: setattr(by_fqn["b"][1], "offset", by_fqn["w"][1].offset), "w", "overlap those of entry 'b'"),
+        (_shrunk, "w", r"holds a torch.float32 tensor of shape \[3\], not the torch.float32 tensor of shape \[2\]"),
         (_planner("b", ()), "b", "planner_data path"),
         (_planner("b", ("w", "b")), "b", "another entry's place"),  # below the tensor "w"
     ],
     ids=["tensor_without_storage", "bytes_without_storage", "path_none", "negative_length", "chunk_past_the_end",
-         "empty_planner_path", "planner_path_through_a_tensor"],
+         "gap", "gap_of_4_tib", "overlapping_chunks", "fewer_bytes_than_elements", "range_past_the_file",
+         "bytes_shared_by_two_items", "stored_shape_differs", "empty_planner_path", "planner_path_through_a_tensor"],
 )  # fmt: skip
 def test_import_dcp_malformed_metadata_names_the_file_and_the_key(tmp_path, edit, key, what):
     metadata = _dcp_with(tmp_path, edit)
