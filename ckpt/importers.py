@@ -109,8 +109,11 @@ def _is_entries(state: Any) -> bool:
 
 
 def read_hf_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The weights of a folder written by ``save_pretrained`` (memory-mapped) and its config as step metadata."""
+    """The weights of a folder written by ``save_pretrained`` (memory-mapped) and its config as step metadata. Each
+    tensor is in one file, the one its index's weight_map names: a ValueError names the key and the files when not.
+    """
     index = os.path.join(folder, INDEX)
+    weight_map = None
     if os.path.isfile(index):
         try:
             with open(index, encoding="utf-8") as f:
@@ -127,13 +130,24 @@ def read_hf_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]
             f"{folder} holds neither a DCP checkpoint (.metadata) nor safetensors weights ({INDEX} or *.safetensors)"
         )
     tensors: dict[str, torch.Tensor] = {}
+    held_in: dict[str, str] = {}  # tensor name -> the file holding it
     aliases: dict[str, str] = {}
     for name in files:
         if os.path.basename(name) != name:
             raise ValueError(f"{index} names a file outside the folder: {name!r}")
         found, metadata = open_tensors(os.path.join(folder, name))
+        for key in found:
+            if key in held_in:
+                raise ValueError(f"{folder}: tensor {key!r} is in two files, {held_in[key]} and {name}")
+            if weight_map is not None and weight_map.get(key) != name:
+                listed = f"in {weight_map[key]}" if key in weight_map else "nowhere"
+                raise ValueError(f"{index}: its weight_map puts tensor {key!r} {listed}, but {name} holds it")
+            held_in[key] = name
         tensors.update(found)
         aliases.update(metadata)
+    for key, name in (weight_map or {}).items():
+        if key not in tensors:
+            raise ValueError(f"{index}: its weight_map puts tensor {key!r} in {name}, which does not hold it")
     config_path = os.path.join(folder, "config.json")
     config = None
     if os.path.isfile(config_path):

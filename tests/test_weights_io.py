@@ -534,6 +534,37 @@ def test_import_of_a_safetensors_file_that_breaks_the_format_names_it_and_writes
     assert not (tmp_path / "root").exists() or not ckpt.CheckpointManager(tmp_path / "root").steps()
 
 
+_SHARDS = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+@pytest.mark.parametrize(
+    "second, weight_map, message",
+    [
+        ({"w": torch.full((3,), 7.0)}, None, f"tensor 'w' is in two files, {_SHARDS[0]} and {_SHARDS[1]}"),
+        ({"w": torch.full((3,), 7.0)}, {"w": 0, "a": 0, "b": 1}, f"'w' is in two files, {_SHARDS[0]} and {_SHARDS[1]}"),
+        ({}, {"w": 1, "a": 0, "b": 1}, f"weight_map puts tensor 'w' in {_SHARDS[1]}, but {_SHARDS[0]} holds it"),
+        ({}, {"a": 0, "b": 1}, f"weight_map puts tensor 'w' nowhere, but {_SHARDS[0]} holds it"),
+        ({}, {"w": 0, "a": 0, "b": 1, "c": 1}, f"weight_map puts tensor 'c' in {_SHARDS[1]}, which does not hold it"),
+    ],
+    ids=["two_shards_without_index", "two_shards_with_index", "other_shard", "unlisted", "listed_not_held"],
+)  # fmt: skip
+def test_import_of_hf_shards_that_disagree_on_a_tensor_names_the_key_and_the_files(
+    tmp_path, second, weight_map, message
+):
+    """A tensor is in exactly one shard, the one weight_map names: a later shard no longer silently replaces it."""
+    from safetensors.torch import save_file
+
+    (tmp_path / "hf").mkdir()
+    save_file({"w": torch.ones(2), "a": torch.zeros(1)}, tmp_path / "hf" / _SHARDS[0])
+    save_file({**second, "b": torch.zeros(1)}, tmp_path / "hf" / _SHARDS[1])
+    if weight_map is not None:
+        index = {"metadata": {}, "weight_map": {k: _SHARDS[i] for k, i in weight_map.items()}}
+        (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=message):
+        ckpt.import_checkpoint(tmp_path / "hf", tmp_path / "root", step=1)
+    assert not (tmp_path / "root").exists()
+
+
 def test_import_of_a_folder_whose_index_is_not_an_object_names_it(tmp_path):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "model.safetensors.index.json").write_text("[1]")
