@@ -160,13 +160,20 @@ def read_hf_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]
 
 
 def _tied(tensors: dict[str, torch.Tensor], metadata: Mapping[str, str]) -> dict[str, torch.Tensor]:
-    """Names a safetensors file dropped as aliases of a tensor it holds (recorded as ``alias: kept`` in its
-    metadata by ``ckpt export`` and ``safetensors.torch.save_model``) back, sharing that tensor."""
+    """Names a safetensors file dropped as aliases of a tensor it holds back, sharing that tensor. The tie records
+    ``ckpt export`` and ``safetensors.torch.save_model`` write are ``dropped: kept`` metadata entries between two
+    parameter paths of one attribute (``lm_head.weight: transformer.wte.weight``): only such entries are read as
+    ties, so other metadata (``format``, notes, a value that happens to be a tensor's name) adds no tensor."""
     out = dict(tensors)
     for alias, kept in metadata.items():
-        if alias not in out and kept in tensors:
+        if alias not in out and kept in tensors and "." in alias and _leaf(alias) == _leaf(kept):
             out[alias] = tensors[kept]
     return out
+
+
+def _leaf(name: str) -> str:
+    """The attribute a parameter path ends with (``weight`` of ``lm_head.weight``)."""
+    return name.rsplit(".", 1)[-1]
 
 
 def _tie_like_model(tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -372,6 +372,16 @@ def test_import_safetensors_file_keeps_aliases_from_its_metadata(tmp_path):
     _same(dict(restored.state_dict()), dict(model.state_dict()))
 
 
+def test_import_safetensors_reads_only_tie_records_as_aliases_not_other_metadata(tmp_path):
+    """Metadata whose value happens to name a tensor (a note, a quantization record) adds no phantom tensor."""
+    from safetensors.torch import save_file
+
+    metadata = {"format": "pt", "quantized_param": "weight", "note": "bias", "head.weight": "bias"}
+    save_file({"bias": torch.ones(2), "weight": torch.zeros(2, 2)}, tmp_path / "m.safetensors", metadata=metadata)
+    ckpt.import_checkpoint(tmp_path / "m.safetensors", tmp_path / "root", step=1)
+    assert sorted(ckpt.load(tmp_path / "root")["model"]) == ["bias", "weight"]
+
+
 def _dcp_with(tmp_path, edit) -> str:
     """A real DCP checkpoint of a few entries whose .metadata (a pickle DCP wrote: the test reads and rewrites it
     with pickle itself; the importer never unpickles more than DCP's metadata classes) `edit` changed."""
