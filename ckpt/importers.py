@@ -21,7 +21,6 @@ import json
 import math
 import os
 import pickle
-import warnings
 from typing import Any, Mapping
 
 import torch
@@ -152,10 +151,13 @@ def read_hf_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     config = None
     if os.path.isfile(config_path):
         with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
+            try:
+                config = json.load(f)
+            except (ValueError, RecursionError) as e:  # not JSON, or not UTF-8
+                raise ValueError(f"{config_path} is not JSON ({type(e).__name__}: {str(e)[:100]})") from None
     tensors = _tied(tensors, aliases)
     if isinstance(config, dict):
-        tensors = _tie_like_model(tensors, config)
+        tensors = _tie_like_model(tensors, config, config_path)
     return tensors, ({HF_CONFIG: config} if isinstance(config, dict) else {})
 
 
@@ -176,37 +178,26 @@ def _leaf(name: str) -> str:
     return name.rsplit(".", 1)[-1]
 
 
-def _tie_like_model(tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Add the names the model of `config` ties to a saved tensor (e.g. ``lm_head.weight``, which save_pretrained
-    leaves out); needs Transformers, and builds the model on the meta device (no memory, no weights)."""
+def _tie_like_model(tensors: dict[str, torch.Tensor], config: dict[str, Any], path: str) -> dict[str, torch.Tensor]:
+    """Add the names the model class of `config` (at `path`) ties to a saved tensor (e.g. ``lm_head.weight``, which
+    save_pretrained leaves out): its ``_tied_weights_keys`` when the config ties word embeddings. Needs
+    Transformers; the model is not built, so the config's sizes cost nothing, and only a PreTrainedModel is read."""
+    architectures = config.get("architectures") or []
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise ValueError(f"{path}: 'architectures' must be a list of class names, got {str(architectures)[:100]}")
     try:
         import transformers
     except ImportError:
         return tensors
-    architectures = config.get("architectures") or []
     cls = getattr(transformers, architectures[0], None) if architectures else None
-    if cls is None:
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
         return tensors
-    try:
-        with torch.device("meta"):
-            model = cls(cls.config_class.from_dict(config))
-    except Exception as e:  # noqa: BLE001 - a model this Transformers cannot build: the weights are still imported
-        warnings.warn(
-            f"could not build {architectures[0]} from config.json to find its tied weights ({e}); names "
-            f"save_pretrained left out are not restored",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        return tensors
-    groups: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
+    tie = config.get("tie_word_embeddings", getattr(cls.config_class, "tie_word_embeddings", False))
+    tied = cls._tied_weights_keys if tie is True else None
     out = dict(tensors)
-    for names in groups.values():
-        present = [n for n in names if n in tensors]
-        for n in names:
-            if present and n not in out:
-                out[n] = tensors[present[0]]
+    for target, source in tied.items() if isinstance(tied, dict) else ():
+        if target not in out and source in tensors:
+            out[target] = tensors[source]
     return out
 
 

@@ -362,6 +362,31 @@ def test_import_hf_folder_then_restore_into_the_tied_model(tmp_path):
     assert fresh.lm_head.weight is fresh.transformer.wte.weight
 
 
+def test_import_hf_folder_finds_ties_without_building_the_model_and_names_a_bad_config(tmp_path):
+    """The tied names come from the model class, not from a model built at the config's size (a config of a
+    million layers took as long as building them); a config.json that is not JSON, or whose architectures are not
+    class names, is an error naming it."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=4)).save_pretrained(
+        tmp_path / "hf"
+    )
+    config_path = tmp_path / "hf" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "n_layer": 10**6}))
+    ckpt.import_checkpoint(tmp_path / "hf", tmp_path / "root", step=1)
+    weights = ckpt.load(tmp_path / "root")["model"]
+    assert weights["lm_head.weight"].data_ptr() == weights["transformer.wte.weight"].data_ptr()  # tied
+    for text, message in [
+        (json.dumps({**config, "architectures": [5]}), r"config.json: 'architectures' must be a list of class names"),
+        ("", r"config.json is not JSON \(JSONDecodeError: Expecting value"),
+    ]:
+        config_path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            ckpt.import_checkpoint(tmp_path / "hf", tmp_path / "other", step=1)
+
+
 def test_import_safetensors_file_keeps_aliases_from_its_metadata(tmp_path):
     from safetensors.torch import save_model
 
