@@ -119,8 +119,11 @@ def read_hf_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]
                 weight_map = json.load(f).get("weight_map", {})
         except (ValueError, RecursionError, AttributeError) as e:  # not JSON, or not an object
             raise ValueError(f"{index} is not a safetensors index ({type(e).__name__}: {str(e)[:100]})") from None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        if not isinstance(weight_map, dict):
             raise ValueError(f"{index}: weight_map must map each tensor to a file name")
+        for key, name in weight_map.items():
+            if not isinstance(name, str) or name in ("", ".", "..") or "\0" in name or os.path.basename(name) != name:
+                raise ValueError(f"{index}: weight_map maps {key[:100]!r} to {str(name)[:100]!r}, not a file name")
         files = list(dict.fromkeys(weight_map.values()))
     else:
         files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
@@ -132,8 +135,6 @@ def read_hf_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     held_in: dict[str, str] = {}  # tensor name -> the file holding it
     aliases: dict[str, str] = {}
     for name in files:
-        if os.path.basename(name) != name:
-            raise ValueError(f"{index} names a file outside the folder: {name!r}")
         found, metadata = open_tensors(os.path.join(folder, name))
         for key in found:
             if key in held_in:

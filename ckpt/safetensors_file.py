@@ -134,6 +134,11 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[Entry, int]], 
         raise ValueError(f"{path}: __metadata__ must map str to str")
     entries, data = {}, 8 + n
     for name, d in header.items():
+        if isinstance(d, dict) and isinstance(d.get("dtype"), str) and d["dtype"] not in _BY_NAME:
+            raise ValueError(
+                f"{path}: tensor {name!r} has dtype {d['dtype'][:20]}, which is not supported (supported: "
+                f"{', '.join(sorted(_BY_NAME))})"
+            )
         ok = (
             isinstance(d, dict)
             and d.get("dtype") in _BY_NAME
@@ -150,7 +155,7 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[Entry, int]], 
         a, b = d["data_offsets"]
         if not 0 <= a <= b <= size - data or b - a != e.nbytes:
             raise ValueError(
-                f"{path}: tensor {name!r} has data_offsets {[a, b]}, which do not hold its "
+                f"{path}: tensor {name!r} has data_offsets [{number(a)}, {number(b)}], which do not hold its "
                 f"{e.nbytes} bytes inside the file's {size - data} bytes of data"
             )
         entries[name] = (e, data + a)

@@ -557,6 +557,9 @@ def _safetensors(path, header: str | bytes, data: bytes = b"") -> str:
          "malformed header entry"),  # a C++ stack trace, or tensorstore's, naming neither file nor key
         ("[" * 100_000, b"", "header is not JSON: RecursionError"),
         ('{"__metadata__":[],"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', bytes(4), "__metadata__ must map"),
+        ('{"a":{"dtype":"C128","shape":[1],"data_offsets":[0,16]}}', bytes(16), "tensor 'a' has dtype C128, which is not supported"),
+        ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,' + "1" * 401 + ']}}', bytes(4),
+         r"data_offsets \[0, 111111111111\.\.\.\(401 digits\)\], which"),  # not printed in full
     ],
 )  # fmt: skip
 def test_import_of_a_safetensors_file_that_breaks_the_format_names_it_and_writes_nothing(
@@ -604,4 +607,7 @@ def test_import_of_a_folder_whose_index_is_not_an_object_names_it(tmp_path):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "model.safetensors.index.json").write_text("[1]")
     with pytest.raises(ValueError, match=r"model.safetensors.index.json is not a safetensors index"):
+        ckpt.import_checkpoint(tmp_path / "hf", tmp_path / "root", step=1)
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "m\0.safetensors"}}))
+    with pytest.raises(ValueError, match=r"index.json: weight_map maps 'w' to 'm\\x00.safetensors', not a file name"):
         ckpt.import_checkpoint(tmp_path / "hf", tmp_path / "root", step=1)
