@@ -306,10 +306,10 @@ def cmd_rollback(storage: Storage, args: argparse.Namespace) -> int:
 
 def _step(text: str) -> int:
     """A checkpoint step number on the command line: a non-negative integer."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a step number: {text!r}") from None
+    digits = text.removeprefix("-")
+    if not (digits.isascii() and digits.isdigit()):  # int() also takes '1_0', ' 3', '٣'
+        raise argparse.ArgumentTypeError(f"not a step number: {text!r}")
+    value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"a step is never negative: {value}")
     if value >= layout.STEP_LIMIT:

@@ -42,8 +42,8 @@ LEASE = "_LEASE"
 GC_LOCK = "_GC_LOCK"
 RUN_FILE = "run.json"
 REPLICA = "_replica"
-_STEP_RE = re.compile(r"^step_(\d{8,})$")
-_QUARANTINED_RE = re.compile(r"^step_(\d{8,})-(\d+)$")
+_STEP_RE = re.compile(r"step_([0-9]{8,})")
+_QUARANTINED_RE = re.compile(r"step_([0-9]{8,})-([0-9]+)")
 
 
 STEP_LIMIT = 1 << 63  # steps are below it: a signed 64-bit counter (the CLI, other tools) holds every one
@@ -60,7 +60,7 @@ def parse_step_dir(name: str) -> int | None:
     """The step a directory name stands for, or None when it is not a step directory: only `step_dir`'s own
     spelling is one (a stray ``step_9223372036854775808`` failed every listing of the root, and
     ``step_000000000100`` listed step 100 twice)."""
-    m = _STEP_RE.match(name)
+    m = _STEP_RE.fullmatch(name)
     return _canonical(m.group(1)) if m else None
 
 
@@ -147,7 +147,7 @@ def quarantined_path(name: str) -> str:
 
 def parse_quarantined_dir(name: str) -> int | None:
     """The step a directory under ``_quarantine/`` holds (``step_XXXXXXXX-<unix ms>``), or None."""
-    m = _QUARANTINED_RE.match(name)
+    m = _QUARANTINED_RE.fullmatch(name)
     return _canonical(m.group(1)) if m else None
 
 

@@ -165,12 +165,13 @@ def test_a_root_no_save_could_create_fails_where_the_manager_is_made_creating_no
 
 def test_directories_that_only_look_like_steps_are_not_steps(tmp_path):
     """A stray ``step_99999999999999999999999`` (past 2**63) failed every listing, restore and gc of the root with
-    "step must be ... below 2**63"; a copy padded otherwise (``step_0000000000001``) listed step 1 twice. Only
+    "step must be ... below 2**63"; a copy padded otherwise (``step_0000000000001``) or named with a trailing newline
+    listed step 1 twice. Only
     the library's own spelling of a step is one; the others are left alone."""
     with ckpt.CheckpointManager(tmp_path) as m:
         m.save(1, {"x": torch.ones(2)}).wait()
     shutil.copytree(tmp_path / "step_00000001", tmp_path / "step_0000000000001")
-    for name in ("step_99999999999999999999999", "step_9223372036854775808", "step_123"):
+    for name in ("step_99999999999999999999999", "step_9223372036854775808", "step_123", "step_00000001\n"):
         (tmp_path / name).mkdir()
     state = {"x": torch.zeros(2)}
     with ckpt.CheckpointManager(tmp_path) as m:

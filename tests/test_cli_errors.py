@@ -57,6 +57,7 @@ CKPT_ERRORS = [  # argv (ROOT names a fixture root), exit status, text of the on
     (["inspect", "{good}", "--step", "-1"], 2, "a step is never negative"),
     (["verify", "{good}", "--step", "-1"], 2, "a step is never negative"),
     (["explain", "{good}", "--step", "x"], 2, "not a step number"),
+    (["rollback", "{good}", "--to", "1_0"], 2, "not a step number: '1_0'"),  # int() read it as 10
     (["inspect", "{good}", "--step", "5"], 1, "step 5 is not committed"),
     (["verify", "{good}", "--step", "5"], 1, "step 5 is not committed"),
     (["explain", "{good}", "--step", str(1 << 64)], 2, "a step is at most 2**63 - 1"),
