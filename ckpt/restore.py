@@ -719,23 +719,29 @@ def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
 
     A Stateful object's own `load_state_dict` may still refuse (a sampler over other data, a scheduler of another
     kind). Objects that can check a state without taking it (`check_state_dict`: the samplers, whose live iterator
-    a load ends) are checked first and loaded last; then the objects whose state holds none of the tensors copied
-    here load (schedulers, RNG states: nothing of the caller's changed yet but the tensors read into directly), then
-    the copies, the other objects (modules, optimizers: `state.decode` checked their keys, shapes and groups), the
-    checked ones, the plain values last. When a load raises, the objects loaded so far get their state from before
+    a load ends), at any depth of the state, are checked first and loaded last of all; then the objects whose state
+    holds none of the tensors copied here load (schedulers, RNG states: nothing of the caller's changed yet but the
+    tensors read into directly), then the copies, the other objects (modules, optimizers: `state.decode` checked
+    their keys, shapes and groups), the plain values (and the objects nested in them), the checked objects. When a load raises, the objects loaded so far get their state from before
     back and so do the tensors read into directly; when tensors were copied into here (CUDA, strided or tied ones)
     and a load after the copies raises, nothing is given back (every object keeps the step's values: a consistent
     state, as the docs say)."""
     copied = [(r, t) for r in plan.reads.values() for t in (r.targets[1:] if r.saved is not None else r.targets)]
     into = {(t.device, t.untyped_storage().data_ptr()) for _, t in copied}
-    stateful = [k for k in plan.values if state_mod.is_stateful(target.get(k))]
-    checked = [k for k in stateful if callable(getattr(target[k], "check_state_dict", None))]
-    first = [k for k in stateful if k not in checked and not _holds(plan.values[k], into)]
+    checked = [  # at any depth: a sampler in a dict of the caller's must not load before a sibling refuses
+        (obj, v)
+        for k in plan.values
+        for obj, v in state_mod.stateful_in(target, k, plan.values[k])
+        if callable(getattr(obj, "check_state_dict", None))
+    ]
+    deferred = {id(obj) for obj, _ in checked}
+    stateful = [k for k in plan.values if state_mod.is_stateful(target.get(k)) and id(target[k]) not in deferred]
+    first = [k for k in stateful if not _holds(plan.values[k], into)]
     loaded: list[tuple[Any, Any]] = []
     copied_yet = False
     try:
-        for k in checked:
-            target[k].check_state_dict(plan.values[k])
+        for obj, v in checked:
+            obj.check_state_dict(v)
         for k in first:
             loaded.append(_before(target[k]))
             state_mod.apply(target, k, plan.values[k])
@@ -747,14 +753,14 @@ def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
                 cuda = cuda or t.is_cuda
         if cuda:
             torch.cuda.synchronize()
-        for k in (k for k in stateful if k not in first and k not in checked):
+        for k in (k for k in stateful if k not in first):
             loaded.append(_before(target[k]))
-            state_mod.apply(target, k, plan.values[k])
-        for k in checked:  # a load its check passed takes the state whole or, raising, leaves the object as it was
             state_mod.apply(target, k, plan.values[k])
         for k, v in plan.values.items():
             if k not in stateful:
-                state_mod.apply(target, k, v)
+                state_mod.apply(target, k, v, skip=deferred)
+        for obj, v in checked:  # last: a load its check passed takes the state whole or, raising, changes nothing
+            obj.load_state_dict(v)
     except BaseException:
         if not (copied_yet and copied):  # else bytes that cannot be given back: every object keeps the step's values
             plan.undo(let_go=False)

@@ -13,7 +13,7 @@ import math
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Container, Iterator, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -385,22 +385,46 @@ def _child(template: Any, k: Any) -> Any:
     return template.get(k) if isinstance(template, Mapping) else None
 
 
-def apply(target: dict[str, Any] | list[Any], key: Any, value: Any) -> None:
-    """Put a restored value into the caller's state: Stateful objects load it, tensors are copied in place, and
-    dicts and lists (two optimizers of a GAN) are entered, so that the objects in them load too."""
-    current = target.get(key) if isinstance(target, dict) else target[key]
-    if isinstance(current, (list, tuple)) and isinstance(value, (list, tuple)) and len(current) == len(value):
-        if isinstance(current, list) or all(_in_place(c) for c in current):
-            for i, v in enumerate(value):
-                apply(current, i, v)
-            return
-    if is_stateful(current):
-        current.load_state_dict(value)
+def apply(target: dict[str, Any] | list[Any], key: Any, value: Any, *, skip: Container[int] = ()) -> None:
+    """Put a restored value into the caller's state: Stateful objects load it (but those whose id is in `skip`),
+    tensors are copied in place, and dicts and lists (two optimizers of a GAN) are entered, so that the objects in
+    them load too."""
+    current = _at(target, key)
+    entered = _entered(current, value)
+    if entered is not None:
+        for container, k, v in entered:
+            apply(container, k, v, skip=skip)
+    elif is_stateful(current):
+        if id(current) not in skip:
+            current.load_state_dict(value)
     elif isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor) and current.shape == value.shape:
         if current.data_ptr() != value.data_ptr():
             current.copy_(value)
-    elif isinstance(current, dict) and isinstance(value, dict):
-        for k, v in value.items():
-            apply(current, k, v)
     else:
         target[key] = value
+
+
+def stateful_in(target: dict[str, Any] | list[Any], key: Any, value: Any) -> Iterator[tuple[Any, Any]]:
+    """(object, its state) of every Stateful object `apply(target, key, value)` would load, at any depth."""
+    current = _at(target, key)
+    entered = _entered(current, value)
+    if entered is not None:
+        for container, k, v in entered:
+            yield from stateful_in(container, k, v)
+    elif is_stateful(current):
+        yield current, value
+
+
+def _at(target: dict[str, Any] | list[Any], key: Any) -> Any:
+    return target.get(key) if isinstance(target, dict) else target[key]
+
+
+def _entered(current: Any, value: Any) -> list[tuple[Any, Any, Any]] | None:
+    """The (container, key, value) places `apply` goes into for a list, tuple or dict of the caller's and the
+    restored one; None where it loads, copies or sets `value` itself."""
+    if isinstance(current, (list, tuple)) and isinstance(value, (list, tuple)) and len(current) == len(value):
+        if isinstance(current, list) or all(_in_place(c) for c in current):
+            return [(current, i, v) for i, v in enumerate(value)]
+    if isinstance(current, dict) and not is_stateful(current) and isinstance(value, dict):
+        return [(current, k, v) for k, v in value.items()]
+    return None

@@ -378,17 +378,27 @@ def test_a_restore_an_objects_own_load_refuses_leaves_every_object_as_it_was(tmp
                 assert torch.equal(after["optim"]["state"][i][name], before["optim"]["state"][i][name]), (i, name)
 
 
-def test_a_failed_restore_leaves_a_samplers_live_iterator_running(tmp_path):
-    """A restore that fails at another object's load never touches the sampler: the loader's iterator goes on with
-    the batch it would have given (a sampler loaded and then given its state back had ended it)."""
+@pytest.mark.parametrize("where", ["top", "nested", "sibling_nested"])
+def test_a_failed_restore_leaves_a_samplers_live_iterator_running(tmp_path, where):
+    """A restore that fails at another object's load never touches the sampler, at the top of the state or in a
+    dict of it: the loader's iterator goes on with the batch it would have given (a sampler loaded and then given
+    its state back, or loaded before a nested object refused, had ended it)."""
+
+    def state(sampler, last):
+        return {
+            "top": {"sampler": sampler, "last": last},
+            "nested": {"data": {"sampler": sampler}, "last": last},
+            "sibling_nested": {"sampler": sampler, "more": {"last": last}},
+        }[where]
+
     with ckpt.CheckpointManager(tmp_path) as m:
-        m.save(1, {"sampler": ckpt.ShuffledSampler(100, 4, seed=0), "last": _Buffer()}).wait()
+        m.save(1, state(ckpt.ShuffledSampler(100, 4, seed=0), _Buffer())).wait()
     sampler, twin = ckpt.ShuffledSampler(100, 4, seed=0), ckpt.ShuffledSampler(100, 4, seed=0)
     live, expected = sampler.track(iter(sampler)), twin.track(iter(twin))
     for _ in range(3):
         assert next(live) == next(expected)
     with pytest.raises(ValueError, match="refuses"), ckpt.CheckpointManager(tmp_path) as m:
-        m.restore({"sampler": sampler, "last": _Buffer(refuse=True)})
+        m.restore(state(sampler, _Buffer(refuse=True)))
     assert next(live) == next(expected)
     assert sampler.state_dict() == twin.state_dict()
     sampler.check_state_dict(twin.state_dict())  # checks, changes nothing
