@@ -7,7 +7,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from . import layout, lease, packs, store
 from .errors import CorruptCheckpointError, LeaseHeldError, StepNotFoundError
@@ -243,30 +243,46 @@ def collect_damaged(storage: Storage) -> list[QuarantinedStep]:
     return removed
 
 
-def newer_steps(storage: Storage, step: int) -> list[int]:
-    """The committed steps after `step`, newest first: what a roll back to `step` removes. A root with no committed
-    step at or before `step` is refused: a roll back always leaves a step to resume from."""
-    committed = layout.committed_steps(storage)
-    if not any(s <= step for s in committed):
+def roll_back_plan(roots: Sequence[Storage], step: int) -> list[tuple[Storage, int]]:
+    """(root, step) of every committed step after `step` in `roots` (a run's durable root, local tiers and their
+    replicas: what a resume could take), newest first: what a roll back to `step` removes. Refused, naming why,
+    when no root holds a committed step at or before `step` (nothing would be left to resume), or when the newest
+    of them, the step the run resumes from, is damaged wherever it is (`verify`: every byte is read)."""
+    committed = [(root, layout.committed_steps(root)) for root in roots]
+    kept = [s for _, steps in committed for s in steps if s <= step]
+    if not kept:
         raise StepNotFoundError(
-            f"no committed step of {storage.url} is at or before step {step} (committed: {committed}): "
-            f"rolling back would leave nothing to resume"
+            f"no committed step of {', '.join(r.url for r in roots)} is at or before step {step} (committed: "
+            f"{sorted({s for _, steps in committed for s in steps})}): rolling back would leave nothing to resume"
         )
-    return sorted((s for s in committed if s > step), reverse=True)
+    resume = max(kept)
+    damage = [next(verify(root, resume), None) for root, steps in committed if resume in steps]
+    if all(damage):
+        raise CorruptCheckpointError(
+            f"step {resume}, which a roll back to step {step} resumes from, is damaged ({damage[0].message}); nothing was "
+            f"deleted: roll back to an earlier step",
+            step=resume,
+            key=damage[0].key,
+            file=damage[0].file,
+        )
+    return sorted(((root, s) for root, steps in committed for s in steps if s > step), key=lambda rs: -rs[1])
 
 
-def roll_back(storage: Storage, step: int) -> list[int]:
-    """Delete the committed steps after `step`, newest first, under the root's lease (`LeaseHeldError` while a
-    writer holds it): a run resumed from `step` saves those step numbers again, and a committed step is never
-    overwritten. A kill midway leaves the newest steps gone and the others whole; returns the steps removed."""
-    held = lease.acquire(storage, role="gc", wait_for_gc=0)
+def roll_back(roots: Sequence[Storage], step: int) -> list[tuple[Storage, int]]:
+    """Delete what `roll_back_plan` names, newest step first, holding every root's lease (`LeaseHeldError` while a
+    writer holds one): a run resumed from `step` saves those step numbers again, and a committed step is never
+    overwritten. A kill midway leaves the newest steps gone and the others whole; returns what was removed."""
+    held: list[lease.Lease] = []
     try:
-        removed = newer_steps(storage, step)  # under the lease
-        for s in removed:
-            delete_step(storage, s)
+        for root in roots:
+            held.append(lease.acquire(root, role="gc", wait_for_gc=0))
+        removed = roll_back_plan(roots, step)  # under the leases
+        for root, s in removed:
+            delete_step(root, s)
         return removed
     finally:
-        held.release()
+        for taken in held:
+            taken.release()
 
 
 def delete_step(storage: Storage, step: int) -> None:

@@ -290,15 +290,15 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
 
 
 def cmd_rollback(storage: Storage, args: argparse.Namespace) -> int:
-    """Delete the committed steps after ``--to``, newest first, so a run resumed from it can save them again."""
-    if args.dry_run:
-        victims = catalog.newer_steps(storage, args.to)
-        for step in victims:
-            print(f"would remove committed step {step}")
-    else:
-        victims = catalog.roll_back(storage, args.to)
-        for step in victims:
-            print(f"removed committed step {step}")
+    """Delete the committed steps after ``--to``, newest first, in the root and every ``--local`` tier (with its
+    replicas), so a run resumed from it can save them again; refused before anything is deleted when nothing would
+    be left to resume or the step it resumes from is damaged."""
+    tiers = _tiers(storage, args)
+    roots = [root for _, root in tiers]
+    heading = {id(root): f" from the {name}" if name else "" for name, root in tiers}
+    victims = (catalog.roll_back_plan if args.dry_run else catalog.roll_back)(roots, args.to)
+    for root, step in victims:
+        print(f"{'would remove' if args.dry_run else 'removed'} committed step {step}{heading[id(root)]}")
     if not victims:
         print(f"no committed step after {args.to}")
     return 0
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         "inspect": cmd_inspect,
         "verify": _each_tier(cmd_verify),
         "gc": _each_tier(cmd_gc),
-        "rollback": _each_tier(cmd_rollback),
+        "rollback": cmd_rollback,
         "explain": cmd_explain,
         "export": cmd_export,
         "import": cmd_import,

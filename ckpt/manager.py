@@ -159,6 +159,11 @@ class CheckpointManager:
         return self.write.snapshot
 
     @property
+    def local_root(self) -> str | None:
+        """This rank's local tier's directory (``local=``, its ``{rank}`` filled in); None without a local tier."""
+        return self._target.local_root
+
+    @property
     def persist_every(self) -> int | None:
         """With a local tier, every how many saves one is persisted to the durable root (settable: a retuned K)."""
         return self._target.persist_every

@@ -52,6 +52,7 @@ class Target(Protocol):
     """What a manager saves to and restores from."""
 
     private: bool  # every rank commits its own copy (a local tier) rather than its share of one
+    local_root: str | None  # this rank's local tier's directory (one root: None)
     commit_tier: str | None  # the tier a save commits to, as told to the tracker (one root: None)
     persist_every: int | None  # every how many saves one is persisted to the durable root (one root: None)
 
@@ -130,6 +131,7 @@ class SingleRoot:
 
     private = False
     commit_tier = None
+    local_root = None
 
     @property
     def persist_every(self) -> None:

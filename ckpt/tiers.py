@@ -122,6 +122,11 @@ class Tiers:
         self.lease: lease_mod.Lease | None = None
         self._own = False  # the local tier was found to be this run's: this manager records its run there
 
+    @property
+    def local_root(self) -> str:
+        """This rank's local tier's directory."""
+        return self.local.root
+
     def other_run(self) -> tuple[run_mod.Run, run_mod.Run | None] | None:
         """(the local tier's run, the durable root's) when the local tier is another run's; None when it is this one's.
 

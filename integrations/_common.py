@@ -177,11 +177,12 @@ def refuse_rollback(manager: CheckpointManager, step: int) -> None:
     to roll back (or resume the newest)."""
     newer = [int(s) for s in manager.steps() if s > step]
     if newer:
+        local = f" --local {manager.local_root}" if manager.local_root is not None else ""
         raise StepExistsError(
-            f"resuming from step {step}, but steps {newer} of {manager.storage.url} are committed after it: training "
-            f"on would save them again, and a committed step is never overwritten. No step was written. To roll back "
-            f"(deletes them): python -m ckpt rollback {manager.storage.url} --to {step} (with --local DIR for a local "
-            f"tier); to go on, resume the newest step"
+            f"resuming from step {step}, but steps {newer} of {manager.storage.url}{' (and its local tier)' if local else ''} "
+            f"are committed after it: training on would save them again, and a committed step is never overwritten. "
+            f"No step was written. To roll back (deletes them): python -m ckpt rollback {manager.storage.url} --to "
+            f"{step}{local}; to go on, resume the newest step"
         )
 
 

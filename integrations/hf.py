@@ -173,8 +173,10 @@ class _FolderFiles:
     after it was rotated away. Errors are raised by the next `check` or `close`.
     """
 
-    def __init__(self, root: str, write: Callable[[str, dict[str, Any]], None], lock: threading.Lock) -> None:
-        self._reader = CheckpointManager(root)
+    def __init__(
+        self, root: str, tiers: Any, write: Callable[[str, dict[str, Any]], None], lock: threading.Lock
+    ) -> None:
+        self._reader = CheckpointManager(root, tiers=tiers)  # with the local tier, where most steps commit
         self._write, self._lock = write, lock
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf-folder-files")
         self._pending: dict[int, Future] = {}
@@ -316,7 +318,9 @@ class CkptTrainerMixin:
         self._goodput.tracker = manager.tracker = tracker
         self.ckpt_manager = manager
         if self.folder_files:
-            self._files = _FolderFiles(self.ckpt_root, self._write_folder_files, self._folder_lock)
+            self._files = _FolderFiles(
+                self.ckpt_root, self._ckpt_options["tiers"], self._write_folder_files, self._folder_lock
+            )
         try:
             path = self._resolve_resume(resume, trial)
             output = super().train(resume_from_checkpoint=path, trial=trial, **kwargs)

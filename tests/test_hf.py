@@ -353,6 +353,29 @@ def test_a_roll_back_to_an_older_step_is_refused_before_training_until_the_newer
     assert rolled.step_log.steps == [3, 4, 5, 6]
 
 
+def test_a_trainer_with_a_local_tier_writes_its_folders_and_names_the_tier_in_a_roll_back(tmp_path):
+    """With manager_options local=..., the first save that was not persisted failed ("step 2 is not committed in
+    .../ckpt"): the folder files were read back from the durable root only. A roll back refused names the local
+    tier, and `ckpt rollback --local` then lets the resume train on."""
+    import subprocess
+
+    import ckpt
+
+    out, local = tmp_path / "out", tmp_path / "local"
+    options = dict(run_id="r1", manager_options=dict(local=str(local), keep_local=1, persist_every=2))
+    _trainer(out, 6, args={"save_total_limit": None}, **options).train()
+    assert (out / "checkpoint-6" / "model.safetensors").is_file()  # step 6: committed to the local tier only
+    again = _trainer(out, 6, args={"save_total_limit": None}, **options)
+    with pytest.raises(ckpt.StepExistsError, match=rf"ckpt rollback {out / 'ckpt'} --to 4 --local {local};"):
+        again.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    cli = [sys.executable, "-m", "ckpt", "rollback", str(out / "ckpt"), "--to", "4", "--local", str(local)]
+    res = subprocess.run(cli, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert res.returncode == 0 and "removed committed step 6 from the local tier" in res.stdout, res
+    rolled = _trainer(out, 6, args={"save_total_limit": None}, **options)
+    rolled.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    assert rolled.step_log.steps == [5, 6]
+
+
 class _StopAt(TrainerCallback):
     """Ends train() after step `at` (its checkpoint saved), as a job stopped there would."""
 

@@ -434,3 +434,37 @@ def test_the_default_replica_goes_to_the_same_local_rank_of_the_next_node(monkey
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
     assert default_offset(world) == offset
+
+
+def test_a_roll_back_covers_the_local_tier_and_refuses_a_damaged_step_to_resume_from(tmp_path):
+    """Durable 2, 4, 6, 8, 10 and local 9, 10: `ckpt rollback --to 4 --local` checked each tier alone, failed on the
+    local one (nothing there at or before 4) after deleting the durable steps, and the next resume took local step
+    10. The tiers are judged together now, newest step first, and the resume takes 4. Rolling back to a step that is
+    damaged deletes nothing (it deleted the intact newer steps, and the resume fell back further)."""
+    root, local = tmp_path / "root", tmp_path / "local"
+    with ckpt.CheckpointManager(root, local=local, persist_every=2, keep_local=2) as m:
+        for step in range(1, 11):
+            m.save(step, {"x": torch.full((4,), float(step))}, persist=step % 2 == 0)
+        m.wait()
+        assert [(int(s), s.tiers) for s in m.steps()][-2:] == [(9, ("local",)), (10, ("local", "durable"))]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    rollback = [sys.executable, "-m", "ckpt", "rollback", str(root), "--local", str(local)]
+    dry = subprocess.run([*rollback, "--to", "4", "--dry-run"], capture_output=True, text=True, env=env)
+    assert dry.returncode == 0 and dry.stdout.count("would remove") == 5, dry
+    store = open_storage(str(root))
+    chunk = next(p for p in (root / "step_00000002").rglob("*") if p.is_file() and p.name == "0")  # a pack's file
+    chunk.write_bytes(bytes([chunk.read_bytes()[0] ^ 1]) + chunk.read_bytes()[1:])
+    refused = subprocess.run([*rollback, "--to", "3"], capture_output=True, text=True, env=env)
+    assert refused.returncode == 1 and "step 2, which a roll back to step 3 resumes from, is damaged" in refused.stderr
+    assert "nothing was deleted" in refused.stderr and layout.committed_steps(store)[-1] == 10
+    done = subprocess.run([*rollback, "--to", "4"], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done
+    assert done.stdout.splitlines()[:3] == [
+        f"removed committed step 10 from the durable tier {root}",
+        f"removed committed step 10 from the local tier {local}",
+        f"removed committed step 9 from the local tier {local}",
+    ], done.stdout
+    state = {"x": torch.zeros(4)}
+    with ckpt.CheckpointManager(root, local=local, persist_every=2, keep_local=2) as m:
+        assert m.restore(state) == 4 and torch.equal(state["x"], torch.full((4,), 4.0))
+        m.save(5, {"x": torch.ones(4)}).wait()  # the numbers after 4 are free again
