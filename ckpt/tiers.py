@@ -35,7 +35,7 @@ from .pools import submit_or_run
 from .replica import transfer
 from .retention import StepMetadata, doomed
 from .save import WritePlan
-from .storage import LocalStorage, Storage
+from .storage import LocalStorage, Storage, check_writable
 from .target import DURABLE, LOCAL, Persisted, Source, Step, set_aside_durable
 
 log = logging.getLogger("ckpt")
@@ -107,6 +107,8 @@ class Tiers:
             raise ValueError(f"local= must be a directory on this machine (NVMe, /dev/shm), got {local!r}")
         self.local = LocalStorage(path)
         self.local.check_creatable()
+        if os.path.isdir(self.local.root):  # every save commits here: an existing read-only one would fail each
+            check_writable(self.local.root, f"the local tier {self.local.root} cannot be written")
         if durable.local_path("") == self.local.root:
             raise ValueError(f"the local tier {self.local.root} must not be the durable root")
         self.durable, self.ranks = durable, ranks

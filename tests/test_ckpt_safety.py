@@ -157,6 +157,8 @@ def test_a_root_no_save_could_create_fails_where_the_manager_is_made_creating_no
         ckpt.CheckpointManager("/proc/1/ck")
     with pytest.raises(NotADirectoryError, match=f"{file}/local cannot be created"):
         ckpt.CheckpointManager(tmp_path / "durable", local=file / "local")
+    with pytest.raises(OSError, match="cannot be created: a name in it is longer than 255 bytes"):
+        ckpt.CheckpointManager(tmp_path / ("a" * 300) / "x")  # its first save failed with ENAMETOOLONG
     with ckpt.CheckpointManager(tmp_path / "new" / "root", local=tmp_path / "new" / "local") as m:
         assert not (tmp_path / "new").exists()
         m.save(1, {"x": torch.zeros(2)}).wait()

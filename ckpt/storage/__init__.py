@@ -15,7 +15,15 @@ from typing import Any, Mapping
 import fsspec
 
 from ..errors import StorageError
-from .local import LocalStorage, UnsafeFileError, fsync_dir, local_files, makedirs_durable, open_regular
+from .local import (
+    LocalStorage,
+    UnsafeFileError,
+    check_writable,
+    fsync_dir,
+    local_files,
+    makedirs_durable,
+    open_regular,
+)
 from .protocol import Storage, where
 from .spec import DEFAULT_TIMEOUT_S, STORAGE_OPTIONS, context, kvstore_spec, retries, validated_options
 
@@ -32,6 +40,7 @@ __all__ = [
     "kvstore_spec",
     "local_files",
     "makedirs_durable",
+    "check_writable",
     "open_regular",
     "open_storage",
     "retries",

@@ -118,10 +118,14 @@ class LocalStorage:
             return
         if not os.path.isdir(there):
             raise NotADirectoryError(f"the checkpoint root {self.root} cannot be created: {there} is not a directory")
-        if not os.access(there, os.W_OK | os.X_OK):
-            raise PermissionError(
-                errno.EACCES, f"the checkpoint root {self.root} cannot be created: no permission to write in {there}"
-            )
+        longest = os.pathconf(there, "PC_NAME_MAX")
+        for name in os.path.relpath(self.root, there).split(os.sep):
+            if len(os.fsencode(name)) > longest:
+                raise OSError(
+                    errno.ENAMETOOLONG,
+                    f"the checkpoint root {self.root} cannot be created: a name in it is longer than {longest} bytes",
+                )
+        check_writable(there, f"the checkpoint root {self.root} cannot be created")
 
     def list_dirs(self, path: str = "") -> list[str]:
         base = self._p(path)
@@ -244,6 +248,14 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_writable(directory: str, what: str) -> None:
+    """A PermissionError saying `what` when this process cannot create files in `directory`, and why."""
+    if os.statvfs(directory).f_flag & os.ST_RDONLY:
+        raise PermissionError(errno.EROFS, f"{what}: {directory} is on a read-only file system")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, f"{what}: no permission to write in {directory}")
 
 
 def makedirs_durable(path: str) -> None:
