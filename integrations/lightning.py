@@ -653,8 +653,11 @@ class GoodputCallback(Callback):
         """RNG state, sampler positions and the goodput attempts that produced this training state."""
         tracker = self.tracker
         attempts = self._attempts + ([tracker.attempt_id] if tracker is not None and tracker.attempt_id else [])
+        rng = self.rng.state_dict() if self.rng is not None else None
+        if self._training_rng is not None:  # a validation after this save gives back the RNG a resume starts from
+            self._training_rng = rng  # (a callback between the batch-end snapshot and the save may have drawn)
         return {
-            "rng": self.rng.state_dict() if self.rng is not None else None,
+            "rng": rng,
             "samplers": {name: s.state_dict() for name, s in self.samplers.items()},
             "attempts": attempts,
         }

@@ -360,6 +360,28 @@ def test_a_validation_at_the_saved_step_does_not_shift_the_resumed_rng(tmp_path,
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
+def test_a_callback_that_draws_between_the_snapshot_and_the_save_does_not_shift_the_resumed_rng(tmp_path, capsys):
+    """A callback after GoodputCallback draws in on_train_batch_end, after the batch-end snapshot and before
+    ModelCheckpoint's save: a validation gave back the snapshot, not the state the save holds and a resume starts
+    from, so the resumed steps 9-12 differed (the snapshot is the saved state once a save takes it)."""
+    from lightning.pytorch import Callback
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class DrawsAtBatchEnd(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            torch.rand(1)  # a callback that samples something to log
+
+    def callbacks(root):
+        return (DrawsAtBatchEnd(), ModelCheckpoint(dirpath=root / "pointers", every_n_train_steps=4, save_last=True))
+
+    _fit(tmp_path / "straight", 12, val_every=4, callbacks=callbacks(tmp_path / "straight"))
+    reference = _losses(capsys.readouterr().out)
+    _fit(tmp_path / "job", 8, val_every=4, callbacks=callbacks(tmp_path / "job"))
+    capsys.readouterr()
+    _fit(tmp_path / "job", 12, ckpt_path="last", val_every=4, callbacks=callbacks(tmp_path / "job"))
+    assert _losses(capsys.readouterr().out) == {s: reference[s] for s in range(9, 13)}
+
+
 def test_remove_checkpoint_deletes_a_step_once_no_pointer_names_it_and_a_newer_step_is_committed(tmp_path):
     """ModelCheckpoint removes pointers; the step goes only when nothing in the folder names it any more and it is
     not the newest committed step (a resume needs that one): until then the deletion is deferred."""
