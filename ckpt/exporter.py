@@ -34,6 +34,7 @@ FORMATS = ("safetensors", "torch", "hf")
 DEFAULT_KEY = "model"
 HF_CONFIG = "hf_config"  # step metadata: the model's Transformers config (a dict), written by integrations.hf
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"  # Transformers' file names
+TIES_MARK = "ckpt.ties"  # safetensors metadata of an exported file: "1", its other entries (but format) are ties
 _BAND_BYTES = 64 << 20  # what one read of a tensor holds at most (unless one chunk row-band is larger)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -318,7 +319,7 @@ def _write_safetensors(
     )
     with _bar(sum(t.info.nbytes for t in tensors), reader.step, progress) as bar:
         for file, shard in zip(files, shards):
-            metadata = {"format": "pt", **{alias: t.name for t in shard for alias in t.aliases}}
+            metadata = {"format": "pt", TIES_MARK: "1", **{alias: t.name for t in shard for alias in t.aliases}}
             writer = Writer(
                 os.path.join(folder, file),
                 [Entry(t.name, torch_dtype(t.info.dtype), t.info.shape) for t in shard],

@@ -21,12 +21,13 @@ import json
 import math
 import os
 import pickle
+import warnings
 from typing import Any, Mapping
 
 import torch
 
 from . import layout
-from .exporter import HF_CONFIG, INDEX
+from .exporter import HF_CONFIG, INDEX, TIES_MARK
 from .manager import CheckpointManager
 from .safetensors_file import number, open_tensors
 from .state import check_top_level_key
@@ -79,7 +80,8 @@ def read_source(src: str) -> tuple[str, Any, dict[str, Any]]:
     with open(src, "rb") as f:
         head = f.read(8)
     if src.endswith(".safetensors"):
-        return "safetensors", _tied(*open_tensors(src)), {}
+        found, metadata = open_tensors(src)
+        return "safetensors", _tied(found, _aliases(metadata)), {}
     if head[:4] != b"PK\x03\x04" and head[:2] != b"\x80\x02":  # zip (torch >= 1.6) or legacy pickle protocol 2
         raise ValueError(
             f"{src} is neither a torch.save file, nor a .safetensors file, nor a folder of a DCP or "
@@ -144,7 +146,7 @@ def read_hf_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]
                 raise ValueError(f"{index}: its weight_map puts tensor {key!r} {listed}, but {name} holds it")
             held_in[key] = name
         tensors.update(found)
-        aliases.update(metadata)
+        aliases.update(_aliases(metadata))
     for key, name in (weight_map or {}).items():
         if key not in tensors:
             raise ValueError(f"{index}: its weight_map puts tensor {key!r} in {name}, which does not hold it")
@@ -162,14 +164,24 @@ def read_hf_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     return tensors, ({HF_CONFIG: config} if isinstance(config, dict) else {})
 
 
-def _tied(tensors: dict[str, torch.Tensor], metadata: Mapping[str, str]) -> dict[str, torch.Tensor]:
-    """Names a safetensors file dropped as aliases of a tensor it holds back, sharing that tensor. The tie records
-    ``ckpt export`` and ``safetensors.torch.save_model`` write are ``dropped: kept`` metadata entries between two
-    parameter paths of one attribute (``lm_head.weight: transformer.wte.weight``): only such entries are read as
-    ties, so other metadata (``format``, notes, a value that happens to be a tensor's name) adds no tensor."""
+def _aliases(metadata: Mapping[str, str]) -> dict[str, str]:
+    """The tie records of one safetensors file's metadata, ``dropped: kept``: every entry of a file `ckpt export`
+    wrote (it marks its files, `TIES_MARK`), else only entries between two parameter paths of one attribute
+    (``lm_head.weight: transformer.wte.weight``, as ``safetensors.torch.save_model`` writes them), so that other
+    metadata (``format``, notes, a value that happens to be a tensor's name) adds no tensor."""
+    ours = metadata.get(TIES_MARK) == "1"
+    return {
+        alias: kept
+        for alias, kept in metadata.items()
+        if alias not in ("format", TIES_MARK) and (ours or ("." in alias and _leaf(alias) == _leaf(kept)))
+    }
+
+
+def _tied(tensors: dict[str, torch.Tensor], aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """The names a safetensors file dropped (`_aliases`) back, sharing the tensor each was tied to."""
     out = dict(tensors)
-    for alias, kept in metadata.items():
-        if alias not in out and kept in tensors and "." in alias and _leaf(alias) == _leaf(kept):
+    for alias, kept in aliases.items():
+        if alias not in out and kept in tensors:
             out[alias] = tensors[kept]
     return out
 
@@ -193,7 +205,16 @@ def _tie_like_model(tensors: dict[str, torch.Tensor], config: dict[str, Any], pa
     cls = getattr(transformers, architectures[0], None) if architectures else None
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
         return tensors
-    tie = config.get("tie_word_embeddings", getattr(cls.config_class, "tie_word_embeddings", False))
+    try:  # the config object, not the model: a default set in __init__ (T5's tie_word_embeddings) counts too
+        tie = cls.config_class.from_dict(config).tie_word_embeddings
+    except Exception as e:  # noqa: BLE001 - a config this Transformers cannot read: the weights are still imported
+        warnings.warn(
+            f"{path}: {architectures[0]}'s config could not be read ({type(e).__name__}: {str(e)[:200]}); names "
+            f"save_pretrained left out as tied are not restored",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return tensors
     tied = cls._tied_weights_keys if tie is True else None
     out = dict(tensors)
     for target, source in tied.items() if isinstance(tied, dict) else ():

@@ -147,7 +147,7 @@ def test_export_safetensors_loads_bitwise_ties_as_hf_and_shards_with_an_index(tm
     del expected["head.weight"]  # tied: stored once under its first name, the alias recorded
     _same(got, expected)
     with safe_open(tmp_path / "st" / "model.safetensors", "pt") as f:
-        assert f.metadata() == {"format": "pt", "head.weight": "embed.weight"}
+        assert f.metadata() == {"format": "pt", "ckpt.ties": "1", "head.weight": "embed.weight"}
     fresh = Tied(seed=1)
     load_model(fresh, tmp_path / "st" / "model.safetensors")  # safetensors' own loader re-ties
     _same(dict(fresh.state_dict()), dict(model.state_dict()))
@@ -378,6 +378,17 @@ def test_import_hf_folder_finds_ties_without_building_the_model_and_names_a_bad_
     ckpt.import_checkpoint(tmp_path / "hf", tmp_path / "root", step=1)
     weights = ckpt.load(tmp_path / "root")["model"]
     assert weights["lm_head.weight"].data_ptr() == weights["transformer.wte.weight"].data_ptr()  # tied
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5Config(num_layers=1, num_decoder_layers=1, d_model=8, d_ff=16, num_heads=2, d_kv=4, vocab_size=16)
+    T5ForConditionalGeneration(t5).save_pretrained(tmp_path / "t5")
+    t5_path = tmp_path / "t5" / "config.json"
+    t5_config = json.loads(t5_path.read_text())
+    t5_config.pop("tie_word_embeddings", None)  # older Transformers wrote only the keys off their default
+    t5_path.write_text(json.dumps(t5_config))
+    ckpt.import_checkpoint(tmp_path / "t5", tmp_path / "t5root", step=1)
+    weights = ckpt.load(tmp_path / "t5root")["model"]  # T5Config ties by default in __init__, not as a class field
+    assert weights["lm_head.weight"].data_ptr() == weights["shared.weight"].data_ptr()
     for text, message in [
         (json.dumps({**config, "architectures": [5]}), r"config.json: 'architectures' must be a list of class names"),
         ("", r"config.json is not JSON \(JSONDecodeError: Expecting value"),
@@ -395,6 +406,20 @@ def test_import_safetensors_file_keeps_aliases_from_its_metadata(tmp_path):
     assert ckpt.import_checkpoint(tmp_path / "m.safetensors", tmp_path / "root", step=3) == "safetensors"
     restored, _ = _restored(tmp_path / "root", 3, keys=["model"])
     _same(dict(restored.state_dict()), dict(model.state_dict()))
+
+
+def test_export_then_import_keeps_every_tie_whatever_the_names(tmp_path):
+    """Ties between top-level names or between different attributes were dropped on import (only `x.attr: y.attr`
+    entries count in a file of unknown origin); `ckpt export` marks its files, whose every entry is a tie."""
+    w, attn = torch.randn(3, 3), torch.randn(4, 4)
+    state = {"model": {"w": w, "v": w, "attn.in_proj_weight": attn, "out.weight": attn}}
+    with ckpt.CheckpointManager(tmp_path / "root") as m:
+        m.save(1, state).wait()
+    ckpt.export(tmp_path / "root", tmp_path / "out", format="safetensors")
+    ckpt.import_checkpoint(tmp_path / "out" / "model.safetensors", tmp_path / "again", step=1)
+    back = ckpt.load(tmp_path / "again")["model"]
+    assert sorted(back) == ["attn.in_proj_weight", "out.weight", "v", "w"]
+    assert back["v"].data_ptr() == back["w"].data_ptr() and torch.equal(back["out.weight"], attn)
 
 
 def test_import_safetensors_reads_only_tie_records_as_aliases_not_other_metadata(tmp_path):
