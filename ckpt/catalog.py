@@ -259,8 +259,8 @@ def roll_back_plan(roots: Sequence[Storage], step: int) -> list[tuple[Storage, i
     damage = [next(verify(root, resume), None) for root, steps in committed if resume in steps]
     if all(damage):
         raise CorruptCheckpointError(
-            f"step {resume}, which a roll back to step {step} resumes from, is damaged ({damage[0].message}); nothing was "
-            f"deleted: roll back to an earlier step",
+            f"step {resume}, which a roll back to step {step} resumes from, is damaged ({damage[0].message}); "
+            f"nothing was deleted: roll back to an earlier step",
             step=resume,
             key=damage[0].key,
             file=damage[0].file,

@@ -1,8 +1,9 @@
 """`python -m ckpt ls|inspect|verify|gc|rollback|explain|export|import`: look at a checkpoint root, take weights
 out, bring checkpoints in, roll a run back, without writing Python.
 
-``ls``, ``inspect``, ``verify``, ``gc`` and ``rollback`` of a local root read JSON and bytes only: they import neither torch nor
-numpy nor tensorstore (tests/test_cli_imports.py); ``explain``, ``export`` and ``import`` load them when they run.
+``ls``, ``inspect``, ``verify``, ``gc`` and ``rollback`` of a local root read JSON and bytes only: they import
+neither torch nor numpy nor tensorstore (tests/test_cli_imports.py); ``explain``, ``export`` and ``import`` load
+them when they run.
 """
 
 from __future__ import annotations
@@ -481,8 +482,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> NoReturn:
-    """The `ckpt` command (and `python -m ckpt`): `main` (warnings as one line each), then exit without the interpreter's final collections
-    over torch's objects (gc.freeze: ~0.4 s of a 1.7 s call); `main` itself is for callers that go on."""
+    """The `ckpt` command (and `python -m ckpt`): `main` (warnings as one line each), then exit without the
+    interpreter's final collections over torch's objects (gc.freeze: ~0.4 s of a 1.7 s call); `main` itself is for
+    callers that go on."""
     warnings.formatwarning = _warning_line
     code = main()
     gc.freeze()

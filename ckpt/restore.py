@@ -722,10 +722,10 @@ def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
     a load ends), at any depth of the state, are checked first and loaded last of all; then the objects whose state
     holds none of the tensors copied here load (schedulers, RNG states: nothing of the caller's changed yet but the
     tensors read into directly), then the copies, the other objects (modules, optimizers: `state.decode` checked
-    their keys, shapes and groups), the plain values (and the objects nested in them), the checked objects. When a load raises, the objects loaded so far get their state from before
-    back and so do the tensors read into directly; when tensors were copied into here (CUDA, strided or tied ones)
-    and a load after the copies raises, nothing is given back (every object keeps the step's values: a consistent
-    state, as the docs say)."""
+    their keys, shapes and groups), the plain values (and the objects nested in them), the checked objects. When a
+    load raises, the objects loaded so far get their state from before back and so do the tensors read into
+    directly; when tensors were copied into here (CUDA, strided or tied ones) and a load after the copies raises,
+    nothing is given back (every object keeps the step's values: a consistent state, as the docs say)."""
     copied = [(r, t) for r in plan.reads.values() for t in (r.targets[1:] if r.saved is not None else r.targets)]
     into = {(t.device, t.untyped_storage().data_ptr()) for _, t in copied}
     checked = [  # at any depth: a sampler in a dict of the caller's must not load before a sibling refuses

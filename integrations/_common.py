@@ -179,9 +179,9 @@ def refuse_rollback(manager: CheckpointManager, step: int) -> None:
     if newer:
         local = f" --local {manager.local_root}" if manager.local_root is not None else ""
         raise StepExistsError(
-            f"resuming from step {step}, but steps {newer} of {manager.storage.url}{' (and its local tier)' if local else ''} "
-            f"are committed after it: training on would save them again, and a committed step is never overwritten. "
-            f"No step was written. To roll back (deletes them): python -m ckpt rollback {manager.storage.url} --to "
+            f"resuming from step {step}, but steps {newer} of {manager.storage.url}"
+            f"{' (and its local tier)' if local else ''} are committed after it: training on would save them again, "
+            f"and a committed step is never overwritten. No step was written. To roll back (deletes them): python -m ckpt rollback {manager.storage.url} --to "
             f"{step}{local}; to go on, resume the newest step"
         )
 

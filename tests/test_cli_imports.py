@@ -1,5 +1,5 @@
-"""`ckpt ls|inspect|gc|rollback|verify` read JSON and bytes: in a fresh interpreter they import neither torch nor numpy (nor
-tensorstore, which imports numpy), through either entry point (`python -m ckpt`, the `ckpt` console script), on a
+"""`ckpt ls|inspect|gc|rollback|verify` read JSON and bytes: in a fresh interpreter they import neither torch nor
+numpy (nor tensorstore, which imports numpy), through either entry point (`python -m ckpt`, the `ckpt` console script), on a
 real root a CheckpointManager wrote (a training state: model, optimizer, RNG, sampler; packed and chunked arrays)."""
 
 from __future__ import annotations
