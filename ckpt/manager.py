@@ -361,7 +361,8 @@ class CheckpointManager:
             raise RuntimeError(f"CheckpointManager({self.storage.url!r}) is closed")
 
     def wait(self) -> None:
-        """Block until every save in flight is committed and every delete done; raises a background error, if any."""
+        """Block until every save in flight is committed and every delete done; raises a background error, if any.
+        Among ranks the deletes are rank 0's (retention's too): another rank does not wait for them."""
         bg = self._background
         bg.drain()
         if not self._closed:
