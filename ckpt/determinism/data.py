@@ -26,7 +26,7 @@ from torch.utils.data._utils.collate import default_collate
 from ..distributed import topology
 from ..errors import DataMismatchError  # noqa: F401 (defined with the other errors; importable here too)
 from ..observer import NO_TRACKER, CheckpointObserver
-from .permutation import epoch_permutation
+from .permutation import epoch_permutation, epochs_permuted
 from .seeding import sample_rng, torch_generator
 from .windows import FINGERPRINT_BLOCK, TokenStream, WindowReader, data_fingerprint, resolve_token_files  # noqa: F401
 
@@ -162,19 +162,15 @@ class _CounterSampler(Sampler[list[Any]]):
         """Item index for each global sample counter: perm_epoch(t mod N), skipped items replaced."""
         counters = np.asarray(counters, dtype=np.int64)
         epochs, positions = np.divmod(counters, self.num_items)
-        out = np.empty_like(counters)
-        for epoch in np.unique(epochs):
-            sel = epochs == epoch
-            perm = epoch_permutation(self.num_items, self.seed, int(epoch))
-            got = perm(positions[sel])
-            if self._skip:
-                skip = np.asarray(self._skip, dtype=np.int64)
-                for k in np.flatnonzero(np.isin(got, skip)):
-                    pos = int(positions[sel][k])
-                    while got[k] in skip:
-                        pos = (pos + 1) % self.num_items
-                        got[k] = perm(pos)
-            out[sel] = got
+        out = epochs_permuted(self.num_items, self.seed, epochs, positions)
+        if self._skip:
+            skip = np.asarray(self._skip, dtype=np.int64)
+            for k in np.flatnonzero(np.isin(out, skip)):
+                perm = epoch_permutation(self.num_items, self.seed, int(epochs[k]))
+                pos = int(positions[k])
+                while out[k] in skip:
+                    pos = (pos + 1) % self.num_items
+                    out[k] = perm(pos)
         return out
 
     def global_batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
