@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable, Iterable
+import threading
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from opentelemetry import metrics
@@ -140,24 +142,14 @@ class GoodputMetrics:
             description="Bytes of tensor data in each committed checkpoint",
             explicit_bucket_boundaries_advisory=SIZE_BUCKETS,
         )
-        meter.create_observable_gauge(
-            "ettr.checkpoint.last_step",
-            unit="{step}",
-            callbacks=[self._observe_last_step],
-            description="Newest committed checkpoint step of the job",
-        )
-        meter.create_observable_gauge(
-            "ettr.checkpoint.age",
-            unit="s",
-            callbacks=[self._observe_age],
-            description="Seconds since the newest committed checkpoint was committed, as of the collection",
-        )
+        self._observed = _observed_by(meter)  # reported from `bind` until `end`
 
     def bind(self, *, job: str, attempt: str, rank: int, now_us: Callable[[], int]) -> None:
         """Label every point with the job, rank (and attempt) and read the checkpoint age from `now_us`."""
         self._job = {**self._points, "ettr.job": job, "ettr.rank": rank}
         self._attempt = {**self._job, "ettr.attempt": attempt}
         self._now_us = now_us
+        self._observed.add(self)
 
     def add_attempt_seconds(self, category: str, seconds: float) -> None:
         """Count `seconds` more of this attempt's wall time in `category`."""
@@ -225,13 +217,46 @@ class GoodputMetrics:
         if nbytes is not None:
             self._size.record(nbytes, attrs)
 
-    def _observe_last_step(self, options: Any) -> Iterable[metrics.Observation]:
+    def end(self) -> None:
+        """Stop reporting the checkpoint gauges (the tracker ended: an age that grows on would page someone)."""
+        self._observed.discard(self)
+
+    def _last_step(self) -> list[metrics.Observation]:
         last = self._last_commit
         return [metrics.Observation(last[0], self._job)] if last is not None else []
 
-    def _observe_age(self, options: Any) -> Iterable[metrics.Observation]:
+    def _age(self) -> list[metrics.Observation]:
         last, now = self._last_commit, self._now_us
         return [metrics.Observation((now() - last[1]) / 1e6, self._job)] if last is not None and now else []
+
+
+_OBSERVED: dict[int, tuple[metrics.Meter, weakref.WeakSet[GoodputMetrics]]] = {}  # id(meter) -> its live metrics
+_OBSERVED_LOCK = threading.Lock()
+
+
+def _observed_by(meter: metrics.Meter) -> weakref.WeakSet[GoodputMetrics]:
+    """The live metrics whose checkpoint gauges `meter` reports. Its observable gauges are made once: the SDK keeps
+    a name's first registration and drops later callbacks, so a second tracker in one process (an integration's
+    next train()) exported the first one's step and age, and kept it alive; now each collection reads every live
+    (not ended, not collected) metrics object of the meter."""
+    with _OBSERVED_LOCK:
+        found = _OBSERVED.get(id(meter))
+        if found is None:
+            live: weakref.WeakSet[GoodputMetrics] = weakref.WeakSet()
+            meter.create_observable_gauge(
+                "ettr.checkpoint.last_step",
+                unit="{step}",
+                callbacks=[lambda options: [o for m in list(live) for o in m._last_step()]],
+                description="Newest committed checkpoint step of the job",
+            )
+            meter.create_observable_gauge(
+                "ettr.checkpoint.age",
+                unit="s",
+                callbacks=[lambda options: [o for m in list(live) for o in m._age()]],
+                description="Seconds since the newest committed checkpoint was committed, as of the collection",
+            )
+            found = _OBSERVED[id(meter)] = (meter, live)
+        return found[1]
 
 
 def identity_attributes(resource: Resource) -> dict[str, Any]:

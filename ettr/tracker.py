@@ -139,7 +139,10 @@ def _digest(loss: Any, batch: str | None, scalars: dict[str, Any] | None) -> tup
         if type(batch) is not str:
             raise TypeError(f"batch must be the batch hash as a string (e.g. sampler.batch_hash(step)), got {batch!r}")
         text += ',"h":"' + batch + '"' if batch.isalnum() else ',"h":' + json.dumps(batch)
-    named = tuple(sorted((str(k), float_bits(v)) for k, v in scalars.items())) if scalars else ()
+    try:
+        named = tuple(sorted((str(k), float_bits(v)) for k, v in scalars.items())) if scalars else ()
+    except (AttributeError, TypeError, ValueError, RuntimeError):  # not a dict, or a value that is no number
+        raise TypeError(f"scalars must be a dict of numbers, got {str(scalars)[:200]}") from None
     if named:
         text += ',"x":' + json.dumps(dict(named), separators=(",", ":"))
     return (bits, batch, named), text
@@ -227,8 +230,11 @@ class _Step:
         """The step's loss, batch hash and scalars, written with its record when it ends (see `step_end`)."""
         self._loss, self._batch, self._scalars = loss, batch, scalars
 
-    def __exit__(self, *exc: object) -> None:
-        self._tracker.step_end(self._step, self._loss, batch=self._batch, scalars=self._scalars)
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self._tracker.step_end(self._step, self._loss, batch=self._batch, scalars=self._scalars)
+        else:  # the body's error is the one to see: the step ends without its digest, which could only mask it
+            self._tracker.step_end(self._step)
 
 
 class GoodputTracker:
@@ -346,6 +352,8 @@ class GoodputTracker:
         """Report to `metrics` from now on (e.g. instruments of a provider configured after the tracker was made)."""
         if self._writer is not None:
             metrics.bind(job=self.job_id, attempt=self.attempt_id, rank=self.rank, now_us=self._now)
+        if metrics is not self.metrics:
+            self.metrics.end()
         self.metrics = metrics
 
     def use_run_id(self, run_id: str) -> None:
@@ -369,6 +377,7 @@ class GoodputTracker:
         self._buf.append({"k": "end", "t": self._now(), "status": status})
         self._resume_known = True
         self.flush()
+        self.metrics.end()
         with self._lock:
             self._writer.close()
 
@@ -408,10 +417,21 @@ class GoodputTracker:
         batch hash, e.g. ``sampler.batch_hash(step)``) and `scalars` ({name: number}) go into the record as its
         digest: a step trained again after a resume is compared with it bit for bit (docs/goodput.md, replay)."""
         step = _integer("step", step)
+        refused: TypeError | None = None
         if loss is None and batch is None and not scalars:
             found = digest = None
         else:
-            found, digest = _digest(loss, batch, scalars)
+            try:
+                found, digest = _digest(loss, batch, scalars)
+            except TypeError as e:  # raised once the step is ended: an open step would take the time after it
+                found = digest = None
+                refused = e
+        self._end_step(step, found, digest)
+        if refused is not None:
+            raise refused
+
+    def _end_step(self, step: int, found: tuple | None, digest: str | None) -> None:
+        """`step_end` past its checks: the step's record (with its digest's fields, if any) goes to the OS."""
         with self._lock:
             t = self._credit()
             stack = self._stack

@@ -110,6 +110,9 @@ def test_in_memory_reader_sees_identity_attempt_counters_and_job_gauges(tmp_path
     assert (seen["last_step"], seen["age"]) == (4, 5.0)
     assert seen["ettr.checkpoint_write.duration"] == {"count": 1, "sum": 2.0}
     assert seen["ettr.checkpoint.size"] == {"count": 1, "sum": 8192}
+    (live,) = reader.get_metrics_data().resource_metrics
+    (age,) = [m for sm in live.scope_metrics for m in sm.metrics if m.name == "ettr.checkpoint.age"]
+    assert [dict(p.attributes) for p in age.data.data_points] == [{"ettr.job": JOB, "ettr.rank": 0}]
     tr.end()
     seen = metric_totals(reader)
     # the counter starts from 0 in this process: only a2's own time, nothing of a1 added back at the restart
@@ -135,7 +138,7 @@ def test_in_memory_reader_sees_identity_attempt_counters_and_job_gauges(tmp_path
     assert labels["ettr.attempt.time"] == {("ettr.attempt", "ettr.category", "ettr.job", "ettr.rank")}
     assert labels["ettr.job.time"] == {("ettr.category", "ettr.job", "ettr.rank")}
     assert labels["ettr.ratio"] == {("ettr.job", "ettr.rank", "ettr.window")}
-    assert labels["ettr.checkpoint.age"] == labels["ettr.job.failures"] == {job}
+    assert labels["ettr.job.failures"] == {job} and "ettr.checkpoint.age" not in labels  # ended: no age grows on
     assert labels["ettr.checkpoint.size"] == labels["ettr.checkpoint_save.duration"] == {attempt}
     provider.shutdown()
 
@@ -347,3 +350,37 @@ def test_console_export_prints_the_numbers(tmp_path):
 def test_the_otlp_export_timeout_is_checked(bad):
     with pytest.raises(ValueError, match="export_timeout_s"):
         configure_metrics("otlp", endpoint="http://127.0.0.1:9/v1/metrics", export_timeout_s=bad, set_global=False)
+
+
+def test_a_second_tracker_in_one_process_reports_its_own_checkpoint_and_an_ended_one_none(tmp_path):
+    """An integration makes a tracker per train(): the SDK keeps the first registration of an observable gauge and
+    dropped the second tracker's callbacks, so the newest step and the age (what the docs say to alert on) stayed
+    the first tracker's, which they also kept alive; and an ended tracker's age grew on, paging someone for a job
+    that had finished."""
+    import gc
+    import weakref
+
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from ettr import GoodputMetrics
+
+    reader = InMemoryMetricReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("ettr")
+    clock = FakeClock(1000.0)
+    first = GoodputTracker(str(tmp_path), job_id=JOB, clock=clock, metrics=GoodputMetrics(meter)).start()
+    first.checkpoint_committed(10, 1.0)
+    first.end()
+    clock.advance(1800)
+    assert "age" not in metric_totals(reader) and "last_step" not in metric_totals(reader)  # ended: no age at all
+    ended = weakref.ref(first)
+    del first
+    gc.collect()
+    assert ended() is None, "the gauges' callbacks keep no tracker alive"
+    second = GoodputTracker(str(tmp_path), job_id=JOB, clock=clock, metrics=GoodputMetrics(meter)).start()
+    second.checkpoint_restored(10)
+    second.checkpoint_committed(20, 1.0)
+    clock.advance(5)
+    seen = metric_totals(reader)
+    assert (seen["last_step"], seen["age"]) == (20, 5.0)
+    second.end()

@@ -240,3 +240,31 @@ def test_a_second_process_given_the_same_attempt_id_is_its_own_attempt(tmp_path,
     micros = attribute_root(root).micros
     assert micros["productive"] == to_us(3.0) and micros["lost"] == to_us(3.0)
     assert micros["downtime"] == to_us(997.0) and micros["startup"] == 0
+
+
+def test_a_refused_digest_ends_its_step_and_never_hides_the_steps_own_error(tmp_path):
+    """A loss that is no number (or scalars that are none) is refused at the step's end, and the step still ends:
+    it stayed open, so every gap after it counted as productive. A step whose body raised ends without its digest:
+    the refusal replaced the body's own error (a CUDA out-of-memory seen as 'loss must be a number')."""
+    clock = FakeClock()
+    tracker = GoodputTracker(str(tmp_path), job_id="J", clock=clock).start()
+    tracker.checkpoint_restored(None)
+    with pytest.raises(TypeError, match="loss must be a number"):
+        with tracker.step(1) as step:
+            clock.advance(1)
+            step.record("n/a")
+    with pytest.raises(TypeError, match="scalars must be a dict of numbers"):
+        with tracker.step(2) as step:
+            clock.advance(1)
+            step.record(0.5, scalars={"acc": "high"})
+    with pytest.raises(RuntimeError, match="out of memory"):
+        with tracker.step(3) as step:
+            clock.advance(1)
+            step.record([1.0, 2.0])
+            raise RuntimeError("CUDA out of memory")
+    clock.advance(10)  # outside any step
+    with tracker.step(4):
+        clock.advance(1)
+    tracker.end()
+    seconds = {k: v for k, v in attribute_root(str(tmp_path)).seconds.items() if v}
+    assert seconds["productive"] == pytest.approx(4.0) and seconds["other"] == pytest.approx(10.0), seconds
