@@ -217,6 +217,11 @@ class GoodputMetrics:
         if nbytes is not None:
             self._size.record(nbytes, attrs)
 
+    @property
+    def last_commit(self) -> tuple[int, int] | None:
+        """(step, commit time in microseconds) of the newest checkpoint it was told of, or None."""
+        return self._last_commit
+
     def end(self) -> None:
         """Stop reporting the checkpoint gauges (the tracker ended: an age that grows on would page someone)."""
         self._observed.discard(self)

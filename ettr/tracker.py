@@ -297,6 +297,7 @@ class GoodputTracker:
         self._split: dict[str, int] = dict.fromkeys((*SAVE_SPLIT, "background_write"), 0)
         self._earlier_split: dict[str, int] = {}
         self._prior_done = False
+        self._failures: int | None = None  # failed earlier attempts, once read: set at every export
         self._resume_known = False  # a restore, a first step or the end tells where this attempt resumed
         self._history: deque[tuple[int, int]] = deque()  # (time, own productive us) at exports, for the window
         self._exported: dict[str, int] = {}  # this attempt's microseconds per category already counted
@@ -353,7 +354,10 @@ class GoodputTracker:
         if self._writer is not None:
             metrics.bind(job=self.job_id, attempt=self.attempt_id, rank=self.rank, now_us=self._now)
         if metrics is not self.metrics:
+            if self.metrics.last_commit is not None:  # the newest checkpoint so far, for its step and age gauges
+                metrics.committed(*self.metrics.last_commit)
             self.metrics.end()
+            self._exported = {}  # the new attempt counters get this attempt's whole time at the next export
         self.metrics = metrics
 
     def use_run_id(self, run_id: str) -> None:
@@ -623,7 +627,7 @@ class GoodputTracker:
             self._expect = {s: (a, None if d is None else tuple(d)) for s, (a, d) in me.replay.pending.items()}
             self._through = me.replay.through
             self._report_replay(me.replay)
-        self.metrics.set_failures(failures)
+        self._failures = failures
         return True
 
     def replay(self) -> Replay:
@@ -683,6 +687,8 @@ class GoodputTracker:
                 self.metrics.add_attempt_seconds(cat, (mine - self._exported.get(cat, 0)) / 1e6)
                 self._exported[cat] = mine
         self.metrics.set_job_seconds({cat: us / 1e6 for cat, us in totals.items() if us})
+        if self._failures is not None:  # again each time: metrics configured after the restore get it too
+            self.metrics.set_failures(self._failures)
         with self._lock:
             split = {part: us + self._earlier_split.get(part, 0) for part, us in self._split.items()}
         self.metrics.set_checkpoint_seconds({part: us / 1e6 for part, us in split.items()})

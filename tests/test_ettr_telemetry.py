@@ -384,3 +384,32 @@ def test_a_second_tracker_in_one_process_reports_its_own_checkpoint_and_an_ended
     seen = metric_totals(reader)
     assert (seen["last_step"], seen["age"]) == (20, 5.0)
     second.end()
+
+
+def test_metrics_handed_to_a_started_tracker_get_the_jobs_failures_commit_and_attempt_time(tmp_path):
+    """use_metrics (a provider configured after the tracker's restore): the failures gauge was set once, at the
+    restore, and never reached the new provider; the newest checkpoint's step and age were missing until the next
+    commit, and the attempt counters started from the switch."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from ettr import GoodputMetrics
+
+    root = str(tmp_path)
+    crashed_attempt(root)
+    clock = FakeClock(1100.0)
+    tr = GoodputTracker(root, job_id=JOB, attempt_id="a2", rank=0, clock=clock, flush_interval=0).start()
+    with tr.span("checkpoint_restore"):
+        clock.advance(1)
+    tr.checkpoint_restored(2)
+    steps(tr, clock, 3, 4)
+    reader = InMemoryMetricReader()
+    tr.use_metrics(GoodputMetrics(MeterProvider(metric_readers=[reader]).get_meter("ettr")))
+    steps(tr, clock, 5, 6)
+    tr.flush()
+    seen = metric_totals(reader)
+    report = attribute_root(root)
+    assert seen["failures"] == report.failures == 1 and seen["last_step"] == 2
+    mine = {k: v / 1e6 for k, v in report.attempts[-1].micros.items() if v}
+    assert seen["attempt_seconds"] == pytest.approx(mine)
+    tr.end()
