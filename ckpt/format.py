@@ -406,15 +406,21 @@ class ArrayInfo:
 
 def _untiled(shape: tuple[int, ...], boxes: Sequence[Sequence[tuple[int, int]]]) -> str | None:
     """Why non-empty `boxes` inside `shape` do not tile it exactly (every element in exactly one box); None when
-    they do. A 0-d array is tiled by exactly one box. Boxes are swept in order of their start along the dimension
-    they are cut most along, each compared with those still open there: one for shards along one dimension, a row
-    of the grid for grid shards."""
+    they do. A 0-d array is tiled by exactly one box."""
     total, held = math.prod(shape), sum(math.prod(b - a for a, b in box) for box in boxes)
     if held != total:
         return f"they hold {held} of its {total} elements"
-    if not shape:
+    both = overlapping(boxes)
+    return None if both is None else f"boxes {both[0]} and {both[1]} overlap"
+
+
+def overlapping(boxes: Sequence[Sequence[tuple[int, int]]]) -> tuple[int, int] | None:
+    """The indices (lower first) of two non-empty boxes ([start, end) per dimension) that share an element, or None.
+    Boxes are swept in order of their start along the dimension they are cut most along, each compared with those
+    still open there: one for shards along one dimension, a row of the grid for grid shards."""
+    if len(boxes) < 2 or not boxes[0]:
         return None
-    k = max(range(len(shape)), key=lambda d: len({box[d][0] for box in boxes}))
+    k = max(range(len(boxes[0])), key=lambda d: len({box[d][0] for box in boxes}))
     open_: list[tuple[int, int]] = []  # (end along dimension k, box index): a heap
     for i in sorted(range(len(boxes)), key=lambda i: boxes[i][k][0]):
         box = boxes[i]
@@ -422,7 +428,7 @@ def _untiled(shape: tuple[int, ...], boxes: Sequence[Sequence[tuple[int, int]]])
             heapq.heappop(open_)
         for _, j in open_:
             if all(a < d and c < b for (a, b), (c, d) in zip(box, boxes[j])):
-                return f"boxes {min(i, j)} and {max(i, j)} overlap"
+                return min(i, j), max(i, j)
         heapq.heappush(open_, (box[k][1], i))
     return None
 

@@ -28,6 +28,7 @@ import torch
 
 from . import layout
 from .exporter import HF_CONFIG, INDEX, TIES_MARK
+from .format import overlapping
 from .manager import CheckpointManager
 from .safetensors_file import number, open_tensors
 from .state import check_top_level_key
@@ -429,9 +430,11 @@ def _check_dcp_metadata(folder: str, metadata: Any) -> None:
                     f"{str(list(size))[:100]}): they must tile the shape exactly",
                     fqn,
                 )
-            overlap = _overlap([(tuple(c.offsets), tuple(c.sizes)) for c in chunks])
-            if overlap:
-                raise bad(f"its chunks at offsets {list(overlap[0])} and {list(overlap[1])} overlap", fqn)
+            filled = [c for c in chunks if math.prod(c.sizes)]  # an empty chunk holds no element
+            both = overlapping([[(a, a + n) for a, n in zip(c.offsets, c.sizes)] for c in filled])
+            if both:
+                first, second = sorted(list(filled[i].offsets) for i in both)
+                raise bad(f"its chunks at offsets {first} and {second} overlap", fqn)
         elif not isinstance(md, BytesStorageMetadata):
             raise bad(f"it is a {type(md).__name__}, which this import does not read", fqn)
         elif (fqn, None) not in stored:
@@ -445,24 +448,6 @@ def _check_dcp_metadata(folder: str, metadata: Any) -> None:
             raise bad(
                 f"its planner_data path {str(path)[:100]} is not a non-empty list of str keys and list positions", fqn
             )
-
-
-def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """The offsets of two boxes (offsets, sizes) that share an element, or None. A sweep along the dimension
-    where their offsets differ most, so a row, column or grid sharding compares each box with few others."""
-    boxes = [b for b in boxes if 0 not in b[1]]  # an empty chunk holds no element
-    if len(boxes) < 2:
-        return None
-    dim = max(range(len(boxes[0][0])), key=lambda d: len({at[d] for at, _ in boxes}))
-    boxes.sort(key=lambda b: b[0][dim])
-    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    for at, n in boxes:
-        active = [(a, m) for a, m in active if a[dim] + m[dim] > at[dim]]
-        for a, m in active:
-            if all(x < y + k and y < x + size for x, size, y, k in zip(at, n, a, m)):
-                return a, at
-        active.append((at, n))
-    return None
 
 
 _MAX_LIST = 1 << 20  # a list position in a DCP state's planner_data (the list is grown up to it)
