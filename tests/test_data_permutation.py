@@ -88,3 +88,4 @@ def test_many_epochs_at_once_equal_each_epochs_permutation(size):
 
     counters = np.arange(size * 3, size * 3 + 5 * 64)
     assert sampler.indices(counters).tolist() == [item(int(c)) for c in counters]
+    assert sampler.indices(np.arange(0)).tolist() == []  # no sample, no epoch (an IndexError in the first version)

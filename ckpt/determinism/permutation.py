@@ -79,6 +79,8 @@ def epoch_permutation(size: int, seed: int, epoch: int) -> FeistelPermutation:
 
 @lru_cache(maxsize=4096)
 def _round_keys(seed: int, epoch: int) -> list[int]:
+    """An epoch's Feistel round keys, from SeedSequence(seed, spawn_key=(perm, epoch)) (cached: a batch over many
+    epochs asks for each of them)."""
     return [int(k) for k in seed_sequence(seed, "permutation", epoch).generate_state(ROUNDS, dtype=np.uint64)]
 
 
@@ -86,8 +88,8 @@ def epochs_permuted(size: int, seed: int, epochs: np.ndarray, positions: np.ndar
     """`epoch_permutation(size, seed, e)(p)` for each (e, p) pair, in one pass however many epochs they span (a
     dataset smaller than a global batch spans one epoch per few samples: a call per epoch cost ~0.15 ms each)."""
     unique, which = np.unique(epochs, return_inverse=True)
-    if len(unique) == 1:
-        return epoch_permutation(size, seed, int(unique[0]))(positions)
+    if len(unique) <= 1:  # one epoch (or no sample): its cached permutation
+        return epoch_permutation(size, seed, int(unique[0]) if len(unique) else 0)(positions)
     perm = epoch_permutation(size, seed, int(unique[0]))  # for its bit width (the same for every epoch)
     table = np.array([_round_keys(seed, int(e)) for e in unique], dtype=np.uint64)  # (epochs, ROUNDS)
     keys = [table[which.reshape(-1), r] for r in range(ROUNDS)]
