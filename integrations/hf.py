@@ -37,7 +37,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGH
 from ckpt import CheckpointManager, RNGState, RunMismatchError, SaveDecision, SaveHandle
 from ckpt import run as ckpt_run
 from ckpt.exporter import model_config_metadata
-from ckpt.options import typed
+from ckpt.options import TierOptions, typed
 from ettr import GoodputTracker
 from ettr.ledger import ledger_dir
 
@@ -174,7 +174,7 @@ class _FolderFiles:
     """
 
     def __init__(
-        self, root: str, tiers: Any, write: Callable[[str, dict[str, Any]], None], lock: threading.Lock
+        self, root: str, tiers: TierOptions | None, write: Callable[[str, dict[str, Any]], None], lock: threading.Lock
     ) -> None:
         self._reader = CheckpointManager(root, tiers=tiers)  # with the local tier, where most steps commit
         self._write, self._lock = write, lock
