@@ -30,6 +30,10 @@ class TrackedProcess(Protocol):
     attempt_id: str
     rank: int
 
+    def claim_attempt(self) -> str:
+        """The attempt id its ledger records, final even before the tracker starts (a taken id is renamed)."""
+        ...
+
     def use_metrics(self, metrics: GoodputMetrics) -> None: ...
 
 
@@ -286,12 +290,15 @@ def goodput_resource(tracker: TrackedProcess | None = None, service_name: str | 
 
     attributes: dict[str, Any] = {}
     if tracker is not None:
+        # the id its ledger records: an unstarted tracker given a taken attempt_id is renamed (<id>.2) only when its
+        # ledger is created, so that is done now; the resource cannot change once the provider has it
+        attempt = tracker.claim_attempt()
         attributes = {
-            "service.instance.id": f"{tracker.attempt_id}-rank{tracker.rank}",
+            "service.instance.id": f"{attempt}-rank{tracker.rank}",
             "host.name": socket.gethostname(),
             "process.pid": os.getpid(),
             "ettr.job": tracker.job_id,
-            "ettr.attempt": tracker.attempt_id,
+            "ettr.attempt": attempt,
             "ettr.rank": tracker.rank,
         }
     resource = Resource.create(attributes)

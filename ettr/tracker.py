@@ -288,7 +288,8 @@ class GoodputTracker:
         self._stack: list[list[Any]] = []  # open intervals, oldest first: [order, category, step, begin, attrs]
         self._acc: defaultdict[str, int] = defaultdict(int)
         self._lock = threading.RLock()
-        self._writer: LedgerWriter | None = None
+        self._writer: LedgerWriter | None = None  # created by start(), or before it by claim_attempt()
+        self._started = False
         self._mono = _not_started  # the attempt's clock, from start(): nothing is recorded before it
         self._prior: Attribution | None = None
         self._earlier: dict[str, int] = {}  # microseconds per category of the earlier attempts
@@ -313,23 +314,13 @@ class GoodputTracker:
     # -- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> GoodputTracker:
         """Open the ledger; the attempt is dated from the process's start (imports count as startup)."""
-        if self._writer is not None:
+        if self._started:
             raise RuntimeError("GoodputTracker.start() called twice")
+        self._started = True
         wall = self.clock.wall_us() - self.clock.process_age_us()  # the attempt starts when the process did
         self._mono = self.clock.monotonic_us
         self._offset = self.clock.wall_us() - self._mono()
-        self._writer = LedgerWriter(
-            self.root, self.attempt_id, self.rank, self._storage_options, upload_interval=self._upload_interval
-        )
-        if self._writer.attempt != self.attempt_id:
-            log.warning(
-                "goodput: attempt %r of rank %d has a ledger already (an earlier process given the same "
-                "attempt_id): this one is recorded as attempt %r",
-                self.attempt_id,
-                self.rank,
-                self._writer.attempt,
-            )
-            self.attempt_id = self._writer.attempt
+        self.claim_attempt()
         self._start = self._last = self._last_flush = wall
         self._order = 0
         self._gap = "startup"
@@ -349,9 +340,32 @@ class GoodputTracker:
         self.flush()
         return self
 
+    def claim_attempt(self) -> str:
+        """The attempt id this process is recorded under, its ledger created now if start() has not created it yet.
+
+        An id whose ledger exists already (a requeued job passing its scheduler's id again) becomes ``<id>.2``...
+        here, with a warning: `goodput_resource` (the OpenTelemetry resource, made before start()) calls it, so that
+        the resource names the attempt the ledger records. A tracker claimed but never started leaves an empty
+        ledger, which the reports leave out with a warning, as one of a process that died in start()."""
+        with self._lock:
+            if self._writer is None:
+                self._writer = LedgerWriter(
+                    self.root, self.attempt_id, self.rank, self._storage_options, upload_interval=self._upload_interval
+                )
+                if self._writer.attempt != self.attempt_id:
+                    log.warning(
+                        "goodput: attempt %r of rank %d has a ledger already (an earlier process given the same "
+                        "attempt_id): this one is recorded as attempt %r",
+                        self.attempt_id,
+                        self.rank,
+                        self._writer.attempt,
+                    )
+                    self.attempt_id = self._writer.attempt
+            return self.attempt_id
+
     def use_metrics(self, metrics: GoodputMetrics) -> None:
         """Report to `metrics` from now on (e.g. instruments of a provider configured after the tracker was made)."""
-        if self._writer is not None:
+        if self._started:
             metrics.bind(job=self.job_id, attempt=self.attempt_id, rank=self.rank, now_us=self._now)
         if metrics is not self.metrics:
             if self.metrics.last_commit is not None:  # the newest checkpoint so far, for its step and age gauges
@@ -368,7 +382,7 @@ class GoodputTracker:
             if self._job_known or not run_id or run_id == self.job_id:
                 return
             self.job_id = str(run_id)
-            if self._writer is not None:
+            if self._started:
                 self.metrics.bind(job=self.job_id, attempt=self.attempt_id, rank=self.rank, now_us=self._now)
 
     def end(self, status: str = "ok") -> None:

@@ -413,3 +413,33 @@ def test_metrics_handed_to_a_started_tracker_get_the_jobs_failures_commit_and_at
     mine = {k: v / 1e6 for k, v in report.attempts[-1].micros.items() if v}
     assert seen["attempt_seconds"] == pytest.approx(mine)
     tr.end()
+
+
+def test_a_renamed_attempt_is_exported_under_the_id_its_ledger_records(tmp_path):
+    """A requeued job passing its scheduler's id again: the second process's ledger is `slurm-1.2`, and so must be
+    the resource made before its start (it named `slurm-1`, the first process's attempt, beside points of
+    `slurm-1.2`)."""
+    from ettr import read_ledgers
+
+    root = str(tmp_path)
+    GoodputTracker(root, job_id=JOB, attempt_id="slurm-1", rank=0, clock=FakeClock(1000.0)).start().end()
+    clock = FakeClock(1100.0)
+    tr = GoodputTracker(root, job_id=JOB, attempt_id="slurm-1", rank=0, clock=clock, flush_interval=0)
+    provider, reader = configure_metrics("memory", tracker=tr, set_global=False)
+    tr.start()
+    steps(tr, clock, 1, 1)
+    tr.end()
+    assert tr.attempt_id == "slurm-1.2"
+    assert [l.attempt for l in read_ledgers(root)] == ["slurm-1", "slurm-1.2"]
+    (resource_metrics,) = reader.get_metrics_data().resource_metrics
+    resource = resource_metrics.resource.attributes
+    assert (resource["ettr.attempt"], resource["service.instance.id"]) == ("slurm-1.2", "slurm-1.2-rank0")
+    on_points = {
+        p.attributes["ettr.attempt"]
+        for sm in resource_metrics.scope_metrics
+        for m in sm.metrics
+        for p in m.data.data_points
+        if "ettr.attempt" in p.attributes
+    }
+    assert on_points == {"slurm-1.2"}
+    provider.shutdown()
