@@ -84,6 +84,7 @@ class GoodputMetrics:
         self._job: dict[str, Any] = dict(self._points)  # ettr.job, ettr.rank (and the point attributes)
         self._attempt: dict[str, Any] = {}  # and ettr.attempt
         self._now_us: Callable[[], int] | None = None
+        self._recorded = False  # a point of a synchronous instrument was recorded (its series is exported for good)
         self._last_commit: tuple[int, int] | None = None  # (step, commit time in microseconds)
         self._attempt_time = meter.create_counter(
             "ettr.attempt.time",
@@ -155,33 +156,46 @@ class GoodputMetrics:
         self._now_us = now_us
         self._observed.add(self)
 
+    @property
+    def recorded(self) -> bool:
+        """Whether a point was recorded with the job it is bound to: the SDK exports that series (the last value of a
+        gauge, a counter's total) for as long as the provider lives, so binding another job now would leave it beside
+        the new job's series. The checkpoint gauges are read at each collection and follow a new job."""
+        return self._recorded
+
     def add_attempt_seconds(self, category: str, seconds: float) -> None:
         """Count `seconds` more of this attempt's wall time in `category`."""
+        self._recorded = True
         self._attempt_time.add(seconds, {**self._attempt, "ettr.category": category})
 
     def set_job_seconds(self, seconds: dict[str, float]) -> None:
         """Set the job's total seconds per category."""
+        self._recorded = True
         for category, value in seconds.items():
             self._job_time.set(value, {**self._job, "ettr.category": category})
 
     def set_checkpoint_seconds(self, seconds: dict[str, float]) -> None:
         """Set the job's checkpoint seconds per part (attribute ettr.part): "stall", "previous_wait" and
         "overlap_wait" sum to checkpoint_save's badput; "background_write" overlaps training."""
+        self._recorded = True
         for part, value in seconds.items():
             self._checkpoint_time.set(value, {**self._job, "ettr.part": part})
 
     def set_ettr(self, cumulative: float, windowed: float, window_s: float) -> None:
         """Set the ETTR gauges (attribute ettr.window = "cumulative" or "<seconds>s")."""
+        self._recorded = True
         self._ratio.set(cumulative, {**self._job, "ettr.window": "cumulative"})
         self._ratio.set(windowed, {**self._job, "ettr.window": f"{window_s:g}s"})
 
     def set_failures(self, count: int) -> None:
         """Set the number of failed attempts of the job (each is one restart)."""
+        self._recorded = True
         self._failures.set(count, self._job)
 
     def replayed(self, steps: int, diverged: int, first_divergence: int | None = None) -> None:
         """Count `steps` more steps trained again after the resume, `diverged` of them unlike their first pass, the
         first of those `first_divergence` (ettr.replay; the tracker gives it once per attempt)."""
+        self._recorded = True
         if steps:
             self._replayed.add(steps, self._attempt)
         if diverged:
@@ -192,6 +206,7 @@ class GoodputMetrics:
     def set_step_window(self, first_step: int, steps: int, busy_us: int, wait_us: int) -> None:
         """Set this rank's last complete window of steps (`first_step` on, `steps` of them run): its busy and
         collective-wait seconds (attribute ettr.part = "busy", "collective_wait")."""
+        self._recorded = True
         self._window_time.set(busy_us / 1e6, {**self._job, "ettr.part": "busy"})
         self._window_time.set(wait_us / 1e6, {**self._job, "ettr.part": "collective_wait"})
         self._window_first.set(first_step, self._job)
@@ -200,6 +215,7 @@ class GoodputMetrics:
     def record_duration(self, category: str, seconds: float) -> None:
         """Record one duration of `category` (DURATIONS): a save() call, a part of a save (its wait for the previous
         one, an optimizer step's wait for an overlapped snapshot), a restore, or a background write."""
+        self._recorded = True
         self._durations[category].record(seconds, self._attempt)
 
     def committed(
@@ -216,6 +232,7 @@ class GoodputMetrics:
         if self._last_commit is None or step >= self._last_commit[0]:
             self._last_commit = step, at_us
         attrs = {**self._attempt, "ettr.tier": tier} if tier else self._attempt
+        self._recorded = self._recorded or background_seconds is not None or nbytes is not None
         if background_seconds is not None:
             self._durations["checkpoint_write"].record(background_seconds, attrs)
         if nbytes is not None:

@@ -377,9 +377,23 @@ class GoodputTracker:
     def use_run_id(self, run_id: str) -> None:
         """The run id of the CheckpointManager this tracker reports to (`ckpt.run`: its run_id=, the launcher's, or
         one it generated): the job id from now on, unless job_id= or the environment named the job. Told when the
-        tracker is handed to the manager, before the first save or restore; metrics are labelled with it anew."""
+        tracker is handed to the manager, before the first save or restore; metrics are labelled with it anew.
+
+        Told once the metrics have points labelled with the job (a tracker handed to a manager after its first
+        steps, or to a second manager with another run id), the job stays as it is, with a warning naming both ids:
+        the SDK goes on exporting a series it has, so a new job id would leave the old one's series beside the new,
+        frozen at their last values (a second job in every dashboard and alert)."""
         with self._lock:
             if self._job_known or not run_id or run_id == self.job_id:
+                return
+            if self.metrics.recorded:
+                log.warning(
+                    "goodput: run id %r told after points were labelled with job %r, which they keep (a new job "
+                    "would leave the old one's series exported beside its own). Name the job (job_id=, ETTR_JOB_ID "
+                    "or the launcher's run id), or hand the tracker to the CheckpointManager before its first step",
+                    str(run_id),
+                    self.job_id,
+                )
                 return
             self.job_id = str(run_id)
             if self._started:

@@ -83,6 +83,34 @@ def test_the_managers_run_id_becomes_the_job_on_every_point(tmp_path, no_job_env
     named.end()
 
 
+def test_a_run_id_told_after_the_first_points_keeps_one_job_series(tmp_path, no_job_env, caplog):
+    """A tracker handed to a manager after its first steps (or to a second manager of another run id): relabelling
+    the points left the old job's series exported beside the new one, frozen at their last values (the SDK exports
+    a series it has for the provider's lifetime): two jobs on every dashboard for one process. The job now stays
+    the one the points carry, and a warning names both ids."""
+    root = str(tmp_path)
+    clock = FakeClock(1000.0)
+    tracker = GoodputTracker(root, attempt_id="a1", rank=0, clock=clock, flush_interval=0)
+    _, reader = configure_metrics("memory", tracker=tracker, set_global=False)
+    tracker.start()
+    with tracker.step(1):
+        clock.advance(1.0)
+    assert {attrs["ettr.job"] for _, attrs, _ in points(reader)} == {root}
+    with caplog.at_level("WARNING", logger="ettr"):
+        with ckpt.CheckpointManager(tmp_path, tracker=tracker, run_id="run-late") as m:
+            with tracker.step(2):
+                clock.advance(1.0)
+            m.save(2, {"w": torch.ones(2)}).wait()
+    tracker.end()
+    assert tracker.job_id == root
+    (warning,) = [r.getMessage() for r in caplog.records if "run-late" in r.getMessage()]
+    assert repr(root) in warning and "job_id=" in warning
+    seen = points(reader)
+    assert {attrs["ettr.job"] for _, attrs, _ in seen} == {root}
+    job_time = {a["ettr.category"]: p.value for n, a, p in seen if n == "ettr.job.time"}
+    assert job_time["productive"] == 2.0  # both steps, in the one series
+
+
 # -- (b) host, service and job on every point ----------------------------------------------------------------------
 
 
