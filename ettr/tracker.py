@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict, deque
-from typing import Any
+from typing import Any, NamedTuple
 
 from .attribution import SAVE_SPLIT, Attribution, attribute
 from .clock import Clock, SystemClock
@@ -169,6 +169,45 @@ def _encode(rec: tuple | dict[str, Any]) -> str:
     return json.dumps(rec, separators=(",", ":")) + "\n"
 
 
+_EVERY_STEP = _INT64  # `_through` while the earlier attempts are read: every step ended is kept for the comparison
+
+
+class _Prior(NamedTuple):
+    """What an attempt takes from the earlier attempts' ledgers (`_earlier_attempts`)."""
+
+    newest_commit: tuple[int, int] | None  # (step, time) of the job's newest commit, for the checkpoint gauges
+    attribution: Attribution | None  # the whole job's, this attempt last; None without an earlier attempt
+    earlier: dict[str, int]  # microseconds per category of the earlier attempts
+    earlier_split: dict[str, int]  # and their checkpoint time by part
+    failures: int | None  # the earlier attempts that failed
+    expect: dict[int, tuple[str, tuple | None]]  # step -> its first pass, for the steps this attempt has yet to redo
+
+
+def _earlier_attempts(root: str, storage_options: dict[str, Any] | None, rank: int) -> _Prior:
+    """Read and attribute the job's ledgers of `rank`, this attempt's (the last) included: the figures of the attempts
+    before it. Touches no tracker: a tracker calls it without its lock, while its own ledger grows (the figures of
+    the earlier attempts depend on this attempt's start and resume only, which are on disk by then)."""
+    try:
+        ledgers = read_ledgers(root, storage_options, rank=rank)
+    except (LedgerError, OSError) as e:  # the goodput of earlier attempts is lost to telemetry, not the training
+        log.warning("goodput: the earlier attempts' ledgers cannot be read (%s): telemetry counts this one only", e)
+        ledgers = []
+    commits = [(r["s"], r["t"]) for l in ledgers for r in l.records if r["k"] == "commit"]
+    newest = max(commits) if commits else None
+    if len(ledgers) <= 1:
+        return _Prior(newest, None, {}, {}, 0, {})
+    prior = attribute(ledgers, rank=rank)
+    me = prior.attempts[-1]
+    earlier = {cat: us - me.micros.get(cat, 0) for cat, us in prior.micros.items()}
+    split = {**prior.checkpoint_split_us, "background_write": prior.background_us}
+    mine_split = {**me.checkpoint_split_us, "background_write": me.background_us}
+    earlier_split = {part: us - mine_split.get(part, 0) for part, us in split.items()}
+    failures = sum(a.failed for a in prior.attempts[:-1])
+    # the steps of this attempt already recorded are compared; plain tuples, which the collector lets be
+    expect = {s: (a, None if d is None else tuple(d)) for s, (a, d) in me.replay.pending.items()}
+    return _Prior(newest, prior, earlier, earlier_split, failures, expect)
+
+
 def _not_started() -> int:
     raise RuntimeError(
         "GoodputTracker records nothing before start(): call tracker.start(), or use it as a context manager "
@@ -298,6 +337,8 @@ class GoodputTracker:
         self._split: dict[str, int] = dict.fromkeys((*SAVE_SPLIT, "background_write"), 0)
         self._earlier_split: dict[str, int] = {}
         self._prior_done = False
+        self._loading = False  # a thread reads the earlier attempts' ledgers (`_load_prior`), without the lock
+        self._loaded = threading.Condition(self._lock)  # notified when it is done
         self._failures: int | None = None  # failed earlier attempts, once read: set at every export
         self._resume_known = False  # a restore, a first step or the end tells where this attempt resumed
         self._history: deque[tuple[int, int]] = deque()  # (time, own productive us) at exports, for the window
@@ -480,10 +521,12 @@ class GoodputTracker:
                 self._writer.append((_STEP if digest is None else _STEP_DIGEST) % record)
                 return
             self._buf.append(record)
-            if due:
-                self.flush(force=False)
-            else:
+            if not due:
                 self._hand_off()
+                return
+            load = self._write_out(force=False)
+        if load:
+            self._load_prior()
 
     def step(self, step: int) -> _Step:
         """`with tracker.step(i):` around one training step."""
@@ -526,14 +569,17 @@ class GoodputTracker:
             self._order += 1
             entry = [self._order, category, step, t, attrs]
             self._stack.append(entry)
-            if category in FLUSHED_SPANS and not (top is not None and top[1] == category):
-                self.flush()  # a part inside an open save: the save's own span flushes at both ends
-            return entry
+            # a part inside an open save: the save's own span flushes at both ends
+            load = category in FLUSHED_SPANS and not (top is not None and top[1] == category) and self._write_out(True)
+        if load:
+            self._load_prior()
+        return entry
 
     def _close(self, entry: list[Any] | None) -> None:
         """Pop a span, buffer its record, feed the duration histograms (a save's, or its part's)."""
         if entry is None:
             return
+        load = False
         with self._lock:
             t = self._credit()
             if self._stack[-1] is entry:
@@ -552,8 +598,9 @@ class GoodputTracker:
                     self._split[part or "stall"] += t - begin
                     if part == "previous_wait" and inside:
                         self._split["stall"] -= t - begin  # the open save counts all of its time when it closes
-                if not inside:
-                    self.flush()
+                load = not inside and self._write_out(True)
+        if load:
+            self._load_prior()
 
     def _pop(self, step: int) -> list[Any]:
         """Remove the open step `step` from the stack when it is not on top (a span left open inside it)."""
@@ -611,61 +658,82 @@ class GoodputTracker:
     def flush(self, force: bool = True) -> None:
         """Write buffered records and a heartbeat listing open intervals, make them durable (fsync, or a segment
         PUT); export live totals to OpenTelemetry. `force=False` (the periodic flush) lets an object-store ledger
-        wait for its `upload_interval`: the records stay in memory, no heartbeat is added."""
+        wait for its `upload_interval`: the records stay in memory, no heartbeat is added. The first flush after the
+        resume is known reads the earlier attempts' ledgers, without the lock (`_load_prior`)."""
         with self._lock:
-            t = self._now()
-            if force or self._writer.due(t):
-                stack = [
-                    (("step", e[2]) if e[1] == "productive" else ("span", e[1])) + (e[3], e[0])
-                    for e in list(self._stack)
-                ]
-                self._hand_off(_encode({"k": "alive", "t": t, "open": stack}))
-                self._writer.sync(t)
-            else:
-                self._hand_off()
-            self._last_flush = t
-            if self._prior_done or self._load_prior():
-                self._export(t)
-                self._verify()
+            load = self._write_out(force)
+        if load:
+            self._load_prior()
 
-    def _load_prior(self) -> bool:
-        """Once this attempt's resume point is on disk, attribute the earlier attempts (for job-level telemetry)."""
-        if not (self._resume_known or self._gap == "other"):
+    def _write_out(self, force: bool) -> bool:
+        """`flush` with the lock held; True when the earlier attempts are to be read now, which the caller does with
+        `_load_prior` once it has released the lock."""
+        t = self._now()
+        if force or self._writer.due(t):
+            stack = [
+                (("step", e[2]) if e[1] == "productive" else ("span", e[1])) + (e[3], e[0]) for e in list(self._stack)
+            ]
+            self._hand_off(_encode({"k": "alive", "t": t, "open": stack}))
+            self._writer.sync(t)
+        else:
+            self._hand_off()
+        self._last_flush = t
+        if self._prior_done:
+            self._export(t)
+            self._verify()
             return False
-        self._prior_done = True
+        if self._loading or not (self._resume_known or self._gap == "other"):
+            return False
+        self._loading = True
+        self._through = _EVERY_STEP  # while they are read, every step ended is kept for the comparison
+        return True
+
+    def _load_prior(self) -> None:
+        """Once this attempt's resume point is on disk, attribute the earlier attempts (for job-level telemetry) and
+        export. Call without the lock: reading and attributing a long job's ledgers takes seconds (3.7 s for 300k
+        steps), which the steps of a training thread must not wait for; they go on meanwhile."""
         try:
-            ledgers = read_ledgers(self.root, self._storage_options, rank=self.rank)
-        except (LedgerError, OSError) as e:  # the goodput of earlier attempts is lost to telemetry, not the training
-            log.warning("goodput: the earlier attempts' ledgers cannot be read (%s): telemetry counts this one only", e)
-            ledgers = []
-        commits = [(r["s"], r["t"]) for l in ledgers for r in l.records if r["k"] == "commit"]
-        if commits:  # the job's newest checkpoint so far, for the last-step and age gauges
-            self.metrics.committed(*max(commits))
-        failures = 0
-        if len(ledgers) > 1:
-            self._prior = attribute(ledgers, rank=self.rank)
-            mine = self._prior.attempts[-1].micros
-            self._earlier = {cat: us - mine.get(cat, 0) for cat, us in self._prior.micros.items()}
-            me = self._prior.attempts[-1]
-            split = {**self._prior.checkpoint_split_us, "background_write": self._prior.background_us}
-            mine_split = {**me.checkpoint_split_us, "background_write": me.background_us}
-            self._earlier_split = {part: us - mine_split.get(part, 0) for part, us in split.items()}
-            failures = sum(a.failed for a in self._prior.attempts[:-1])
-            # the steps of this attempt already recorded are compared; plain tuples, which the collector lets be
-            self._expect = {s: (a, None if d is None else tuple(d)) for s, (a, d) in me.replay.pending.items()}
+            prior = _earlier_attempts(self.root, self._storage_options, self.rank)
+        except BaseException:
+            with self._lock:  # tried once, as before: telemetry counts this attempt only
+                self._use_prior(_Prior(None, None, {}, {}, None, {}))
+            raise
+        with self._lock:
+            self._use_prior(prior)
+            self._export(self._now())
+            self._verify()
+
+    def _use_prior(self, prior: _Prior) -> None:
+        """Take the earlier attempts' figures; call with the lock held."""
+        if prior.newest_commit is not None:  # the job's newest checkpoint so far, for the last-step and age gauges
+            self.metrics.committed(*prior.newest_commit)
+        self._through = None
+        if prior.attribution is not None:
+            self._prior = prior.attribution
+            self._earlier, self._earlier_split = prior.earlier, prior.earlier_split
+            self._expect = prior.expect
+            me = prior.attribution.attempts[-1]
             self._through = me.replay.through
             self._report_replay(me.replay)
-        self._failures = failures
-        return True
+        # of the steps ended while the ledgers were read, those the read missed are still in `_expect`: kept as the
+        # steps ended from now on are (up to `_through`)
+        through = self._through
+        self._replayed = [] if through is None else [r for r in self._replayed if r[0] <= through]
+        self._failures = prior.failures
+        self._prior_done = True
+        self._loading = False
+        self._loaded.notify_all()
 
     def replay(self) -> Replay:
         """This attempt's replay verification so far: the steps it trained again after its resume, compared bit
         for bit with their first pass in the earlier attempts' ledgers (the ones ended since the last flush too).
         `Replay.text()` says ``replayed 50 step(s): 50 bitwise equal``; `Replay.through` is the last step still to
         be trained again (None once all are)."""
+        if not self._prior_done:
+            self.flush()
         with self._lock:
-            if not self._prior_done:
-                self.flush()
+            while self._loading:  # another thread reads the earlier attempts
+                self._loaded.wait()
             self._verify()
             return self._replay
 

@@ -443,3 +443,73 @@ def test_a_renamed_attempt_is_exported_under_the_id_its_ledger_records(tmp_path)
     }
     assert on_points == {"slurm-1.2"}
     provider.shutdown()
+
+
+def test_steps_go_on_while_a_restarted_attempt_reads_the_earlier_ledgers(tmp_path):
+    """The first export after a restart reads and attributes every earlier attempt's ledger (3.7 s for 300k steps)
+    and held the tracker's lock meanwhile: a training thread's step_end stalled behind a restore or a commit on
+    another thread. The read is paused here (an empty ledger's warning, read after this attempt's own) while the
+    training thread runs replayed steps; its figures are the report's, and the steps it ran meanwhile are compared
+    with their first pass."""
+    import warnings
+
+    root = str(tmp_path)
+    clock = FakeClock(1000.0)
+    a1 = GoodputTracker(root, job_id=JOB, attempt_id="a1", rank=0, clock=clock, flush_interval=0).start()
+    a1.checkpoint_restored(None)
+    for s in range(1, 6):
+        with a1.step(s) as step:
+            clock.advance(1.0)
+            step.record(float(s))
+        if s == 2:
+            with a1.span("checkpoint_save", step=2):
+                clock.advance(0.5)
+            a1.checkpoint_committed(2, 1.0, 4096)
+    # a1 dies; a process that died before its start() left an empty ledger, which sorts after a2's
+    GoodputTracker(root, job_id=JOB, attempt_id="zz", rank=0).claim_attempt()
+    clock = FakeClock(1100.0)
+    tr = GoodputTracker(root, job_id=JOB, attempt_id="a2", rank=0, clock=clock, flush_interval=0)
+    provider, reader = configure_metrics("memory", tracker=tr, set_global=False)
+    tr.start()
+    with tr.span("checkpoint_restore"):
+        clock.advance(1.0)
+    reading, release = threading.Event(), threading.Event()
+
+    def paused(message, *args):  # the empty ledger's warning: the earlier ledgers are being read
+        reading.set()
+        release.wait()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = paused
+        restorer = threading.Thread(target=tr.checkpoint_restored, args=(2,))
+        restorer.start()
+        try:
+            reading.wait()
+            free = tr._lock.acquire(blocking=False)  # what step_begin/step_end take
+            if free:
+                tr._lock.release()
+                for s, loss in ((3, 3.0), (4, 0.5)):  # replayed steps: 3 as its first pass, 4 diverged
+                    with tr.step(s) as step:
+                        clock.advance(1.0)
+                        step.record(loss)
+        finally:
+            release.set()
+            restorer.join()
+    assert free, "the training thread's steps waited for the earlier attempts' attribution"
+    with tr.step(5) as step:
+        clock.advance(1.0)
+        step.record(5.0)
+    assert metric_totals(reader)["last_step"] == 2  # a1's commit, read from its ledger
+    tr.end()
+    seen = metric_totals(reader)
+    with pytest.warns(RuntimeWarning, match="empty ledger"):
+        report = attribute_root(root)
+    assert seen["seconds"] == pytest.approx({k: v / 1e6 for k, v in report.micros.items() if v})
+    assert seen["ettr"]["cumulative"] == pytest.approx(report.ettr)
+    assert seen["failures"] == report.failures == 1
+    assert seen["replay"] == {"steps": 3, "divergences": 1, "first_divergence": 4}
+    mine = tr.replay()
+    assert (mine.replayed, mine.equal, mine.diverged, mine.first_divergence.step) == (3, 2, 1, 4)
+    assert (mine.replayed, mine.diverged) == (report.attempts[-1].replay.replayed, report.attempts[-1].replay.diverged)
+    provider.shutdown()
