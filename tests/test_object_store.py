@@ -1,6 +1,7 @@
 """Object-store roots against a real S3 server (SeaweedFS, the session's `s3_server`): configuration from the AWS
 variables or `storage_options`, bounded failures, the commit, retention, verify and the `ckpt` commands."""
 
+import os
 import time
 
 import pytest
@@ -118,15 +119,36 @@ def test_the_spec_takes_options_first_then_the_standard_variables(monkeypatch):
         {"type": "anonymous"},
     )
     assert kvstore_spec("s3://bucket", {"profile": "p"})["aws_credentials"] == {"type": "profile", "profile": "p"}
-    # every wait is bounded: tensorstore's default (32 retries, up to 32 s apart) would retry for many minutes
+    # every wait is bounded: tensorstore's default (32 retries, up to 32 s apart) would retry for many minutes, and
+    # each attempt at a store that stopped answering costs a whole stall: 3 attempts, their backoff in half the timeout
     retries = kvstore_spec("s3://bucket", {"timeout": 4})["s3_request_retries"]
-    assert retries["max_retries"] < 32 and float(retries["max_delay"].rstrip("s")) <= 4
+    assert retries == {"max_retries": 2, "initial_delay": "0.4s", "max_delay": "1s"}
     assert "gcs_request_retries" in kvstore_spec("gs://bucket/p")
     for spec in (
         kvstore_spec("gs://bucket/p"),
         kvstore_spec("s3://bucket", {"host_header": "h", "requester_pays": "1"}),
     ):
         ts.KvStore.Spec(spec)  # tensorstore takes every spec built here
+
+
+def test_the_first_object_store_root_sets_curl_stall_limits_from_its_timeout_for_its_open_only(monkeypatch):
+    """tensorstore reads its curl settings once, when its first HTTP kvstore opens: the first root's timeout (whole
+    seconds) becomes the stall and connect limits, unless the user set them; the environment is given back after."""
+    from ckpt.storage import spec as spec_mod
+
+    names = ("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS")
+    names += ("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES",)
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS", "7")  # the user's own
+    monkeypatch.setattr(spec_mod, "_curl_made", [])  # as in a process that opened no object-store root yet
+    with spec_mod.curl_timeouts("memory", 2.5):  # no HTTP: nothing set, and the first S3 root still to come
+        assert "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS" not in os.environ
+    with spec_mod.curl_timeouts("s3", 2.5):
+        assert [os.environ.get(n) for n in names] == ["3", "7", "1"]
+    assert [os.environ.get(n) for n in names] == [None, "7", None]  # children get the environment as it was
+    with spec_mod.curl_timeouts("s3", 60):  # the transport is made: a later root changes nothing
+        assert "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS" not in os.environ
 
 
 @pytest.mark.parametrize(

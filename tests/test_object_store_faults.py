@@ -1,7 +1,9 @@
 """Faults of an object-store root against a real S3 server (SeaweedFS): the server killed in the middle of a save,
 and the saving process SIGKILLed in the middle of an upload."""
 
+import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -183,6 +185,66 @@ def test_a_frozen_server_fails_reads_within_the_timeout_and_is_usable_once_it_re
         target = state_for(0)
         assert m.restore(target) == 1
         _assert_state(target, 1)
+
+
+FROZEN_SAVER = """
+import json, os, signal, sys, time
+sys.path.insert(0, {procs!r})
+import ckpt
+from ckpt import layout
+from ckpt.storage import open_storage
+from saver import state_for
+m = ckpt.CheckpointManager({root!r}, chunk_bytes=256 << 10, storage_options={options!r})
+watcher = open_storage({root!r}, {options!r})
+m.save(1, state_for(1)).wait()
+for step in range(2, 6):  # the stop must land inside a save: the next step if a save won the race
+    handle = m.save(step, state_for(step))
+    while not handle.done() and watcher.read(layout.in_progress_path(step)) is None:  # its uploads are under way
+        time.sleep(0.005)
+    os.killpg({pgid}, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        handle.wait()
+    except ckpt.CheckpointWriteError as e:
+        print(json.dumps({{"step": step, "seconds": time.monotonic() - t0, "error": str(e)}}), flush=True)
+        break
+    os.killpg({pgid}, signal.SIGCONT)
+else:
+    print(json.dumps({{"step": None}}), flush=True)
+sys.stdin.readline()  # the server runs again: give the root's lease back
+m.close()
+"""
+
+
+def test_a_server_frozen_mid_save_fails_the_save_within_tens_of_seconds_of_a_short_timeout(s3_server, s3_bucket):
+    """A store that stops answering in the middle of a save (SIGSTOP), `timeout=3`: its chunk writes are tensorstore's,
+    cut by curl's stall limit (the first root's timeout) after 3 attempts each: ~30 s, where a fixed 30 s stall and 8
+    attempts took ~300 s. In a child process: tensorstore takes its curl settings from the process's first root."""
+    root = f"s3://{s3_bucket}/frozen-save"
+    procs = os.path.join(os.path.dirname(__file__), "procs")
+    code = FROZEN_SAVER.format(procs=procs, root=root, options=TIMEOUT, pgid=s3_server.proc.pid)
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], env=os.environ.copy(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        # the saves' outcome, once the frozen save failed (or every save won the race); a hang fails the test
+        ready, _, _ = select.select([child.stdout], [], [], 4 * HANG_S)
+        line = child.stdout.readline() if ready else ""
+    finally:
+        os.killpg(s3_server.proc.pid, signal.SIGCONT)
+        try:
+            child.communicate("\n", timeout=HANG_S)
+        finally:
+            child.kill()
+    assert line, f"the frozen save did not fail within {4 * HANG_S:g} s"
+    assert child.returncode == 0, line
+    got = json.loads(line)
+    assert got["step"] is not None, "every save won the race against the stop"
+    assert got["seconds"] < 120, got  # ~30 s; tensorstore's own retries with a 30 s stall: ~300 s
+    assert f"saving step {got['step']} failed" in got["error"]
+    assert f"frozen-save/step_{got['step']:08d}/" in got["error"], got["error"]  # the object that could not be written
+    with ckpt.CheckpointManager(root, storage_options=TIMEOUT) as m:  # nothing partial is visible; the store works
+        assert m.steps() == list(range(1, got["step"]))
 
 
 def test_a_step_whose_manifest_is_written_is_committed_even_if_its_marker_cannot_be_removed(s3_bucket, caplog):

@@ -15,7 +15,7 @@ import tensorstore as ts
 from ..errors import StorageError
 from .local import too_big
 from .protocol import checked
-from .spec import DEFAULT_TIMEOUT_S, kvstore_spec, validated_options
+from .spec import DEFAULT_TIMEOUT_S, curl_timeouts, kvstore_spec, validated_options
 
 _REMOTE = ("s3", "gcs")  # drivers probed when a root is opened
 _PROBE = ".ckpt-probe"  # a prefix listed once when a root is opened (one LIST, nothing written)
@@ -39,7 +39,8 @@ class KvStorage:
         self.keeps_written_buffers = self._base["driver"] == "memory"
         self.endpoint = self._base.get("endpoint")
         self.bucket = self._base.get("bucket")
-        self._kv = self._wait(ts.KvStore.open(self._base, context=context), "open")
+        with curl_timeouts(self._base["driver"], self.timeout):  # the first one: its timeout bounds curl's stalls
+            self._kv = self._wait(ts.KvStore.open(self._base, context=context), "open")
         if self._base["driver"] in _REMOTE:  # reachable, credentials accepted, bucket there: fail here, not later
             self._wait(self._kv.list(ts.KvStore.KeyRange(_PROBE, _PROBE + "\x00")), "list", _PROBE)
 

@@ -4,11 +4,13 @@ kvstore spec: endpoints, credentials, retries bounded by the timeout; and the te
 from __future__ import annotations
 
 import atexit
+import contextlib
+import math
 import os
 import shutil
 import tempfile
 import threading
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import fsspec
 
@@ -35,22 +37,45 @@ def context() -> ts.Context:
 DEFAULT_TIMEOUT_S = 30.0  # the longest any one storage operation may take (retries included) before it fails
 
 
-def _curl_defaults() -> None:
-    """A request that moves no byte for 30 s, or cannot connect within 30 s, is cut and retried (bounded retries).
+# tensorstore's curl settings: read from the environment once per process, when its first HTTP kvstore (S3, GCS,
+# HTTP) opens and makes the process's one HTTP transport; a request's own time has no other bound there.
+_CURL_STALL = ("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS")
+_CURL_LIMIT = "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES"
+_HTTP_DRIVERS = ("s3", "gcs", "http")
+_curl_made: list[str] = []  # the stall seconds set for the transport, once a root of ours made it
+_curl_lock = threading.Lock()
 
-    Without these, a server that accepts a connection and never answers stalls an array write forever (curl's
-    defaults: no low-speed limit, 300 s to connect). tensorstore reads them once, at its first HTTP request; a
-    user's own values win.
+
+@contextlib.contextmanager
+def curl_timeouts(driver: str, timeout: float) -> Iterator[None]:
+    """Around the open of the process's first object-store root: a request that moves no byte for `timeout` seconds
+    (rounded up; curl's low-speed limit of 1 byte/s), or cannot connect within them, is cut and retried, so a store
+    that stops answering fails a chunk write after its retries, each that long (curl's own defaults: no limit, and
+    300 s to connect).
+
+    tensorstore reads these variables once, when the first HTTP kvstore of the process opens, so the first
+    object-store root's timeout holds for every later root of the process. A variable already set (the user's) is
+    kept; ours are removed again once the open is done, so child processes get the environment as it was.
     """
-    for name, value in (
-        ("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "30"),
-        ("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1"),
-        ("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS", "30"),
-    ):
-        os.environ.setdefault(name, value)
+    if driver not in _HTTP_DRIVERS:
+        yield
+        return
+    with _curl_lock:
+        if _curl_made:
+            yield
+            return
+        seconds = str(max(1, math.ceil(timeout)))
+        ours = {name: seconds for name in _CURL_STALL if name not in os.environ}
+        if _CURL_LIMIT not in os.environ:
+            ours[_CURL_LIMIT] = "1"
+        os.environ.update(ours)
+        try:
+            yield
+            _curl_made.append(os.environ[_CURL_STALL[0]])
+        finally:
+            for name in ours:
+                os.environ.pop(name, None)
 
-
-_curl_defaults()
 
 STORAGE_OPTIONS = {
     "endpoint": "S3 endpoint URL (default: AWS_ENDPOINT_URL_S3, then AWS_ENDPOINT_URL, then AWS itself)",
@@ -92,20 +117,17 @@ def validated_options(storage_options: Mapping[str, Any] | None) -> dict[str, An
 
 
 def retries(timeout: float) -> dict[str, Any]:
-    """tensorstore's retry parameters (``*_request_retries``) whose exponential backoff fits in `timeout` seconds.
+    """tensorstore's retry parameters (``*_request_retries``): 3 attempts (as the AWS SDKs' standard mode), their
+    backoff under half of `timeout` (tensorstore waits min(initial * 2**attempt + jitter, max), the jitter at most
+    min(1 s, initial)).
 
-    tensorstore waits min(initial * 2**attempt + jitter, max) between attempts; we keep the sum of the waits
-    under half the timeout, so that the requests themselves have the other half.
+    Few attempts, because each costs a whole stall when a store stops answering: curl cuts a request only after
+    `timeout` seconds without a byte (`curl_timeouts`), an upload some seconds later (curl averages its speed over
+    the last seconds), and a save waits for its chunk writes' last attempt (tensorstore's default: 32 attempts).
     """
-    initial, most = min(1.0, timeout / 100), min(32.0, max(timeout / 8, 0.05))
-    attempts, waited = 1, 0.0
-    while attempts < 32:
-        wait = min(initial * 2 ** (attempts - 1) * 1.5, most)  # 1.5: room for the jitter
-        if waited + wait > timeout / 2:
-            break
-        waited += wait
-        attempts += 1
-    return {"max_retries": attempts, "initial_delay": f"{initial:g}s", "max_delay": f"{most:g}s"}
+    initial = max(round(timeout / 10, 3), 0.001)  # tensorstore's durations: decimals, no exponent
+    most = max(round(timeout / 4, 3), initial)
+    return {"max_retries": 2, "initial_delay": f"{initial:g}s", "max_delay": f"{most:g}s"}
 
 
 def kvstore_spec(url: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
