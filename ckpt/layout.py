@@ -189,14 +189,26 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
     Validated means: checksum, schema and bounds of every field, the state tree's tags, depth and
     references; any defect is a CorruptCheckpointError naming the file.
     """
+    return parse_manifest(storage, step, read_manifest_bytes(storage, step))
+
+
+def read_manifest_bytes(storage: Storage, step: int) -> bytes:
+    """The bytes of a committed step's manifest, unchecked (`parse_manifest` checks them); StepNotFoundError when the
+    step is not committed, CorruptCheckpointError when the manifest is no regular file."""
     path = manifest_path(step)
-    file = where(storage, path)
     try:
         data = storage.read(path, MAX_MANIFEST_BYTES)
     except UnsafeFileError as e:
-        raise CorruptCheckpointError(f"manifest is {e.strerror}", step=step, file=file) from None
+        raise CorruptCheckpointError(f"manifest is {e.strerror}", step=step, file=where(storage, path)) from None
     if data is None:
         raise StepNotFoundError(f"step {step} is not committed in {storage.url} (no {path})")
+    return data
+
+
+def parse_manifest(storage: Storage, step: int, data: bytes) -> Manifest:
+    """The manifest of `step` of `storage` from its bytes, validated as `read_manifest` says (wherever the bytes came
+    from: this process's read, or the leader's sent over the ranks' group)."""
+    file = where(storage, manifest_path(step))
     m = Manifest.from_bytes(data, file=file)
     if m.step != step:
         raise CorruptCheckpointError(f"manifest says step {m.step}", step=step, file=file)
