@@ -819,15 +819,16 @@ def read_step(
 ) -> tuple[ReadPlan | None, Exception | None]:
     """This rank's read of `step`, the mirror of a save: manifest, plan, verified reads; or why it failed.
 
-    `shared`: every rank reads `storage` (one root for all), so a region several ranks restore is read once and
-    exchanged (`planner.share_reads`, collective: then every rank calls this). A mismatch between `state` and the
+    `shared`: every rank reads `storage` (one root for all), so its manifest is read once, by the leader
+    (`shared_manifest`), and a region several ranks restore is read once and exchanged (`planner.share_reads`);
+    collective: then every rank calls this. A mismatch between `state` and the
     checkpoint (StateKeyError, StateMismatchError) is found before anything is read: alone it is raised here; among
     ranks it is returned, as damage is, so that `agree` tells every rank (none waits for this one). Nothing is
     applied to `state`.
     """
     plan, error, bands = None, None, {}
     try:
-        manifest = layout.read_manifest(storage, step)
+        manifest = shared_manifest(storage, step, ranks) if shared else layout.read_manifest(storage, step)
         plan = plan_restore(manifest, state, keys, ranks, rank_map=rank_map, files=step_files(storage, step))
     except (CorruptCheckpointError, StepNotFoundError) as e:
         error = e
@@ -847,6 +848,48 @@ def read_step(
         return plan, None
     except (CorruptCheckpointError, StepNotFoundError) as e:
         return None, e
+
+
+def shared_manifest(storage: Storage, step: int, ranks: Ranks) -> Manifest:
+    """The manifest of `step` of a root every rank reads: read from it by the leader alone, its bytes sent to the other
+    ranks over their group, and checked by every rank as `layout.read_manifest` checks it (so damage at the root or on
+    the way is found, and named, on every rank alike). A manifest of R x T entries is then read once a restore, not R
+    times (docs/benchmarks.md, `bench/manifest.py`). Collective: every rank calls it and takes part in its messages
+    whatever it meets. What the leader meets reading it reaches every rank: a missing manifest as StepNotFoundError,
+    one that is no regular file as its CorruptCheckpointError, any other error (a StorageError) as the leader's own
+    error there and, on the others, a CheckpointError naming rank 0, as `agree` names a rank that could not read."""
+    if ranks.world_size == 1:
+        return layout.read_manifest(storage, step)
+    data, failure = None, None
+    if ranks.leader:
+        try:
+            data = layout.read_manifest_bytes(storage, step)
+        except Exception as e:  # told to every rank, which then fails as this one does
+            failure = e
+    told = ranks.broadcast_json(None if failure is None else _told(failure))
+    if failure is not None:
+        raise failure
+    if told is not None:
+        raise _untold(told, step)
+    return layout.parse_manifest(storage, step, ranks.broadcast_bytes(data))
+
+
+def _told(error: Exception) -> list[Any]:
+    """The leader's failure to read a manifest, as JSON for the other ranks (`_untold`)."""
+    if isinstance(error, StepNotFoundError):
+        return ["vanished", str(error)]
+    if isinstance(error, CorruptCheckpointError):
+        return ["damaged", error.message, error.step, error.key, error.file]
+    return ["refused", described(error)]
+
+
+def _untold(told: list[Any], step: int) -> CheckpointError:
+    """On a rank other than the leader, the error the leader's failure to read the manifest of `step` makes."""
+    if told[0] == "vanished":
+        return StepNotFoundError(told[1])
+    if told[0] == "damaged":
+        return CorruptCheckpointError(told[1], step=told[2], key=told[3], file=told[4])
+    return CheckpointError(f"rank 0 could not read step {step}: {told[1]}")
 
 
 def agree(storage: Storage, ranks: Ranks, step: int, error: Exception | None) -> CorruptCheckpointError | str | None:

@@ -14,14 +14,16 @@ from ckpt.storage import Storage
 
 
 class InjectedFault(OSError):
-    """The error a failing write raises."""
+    """The error a failing write or read raises."""
 
 
 class FaultStorage:
     """`inner` as it is, except: the `fail_write`-th write (write_atomic or create, counting from 1) of a path
     `fail_path` accepts raises `InjectedFault`, nothing written; a read of a path `corrupt` accepts returns its
-    bytes with one bit flipped. `reads` and `writes` record every path read and written through it, `read_bytes` the
-    bytes each read returned (path, bytes), in order."""
+    bytes with one bit flipped; a whole read (`read`) of a path `fail_read` accepts raises `InjectedFault` (an
+    unreadable file: a ranged read of it, as of its first byte, still succeeds), a read of a path `hide` accepts finds
+    nothing (a file deleted meanwhile). `reads` and `writes` record every path read and written through it,
+    `read_bytes` the bytes each read returned (path, bytes), in order."""
 
     def __init__(
         self,
@@ -30,8 +32,11 @@ class FaultStorage:
         fail_path: Callable[[str], bool] = lambda path: False,
         fail_write: int = 1,
         corrupt: Callable[[str], bool] = lambda path: False,
+        fail_read: Callable[[str], bool] = lambda path: False,
+        hide: Callable[[str], bool] = lambda path: False,
     ):
         self.inner, self.fail_path, self.fail_write, self.corrupt = inner, fail_path, fail_write, corrupt
+        self.fail_read, self.hide = fail_read, hide
         self.url = inner.url
         self.keeps_written_buffers = inner.keeps_written_buffers
         self.cheap_sizes = inner.cheap_sizes
@@ -70,17 +75,23 @@ class FaultStorage:
     def list_files(self, path: str) -> list[str]:
         return self.inner.list_files(path)
 
-    def read(self, path: str, limit: int | None = None) -> bytes | None:
+    def _read(self, path: str) -> bool:
+        """Record a read; whether it finds anything (False: hidden)."""
         self.reads.append(path)
-        data = self.inner.read(path, limit)
+        return not self.hide(path)
+
+    def read(self, path: str, limit: int | None = None) -> bytes | None:
+        found = self._read(path)
+        if self.fail_read(path):
+            raise InjectedFault(f"injected fault: read of {path}")
+        data = self.inner.read(path, limit) if found else None
         self.read_bytes.append((path, len(data or b"")))
         if data and self.corrupt(path):
             return bytes([data[0] ^ 1]) + data[1:]
         return data
 
     def read_range(self, path: str, start: int, stop: int | None) -> bytes | None:
-        self.reads.append(path)
-        data = self.inner.read_range(path, start, stop)
+        data = self.inner.read_range(path, start, stop) if self._read(path) else None
         self.read_bytes.append((path, len(data or b"")))
         if data and self.corrupt(path):
             return bytes([data[0] ^ 1]) + data[1:]
