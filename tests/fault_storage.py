@@ -22,8 +22,9 @@ class FaultStorage:
     `fail_path` accepts raises `InjectedFault`, nothing written; a read of a path `corrupt` accepts returns its
     bytes with one bit flipped; a whole read (`read`) of a path `fail_read` accepts raises `InjectedFault` (an
     unreadable file: a ranged read of it, as of its first byte, still succeeds), a read of a path `hide` accepts finds
-    nothing (a file deleted meanwhile). `reads` and `writes` record every path read and written through it,
-    `read_bytes` the bytes each read returned (path, bytes), in order."""
+    nothing (a file deleted meanwhile), a listing of a directory `fail_list` accepts raises `InjectedFault`. `reads`
+    and `writes` record every path read and written through it, `read_bytes` the bytes each read returned (path,
+    bytes), in order."""
 
     def __init__(
         self,
@@ -34,9 +35,10 @@ class FaultStorage:
         corrupt: Callable[[str], bool] = lambda path: False,
         fail_read: Callable[[str], bool] = lambda path: False,
         hide: Callable[[str], bool] = lambda path: False,
+        fail_list: Callable[[str], bool] = lambda path: False,
     ):
         self.inner, self.fail_path, self.fail_write, self.corrupt = inner, fail_path, fail_write, corrupt
-        self.fail_read, self.hide = fail_read, hide
+        self.fail_read, self.hide, self.fail_list = fail_read, hide, fail_list
         self.url = inner.url
         self.keeps_written_buffers = inner.keeps_written_buffers
         self.cheap_sizes = inner.cheap_sizes
@@ -70,6 +72,8 @@ class FaultStorage:
         self.inner.check_creatable()
 
     def list_dirs(self, path: str = "") -> list[str]:
+        if self.fail_list(path):
+            raise InjectedFault(f"injected fault: listing of {path!r}")
         return self.inner.list_dirs(path)
 
     def list_files(self, path: str) -> list[str]:

@@ -82,3 +82,15 @@ def test_rank_0_unable_to_read_the_manifest_fails_every_rank_alike(faults):
         x = _line(result, "MISSING")
         assert x["step"] is None and x["changed"] == [], x
         assert x["error"].startswith("StepNotFoundError: step 2 is not committed in"), x
+
+
+def test_rank_0_unable_to_list_the_steps_fails_every_rank_at_once(faults):
+    _, results = faults
+    for rank, result in enumerate(results):
+        x = _line(result, "UNLISTABLE")
+        assert x["step"] is None and x["changed"] == [], x
+        if rank == 0:
+            assert x["error"] == "InjectedFault: injected fault: listing of ''", x
+        else:
+            assert x["error"].startswith("CheckpointError: rank 0 could not list the steps of "), x
+            assert x["error"].endswith("InjectedFault: injected fault: listing of ''"), x

@@ -10,7 +10,8 @@ Modes (each rank prints tagged JSON lines, ``TAG {...}``):
   manifest on disk: every rank falls back to step 1), ``IN_TRANSIT`` (step 2 saved again; rank 0's reads of its
   manifest come back with a bit flipped: the same), ``UNREADABLE`` (step 2 saved again; rank 0's read of its manifest
   fails with an OSError: every rank raises) and ``MISSING`` (`step=2` asked for; rank 0 finds no manifest of step 2:
-  every rank raises StepNotFoundError).
+  every rank raises StepNotFoundError), ``UNLISTABLE`` (rank 0 cannot list the root's steps: every rank raises at
+  once, none waits for the list).
 """
 
 import json
@@ -114,5 +115,8 @@ def main(mode: str, root: str) -> None:
 
         missing = FaultStorage(open_storage(root), hide=lambda p: rank == 0 and p == manifest_of(2))
         attempt("MISSING", missing, refs[1], step=2)
+
+        unlisted = FaultStorage(open_storage(root), fail_list=lambda p: rank == 0 and p == "")
+        attempt("UNLISTABLE", unlisted, refs[1])
     dist.barrier()
     dist.destroy_process_group()
