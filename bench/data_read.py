@@ -75,7 +75,6 @@ def child(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader, Dataset
 
     from ckpt import RandomWindowSampler, TokenWindowDataset, make_loader
-    from ckpt.determinism.windows import WindowReader
 
     kind, workers, backend, direct = ROWS[args.row]
     tokens = args.window // 2
@@ -91,7 +90,7 @@ def child(args: argparse.Namespace) -> None:
         loader = DataLoader(PerItem(), batch_sampler=sampler, num_workers=workers)
     else:
         if backend is not None:
-            dataset._reader = WindowReader(dataset.stream, tokens, backend=backend, direct=direct)
+            dataset._reader_options = {"backend": backend, "direct": direct}  # each thread's and worker's reader
         loader = make_loader(dataset, sampler, num_workers=workers)
     batches = args.count // batch
     it = iter(loader)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -239,3 +242,42 @@ def test_pin_memory_follows_cuda(tmp_path):
     assert make_loader(ds, s).pin_memory == torch.cuda.is_available()
     if torch.cuda.is_available():
         assert next(iter(make_loader(ds, s)))["tokens"].is_pinned()
+
+
+def test_threads_indexing_one_dataset_at_once_get_the_single_thread_windows(tmp_path):
+    """A thread-pool prefetcher indexes one dataset from many threads: they shared its one reader (one ticket
+    counter, one AIO ring whose completions any thread reaped, shared bounce buffers), so reads came back wrong,
+    raised, or waited for ever; each thread now reads through its own reader, and a pickled dataset still works."""
+    files = _shards(tmp_path, [40_000, 7, 25_000])
+    ds = TokenWindowDataset(files, np.uint16, WINDOW, 11, transform=noisy)
+    starts = np.random.default_rng(2).integers(0, ds.n_tokens - WINDOW + 1, 600).tolist()
+    keys = [(t, s) for t, s in enumerate(starts)]
+    alone = TokenWindowDataset(files, np.uint16, WINDOW, 11, transform=noisy)
+    want = [alone[key]["tokens"] for key in keys]
+    n = 12
+    got: list[list] = [[] for _ in range(n)]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(n)
+
+    def work(i: int) -> None:
+        try:
+            barrier.wait()
+            mine = keys[i::n]
+            got[i] += [ds[key]["tokens"] for key in mine]  # per item
+            got[i] += [sample["tokens"] for sample in ds.__getitems__(mine[::-1])]  # and as one batch
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 120  # a guard against the old deadlock only: a pass takes about a second
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    assert not any(thread.is_alive() for thread in threads), "threads reading one dataset deadlocked"
+    assert not errors, errors[:3]
+    for i in range(n):
+        mine = want[i::n]
+        assert all(torch.equal(a, b) for a, b in zip(got[i], mine + mine[::-1])) and len(got[i]) == 2 * len(mine)
+    copy = pickle.loads(pickle.dumps(ds))  # what a DataLoader worker gets: paths and settings, no reader
+    assert all(torch.equal(copy[key]["tokens"], w) for key, w in zip(keys[:50], want[:50]))

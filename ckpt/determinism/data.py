@@ -480,17 +480,30 @@ class TokenWindowDataset(Dataset[dict[str, Any]]):
                 f"got window={window} seed={seed}"
             )
         self.window, self.seed, self.transform = window, seed, transform
-        self._reader: WindowReader | None = None
+        self._reader_options: dict[str, Any] = {}  # WindowReader's keywords (bench/data_read.py picks a backend)
+        self._readers = threading.local()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Paths and settings: readers are per process and per thread (a worker opens its own)."""
+        return {key: value for key, value in self.__dict__.items() if key != "_readers"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._readers = threading.local()
 
     def fingerprint(self) -> str:
         """The data fingerprint a sampler over this stream should record (one file: `data_fingerprint(path)`)."""
         return self.stream.fingerprint()
 
     def reader(self) -> WindowReader:
-        """This dataset's batch reader (one per process; it opens its files on first use)."""
-        if self._reader is None:
-            self._reader = WindowReader(self.stream, self.window)
-        return self._reader
+        """The calling thread's batch reader (it opens its files, and its AIO context, on first use; it is closed
+        when the thread ends or the dataset is dropped). A reader is not safe to share between threads: its
+        tickets, its AIO ring and its bounce buffers are one caller's, so threads indexing one dataset at once
+        (a thread-pool prefetcher) each read through their own."""
+        reader = getattr(self._readers, "reader", None)
+        if reader is None:
+            reader = self._readers.reader = WindowReader(self.stream, self.window, **self._reader_options)
+        return reader
 
     def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
         """One sample (what a plain per-item DataLoader reads), read as a batch of one: a file that shrank under
