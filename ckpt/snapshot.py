@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from .errors import StateChangedError
 from .staging import Copy, copy
@@ -123,12 +124,16 @@ class Pending:
 class Fence:
     """A global optimizer step pre-hook: every ``optimizer.step()`` first waits for the snapshot in flight.
 
-    Registered once per manager and removed by `close` (never from inside a step, whose hooks are being iterated);
-    it holds the manager's waiting function weakly, so a manager dropped without `close` leaves a no-op hook, and a
-    forked child (which has no snapshot thread) never waits.
+    Registered once per manager and removed when the manager closes, or when it is collected without a close
+    (`weakref.finalize` on the owner of the waiting function, which the hook holds weakly: the optimizer never
+    keeps a manager alive). A forked child (which has no snapshot thread) never waits. torch iterates the hooks
+    in a step, and a removal then breaks that step ("OrderedDict mutated during iteration"): a manager collected
+    on another thread than the one that made its fence (a writer thread that held it last, while training steps)
+    leaves its hook, a no-op, for the next fence made or closed to remove.
     """
 
     def __init__(self, wait: Callable[[], None]):
+        _remove_orphans()
         ref, pid = weakref.WeakMethod(wait), os.getpid()
 
         def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -136,7 +141,31 @@ class Fence:
             if waiting is not None and os.getpid() == pid:
                 waiting()
 
-        self._handle = register_optimizer_step_pre_hook(hook)
+        handle = register_optimizer_step_pre_hook(hook)
+        owner = getattr(wait, "__self__", wait)
+        self._remove = weakref.finalize(owner, _remove_hook, handle, threading.get_ident())
 
     def close(self) -> None:
-        self._handle.remove()
+        self._remove()
+        _remove_orphans()
+
+
+_ORPHANS: list[RemovableHandle] = []  # hooks of managers collected on another thread, removed at a safe point
+_ORPHANS_LOCK = threading.Lock()
+
+
+def _remove_hook(handle: RemovableHandle, thread: int) -> None:
+    """Remove a fence's hook now on the thread that made it (where steps run), else at the next safe point."""
+    if threading.get_ident() == thread:
+        handle.remove()
+    else:
+        with _ORPHANS_LOCK:
+            _ORPHANS.append(handle)
+
+
+def _remove_orphans() -> None:
+    with _ORPHANS_LOCK:
+        orphans = _ORPHANS[:]
+        del _ORPHANS[:]
+    for handle in orphans:
+        handle.remove()

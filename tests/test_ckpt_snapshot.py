@@ -12,9 +12,11 @@ the loop provably acts while the copy is still to be made.
 
 import contextlib
 import copy
+import gc
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -231,6 +233,55 @@ def test_the_wait_of_an_optimizer_step_is_checkpoint_time_and_close_removes_the_
     assert waits[1]["e"] - waits[1]["b"] >= 0.25e6
     a = ettr.attribute_root(str(tmp_path))
     assert a.saves == 1 and a.checkpoint_split_us["overlap_wait"] == waits[1]["e"] - waits[1]["b"]
+
+
+def fences() -> list:
+    """The optimizer step pre-hooks that overlapped snapshots registered (torch's global ones), still there."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks as hooks
+
+    return [h for h in hooks.values() if getattr(h, "__module__", None) == "ckpt.snapshot"]
+
+
+def test_a_dropped_manager_leaves_no_fence_on_the_optimizers_and_is_collected(tmp_path):
+    """A manager collected without close() left its fence registered for good (a no-op hook called by every
+    optimizer step of the process, one more per manager); close() removed it. Now collection removes it too."""
+    model, optim = make()
+    train_step(model, optim)
+    before = fences()
+    for closed in (True, False):
+        m = ckpt.CheckpointManager(tmp_path / str(closed), snapshot="overlap")
+        m.save(1, {"model": model, "optim": optim}).wait()
+        assert len(fences()) == len(before) + 1
+        if closed:
+            m.close()
+            assert fences() == before
+        alive = weakref.ref(m)
+        del m
+        gc.collect()
+        assert alive() is None  # the hook never kept the manager alive
+        assert fences() == before, closed
+        assert not optim._optimizer_step_pre_hooks and not optim._optimizer_step_post_hooks
+        train_step(model, optim, 2)  # steps go on as before
+
+
+def test_a_manager_collected_on_another_thread_leaves_its_fence_to_the_next_one(tmp_path):
+    """Collected on a thread that is not training's (the one that held it last), a manager cannot remove its hook
+    there (torch may be iterating the hooks in a step, which a removal breaks): the next fence made removes it."""
+    model, optim = make()
+    train_step(model, optim)
+    before = fences()
+    box = [ckpt.CheckpointManager(tmp_path / "a", snapshot="overlap")]
+    box[0].save(1, {"model": model, "optim": optim}).wait()
+    alive = weakref.ref(box[0])
+    dropper = threading.Thread(target=lambda: (box.clear(), gc.collect()))
+    dropper.start()
+    dropper.join()
+    assert alive() is None
+    train_step(model, optim, 2)  # its hook, if still there, is a no-op
+    with ckpt.CheckpointManager(tmp_path / "b", snapshot="overlap") as m:
+        m.save(1, {"model": model, "optim": optim}).wait()
+        assert len(fences()) == len(before) + 1  # the new manager's only
+    assert fences() == before
 
 
 def test_snapshot_mode_is_checked():
