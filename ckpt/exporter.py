@@ -107,7 +107,7 @@ def export(
     ``from_pretrained`` ties them again. ``torch``: one file for ``torch.load(weights_only=True)`` (numpy
     values become tensors and numbers). ``hf``: the safetensors folder plus ``config.json``, from `config` (a
     dict or a JSON file) or the config the HF integration stored with the step. `out` must not exist, or be an
-    empty folder; nothing appears there unless the export completes.
+    empty folder, and its parent folder must exist; nothing appears there unless the export completes.
     """
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r} (choose from {', '.join(FORMATS)})")
@@ -143,6 +143,12 @@ def export(
 
 
 def _check_out(out: str, format: str) -> None:
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):  # a typo in a path makes no tree of folders (a mkdir -p did)
+        error, what = (
+            (NotADirectoryError, "not a folder") if os.path.exists(parent) else (FileNotFoundError, "no such folder")
+        )
+        raise error(f"{parent}: {what} (the parent of the output {out}); export creates no folders: make it first")
     if not os.path.lexists(out):
         return
     if format != "torch" and os.path.isdir(out) and not os.path.islink(out) and not os.listdir(out):
@@ -162,7 +168,6 @@ class _staged:
 
     def __enter__(self) -> str:
         try:
-            os.makedirs(os.path.dirname(self.out), exist_ok=True)
             if self.directory:
                 os.mkdir(self.tmp)
         except OSError as e:

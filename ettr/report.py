@@ -166,7 +166,17 @@ def plot_timeline(a: Attribution, path: str, *, title: str | None = None) -> str
 
     Writes exactly `path` (an existing directory: `path`/timeline.png), in the format its extension names (.png,
     .svg, .pdf, ...) or PNG when it has none, and returns the path written: matplotlib alone would write ``t.png``
-    for ``t``, a file the caller was never told of."""
+    for ``t``, a file the caller was never told of. A missing parent folder is an error naming it, as for
+    ``ckpt export``: neither makes folders."""
+    path = os.fspath(path)
+    if os.path.isdir(path) or path.endswith(os.sep):  # a folder, or one meant (`-o plots/`)
+        path = os.path.join(path, "timeline.png")
+    parent = os.path.dirname(path)
+    if parent and not os.path.isdir(parent):  # checked before drawing; a typo in a path makes no folders
+        error, what = (
+            (NotADirectoryError, "not a folder") if os.path.exists(parent) else (FileNotFoundError, "no such folder")
+        )
+        raise error(f"{parent}: {what} (the parent of the output {path}); plot creates no folders: make it first")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -203,9 +213,6 @@ def plot_timeline(a: Attribution, path: str, *, title: str | None = None) -> str
     ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.08, 0.5), fontsize=8, frameon=False)
     ax.set_title(title or f"ETTR {a.ettr:.3f} over {a.wall_us / 1e6 / scale:.2f} {unit}, {a.failures} failure(s)")
     fig.tight_layout()
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        path = os.path.join(path, "timeline.png")
     try:
         fig.savefig(path, dpi=110, format=None if os.path.splitext(path)[1] else "png")
     finally:

@@ -167,6 +167,24 @@ def test_plot_writes_the_path_it_is_given_and_prints_the_one_it_wrote(job, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plots", "t"]  # no t.png, no plots.png beside them
 
 
+def test_plot_to_a_missing_folder_is_an_error_naming_it_as_export_says_it(job, tmp_path):
+    """A missing parent folder: one line naming the folder (it named the file, after drawing it), as `ckpt export`
+    says it; neither makes folders."""
+    (tmp_path / "file").write_text("not a folder")
+    a_b = tmp_path / "a" / "b"
+    for given, parent, written, what in (
+        (f"{a_b}/c.png", a_b, f"{a_b}/c.png", "no such folder"),
+        (f"{a_b}/", a_b, f"{a_b}/timeline.png", "no such folder"),  # meant as a folder, which is not there
+        (f"{tmp_path}/file/c.png", tmp_path / "file", f"{tmp_path}/file/c.png", "not a folder"),
+    ):
+        res = cli("plot", job, "-o", given)
+        assert res.returncode == 2 and res.stdout == "", res
+        assert res.stderr == (
+            f"error: {parent}: {what} (the parent of the output {written}); plot creates no folders: make it first\n"
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
 def test_rank_selects_whose_ledger_is_reported(tmp_path):
     """Two ranks of one attempt: rank 1 waits 5 s for data before each of its 4 steps. `--rank` picks the ledger;
     without it the lowest rank's; a rank without a ledger is an error."""

@@ -293,6 +293,27 @@ def test_cli_errors_are_one_line_and_leave_nothing(tmp_path, capsys):
     assert res.stderr.count("\n") == 1, res.stderr  # not Python's file:line and source line
 
 
+def test_export_to_a_missing_folder_is_an_error_naming_it_and_makes_no_folders(tmp_path, capsys):
+    """`-o a/b/c` made a/ and a/b/ (a mkdir -p the docs never promised: a typo in a path became a tree), where
+    `ettr plot -o` refused: now export refuses too, in one line naming the folder, and makes nothing."""
+    model, _ = _trained()
+    with ckpt.CheckpointManager(tmp_path / "root") as m:
+        m.save(1, {"model": model})
+    root = str(tmp_path / "root")
+    (tmp_path / "file").write_text("not a folder")
+    for fmt in ("safetensors", "torch", "hf"):
+        for out, parent, what in (
+            (tmp_path / "a" / "b" / "c", tmp_path / "a" / "b", "no such folder"),
+            (tmp_path / "file" / "c", tmp_path / "file", "not a folder"),
+        ):
+            assert cli.main(["export", root, "--format", fmt, "-o", str(out)]) == 1  # checked before the step is read
+            err = capsys.readouterr().err
+            assert err.startswith(f"error: {parent}: {what} (the parent of the output {out})"), err
+            assert err.count("\n") == 1, err
+    assert sorted(os.listdir(tmp_path)) == ["file", "root"]
+    assert cli.main(["export", root, "--format", "torch", "-o", str(tmp_path / "w.pt"), "-q"]) == 0  # a folder there
+
+
 # -- import ---------------------------------------------------------------------------------------------------
 
 
