@@ -281,3 +281,19 @@ def test_threads_indexing_one_dataset_at_once_get_the_single_thread_windows(tmp_
         assert all(torch.equal(a, b) for a, b in zip(got[i], mine + mine[::-1])) and len(got[i]) == 2 * len(mine)
     copy = pickle.loads(pickle.dumps(ds))  # what a DataLoader worker gets: paths and settings, no reader
     assert all(torch.equal(copy[key]["tokens"], w) for key, w in zip(keys[:50], want[:50]))
+
+
+def test_a_key_that_is_not_two_ints_is_a_type_error_on_both_paths(tmp_path):
+    """`dataset[(0, 1.7)]` read the window at 1 and named its start 1.7 (the batch path named it 1), and
+    `dataset[5]` said only "cannot unpack non-iterable int": keys are (t, start) pairs of ints on both paths."""
+    ds = TokenWindowDataset(write_tokens(tmp_path / "t.bin", 1000), np.uint16, 10, 0)
+    for key in ((0, 1.7), (0, "3"), (True, 2), 5, (0,)):
+        with pytest.raises(TypeError, match="must be an int|a key is a \\(t, start\\) pair of ints"):
+            ds[key]
+    for keys in ([(0, 1.7)], [(0, 1), (1, 2, 3)], [(0, "3")]):
+        with pytest.raises(TypeError, match="keys are \\(t, start\\) pairs of ints"):
+            ds.__getitems__(keys)
+    good = ds[(np.int64(3), np.int64(4))]
+    assert (good["t"], good["start"]) == (3, 4) and type(good["start"]) is int
+    assert torch.equal(ds.__getitems__(np.array([[3, 4]]))[0]["tokens"], good["tokens"])
+    assert ds.__getitems__([]) == []

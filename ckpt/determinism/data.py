@@ -508,12 +508,23 @@ class TokenWindowDataset(Dataset[dict[str, Any]]):
     def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
         """One sample (what a plain per-item DataLoader reads), read as a batch of one: a file that shrank under
         the job is then an OSError naming it, as on the batch path, where a memory map died of SIGBUS."""
-        t, start = key
+        try:
+            t, start = key
+        except (TypeError, ValueError):
+            raise TypeError(f"a key is a (t, start) pair of ints, got {key!r}") from None
+        t, start = _ints(t=t, start=start)  # a float start read the window at its floor, named as given
         return self._sample(t, start, self.reader().read([start])[0])
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
         """A batch of samples read with one `WindowReader.read` (a DataLoader calls this instead of indexing)."""
-        pairs = np.asarray(keys, dtype=np.int64).reshape(-1, 2)
+        try:
+            pairs = np.asarray(keys)
+        except ValueError:  # ragged
+            pairs = np.asarray([None])
+        if pairs.size and (pairs.ndim != 2 or pairs.shape[1] != 2 or pairs.dtype.kind not in "iu"):
+            # a float start was read at its floor (as the sample's start, unlike dataset[key])
+            raise TypeError(f"keys are (t, start) pairs of ints, got {list(keys)[:3]!r}")
+        pairs = pairs.astype(np.int64).reshape(-1, 2)
         return self.samples(pairs[:, 0], pairs[:, 1], self.reader().read(pairs[:, 1]))
 
     def _sample(self, t: int, start: int, tokens: np.ndarray) -> dict[str, Any]:
