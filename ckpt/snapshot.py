@@ -124,12 +124,12 @@ class Pending:
 class Fence:
     """A global optimizer step pre-hook: every ``optimizer.step()`` first waits for the snapshot in flight.
 
-    Registered once per manager and removed when the manager closes, or when it is collected without a close
-    (`weakref.finalize` on the owner of the waiting function, which the hook holds weakly: the optimizer never
-    keeps a manager alive). A forked child (which has no snapshot thread) never waits. torch iterates the hooks
-    in a step, and a removal then breaks that step ("OrderedDict mutated during iteration"): a manager collected
-    on another thread than the one that made its fence (a writer thread that held it last, while training steps)
-    leaves its hook, a no-op, for the next fence made or closed to remove.
+    Registered once per manager and removed when the manager closes. The hook holds the waiting function weakly
+    (the optimizer never keeps a manager alive), so a manager collected without a close leaves a no-op hook, which
+    the next fence made or closed removes (`weakref.finalize` on the waiting function's owner marks it): not the
+    collection itself, which may run inside a step (a garbage collection on any thread, the training one
+    included, while torch iterates the hooks), where a removal breaks that step ("OrderedDict mutated during
+    iteration"). A forked child (which has no snapshot thread) never waits.
     """
 
     def __init__(self, wait: Callable[[], None]):
@@ -141,29 +141,27 @@ class Fence:
             if waiting is not None and os.getpid() == pid:
                 waiting()
 
-        handle = register_optimizer_step_pre_hook(hook)
-        owner = getattr(wait, "__self__", wait)
-        self._remove = weakref.finalize(owner, _remove_hook, handle, threading.get_ident())
+        self._handle = register_optimizer_step_pre_hook(hook)
+        self._orphaned = weakref.finalize(getattr(wait, "__self__", wait), _orphan, self._handle)
 
     def close(self) -> None:
-        self._remove()
+        if self._orphaned.detach() is not None:  # not yet collected, so not yet in _ORPHANS
+            self._handle.remove()
         _remove_orphans()
 
 
-_ORPHANS: list[RemovableHandle] = []  # hooks of managers collected on another thread, removed at a safe point
+_ORPHANS: list[RemovableHandle] = []  # hooks of managers collected without a close, removed at a safe point
 _ORPHANS_LOCK = threading.Lock()
 
 
-def _remove_hook(handle: RemovableHandle, thread: int) -> None:
-    """Remove a fence's hook now on the thread that made it (where steps run), else at the next safe point."""
-    if threading.get_ident() == thread:
-        handle.remove()
-    else:
-        with _ORPHANS_LOCK:
-            _ORPHANS.append(handle)
+def _orphan(handle: RemovableHandle) -> None:
+    """Mark a collected manager's hook for removal at the next safe point (`_remove_orphans`), not here."""
+    with _ORPHANS_LOCK:
+        _ORPHANS.append(handle)
 
 
 def _remove_orphans() -> None:
+    """Remove the hooks of collected managers: called as a fence is made or closed, not from inside a step."""
     with _ORPHANS_LOCK:
         orphans = _ORPHANS[:]
         del _ORPHANS[:]
