@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import logging
 import math
 import os
@@ -44,7 +45,7 @@ from .errors import (
 from .format import ArrayInfo, Manifest, chunk_key, torch_dtype
 from .layout import StepFiles, step_files  # noqa: F401 (restore.step_files, as before)
 from .staging import StagingArena
-from .storage import Storage
+from .storage import Storage, where
 
 Box = tuple[tuple[int, int], ...]
 log = logging.getLogger("ckpt")
@@ -819,8 +820,8 @@ def read_step(
 ) -> tuple[ReadPlan | None, Exception | None]:
     """This rank's read of `step`, the mirror of a save: manifest, plan, verified reads; or why it failed.
 
-    `shared`: every rank reads `storage` (one root for all), so its manifest is read once, by the leader
-    (`shared_manifest`), and a region several ranks restore is read once and exchanged (`planner.share_reads`);
+    `shared`: every rank reads `storage` (one root for all), so its manifest is read and its files listed once, by the
+    leader (`shared_step`), and a region several ranks restore is read once and exchanged (`planner.share_reads`);
     collective: then every rank calls this. A mismatch between `state` and the
     checkpoint (StateKeyError, StateMismatchError) is found before anything is read: alone it is raised here; among
     ranks it is returned, as damage is, so that `agree` tells every rank (none waits for this one). Nothing is
@@ -828,8 +829,12 @@ def read_step(
     """
     plan, error, bands = None, None, {}
     try:
-        manifest = shared_manifest(storage, step, ranks) if shared else layout.read_manifest(storage, step)
-        plan = plan_restore(manifest, state, keys, ranks, rank_map=rank_map, files=step_files(storage, step))
+        if shared and ranks.world_size > 1:
+            manifest, files = shared_step(storage, step, ranks)
+        else:
+            manifest = layout.read_manifest(storage, step)
+            files = step_files(storage, step)
+        plan = plan_restore(manifest, state, keys, ranks, rank_map=rank_map, files=files)
     except (CorruptCheckpointError, StepNotFoundError) as e:
         error = e
     except Exception as e:
@@ -850,20 +855,24 @@ def read_step(
         return None, e
 
 
-def shared_manifest(storage: Storage, step: int, ranks: Ranks) -> Manifest:
-    """The manifest of `step` of a root every rank reads: read from it by the leader alone, its bytes sent to the other
-    ranks over their group, and checked by every rank as `layout.read_manifest` checks it (so damage at the root or on
-    the way is found, and named, on every rank alike). A manifest of R x T entries is then read once a restore, not R
-    times (docs/benchmarks.md, `bench/manifest.py`). Collective: every rank calls it and takes part in its messages
-    whatever it meets. What the leader meets reading it reaches every rank: a missing manifest as StepNotFoundError,
-    one that is no regular file as its CorruptCheckpointError, any other error (a StorageError) as the leader's own
-    error there and, on the others, a CheckpointError naming rank 0, as `agree` names a rank that could not read."""
-    if ranks.world_size == 1:
-        return layout.read_manifest(storage, step)
-    data, failure = None, None
+def shared_step(storage: Storage, step: int, ranks: Ranks) -> tuple[Manifest, StepFiles | None]:
+    """The manifest of `step` of a root every rank reads, and the listing of its files (`layout.step_files`: None on a
+    root without direct file IO): read from the root by the leader alone, sent to the other ranks over their group in
+    one message down a binomial tree (`Ranks.broadcast_bytes`), and the manifest checked by every rank as
+    `layout.read_manifest` checks it (so damage at the root or on the way is found, and named, on every rank alike). A
+    manifest of R x T entries is then read once a restore, not R times (docs/benchmarks.md, `bench/manifest.py`), and
+    the step's directory walked once, not R times (each walk a stat of every file: on a shared file system, R x files
+    metadata calls). Collective: every rank calls it and takes part in its two messages whatever it meets. What the
+    leader meets reading the manifest or listing the step reaches every rank: a missing manifest as
+    StepNotFoundError, one that is no regular file or a step holding a special file as its CorruptCheckpointError, any
+    other error (a StorageError, a listing refused) as the leader's own error there and, on the others, a
+    CheckpointError naming rank 0, as `agree` names a rank that could not read."""
+    payload, failure = None, None
     if ranks.leader:
         try:
             data = layout.read_manifest_bytes(storage, step)
+            files = step_files(storage, step)
+            payload = _framed(data, None if files is None else files.sizes)
         except Exception as e:  # told to every rank, which then fails as this one does
             failure = e
     told = ranks.broadcast_json(None if failure is None else _told(failure))
@@ -871,11 +880,25 @@ def shared_manifest(storage: Storage, step: int, ranks: Ranks) -> Manifest:
         raise failure
     if told is not None:
         raise _untold(told, step)
-    return layout.parse_manifest(storage, step, ranks.broadcast_bytes(data))
+    data, sizes = _unframed(ranks.broadcast_bytes(payload))
+    manifest = layout.parse_manifest(storage, step, data)
+    return manifest, None if sizes is None else StepFiles(where(storage, layout.step_dir(step)), sizes)
+
+
+def _framed(manifest: bytes, sizes: dict[str, int] | None) -> bytes:
+    """A manifest's bytes and its step's listing in one message: the manifest's length, the manifest, the listing
+    as JSON (null: no listing)."""
+    return len(manifest).to_bytes(8, "big") + manifest + json.dumps(sizes, separators=(",", ":")).encode()
+
+
+def _unframed(message: bytes) -> tuple[bytes, dict[str, int] | None]:
+    """The manifest's bytes and the listing `_framed` put in one message."""
+    n = int.from_bytes(message[:8], "big")
+    return message[8 : 8 + n], json.loads(message[8 + n :])
 
 
 def _told(error: Exception) -> list[Any]:
-    """The leader's failure to read a manifest, as JSON for the other ranks (`_untold`)."""
+    """The leader's failure to read a manifest or list its step, as JSON for the other ranks (`_untold`)."""
     if isinstance(error, StepNotFoundError):
         return ["vanished", str(error)]
     if isinstance(error, CorruptCheckpointError):

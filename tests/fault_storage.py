@@ -1,9 +1,11 @@
 """A test backend written only against `ckpt.storage.Storage`: another root's storage with faults injected.
 
 It is also the example of a backend (docs/architecture.md, "Where a new piece goes"): a `CheckpointManager` takes
-it as its root unchanged. It has no direct file IO (`direct_path` is None), so every byte the checkpointer reads,
-and every file it writes itself (markers, the manifest), goes through this class; tensorstore writes the arrays
-into the wrapped root (`kvstore_spec`).
+it as its root unchanged. By default it has no direct file IO (`direct_path` is None), so every byte the checkpointer
+reads, and every file it writes itself (markers, the manifest), goes through this class; tensorstore writes the arrays
+into the wrapped root (`kvstore_spec`). With `direct=True` it gives the wrapped root's direct paths, as a local root
+does: chunk files are then read as files, and a restore lists a step's files itself (`layout.step_files`, through
+the step directory's direct path).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ class FaultStorage:
     `fail_path` accepts raises `InjectedFault`, nothing written; a read of a path `corrupt` accepts returns its
     bytes with one bit flipped; a whole read (`read`) of a path `fail_read` accepts raises `InjectedFault` (an
     unreadable file: a ranged read of it, as of its first byte, still succeeds), a read of a path `hide` accepts finds
-    nothing (a file deleted meanwhile), a listing of a directory `fail_list` accepts raises `InjectedFault`. `reads`
-    and `writes` record every path read and written through it, `read_bytes` the bytes each read returned (path,
-    bytes), in order."""
+    nothing (a file deleted meanwhile), a listing of a directory `fail_list` accepts raises `InjectedFault` (with
+    `direct`, a step's listing too: its direct path is asked for first). `reads` and `writes` record every path read
+    and written through it, `read_bytes` the bytes each read returned (path, bytes), `directs` every direct path asked
+    for (with `direct`: one of a step directory is a listing of that step), in order."""
 
     def __init__(
         self,
@@ -36,9 +39,10 @@ class FaultStorage:
         fail_read: Callable[[str], bool] = lambda path: False,
         hide: Callable[[str], bool] = lambda path: False,
         fail_list: Callable[[str], bool] = lambda path: False,
+        direct: bool = False,
     ):
         self.inner, self.fail_path, self.fail_write, self.corrupt = inner, fail_path, fail_write, corrupt
-        self.fail_read, self.hide, self.fail_list = fail_read, hide, fail_list
+        self.fail_read, self.hide, self.fail_list, self.direct = fail_read, hide, fail_list, direct
         self.url = inner.url
         self.keeps_written_buffers = inner.keeps_written_buffers
         self.cheap_sizes = inner.cheap_sizes
@@ -46,6 +50,7 @@ class FaultStorage:
         self.reads: list[str] = []
         self.read_bytes: list[tuple[str, int]] = []
         self.writes: list[str] = []
+        self.directs: list[str] = []
         self._matching_writes = 0
 
     def _written(self, path: str) -> None:
@@ -63,7 +68,12 @@ class FaultStorage:
         return self.inner.local_path(path)
 
     def direct_path(self, path: str) -> str | None:
-        return None
+        if not self.direct:
+            return None
+        self.directs.append(path)
+        if self.fail_list(path):  # a step's directory: `layout.step_files` lists what this path holds
+            raise InjectedFault(f"injected fault: listing of {path!r}")
+        return self.inner.direct_path(path)
 
     def check_root(self) -> None:
         self.inner.check_root()

@@ -1,6 +1,7 @@
 """The manifest of a restore from a root every rank shares is read from it once, by rank 0, and sent to the other ranks
-(4 gloo ranks on 127.0.0.1, FSDP2 on a CPU mesh): each rank checks the bytes it got, so a damaged manifest still makes
-every rank fall back to the previous step, naming the file, and rank 0's failure to read it reaches every rank."""
+with the listing of the step's files, which rank 0 alone makes (4 gloo ranks on 127.0.0.1, FSDP2 on a CPU mesh): each
+rank checks the bytes it got, so a damaged manifest or a missing file still makes every rank fall back to the previous
+step, naming the file, and rank 0's failure to read the manifest or list the step reaches every rank."""
 
 import json
 import os
@@ -46,6 +47,17 @@ def test_only_rank_0_reads_the_manifest_from_a_shared_root(tmp_path):
     assert [[p, n] for p, n in leader if n > 1] == [["step_00000002/manifest.json", size]], leader
     for x in lines[1:]:
         assert x["manifest_reads"] == [], x
+
+
+def test_only_rank_0_lists_the_step_directory_of_a_shared_root(tmp_path):
+    root = str(tmp_path / "ck")
+    results = run_ranks(WORLD, "once", root, worker=manifest_worker)
+    _ok(results)
+    lines = [_line(r, "LISTED") for r in results]
+    assert [(x["step"], x["mismatched"]) for x in lines] == [(2, [])] * WORLD, lines
+    assert lines[0]["listed"] == ["step_00000002"], lines[0]
+    for x in lines[1:]:
+        assert x["listed"] == [] and x["manifest_reads"] == [], x
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +106,27 @@ def test_rank_0_unable_to_list_the_steps_fails_every_rank_at_once(faults):
         else:
             assert x["error"].startswith("CheckpointError: rank 0 could not list the steps of "), x
             assert x["error"].endswith("InjectedFault: injected fault: listing of ''"), x
+
+
+def test_rank_0_unable_to_list_the_step_fails_every_rank_alike(faults):
+    _, results = faults
+    fault = "InjectedFault: injected fault: listing of 'step_00000002'"
+    for rank, result in enumerate(results):
+        x = _line(result, "UNLISTED_STEP")
+        assert x["step"] is None and x["changed"] == [], x
+        if rank == 0:
+            assert x["error"] == fault and x["listed"] == ["step_00000002"], x
+        else:
+            assert x["error"] == f"CheckpointError: rank 0 could not read step 2: {fault}" and x["listed"] == [], x
+
+
+def test_a_missing_chunk_file_makes_every_rank_fall_back_naming_it_from_rank_0s_listing(faults):
+    root, results = faults
+    lines = [_line(r, "MISSING_CHUNK") for r in results]
+    file = os.path.join(root, lines[0]["deleted"])
+    for rank, x in enumerate(lines):
+        assert (x["step"], x["error"], x["mismatched"]) == (1, None, []), x
+        [warning] = x["warnings"]
+        assert "step 2 is damaged" in warning and "chunk file is missing" in warning and file in warning, x
+        assert "falling back to the previous committed step" in warning, x
+        assert x["listed"] == (["step_00000002", "step_00000001"] if rank == 0 else []), x

@@ -4,18 +4,22 @@ from a root every rank shares, the manifest is read from the root by rank 0 alon
 Modes (each rank prints tagged JSON lines, ``TAG {...}``):
 
 - "once": save steps 1 and 2, restore into a fresh model through a `FaultStorage` that records every read: ``ONCE``
-  (the step, the tensors that differ from step 2's, the bytes of every manifest.json read through it).
+  (the step, the tensors that differ from step 2's, the bytes of every manifest.json read through it); again through
+  one with direct file IO, which lists the step's files: ``LISTED`` (the same, and the step directories listed).
 - "faults": save steps 1 and 2, then restore four times, each into a fresh model, printing what the restore
   returned or raised, the warnings and the tensors that changed: ``AT_REST`` (rank 0 flipped a digit of step 2's
   manifest on disk: every rank falls back to step 1), ``IN_TRANSIT`` (step 2 saved again; rank 0's reads of its
   manifest come back with a bit flipped: the same), ``UNREADABLE`` (step 2 saved again; rank 0's read of its manifest
   fails with an OSError: every rank raises) and ``MISSING`` (`step=2` asked for; rank 0 finds no manifest of step 2:
   every rank raises StepNotFoundError), ``UNLISTABLE`` (rank 0 cannot list the root's steps: every rank raises at
-  once, none waits for the list).
+  once, none waits for the list), ``UNLISTED_STEP`` (rank 0 cannot list step 2's files: every rank raises alike) and
+  ``MISSING_CHUNK`` (rank 0 deleted the largest file of step 2, a pack's: every rank falls back to step 1 naming it;
+  also the step directories each rank listed, and the file deleted).
 """
 
 import json
 import os
+import re
 import sys
 import warnings
 
@@ -57,7 +61,12 @@ def mismatched(model, opt, ref: dict) -> list[str]:
     return [k for k in ref if k not in got or not torch.equal(ref[k], got[k])]
 
 
-def attempt(tag: str, storage, ref: dict, step: int | None = None) -> None:
+def listed(storage: FaultStorage) -> list[str]:
+    """The step directories `storage` was asked to list (the direct path of a step directory, `layout.step_files`)."""
+    return [p for p in storage.directs if re.fullmatch(r"step_\d{8}", p)]
+
+
+def attempt(tag: str, storage, ref: dict, step: int | None = None, **extra) -> None:
     """Restore into a fresh model from `storage`; print what happened (never raises: every rank goes on)."""
     rank = dist.get_rank()
     model, opt = dist_worker.build()
@@ -75,6 +84,9 @@ def attempt(tag: str, storage, ref: dict, step: int | None = None) -> None:
     else:  # a failed restore leaves the state as it was
         out["changed"] = mismatched(model, opt, before)
     out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    if isinstance(storage, FaultStorage):
+        out["listed"] = listed(storage)
+    out.update(extra)
     print(f"{tag} {json.dumps(out)}", flush=True)
     dist.barrier()
 
@@ -92,6 +104,13 @@ def main(mode: str, root: str) -> None:
         reads = [(p, n) for p, n in counting.read_bytes if p.endswith("manifest.json")]
         out = {"rank": rank, "step": step, "mismatched": mismatched(model, opt, refs[2]), "manifest_reads": reads}
         print(f"ONCE {json.dumps(out)}", flush=True)
+        model, opt = dist_worker.build()
+        direct = FaultStorage(open_storage(root), direct=True)
+        with ckpt.CheckpointManager(direct, collective_timeout=60) as m:
+            step = m.restore(dist_worker.state_of(model, opt))
+        reads = [(p, n) for p, n in direct.read_bytes if p.endswith("manifest.json")]
+        out = {"rank": rank, "step": step, "mismatched": mismatched(model, opt, refs[2]), "manifest_reads": reads}
+        print(f"LISTED {json.dumps({**out, 'listed': listed(direct)})}", flush=True)
     elif mode == "faults":
         refs = save(root, (1, 2), model, opt)
         if rank == 0:  # a digit of the body changed: valid JSON, a wrong checksum
@@ -118,5 +137,17 @@ def main(mode: str, root: str) -> None:
 
         unlisted = FaultStorage(open_storage(root), fail_list=lambda p: rank == 0 and p == "")
         attempt("UNLISTABLE", unlisted, refs[1])
+
+        step_2 = FaultStorage(open_storage(root), direct=True, fail_list=lambda p: rank == 0 and p == "step_00000002")
+        attempt("UNLISTED_STEP", step_2, refs[1])
+
+        deleted = [None]
+        if rank == 0:  # the largest file of step 2: one of a pack's files, which some rank reads
+            top = os.path.join(root, "step_00000002")
+            files = [os.path.join(d, f) for d, _, fs in os.walk(top) for f in fs]
+            deleted[0] = os.path.relpath(max(files, key=os.path.getsize), root)
+            os.remove(os.path.join(root, deleted[0]))
+        dist.broadcast_object_list(deleted)
+        attempt("MISSING_CHUNK", FaultStorage(open_storage(root), direct=True), refs[1], deleted=deleted[0])
     dist.barrier()
     dist.destroy_process_group()
