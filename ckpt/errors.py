@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CheckpointError(Exception):
     """Base class of every error this library raises about a checkpoint."""
@@ -104,3 +106,23 @@ class StorageError(CheckpointError):
     def __init__(self, message: str, *, url: str, endpoint: str | None, bucket: str | None, key: str = ""):
         super().__init__(message)
         self.url, self.endpoint, self.bucket, self.key = url, endpoint, bucket, key
+
+
+def leader_failure(error: Exception) -> list[Any]:
+    """What the leader met reading a step that every rank needs (its manifest, its listing, its metadata), as JSON
+    for the other ranks, which each raise `from_leader` of it: no rank reads it again, none waits for it."""
+    if isinstance(error, StepNotFoundError):
+        return ["vanished", str(error)]
+    if isinstance(error, CorruptCheckpointError):
+        return ["damaged", error.message, error.step, error.key, error.file]
+    return ["refused", described(error)]
+
+
+def from_leader(told: list[Any], doing: str) -> CheckpointError:
+    """On a rank other than the leader, the error `leader_failure` told: a missing step as StepNotFoundError, damage
+    as the same CorruptCheckpointError, any other error as a CheckpointError naming rank 0 and what it was `doing`."""
+    if told[0] == "vanished":
+        return StepNotFoundError(told[1])
+    if told[0] == "damaged":
+        return CorruptCheckpointError(told[1], step=told[2], key=told[3], file=told[4])
+    return CheckpointError(f"rank 0 could not {doing}: {told[1]}")

@@ -41,6 +41,8 @@ from .errors import (
     StateMismatchError,
     StepNotFoundError,
     described,
+    from_leader,
+    leader_failure,
 )
 from .format import ArrayInfo, Manifest, chunk_key, torch_dtype
 from .layout import StepFiles, step_files  # noqa: F401 (restore.step_files, as before)
@@ -875,11 +877,11 @@ def shared_step(storage: Storage, step: int, ranks: Ranks) -> tuple[Manifest, St
             payload = _framed(data, None if files is None else files.sizes)
         except Exception as e:  # told to every rank, which then fails as this one does
             failure = e
-    told = ranks.broadcast_json(None if failure is None else _told(failure))
+    told = ranks.broadcast_json(None if failure is None else leader_failure(failure))
     if failure is not None:
         raise failure
     if told is not None:
-        raise _untold(told, step)
+        raise from_leader(told, f"read step {step}")
     data, sizes = _unframed(ranks.broadcast_bytes(payload))
     manifest = layout.parse_manifest(storage, step, data)
     return manifest, None if sizes is None else StepFiles(where(storage, layout.step_dir(step)), sizes)
@@ -895,24 +897,6 @@ def _unframed(message: bytes) -> tuple[bytes, dict[str, int] | None]:
     """The manifest's bytes and the listing `_framed` put in one message."""
     n = int.from_bytes(message[:8], "big")
     return message[8 : 8 + n], json.loads(message[8 + n :])
-
-
-def _told(error: Exception) -> list[Any]:
-    """The leader's failure to read a manifest or list its step, as JSON for the other ranks (`_untold`)."""
-    if isinstance(error, StepNotFoundError):
-        return ["vanished", str(error)]
-    if isinstance(error, CorruptCheckpointError):
-        return ["damaged", error.message, error.step, error.key, error.file]
-    return ["refused", described(error)]
-
-
-def _untold(told: list[Any], step: int) -> CheckpointError:
-    """On a rank other than the leader, the error the leader's failure to read the manifest of `step` makes."""
-    if told[0] == "vanished":
-        return StepNotFoundError(told[1])
-    if told[0] == "damaged":
-        return CorruptCheckpointError(told[1], step=told[2], key=told[3], file=told[4])
-    return CheckpointError(f"rank 0 could not read step {step}: {told[1]}")
 
 
 def agree(storage: Storage, ranks: Ranks, step: int, error: Exception | None) -> CorruptCheckpointError | str | None:
