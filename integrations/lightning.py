@@ -46,6 +46,7 @@ from ._common import (
     refuse_rollback,
     resolve_step,
     save_once,
+    shared_metadata,
 )
 
 POINTER_FORMAT = "ckpt-lightning-pointer/1"
@@ -293,14 +294,15 @@ class CkptCheckpointIO(CheckpointIO):
             refuse_rollback(self.manager, step)
             self.before_load()
         self._sweep(_folder(os.fspath(path)))
-        checkpoint = read_step(self.manager, step)
+        metadata = shared_metadata(self.manager, step)  # read once, by rank 0: every rank loads (a restore follows)
+        checkpoint = read_step(self.manager, step, metadata=metadata)
         callbacks = checkpoint.get("callbacks")
         self._stored = step, _path_fields(callbacks)
         if isinstance(callbacks, dict) and step == pointer["step"]:
             for key, fields in pointer.get("callbacks", {}).items():
                 if isinstance(callbacks.get(key), dict):
                     callbacks[key].update(fields)
-        written_at = self.manager.metadata(step).get(WRITTEN_AT)
+        written_at = metadata.get(WRITTEN_AT)
         if isinstance(callbacks, dict) and written_at is not None and written_at != _real(self.root):
             checkpoint["callbacks"] = _rebase(callbacks, written_at, _real(self.root))
         self._done.add(step)
