@@ -68,6 +68,10 @@ class CheckpointManager:
         root_options: a `RootOptions` (as keywords: ``storage_options=``, ``lease_ttl=``, ``run_id=``,
             ``collective_timeout=``): object-store settings, the writer's lease, the run's id, how long a rank
             waits for the others.
+        alone: this process checkpoints by itself even with torch.distributed initialized: no gloo group, no
+            collective, world size 1 (the whole state is written and read here). For state every rank holds
+            identically that one rank saves while the others only read it (Lightning's DDP: its `CheckpointIO`
+            saves on rank 0 alone); the other ranks must never save or delete into the root.
 
     With torch.distributed initialized, every rank creates the manager (it makes a gloo group for its
     own collectives) and calls `save`/`restore` with the same step: each rank writes only its slices.
@@ -102,7 +106,10 @@ class CheckpointManager:
         lease_ttl: float | None = None,
         run_id: str | None = None,
         collective_timeout: float | None = None,
+        alone: bool = False,
     ):
+        if type(alone) is not bool:
+            raise TypeError(f"alone must be True or False, got {alone!r}")
         self.write, tiering, reach = resolve(
             write,
             tiers,
@@ -139,7 +146,7 @@ class CheckpointManager:
         )
         self.tracker = tracker
         timeout = timedelta(seconds=reach.collective_timeout)
-        self.ranks: Ranks = Ranks.current(timeout)
+        self.ranks: Ranks = Ranks.local() if alone else Ranks.current(timeout)
         self._metadata: dict[int, dict[str, Any]] = {}
         self._root_lease = RootLease(self.storage, self.ranks, reach.lease_ttl)  # taken by the first save
         self._planner = Planner()  # the arrays of the last save, reused while the state keeps its structure

@@ -70,15 +70,16 @@ class TrackerLease:
         self.tracker: GoodputTracker | None = tracker
         self._open = False
 
-    def start(self, root: str | None = None) -> GoodputTracker:
-        """Return the tracker to report to; an owned one is new per call (one ledger per attempt) and started."""
+    def start(self, root: str | None = None, rank: int | None = None) -> GoodputTracker:
+        """Return the tracker to report to; an owned one is new per call (one ledger per attempt) and started, as
+        `rank` (None: the launcher's RANK)."""
         if self.given is not None:
             return self.given
         root = root or self.root
         if root is None:
             raise ValueError("no root for the goodput ledger: pass root= or tracker=")
         if not self._open:
-            self.tracker = GoodputTracker(root).start()
+            self.tracker = GoodputTracker(root, rank=rank).start()
             self._open = True
         return self.tracker
 

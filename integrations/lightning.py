@@ -27,6 +27,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 
 from ckpt import CheckpointManager, RandomWindowSampler, RNGState, SaveDecision, ShuffledSampler, layout
 from ckpt import run as ckpt_run
+from ckpt.distributed import topology
 from ckpt.observer import check_observer
 from ckpt.options import typed
 from ckpt.state import encodable
@@ -232,9 +233,21 @@ class CkptCheckpointIO(CheckpointIO):
 
     @property
     def manager(self) -> CheckpointManager:
-        """The manager of `root`, opened on first use (again after `teardown`)."""
+        """The manager of `root`, opened on first use (again after `teardown`).
+
+        It checkpoints `alone` on every rank: Lightning calls ``save_checkpoint`` and ``remove_checkpoint`` on rank 0
+        only (DDP's state is replicated), so rank 0 writes the whole state by itself, holds the root's lease and
+        deletes; every rank reads the whole state when it loads. A collective manager would wait at rank 0's first
+        save for ranks that never come (`ckpt.CollectiveTimeout` after ``collective_timeout``)."""
         if self._manager is None:
-            self._manager = CheckpointManager(self.root, tracker=self.tracker, **self._options)
+            world = topology()[1]
+            if world > 1 and self._options["tiers"] is not None:
+                raise ValueError(
+                    f"CkptCheckpointIO(local=...) runs in one process only, not among {world} ranks: Lightning saves "
+                    f"on rank 0 alone, so the other ranks could not read the steps its local tier holds; leave out "
+                    f"local= (every rank loads from {self.root})"
+                )
+            self._manager = CheckpointManager(self.root, tracker=self.tracker, alone=True, **self._options)
         return self._manager
 
     def use_tracker(self, tracker: GoodputTracker | None) -> None:
@@ -293,8 +306,9 @@ class CkptCheckpointIO(CheckpointIO):
         if self.before_load is not None:  # a fit: it trains on from `step`
             refuse_rollback(self.manager, step)
             self.before_load()
-        self._sweep(_folder(os.fspath(path)))
-        metadata = shared_metadata(self.manager, step)  # read once, by rank 0: every rank loads (a restore follows)
+        if _writer():
+            self._sweep(_folder(os.fspath(path)))
+        metadata = shared_metadata(self.manager, step)  # the manager is `alone`: each rank reads its own
         checkpoint = read_step(self.manager, step, metadata=metadata)
         callbacks = checkpoint.get("callbacks")
         self._stored = step, _path_fields(callbacks)
@@ -326,24 +340,32 @@ class CkptCheckpointIO(CheckpointIO):
         self._fresh = _folder(path)
         return NothingToLoad()
 
-    def start_fit(self, resume: bool, writer: bool = True) -> bool:
+    def start_fit(self, resume: bool, writer: bool | None = None) -> bool:
         """The start-up check of a fit, before anything is written (`ckpt.run.check_start`): True to resume the
         root's newest step. A fit that loaded no checkpoint into a root holding another run's committed steps raises
-        `ckpt.RunMismatchError`; a resume claims the root for this run. Once the start is allowed, the pointer
-        folders of the root's steps are cleared of temporary pointer files left by a writer killed mid-write, and,
-        by the `writer` (the rank that saves: rank 0), after a load that found nothing to resume (`NothingToLoad`),
-        its folder of pointers to steps that never committed (ModelCheckpoint would otherwise pick ``-v1`` names)."""
-        same_run = ckpt_run.check_start(
-            self.manager.storage,
-            self.manager.run,
-            resume=resume,
-            how_to_resume='trainer.fit(model, ..., ckpt_path="last")',
-            how_to_start_over=f"give CkptCheckpointIO a new root (or delete {self.root})",
-        )
+        `ckpt.RunMismatchError`; a resume claims the root for this run. Only the `writer` (the rank that saves:
+        rank 0; default: torch.distributed's rank 0, or this process alone) writes anything: it claims the root and,
+        once the start is allowed, clears the pointer folders of the root's steps of temporary pointer files left by
+        a writer killed mid-write, and, after a load that found nothing to resume (`NothingToLoad`), its folder of
+        pointers to steps that never committed (ModelCheckpoint would otherwise pick ``-v1`` names). The other
+        ranks only check (their generated run ids are their own)."""
+        writer = _writer() if writer is None else writer
+        if resume and not writer:
+            same_run = bool(self.manager.steps())  # check_start's answer, without its claim
+        else:
+            same_run = ckpt_run.check_start(
+                self.manager.storage,
+                self.manager.run,
+                resume=resume,
+                how_to_resume='trainer.fit(model, ..., ckpt_path="last")',
+                how_to_start_over=f"give CkptCheckpointIO a new root (or delete {self.root})",
+            )
+        fresh, self._fresh = self._fresh, None
+        if not writer:
+            return same_run
         for folder in self._known_folders():
             self._sweep(folder)
-        fresh, self._fresh = self._fresh, None
-        if fresh is not None and writer:
+        if fresh is not None:
             self._sweep(fresh)
             self._adopt(fresh)
         return same_run
@@ -472,6 +494,11 @@ class CkptCheckpointIO(CheckpointIO):
             manager.close()
 
 
+def _writer() -> bool:
+    """Whether this process is the one Lightning saves from: torch.distributed's rank 0, or a process alone."""
+    return topology()[0] == 0
+
+
 def _changed(
     stored: dict[str, dict[str, str | None]], fields: dict[str, dict[str, str | None]]
 ) -> dict[str, dict[str, str | None]]:
@@ -524,6 +551,7 @@ class GoodputCallback(Callback):
         self._losses: list[Any] = []
         self._batches: list[str | None] = []
         self._begun = False
+        self._rank: int | None = None  # the trainer's global rank among several (Lightning's launcher sets no RANK)
 
     @property
     def tracker(self) -> GoodputTracker | None:
@@ -537,6 +565,7 @@ class GoodputCallback(Callback):
             return
         io = _ckpt_io(trainer)
         self._begun = False
+        self._rank = trainer.global_rank if trainer.world_size > 1 else None
         if io is None:
             self._begin(None, resume=False)
             return
@@ -572,7 +601,7 @@ class GoodputCallback(Callback):
             io.before_load = None
             if resume:
                 io.start_fit(resume=True)
-        tracker = self._lease.start(io.root if io is not None else None)
+        tracker = self._lease.start(io.root if io is not None else None, rank=self._rank)
         if io is not None:
             io.use_tracker(tracker)
 

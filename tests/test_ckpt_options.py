@@ -45,6 +45,7 @@ def test_a_bad_option_fails_where_it_is_made_naming_the_field(make, message):
     "make, message",
     [
         (lambda: CheckpointManager(None), "root must be a path or URL .str or os.PathLike., got NoneType None"),
+        (lambda: CheckpointManager("/tmp/x", alone="yes"), "alone must be True or False, got 'yes'"),
         (lambda: WriteOptions(chunk_bytes="64MB"), "chunk_bytes must be an int, got '64MB'"),
         (lambda: WriteOptions(io_threads=1.5), "io_threads must be an int, got 1.5"),
         (lambda: TierOptions(3), "local must be a directory .a str or path., got 3"),

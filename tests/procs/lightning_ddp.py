@@ -1,0 +1,79 @@
+"""Child process: a Lightning DDP fit (2 CPU ranks, gloo; Lightning re-runs this script for rank 1) through
+CkptCheckpointIO + GoodputCallback + ModelCheckpoint(every 2 steps, last), resumed from "last".
+
+Usage: lightning_ddp.py ROOT MAX_STEPS
+Every rank prints "start RANK STEP HEX" (its weights as the training starts: after a resume, the restored ones) and
+"end RANK STEP HEX" (after the fit), HEX being the float32 bytes of every parameter in order.
+"""
+
+import gc
+import os
+import sys
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from integrations.lightning import CkptCheckpointIO, GoodputCallback
+
+
+class Net(LightningModule):
+    """A linear regression with Adam: its moments are part of what every rank must restore."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def weights(module: torch.nn.Module) -> str:
+    return b"".join(p.detach().numpy().tobytes() for p in module.parameters()).hex()
+
+
+def say(line: str) -> None:
+    """One write(2) of the whole line: both ranks share the pipe, and a print may split a line into two writes."""
+    os.write(1, (line + "\n").encode())
+
+
+class Report(Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        say(f"start {trainer.global_rank} {trainer.global_step} {weights(pl_module)}")
+
+
+def main(root: str, max_steps: int) -> None:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=True,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        plugins=[CkptCheckpointIO(root, collective_timeout=10)],  # a rank waiting for another fails in 10 s
+        callbacks=[
+            GoodputCallback(),
+            ModelCheckpoint(dirpath=os.path.join(root, "pointers"), every_n_train_steps=2, save_last=True),
+            Report(),
+        ],
+    )
+    model = Net()
+    trainer.fit(model, DataLoader(data, batch_size=4), ckpt_path="last")
+    say(f"end {trainer.global_rank} {trainer.global_step} {weights(model)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
+    gc.freeze()  # the child ends here: no final collections over torch's objects

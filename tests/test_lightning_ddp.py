@@ -1,0 +1,76 @@
+"""Lightning DDP on CPU (2 ranks, gloo): Lightning saves through CkptCheckpointIO on rank 0 only, so its manager
+checkpoints alone; every rank resumes from "last" with rank 0's weights and optimizer state."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
+
+from ckpt import layout  # noqa: E402
+from ckpt.storage import open_storage  # noqa: E402
+from ettr import attribute_root  # noqa: E402
+from kill_resume import LAUNCHER, REPO  # noqa: E402
+
+CHILD = Path(__file__).parent / "procs" / "lightning_ddp.py"
+# Lightning's own variables too: a test run under a launcher must not make the child a rank of that job
+OUTSIDE = (*LAUNCHER, "RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def fit(root: Path, steps: int) -> dict[tuple[str, int], tuple[int, str]]:
+    """Run the DDP child (Lightning starts rank 1 from it) to `steps`; (what, rank) -> (step, weights) printed.
+
+    A hang (a collective that one rank never joins) fails here after 120 s, killing both ranks."""
+    environ = {k: v for k, v in os.environ.items() if k not in OUTSIDE}
+    proc = subprocess.Popen(
+        [sys.executable, str(CHILD), str(root), str(steps)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1"},
+        start_new_session=True,  # rank 1 is its child: both go with the group
+    )
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the DDP fit to step {steps} hung:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-6000:]
+    found = {}
+    for line in out.splitlines():
+        words = line.split()
+        if len(words) == 4 and words[0] in ("start", "end"):
+            found[words[0], int(words[1])] = int(words[2]), words[3]
+    assert len(found) == 4, out[-6000:]
+    return found
+
+
+def test_ddp_fit_saves_on_rank_0_and_every_rank_resumes_its_weights_from_last(tmp_path):
+    root = tmp_path / "root"
+    first = fit(root, 4)
+    assert first["start", 0] == first["start", 1] and first["start", 0][0] == 0
+    assert first["end", 0] == first["end", 1] and first["end", 0][0] == 4
+    assert layout.committed_steps(open_storage(str(root))) == [4]  # step 2 went with its pointer
+    assert sorted(p.name for p in (root / "pointers").iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+
+    second = fit(root, 8)
+    # both ranks start from rank 0's step 4, and train on in step (rank 1's Adam state was restored too)
+    assert second["start", 0] == second["start", 1] == first["end", 0]
+    assert second["end", 0] == second["end", 1] and second["end", 0][0] == 8
+    assert layout.committed_steps(open_storage(str(root))) == [8]
+
+    # each rank's goodput ledger under its own rank, one per attempt; rank 1 recorded the restore of step 4
+    ledgers = sorted(p.name.rsplit("-", 1)[1] for p in (root / "ettr").glob("ledger-*.jsonl"))
+    assert ledgers == ["rank0.jsonl", "rank0.jsonl", "rank1.jsonl", "rank1.jsonl"]
+    for rank in (0, 1):
+        attribution = attribute_root(str(root), rank=rank)
+        assert attribution.replay.diverged == 0
