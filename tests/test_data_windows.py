@@ -293,6 +293,12 @@ def test_a_key_that_is_not_two_ints_is_a_type_error_on_both_paths(tmp_path):
     for keys in ([(0, 1.7)], [(0, 1), (1, 2, 3)], [(0, "3")]):
         with pytest.raises(TypeError, match="keys are \\(t, start\\) pairs of ints"):
             ds.__getitems__(keys)
+    for key in ((-1, 0), (1 << 63, 0)):  # a sample counter is an int64 at or above 0 (a negative one read a
+        # window and failed only in a transform's seeding; one past int64 passed here and failed in a batch)
+        with pytest.raises((ValueError, TypeError), match=r"t, the sample counter, must be in|pairs of ints below"):
+            ds[key]
+        with pytest.raises((ValueError, TypeError), match=r"t, the sample counter, must be in|pairs of ints below"):
+            ds.__getitems__([(0, 0), key])
     good = ds[(np.int64(3), np.int64(4))]
     assert (good["t"], good["start"]) == (3, 4) and type(good["start"]) is int
     assert torch.equal(ds.__getitems__(np.array([[3, 4]]))[0]["tokens"], good["tokens"])

@@ -70,6 +70,7 @@ def _ints(**arguments: Any) -> list[int]:
 
 
 _POSITION_LIMIT = 1 << 62  # counters stay int64 with a batch added
+_INT64_END = 1 << 63  # a sample counter is an int64 (a batch of keys is an int64 array)
 
 
 class _CounterSampler(Sampler[list[Any]]):
@@ -513,6 +514,8 @@ class TokenWindowDataset(Dataset[dict[str, Any]]):
         except (TypeError, ValueError):
             raise TypeError(f"a key is a (t, start) pair of ints, got {key!r}") from None
         t, start = _ints(t=t, start=start)  # a float start read the window at its floor, named as given
+        if not 0 <= t < _INT64_END:
+            raise ValueError(f"key {key!r}: t, the sample counter, must be in [0, 2**63), got {t}")
         return self._sample(t, start, self.reader().read([start])[0])
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
@@ -522,9 +525,13 @@ class TokenWindowDataset(Dataset[dict[str, Any]]):
         except ValueError:  # ragged
             pairs = np.asarray([None])
         if pairs.size and (pairs.ndim != 2 or pairs.shape[1] != 2 or pairs.dtype.kind not in "iu"):
-            # a float start was read at its floor (as the sample's start, unlike dataset[key])
-            raise TypeError(f"keys are (t, start) pairs of ints, got {list(keys)[:3]!r}")
+            # a float start was read at its floor (as the sample's start, unlike dataset[key]); an int past int64 is
+            # an object array
+            raise TypeError(f"keys are (t, start) pairs of ints below 2**63, got {list(keys)[:3]!r}")
         pairs = pairs.astype(np.int64).reshape(-1, 2)
+        if (pairs[:, 0] < 0).any():
+            bad = pairs[pairs[:, 0] < 0][0].tolist()
+            raise ValueError(f"key {tuple(bad)!r}: t, the sample counter, must be in [0, 2**63), got {bad[0]}")
         return self.samples(pairs[:, 0], pairs[:, 1], self.reader().read(pairs[:, 1]))
 
     def _sample(self, t: int, start: int, tokens: np.ndarray) -> dict[str, Any]:
