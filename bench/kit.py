@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import errno
 import gc
+import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import threading
 import time
 from typing import Any, Callable, Protocol
@@ -555,3 +559,39 @@ ADAPTERS: dict[str, type[Adapter]] = {
     "ckpt": Ckpt,
     "raw": RawWrite,
 }
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (for the ranks' rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(args: list[str], ranks: int, what: str) -> dict:
+    """`python <args>` as `ranks` processes under the env:// rendezvous on 127.0.0.1 (none for one process); the JSON
+    row rank 0 prints last. A failed rank leaves its peers waiting in a collective: they are ended, and this exits
+    naming `what` and every exit code."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if ranks > 1:
+        env.update(WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *args],
+            stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+            text=True,
+            cwd=ROOT,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
+        for r in range(ranks)
+    ]
+    while None in (codes := [p.poll() for p in procs]) and not any(codes):
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    codes = [p.wait() for p in procs]
+    out = procs[0].stdout.read()  # one short JSON line: it fits the pipe's buffer
+    if any(codes):
+        raise SystemExit(f"{what} failed with exit codes {codes}")
+    return json.loads(out.strip().splitlines()[-1])

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -24,11 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kit import free_port  # noqa: E402
 
 
 def _rank(rank: int, world: int, port: int, tensors: int, repeats: int, workdir: str, out: str) -> None:
@@ -105,7 +100,7 @@ def run(world: int, tensors: int, repeats: int) -> dict[str, float]:
     workdir = tempfile.mkdtemp(prefix="ckpt-planning-", dir=os.environ.get("BENCH_DIR", "/tmp"))
     out = os.path.join(workdir, "result.json")
     try:
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_rank, args=(r, world, port, tensors, repeats, workdir, out)) for r in range(world)]
         for p in procs:
             p.start()

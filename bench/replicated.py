@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +26,18 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kit import ADAPTERS, GIB, ROOT, build_state, bytes_read, drop_caches, fingerprint, scramble, state_bytes  # noqa: E402
+from kit import (  # noqa: E402
+    ADAPTERS,
+    GIB,
+    ROOT,
+    build_state,
+    bytes_read,
+    drop_caches,
+    fingerprint,
+    run_ranks,
+    scramble,
+    state_bytes,
+)
 
 METHODS = ("dcp_save", "ckpt")
 
@@ -85,34 +95,9 @@ def run_rank(args) -> None:
 
 def run_method(args, method: str) -> dict:
     """`method` as `args.ranks` processes; the JSON row of rank 0."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, os.path.abspath(__file__), "--_rank", method, "--size-gb", str(args.size_gb)]
-    cmd += ["--repeats", str(args.repeats), "--seed", str(args.seed), "--dir", args.dir]
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.update(WORLD_SIZE=str(args.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    procs = [
-        subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
-            text=True,
-            cwd=ROOT,
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-        )
-        for r in range(args.ranks)
-    ]
-    while None in (codes := [p.poll() for p in procs]) and not any(codes):
-        time.sleep(0.2)
-    for p in procs:  # a failed rank leaves its peers waiting in a collective: end them
-        if p.poll() is None:
-            p.kill()
-    codes = [p.wait() for p in procs]
-    if any(codes):
-        raise SystemExit(f"{method} failed with exit codes {codes}")
-    return json.loads(procs[0].stdout.read().strip().splitlines()[-1])
+    argv = [os.path.abspath(__file__), "--_rank", method, "--size-gb", str(args.size_gb)]
+    argv += ["--repeats", str(args.repeats), "--seed", str(args.seed), "--dir", args.dir]
+    return run_ranks(argv, args.ranks, method)
 
 
 def report(rows: list[dict], args) -> str:

@@ -37,7 +37,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,7 +47,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kit import (  # noqa: E402
     ADAPTERS,
     GIB,
-    ROOT,
     PeakRSS,
     build_model,
     build_state,
@@ -56,6 +54,7 @@ from kit import (  # noqa: E402
     fingerprint,
     fsync_path,
     proc_status,
+    run_ranks,
     scramble,
     state_bytes,
     state_tensors,
@@ -311,55 +310,12 @@ def chunk_spec(text: str) -> tuple[str, int]:
 
 def child(args, kind: str, extra: list[str]) -> dict:
     """Run `kind` (a method or "floors") in fresh process(es): one, or one per rank; the JSON row of rank 0."""
-    cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--_child",
-        kind,
-        "--size-gb",
-        str(args.size_gb),
-        "--repeats",
-        str(args.repeats),
-        "--seed",
-        str(args.seed),
-        "--dir",
-        args.dir,
-        *extra,
-    ]
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    argv = [os.path.abspath(__file__), "--_child", kind, "--size-gb", str(args.size_gb), "--repeats", str(args.repeats)]
+    argv += ["--seed", str(args.seed), "--dir", args.dir, *extra]
     ranks = 1 if kind == "floors" else args.ranks
     if ranks > 1:
-        cmd += ["--ranks", str(ranks)]
-        env.update(WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    procs = [
-        subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
-            text=True,
-            cwd=ROOT,
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-        )
-        for r in range(ranks)
-    ]
-    while None in (codes := [p.poll() for p in procs]) and not any(codes):
-        time.sleep(0.2)
-    for p in procs:  # a failed rank leaves its peers waiting in a collective: end them
-        if p.poll() is None:
-            p.kill()
-    codes = [p.wait() for p in procs]
-    out = procs[0].stdout.read()  # one short JSON line: it fits the pipe's buffer
-    if any(codes):
-        raise SystemExit(f"child {kind} {' '.join(extra)} failed with exit codes {codes}")
-    return json.loads(out.strip().splitlines()[-1])
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (for the ranks' rendezvous)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        argv += ["--ranks", str(ranks)]
+    return run_ranks(argv, ranks, f"child {kind} {' '.join(extra)}")
 
 
 def fmt_gib(n: float) -> str:
