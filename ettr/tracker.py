@@ -450,6 +450,9 @@ class GoodputTracker:
         self._buf.append({"k": "end", "t": self._now(), "status": status})
         self._resume_known = True
         self.flush()
+        with self._lock:
+            while self._loading:  # another thread reads the earlier attempts: its export comes before the end
+                self._loaded.wait()
         self.metrics.end()
         with self._lock:
             self._writer.close()
@@ -693,15 +696,20 @@ class GoodputTracker:
         export. Call without the lock: reading and attributing a long job's ledgers takes seconds (3.7 s for 300k
         steps), which the steps of a training thread must not wait for; they go on meanwhile."""
         try:
-            prior = _earlier_attempts(self.root, self._storage_options, self.rank)
-        except BaseException:
-            with self._lock:  # tried once, as before: telemetry counts this attempt only
-                self._use_prior(_Prior(None, None, {}, {}, None, {}))
-            raise
-        with self._lock:
-            self._use_prior(prior)
-            self._export(self._now())
-            self._verify()
+            try:
+                prior = _earlier_attempts(self.root, self._storage_options, self.rank)
+            except BaseException:
+                with self._lock:  # tried once, as before: telemetry counts this attempt only
+                    self._use_prior(_Prior(None, None, {}, {}, None, {}))
+                raise
+            with self._lock:
+                self._use_prior(prior)
+                self._export(self._now())
+                self._verify()
+        finally:  # whatever was raised: no replay() or end() waits for a read that is over
+            with self._lock:
+                self._loading = False
+                self._loaded.notify_all()
 
     def _use_prior(self, prior: _Prior) -> None:
         """Take the earlier attempts' figures; call with the lock held."""
@@ -721,8 +729,6 @@ class GoodputTracker:
         self._replayed = [] if through is None else [r for r in self._replayed if r[0] <= through]
         self._failures = prior.failures
         self._prior_done = True
-        self._loading = False
-        self._loaded.notify_all()
 
     def replay(self) -> Replay:
         """This attempt's replay verification so far: the steps it trained again after its resume, compared bit

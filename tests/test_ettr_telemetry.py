@@ -513,3 +513,47 @@ def test_steps_go_on_while_a_restarted_attempt_reads_the_earlier_ledgers(tmp_pat
     assert (mine.replayed, mine.equal, mine.diverged, mine.first_divergence.step) == (3, 2, 1, 4)
     assert (mine.replayed, mine.diverged) == (report.attempts[-1].replay.replayed, report.attempts[-1].replay.diverged)
     provider.shutdown()
+
+
+def test_end_waits_for_a_read_of_the_earlier_ledgers_in_progress_on_another_thread(tmp_path):
+    """end() on the training thread while another thread reads the earlier attempts' ledgers (its first flush after
+    the resume) returned at once: the job's figures came after the metrics had ended (and never, if the process
+    exited then). It now returns once the read is done and exported."""
+    import warnings
+
+    root = str(tmp_path)
+    clock = FakeClock(1000.0)
+    a1 = GoodputTracker(root, job_id=JOB, attempt_id="a1", rank=0, clock=clock, flush_interval=0).start()
+    a1.checkpoint_restored(None)
+    with a1.step(1):
+        clock.advance(1.0)
+    a1.checkpoint_committed(1, 1.0, 4096)
+    GoodputTracker(root, job_id=JOB, attempt_id="zz", rank=0).claim_attempt()  # an empty ledger: a warning, read
+    clock = FakeClock(1100.0)
+    tr = GoodputTracker(root, job_id=JOB, attempt_id="a2", rank=0, clock=clock, flush_interval=0)
+    provider, reader = configure_metrics("memory", tracker=tr, set_global=False)
+    tr.start()
+    reading, release, ended = threading.Event(), threading.Event(), threading.Event()
+
+    def paused(message, *args):  # the empty ledger's warning: the earlier ledgers are being read
+        reading.set()
+        release.wait()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = paused
+        restorer = threading.Thread(target=tr.checkpoint_restored, args=(1,))
+        restorer.start()
+        ender = threading.Thread(target=lambda: (tr.end(), ended.set()))
+        try:
+            reading.wait()
+            ender.start()
+            returned_early = ended.wait(1.0)
+        finally:
+            release.set()
+            restorer.join()
+            ender.join()
+    assert not returned_early, "end() returned while the earlier ledgers were still being read"
+    assert tr._prior_done and not tr._loading
+    assert metric_totals(reader)["failures"] == 1
+    provider.shutdown()
