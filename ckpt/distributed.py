@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveTimeout, StateMismatchError
+from .errors import CollectiveTimeout, StateMismatchError, from_leader, leader_failure
 from .format import ArrayInfo, torch_dtype
 from .state import is_dtensor
 
@@ -221,6 +221,34 @@ class GlooRanks(Ranks):
 
     def receive(self, data: torch.Tensor, peer: int, tag: int) -> Any:
         return dist.irecv(data, peer, group=self.group, tag=tag)
+
+
+def leader_reads(ranks: Ranks, read: Callable[[], Any], doing: str, *, raw: bool = False) -> Any:
+    """`read()` on the leader alone, its value on every rank: what every rank needs from one shared root (a step's
+    manifest and listing, the committed steps, a step's metadata) is read once, not once per rank. Collective: every
+    rank calls it and takes part in its messages whatever it meets. What the leader meets reaches every rank: the
+    leader raises its own error, the others `errors.from_leader` of it (a missing step as StepNotFoundError, damage
+    as the same CorruptCheckpointError, any other error as a CheckpointError naming rank 0 and what it was `doing`).
+    `raw`: the value is bytes, sent down a tree (`broadcast_bytes`) after the outcome; else a JSON value, sent with
+    it."""
+    if ranks.world_size == 1:
+        return read()
+    value, failure = None, None
+    if ranks.leader:
+        try:
+            value = read()
+        except Exception as e:  # told to every rank, which then fails as this one does
+            failure = e
+    told = None if failure is None else leader_failure(failure)
+    if raw:
+        told = ranks.broadcast_json(told)
+    else:
+        told, value = ranks.broadcast_json([told, value])
+    if failure is not None:
+        raise failure
+    if told is not None:
+        raise from_leader(told, doing)
+    return ranks.broadcast_bytes(value) if raw else value
 
 
 def _tree(rank: int, world_size: int) -> tuple[int | None, list[int]]:

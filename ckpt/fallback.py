@@ -15,7 +15,7 @@ from typing import Callable
 from . import layout
 from . import lease as lease_mod
 from . import restore as restore_mod
-from .distributed import Ranks
+from .distributed import Ranks, leader_reads
 from .errors import CheckpointError, CorruptCheckpointError, StepNotFoundError, described
 from .storage import Storage
 from .target import DURABLE, Source, Target
@@ -42,27 +42,9 @@ def candidates(
 ) -> list[Source]:
     """Where to try, newest first: `step`, or every committed step not found damaged, in its tiers (one list for
     all ranks: rank 0's view of the durable root, and with a local tier every rank's inventory)."""
-    steps = _leader_steps(durable, ranks)
+    steps = leader_reads(ranks, lambda: layout.committed_steps(durable), f"list the steps of {durable.url}")
     sources = [c for c in target.sources(steps) if (c.step, c.tier) not in damaged and step in (None, c.step)]
     return sources if sources or step is None else [Source(step, DURABLE)]
-
-
-def _leader_steps(durable: Storage, ranks: Ranks) -> list[int]:
-    """The committed steps of the durable root as rank 0 lists them, on every rank; when rank 0 cannot list them (a
-    StorageError), every rank raises at once (rank 0 its error, the others a CheckpointError naming it), none waits
-    for a list that never comes."""
-    steps, failure = None, None
-    if ranks.leader:
-        try:
-            steps = layout.committed_steps(durable)
-        except Exception as e:
-            failure = e
-    told = ranks.broadcast_json({"steps": steps} if failure is None else {"error": described(failure)})
-    if failure is not None:
-        raise failure
-    if "error" in told:
-        raise CheckpointError(f"rank 0 could not list the steps of {durable.url}: {told['error']}")
-    return told["steps"]
 
 
 def walk(

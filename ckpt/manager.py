@@ -71,7 +71,9 @@ class CheckpointManager:
         alone: this process checkpoints by itself even with torch.distributed initialized: no gloo group, no
             collective, world size 1 (the whole state is written and read here). For state every rank holds
             identically that one rank saves while the others only read it (Lightning's DDP: its `CheckpointIO`
-            saves on rank 0 alone); the other ranks must never save or delete into the root.
+            saves on rank 0 alone); the other ranks must never save or delete into the root. Each restores on its
+            own, with no verdict shared: one that meets a damaged step sets it aside as a single process does (under
+            the root's lease, so one rank moves it; Lightning restores a named step, which refuses instead).
 
     With torch.distributed initialized, every rank creates the manager (it makes a gloo group for its
     own collectives) and calls `save`/`restore` with the same step: each rank writes only its slices.

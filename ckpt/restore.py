@@ -33,7 +33,7 @@ import torch
 
 from . import layout, packs, planner, store
 from . import state as state_mod
-from .distributed import Ranks, ShardedLike, is_dtensor, read_region, restore_template
+from .distributed import Ranks, ShardedLike, is_dtensor, leader_reads, read_region, restore_template
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -41,8 +41,6 @@ from .errors import (
     StateMismatchError,
     StepNotFoundError,
     described,
-    from_leader,
-    leader_failure,
 )
 from .format import ArrayInfo, Manifest, chunk_key, torch_dtype
 from .layout import StepFiles, step_files  # noqa: F401 (restore.step_files, as before)
@@ -859,30 +857,21 @@ def read_step(
 
 def shared_step(storage: Storage, step: int, ranks: Ranks) -> tuple[Manifest, StepFiles | None]:
     """The manifest of `step` of a root every rank reads, and the listing of its files (`layout.step_files`: None on a
-    root without direct file IO): read from the root by the leader alone, sent to the other ranks over their group in
-    one message down a binomial tree (`Ranks.broadcast_bytes`), and the manifest checked by every rank as
-    `layout.read_manifest` checks it (so damage at the root or on the way is found, and named, on every rank alike). A
+    root without direct file IO), read by the leader alone and sent to the others in one message down a tree
+    (`distributed.leader_reads`, collective: so is this), and the manifest checked by every rank as
+    `layout.read_manifest` checks it (damage at the root or on the way is found, and named, on every rank alike). A
     manifest of R x T entries is then read once a restore, not R times (docs/benchmarks.md, `bench/manifest.py`), and
     the step's directory walked once, not R times (each walk a stat of every file: on a shared file system, R x files
-    metadata calls). Collective: every rank calls it and takes part in its two messages whatever it meets. What the
-    leader meets reading the manifest or listing the step reaches every rank: a missing manifest as
-    StepNotFoundError, one that is no regular file or a step holding a special file as its CorruptCheckpointError, any
-    other error (a StorageError, a listing refused) as the leader's own error there and, on the others, a
-    CheckpointError naming rank 0, as `agree` names a rank that could not read."""
-    payload, failure = None, None
-    if ranks.leader:
-        try:
-            data = layout.read_manifest_bytes(storage, step)
-            files = step_files(storage, step)
-            payload = _framed(data, None if files is None else files.sizes)
-        except Exception as e:  # told to every rank, which then fails as this one does
-            failure = e
-    told = ranks.broadcast_json(None if failure is None else leader_failure(failure))
-    if failure is not None:
-        raise failure
-    if told is not None:
-        raise from_leader(told, f"read step {step}")
-    data, sizes = _unframed(ranks.broadcast_bytes(payload))
+    metadata calls). What the leader meets reaches every rank: a missing manifest as StepNotFoundError, one that is no
+    regular file or a step holding a special file as its CorruptCheckpointError, any other error (a StorageError, a
+    listing refused) as a CheckpointError naming rank 0, as `agree` names a rank that could not read."""
+
+    def read() -> bytes:
+        manifest = layout.read_manifest_bytes(storage, step)  # first: a step that is gone is StepNotFoundError
+        files = step_files(storage, step)
+        return _framed(manifest, None if files is None else files.sizes)
+
+    data, sizes = _unframed(leader_reads(ranks, read, f"read step {step}", raw=True))
     manifest = layout.parse_manifest(storage, step, data)
     return manifest, None if sizes is None else StepFiles(where(storage, layout.step_dir(step)), sizes)
 

@@ -151,19 +151,20 @@ class Fence:
 
 
 _ORPHANS: list[RemovableHandle] = []  # hooks of managers collected without a close, removed at a safe point
-_ORPHANS_LOCK = threading.Lock()
 
 
 def _orphan(handle: RemovableHandle) -> None:
-    """Mark a collected manager's hook for removal at the next safe point (`_remove_orphans`), not here."""
-    with _ORPHANS_LOCK:
-        _ORPHANS.append(handle)
+    """Mark a collected manager's hook for removal at the next safe point (`_remove_orphans`), not here. No lock: a
+    finalizer may run inside `_remove_orphans` itself (a collection at any allocation), where one would deadlock;
+    list.append and list.pop are atomic."""
+    _ORPHANS.append(handle)
 
 
 def _remove_orphans() -> None:
     """Remove the hooks of collected managers: called as a fence is made or closed, not from inside a step."""
-    with _ORPHANS_LOCK:
-        orphans = _ORPHANS[:]
-        del _ORPHANS[:]
-    for handle in orphans:
+    while _ORPHANS:
+        try:
+            handle = _ORPHANS.pop()
+        except IndexError:  # another thread took the last one
+            return
         handle.remove()

@@ -9,7 +9,6 @@ from typing import Any
 
 import ettr
 from ckpt import CheckpointManager, RNGState, SaveHandle, StepExistsError
-from ckpt.errors import from_leader, leader_failure
 from ettr import GoodputTracker
 
 
@@ -222,11 +221,9 @@ def read_step(
     *,
     metadata: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Restore a committed step into fresh values (tensors on CPU, state dicts as plain dicts), all keys or `keys`.
-
-    Collective among ranks (a restore): every rank calls it, for the same step. The step's `metadata` is the one
-    `shared_metadata` gave, else it is read here the same way."""
-    saved = (metadata if metadata is not None else shared_metadata(manager, step)).get(KEYS)
+    """Restore a committed step into fresh values (tensors on CPU, state dicts as plain dicts), all keys or `keys`;
+    `metadata`: the step's, when the caller has read it already (else it is read here)."""
+    saved = (metadata if metadata is not None else manager.metadata(step)).get(KEYS)
     if saved is None:
         raise ValueError(
             f"step {step} of {manager.storage.url} was not written by a trainer integration "
@@ -235,33 +232,6 @@ def read_step(
     target: dict[str, Any] = dict.fromkeys(keys if keys is not None else saved)
     manager.restore(target, step=step, keys=list(target))
     return target
-
-
-def shared_metadata(manager: CheckpointManager, step: int) -> dict[str, Any]:
-    """`manager.metadata(step)` on every rank, read by rank 0 alone and sent to the others over the manager's group:
-    each read is the whole manifest (R x T entries at R ranks), so R ranks reading it themselves read R^2 x T from the
-    root. Collective: only where every rank calls it in the same order, before a restore of `step` (which is
-    collective itself). Rank 0's failure reaches every rank (its own error there; elsewhere the same
-    StepNotFoundError or CorruptCheckpointError, any other error as a CheckpointError naming rank 0); a rank asking
-    for another step than rank 0 reads its own, and the restore that follows refuses the steps that differ on every
-    rank."""
-    ranks = manager.ranks
-    if ranks.world_size == 1:
-        return manager.metadata(step)
-    metadata, failure = None, None
-    if ranks.leader:
-        try:
-            metadata = manager.metadata(step)
-        except Exception as e:  # told to every rank, which then fails as this one does
-            failure = e
-    told = ranks.broadcast_json([step, metadata, None if failure is None else leader_failure(failure)])
-    if failure is not None:
-        raise failure
-    if told[0] != step:
-        return manager.metadata(step)
-    if told[2] is not None:
-        raise from_leader(told[2], f"read the metadata of step {step}")
-    return told[1]
 
 
 def delete_step(manager: CheckpointManager, step: int) -> bool:

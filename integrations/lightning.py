@@ -47,7 +47,6 @@ from ._common import (
     refuse_rollback,
     resolve_step,
     save_once,
-    shared_metadata,
 )
 
 POINTER_FORMAT = "ckpt-lightning-pointer/1"
@@ -308,7 +307,7 @@ class CkptCheckpointIO(CheckpointIO):
             self.before_load()
         if _writer():
             self._sweep(_folder(os.fspath(path)))
-        metadata = shared_metadata(self.manager, step)  # the manager is `alone`: each rank reads its own
+        metadata = self.manager.metadata(step)  # once: for the keys and where it was written
         checkpoint = read_step(self.manager, step, metadata=metadata)
         callbacks = checkpoint.get("callbacks")
         self._stored = step, _path_fields(callbacks)

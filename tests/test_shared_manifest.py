@@ -64,27 +64,6 @@ def test_only_rank_0_lists_the_step_directory_of_a_shared_root(once):
         assert x["listed"] == [] and x["manifest_reads"] == [], x
 
 
-def test_an_integration_reads_a_steps_metadata_on_rank_0_only(once):
-    _, results = once
-    lines = [_line(r, "METADATA") for r in results]
-    assert [x["mismatched"] for x in lines] == [[]] * WORLD, lines
-    step_2 = manifest_worker.manifest_of(2)
-    assert lines[0]["manifest_reads"] == [step_2, step_2], lines[0]  # the metadata, then the restore
-    for x in lines[1:]:
-        assert x["manifest_reads"] == [], x
-
-
-def test_rank_0_unable_to_read_an_integrations_metadata_fails_every_rank_alike(once):
-    _, results = once
-    fault = "InjectedFault: injected fault: read of step_00000002/manifest.json"
-    for rank, result in enumerate(results):
-        x = _line(result, "METADATA_UNREADABLE")
-        if rank == 0:
-            assert x["error"] == fault, x
-        else:
-            assert x["error"] == f"CheckpointError: rank 0 could not read the metadata of step 2: {fault}", x
-
-
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("faults") / "ck")

@@ -5,10 +5,7 @@ Modes (each rank prints tagged JSON lines, ``TAG {...}``):
 
 - "once": save steps 1 and 2, restore into a fresh model through a `FaultStorage` that records every read: ``ONCE``
   (the step, the tensors that differ from step 2's, the bytes of every manifest.json read through it); again through
-  one with direct file IO, which lists the step's files: ``LISTED`` (the same, and the step directories listed);
-  as a trainer integration reads a step (`integrations._common.read_step`: its metadata, then a restore):
-  ``METADATA`` (the manifest.json reads, the model's tensors that differ from step 2's) and ``METADATA_UNREADABLE``
-  (rank 0's read of step 2's manifest fails: what each rank raised).
+  one with direct file IO, which lists the step's files: ``LISTED`` (the same, and the step directories listed).
 - "faults": save steps 1 and 2, then restore four times, each into a fresh model, printing what the restore
   returned or raised, the warnings and the tensors that changed: ``AT_REST`` (rank 0 flipped a digit of step 2's
   manifest on disk: every rank falls back to step 1), ``IN_TRANSIT`` (step 2 saved again; rank 0's reads of its
@@ -35,7 +32,6 @@ import dist_worker
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ckpt.storage import open_storage  # noqa: E402
 from fault_storage import FaultStorage  # noqa: E402
-from integrations import _common  # noqa: E402
 
 
 def run(mode: str, root: str, rank: int, world: int, port: int, log: str) -> None:
@@ -56,7 +52,7 @@ def save(root: str, steps, model, opt) -> dict:
         for step in steps:
             dist_worker.train(model, opt, g)
             state = dist_worker.state_of(model, opt)
-            m.save(step, state, metadata={_common.KEYS: sorted(state)}).wait()  # as an integration saves
+            m.save(step, state).wait()
             refs[step] = dist_worker.flat_reference(model, opt)
     return refs
 
@@ -116,23 +112,6 @@ def main(mode: str, root: str) -> None:
         reads = [(p, n) for p, n in direct.read_bytes if p.endswith("manifest.json")]
         out = {"rank": rank, "step": step, "mismatched": mismatched(model, opt, refs[2]), "manifest_reads": reads}
         print(f"LISTED {json.dumps({**out, 'listed': listed(direct)})}", flush=True)
-
-        counting = FaultStorage(open_storage(root))
-        with ckpt.CheckpointManager(counting, collective_timeout=60) as m:
-            got = _common.read_step(m, 2)
-        ref = {k[len("model.") :]: v for k, v in refs[2].items() if k.startswith("model.")}
-        wrong = [k for k, v in ref.items() if not torch.equal(got["model"][k], v)]
-        reads = [p for p, n in counting.read_bytes if p.endswith("manifest.json") and n > 1]
-        print(f"METADATA {json.dumps({'rank': rank, 'mismatched': wrong, 'manifest_reads': reads})}", flush=True)
-
-        unreadable = FaultStorage(open_storage(root), fail_read=lambda p: rank == 0 and p == manifest_of(2))
-        error = None
-        try:  # a short timeout: a rank left waiting for another (the old code) fails the test in seconds
-            with ckpt.CheckpointManager(unreadable, collective_timeout=10) as m:
-                _common.read_step(m, 2)
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-        print(f"METADATA_UNREADABLE {json.dumps({'rank': rank, 'error': error})}", flush=True)
     elif mode == "faults":
         refs = save(root, (1, 2), model, opt)
         if rank == 0:  # a digit of the body changed: valid JSON, a wrong checksum
