@@ -196,10 +196,16 @@ class GlooRanks(Ranks):
     def broadcast_bytes(self, data: bytes | None, op: str = "a broadcast of bytes") -> bytes:
         """Down a binomial tree rooted at the leader, not a star: each rank receives the bytes from its parent and
         sends them on to its children, so the leader sends log2(ranks) copies, not ranks - 1 (a 100 MB manifest to
-        1,000 ranks: 10 copies from the leader, 10 transfers deep). A rank whose parent never sends names it."""
+        1,000 ranks: 10 copies from the leader, 10 transfers deep). A rank whose parent never sends names it, and
+        the ranks the bytes come through (the one that failed may be above it)."""
         parent, children = _tree(self.rank, self.world_size)
         if parent is not None:
-            data = self._recv(op, parent)
+            path, up = [parent], parent
+            while up:
+                up = _tree(up, self.world_size)[0] or 0
+                path.append(up)
+            via = f" (from {' -> '.join(f'rank {r}' for r in reversed(path))})" if parent else ""
+            data = self._recv(op + via, parent)
         assert data is not None
         if children:
             self._send(op, {c: data for c in children})

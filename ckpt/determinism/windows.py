@@ -185,8 +185,9 @@ class WindowReader:
 
     backend "aio" (Linux native AIO, O_DIRECT; the default where available) or "threads" (`threads` preadv
     workers); `direct` chooses O_DIRECT (read only the windows' pages) or buffered reads with POSIX_FADV_RANDOM
-    (no read-ahead, but whole pages through the page cache). One reader per process: it reopens its files after
-    a fork or in a DataLoader worker, never sharing an AIO context or a file offset.
+    (no read-ahead, but whole pages through the page cache). One caller at a time: it reopens its files after a
+    fork or in a DataLoader worker, never sharing an AIO context or a file offset, and a `TokenWindowDataset` gives
+    each thread a reader of its own.
     """
 
     def __init__(

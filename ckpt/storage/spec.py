@@ -42,7 +42,7 @@ DEFAULT_TIMEOUT_S = 30.0  # the longest any one storage operation may take (retr
 _CURL_STALL = ("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS")
 _CURL_LIMIT = "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES"
 _HTTP_DRIVERS = ("s3", "gcs", "http")
-_curl_made: list[str] = []  # the stall seconds set for the transport, once a root of ours made it
+_curl_made: list[bool] = []  # true once a root of ours made the process's HTTP transport
 _curl_lock = threading.Lock()
 
 
@@ -71,7 +71,7 @@ def curl_timeouts(driver: str, timeout: float) -> Iterator[None]:
         os.environ.update(ours)
         try:
             yield
-            _curl_made.append(os.environ[_CURL_STALL[0]])
+            _curl_made.append(True)
         finally:
             for name in ours:
                 os.environ.pop(name, None)
