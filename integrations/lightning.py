@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import fsspec
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch import __version__ as lightning_version
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -30,6 +31,7 @@ from ckpt import run as ckpt_run
 from ckpt.distributed import topology
 from ckpt.observer import check_observer
 from ckpt.options import typed
+from ckpt.safetensors_file import Entry, Writer, open_tensors, read_header
 from ckpt.state import encodable
 from ckpt.storage import open_storage
 from ettr import GoodputTracker
@@ -197,6 +199,47 @@ def _read_pointer(path: str) -> dict[str, Any] | None:
     return {**pointer, "root": _resolve(root, _folder(path))}
 
 
+WEIGHTS_MARK = "ckpt.lightning.weights"  # the safetensors metadata of a launcher's weights handoff (`_save_weights`)
+
+
+def _save_weights(state: Mapping[str, Any], path: str) -> None:
+    """Lightning's ddp_spawn launcher hands rank 0's trained weights to the main process through `save_checkpoint`,
+    `load_checkpoint` and `remove_checkpoint` of a plain state dict (no ``global_step``) at a file of its own: that
+    is no step of the root, so it is written there as a safetensors file (no pickle), whole or not at all."""
+    bad = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise TypeError(
+            f"CkptCheckpointIO.save_checkpoint({path!r}): a dict without 'global_step' (a launcher's weights) holds "
+            f"tensors only; {bad[:5]} are not"
+        )
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    writer = Writer(tmp, [Entry(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()], {WEIGHTS_MARK: "1"})
+    try:
+        for t in tensors.values():
+            writer.write(t.reshape(-1).view(torch.uint8).numpy())
+        writer.close()
+        os.replace(tmp, path)
+    except BaseException:
+        writer.abandon()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _is_weights(path: str) -> bool:
+    """Whether `path` is a local weights handoff `_save_weights` wrote (a pointer is JSON, whose first 8 bytes read as
+    a header length far past the file's end)."""
+    try:
+        with open(path, "rb") as f:
+            size, n = os.fstat(f.fileno()).st_size, int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= size - 8 or f.read(1) != b"{":
+                return False
+        return WEIGHTS_MARK in read_header(path)[1]
+    except (OSError, ValueError):
+        return False
+
+
 class CkptCheckpointIO(CheckpointIO):
     """Lightning `CheckpointIO` that saves through one `CheckpointManager` root, asynchronously and without pickle.
 
@@ -261,6 +304,8 @@ class CkptCheckpointIO(CheckpointIO):
         """Start an async save of the checkpoint's global step and point `path` at it."""
         if storage_options is not None:
             raise TypeError("CkptCheckpointIO takes no storage_options; configure the manager through its constructor")
+        if "global_step" not in checkpoint:  # ddp_spawn's launcher handing the weights to the main process
+            return _save_weights(checkpoint, os.fspath(path))
         step = int(checkpoint["global_step"])
         clean, dropped = saveable(checkpoint)
         if dropped:
@@ -297,6 +342,8 @@ class CkptCheckpointIO(CheckpointIO):
         load (validate, test, predict; a fit without `GoodputCallback`, whose stage this IO cannot know) raises
         FileNotFoundError.
         """
+        if _is_weights(os.fspath(path)):  # ddp_spawn's launcher: rank 0's weights, for the main process
+            return {k: t.clone() for k, t in open_tensors(os.fspath(path))[0].items()}
         self._fresh = None
         pointer = self._pointer(os.fspath(path))
         step = resolve_step(self.manager, int(pointer["step"]))
@@ -377,7 +424,11 @@ class CkptCheckpointIO(CheckpointIO):
         return checkpoint
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Delete the pointer, and its step once no other pointer in that folder names it and it is not the newest."""
+        """Delete the pointer, and its step once no other pointer in that folder names it and it is not the newest (a
+        launcher's weights handoff: the file alone)."""
+        if _is_weights(os.fspath(path)):
+            os.remove(os.fspath(path))
+            return
         fs, p = fsspec.core.url_to_fs(os.fspath(path))
         if fs.exists(p):
             self._adopt(_folder(os.fspath(path)))

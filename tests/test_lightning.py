@@ -158,6 +158,25 @@ def test_pointer_of_a_step_that_never_committed_falls_back(tmp_path):
     io.teardown()
 
 
+def test_a_spawn_launchers_weights_handoff_is_a_file_of_its_own_not_a_step(tmp_path):
+    """`strategy="ddp_spawn"` hands rank 0's trained weights to the main process through save_checkpoint,
+    load_checkpoint and remove_checkpoint of a plain state dict (no global_step): that failed with KeyError
+    'global_step' at the end of every such fit. Now it is a safetensors file there, which no step of the root names."""
+    io = CkptCheckpointIO(tmp_path / "root")
+    weights = {"net.weight": torch.randn(2, 3), "net.bias": torch.randn(2).to(torch.bfloat16), "n": torch.tensor(7)}
+    handoff = tmp_path / ".temp.ckpt"
+    io.save_checkpoint(weights, handoff)
+    got = CkptCheckpointIO(tmp_path / "root").load_checkpoint(handoff)  # the main process's copy of the plugin
+    assert got.keys() == weights.keys() and all(torch.equal(got[k], weights[k]) for k in weights)
+    assert got["net.bias"].dtype == torch.bfloat16 and got["n"].shape == ()
+    io.remove_checkpoint(handoff)
+    assert not handoff.exists() and io.manager.steps() == []
+    with pytest.raises(TypeError, match=r"holds tensors only; \['lr'\] are not"):
+        io.save_checkpoint({"w": torch.zeros(1), "lr": 0.1}, handoff)
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".temp")] == []  # nor its temporary file
+    io.teardown()
+
+
 def test_pointers_are_relative_and_the_next_writer_drops_those_of_steps_that_never_committed(tmp_path):
     root, folder = tmp_path / "root", tmp_path / "root" / "p"
     io = CkptCheckpointIO(root)
