@@ -7,6 +7,7 @@ exporter's JSON on stdout.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import http.server
 import json
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
+import warnings
 
 import pytest
 
@@ -445,14 +447,36 @@ def test_a_renamed_attempt_is_exported_under_the_id_its_ledger_records(tmp_path)
     provider.shutdown()
 
 
+@contextlib.contextmanager
+def reading_paused(tr: GoodputTracker, restored: int):
+    """`tr.checkpoint_restored(restored)` on another thread, its first flush after the resume paused inside its read
+    of the earlier attempts' ledgers (at the warning of an empty ledger, read after this attempt's own): the body
+    runs while the read is under way; on exit the read goes on and the thread is joined."""
+    reading, release = threading.Event(), threading.Event()
+
+    def paused(message, *args):
+        reading.set()
+        release.wait()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = paused
+        restorer = threading.Thread(target=tr.checkpoint_restored, args=(restored,))
+        restorer.start()
+        try:
+            reading.wait()
+            yield
+        finally:
+            release.set()
+            restorer.join()
+
+
 def test_steps_go_on_while_a_restarted_attempt_reads_the_earlier_ledgers(tmp_path):
     """The first export after a restart reads and attributes every earlier attempt's ledger (3.7 s for 300k steps)
     and held the tracker's lock meanwhile: a training thread's step_end stalled behind a restore or a commit on
     another thread. The read is paused here (an empty ledger's warning, read after this attempt's own) while the
     training thread runs replayed steps; its figures are the report's, and the steps it ran meanwhile are compared
     with their first pass."""
-    import warnings
-
     root = str(tmp_path)
     clock = FakeClock(1000.0)
     a1 = GoodputTracker(root, job_id=JOB, attempt_id="a1", rank=0, clock=clock, flush_interval=0).start()
@@ -473,29 +497,14 @@ def test_steps_go_on_while_a_restarted_attempt_reads_the_earlier_ledgers(tmp_pat
     tr.start()
     with tr.span("checkpoint_restore"):
         clock.advance(1.0)
-    reading, release = threading.Event(), threading.Event()
-
-    def paused(message, *args):  # the empty ledger's warning: the earlier ledgers are being read
-        reading.set()
-        release.wait()
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = paused
-        restorer = threading.Thread(target=tr.checkpoint_restored, args=(2,))
-        restorer.start()
-        try:
-            reading.wait()
-            free = tr._lock.acquire(blocking=False)  # what step_begin/step_end take
-            if free:
-                tr._lock.release()
-                for s, loss in ((3, 3.0), (4, 0.5)):  # replayed steps: 3 as its first pass, 4 diverged
-                    with tr.step(s) as step:
-                        clock.advance(1.0)
-                        step.record(loss)
-        finally:
-            release.set()
-            restorer.join()
+    with reading_paused(tr, 2):
+        free = tr._lock.acquire(blocking=False)  # what step_begin/step_end take
+        if free:
+            tr._lock.release()
+            for s, loss in ((3, 3.0), (4, 0.5)):  # replayed steps: 3 as its first pass, 4 diverged
+                with tr.step(s) as step:
+                    clock.advance(1.0)
+                    step.record(loss)
     assert free, "the training thread's steps waited for the earlier attempts' attribution"
     with tr.step(5) as step:
         clock.advance(1.0)
@@ -519,8 +528,6 @@ def test_end_waits_for_a_read_of_the_earlier_ledgers_in_progress_on_another_thre
     """end() on the training thread while another thread reads the earlier attempts' ledgers (its first flush after
     the resume) returned at once: the job's figures came after the metrics had ended (and never, if the process
     exited then). It now returns once the read is done and exported."""
-    import warnings
-
     root = str(tmp_path)
     clock = FakeClock(1000.0)
     a1 = GoodputTracker(root, job_id=JOB, attempt_id="a1", rank=0, clock=clock, flush_interval=0).start()
@@ -533,26 +540,12 @@ def test_end_waits_for_a_read_of_the_earlier_ledgers_in_progress_on_another_thre
     tr = GoodputTracker(root, job_id=JOB, attempt_id="a2", rank=0, clock=clock, flush_interval=0)
     provider, reader = configure_metrics("memory", tracker=tr, set_global=False)
     tr.start()
-    reading, release, ended = threading.Event(), threading.Event(), threading.Event()
-
-    def paused(message, *args):  # the empty ledger's warning: the earlier ledgers are being read
-        reading.set()
-        release.wait()
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = paused
-        restorer = threading.Thread(target=tr.checkpoint_restored, args=(1,))
-        restorer.start()
-        ender = threading.Thread(target=lambda: (tr.end(), ended.set()))
-        try:
-            reading.wait()
-            ender.start()
-            returned_early = ended.wait(1.0)
-        finally:
-            release.set()
-            restorer.join()
-            ender.join()
+    ended = threading.Event()
+    ender = threading.Thread(target=lambda: (tr.end(), ended.set()))
+    with reading_paused(tr, 1):
+        ender.start()
+        returned_early = ended.wait(1.0)
+    ender.join()
     assert not returned_early, "end() returned while the earlier ledgers were still being read"
     assert tr._prior_done and not tr._loading
     assert metric_totals(reader)["failures"] == 1
