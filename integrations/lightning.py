@@ -307,6 +307,16 @@ class CkptCheckpointIO(CheckpointIO):
         if "global_step" not in checkpoint:  # ddp_spawn's launcher handing the weights to the main process
             return _save_weights(checkpoint, os.fspath(path))
         step = int(checkpoint["global_step"])
+        if not self._done:  # this process's first save or load: a step older than the root's newest goes back
+            newest = self.manager.latest_step()
+            if newest is not None and step < newest:
+                raise ValueError(
+                    f"CkptCheckpointIO: saving step {step} into {self.root}, whose newest committed step is {newest}: "
+                    f"a resume would then go back to it. Under strategy='ddp_spawn' a trainer.save_checkpoint after "
+                    f"fit runs in the main process, whose trainer is at step 0: save from inside the fit (a callback) "
+                    f"or use strategy='ddp'. To train on from an older step, roll back first: python -m ckpt rollback "
+                    f"{self.root} --to N"
+                )
         clean, dropped = saveable(checkpoint)
         if dropped:
             warnings.warn(
@@ -534,6 +544,11 @@ class CkptCheckpointIO(CheckpointIO):
         """Block until every started save is committed (raises a background write error)."""
         if self._manager is not None:
             self._manager.wait()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its manager (threads, an arena), which a copy opens on first use: ddp_spawn pickles the
+        trainer, this plugin with it, for every launch, also after the main process saved or loaded through it."""
+        return {**self.__dict__, "_manager": None}
 
     def teardown(self) -> None:
         """Drain the writes and release the manager (reopened on next use)."""

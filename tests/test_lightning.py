@@ -177,6 +177,29 @@ def test_a_spawn_launchers_weights_handoff_is_a_file_of_its_own_not_a_step(tmp_p
     io.teardown()
 
 
+def test_a_first_save_older_than_the_roots_newest_step_is_refused_and_the_plugin_pickles_after_it(tmp_path):
+    """Under ddp_spawn a user's trainer.save_checkpoint after fit runs in the main process, whose trainer is at step 0:
+    it committed step 0 after the fit's step 12 (and re-claimed the root for a new run id), and the plugin, its
+    manager now open, no longer pickled, so the next validate/test/fit failed to launch. A process's first save older
+    than the root's newest step is refused, and the plugin pickles without its manager."""
+    import pickle
+
+    root, folder = tmp_path / "root", tmp_path / "p"
+    io = CkptCheckpointIO(root)
+    io.save_checkpoint({"global_step": 12, "w": torch.arange(3.0)}, folder / "last.ckpt")
+    io.teardown()
+    main = CkptCheckpointIO(root)  # the spawn parent's plugin
+    with pytest.raises(ValueError, match=r"saving step 0 into .*, whose newest committed step is 12.*ckpt rollback"):
+        main.save_checkpoint({"global_step": 0, "w": torch.zeros(3)}, folder / "manual.ckpt")
+    assert main.manager.steps() == [12] and not (folder / "manual.ckpt").exists()
+    copy = pickle.loads(pickle.dumps(main))  # what ddp_spawn does with the trainer for its next launch
+    assert torch.equal(copy.load_checkpoint(folder / "last.ckpt")["w"], torch.arange(3.0))
+    copy.save_checkpoint({"global_step": 14, "w": torch.ones(3)}, folder / "last.ckpt")
+    copy.teardown()
+    main.teardown()
+    assert CkptCheckpointIO(root).manager.steps() == [14]  # last.ckpt names 14 now: 12 went
+
+
 def test_pointers_are_relative_and_the_next_writer_drops_those_of_steps_that_never_committed(tmp_path):
     root, folder = tmp_path / "root", tmp_path / "root" / "p"
     io = CkptCheckpointIO(root)
