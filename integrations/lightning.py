@@ -272,6 +272,7 @@ class CkptCheckpointIO(CheckpointIO):
         # may find nothing to resume and start fresh (validate/test/predict must not run on untrained weights)
         self.before_load: Callable[[], None] | None = None
         self._fresh: str | None = None  # the pointer folder of a fit starting fresh, cleaned by start_fit
+        self.loaded: int | None = None  # the step the fit under way loaded (None: none; GoodputCallback resets it)
 
     @property
     def manager(self) -> CheckpointManager:
@@ -376,6 +377,7 @@ class CkptCheckpointIO(CheckpointIO):
         if isinstance(callbacks, dict) and written_at is not None and written_at != _real(self.root):
             checkpoint["callbacks"] = _rebase(callbacks, written_at, _real(self.root))
         self._done.add(step)
+        self.loaded = step
         return checkpoint
 
     @property
@@ -431,6 +433,7 @@ class CkptCheckpointIO(CheckpointIO):
         step = self.manager.latest_step()
         checkpoint = read_step(self.manager, step)
         self._done.add(step)
+        self.loaded = step
         return checkpoint
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
@@ -559,6 +562,20 @@ class CkptCheckpointIO(CheckpointIO):
             manager.close()
 
 
+def _same_start(trainer: Trainer, io: CkptCheckpointIO) -> None:
+    """Every rank of a fit starts from the same step, or every rank raises: a rank that cannot see the root's steps or
+    pointers (a node-local root or pointer folder) would start fresh while rank 0 resumes, the ranks' models and
+    optimizers would differ, and the job would hang at its first collective. One all-gather, at the fit's start."""
+    mine = torch.tensor([-1 if io.loaded is None else io.loaded], device=trainer.strategy.root_device)
+    steps = [int(s) for s in trainer.strategy.all_gather(mine).reshape(-1).tolist()]
+    if len(set(steps)) > 1:
+        said = ", ".join(f"rank {r} {'nothing' if s < 0 else f'step {s}'}" for r, s in enumerate(steps))
+        raise RuntimeError(
+            f"the ranks of this fit start from different steps of {io.root} ({said}): every rank must reach the root "
+            f"and ModelCheckpoint's folder (a shared file system or an object store)"
+        )
+
+
 def _writer() -> bool:
     """Whether this process is the one Lightning saves from: torch.distributed's rank 0, or a process alone."""
     return topology()[0] == 0
@@ -635,27 +652,31 @@ class GoodputCallback(Callback):
             self._begin(None, resume=False)
             return
         _check_strategy(trainer)
+        io.loaded = None
         io.before_load = lambda: self._begin(io, resume=True)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """A fit that loaded no checkpoint (also one whose ``ckpt_path`` named a step that never committed in a root
         without committed steps: `NothingToLoad`): refused before anything is written if the root holds another run's
         steps (`ckpt.RunMismatchError`); a restart of the root's own run (same run id) resumes its newest step
-        silently."""
+        silently. Among several processes every rank must start from the same step (`_same_start`)."""
         io = _ckpt_io(trainer)
-        if io is None or self._begun:
+        if io is None:
             return
-        fresh = io.starting_fresh
-        same_run = io.start_fit(resume=False, writer=trainer.is_global_zero)
-        self._begin(io, resume=False)
-        if fresh and not same_run:
-            trainer.ckpt_path = None  # nothing was loaded from it (Lightning's public setter; None: no checkpoint)
-        if same_run:  # Lightning's own path for strategies that restore after setup; the rest follows in fit
-            connector = trainer._checkpoint_connector
-            connector._loaded_checkpoint = io.load_newest()
-            connector.restore_model()
-            connector.restore_datamodule()
-            connector.restore_callbacks()
+        if not self._begun:
+            fresh = io.starting_fresh
+            same_run = io.start_fit(resume=False, writer=trainer.is_global_zero)
+            self._begin(io, resume=False)
+            if fresh and not same_run:
+                trainer.ckpt_path = None  # nothing was loaded from it (Lightning's public setter; None: no checkpoint)
+            if same_run:  # Lightning's own path for strategies that restore after setup; the rest follows in fit
+                connector = trainer._checkpoint_connector
+                connector._loaded_checkpoint = io.load_newest()
+                connector.restore_model()
+                connector.restore_datamodule()
+                connector.restore_callbacks()
+        if trainer.world_size > 1:
+            _same_start(trainer, io)
 
     def _begin(self, io: CkptCheckpointIO | None, resume: bool) -> None:
         """Start this fit's tracker (once) and attach it to the IO; a resume first claims the root for this run."""

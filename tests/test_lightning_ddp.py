@@ -24,13 +24,13 @@ CHILD = Path(__file__).parent / "procs" / "lightning_ddp.py"
 OUTSIDE = (*LAUNCHER, "RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def fit(root: Path, steps: int) -> dict[tuple[str, int], tuple[int, str]]:
-    """Run the DDP child (Lightning starts rank 1 from it) to `steps`; (what, rank) -> (step, weights) printed.
+def run(root: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
+    """Run the DDP child (Lightning starts rank 1 from it) to `steps`: its exit code and output.
 
     A hang (a collective that one rank never joins) fails here after 120 s, killing both ranks."""
     environ = {k: v for k, v in os.environ.items() if k not in OUTSIDE}
     proc = subprocess.Popen(
-        [sys.executable, str(CHILD), str(root), str(steps)],
+        [sys.executable, str(CHILD), str(root), str(steps), *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -44,7 +44,14 @@ def fit(root: Path, steps: int) -> dict[tuple[str, int], tuple[int, str]]:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"the DDP fit to step {steps} hung:\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-6000:]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out)
+
+
+def fit(root: Path, steps: int) -> dict[tuple[str, int], tuple[int, str]]:
+    """`run` to `steps`, which must succeed; (what, rank) -> (step, weights) printed."""
+    done = run(root, steps)
+    out = done.stdout
+    assert done.returncode == 0, out[-6000:]
     found = {}
     for line in out.splitlines():
         words = line.split()
@@ -74,3 +81,16 @@ def test_ddp_fit_saves_on_rank_0_and_every_rank_resumes_its_weights_from_last(tm
     for rank in (0, 1):
         attribution = attribute_root(str(root), rank=rank)
         assert attribution.replay.diverged == 0
+
+
+def test_ranks_that_would_start_from_different_steps_fail_together_instead_of_hanging(tmp_path):
+    """Rank 1 cannot see the root's steps or pointers (here: a root of its own, as a node-local disk would give it):
+    it started fresh while rank 0 resumed step 4, their models and Adam states differed, and the job hung at its
+    first collective. Every rank now raises at the fit's start, naming each rank's step."""
+    first = run(tmp_path / "root", 4, "split")
+    assert first.returncode == 0, first.stdout[-6000:]  # both start fresh: the same start
+    resumed = run(tmp_path / "root", 8, "split")
+    assert resumed.returncode != 0
+    assert "start from different steps" in resumed.stdout and "rank 0 step 4, rank 1 nothing" in resumed.stdout, (
+        resumed.stdout[-6000:]
+    )

@@ -1,7 +1,8 @@
 """Child process: a Lightning DDP fit (2 CPU ranks, gloo; Lightning re-runs this script for rank 1) through
 CkptCheckpointIO + GoodputCallback + ModelCheckpoint(every 2 steps, last), resumed from "last".
 
-Usage: lightning_ddp.py ROOT MAX_STEPS
+Usage: lightning_ddp.py ROOT MAX_STEPS [split]
+("split": rank 1 uses ROOT-rank1 as its root and pointer folder, as a node-local disk would.)
 Every rank prints "start RANK STEP HEX" (its weights as the training starts: after a resume, the restored ones) and
 "end RANK STEP HEX" (after the fit), HEX being the float32 bytes of every parameter in order.
 """
@@ -47,7 +48,9 @@ class Report(Callback):
         say(f"start {trainer.global_rank} {trainer.global_step} {weights(pl_module)}")
 
 
-def main(root: str, max_steps: int) -> None:
+def main(root: str, max_steps: int, split: bool = False) -> None:
+    if split and os.environ.get("LOCAL_RANK", "0") == "1":  # Lightning starts rank 1 with LOCAL_RANK set
+        root += "-rank1"
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
@@ -75,5 +78,5 @@ def main(root: str, max_steps: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:] == ["split"])
     gc.freeze()  # the child ends here: no final collections over torch's objects
