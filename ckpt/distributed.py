@@ -231,7 +231,7 @@ class GlooRanks(Ranks):
 
 def leader_reads(ranks: Ranks, read: Callable[[], Any], doing: str, *, raw: bool = False) -> Any:
     """`read()` on the leader alone, its value on every rank: what every rank needs from one shared root (a step's
-    manifest and listing, the committed steps, a step's metadata) is read once, not once per rank. Collective: every
+    manifest and listing, the committed steps) is read once, not once per rank. Collective: every
     rank calls it and takes part in its messages whatever it meets. What the leader meets reaches every rank: the
     leader raises its own error, the others `errors.from_leader` of it (a missing step as StepNotFoundError, damage
     as the same CorruptCheckpointError, any other error as a CheckpointError naming rank 0 and what it was `doing`).

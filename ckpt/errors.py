@@ -109,7 +109,7 @@ class StorageError(CheckpointError):
 
 
 def leader_failure(error: Exception) -> list[Any]:
-    """What the leader met reading a step that every rank needs (its manifest, its listing, its metadata), as JSON
+    """What the leader met reading what every rank needs (a step's manifest and listing, the committed steps), as JSON
     for the other ranks, which each raise `from_leader` of it: no rank reads it again, none waits for it."""
     if isinstance(error, StepNotFoundError):
         return ["vanished", str(error)]
