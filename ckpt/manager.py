@@ -478,7 +478,9 @@ class CheckpointManager:
 
     def delete(self, step: int) -> None:
         """Delete a committed step in the background (manifest first); never the newest committed one, nor one
-        still being written. Returns at once; `steps()` stops listing it; an error is raised by the next call."""
+        still being written. Returns at once; `steps()` stops listing it; an error is raised by the next call.
+        Among ranks the shared root has one writer: rank 0's call deletes the step there, another rank's checks it
+        and deletes only its own local tier's copy (call it on every rank, or on rank 0)."""
         self._check_open()
         layout.step_dir(step)  # a ValueError for a step that is not a non-negative int
         self._background.raise_error()
@@ -494,7 +496,7 @@ class CheckpointManager:
         tiers = committed[committed.index(step)].tiers
         if LOCAL in tiers:
             self._target.delete_local(step)
-        if DURABLE in tiers:
+        if DURABLE in tiers and self.ranks.leader:
             self._root_lease.take(collective=False)
             self._queue_delete(step, report=True)
 

@@ -101,6 +101,16 @@ def test_a_closed_manager_gives_its_process_groups_back(tmp_path):
     assert all(n < 5 for n in grown), grown
 
 
+def test_a_delete_is_rank_0s_alone_on_the_shared_root(tmp_path):
+    """A root has one writer: rank 1's delete (it holds no lease) never touches the shared root; a delete every rank
+    calls is made once, by rank 0, and every rank then sees it."""
+    results = run_ranks(2, "delete", str(tmp_path / "ck"), timeout=120)
+    _ok(results)
+    for r in results:
+        assert "after rank 1 deleted step 1: [1, 2, 3]" in r.stdout, r.stdout[-2000:]
+        assert "after every rank deleted step 2: [1, 3]" in r.stdout, r.stdout[-2000:]
+
+
 def test_a_save_one_rank_cannot_make_fails_on_every_rank_and_the_next_one_commits(tmp_path):
     """Rank 1's metadata is not JSON: it raises its TypeError, rank 0 a CheckpointWriteError naming it, and neither
     takes rank 1's next save for this one; saves of different steps (or persist=), or of states with different keys,

@@ -172,6 +172,20 @@ def main(mode: str, root: str) -> None:
             with ckpt.CheckpointManager(root, local=f"{root}.local/{rank}", collective_timeout=20) as m:
                 m.restore(state_of(model, opt), track=False)
         print(f"fds grew {fds() - before} over 10 managers", flush=True)
+    elif mode == "delete":
+        # the shared root has one writer: a delete by rank 1 alone leaves it as it is; one by every rank is rank 0's
+        with ckpt.CheckpointManager(root, collective_timeout=20) as m:
+            for step in (1, 2, 3):
+                m.save(step, state_of(model, opt)).wait()
+            if rank == 1:
+                m.delete(1)
+            m.wait()
+            m.ranks.barrier()
+            print(f"after rank 1 deleted step 1: {[int(s) for s in m.steps()]}", flush=True)
+            m.delete(2)
+            m.wait()  # rank 0's waits for its delete
+            m.ranks.barrier()
+            print(f"after every rank deleted step 2: {[int(s) for s in m.steps()]}", flush=True)
     elif mode == "uncreatable":
         # a root under a file made after the managers: rank 0 cannot take the lease, and rank 1 learns why at once
         # (not at the timeout)
