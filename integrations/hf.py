@@ -30,12 +30,14 @@ from typing import Any, Callable, ContextManager
 import fsspec
 import safetensors.torch
 import torch
+import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 from ckpt import CheckpointManager, RNGState, RunMismatchError, SaveDecision, SaveHandle
 from ckpt import run as ckpt_run
+from ckpt.distributed import leader_reads
 from ckpt.exporter import model_config_metadata
 from ckpt.options import TierOptions, typed
 from ettr import GoodputTracker
@@ -115,7 +117,8 @@ class SaveDecisionCallback(TrainerCallback):
     (``save_strategy="no"`` leaves the decision alone). Works on any Trainer; `CkptTrainerMixin` adds it for you.
 
     Every save, whatever asked for it, restarts the decision's intervals; so does the start of ``train()`` (a fresh
-    start or the resumed step).
+    start or the resumed step). Among several processes the ranks agree at each step (one all-reduce): every rank
+    saves when any rank's decision says so (a time or a signal seen by one rank), as a save is collective.
     """
 
     def __init__(self, decision: SaveDecision, clock: Callable[[], float] = time.monotonic) -> None:
@@ -127,7 +130,12 @@ class SaveDecisionCallback(TrainerCallback):
         self.decision.saved(state.global_step, self.clock())
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        if self.decision.should_save(state.global_step, self.clock()):
+        due = self.decision.should_save(state.global_step, self.clock())
+        if args.world_size > 1 and dist.is_initialized():
+            flag = torch.tensor([int(due)], device=args.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            due = bool(flag.item())
+        if due:
             control.should_save = True
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
@@ -176,7 +184,9 @@ class _FolderFiles:
     def __init__(
         self, root: str, tiers: TierOptions | None, write: Callable[[str, dict[str, Any]], None], lock: threading.Lock
     ) -> None:
-        self._reader = CheckpointManager(root, tiers=tiers)  # with the local tier, where most steps commit
+        # with the local tier, where most steps commit; alone: among several processes only the writer of the
+        # folders (HF's `should_save`) reads them, the replicated weights, whole
+        self._reader = CheckpointManager(root, tiers=tiers, alone=True)
         self._write, self._lock = write, lock
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf-folder-files")
         self._pending: dict[int, Future] = {}
@@ -249,7 +259,9 @@ class CkptTrainerMixin:
         record_loss: put each step's loss (its micro-batches' ``training_step`` losses summed) into its goodput
             record, where a step trained again after a resume is compared with its first pass (docs/goodput.md,
             replay verification). Reading it on a GPU waits for the step's kernels once per step; False: not.
-    Single process only (no DeepSpeed, FSDP or multi-process runs).
+    One process, or several under DDP (torchrun): every rank saves and restores its part of each step (the
+    replicated weights and optimizer written once, each rank's RNG streams its own); the process HF saves from
+    (``should_save``) writes the ``checkpoint-N`` folders and rank 0 retains steps. No DeepSpeed or FSDP.
     """
 
     def __init__(
@@ -272,14 +284,13 @@ class CkptTrainerMixin:
             for name, on in (
                 ("DeepSpeed", trainer.is_deepspeed_enabled),
                 ("FSDP", trainer.is_fsdp_enabled),
-                (f"world_size={trainer.args.world_size}", trainer.args.world_size > 1),
             )
             if on
         ]
         if unsupported:
             raise NotImplementedError(
-                f"CkptTrainerMixin supports single-process training without {unsupported}; "
-                f"those paths save through HF's own files"
+                f"CkptTrainerMixin supports one process or DDP, without {unsupported}; those paths save through HF's "
+                f"own files"
             )
         default_root = os.path.join(trainer.args.output_dir, "ckpt")
         self.ckpt_root = os.fspath(ckpt_root) if ckpt_root is not None else default_root
@@ -309,15 +320,17 @@ class CkptTrainerMixin:
         `ckpt.RunMismatchError` (or, with ``overwrite=True``, deletes that run); a restart of this run resumes.
         """
         manager = CheckpointManager(self.ckpt_root, **self._ckpt_options)
-        try:
-            resume = self._start(manager, resume_from_checkpoint, trial)
+        try:  # decided by rank 0 alone (it claims the root, or deletes another run's), told to every rank
+            resume = leader_reads(
+                manager.ranks, lambda: self._start(manager, resume_from_checkpoint, trial), "deciding the resume"
+            )
         except BaseException:
             manager.close()
             raise
         tracker = self._lease.start()
         self._goodput.tracker = manager.tracker = tracker
         self.ckpt_manager = manager
-        if self.folder_files:
+        if self.folder_files and self.args.should_save:
             self._files = _FolderFiles(
                 self.ckpt_root, self._ckpt_options["tiers"], self._write_folder_files, self._folder_lock
             )
@@ -327,7 +340,8 @@ class CkptTrainerMixin:
             # waiting for the last commit and its folder files is checkpoint time: a wait for the previous save
             with self._span("checkpoint_save", part="previous_wait"):
                 self._finish_files()
-                self._delete_rotated(self._get_output_dir(trial=trial))
+                if self.is_world_process_zero():
+                    self._delete_rotated(self._get_output_dir(trial=trial))
                 manager.close()
         except BaseException:
             for finish in (self._finish_files, manager.close):
@@ -356,7 +370,7 @@ class CkptTrainerMixin:
                 "output_dir/ckpt_root",
             )
             if not fresh:
-                return resume
+                return resume if isinstance(resume, bool) else os.fspath(resume)
             if same_run:
                 return True
             foreign = sorted(os.path.basename(p) for p in _checkpoint_folders(run_dir).values() if _holds_state(p))
@@ -394,31 +408,48 @@ class CkptTrainerMixin:
     def _resolve_resume(self, resume: str | bool | None, trial: Any) -> str | None:
         """Read the step to resume from (newest committed for True) and lay out its ``checkpoint-N`` folder;
         a stock Trainer folder (named, or the newest one when the root is empty) is passed on as it is. None: start
-        fresh (nothing asked, or nothing to resume: `_without_steps`)."""
+        fresh (nothing asked, or nothing to resume: `_without_steps`). Rank 0 finds the step, every rank reads it."""
         if resume is None:
             return None
-        manager = self.ckpt_manager
         run_dir = self._get_output_dir(trial=trial)
+        found = leader_reads(
+            self.ckpt_manager.ranks, lambda: self._resume_point(resume, run_dir), "finding the step to resume"
+        )
+        if found is None:
+            return None
+        if "stock" in found:
+            return self._resume_stock(found["stock"])
+        step = found["step"]
+        staged = read_step(self.ckpt_manager, step)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        os.makedirs(folder, exist_ok=True)
+        # each rank writes it (HF reads it on every rank, from a shared or a node's own output dir): whole or not at
+        # all, as another rank may be reading it
+        fd, tmp = tempfile.mkstemp(prefix=f".{TRAINER_STATE}.", dir=folder)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(staged["trainer_state"])
+        os.replace(tmp, os.path.join(folder, TRAINER_STATE))
+        self._staged = (os.path.abspath(folder), staged)
+        self._done.add(step)
+        return folder
+
+    def _resume_point(self, resume: str | bool, run_dir: str) -> dict[str, Any] | None:
+        """What a resume reads: ``{"step": N}`` of the root, ``{"stock": folder}`` (a stock Trainer folder), or None
+        (a fresh start); a JSON value, as rank 0 tells it to the other ranks."""
+        manager = self.ckpt_manager
         if resume is True:
             step = manager.latest_step()
             if step is None:
                 return self._without_steps(run_dir, None)
         elif is_stock_checkpoint(resume):
-            return self._resume_stock(os.fspath(resume))
+            return {"stock": os.fspath(resume)}
         else:
             self._check_folder(os.fspath(resume), run_dir)
             step = resolve_step(manager, checkpoint_step(resume))
             if step is None:
                 return self._without_steps(run_dir, os.fspath(resume))
             refuse_rollback(manager, step)
-        staged = read_step(manager, step)
-        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, TRAINER_STATE), "w", encoding="utf-8") as f:
-            f.write(staged["trainer_state"])
-        self._staged = (os.path.abspath(folder), staged)
-        self._done.add(step)
-        return folder
+        return {"step": int(step)}
 
     def _check_folder(self, named: str, run_dir: str) -> None:
         """A named ``checkpoint-N`` folder must be one of this trainer's (a bare name is): another run's folder
@@ -431,13 +462,13 @@ class CkptTrainerMixin:
                 f"name one of its folders, or pass True for the newest"
             )
 
-    def _without_steps(self, run_dir: str, named: str | None) -> str | None:
+    def _without_steps(self, run_dir: str, named: str | None) -> dict[str, Any] | None:
         """A resume (True, or the folder `named`) into a root with no committed step: HF's newest ``checkpoint-N``
         folder up to the named one, passing over folders that hold no state (their step never committed: the
         process died before its first save committed). A stock Trainer folder is resumed as it is; none at all is a
         fresh start (None, with a warning) when such folders were passed over, else the stock Trainer's ValueError.
         A folder holding weights but no step, or one newer than the named folder holding state, raises: neither a
-        fresh start nor an older folder may pass over it."""
+        fresh start nor an older folder may pass over it. Returns as `_resume_point`."""
         root = self.ckpt_manager.storage.url
         folders = _checkpoint_folders(run_dir)
         upto = checkpoint_step(named) if named is not None else None
@@ -462,7 +493,7 @@ class CkptTrainerMixin:
                         RuntimeWarning,
                         stacklevel=4,
                     )
-                return self._resume_stock(folder)
+                return {"stock": folder}
             if _holds_state(folder):
                 raise ValueError(
                     f"{folder} holds model weights but no step of {root} is committed (its root was deleted or "
@@ -570,8 +601,11 @@ class CkptTrainerMixin:
                 self._saving = False
             run_dir = self._get_output_dir(trial=trial)
             folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
-            with open(os.path.join(folder, TRAINER_STATE), encoding="utf-8") as f:
-                state: dict[str, Any] = {"model": self.model, "trainer_state": f.read(), "rng": RNGState()}
+            state: dict[str, Any] = {
+                "model": self.model,
+                "trainer_state": self._trainer_state(folder),
+                "rng": RNGState(),
+            }
             if not self.args.save_only_model:
                 state.update(optimizer=self.optimizer, lr_scheduler=self.lr_scheduler)
                 scaler = getattr(self.accelerator, "scaler", None)
@@ -583,7 +617,17 @@ class CkptTrainerMixin:
                 self._done.add(step)
                 if self._files is not None:
                     self._files.submit(handle, folder)
-            self._delete_rotated(run_dir)
+            if self.is_world_process_zero():  # rank 0 deletes for every rank
+                self._delete_rotated(run_dir)
+
+    def _trainer_state(self, folder: str) -> str:
+        """The ``trainer_state.json`` HF just wrote into `folder`, as a resume writes it back. Only the process HF
+        saves from writes it, and a step's values are rank 0's (`CheckpointManager.save`): another rank's are not
+        kept, so it gives an empty string, read by no one."""
+        if not self.args.should_save:
+            return ""
+        with open(os.path.join(folder, TRAINER_STATE), encoding="utf-8") as f:
+            return f.read()
 
     def _delete_rotated(self, run_dir: str) -> None:
         """Queue the deletion of steps whose folders HF rotated away (not the newest, not one being exported)."""

@@ -26,6 +26,7 @@ from kill_resume import (  # noqa: E402
     assert_reported,
     assert_same_bits,
     finish,
+    hung,
     losses,
     start,
     straight_killed_resumed,
@@ -77,7 +78,7 @@ def test_a_loss_that_differs_after_the_resume_is_reported_at_its_step(tmp_path):
     """Killed after step 10 (9 ended), resumed from 8 with step 9's loss nudged: step 9 diverges, no batch hash."""
     job = tmp_path / "job"
     killed = start(CHILD, job, tmp_path / "unused.npz", STEPS, hang_at=KILL_AT)
-    assert ["hanging"] in finish(killed)
+    assert hung(finish(killed))
     resumed = start(CHILD, job, tmp_path / "resumed.npz", STEPS, env={"PERTURB_STEP": "9"})
     assert ["done"] in finish(resumed) and resumed.returncode == 0
     r = attribute_root(str(job / "ckpt")).replay

@@ -1,9 +1,10 @@
 """Child process: a tiny GPT-2 trained by CkptTrainer, resumed from the manager's newest step when there is one.
 
 Usage: hf_train.py OUTPUT_DIR OUT.npz MAX_STEPS [HANG_AT]
-Prints "loss STEP HEX" per step; with HANG_AT it drains the saves after that step, prints "hanging" and sleeps
-(the test SIGKILLs it). Otherwise it writes the final weights to OUT.npz and prints "done". With PERTURB_STEP in the
-environment, that step's loss is nudged (a divergence for the replay check to find).
+Prints "loss STEP HEX RANK" per step; with HANG_AT it drains the saves after that step, writes the weights, prints
+"hanging PID" and sleeps (the test SIGKILLs it). Otherwise it writes the final weights and prints "done". Weights go
+to OUT.npz (OUT.rankR.npz under torchrun, where rank 1 alone also asks for a save at step 6). With PERTURB_STEP in the environment, that step's loss is nudged (a divergence for the replay check
+to find). Under torchrun (2 CPU ranks, gloo) the Trainer runs DDP.
 """
 
 import gc
@@ -33,22 +34,55 @@ class LossPrinter(CkptTrainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
-        print(f"loss {self.state.global_step + 1} {loss.item().hex()}", flush=True)
+        say(f"loss {self.state.global_step + 1} {loss.item().hex()} {self.args.process_index}")
         return loss
 
 
-class HangAt(TrainerCallback):
-    """After step `at`: make the saves durable and the ledger current, then wait to be killed."""
+def say(line: str) -> None:
+    """One write(2) of the whole line: ranks share the pipe, and a print may split a line into two writes."""
+    os.write(1, (line + "\n").encode())
 
-    def __init__(self, at: int) -> None:
-        self.at, self.trainer = at, None
+
+def write_weights(trainer: CkptTrainer, out: str) -> None:
+    if "WORLD_SIZE" in os.environ:
+        out = out.replace(".npz", f".rank{trainer.args.process_index}.npz")
+    np.savez(out, **{k: v.detach().numpy() for k, v in trainer.model.state_dict().items()})
+
+
+class HangAt(TrainerCallback):
+    """After step `at` (its optimizer step, before its save): make the saves durable and the ledger current, write
+    the weights, then wait to be killed."""
+
+    def __init__(self, at: int, out: str) -> None:
+        self.at, self.out, self.trainer = at, out, None
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.at:
             self.trainer.ckpt_manager.wait()
             self.trainer._goodput.tracker.flush()
-            print("hanging", flush=True)
+            write_weights(self.trainer, self.out)
+            say(f"hanging {os.getpid()}")
             time.sleep(600)
+
+
+class RankSeed(TrainerCallback):
+    """Under DDP, a fresh start reseeds each rank's torch RNG apart (HF seeds every rank alike), so that a resume
+    that gave a rank another rank's RNG streams changes that rank's dropout, and its losses."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0:
+            torch.manual_seed(1000 + args.process_index)
+
+
+class Rank1AtStep6:
+    """A `ckpt.SaveDecision` that asks for a save at step 6 on rank 1 alone (as a timer or a signal seen by one rank
+    would): every rank must save it, or rank 1's collective save would wait for the others."""
+
+    def should_save(self, step: int, now: float) -> bool:
+        return step == 6 and os.environ.get("RANK") == "1"
+
+    def saved(self, step: int, now: float) -> None:
+        pass
 
 
 def main(output_dir: str, out: str, max_steps: int, hang_at: int | None) -> None:
@@ -72,14 +106,18 @@ def main(output_dir: str, out: str, max_steps: int, hang_at: int | None) -> None
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    callbacks = [HangAt(hang_at)] if hang_at is not None else []
-    trainer = LossPrinter(model=model, args=args, train_dataset=data, callbacks=callbacks)
+    callbacks = [HangAt(hang_at, out)] if hang_at is not None else []
+    ddp = "WORLD_SIZE" in os.environ
+    if ddp:
+        callbacks.append(RankSeed())
+    decision = Rank1AtStep6() if ddp else None
+    trainer = LossPrinter(model=model, args=args, train_dataset=data, callbacks=callbacks, save_decision=decision)
     for cb in callbacks:
         cb.trainer = trainer
     root = trainer.ckpt_root
     trainer.train(resume_from_checkpoint=bool(os.path.isdir(root) and layout.committed_steps(open_storage(root))))
-    np.savez(out, **{k: v.detach().numpy() for k, v in trainer.model.state_dict().items()})
-    print("done", flush=True)
+    write_weights(trainer, out)
+    say("done")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Test driver shared by the trainer integration tests: run a training child straight, killed, and resumed.
 
-A child script takes ROOT OUT.npz MAX_STEPS [HANG_AT], prints "loss STEP HEX" lines, prints "hanging" once its
+A child script takes ROOT OUT.npz MAX_STEPS [HANG_AT], prints "loss STEP HEX ..." lines, prints "hanging ..." once its
 saves are durable at HANG_AT (then it is SIGKILLed here), and otherwise writes its final weights and prints "done".
 Children run as a user's plain command does: with no launcher run id in their environment (`LAUNCHER`), unless the
 test gives one (`env=`), so each attempt is a run of its own and a restart resumes only by the trainer's own resume
@@ -27,10 +27,19 @@ LAUNCHER = (*ENV_IDS, "TORCHELASTIC_RESTART_COUNT")  # what torchrun, SLURM or t
 
 
 def start(
-    child: Path, root: Path, out: Path, steps: int, hang_at: int | None = None, env: Mapping[str, str] | None = None
+    child: Path,
+    root: Path,
+    out: Path,
+    steps: int,
+    hang_at: int | None = None,
+    env: Mapping[str, str] | None = None,
+    ranks: int = 1,
 ) -> subprocess.Popen:
-    """Start one training attempt as a child process, without the launcher variables of this one (plus `env`)."""
-    args = [sys.executable, str(child), str(root), str(out), str(steps)] + ([str(hang_at)] if hang_at else [])
+    """Start one training attempt as a child process, without the launcher variables of this one (plus `env`);
+    `ranks` > 1: as that many CPU ranks under torchrun (standalone: its rendezvous on this machine's loopback)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    args = [*(launcher if ranks > 1 else [sys.executable]), str(child), str(root), str(out), str(steps)]
+    args += [str(hang_at)] if hang_at else []
     environ = {k: v for k, v in os.environ.items() if k not in LAUNCHER}
     return subprocess.Popen(
         args,
@@ -42,15 +51,24 @@ def start(
     )
 
 
-def finish(proc: subprocess.Popen) -> list[list[str]]:
-    """Read a child's lines, SIGKILL it when it says it is hanging; returns the split lines."""
-    lines = []
+def finish(proc: subprocess.Popen, ranks: int = 1) -> list[list[str]]:
+    """Read a child's lines; once each of its `ranks` said it is hanging ("hanging [PID]"), SIGKILL each (the child
+    itself where no PID is given; torchrun's workers are in sessions of their own); returns the split lines."""
+    lines, hanging = [], []
     for line in proc.stdout:
         lines.append(line.split())
         if line.startswith("hanging"):
-            os.kill(proc.pid, signal.SIGKILL)
+            hanging.append(int(lines[-1][1]) if len(lines[-1]) > 1 else proc.pid)
+            if len(hanging) == ranks:
+                for pid in hanging:
+                    os.kill(pid, signal.SIGKILL)
     proc.wait(timeout=120)
     return lines
+
+
+def hung(lines: list[list[str]]) -> bool:
+    """Whether a child said it was hanging (its saves durable), waiting to be killed."""
+    return any(line[:1] == ["hanging"] for line in lines)
 
 
 def losses(lines: list[list[str]]) -> dict[int, list[str]]:
@@ -87,7 +105,7 @@ def straight_killed_resumed(child: Path, tmp: Path, steps: int, kill_at: int, ck
     killed = start(child, tmp / "job", tmp / "unused.npz", steps, hang_at=kill_at)
     straight_lines, killed_lines = finish(straight), finish(killed)
     assert straight.returncode == 0 and ["done"] in straight_lines, straight_lines[-5:]
-    assert killed.returncode == -signal.SIGKILL and ["hanging"] in killed_lines, killed_lines[-5:]
+    assert killed.returncode == -signal.SIGKILL and hung(killed_lines), killed_lines[-5:]
     killed_run = run_of(tmp / "job" / ckpt_root)
     resumed = start(child, tmp / "job", tmp / "resumed.npz", steps)
     resumed_lines = finish(resumed)
