@@ -300,6 +300,13 @@ class CkptTrainerMixin:
         self.record_loss = check_flag("record_loss", record_loss)
         # typed and checked now; the run id is the mixin's own (given or from the launcher)
         self._ckpt_options = typed({**(manager_options or {}), "run_id": run_id})
+        if self.folder_files and self._ckpt_options["tiers"] is not None and trainer.args.world_size > 1:
+            raise ValueError(
+                "folder_files=True with a local tier (manager_options local=) among several processes: the folder "
+                "files are read back on the saving process alone, which cannot read a step that each rank's local "
+                "tier holds a part of before it is persisted; pass folder_files=False (restore the weights from the "
+                "root, or `python -m ckpt export --format hf`), or leave out the local tier"
+            )
         self._lease = TrackerLease(self.ckpt_root, tracker)
         self._goodput = GoodputCallback()
         trainer.add_callback(self._goodput)
@@ -322,7 +329,9 @@ class CkptTrainerMixin:
         manager = CheckpointManager(self.ckpt_root, **self._ckpt_options)
         try:  # decided by rank 0 alone (it claims the root, or deletes another run's), told to every rank
             resume = leader_reads(
-                manager.ranks, lambda: self._start(manager, resume_from_checkpoint, trial), "deciding the resume"
+                manager.ranks,
+                lambda: self._start(manager, resume_from_checkpoint, trial),
+                "decide what train() resumes",
             )
         except BaseException:
             manager.close()
@@ -413,7 +422,7 @@ class CkptTrainerMixin:
             return None
         run_dir = self._get_output_dir(trial=trial)
         found = leader_reads(
-            self.ckpt_manager.ranks, lambda: self._resume_point(resume, run_dir), "finding the step to resume"
+            self.ckpt_manager.ranks, lambda: self._resume_point(resume, run_dir), "find the step to resume"
         )
         if found is None:
             return None

@@ -2,7 +2,8 @@
 last step, resumed with resume_from_checkpoint=True, and every rank trains the steps after the checkpoint again
 bitwise as before: each rank's losses and final weights, with each rank's own RNG streams restored. Rank 0 writes the
 checkpoint folders and follows HF's rotation; a save only one rank's SaveDecision asks for is made by every rank; the
-goodput report shows the failure and the restore."""
+goodput report shows the failure and the restore. Folder files with a local tier are refused (one rank cannot read
+them back)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ def test_ddp_sigkill_resume_is_bitwise_on_every_rank(tmp_path):
     resumed = start(CHILD, job, tmp_path / "resumed.npz", STEPS, ranks=2)
     resumed_lines = finish(resumed, ranks=2)
     assert resumed.returncode == 0 and resumed_lines.count(["done"]) == 2, resumed_lines[-5:]
+    refused = "refused folder_files=True with a local tier (manager_options local=) among several processes".split()
+    assert resumed_lines.count(refused) == 2, resumed_lines[:10]
 
     first, again = by_rank(killed_lines), by_rank(resumed_lines)
     assert first[0] != first[1]  # the ranks train other batches with other dropout: their losses differ

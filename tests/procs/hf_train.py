@@ -111,6 +111,11 @@ def main(output_dir: str, out: str, max_steps: int, hang_at: int | None) -> None
     if ddp:
         callbacks.append(RankSeed())
     decision = Rank1AtStep6() if ddp else None
+    if ddp:  # folder files read back on one rank cannot come from a local tier: refused when the trainer is built
+        try:
+            LossPrinter(model=model, args=args, train_dataset=data, manager_options={"local": f"{output_dir}/nvme"})
+        except ValueError as e:
+            say(f"refused {str(e).split(':')[0]}")
     trainer = LossPrinter(model=model, args=args, train_dataset=data, callbacks=callbacks, save_decision=decision)
     for cb in callbacks:
         cb.trainer = trainer
