@@ -4,9 +4,11 @@ resumes from step 8, a checkpoint folder loaded with from_pretrained, and the go
 Both attempts run the same command, `trainer.train()`, under one run id (CKPT_RUN_ID here; SLURM_JOB_ID or
 TORCHELASTIC_RUN_ID under a scheduler), so the restart resumes by itself; another run would be refused.
 
-Run: python examples/hf_example.py [OUTPUT_DIR]   (offline, nothing downloaded, seconds on a CPU; a process per attempt)
+Run: python examples/hf_example.py [OUTPUT_DIR] [--ranks N]   (offline, nothing downloaded, seconds on a CPU; a
+process per attempt, or with --ranks N each attempt is N CPU ranks under torchrun: HF's DDP, gloo)
 """
 
+import argparse
 import os
 import subprocess
 import sys
@@ -63,10 +65,17 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--attempt"]:
         train(sys.argv[2], 16, int(sys.argv[3]) or None)
         sys.exit()
-    output_dir = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="hf-example-")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("output_dir", nargs="?", default=None)
+    p.add_argument("--ranks", type=int, default=1, help="processes per attempt (torchrun, DDP on CPU); default 1")
+    cli = p.parse_args()
+    output_dir = cli.output_dir or tempfile.mkdtemp(prefix="hf-example-")
     job = {**os.environ, "CKPT_RUN_ID": f"hf-example-{uuid.uuid4().hex[:8]}"}  # what a scheduler's job id does
+    launch = [sys.executable]
+    if cli.ranks > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cli.ranks}"]
     for fail_at in (10, 0):  # the first attempt fails after step 10 (checkpoint at 8), the restart finishes
-        subprocess.run([sys.executable, __file__, "--attempt", output_dir, str(fail_at)], capture_output=True, env=job)
+        subprocess.run([*launch, __file__, "--attempt", output_dir, str(fail_at)], capture_output=True, env=job)
     print(sorted(d for d in os.listdir(output_dir) if d.startswith("checkpoint-")))
     final = GPT2LMHeadModel.from_pretrained(os.path.join(output_dir, "checkpoint-16"))  # HF-native folders
     print(f"checkpoint-16 loads with from_pretrained: {type(final).__name__}")
