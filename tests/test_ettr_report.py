@@ -167,6 +167,42 @@ def test_plot_writes_the_path_it_is_given_and_prints_the_one_it_wrote(job, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plots", "t"]  # no t.png, no plots.png beside them
 
 
+def test_a_plot_of_many_attempts_keeps_a_readable_height_and_labels_every_kth_row(tmp_path):
+    """A row per attempt grew the figure without bound (2,000 attempts: a PNG 121,000 pixels tall, 19 s). Past
+    MAX_PLOT_ROWS the rows share that height and every k-th is labelled, from attempt 1; every attempt is drawn."""
+    from ettr.report import MAX_PLOT_ROWS, plot_timeline
+
+    (tmp_path / "ettr").mkdir()
+    n, t = 3 * MAX_PLOT_ROWS, 0
+    for k in range(n):  # attempts of 2 one-second steps each, all but the last failed, 1 s apart
+        lines = [{"k": "start", "t": t, "job": "j", "attempt": f"a{k:04d}", "rank": 0, "pid": 1, "host": "h", "v": 2}]
+        lines += [{"k": "step", "s": 2 * k + s, "b": t + s * 10**6, "e": t + (s + 1) * 10**6, "o": s} for s in (1, 2)]
+        lines.append({"k": "end", "t": t + 3 * 10**6, "status": "ok" if k == n - 1 else "error"})
+        (tmp_path / "ettr" / f"ledger-a{k:04d}-rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        t += 4 * 10**6
+    a = attribute_root(str(tmp_path))
+    assert len(a.attempts) == n
+    png = plot_timeline(a, str(tmp_path / "t.png"))
+    header = open(png, "rb").read(24)
+    height = int.from_bytes(header[20:24], "big")  # the PNG's IHDR: width, then height
+    assert height <= (1.6 + 0.55 * MAX_PLOT_ROWS) * 110, height
+
+    (tmp_path / "matplotlibrc").write_text("svg.fonttype: none\n")
+    svg = tmp_path / "t.svg"
+    out = subprocess.run(
+        [sys.executable, "-m", "ettr", "plot", str(tmp_path), "-o", str(svg)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "MATPLOTLIBRC": str(tmp_path)},
+    )
+    assert out.returncode == 0, out.stderr
+    labels = [t.text for t in ET.parse(svg).getroot().iter("{http://www.w3.org/2000/svg}text") if t.text]
+    rows = [x for x in labels if x.startswith("attempt ")]
+    assert rows == [f"attempt {k + 1}" for k in range(0, n, 4)], rows  # 121 rows with downtime's: every 4th
+    assert "downtime" in labels
+
+
 def test_plot_to_a_missing_folder_is_an_error_naming_it_as_export_says_it(job, tmp_path):
     """A missing parent folder: one line naming the folder (it named the file, after drawing it), as `ckpt export`
     says it; neither makes folders."""
