@@ -480,13 +480,16 @@ class CheckpointManager:
         """Delete a committed step in the background (manifest first); never the newest committed one, nor one
         still being written. Returns at once; `steps()` stops listing it; an error is raised by the next call.
         Among ranks the shared root has one writer: rank 0's call deletes the step there, another rank's checks it
-        and deletes only its own local tier's copy (call it on every rank, or on rank 0)."""
+        and deletes only its own local tier's copy (call it on every rank, or on rank 0); to another rank a step no
+        longer listed is one rank 0 deleted first, not an error."""
         self._check_open()
         layout.step_dir(step)  # a ValueError for a step that is not a non-negative int
         self._background.raise_error()
         if self._background.writing(step):
             raise ValueError(f"step {step} is still being written")
         committed = self.steps()
+        if step not in committed and not self.ranks.leader:
+            return  # rank 0's call of the same delete ran first (or, for a step never committed, raises there)
         if step not in committed:
             raise StepNotFoundError(
                 f"step {step} is not a committed step of {self.storage.url} (committed: {committed})"

@@ -103,7 +103,7 @@ def test_a_closed_manager_gives_its_process_groups_back(tmp_path):
 
 def test_a_delete_is_rank_0s_alone_on_the_shared_root(tmp_path):
     """A root has one writer: rank 1's delete (it holds no lease) never touches the shared root; a delete every rank
-    calls is made once, by rank 0, and every rank then sees it."""
+    calls is made once, by rank 0, and every rank then sees it, also when rank 1 calls it after rank 0 deleted it."""
     results = run_ranks(2, "delete", str(tmp_path / "ck"), timeout=120)
     _ok(results)
     for r in results:

@@ -173,7 +173,8 @@ def main(mode: str, root: str) -> None:
                 m.restore(state_of(model, opt), track=False)
         print(f"fds grew {fds() - before} over 10 managers", flush=True)
     elif mode == "delete":
-        # the shared root has one writer: a delete by rank 1 alone leaves it as it is; one by every rank is rank 0's
+        # the shared root has one writer: a delete by rank 1 alone leaves it as it is; one by every rank is rank 0's,
+        # also when rank 0's came first (rank 1 then finds the step gone)
         with ckpt.CheckpointManager(root, collective_timeout=20) as m:
             for step in (1, 2, 3):
                 m.save(step, state_of(model, opt)).wait()
@@ -182,8 +183,12 @@ def main(mode: str, root: str) -> None:
             m.wait()
             m.ranks.barrier()
             print(f"after rank 1 deleted step 1: {[int(s) for s in m.steps()]}", flush=True)
-            m.delete(2)
-            m.wait()  # rank 0's waits for its delete
+            if rank == 0:  # every rank deletes it, rank 0 first: to rank 1 the step is gone already
+                m.delete(2)
+                m.wait()  # its delete is done
+            m.ranks.barrier()
+            if rank == 1:
+                m.delete(2)
             m.ranks.barrier()
             print(f"after every rank deleted step 2: {[int(s) for s in m.steps()]}", flush=True)
     elif mode == "uncreatable":
