@@ -26,6 +26,7 @@ from kill_resume import (  # noqa: E402
     assert_same_bits,
     finish,
     losses,
+    run_straight,
     start,
     straight_killed_resumed,
 )
@@ -39,10 +40,18 @@ CHILD = Path(__file__).parent / "procs" / "lightning_train.py"
 STEPS, KILL_AT = 16, 10  # the child saves every 4 steps: the resume is from step 8
 
 
-def test_sigkill_resume_without_launcher_ids_is_bitwise_and_reported(tmp_path):
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> tuple[list[list[str]], Path]:
+    """One uninterrupted fit to STEPS (its lines and weights file): the reference of both resume tests below, which
+    would each run the same child to the same step in the same environment."""
+    tmp = tmp_path_factory.mktemp("straight")
+    return run_straight(CHILD, tmp / "straight", tmp / "straight.npz", STEPS), tmp / "straight.npz"
+
+
+def test_sigkill_resume_without_launcher_ids_is_bitwise_and_reported(tmp_path, straight):
     """The children run with no CKPT_RUN_ID, SLURM_JOB_ID or TORCHELASTIC_RUN_ID: the restart resumes through
     fit(ckpt_path="last") alone (a run of its own, which takes the root over)."""
-    runs = straight_killed_resumed(CHILD, tmp_path, STEPS, KILL_AT, ckpt_root="")
+    runs = straight_killed_resumed(CHILD, tmp_path, STEPS, KILL_AT, ckpt_root="", straight=straight)
     assert runs.killed_run.source == runs.resumed_run.source == "generated", (runs.killed_run, runs.resumed_run)
     assert runs.killed_run.id != runs.resumed_run.id
 
@@ -85,12 +94,11 @@ def pointers(root: Path) -> dict[str, int]:
     return {p.name: json.loads(p.read_text())["step"] for p in sorted((root / "pointers").iterdir())}
 
 
-def test_copied_run_resumes_twice_bitwise_without_duplicate_or_stale_pointers(tmp_path):
+def test_copied_run_resumes_twice_bitwise_without_duplicate_or_stale_pointers(tmp_path, straight):
     """Killed at 6 (checkpoint 4), resumed and killed at 10 (checkpoint 8), copied, resumed from the copy to 16."""
     job, copy = tmp_path / "job", tmp_path / "copy"
-    straight = start(CHILD, tmp_path / "straight", tmp_path / "straight.npz", STEPS)
-    first = start(CHILD, job, tmp_path / "x.npz", STEPS, 6)
-    reference, _ = losses(finish(straight)), finish(first)
+    (straight_lines, straight_npz), first = straight, start(CHILD, job, tmp_path / "x.npz", STEPS, 6)
+    reference, _ = losses(straight_lines), finish(first)
     assert (
         pointers(job) == {"epoch=0-step=4.ckpt": 4, "last.ckpt": 4}
         and layout.committed_steps(open_storage(job))[-1] == 4
@@ -106,7 +114,7 @@ def test_copied_run_resumes_twice_bitwise_without_duplicate_or_stale_pointers(tm
     lines = finish(start(CHILD, copy, tmp_path / "resumed.npz", STEPS))
     assert ["done"] in lines, lines[-5:]
     assert losses(lines) == {s: reference[s] for s in range(9, STEPS + 1)}
-    assert_same_bits(tmp_path / "straight.npz", tmp_path / "resumed.npz")
+    assert_same_bits(straight_npz, tmp_path / "resumed.npz")
     assert sorted((p.relative_to(job), p.stat().st_mtime_ns) for p in job.rglob("*")) == before  # original untouched
     assert pointers(copy) == {f"epoch=0-step={STEPS}.ckpt": STEPS, "last.ckpt": STEPS}  # no -v1, last is newest
     assert layout.committed_steps(open_storage(copy)) == [STEPS]

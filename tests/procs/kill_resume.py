@@ -98,13 +98,29 @@ def run_of(root: Path) -> Run | None:
     return recorded_run(open_storage(str(root)))
 
 
-def straight_killed_resumed(child: Path, tmp: Path, steps: int, kill_at: int, ckpt_root: str = "") -> Runs:
+def run_straight(child: Path, root: Path, out: Path, steps: int) -> list[list[str]]:
+    """An uninterrupted run to `steps`, which must end well; its lines."""
+    straight = start(child, root, out, steps)
+    lines = finish(straight)
+    assert straight.returncode == 0 and ["done"] in lines, lines[-5:]
+    return lines
+
+
+def straight_killed_resumed(
+    child: Path, tmp: Path, steps: int, kill_at: int, ckpt_root: str = "", straight: tuple[list, Path] | None = None
+) -> Runs:
     """An uninterrupted run (beside the first attempt, 2 cores) and a job killed at `kill_at` then resumed; the
-    job's checkpoint root is `ckpt_root` below its folder."""
-    straight = start(child, tmp / "straight", tmp / "straight.npz", steps)
+    job's checkpoint root is `ckpt_root` below its folder. `straight`: the lines and weights file of an uninterrupted
+    run already made (`run_straight` of the same child and steps), which is then not run again."""
+    if straight is None:
+        proc = start(child, tmp / "straight", tmp / "straight.npz", steps)
     killed = start(child, tmp / "job", tmp / "unused.npz", steps, hang_at=kill_at)
-    straight_lines, killed_lines = finish(straight), finish(killed)
-    assert straight.returncode == 0 and ["done"] in straight_lines, straight_lines[-5:]
+    if straight is None:
+        straight_lines = finish(proc)
+        assert proc.returncode == 0 and ["done"] in straight_lines, straight_lines[-5:]
+        straight = straight_lines, tmp / "straight.npz"
+    straight_lines, straight_npz = straight
+    killed_lines = finish(killed)
     assert killed.returncode == -signal.SIGKILL and hung(killed_lines), killed_lines[-5:]
     killed_run = run_of(tmp / "job" / ckpt_root)
     resumed = start(child, tmp / "job", tmp / "resumed.npz", steps)
@@ -112,9 +128,7 @@ def straight_killed_resumed(child: Path, tmp: Path, steps: int, kill_at: int, ck
     assert resumed.returncode == 0 and ["done"] in resumed_lines, resumed_lines[-5:]
     assert min(losses(resumed_lines)) > 1, "the restart trained from step 1: it restored nothing"
     resumed_run = run_of(tmp / "job" / ckpt_root)
-    return Runs(
-        straight_lines, killed_lines, resumed_lines, tmp / "straight.npz", tmp / "resumed.npz", killed_run, resumed_run
-    )
+    return Runs(straight_lines, killed_lines, resumed_lines, straight_npz, tmp / "resumed.npz", killed_run, resumed_run)
 
 
 def assert_same_bits(a_path: Path, b_path: Path) -> None:
