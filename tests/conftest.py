@@ -16,7 +16,7 @@ _BUCKETS = itertools.count()
 LONGEST_FIRST = (
     "test_cluster.py", "test_docs.py", "test_hf.py", "test_demo.py", "test_lightning.py", "test_loop.py",
     "test_determinism_e2e.py", "test_object_store_faults.py", "test_ckpt_crash.py", "test_distributed.py",
-    "test_stale_writer.py", "test_ckpt_safety.py", "test_ckpt_roundtrip.py", "test_lightning_ddp.py",
+    "test_stale_writer.py", "test_ckpt_safety.py", "test_ckpt_roundtrip.py", "test_lightning_ddp.py", "test_hf_ddp.py",
     "test_ckpt_writers.py", "test_tiers_distributed.py", "test_ettr_e2e.py", "test_shared_manifest.py",
 )  # fmt: skip
 
