@@ -9,29 +9,6 @@ import pytest
 pytest_plugins = ["require_extras"]
 _BUCKETS = itertools.count()
 
-# The files that take longest, longest first (their seconds in a `--durations=0` run on 2 cores: 150, 127, 96, ...).
-# Two workers each run whole files (`--dist loadfile`), handed out in collection order; xdist's default order (most
-# tests first) left the few-test, long end-to-end files for last, and one worker ran them while the other had
-# nothing left. Long files first, short ones filling the gaps: ~20 s less wall time. Only the order changes.
-LONGEST_FIRST = (
-    "test_cluster.py", "test_docs.py", "test_hf.py", "test_demo.py", "test_lightning.py", "test_loop.py",
-    "test_determinism_e2e.py", "test_object_store_faults.py", "test_ckpt_crash.py", "test_distributed.py",
-    "test_stale_writer.py", "test_ckpt_safety.py", "test_ckpt_roundtrip.py", "test_lightning_ddp.py", "test_hf_ddp.py",
-    "test_ckpt_writers.py", "test_tiers_distributed.py", "test_ettr_e2e.py", "test_shared_manifest.py",
-)  # fmt: skip
-
-
-def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):  # xdist: hand files out in the order collection leaves them
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(items):
-    """The files of LONGEST_FIRST first, in its order; every other file after them, as collected (a stable sort:
-    each file's tests stay together and in their order)."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
 
 @pytest.fixture(scope="session")
 def s3_server():
