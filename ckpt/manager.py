@@ -488,9 +488,9 @@ class CheckpointManager:
         if self._background.writing(step):
             raise ValueError(f"step {step} is still being written")
         committed = self.steps()
-        if step not in committed and not self.ranks.leader:
-            return  # rank 0's call of the same delete ran first (or, for a step never committed, raises there)
         if step not in committed:
+            if not self.ranks.leader:
+                return  # rank 0's call of the same delete ran first (or, for a step never committed, raises there)
             raise StepNotFoundError(
                 f"step {step} is not a committed step of {self.storage.url} (committed: {committed})"
             )

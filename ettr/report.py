@@ -202,9 +202,8 @@ def plot_timeline(a: Attribution, path: str, *, title: str | None = None) -> str
     if failed:
         size = max(2.0, 11 * min(1.0, MAX_PLOT_ROWS / (n + 1)))  # no larger than a row
         ax.plot(*zip(*failed), marker="X", ls="", color="black", markersize=size, zorder=3)
-    every = -(-(n + 1) // MAX_PLOT_ROWS)  # a label on every row, or on every `every`-th from the first attempt
-    rows = [-1] + [n - k - 1 for k in range(0, n, every)]
-    ax.set_yticks(rows, ["downtime"] + [f"attempt {k + 1}" for k in range(0, n, every)])
+    labelled = range(0, n, -(-(n + 1) // MAX_PLOT_ROWS))  # every attempt, or every k-th from the first
+    ax.set_yticks([-1] + [n - k - 1 for k in labelled], ["downtime"] + [f"attempt {k + 1}" for k in labelled])
     ax.set_ylim(-1.5, n - 0.5)
     ax.set_xlabel(f"time since job start ({unit})")
     ax.set_xlim(0, a.wall_us / 1e6 / scale)

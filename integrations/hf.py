@@ -40,6 +40,7 @@ from ckpt import run as ckpt_run
 from ckpt.distributed import leader_reads
 from ckpt.exporter import model_config_metadata
 from ckpt.options import TierOptions, typed
+from ckpt.storage import open_storage
 from ettr import GoodputTracker
 from ettr.ledger import ledger_dir
 
@@ -349,8 +350,7 @@ class CkptTrainerMixin:
             # waiting for the last commit and its folder files is checkpoint time: a wait for the previous save
             with self._span("checkpoint_save", part="previous_wait"):
                 self._finish_files()
-                if self.is_world_process_zero():
-                    self._delete_rotated(self._get_output_dir(trial=trial))
+                self._delete_rotated(self._get_output_dir(trial=trial))
                 manager.close()
         except BaseException:
             for finish in (self._finish_files, manager.close):
@@ -434,10 +434,7 @@ class CkptTrainerMixin:
         os.makedirs(folder, exist_ok=True)
         # each rank writes it (HF reads it on every rank, from a shared or a node's own output dir): whole or not at
         # all, as another rank may be reading it
-        fd, tmp = tempfile.mkstemp(prefix=f".{TRAINER_STATE}.", dir=folder)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(staged["trainer_state"])
-        os.replace(tmp, os.path.join(folder, TRAINER_STATE))
+        open_storage(folder).write_atomic(TRAINER_STATE, staged["trainer_state"].encode())
         self._staged = (os.path.abspath(folder), staged)
         self._done.add(step)
         return folder
@@ -626,8 +623,7 @@ class CkptTrainerMixin:
                 self._done.add(step)
                 if self._files is not None:
                     self._files.submit(handle, folder)
-            if self.is_world_process_zero():  # rank 0 deletes for every rank
-                self._delete_rotated(run_dir)
+            self._delete_rotated(run_dir)
 
     def _trainer_state(self, folder: str) -> str:
         """The ``trainer_state.json`` HF just wrote into `folder`, as a resume writes it back. Only the process HF
@@ -639,7 +635,10 @@ class CkptTrainerMixin:
             return f.read()
 
     def _delete_rotated(self, run_dir: str) -> None:
-        """Queue the deletion of steps whose folders HF rotated away (not the newest, not one being exported)."""
+        """Queue the deletion of steps whose folders HF rotated away (not the newest, not one being exported): on
+        rank 0, which deletes for every rank."""
+        if not self.is_world_process_zero():
+            return
         folders = _checkpoint_folders(run_dir)
         for old in self.ckpt_manager.steps():
             if old not in folders and not (self._files is not None and self._files.busy(old)):
