@@ -183,6 +183,7 @@ def main(mode: str, root: str) -> None:
             m.wait()
             m.ranks.barrier()
             print(f"after rank 1 deleted step 1: {[int(s) for s in m.steps()]}", flush=True)
+            m.ranks.barrier()  # every rank listed the steps before rank 0 deletes the next one
             if rank == 0:  # every rank deletes it, rank 0 first: to rank 1 the step is gone already
                 m.delete(2)
                 m.wait()  # its delete is done
