@@ -10,6 +10,7 @@ the positions of `ckpt` samplers in its own ``state_dict``, which is what makes 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import posixpath
@@ -54,6 +55,10 @@ from ._common import (
 POINTER_FORMAT = "ckpt-lightning-pointer/1"
 POINTERS = "lightning_pointers"  # metadata: the folder whose pointer files name a step, relative to the root
 WRITTEN_AT = "lightning_root"  # metadata: where the root was when the step was written, to rebase its paths
+# Under the root: a file per folder that pointers to the root's steps were written in (its path relative to the root),
+# registered before its first pointer, so a step is deleted only when no pointer in any of them names it
+FOLDERS = "lightning-folders"
+FOLDER_FORMAT = "ckpt-lightning-folder/1"
 _DROP = object()
 _TMP = re.compile(r".+\.ckpt\.tmp-[0-9]+")  # a pointer being written (`_write_pointer`): NAME.ckpt.tmp-PID
 # A pointer is renamed into place right after it is written (milliseconds; seconds on a slow object store): a
@@ -180,6 +185,21 @@ def _write_pointer(path: str, root: str, step: int, callbacks: dict[str, dict[st
     fs.mv(tmp, p)
 
 
+def _folder_entry(relative: str) -> str:
+    """The registry file (below the root) of a pointer folder, by its path relative to the root."""
+    return f"{FOLDERS}/{hashlib.sha256(relative.encode()).hexdigest()[:32]}.json"
+
+
+def _registered(data: bytes | None, path: str) -> str | None:
+    """The folder (relative to the root) a registry file at `path` records, or None if it is not one."""
+    try:
+        entry = json.loads(data or b"")
+    except (UnicodeDecodeError, ValueError):
+        return None
+    folder = entry.get("folder") if isinstance(entry, dict) and entry.get("format") == FOLDER_FORMAT else None
+    return folder if isinstance(folder, str) and _folder_entry(folder) == path else None
+
+
 def _read_pointer(path: str) -> dict[str, Any] | None:
     """The pointer at `path` with its root made absolute, or None if the file is something else (a torch.save)."""
     fs, p = fsspec.core.url_to_fs(path)
@@ -242,8 +262,9 @@ class CkptCheckpointIO(CheckpointIO):
     ``save_checkpoint(ckpt, "dir/epoch=0-step=10.ckpt")`` starts an async save of step ``ckpt["global_step"]`` and
     writes that path as a JSON pointer to it; ``load_checkpoint`` follows the pointer (falling back to the newest
     committed step before it if the process died while writing it; a fit with `GoodputCallback` starts fresh, with a
-    warning, if no step of the root is committed); ``remove_checkpoint`` deletes the pointer and,
-    once no other pointer beside it names the step and a newer step is committed, the step itself;
+    warning, if no step of the root is committed); ``remove_checkpoint`` deletes the pointer and, once no other
+    pointer names the step (in any folder the root's pointers were written in) and a newer step is committed, the
+    step itself;
     ``teardown()`` drains the writes. A `GoodputCallback` in the same Trainer reports saves and restores to its tracker.
     Values that cannot be stored without pickle (arbitrary hyper-parameters) are dropped with a warning.
     Every tensor is copied before ``save_checkpoint`` returns: the manager's default (``snapshot="sync"``), and
@@ -262,8 +283,10 @@ class CkptCheckpointIO(CheckpointIO):
         self._manager: CheckpointManager | None = None
         self._done: set[int] = set()  # steps saved or restored by this process: a repeated request is a no-op
         self._stored: tuple[int, dict[str, dict[str, str | None]]] | None = None  # last step, its dict's paths
-        self._orphans: dict[int, str] = {}  # step -> folder of its removed pointer, for steps not deletable yet
+        self._orphans: set[int] = set()  # steps whose pointer was removed, not deletable yet
         self._adopted: set[str] = set()
+        self._folders: set[str] | None = None  # every folder pointers to the root's steps were written in (loaded once)
+        self._damaged: str | None = None  # an unreadable record of a pointer folder (`_pointer_folders`): delete nothing
         # GoodputCallback, between a fit's setup and its start: a resume starts the tracker first. Only a fit's load
         # may find nothing to resume and start fresh (validate/test/predict must not run on untrained weights)
         self.before_load: Callable[[], None] | None = None
@@ -417,7 +440,7 @@ class CkptCheckpointIO(CheckpointIO):
         fresh, self._fresh = self._fresh, None
         if not writer:
             return same_run
-        for folder in self._known_folders():
+        for folder in self._pointer_folders():
             self._sweep(folder)
         if fresh is not None:
             self._sweep(fresh)
@@ -451,6 +474,7 @@ class CkptCheckpointIO(CheckpointIO):
         steps of the folder candidates for deletion (their removals may have died)."""
         if folder in self._adopted:
             return
+        self._register(folder)
         self._adopted.add(folder)
         committed = self.manager.steps()
         for path, pointer in self._pointers(folder):
@@ -466,17 +490,43 @@ class CkptCheckpointIO(CheckpointIO):
         for step in committed:
             saved = self.manager.metadata(step).get(POINTERS)
             if saved is not None and _real(_resolve(saved, _real(self.root))) == folder:
-                self._orphans.setdefault(step, folder)
+                self._orphans.add(step)
 
-    def _known_folders(self) -> list[str]:
-        """The pointer folders the root's committed steps were saved with (from their metadata), as `_folder` does."""
-        folders = []
-        for step in self.manager.steps():
-            saved = self.manager.metadata(step).get(POINTERS)
-            folder = _resolve(saved, _real(self.root)) if saved is not None else None
-            if folder is not None and _real(folder) not in folders:
-                folders.append(_real(folder))
-        return folders
+    def _pointer_folders(self) -> set[str]:
+        """Every folder pointers to this root's steps were written in, as `_folder` gives them: those registered under
+        the root, and those the committed steps were saved with (their metadata: roots written before the registry)."""
+        if self._folders is None:
+            storage, base = self.manager.storage, _real(self.root)
+            folders = set()
+            for name in storage.list_files(FOLDERS):
+                path = f"{FOLDERS}/{name}"
+                relative = _registered(storage.read(path), path)
+                if relative is None:
+                    self._damaged = f"{self.root}/{path}"
+                    warnings.warn(
+                        f"{self._damaged} is a damaged {FOLDER_FORMAT} entry (the record of a folder of Lightning "
+                        f"pointers to this root's steps): this process deletes no step, as one may be named by a "
+                        f"pointer there; delete the entry to let removed checkpoints go again",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
+                else:
+                    folders.add(_real(_resolve(relative, base)))
+            for step in self.manager.steps():
+                saved = self.manager.metadata(step).get(POINTERS)
+                if saved is not None:
+                    folders.add(_real(_resolve(saved, base)))
+            self._folders = folders
+        return self._folders
+
+    def _register(self, folder: str) -> None:
+        """Record `folder` under the root before the first pointer is written in it (`_pointer_folders`)."""
+        if folder in self._pointer_folders():
+            return
+        relative = _relative(folder, self.root)
+        data = json.dumps({"format": FOLDER_FORMAT, "folder": relative}).encode()
+        self.manager.storage.write_atomic(_folder_entry(relative), data)
+        self._pointer_folders().add(folder)
 
     def _sweep(self, folder: str) -> None:
         """Remove the temporary pointer files (``NAME.ckpt.tmp-PID``) a process killed inside `_write_pointer` left:
@@ -515,17 +565,20 @@ class CkptCheckpointIO(CheckpointIO):
         fs, p = fsspec.core.url_to_fs(path)
         pointer = _read_pointer(path) if fs.exists(p) else None
         if pointer is not None and self._ours(pointer):
-            self._orphans[int(pointer["step"])] = _folder(path)
+            self._orphans.add(int(pointer["step"]))
 
     def _collect(self) -> None:
-        """Delete the candidate steps that no pointer in their folder names and that a newer committed step covers."""
-        for step, folder in list(self._orphans.items()):
-            if not self._named(step, folder) and delete_step(self.manager, step):
-                del self._orphans[step]
-
-    def _named(self, step: int, folder: str) -> bool:
-        """Whether a pointer file in `folder` names `step` of this root."""
-        return any(pointer["step"] == step for _, pointer in self._pointers(folder))
+        """Delete the candidate steps that no pointer names, in any pointer folder of the root (another
+        ModelCheckpoint's may name the step one removed), and that a newer committed step covers."""
+        if not self._orphans:
+            return
+        folders = self._pointer_folders()
+        if self._damaged:
+            return
+        named = {pointer["step"] for folder in folders for _, pointer in self._pointers(folder)}
+        for step in sorted(self._orphans - named):
+            if delete_step(self.manager, step):
+                self._orphans.discard(step)
 
     def _pointer(self, path: str) -> dict[str, Any]:
         """The pointer file at `path`; clear errors for foreign files and other roots."""
@@ -798,8 +851,9 @@ class DecisionCheckpoint(ModelCheckpoint):
     seconds, the advised interval, a preemption signal); its own triggers, file names, top-k and ``last.ckpt`` work
     as usual (pass ``every_n_epochs=0`` to leave saving to the decision alone).
 
-    Every save it makes restarts the decision's intervals; so does the start of a fit (or the restored step). Rank 0's
-    answer is broadcast, so every rank saves the same steps.
+    Every save it makes restarts the decision's intervals; so does the start of a fit (or the restored step). Among
+    several processes the ranks agree at each batch (one all-reduce): every rank saves when any rank's decision says
+    so (a time or a signal seen by one rank), so every rank saves the same steps.
     """
 
     def __init__(
@@ -819,7 +873,8 @@ class DecisionCheckpoint(ModelCheckpoint):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._should_skip_saving_checkpoint(trainer):
             return
-        if trainer.strategy.broadcast(self.decision.should_save(trainer.global_step, self.clock())):
+        due = self.decision.should_save(trainer.global_step, self.clock())
+        if trainer.strategy.reduce_boolean_decision(due, all=False):
             candidates = self._monitor_candidates(trainer)
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)

@@ -455,6 +455,52 @@ def test_remove_checkpoint_deletes_a_step_once_no_pointer_names_it_and_a_newer_s
     assert loaded["global_step"] == 12 and torch.equal(loaded["w"], torch.full((3,), 2.0))
 
 
+def test_a_step_another_folders_pointer_names_is_kept_in_this_process_and_the_next(tmp_path):
+    """Two ModelCheckpoints in two folders (every N steps, and a top-k) may save the same step: one removing its
+    pointer must not delete the step the other still names (before, only the removing pointer's folder was
+    looked at, and the other's pointer was left naming a deleted step), in this process or a later one."""
+    root = tmp_path / "root"
+    a, b = root / "every", root / "best"
+    io = CkptCheckpointIO(root)
+    io.save_checkpoint({"global_step": 4, "w": torch.zeros(3)}, a / "step=4.ckpt")
+    io.save_checkpoint({"global_step": 4, "w": torch.zeros(3)}, b / "best.ckpt")  # the same step, another folder
+    io.save_checkpoint({"global_step": 8, "w": torch.ones(3)}, a / "step=8.ckpt")
+    io.remove_checkpoint(a / "step=4.ckpt")
+    io.teardown()
+    assert committed_steps(str(root)) == [4, 8]
+    # the next attempt has not written into `best` yet: the root's record of its pointer folders names it
+    later = CkptCheckpointIO(root)
+    later.save_checkpoint({"global_step": 12, "w": torch.full((3,), 2.0)}, a / "step=12.ckpt")
+    later.remove_checkpoint(a / "step=8.ckpt")
+    later.teardown()  # drains the save of 12, which covers 8
+    assert committed_steps(str(root)) == [4, 12]
+    loaded = CkptCheckpointIO(root).load_checkpoint(b / "best.ckpt")
+    assert loaded["global_step"] == 4 and torch.equal(loaded["w"], torch.zeros(3))
+    later.remove_checkpoint(b / "best.ckpt")  # named by nothing now
+    later.teardown()
+    assert committed_steps(str(root)) == [12]
+
+
+def test_a_damaged_record_of_a_pointer_folder_stops_deletions_and_is_named(tmp_path):
+    root = tmp_path / "root"
+    io = CkptCheckpointIO(root)
+    io.save_checkpoint({"global_step": 4, "w": torch.zeros(3)}, root / "p" / "a.ckpt")
+    io.teardown()
+    (entry,) = (root / "lightning-folders").iterdir()
+    entry.write_text('{"format": "ckpt-lightning-folder/1", "folder": "elsewhere"}')  # not the folder it is named by
+    later = CkptCheckpointIO(root)
+    with pytest.warns(RuntimeWarning, match=f"{entry.name} is a damaged ckpt-lightning-folder/1 entry"):
+        later.save_checkpoint({"global_step": 8, "w": torch.ones(3)}, root / "q" / "b.ckpt")  # reads the records
+    later.remove_checkpoint(root / "p" / "a.ckpt")  # step 4 may be named in the folder it no longer knows: kept
+    later.teardown()
+    assert committed_steps(str(root)) == [4, 8]
+    entry.unlink()  # as the warning says
+    again = CkptCheckpointIO(root)
+    again.save_checkpoint({"global_step": 12, "w": torch.ones(3)}, root / "p" / "c.ckpt")  # finishes p's removals
+    again.teardown()
+    assert committed_steps(str(root)) == [8, 12]
+
+
 @pytest.fixture
 def own_process_group():
     """Lightning's distributed strategies initialize a process group (and its environment) in this process and leave

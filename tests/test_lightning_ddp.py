@@ -47,9 +47,9 @@ def run(root: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out)
 
 
-def fit(root: Path, steps: int) -> dict[tuple[str, int], tuple[int, str]]:
+def fit(root: Path, steps: int, *extra: str) -> dict[tuple[str, int], tuple[int, str]]:
     """`run` to `steps`, which must succeed; (what, rank) -> (step, weights) printed."""
-    done = run(root, steps)
+    done = run(root, steps, *extra)
     out = done.stdout
     assert done.returncode == 0, out[-6000:]
     found = {}
@@ -69,11 +69,14 @@ def test_ddp_fit_saves_on_rank_0_every_rank_resumes_from_last_and_a_rank_blind_t
     assert layout.committed_steps(open_storage(str(root))) == [4]  # step 2 went with its pointer
     assert sorted(p.name for p in (root / "pointers").iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]
 
-    second = fit(root, 8)
+    second = fit(root, 8, "decide")
     # both ranks start from rank 0's step 4, and train on in step (rank 1's Adam state was restored too)
     assert second["start", 0] == second["start", 1] == first["end", 0]
     assert second["end", 0] == second["end", 1] and second["end", 0][0] == 8
-    assert layout.committed_steps(open_storage(str(root))) == [8]
+    # a DecisionCheckpoint whose decision asked for step 6 on rank 1 alone (a signal seen by one node): saved, as
+    # every rank agrees on any rank's answer (rank 0's alone was taken before)
+    assert [p.name for p in (root / "decided").iterdir()] == ["epoch=0-step=6.ckpt"]
+    assert layout.committed_steps(open_storage(str(root))) == [6, 8]
 
     # each rank's goodput ledger under its own rank, one per attempt; rank 1 recorded the restore of step 4
     ledgers = sorted(p.name.rsplit("-", 1)[1] for p in (root / "ettr").glob("ledger-*.jsonl"))
@@ -90,4 +93,4 @@ def test_ddp_fit_saves_on_rank_0_every_rank_resumes_from_last_and_a_rank_blind_t
     assert "start from different steps" in split.stdout and "rank 0 step 8, rank 1 nothing" in split.stdout, (
         split.stdout[-6000:]
     )
-    assert layout.committed_steps(open_storage(str(root))) == [8]
+    assert layout.committed_steps(open_storage(str(root))) == [6, 8]

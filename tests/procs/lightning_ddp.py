@@ -1,8 +1,9 @@
 """Child process: a Lightning DDP fit (2 CPU ranks, gloo; Lightning re-runs this script for rank 1) through
 CkptCheckpointIO + GoodputCallback + ModelCheckpoint(every 2 steps, last), resumed from "last".
 
-Usage: lightning_ddp.py ROOT MAX_STEPS [split]
-("split": rank 1 uses ROOT-rank1 as its root and pointer folder, as a node-local disk would.)
+Usage: lightning_ddp.py ROOT MAX_STEPS [split | decide]
+("split": rank 1 uses ROOT-rank1 as its root and pointer folder, as a node-local disk would; "decide": a
+DecisionCheckpoint into ROOT/decided whose decision asks for a save at step 6 on rank 1 alone.)
 Every rank prints "start RANK STEP HEX" (its weights as the training starts: after a resume, the restored ones) and
 "end RANK STEP HEX" (after the fit), HEX being the float32 bytes of every parameter in order.
 """
@@ -16,7 +17,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from integrations.lightning import CkptCheckpointIO, GoodputCallback
+from integrations.lightning import CkptCheckpointIO, DecisionCheckpoint, GoodputCallback
 
 
 class Net(LightningModule):
@@ -48,7 +49,17 @@ class Report(Callback):
         say(f"start {trainer.global_rank} {trainer.global_step} {weights(pl_module)}")
 
 
-def main(root: str, max_steps: int, split: bool = False) -> None:
+class Rank1AtStep6:
+    """A `ckpt.SaveDecision` that asks for a save at step 6 on rank 1 alone (as a signal seen by one node would)."""
+
+    def should_save(self, step: int, now: float) -> bool:
+        return step == 6 and os.environ.get("LOCAL_RANK", "0") == "1"
+
+    def saved(self, step: int, now: float) -> None:
+        pass
+
+
+def main(root: str, max_steps: int, split: bool = False, decide: bool = False) -> None:
     if split and os.environ.get("LOCAL_RANK", "0") == "1":  # Lightning starts rank 1 with LOCAL_RANK set
         root += "-rank1"
     torch.manual_seed(0)
@@ -70,6 +81,7 @@ def main(root: str, max_steps: int, split: bool = False) -> None:
             GoodputCallback(),
             ModelCheckpoint(dirpath=os.path.join(root, "pointers"), every_n_train_steps=2, save_last=True),
             Report(),
+            *([DecisionCheckpoint(Rank1AtStep6(), dirpath=os.path.join(root, "decided"), every_n_epochs=0)] * decide),
         ],
     )
     model = Net()
@@ -78,5 +90,5 @@ def main(root: str, max_steps: int, split: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:] == ["split"])
+    main(sys.argv[1], int(sys.argv[2]), "split" in sys.argv[3:], "decide" in sys.argv[3:])
     gc.freeze()  # the child ends here: no final collections over torch's objects
