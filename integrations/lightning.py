@@ -286,7 +286,7 @@ class CkptCheckpointIO(CheckpointIO):
         self._orphans: set[int] = set()  # steps whose pointer was removed, not deletable yet
         self._adopted: set[str] = set()
         self._folders: set[str] | None = None  # every folder pointers to the root's steps were written in (loaded once)
-        self._damaged: str | None = None  # an unreadable record of a pointer folder (`_pointer_folders`): delete nothing
+        self._damaged: str | None = None  # an unreadable record of a pointer folder: delete nothing
         # GoodputCallback, between a fit's setup and its start: a resume starts the tracker first. Only a fit's load
         # may find nothing to resume and start fresh (validate/test/predict must not run on untrained weights)
         self.before_load: Callable[[], None] | None = None
