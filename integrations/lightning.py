@@ -282,7 +282,8 @@ class CkptCheckpointIO(CheckpointIO):
         open_storage(self.root, self._options["root_options"].storage_options).check_creatable()  # and the root
         self._manager: CheckpointManager | None = None
         self._done: set[int] = set()  # steps saved or restored by this process: a repeated request is a no-op
-        self._stored: tuple[int, dict[str, dict[str, str | None]]] | None = None  # last step, its dict's paths
+        # the last step saved or loaded: its dict's paths, and its top-level keys
+        self._stored: tuple[int, dict[str, dict[str, str | None]], frozenset[str]] | None = None
         self._orphans: set[int] = set()  # steps whose pointer was removed, not deletable yet
         self._adopted: set[str] = set()
         self._folders: set[str] | None = None  # every folder pointers to the root's steps were written in (loaded once)
@@ -349,9 +350,19 @@ class CkptCheckpointIO(CheckpointIO):
         self._adopt(folder)
         metadata = {POINTERS: _relative(folder, self.root), WRITTEN_AT: _real(self.root)}
         fields = _path_fields(clean.get("callbacks"))
+        if self._stored is not None and self._stored[0] == step and step in self._done:
+            missing = sorted(set(clean) - self._stored[2])
+            if missing:
+                raise ValueError(
+                    f"CkptCheckpointIO: step {step} was saved without {missing} (an earlier save of the same step, "
+                    f"e.g. by a ModelCheckpoint(save_weights_only=True), came first) and a step is saved once, so "
+                    f"{os.fspath(path)} would name a checkpoint a resume cannot train on from. Put the ModelCheckpoint "
+                    f"that saves the whole state before the weights-only one in callbacks=[...] (Lightning keeps their "
+                    f"order), or let them save at different steps"
+                )
         if save_once(self.manager, step, clean, skip=tuple(self._done), metadata=metadata):
             self._done.add(step)
-            self._stored = step, fields
+            self._stored = step, fields, frozenset(clean)
         stored = self._stored[1] if self._stored is not None and self._stored[0] == step else {}
         self._forget(os.fspath(path))  # an overwritten pointer (e.g. last.ckpt) no longer names its old step
         _write_pointer(os.fspath(path), self.root, step, _changed(stored, fields))
@@ -387,7 +398,7 @@ class CkptCheckpointIO(CheckpointIO):
         metadata = self.manager.metadata(step)  # once: for the keys and where it was written
         checkpoint = read_step(self.manager, step, metadata=metadata)
         callbacks = checkpoint.get("callbacks")
-        self._stored = step, _path_fields(callbacks)
+        self._stored = step, _path_fields(callbacks), frozenset(checkpoint)
         if isinstance(callbacks, dict) and step == pointer["step"]:
             for key, fields in pointer.get("callbacks", {}).items():
                 if isinstance(callbacks.get(key), dict):

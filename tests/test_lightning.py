@@ -501,6 +501,26 @@ def test_a_damaged_record_of_a_pointer_folder_stops_deletions_and_is_named(tmp_p
     assert committed_steps(str(root)) == [8, 12]
 
 
+def test_a_full_save_of_a_step_saved_weights_only_first_is_refused_and_the_other_order_resumes(tmp_path):
+    """A step is saved once: a weights-only ModelCheckpoint saving it first made the full one's pointer (last.ckpt)
+    name a checkpoint without optimizer state, and the resume failed in Lightning with a KeyError. Now the full save
+    fails at once, naming the cure: the full ModelCheckpoint first (Lightning keeps their order)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def weights_only(root):
+        return ModelCheckpoint(dirpath=root / "w", every_n_train_steps=2, save_weights_only=True)
+
+    def full(root):
+        return ModelCheckpoint(dirpath=root / "full", every_n_train_steps=4, save_last=True)
+
+    root = tmp_path / "wrong"
+    with pytest.raises(ValueError, match=r"step 4 was saved without \['callbacks', 'lr_schedulers', 'optimizer_"):
+        _fit(root, 4, callbacks=(weights_only(root), full(root)))
+    root = tmp_path / "right"
+    _fit(root, 4, callbacks=(full(root), weights_only(root)))
+    _fit(root, 6, ckpt_path=str(root / "full" / "last.ckpt"))  # trains on from step 4's full state to step 6
+
+
 @pytest.fixture
 def own_process_group():
     """Lightning's distributed strategies initialize a process group (and its environment) in this process and leave
