@@ -172,10 +172,10 @@ def resolve_step(manager: CheckpointManager, step: int) -> int | None:
     return earlier[-1]
 
 
-def refuse_rollback(manager: CheckpointManager, step: int) -> None:
+def refuse_rollback(manager: CheckpointManager, step: int, newest_named_by: Callable[[int], str] | None = None) -> None:
     """Training on from `step` while later steps of the root are committed would fail at the first save that repeats
     one (a committed step is never overwritten), after its compute was spent: refuse it before training, saying how
-    to roll back (or resume the newest)."""
+    to roll back (or resume the newest: `newest_named_by(step)` says how, where the trainer has a way to name it)."""
     newer = [int(s) for s in manager.steps() if s > step]
     if newer:
         local = f" --local {manager.local_root}" if manager.local_root is not None else ""
@@ -183,7 +183,7 @@ def refuse_rollback(manager: CheckpointManager, step: int) -> None:
             f"resuming from step {step}, but steps {newer} of {manager.storage.url}"
             f"{' (and its local tier)' if local else ''} are committed after it: training on would save them again, "
             f"and a committed step is never overwritten. No step was written. To roll back (deletes them): python -m ckpt rollback {manager.storage.url} --to "
-            f"{step}{local}; to go on, resume the newest step"
+            f"{step}{local}; to go on, resume the newest step{newest_named_by(newer[-1]) if newest_named_by else ''}"
         )
 
 

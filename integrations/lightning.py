@@ -391,7 +391,7 @@ class CkptCheckpointIO(CheckpointIO):
         if step is None:
             return self._nothing_to_load(os.fspath(path), int(pointer["step"]))
         if self.before_load is not None:  # a fit: it trains on from `step`
-            refuse_rollback(self.manager, step)
+            refuse_rollback(self.manager, step, self._naming)
             self.before_load()
         if _writer():
             self._sweep(_folder(os.fspath(path)))
@@ -590,6 +590,11 @@ class CkptCheckpointIO(CheckpointIO):
         for step in sorted(self._orphans - named):
             if delete_step(self.manager, step):
                 self._orphans.discard(step)
+
+    def _naming(self, step: int) -> str:
+        """How a fit resumes `step`: through a pointer that names it, if one does."""
+        named = [path for folder in self._pointer_folders() for path, p in self._pointers(folder) if p["step"] == step]
+        return f": fit(..., ckpt_path={min(named)!r})" if named else ""
 
     def _pointer(self, path: str) -> dict[str, Any]:
         """The pointer file at `path`; clear errors for foreign files and other roots."""
