@@ -557,12 +557,17 @@ class CkptCheckpointIO(CheckpointIO):
                 return
 
     def _pointers(self, folder: str) -> list[tuple[str, dict[str, Any]]]:
-        """(path, pointer) of every pointer file in `folder` that names a step of this root."""
+        """(path, pointer) of every pointer file in `folder` that names a step of this root. A name that is no file
+        is none: a ``last.ckpt`` link of ``save_last="link"`` whose target top-k just removed (it is linked again
+        right after), a file removed since the listing, a folder (DeepSpeed's checkpoints)."""
         fs, p = fsspec.core.url_to_fs(folder)
         found = []
         for name in fs.glob(f"{p.rstrip('/')}/*.ckpt"):
             path = fs.unstrip_protocol(name) if "://" in folder else name
-            pointer = _read_pointer(path)
+            try:
+                pointer = _read_pointer(path)
+            except (FileNotFoundError, IsADirectoryError):
+                continue
             if pointer is not None and self._ours(pointer):
                 found.append((path, pointer))
         return found

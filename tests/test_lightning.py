@@ -522,6 +522,19 @@ def test_a_full_save_of_a_step_saved_weights_only_first_is_refused_and_the_other
     _fit(root, 6, ckpt_path=str(root / "full" / "last.ckpt"))  # trains on from step 4's full state to step 6
 
 
+def test_save_last_link_survives_the_dangling_link_of_a_top_k_removal_and_resumes_through_it(tmp_path):
+    """With ``save_last="link"`` ModelCheckpoint removes the previous top-k file before it links ``last.ckpt`` to the
+    new one: the removal found the dangling link among the pointers and the fit failed (FileNotFoundError)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    root = tmp_path / "root"
+    link = lambda: ModelCheckpoint(dirpath=root / "p", every_n_train_steps=2, save_top_k=1, save_last="link")  # noqa: E731
+    _fit(root, 6, callbacks=(link(),))
+    assert os.readlink(root / "p" / "last.ckpt") == "epoch=0-step=6.ckpt" and committed_steps(root) == [6]
+    _fit(root, 8, ckpt_path="last", callbacks=(link(),))
+    assert os.readlink(root / "p" / "last.ckpt") == "epoch=0-step=8.ckpt" and committed_steps(root) == [8]
+
+
 @pytest.fixture
 def own_process_group():
     """Lightning's distributed strategies initialize a process group (and its environment) in this process and leave
