@@ -315,7 +315,7 @@ class CkptTrainerMixin:
             trainer.add_callback(SaveDecisionCallback(save_decision))
         self._staged: tuple[str, dict[str, Any]] | None = None  # (checkpoint folder, its restored state)
         self._stock: str | None = None  # a stock Trainer folder this train() resumes from
-        self._done: set[int] = set()
+        self._done: set[int] = set()  # the steps this train() call saved or restored (`save_once`'s skip)
         self._saving = False
         self._folder_lock = threading.Lock()
         self._files: _FolderFiles | None = None
@@ -327,6 +327,9 @@ class CkptTrainerMixin:
         Before anything is written: a fresh start into another run's root or checkpoint folders raises
         `ckpt.RunMismatchError` (or, with ``overwrite=True``, deletes that run); a restart of this run resumes.
         """
+        # a step an earlier call saved is saved again by this one: that call's steps may have been deleted since
+        # (overwrite=True, a rollback), and a step still committed is refused by the manager, not skipped
+        self._done = set()
         manager = CheckpointManager(self.ckpt_root, **self._ckpt_options)
         try:  # decided by rank 0 alone (it claims the root, or deletes another run's), told to every rank
             resume = leader_reads(

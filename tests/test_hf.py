@@ -330,14 +330,16 @@ def test_resume_from_a_folder_whose_step_never_committed_falls_back_with_a_warni
 def test_a_roll_back_to_an_older_step_is_refused_before_training_until_the_newer_steps_are_removed(tmp_path):
     """resume_from_checkpoint=checkpoint-2 while steps 4 and 6 are committed trained steps 3 and 4 and then failed
     with StepExistsError: it is refused before anything is written, naming the steps and `ckpt rollback`, which
-    removes them; the resume then trains from step 3. A checkpoint-N path of another output_dir is refused too (it
-    resumed this root's step N, whatever that folder held)."""
+    removes them; the resume then trains from step 3 and saves steps 4 and 6 again, in the very trainer that saved them
+    before the roll-back. A checkpoint-N path of another output_dir is refused too (it resumed this root's step N,
+    whatever that folder held)."""
     import subprocess
 
     import ckpt
 
     out = tmp_path / "out"
-    _trainer(out, 6, args={"save_total_limit": None}).train()
+    first = _trainer(out, 6, args={"save_total_limit": None})
+    first.train()
     steps = lambda: {k: v for k, v in _tree(out / "ckpt").items() if k.startswith("step_")}  # noqa: E731
     before = steps()
     again = _trainer(out, 6, args={"save_total_limit": None})
@@ -349,9 +351,10 @@ def test_a_roll_back_to_an_older_step_is_refused_before_training_until_the_newer
     cli = [sys.executable, "-m", "ckpt", "rollback", str(out / "ckpt"), "--to", "2"]
     res = subprocess.run(cli, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert res.stdout.splitlines() == ["removed committed step 6", "removed committed step 4"], res
-    rolled = _trainer(out, 6, args={"save_total_limit": None})
-    rolled.train(resume_from_checkpoint=str(out / "checkpoint-2"))
-    assert rolled.step_log.steps == [3, 4, 5, 6]
+    # the trainer that saved steps 4 and 6 before the roll-back saves them again (it skipped them as done)
+    first.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert first.step_log.steps == [1, 2, 3, 4, 5, 6, 3, 4, 5, 6]
+    assert ckpt.CheckpointManager(out / "ckpt").steps() == [2, 4, 6]
 
 
 def test_a_trainer_with_a_local_tier_writes_its_folders_and_names_the_tier_in_a_roll_back(tmp_path):
