@@ -174,11 +174,18 @@ class TrainLoop:
 
     # -- lifetime ------------------------------------------------------------------------------------------
     def __enter__(self) -> TrainLoop:
-        """Start the ledger, install the signal handlers, restore the newest checkpoint (sets `start_step`)."""
+        """Take the root's writer lease, start the ledger, install the signal handlers, restore the newest checkpoint
+        (sets `start_step`). A second writer of the root fails here (`LeaseHeldError`), before it starts a ledger
+        among the live writer's attempts or trains an interval it could not save."""
+        self.manager = CheckpointManager(self.root, tracker=self.tracker, **self._manager_options)
+        try:
+            self.manager.hold_lease()
+        except BaseException:
+            self.manager.close()
+            raise
         self.tracker.start()
         try:
             self.preemption.install()
-            self.manager = CheckpointManager(self.root, tracker=self.tracker, **self._manager_options)
             self.start_step = self.step = self.last_saved = self.manager.restore(self.state) or 0
             self._decided(self.start_step)
         except BaseException as e:
@@ -193,7 +200,7 @@ class TrainLoop:
             if exc_type is None:
                 self.save_last()
                 self.manager.close()
-            elif self.manager is not None:  # keep the loop's exception; still drain what can be drained
+            else:  # keep the loop's exception; still drain what can be drained
                 with contextlib.suppress(Exception):  # the loop's own exception is the one to report
                     self.manager.close()
         finally:
@@ -208,16 +215,24 @@ class TrainLoop:
 
     # -- the step path ------------------------------------------------------------------------------------
     def steps(self, total: int) -> Iterator[int]:
-        """Step numbers start_step + 1 .. total, each timed as productive until its `on_step_end`."""
+        """Step numbers after the last ended (or restored) one .. total, each timed as productive until its
+        `on_step_end`; a second call (a second phase of training) goes on where the first ended."""
         self._total = total
-        for step in range(self.start_step + 1, total + 1):
+        for step in range(self.step + 1, total + 1):
             self.step_begin(step)
             yield step
 
     def step_begin(self, step: int) -> None:
-        """Start timing step `step` (what `steps()` does for you)."""
+        """Start timing step `step` (what `steps()` does for you). Step numbers only go up, from 1: a checkpoint is
+        named by its step, so a counter restarting each epoch would save nothing new and resume from an old step."""
         if self._open_step is not None:
             raise RuntimeError(f"step {self._open_step} was never ended: call loop.on_step_end({self._open_step})")
+        if type(step) is int and step <= self.step:  # a step of another type: the tracker names it
+            restored = " (restored)" if self.step and self.step == self.start_step else ""
+            raise ValueError(
+                f"step_begin({step}) after step {self.step}{restored}: step numbers only go up, from 1 (a checkpoint "
+                f"is named by its step: count steps across epochs, not within one)"
+            )
         self.tracker.step_begin(step)
         self._open_step = step
 

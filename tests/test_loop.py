@@ -504,3 +504,54 @@ if __name__ == "__main__":
     args = parser.parse_args()
     train(args.root, args.tokens, args.every, args.local)
     gc.freeze()  # the child ends here: no final collections over torch's objects (~0.8 s a child)
+
+
+def test_a_second_loop_on_a_live_root_fails_at_its_start_and_leaves_the_ledger_alone(tmp_path):
+    """A second TrainLoop on a root another live loop writes restored that loop's newest step, trained a whole
+    interval and failed only at its first save (LeaseHeldError), its attempt recorded as a failure among the first
+    job's. The loop is a writer: it takes the root's lease on entry, before its ledger, signal handlers or restore."""
+    from ckpt import LeaseHeldError
+
+    root = str(tmp_path)
+    with TrainLoop(root, {"w": torch.zeros(2)}, every_steps=2, rng=False) as first:
+        for step in first.steps(2):
+            first.on_step_end(step)
+        second = TrainLoop(root, {"w": torch.zeros(2)}, every_steps=100, rng=False)
+        before = signal.getsignal(signal.SIGTERM)
+        with pytest.raises(LeaseHeldError, match=f"pid {os.getpid()}"):
+            with second:
+                pytest.fail("the second loop entered")
+        assert signal.getsignal(signal.SIGTERM) == before
+        assert [ledger.attempt for ledger in read_ledgers(root)] == [first.tracker.attempt_id]
+    assert layout.committed_steps(open_storage(root)) == [2]
+    with TrainLoop(root, {"w": torch.zeros(2)}, every_steps=100, rng=False) as after:  # once the first is done
+        assert after.start_step == 2
+
+
+def test_step_numbers_only_go_up_so_no_step_is_left_unsaved(tmp_path):
+    """A counter that restarts each epoch (steps 1..10, then 1..10 again) saved nothing in the second epoch, and a
+    restart resumed from the first epoch's end without a word; a second `steps()` began again at start_step + 1 and
+    so refused to save its steps. A step begun at or below the last ended (or restored) one is refused, naming both,
+    and `steps()` goes on after the last ended one."""
+    with TrainLoop(str(tmp_path / "a"), {"w": torch.zeros(2)}, every_steps=5, rng=False) as loop:
+        for step in range(1, 11):
+            loop.step_begin(step)
+            loop.on_step_end(step)
+        with pytest.raises(ValueError, match=r"step_begin\(1\) after step 10: step numbers only go up"):
+            loop.step_begin(1)
+        with pytest.raises(ValueError, match=r"step_begin\(10\) after step 10"):
+            loop.step_begin(10)
+        loop.step_begin(11)  # the refusals left no step open
+        loop.on_step_end(11)
+    with TrainLoop(str(tmp_path / "a"), {"w": torch.zeros(2)}, every_steps=5, rng=False) as loop:
+        with pytest.raises(ValueError, match=r"step_begin\(11\) after step 11 \(restored\)"):
+            loop.step_begin(11)
+    with TrainLoop(str(tmp_path / "b"), {"w": torch.zeros(2)}, every_steps=5, rng=False) as loop:
+        with pytest.raises(ValueError, match=r"step_begin\(0\) after step 0: .*from 1"):
+            loop.step_begin(0)
+        assert [s for s in loop.steps(4) if loop.on_step_end(s) or True] == [1, 2, 3, 4]
+        phase_two = []
+        for step in loop.steps(7):  # a second phase goes on after step 4
+            phase_two.append(step)
+            loop.on_step_end(step)
+    assert phase_two == [5, 6, 7] and layout.committed_steps(open_storage(tmp_path / "b")) == [4, 7]
