@@ -457,7 +457,7 @@ class CkptTrainerMixin:
             step = resolve_step(manager, checkpoint_step(resume))
             if step is None:
                 return self._without_steps(run_dir, os.fspath(resume))
-            refuse_rollback(manager, step)
+            refuse_rollback(manager, step, lambda _newest: ": train(resume_from_checkpoint=True)")
         return {"step": int(step)}
 
     def _check_folder(self, named: str, run_dir: str) -> None:
