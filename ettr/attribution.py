@@ -253,7 +253,7 @@ class Attribution:
         }
 
 
-@dataclass
+@dataclass(eq=False)  # identity: _timeline finds attempts in lists; field-by-field equality made that quadratic
 class _Attempt:
     """What attribution needs from one ledger, gathered in one pass."""
 
