@@ -99,17 +99,32 @@ def advised_interval(
     (docs/goodput.md).
 
     ckpt does not import ettr: this is where the two meet. A save still being written may not be in the ledger yet;
-    the next answer includes it.
+    the next answer includes it. Ledgers that cannot be read (`_readable_attribution`) answer None, with a warning.
     """
 
     def interval_s() -> float | None:
-        attribution = ettr.attribute_root(root, storage_options=storage_options)
-        if not attribution.save_us:
+        attribution = _readable_attribution(root, storage_options)
+        if attribution is None or not attribution.save_us:
             return None
         advice = ettr.advise(attribution, mttf_s=mttf_s)
         return None if advice.too_short else advice.recommended_interval_s
 
     return interval_s
+
+
+def _readable_attribution(root: str, storage_options: dict[str, Any] | None) -> ettr.Attribution | None:
+    """The job's attribution for an advisor, None (with a warning) when its ledgers cannot be read: a damaged ledger
+    (a bad line, a stray file named like one) or a store that does not answer costs the advice, not the training,
+    as it costs the tracker's telemetry only (the schedule in force stays)."""
+    try:
+        return ettr.attribute_root(root, storage_options=storage_options)
+    except (ettr.LedgerError, OSError) as e:
+        warnings.warn(
+            f"the goodput ledgers cannot be read ({e}): the checkpoint interval stays as it is, not advised",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
 
 
 def batch_hash(samplers: Mapping[str, Any], step: int | None = None) -> str | None:
@@ -134,11 +149,12 @@ def advised_two_tier(
 ) -> Callable[[], tuple[float, int] | None]:
     """The advice of a `ckpt.AdvisedTiers`: the (local interval in seconds, K) that `ettr.advise_two_tier` fits to the
     job's ledgers in `root` (per-tier save and restore costs, the failure classes seen so far; `inputs` for what the
-    ledger cannot tell, e.g. ``persist_s``), or None until it has a plan (no save yet, no failure classified)."""
+    ledger cannot tell, e.g. ``persist_s``), or None until it has a plan (no save yet, no failure classified, or
+    ledgers that cannot be read: `_readable_attribution`)."""
 
     def advice() -> tuple[float, int] | None:
-        attribution = ettr.attribute_root(root, storage_options=storage_options)
-        if not attribution.save_us:
+        attribution = _readable_attribution(root, storage_options)
+        if attribution is None or not attribution.save_us:
             return None
         plan = ettr.advise_two_tier(attribution, inputs or ettr.TwoTierInputs(), mttf_s=mttf_s).plan
         return None if plan is None else (plan.interval_s, plan.persist_every)

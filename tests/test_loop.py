@@ -555,3 +555,23 @@ def test_step_numbers_only_go_up_so_no_step_is_left_unsaved(tmp_path):
             phase_two.append(step)
             loop.on_step_end(step)
     assert phase_two == [5, 6, 7] and layout.committed_steps(open_storage(tmp_path / "b")) == [4, 7]
+
+
+def test_an_advised_loop_trains_on_when_an_earlier_attempts_ledger_is_damaged(tmp_path):
+    """advise=True refits from the ledgers at the start and after every save: one bad line in an earlier attempt's
+    ledger raised LedgerError out of TrainLoop.__enter__, and the job could not start again. Now the interval given
+    stays, with a warning naming the file and line, as the tracker's telemetry already did."""
+    root = str(tmp_path)
+    with TrainLoop(root, {"w": torch.zeros(3)}, every_steps=2, advise=True, rng=False) as loop:
+        for step in loop.steps(4):
+            loop.on_step_end(step)
+    (ledger,) = (tmp_path / "ettr").iterdir()
+    lines = ledger.read_text().splitlines(keepends=True)
+    ledger.write_text("".join([*lines[:2], "not a record\n", *lines[2:]]))
+    with pytest.warns(RuntimeWarning, match=re.escape(f"{ledger}:3: not a JSON record")):
+        with TrainLoop(root, {"w": torch.zeros(3)}, every_steps=2, advise=True, rng=False) as loop:
+            assert loop.start_step == 4
+            for step in loop.steps(8):
+                loop.on_step_end(step)
+    assert isinstance(loop.decision.current, EveryNSteps)  # the interval given stays
+    assert layout.committed_steps(open_storage(root)) == [2, 4, 6, 8]
