@@ -57,6 +57,17 @@ def _count(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    """An argparse type: a non-negative integer (numpy's generators take no negative seed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     """Subcommands and their options."""
     p = _Parser(prog="python -m ettr", description=__doc__)
@@ -100,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--persist-every", type=_count, default=1, help="every K-th save is persisted (default 1)")
     g.add_argument("--persist-cost", type=_seconds(False), default=0.0, help="seconds of training per persist")
     s.add_argument("--segments", type=_count, default=200_000)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=_seed, default=0, help="random seed, a non-negative integer (default 0)")
     s.add_argument("--json", action="store_true")
     return p
 
