@@ -167,7 +167,7 @@ def plot_timeline(a: Attribution, path: str, *, title: str | None = None) -> str
     Writes exactly `path` (an existing directory: `path`/timeline.png), in the format its extension names (.png,
     .svg, .pdf, ...) or PNG when it has none, and returns the path written: matplotlib alone would write ``t.png``
     for ``t``, a file the caller was never told of. A missing parent folder is an error naming it, as for
-    ``ckpt export``: neither makes folders."""
+    ``ckpt export``: neither makes folders; so is an extension no format has (``t.v2``), before drawing."""
     path = os.fspath(path)
     if os.path.isdir(path) or path.endswith(os.sep):  # a folder, or one meant (`-o plots/`)
         path = os.path.join(path, "timeline.png")
@@ -190,6 +190,14 @@ def plot_timeline(a: Attribution, path: str, *, title: str | None = None) -> str
     # rows beyond MAX_PLOT_ROWS share the height of that many (a row per attempt grew the figure without bound:
     # 2,000 attempts drew a PNG 121,000 pixels tall in 19 s)
     fig, ax = plt.subplots(figsize=(12, 1.6 + 0.55 * min(n + 1, MAX_PLOT_ROWS)))
+    ext = os.path.splitext(path)[1][1:]
+    formats = fig.canvas.get_supported_filetypes()
+    if ext and ext.lower() not in formats:  # before drawing (seconds for thousands of attempts), naming the file
+        plt.close(fig)
+        raise ValueError(
+            f"{path}: no image format has the extension .{ext}; give one of .{', .'.join(sorted(formats))} "
+            "(or none, for PNG)"
+        )
     boxes, colors = [], []  # one collection for all bars and one line for all failures: an artist each took 53 s
     for s in a.segments:  # and 1.4 GB for 2,000 attempts
         row = n - s.attempt - 1 if s.attempt != DOWNTIME else -1

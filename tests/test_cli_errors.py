@@ -116,6 +116,8 @@ ETTR_ERRORS = [
     (["report", "{empty}"], "no ledgers in"),
     (["advise", "{file}"], "file: not a directory"),
     (["plot", "{goodput}", "-o", "/nonexistent/x.png"], "/nonexistent/x.png"),
+    # matplotlib's "Format 'v2' is not supported (supported formats: ...)", after drawing, named no file
+    (["plot", "{goodput}", "-o", "{goodput}/t.v2"], "/t.v2: no image format has the extension .v2; give one of"),
     # numpy's own 'error: expected non-negative integer' named no flag
     (["simulate", "--interval", "600", "--mttf", "20000", "--seed", "-1"], "--seed: must be a non-negative integer"),
 ]
