@@ -331,7 +331,7 @@ def _gather(ledger: Ledger) -> _Attempt:
     for o, (kind, name, b) in open_.items():
         if o not in closed:
             intervals.append((b, last, o, "step" if kind == "step" else name, name if kind == "step" else None))
-    seen = min((r["t"] if "t" in r else r.get("b", start) for r in ledger.records[1:]), default=start)
+    seen = ledger.began_us
     return _Attempt(
         ledger,
         start,
@@ -371,8 +371,12 @@ def _timeline(attempts: list[_Attempt]) -> list[_Attempt]:
     later attempt moved by as much: no downtime is invented (the real gap is unknown), and a warning says so. An
     attempt whose process started (imports, startup) while the previous one still recorded, e.g. a second tracker in
     the same process, starts at the previous one's last record.
+
+    They are ordered by when they began recording (`seen`), not by their process's start: that is read from clock
+    ticks of 10 ms, so two trackers of one process got starts some milliseconds apart in either order, and the
+    second one was put first half the time (its steps then fell in the first one's span and vanished).
     """
-    order = sorted(attempts, key=lambda a: (a.start, a.ledger.attempt))
+    order = sorted(attempts, key=lambda a: (a.seen, a.start, a.ledger.attempt))
     committers: dict[int, list[_Attempt]] = {}
     for a in order:
         for s in a.commit_times:

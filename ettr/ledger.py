@@ -224,6 +224,13 @@ class Ledger:
     records: tuple[dict[str, Any], ...]
     torn: bool
 
+    @property
+    def began_us(self) -> int:
+        """When its tracker began recording: its earliest record after the start record (the start's `t` is the
+        process's start, read in clock ticks of 10 ms: two trackers of one process get starts in either order)."""
+        start = self.records[0]["t"]
+        return min((r["t"] if "t" in r else r.get("b", start) for r in self.records[1:]), default=start)
+
 
 def parse_lines(text: str, source: str) -> tuple[list[dict[str, Any]], bool]:
     """Parse JSON lines; a bad last line is a torn write and is dropped, a bad line elsewhere is an error."""

@@ -162,9 +162,10 @@ def _seconds(us: float | None) -> float | None:
 
 def _steps_of(ledgers: Iterable[Ledger]) -> dict[int, tuple[int, int]]:
     """Step -> (duration, collective waits inside it) of one rank, each step's last run: the ledgers in the order their
-    attempts started, a later run of a step replacing an earlier one. Steps still open at a kill are no step."""
+    attempts began recording (as attribution orders them), a later run of a step replacing an earlier one. Steps
+    still open at a kill are no step."""
     out: dict[int, tuple[int, int]] = {}
-    for ledger in sorted(ledgers, key=lambda l: (l.records[0]["t"], l.attempt)):
+    for ledger in sorted(ledgers, key=lambda l: (l.began_us, l.records[0]["t"], l.attempt)):
         steps = sorted((r["b"], r["e"], r["s"]) for r in ledger.records if r["k"] == "step")
         begins = [b for b, _, _ in steps]
         waits: dict[int, int] = {}
