@@ -31,8 +31,22 @@ log = logging.getLogger("ettr")
 
 def _env_rank() -> int:
     """This process's rank from the usual launcher variables, 0 alone: ettr imports neither torch nor ckpt, and the
-    variables exist before any process group (integrations may pass ``rank=`` instead)."""
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    variables exist before any process group (integrations may pass ``rank=`` instead). One that is no non-negative
+    integer is a ValueError naming it: RANK=-1 made a ledger ``...-rank-1.jsonl`` that no report reads."""
+    for var in ("RANK", "SLURM_PROCID"):
+        text = os.environ.get(var)
+        if text is None:
+            continue
+        try:
+            rank = int(text)
+        except ValueError:
+            rank = -1
+        if rank < 0:
+            raise ValueError(
+                f"{var}={text!r} in the environment is no rank (a non-negative integer): fix it or pass rank="
+            )
+        return rank
+    return 0
 
 
 # Where a job id comes from when no job_id= is given: ETTR_JOB_ID, else the launcher's run id in the order ckpt reads

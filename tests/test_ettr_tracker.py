@@ -199,6 +199,18 @@ def test_constructor_arguments_are_checked_at_construction(args, kind, message):
         GoodputTracker(*args[:1], **(args[1] if len(args) > 1 else {}))
 
 
+@pytest.mark.parametrize("value", ["-1", "abc", ""])
+def test_a_rank_variable_that_is_no_rank_is_refused_naming_it(tmp_path, monkeypatch, value):
+    """RANK=-1 was taken as rank -1: the ledger ledger-<id>-rank-1.jsonl was one no report reads ('no ledgers in');
+    RANK=abc was int()'s "invalid literal ... 'abc'", naming no variable."""
+    monkeypatch.setenv("RANK", value)
+    with pytest.raises(ValueError, match=f"RANK={value!r} in the environment is no rank .* pass rank="):
+        GoodputTracker(tmp_path)
+    assert not (tmp_path / "ettr").exists()
+    monkeypatch.setenv("RANK", "3")
+    assert GoodputTracker(tmp_path).rank == 3
+
+
 def test_a_pathlike_root_is_a_path(tmp_path):
     """A pathlib.Path root (os.PathLike) is its path: it made the start record unwritable before."""
     tr = GoodputTracker(tmp_path, attempt_id="a1", rank=0, clock=FakeClock(1000.0)).start()
