@@ -241,8 +241,11 @@ def _check_args(root: Any, job_id: Any, attempt_id: Any, rank: Any, storage_opti
     for name, value in (("job_id", job_id), ("attempt_id", attempt_id)):
         if value is not None and not isinstance(value, str):
             raise TypeError(f"{name} must be a string or None, got {type(value).__name__} {value!r}")
-    if attempt_id and "/" in attempt_id:
-        raise ValueError(f"attempt_id names a ledger file and cannot hold '/', got {attempt_id!r}")
+    if attempt_id and ("/" in attempt_id or any(c < " " or c == "\x7f" for c in attempt_id)):
+        # a newline made a ledger no report lists (its name matched no ledger's), a NUL failed start() in os.open
+        raise ValueError(
+            f"attempt_id names a ledger file and cannot hold '/' or control characters (newline, NUL), got {attempt_id!r}"
+        )
     if rank is not None and _integer("rank", rank) < 0:
         raise ValueError(f"rank must be a non-negative integer, got {rank!r}")
     if storage_options is not None and not isinstance(storage_options, dict):

@@ -188,6 +188,9 @@ def test_steps_and_hook_arguments_must_be_integers_and_seconds(tmp_path):
         (("r", {"rank": "0"}), TypeError, "rank must be an integer, got str '0'"),
         (("r", {"job_id": 7}), TypeError, "job_id must be a string or None, got int 7"),
         (("r", {"attempt_id": "a/b"}), ValueError, "attempt_id names a ledger file and cannot hold '/'"),
+        # a ledger with a newline in its name was listed by no report; a NUL failed start() in os.open
+        (("r", {"attempt_id": "a\nb"}), ValueError, r"cannot hold '/' or control characters .* got 'a\\nb'"),
+        (("r", {"attempt_id": "a\x00b"}), ValueError, r"cannot hold '/' or control characters .* got 'a\\x00b'"),
         (("r", {"storage_options": "k=v"}), TypeError, "storage_options must be a dict or None, got str"),
         (("r", {"straggler_window": "a"}), TypeError, "straggler_window must be an integer, got str 'a'"),
     ],
