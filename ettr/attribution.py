@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from .ledger import SAVE_PARTS, Ledger, ledger_ranks, no_ledgers, read_ledgers, root_of
+from .ledger import SAVE_PARTS, Ledger, LedgerError, ledger_dir, ledger_ranks, no_ledgers, read_ledgers, root_of
 from .replay import Digest, FirstPasses, Replay, compare
 
 LOCAL_TIERS = ("local", "peer")  # a restore from these means the local tier (with its replicas) survived
@@ -613,4 +613,10 @@ def attribute_root(
     if rank is not None and rank not in ranks:
         raise ValueError(f"no ledger for rank {rank}")
     rank = min(ranks) if rank is None else rank
-    return attribute(read_ledgers(root, storage_options, rank=rank), committed, rank=rank, window_s=window_s)
+    ledgers = read_ledgers(root, storage_options, rank=rank)
+    if not ledgers:  # each one empty (left out, with a warning): "no ledgers to attribute (is ROOT/ettr/ empty?)"
+        raise LedgerError(
+            f"no ledger of rank {rank} in {ledger_dir(root)} holds a record: each one is empty (its attempt ended "
+            "before writing its start record)"
+        )
+    return attribute(ledgers, committed, rank=rank, window_s=window_s)

@@ -35,6 +35,8 @@ def roots(tmp_path_factory):
         (good / f"step_0000000{step}" / "_IN_PROGRESS").write_text(marker)
     (base / "empty").mkdir()
     (base / "file").write_text("not a root")
+    (base / "unstarted" / "ettr").mkdir(parents=True)  # only the empty ledger of a process that died in start()
+    (base / "unstarted" / "ettr" / "ledger-a1-rank0.jsonl").write_bytes(b"")
     goodput = base / "goodput"
     clock = FakeClock(1000.0)
     tr = GoodputTracker(str(goodput), attempt_id="a1", rank=0, job_id="job", clock=clock, flush_interval=0).start()
@@ -43,7 +45,7 @@ def roots(tmp_path_factory):
         clock.advance(1.0)
         tr.step_end(s)
     tr.end()
-    return {k: str(base / k) for k in ("good", "empty", "file", "goodput")}
+    return {k: str(base / k) for k in ("good", "empty", "file", "goodput", "unstarted")}
 
 
 CKPT_ERRORS = [  # argv (ROOT names a fixture root), exit status, text of the one line on stderr
@@ -114,6 +116,8 @@ ETTR_ERRORS = [
     (["advise", "{goodput}", "--window", "-5"], "must be a finite positive"),
     (["report", "{missing}"], "nope: no such directory"),
     (["report", "{empty}"], "no ledgers in"),
+    # was "no ledgers to attribute (is ROOT/ettr/ empty?)", naming no folder, of one that is not empty
+    (["report", "{unstarted}"], "unstarted/ettr holds a record: each one is empty (its attempt ended before"),
     (["advise", "{file}"], "file: not a directory"),
     (["plot", "{goodput}", "-o", "/nonexistent/x.png"], "/nonexistent/x.png"),
     # matplotlib's "Format 'v2' is not supported (supported formats: ...)", after drawing, named no file
