@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 
 import ckpt.storage_args as storage_args
 
@@ -141,7 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; any error (a bad ledger: its file:line) is one line on stderr and exit status 2."""
     args = _parser().parse_args(argv)
     try:
-        print(_run(args))
+        # warnings (an empty ledger left out, a wall clock that went back) as lines of their own, each once (report
+        # reads the ledgers twice), and only beside an output: an error is the one line to read
+        with warnings.catch_warnings(record=True) as caught:
+            text = _run(args)
+        for line in dict.fromkeys(f"warning: {w.message}" for w in caught):
+            print(line, file=sys.stderr)
+        print(text)
         sys.stdout.flush()  # here, not at exit: a reader gone (`| head`) is handled below
     except BrokenPipeError:  # the reader left (`| head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

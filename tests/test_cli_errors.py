@@ -1,6 +1,7 @@
 """Both command line tools on bad input: one line on stderr, a non-zero exit, never a traceback or a hang."""
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -132,6 +133,20 @@ def test_ettr_cli_bad_input_is_one_line_and_exit_2(roots, tmp_path, capsys, argv
     argv = [a.format(missing=str(tmp_path / "nope"), **roots) for a in argv]
     code, _, err = _run(ettr.cli.main, argv, capsys)
     assert code == 2 and text in err and len(err.strip().splitlines()) == 1, (code, err)
+
+
+def test_a_warning_of_the_ettr_cli_is_one_line_said_once(roots, tmp_path, capsys):
+    """A root with an empty ledger beside a good one: report printed Python's warning format (the library's
+    file:line, a line of its source) twice, once per read of the ledgers (attribution, stragglers)."""
+    root = tmp_path / "goodput"
+    shutil.copytree(roots["goodput"], root)
+    (root / "ettr" / "ledger-zz-rank0.jsonl").write_bytes(b"")
+    code, out, err = _run(ettr.cli.main, ["report", str(root)], capsys)
+    assert code == 0 and "ETTR" in out
+    assert (
+        err
+        == f"warning: {root}/ettr/ledger-zz-rank0.jsonl: an empty ledger (its attempt ended before writing its start record): left out of the report\n"
+    )
 
 
 SIMULATIONS = [  # each of these ran for hours or forever
