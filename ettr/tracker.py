@@ -195,6 +195,9 @@ class _Prior(NamedTuple):
     earlier_split: dict[str, int]  # and their checkpoint time by part
     failures: int | None  # the earlier attempts that failed
     expect: dict[int, tuple[str, tuple | None]]  # step -> its first pass, for the steps this attempt has yet to redo
+    # this attempt's first microseconds, from its process's start, that the job's timeline gives to the attempt before
+    # it (a second tracker of one process: its startup is dated from the process start, which the first one covers)
+    overlap_us: int = 0
 
 
 def _earlier_attempts(root: str, storage_options: dict[str, Any] | None, rank: int) -> _Prior:
@@ -213,13 +216,20 @@ def _earlier_attempts(root: str, storage_options: dict[str, Any] | None, rank: i
     prior = attribute(ledgers, rank=rank)
     me = prior.attempts[-1]
     earlier = {cat: us - me.micros.get(cat, 0) for cat, us in prior.micros.items()}
+    # the tracker counts its own time from its process's start; attribution may start it later (at the end of the
+    # attempt before, which ran in the same process) and may move it whole (a wall clock that went back): what it
+    # cut is the tracker's startup the job's totals must not count twice
+    mine = next(l for l in ledgers if l.attempt == me.attempt)
+    shift = me.end_us - max(r.get("e", r.get("t", me.start_us)) for r in mine.records)
+    overlap = max(0, me.start_us - shift - mine.records[0]["t"])
+    earlier["startup"] = earlier.get("startup", 0) - overlap
     split = {**prior.checkpoint_split_us, "background_write": prior.background_us}
     mine_split = {**me.checkpoint_split_us, "background_write": me.background_us}
     earlier_split = {part: us - mine_split.get(part, 0) for part, us in split.items()}
     failures = sum(a.failed for a in prior.attempts[:-1])
     # the steps of this attempt already recorded are compared; plain tuples, which the collector lets be
     expect = {s: (a, None if d is None else tuple(d)) for s, (a, d) in me.replay.pending.items()}
-    return _Prior(newest, prior, earlier, earlier_split, failures, expect)
+    return _Prior(newest, prior, earlier, earlier_split, failures, expect, overlap)
 
 
 def _not_started() -> int:
@@ -349,6 +359,7 @@ class GoodputTracker:
         self._mono = _not_started  # the attempt's clock, from start(): nothing is recorded before it
         self._prior: Attribution | None = None
         self._earlier: dict[str, int] = {}  # microseconds per category of the earlier attempts
+        self._overlap = 0  # microseconds of this attempt's startup the timeline gives to the one before (_Prior)
         # checkpoint time by part (SAVE_SPLIT, and "background_write"): this attempt's from its closed spans and
         # commits, the earlier attempts' from their ledgers
         self._split: dict[str, int] = dict.fromkeys((*SAVE_SPLIT, "background_write"), 0)
@@ -736,6 +747,7 @@ class GoodputTracker:
         if prior.attribution is not None:
             self._prior = prior.attribution
             self._earlier, self._earlier_split = prior.earlier, prior.earlier_split
+            self._overlap = prior.overlap_us
             self._expect = prior.expect
             me = prior.attribution.attempts[-1]
             self._through = me.replay.through
@@ -818,7 +830,8 @@ class GoodputTracker:
         while len(self._history) > 1 and self._history[1][0] <= begin:
             self._history.popleft()  # keep the newest snapshot at or before the window's start
         own_before = self._history[0][1] if self._history[0][0] <= begin else 0
-        earlier = self._prior.productive_us_between(begin, self._start) if self._prior is not None else 0
+        # the earlier attempts' productive time up to where the timeline starts this attempt
+        earlier = self._prior.productive_us_between(begin, self._start + self._overlap) if self._prior else 0
         self.metrics.set_ettr(
             totals.get("productive", 0) / (t - job_start) if t > job_start else 0.0,
             (earlier + own - own_before) / (t - begin) if t > begin else 0.0,

@@ -425,6 +425,33 @@ def test_a_second_tracker_in_the_same_process_starts_where_the_first_ended(tmp_p
     check_sum(a)
 
 
+def test_a_second_tracker_in_the_same_process_exports_the_reports_totals(tmp_path):
+    """The second tracker counted its startup from the process start, which the first one's attempt covers: its live
+    job totals (ettr.job.time, TrainLoop.ettr()) held 4.5 s more startup than the report (the first attempt's time
+    twice over, 17.5 s of a 13 s job), and the windowed ETTR left out the first attempt's productive seconds."""
+    clock = _ProcessClock(1000.0)
+    clock.advance(2.0)
+    tr = attempt(tmp_path, clock, "a1")
+    steps(tr, clock, 1, 2, 1.0)
+    save(tr, clock, 2, 0.5, bg=1.0)
+    tr.end()  # at 1004.5
+    clock.advance(5.5)
+    reader = InMemoryMetricReader()
+    metrics = GoodputMetrics(MeterProvider(metric_readers=[reader]).get_meter("ettr"))
+    tr = attempt(tmp_path, clock, "a2", metrics=metrics)  # dated from the process start (1000), as a1 is
+    restore(tr, clock, 2, 1.0)
+    steps(tr, clock, 3, 4, 1.0)
+    tr.flush()
+    a = attribute_root(str(tmp_path))
+    assert a.micros == expected(startup=7.5, productive=4.0, checkpoint_save=0.5, checkpoint_restore=1.0)
+    assert {c: us for c, us in tr.totals_us().items() if us} == {c: us for c, us in a.micros.items() if us}
+    exported = metric_totals(reader)
+    assert exported["seconds"] == {c: s for c, s in a.seconds.items() if s}
+    assert exported["ettr"] == {"cumulative": 4.0 / 13.0, "3600s": 4.0 / 13.0}
+    assert exported["attempt_seconds"]["startup"] == 10.0  # the attempt's own view: from its process's start
+    tr.end()
+
+
 class _TickClock(_ProcessClock):
     """As Linux tells a process's age (SystemClock: /proc, in clock ticks of 10 ms): the age read at x.004 s is
     cut to x.000, so the process start it dates an attempt from wobbles by up to 10 ms from one reading to the next."""
