@@ -345,9 +345,14 @@ def configure_metrics(
     only the resource (Prometheus's `target_info`), for backends and queries that do not join it.
     `export_timeout_s` bounds each OTLP export, its retries included (the SDK's default, 10 s of retries, made a
     process whose collector is down linger 10-18 s at exit, after a SIGTERM too); a missed export's counts go out
-    with the next one (they are cumulative).
+    with the next one (they are cumulative). `interval_s` (between periodic exports) and `export_timeout_s` are finite
+    positive seconds and `prometheus_port` an int from 0 to 65535, else a ValueError naming them.
     """
     check_seconds("export_timeout_s", export_timeout_s, positive=True)
+    # the SDK took interval_s=nan (or inf) and its export thread ended at once: nothing was ever exported, no error
+    check_seconds("interval_s", interval_s, positive=True)
+    if prometheus_port is not None and not (type(prometheus_port) is int and 0 <= prometheus_port <= 65535):
+        raise ValueError(f"prometheus_port must be an int from 0 (any free port) to 65535, got {prometheus_port!r}")
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import (
         ConsoleMetricExporter,

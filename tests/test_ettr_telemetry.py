@@ -354,6 +354,23 @@ def test_the_otlp_export_timeout_is_checked(bad):
         configure_metrics("otlp", endpoint="http://127.0.0.1:9/v1/metrics", export_timeout_s=bad, set_global=False)
 
 
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"interval_s": float("nan")}, "interval_s must be a finite positive number of seconds"),
+        ({"interval_s": float("inf")}, "interval_s must be a finite positive number of seconds"),
+        ({"interval_s": 0}, "interval_s must be a finite positive number of seconds, .* got 0"),
+        ({"exporter": "prometheus", "prometheus_port": -5}, "prometheus_port must be an int from 0 .* got -5"),
+        ({"exporter": "prometheus", "prometheus_port": "9464"}, "prometheus_port must be an int .* got '9464'"),
+    ],
+)
+def test_the_export_interval_and_port_are_checked(options, message):
+    """interval_s=nan was taken and the SDK's export thread ended at once: no point was ever exported and nothing said
+    so; 0 was the SDK's 'interval value 0 is invalid', naming no argument; a port of -5 a socket.gaierror."""
+    with pytest.raises(ValueError, match=message):
+        configure_metrics(**{"exporter": "console", **options}, set_global=False)
+
+
 def test_a_second_tracker_in_one_process_reports_its_own_checkpoint_and_an_ended_one_none(tmp_path):
     """An integration makes a tracker per train(): the SDK keeps the first registration of an observable gauge and
     dropped the second tracker's callbacks, so the newest step and the age (what the docs say to alert on) stayed
