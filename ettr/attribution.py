@@ -370,7 +370,8 @@ def _timeline(attempts: list[_Attempt]) -> list[_Attempt]:
     before the commit of the step it restored, is placed right at the previous attempt's last record, with every
     later attempt moved by as much: no downtime is invented (the real gap is unknown), and a warning says so. An
     attempt whose process started (imports, startup) while the previous one still recorded, e.g. a second tracker in
-    the same process, starts at the previous one's last record.
+    the same process, starts at the previous one's last record. Two attempts recording at once (two processes of one
+    rank on one root) are counted as they are placed, the earlier one up to the later one's start, with a warning.
 
     They are ordered by when they began recording (`seen`), not by their process's start: that is read from clock
     ticks of 10 ms, so two trackers of one process got starts some milliseconds apart in either order, and the
@@ -420,6 +421,15 @@ def _timeline(attempts: list[_Attempt]) -> list[_Attempt]:
                 here = _shifted(here, delta)
             elif here.start < prev.last <= here.seen:
                 here = dataclasses.replace(here, start=prev.last)
+            elif here.seen < prev.last:  # both recording at once: counted as before, but no longer in silence
+                warnings.warn(
+                    f"attempt {a.ledger.attempt} ({a.ledger.source}) began recording "
+                    f"{(prev.last - here.seen) / 1e6:.3f} s before attempt {prev.ledger.attempt} ({prev.ledger.source}) "
+                    f"recorded its last: two processes of rank {a.ledger.rank} wrote to one root at once (a hung one "
+                    f"still writing, or a second job on this root); {prev.ledger.attempt} is counted up to where "
+                    f"{a.ledger.attempt} starts",
+                    RuntimeWarning,
+                )
         placed[id(a)] = here
         out.append(here)
     return out

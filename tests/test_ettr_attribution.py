@@ -452,6 +452,28 @@ def test_a_second_tracker_in_the_same_process_exports_the_reports_totals(tmp_pat
     tr.end()
 
 
+def test_two_attempts_recording_at_once_are_named_in_a_warning(tmp_path):
+    """Two processes of rank 0 on one root at once (a second job started there by mistake): the first one's steps after
+    the second one's start vanished and all of them counted as lost, both attempts 'ok', without a word. Now the
+    report warns, and so does the second job's tracker when it reads the earlier ledgers."""
+    warning = (
+        r"attempt a2 \(.*ledger-a2-rank0.jsonl\) began recording 4.500 s before attempt a1 .* two processes of rank 0"
+    )
+    first, second = FakeClock(1000.0), FakeClock(1000.0)
+    with pytest.warns(RuntimeWarning, match=warning):
+        one = attempt(tmp_path, first, "a1")
+        steps(one, first, 1, 3, 1.0)  # to 1003
+        second.set(1001.5)
+        two = attempt(tmp_path, second, "a2")
+        steps(one, first, 4, 6, 1.0)  # a1 goes on to 1006
+        steps(two, second, 1, 3, 1.0)
+        one.end()
+        two.end()
+    with pytest.warns(RuntimeWarning, match=warning):
+        a = attribute_root(str(tmp_path))
+    check_sum(a)
+
+
 class _TickClock(_ProcessClock):
     """As Linux tells a process's age (SystemClock: /proc, in clock ticks of 10 ms): the age read at x.004 s is
     cut to x.000, so the process start it dates an attempt from wobbles by up to 10 ms from one reading to the next."""
