@@ -95,15 +95,42 @@ def _resolve(path: str, base: str) -> str:
     return os.path.normpath(os.path.join(base, path))
 
 
-def _path_fields(callbacks: Any) -> dict[str, dict[str, str | None]]:
-    """The str/None entries of each callback state (ModelCheckpoint's paths), as saved for one pointer."""
+_TENSOR = "tensor"  # a pointer's callback field holding a 0-dim tensor (a score): {"tensor": value, "dtype": name}
+
+
+def _field(value: Any) -> Any:
+    """A callback state value as a pointer stores it (JSON: scalars, 0-dim tensors as {"tensor", "dtype"}, dicts of
+    those, e.g. ModelCheckpoint's ``best_k_models``), or `_DROP` if it is something else (kept as the step has it)."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
+        return {_TENSOR: value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, Mapping) and all(isinstance(k, str) and not isinstance(v, Mapping) for k, v in value.items()):
+        items = {k: _field(v) for k, v in value.items()}
+        return _DROP if any(v is _DROP for v in items.values()) else items
+    return _DROP
+
+
+def _value(field: Any) -> Any:
+    """A pointer's callback field as the callback's state holds it (`_field` undone; old pointers hold str/None)."""
+    if isinstance(field, dict):
+        if set(field) == {_TENSOR, "dtype"} and isinstance(field["dtype"], str):
+            return torch.tensor(field[_TENSOR], dtype=getattr(torch, field["dtype"]))
+        return {k: _value(v) for k, v in field.items()}
+    return field
+
+
+def _path_fields(callbacks: Any) -> dict[str, dict[str, Any]]:
+    """The entries of each callback state a pointer can hold (`_field`: ModelCheckpoint's paths, scores and
+    ``best_k_models``, EarlyStopping's counters), as saved for one pointer."""
     if not isinstance(callbacks, Mapping):
         return {}
-    return {
-        key: {f: v for f, v in state.items() if v is None or isinstance(v, str)}
-        for key, state in callbacks.items()
-        if isinstance(state, Mapping)
-    }
+    fields = {}
+    for key, state in callbacks.items():
+        if isinstance(state, Mapping):
+            encoded = {f: _field(v) for f, v in state.items() if isinstance(f, str)}
+            fields[key] = {f: v for f, v in encoded.items() if v is not _DROP}
+    return fields
 
 
 def _rebase(tree: Any, old: str, new: str) -> Any:
@@ -170,7 +197,7 @@ def _folder(path: str) -> str:
     return os.path.dirname(path) if "://" in path else _real(os.path.dirname(os.path.abspath(path)))
 
 
-def _write_pointer(path: str, root: str, step: int, callbacks: dict[str, dict[str, str | None]]) -> None:
+def _write_pointer(path: str, root: str, step: int, callbacks: dict[str, dict[str, Any]]) -> None:
     """Write the small JSON file Lightning sees as the checkpoint (atomically where the filesystem allows).
 
     The root is stored relative to the pointer's folder, so a run directory can be moved or copied; `callbacks`
@@ -283,7 +310,7 @@ class CkptCheckpointIO(CheckpointIO):
         self._manager: CheckpointManager | None = None
         self._done: set[int] = set()  # steps saved or restored by this process: a repeated request is a no-op
         # the last step saved or loaded: its dict's paths, and its top-level keys
-        self._stored: tuple[int, dict[str, dict[str, str | None]], frozenset[str]] | None = None
+        self._stored: tuple[int, dict[str, dict[str, Any]], frozenset[str]] | None = None
         self._orphans: set[int] = set()  # steps whose pointer was removed, not deletable yet
         self._adopted: set[str] = set()
         self._folders: set[str] | None = None  # every folder pointers to the root's steps were written in (loaded once)
@@ -402,7 +429,7 @@ class CkptCheckpointIO(CheckpointIO):
         if isinstance(callbacks, dict) and step == pointer["step"]:
             for key, fields in pointer.get("callbacks", {}).items():
                 if isinstance(callbacks.get(key), dict):
-                    callbacks[key].update(fields)
+                    callbacks[key].update({f: _value(v) for f, v in fields.items()})
         written_at = metadata.get(WRITTEN_AT)
         if isinstance(callbacks, dict) and written_at is not None and written_at != _real(self.root):
             checkpoint["callbacks"] = _rebase(callbacks, written_at, _real(self.root))
@@ -651,10 +678,8 @@ def _writer() -> bool:
     return topology()[0] == 0
 
 
-def _changed(
-    stored: dict[str, dict[str, str | None]], fields: dict[str, dict[str, str | None]]
-) -> dict[str, dict[str, str | None]]:
-    """The callback path entries of `fields` that differ from the step's `stored` ones (empty callbacks dropped)."""
+def _changed(stored: dict[str, dict[str, Any]], fields: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The callback entries of `fields` that differ from the step's `stored` ones (empty callbacks dropped)."""
     diff = {
         key: {f: v for f, v in entries.items() if stored.get(key, {}).get(f, _DROP) != v}
         for key, entries in fields.items()

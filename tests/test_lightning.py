@@ -783,3 +783,34 @@ def test_a_damaged_pointer_is_named_as_one(tmp_path, edit):
     with pytest.raises(ValueError, match=r"last.ckpt is a damaged .* pointer: 'step' must be a step number"):
         io.load_checkpoint(path)
     io.teardown()
+
+
+def test_a_resume_from_last_keeps_the_top_k_a_repeated_save_of_its_step_changed(tmp_path):
+    """With accumulate_grad_batches=2 a resumed fit's first micro-batch saves the restored step again, as stock
+    Lightning does (``epoch=0-step=4-v1.ckpt``); ``last.ckpt`` then names that step with ModelCheckpoint's new top-k.
+    The pointer kept only the callbacks' str entries, so the next resume from it lost ``best_k_models``: the -v1
+    pointer was never removed and pinned its step for good. Stock Lightning ends with the two newest alone."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    root = tmp_path / "root"
+
+    def top2() -> ModelCheckpoint:
+        return ModelCheckpoint(
+            dirpath=root / "p", every_n_train_steps=2, save_top_k=2, monitor="step", mode="max", save_last=True
+        )
+
+    _fit(root, 4, callbacks=(top2(),), accumulate=2)
+    _fit(root, 5, ckpt_path="last", callbacks=(top2(),), accumulate=2)  # saves step 4 again, as -v1
+    assert sorted(p.name for p in (root / "p").iterdir()) == [
+        "epoch=0-step=4-v1.ckpt",
+        "epoch=0-step=4.ckpt",
+        "last.ckpt",
+    ]
+    last = top2()
+    _fit(root, 8, ckpt_path="last", callbacks=(last,), accumulate=2)
+    assert sorted(os.path.basename(p) for p in last.best_k_models) == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt"]
+    assert sorted(p.name for p in (root / "p").iterdir()) == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
+    assert committed_steps(root) == [6, 8]
+    scores = CkptCheckpointIO(root).load_checkpoint(root / "p" / "last.ckpt")["callbacks"]
+    (state,) = [s for k, s in scores.items() if k.startswith("ModelCheckpoint")]
+    assert all(isinstance(v, torch.Tensor) for v in state["best_k_models"].values())
