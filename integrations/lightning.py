@@ -197,6 +197,15 @@ def _folder(path: str) -> str:
     return os.path.dirname(path) if "://" in path else _real(os.path.dirname(os.path.abspath(path)))
 
 
+def _modified(path: str) -> float:
+    """When the file at `path` was last written (0 where the filesystem cannot tell), as Lightning picks "last"."""
+    fs, p = fsspec.core.url_to_fs(path)
+    try:
+        return fs.modified(p).timestamp()
+    except (NotImplementedError, FileNotFoundError):
+        return 0.0
+
+
 def _write_pointer(path: str, root: str, step: int, callbacks: dict[str, dict[str, Any]]) -> None:
     """Write the small JSON file Lightning sees as the checkpoint (atomically where the filesystem allows).
 
@@ -486,8 +495,15 @@ class CkptCheckpointIO(CheckpointIO):
         return same_run
 
     def load_newest(self) -> dict[str, Any]:
-        """The checkpoint dict of the newest committed step (a restart of this root's run started without ckpt_path)."""
+        """The checkpoint dict of the newest committed step (a restart of this root's run started without ckpt_path),
+        as ``fit(ckpt_path="last")`` loads it: through the newest ``last*.ckpt`` pointer naming the step, else another
+        pointer naming it. Their callback entries (ModelCheckpoint's ``last_model_path``, its top-k) are not in the
+        step: without them ModelCheckpoint wrote ``last-v1.ckpt`` beside ``last.ckpt``, which pinned its step."""
         step = self.manager.latest_step()
+        named = [path for folder in self._pointer_folders() for path, p in self._pointers(folder) if p["step"] == step]
+        if named:
+            last = [p for p in named if posixpath.basename(p).startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST)]
+            return self.load_checkpoint(max(last, key=_modified) if last else min(named))
         checkpoint = read_step(self.manager, step)
         self._done.add(step)
         self.loaded = step

@@ -372,6 +372,19 @@ def test_a_restart_of_the_same_run_resumes_without_ckpt_path(tmp_path, no_launch
     assert [a.restored_step for a in attribute_root(str(tmp_path / "job")).attempts] == [None, 8]
 
 
+def test_restarts_of_the_same_run_without_ckpt_path_keep_one_last_ckpt_and_no_old_step(tmp_path, no_launcher_ids):
+    """A restart that resumes silently restored ModelCheckpoint from the step alone, without last.ckpt's own entries
+    (its last_model_path): each restart wrote last-v1.ckpt, last-v2.ckpt... and every older last*.ckpt pinned its
+    step for good. It loads through the newest last*.ckpt naming the step, as fit(ckpt_path="last") does."""
+    straight = _fit(tmp_path / "straight", 12)
+    job = tmp_path / "job"
+    for steps in (4, 8, 12):  # as if torchrun or a requeue restarted it with the same id
+        resumed = _fit(job, steps, run_id="job-1")
+    assert sorted(p.name for p in (job / "pointers").iterdir()) == ["epoch=0-step=12.ckpt", "last.ckpt"]
+    assert committed_steps(job) == [12]
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
 def _losses(printed: str) -> dict[int, str]:
     """Step -> loss (float hex) from the "loss STEP HEX" lines Net prints."""
     return {int(w[1]): w[2] for w in (line.split() for line in printed.splitlines()) if len(w) == 3 and w[0] == "loss"}
