@@ -317,6 +317,7 @@ class CkptCheckpointIO(CheckpointIO):
         self._options = typed(manager_options)  # checked now, where the trainer is configured
         open_storage(self.root, self._options["root_options"].storage_options).check_creatable()  # and the root
         self._manager: CheckpointManager | None = None
+        self._run: ckpt_run.Run | None = None  # this process's run (a generated id is kept when the manager reopens)
         self._done: set[int] = set()  # steps saved or restored by this process: a repeated request is a no-op
         # the last step saved or loaded: its dict's paths, and its top-level keys
         self._stored: tuple[int, dict[str, dict[str, Any]], frozenset[str]] | None = None
@@ -346,7 +347,12 @@ class CkptCheckpointIO(CheckpointIO):
                     f"on rank 0 alone, so the other ranks could not read the steps its local tier holds; leave out "
                     f"local= (every rank loads from {self.root})"
                 )
-            self._manager = CheckpointManager(self.root, tracker=self.tracker, alone=True, **self._options)
+            manager = CheckpointManager(self.root, alone=True, **self._options)
+            if self._run is not None:  # reopened after a teardown (a second fit of the trainer): the same run
+                manager.run = self._run
+            self._run = manager.run
+            manager.tracker = self.tracker  # told the run's id
+            self._manager = manager
         return self._manager
 
     def use_tracker(self, tracker: GoodputTracker | None) -> None:

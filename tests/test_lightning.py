@@ -827,3 +827,41 @@ def test_a_resume_from_last_keeps_the_top_k_a_repeated_save_of_its_step_changed(
     scores = CkptCheckpointIO(root).load_checkpoint(root / "p" / "last.ckpt")["callbacks"]
     (state,) = [s for k, s in scores.items() if k.startswith("ModelCheckpoint")]
     assert all(isinstance(v, torch.Tensor) for v in state["best_k_models"].values())
+
+
+def test_a_second_fit_of_one_trainer_goes_on_bitwise_without_ckpt_path(tmp_path, no_launcher_ids):
+    """A second ``trainer.fit`` of the same Trainer (max_steps raised, no ckpt_path) was refused with
+    RunMismatchError: the plugin's manager, reopened after the first fit's teardown, generated a new run id, so the
+    root's steps looked like another run's. The process keeps its run: the fit goes on, bitwise as one fit."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ckpt import make_loader
+    from lightning_train import Net, Points
+
+    expected = _fit(tmp_path / "straight", 8)
+    root = tmp_path / "root"
+    torch.manual_seed(0)
+    sampler = ShuffledSampler(64, 8, seed=1)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        plugins=[CkptCheckpointIO(root)],
+        callbacks=[
+            GoodputCallback(samplers={"train": sampler}),
+            ModelCheckpoint(dirpath=root / "pointers", every_n_train_steps=4, save_last=True),
+        ],
+    )
+    model = Net()
+    trainer.fit(model, make_loader(Points(), sampler))
+    trainer.fit_loop.epoch_loop.max_steps = 8
+    trainer.fit(model, make_loader(Points(), sampler))
+    assert trainer.global_step == 8 and committed_steps(root) == [8]
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
