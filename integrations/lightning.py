@@ -477,9 +477,13 @@ class CkptCheckpointIO(CheckpointIO):
         rank 0; default: torch.distributed's rank 0, or this process alone) writes anything: it claims the root and,
         once the start is allowed, clears the pointer folders of the root's steps of temporary pointer files left by
         a writer killed mid-write, and, after a load that found nothing to resume (`NothingToLoad`), its folder of
-        pointers to steps that never committed (ModelCheckpoint would otherwise pick ``-v1`` names). The other
-        ranks only check (their generated run ids are their own)."""
+        pointers to steps that never committed (ModelCheckpoint would otherwise pick ``-v1`` names). The writer takes
+        the root's lease first (a resume: before its claim; `ckpt.LeaseHeldError` while another process writes the
+        root), so a second fit of a live root trains nothing. The other ranks only check (their generated run ids
+        are their own)."""
         writer = _writer() if writer is None else writer
+        if resume and writer:  # before its claim: a second fit of a live root fails here, not after training
+            self.manager.hold_lease()
         if resume and not writer:
             same_run = bool(self.manager.steps())  # check_start's answer, without its claim
         else:
@@ -493,6 +497,7 @@ class CkptCheckpointIO(CheckpointIO):
         fresh, self._fresh = self._fresh, None
         if not writer:
             return same_run
+        self.manager.hold_lease()  # a start that loaded nothing: after the check, which writes nothing if it refuses
         for folder in self._pointer_folders():
             self._sweep(folder)
         if fresh is not None:

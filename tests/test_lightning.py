@@ -865,3 +865,29 @@ def test_a_second_fit_of_one_trainer_goes_on_bitwise_without_ckpt_path(tmp_path,
     trainer.fit(model, make_loader(Points(), sampler))
     assert trainer.global_step == 8 and committed_steps(root) == [8]
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+
+
+def test_a_fit_into_a_root_another_fit_is_writing_fails_before_training_and_claims_nothing(tmp_path, capsys):
+    """A second fit(ckpt_path="last") of a live root resumed, claimed the root for its own run (the live writer's
+    restarts were then refused as another run) and trained until its first save met the writer's lease. It takes the
+    lease at its start now: LeaseHeldError naming the live writer, no step trained, the root's run record as it was."""
+    import signal
+
+    from ckpt import LeaseHeldError
+    from kill_resume import run_of
+
+    root = tmp_path / "root"
+    live = start(CHILD, root, tmp_path / "live.npz", STEPS, hang_at=8)  # saves 4 and 8, then holds the root
+    try:
+        for line in live.stdout:  # the event: its saves are durable and it goes on holding the lease
+            if line.startswith("hanging"):
+                break
+        run, pointers = run_of(root), {p.name: p.read_bytes() for p in (root / "pointers").iterdir()}
+        capsys.readouterr()
+        with pytest.raises(LeaseHeldError, match=f"being written by .*pid {live.pid}"):
+            _fit(root, STEPS, ckpt_path=str(root / "pointers" / "last.ckpt"))
+        assert _losses(capsys.readouterr().out) == {}, "no step trained"
+        assert run_of(root) == run and {p.name: p.read_bytes() for p in (root / "pointers").iterdir()} == pointers
+    finally:
+        live.send_signal(signal.SIGKILL)
+        live.wait()
