@@ -416,8 +416,9 @@ class CkptCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         """The checkpoint dict `path` was saved with; tensors are on CPU (Lightning moves them when loading).
 
-        That is the step's stored dict with the pointer's own callback paths (e.g. ModelCheckpoint's
-        ``last_model_path`` of ``last.ckpt``) and, for a moved root, every callback path under it rebased.
+        That is the step's stored dict with the pointer's own callback entries (e.g. ModelCheckpoint's
+        ``last_model_path`` of ``last.ckpt``; after a fallback, those of the newest pointer naming the step loaded)
+        and, for a moved root, every callback path under it rebased.
 
         If the pointer's step never committed and no step of the root is (the process died before its first save
         committed), a fit with `GoodputCallback` starts fresh: a warning and `NothingToLoad`, from which Lightning
@@ -441,7 +442,10 @@ class CkptCheckpointIO(CheckpointIO):
         checkpoint = read_step(self.manager, step, metadata=metadata)
         callbacks = checkpoint.get("callbacks")
         self._stored = step, _path_fields(callbacks), frozenset(checkpoint)
-        if isinstance(callbacks, dict) and step == pointer["step"]:
+        if step != pointer["step"]:  # a fallback: the callbacks as the newest pointer naming `step` recorded them
+            named = [(_modified(p), p, q) for p, q in self._pointers(_folder(os.fspath(path))) if q["step"] == step]
+            pointer = max(named, key=lambda n: n[:2])[2] if named else {}
+        if isinstance(callbacks, dict):
             for key, fields in pointer.get("callbacks", {}).items():
                 if isinstance(callbacks.get(key), dict):
                     callbacks[key].update({f: _value(v) for f, v in fields.items()})

@@ -891,3 +891,27 @@ def test_a_fit_into_a_root_another_fit_is_writing_fails_before_training_and_clai
     finally:
         live.send_signal(signal.SIGKILL)
         live.wait()
+
+
+def test_a_fallback_from_a_step_that_never_committed_keeps_the_top_k_its_step_last_recorded(tmp_path):
+    """last.ckpt naming a step its process never committed falls back to the step before, and restored that step's
+    callbacks as its first save stored them: a top-k file written later at that step (a resume's -v1 save of it) was
+    forgotten and pinned its step for good. The fallback takes them from the newest pointer naming the step."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    root = tmp_path / "root"
+
+    def top2() -> ModelCheckpoint:
+        return ModelCheckpoint(
+            dirpath=root / "p", every_n_train_steps=2, save_top_k=2, monitor="step", mode="max", save_last=True
+        )
+
+    _fit(root, 4, callbacks=(top2(),), accumulate=2)
+    _fit(root, 5, ckpt_path="last", callbacks=(top2(),), accumulate=2)  # saves step 4 again, as -v1
+    (root / "p" / "last.ckpt").write_text(json.dumps({"format": "ckpt-lightning-pointer/1", "root": "..", "step": 6}))
+    last = top2()  # as if the process had died while writing step 6, right after its last.ckpt
+    with pytest.warns(RuntimeWarning, match="step 6 was never committed"):
+        _fit(root, 8, ckpt_path="last", callbacks=(last,), accumulate=2)
+    assert sorted(os.path.basename(p) for p in last.best_k_models) == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt"]
+    assert sorted(p.name for p in (root / "p").iterdir()) == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
+    assert committed_steps(root) == [6, 8]
