@@ -21,7 +21,12 @@ MAX_SECONDS = 1e10
 def check_seconds(name: str, value: float, *, positive: bool = False) -> float:
     """`value` if it is a non-negative (or positive) number of seconds, at most MAX_SECONDS; else a ValueError naming
     it (NaN and inf fail the comparisons; an int of any size is compared exactly; a bool is no number of seconds)."""
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and (0 < value if positive else 0 <= value) and value <= MAX_SECONDS):
+    if not (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and (0 < value if positive else 0 <= value)
+        and value <= MAX_SECONDS
+    ):
         raise ValueError(
             f"{name} must be a finite {'positive' if positive else 'non-negative'} number of seconds, at most "
             f"{MAX_SECONDS:g} (317 years), got {value!r}"
