@@ -495,7 +495,7 @@ class CkptCheckpointIO(CheckpointIO):
                 self.manager.storage,
                 self.manager.run,
                 resume=resume,
-                how_to_resume='trainer.fit(model, ..., ckpt_path="last")',
+                how_to_resume=self._how_to_resume(),
                 how_to_start_over=f"give CkptCheckpointIO a new root (or delete {self.root})",
             )
         fresh, self._fresh = self._fresh, None
@@ -515,9 +515,9 @@ class CkptCheckpointIO(CheckpointIO):
         pointer naming it. Their callback entries (ModelCheckpoint's ``last_model_path``, its top-k) are not in the
         step: without them ModelCheckpoint wrote ``last-v1.ckpt`` beside ``last.ckpt``, which pinned its step."""
         step = self.manager.latest_step()
-        named = [path for folder in self._pointer_folders() for path, p in self._pointers(folder) if p["step"] == step]
+        named = self._named(step)
         if named:
-            last = [p for p in named if posixpath.basename(p).startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST)]
+            last = [p for p in named if _is_last(p)]
             return self.load_checkpoint(max(last, key=_modified) if last else min(named))
         checkpoint = read_step(self.manager, step)
         self._done.add(step)
@@ -654,10 +654,24 @@ class CkptCheckpointIO(CheckpointIO):
             if delete_step(self.manager, step):
                 self._orphans.discard(step)
 
+    def _named(self, step: int) -> list[str]:
+        """The pointers (in every pointer folder of the root) that name `step`."""
+        return [path for folder in self._pointer_folders() for path, p in self._pointers(folder) if p["step"] == step]
+
     def _naming(self, step: int) -> str:
         """How a fit resumes `step`: through a pointer that names it, if one does."""
-        named = [path for folder in self._pointer_folders() for path, p in self._pointers(folder) if p["step"] == step]
+        named = self._named(step)
         return f": fit(..., ckpt_path={min(named)!r})" if named else ""
+
+    def _how_to_resume(self) -> str:
+        """How a fit resumes the root's newest step: ``ckpt_path="last"`` where a ``last*.ckpt`` pointer names it,
+        else a pointer that names it (a process killed between its pointers can leave a folder without last.ckpt, and
+        "last" then finds nothing)."""
+        step = self.manager.latest_step()
+        named = [] if step is None else self._named(step)
+        if not named or any(_is_last(p) for p in named):
+            return 'trainer.fit(model, ..., ckpt_path="last")'
+        return f"trainer.fit(model, ..., ckpt_path={min(named)!r})"
 
     def _pointer(self, path: str) -> dict[str, Any]:
         """The pointer file at `path`; clear errors for foreign files and other roots."""
@@ -702,6 +716,11 @@ def _same_start(trainer: Trainer, io: CkptCheckpointIO) -> None:
             f"the ranks of this fit start from different steps of {io.root} ({said}): every rank must reach the root "
             f"and ModelCheckpoint's folder (a shared file system or an object store)"
         )
+
+
+def _is_last(path: str) -> bool:
+    """Whether `path` is one of ModelCheckpoint's ``last*.ckpt`` pointers (``last.ckpt``, ``last-v1.ckpt``)."""
+    return posixpath.basename(path).startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST)
 
 
 def _writer() -> bool:

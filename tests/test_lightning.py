@@ -359,6 +359,16 @@ def test_fit_without_ckpt_path_into_another_runs_root_fails_before_touching_it(t
     with pytest.raises(ckpt.RunMismatchError, match=r'committed steps \[8\].*ckpt_path="last".*new root'):
         _fit(root, 12)
     assert _tree(root) == before, "nothing written (no ledger of the refused attempt either) or deleted"
+    # a folder without last.ckpt (a process killed between its pointers): "last" would find nothing, so the refusal
+    # names a pointer of the newest step instead
+    last = (root / "pointers" / "last.ckpt").read_bytes()
+    (root / "pointers" / "last.ckpt").unlink()
+    named = str(root / "pointers" / "epoch=0-step=8.ckpt")
+    with pytest.raises(
+        ckpt.RunMismatchError, match=re.escape(f"To resume that run: trainer.fit(model, ..., ckpt_path={named!r})")
+    ):
+        _fit(root, 12)
+    (root / "pointers" / "last.ckpt").write_bytes(last)
     _fit(root, 12, ckpt_path="last")  # the explicit resume takes the run over
 
 
