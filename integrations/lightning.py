@@ -114,8 +114,9 @@ def _field(value: Any) -> Any:
 def _value(field: Any) -> Any:
     """A pointer's callback field as the callback's state holds it (`_field` undone; old pointers hold str/None)."""
     if isinstance(field, dict):
-        if set(field) == {_TENSOR, "dtype"} and isinstance(field["dtype"], str):
-            return torch.tensor(field[_TENSOR], dtype=getattr(torch, field["dtype"]))
+        dtype = getattr(torch, field["dtype"], None) if isinstance(field.get("dtype"), str) else None
+        if set(field) == {_TENSOR, "dtype"} and isinstance(dtype, torch.dtype):  # a name of torch's, not any attribute
+            return torch.tensor(field[_TENSOR], dtype=dtype)
         return {k: _value(v) for k, v in field.items()}
     return field
 

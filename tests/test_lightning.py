@@ -925,3 +925,14 @@ def test_a_fallback_from_a_step_that_never_committed_keeps_the_top_k_its_step_la
     assert sorted(os.path.basename(p) for p in last.best_k_models) == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt"]
     assert sorted(p.name for p in (root / "p").iterdir()) == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
     assert committed_steps(root) == [6, 8]
+
+
+def test_a_pointers_tensor_field_names_a_dtype_of_torch_or_stays_as_it_is():
+    """A pointer holds a callback's 0-dim tensors (ModelCheckpoint's scores) as {"tensor", "dtype"}; the dtype is a
+    name looked up in torch. An edited pointer naming another attribute of torch (``"load"``) failed the load with a
+    TypeError from torch.tensor; only a torch.dtype is taken, anything else stays the plain value it is."""
+    from integrations.lightning import _value
+
+    assert _value({"tensor": 1.5, "dtype": "float64"}).dtype == torch.float64
+    for name in ("load", "__class__", "nope"):
+        assert _value({"best": {"tensor": 1.5, "dtype": name}}) == {"best": {"tensor": 1.5, "dtype": name}}
