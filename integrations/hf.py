@@ -421,17 +421,20 @@ class CkptTrainerMixin:
         """Read the step to resume from (newest committed for True) and lay out its ``checkpoint-N`` folder;
         a stock Trainer folder (named, or the newest one when the root is empty) is passed on as it is. None: start
         fresh (nothing asked, or nothing to resume: `_without_steps`). Rank 0 finds the step, every rank reads it."""
-        if resume is None:
-            return None
         run_dir = self._get_output_dir(trial=trial)
+        if resume is None:
+            self._drop_uncommitted(run_dir, 0)
+            return None
         found = leader_reads(
             self.ckpt_manager.ranks, lambda: self._resume_point(resume, run_dir), "find the step to resume"
         )
         if found is None:
+            self._drop_uncommitted(run_dir, 0)
             return None
         if "stock" in found:
             return self._resume_stock(found["stock"])
         step = found["step"]
+        self._drop_uncommitted(run_dir, step)
         staged = read_step(self.ckpt_manager, step)
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
         os.makedirs(folder, exist_ok=True)
@@ -441,6 +444,18 @@ class CkptTrainerMixin:
         self._staged = (os.path.abspath(folder), staged)
         self._done.add(step)
         return folder
+
+    def _drop_uncommitted(self, run_dir: str, after: int) -> None:
+        """Remove the ``checkpoint-N`` folders after step `after` that a dead attempt left: their step never committed
+        and they hold no state (HF's ``trainer_state.json`` alone). This train() saves those steps again into the same
+        folder, which keeps its old mtime, so HF's rotation (oldest mtime first) took the fresh save for the oldest
+        and deleted it. On the process HF saves from, as it rotates."""
+        if not self.args.should_save:
+            return
+        committed = set(self.ckpt_manager.steps())
+        for step, folder in _checkpoint_folders(run_dir).items():
+            if step > after and step not in committed and not _holds_state(folder):
+                shutil.rmtree(folder, ignore_errors=True)
 
     def _resume_point(self, resume: str | bool, run_dir: str) -> dict[str, Any] | None:
         """What a resume reads: ``{"step": N}`` of the root, ``{"stock": folder}`` (a stock Trainer folder), or None

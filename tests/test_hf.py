@@ -560,3 +560,26 @@ def test_a_resume_into_a_model_of_another_shape_changes_no_weight(tmp_path):
     with pytest.raises(RuntimeError, match=r"nothing was loaded.*transformer.wpe.weight.*\[8, 16\].*\[16, 16\]"):
         trainer.train(resume_from_checkpoint=True)
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def test_a_resume_rotates_no_save_away_for_a_folder_whose_step_never_committed(tmp_path, failing_commits):
+    """Step 2 committed, step 4's save never did: the dead attempt left checkpoint-4 (its trainer_state.json alone),
+    older than the resume. The resumed step-4 save writes into that folder, whose time HF's rotation (by mtime,
+    save_total_limit=1) took for the oldest: it deleted the save just made and train() died reading its
+    trainer_state.json. The resume removes such folders first (no state, no committed step), so the run ends."""
+    import ckpt
+
+    out = tmp_path / "out"
+    failing_commits(2)
+    with pytest.raises(ckpt.CheckpointWriteError, match="injected fault"):
+        _trainer(out, 4, args={"save_total_limit": 1}).train()
+    stale = out / "checkpoint-4"
+    assert sorted(p.name for p in stale.iterdir()) == ["trainer_state.json"]
+    past = stale.stat().st_mtime - 60  # the attempt that died was a minute ago
+    os.utime(stale, (past, past))
+    failing_commits(None)
+    resumed = _trainer(out, 6, args={"save_total_limit": 1})
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.step_log.steps == [3, 4, 5, 6]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6"]
+    assert ckpt.CheckpointManager(out / "ckpt").steps() == [6]
