@@ -58,6 +58,7 @@ from ._common import (
 
 TRAINER_STATE = "trainer_state.json"
 _CHECKPOINT_DIR = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+_FILES_TMP = re.compile(rf"^\.{PREFIX_CHECKPOINT_DIR}-\d+\..+$")  # `_FolderFiles`' temporary folders
 _STOCK_STATE = ("optimizer.pt", "scheduler.pt", "rng_state.pth")  # what the stock Trainer writes and we never do
 _WEIGHTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
 
@@ -422,6 +423,7 @@ class CkptTrainerMixin:
         a stock Trainer folder (named, or the newest one when the root is empty) is passed on as it is. None: start
         fresh (nothing asked, or nothing to resume: `_without_steps`). Rank 0 finds the step, every rank reads it."""
         run_dir = self._get_output_dir(trial=trial)
+        self._drop_files_tmp(run_dir)
         if resume is None:
             self._drop_uncommitted(run_dir, 0)
             return None
@@ -444,6 +446,15 @@ class CkptTrainerMixin:
         self._staged = (os.path.abspath(folder), staged)
         self._done.add(step)
         return folder
+
+    def _drop_files_tmp(self, run_dir: str) -> None:
+        """Remove the temporary folders (``.checkpoint-N.*``) of folder files a killed process was writing: each holds
+        a copy of the weights, which no one would ever move into place or delete. On the process that writes them."""
+        if not self.args.should_save or not os.path.isdir(run_dir):
+            return
+        for name in os.listdir(run_dir):
+            if _FILES_TMP.match(name) and os.path.isdir(os.path.join(run_dir, name)):
+                shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
 
     def _drop_uncommitted(self, run_dir: str, after: int) -> None:
         """Remove the ``checkpoint-N`` folders after step `after` that a dead attempt left: their step never committed

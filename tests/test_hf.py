@@ -583,3 +583,18 @@ def test_a_resume_rotates_no_save_away_for_a_folder_whose_step_never_committed(t
     assert resumed.step_log.steps == [3, 4, 5, 6]
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6"]
     assert ckpt.CheckpointManager(out / "ckpt").steps() == [6]
+
+
+def test_a_restart_removes_the_folder_files_a_killed_attempt_left_half_written(tmp_path):
+    """SIGKILLed while the background thread wrote step 4's folder files (model.safetensors was in its temporary
+    folder .checkpoint-4.* beside the checkpoint folders): each kill left a copy of the weights there for good. The
+    restart removes such temporary folders, and ends with every folder complete."""
+    job = tmp_path / "job"
+    lines = finish(start(CHILD, job, tmp_path / "killed.npz", 8, env={"HANG_IN_FILES": "4"}))
+    assert hung(lines)
+    left = list(job.glob(".checkpoint-4.*"))
+    assert left and (left[0] / "model.safetensors").is_file()
+    lines = finish(start(CHILD, job, tmp_path / "resumed.npz", 8))
+    assert lines[-1] == ["done"], lines
+    assert sorted(p.name for p in job.iterdir() if p.name != "ckpt") == ["checkpoint-4", "checkpoint-8"]
+    assert (job / "checkpoint-8" / "model.safetensors").is_file()

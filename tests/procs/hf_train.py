@@ -4,7 +4,8 @@ Usage: hf_train.py OUTPUT_DIR OUT.npz MAX_STEPS [HANG_AT]
 Prints "loss STEP HEX RANK" per step; with HANG_AT it drains the saves after that step, writes the weights, prints
 "hanging PID" and sleeps (the test SIGKILLs it). Otherwise it writes the final weights and prints "done". Weights go
 to OUT.npz (OUT.rankR.npz under torchrun, where rank 1 alone also asks for a save at step 6). With PERTURB_STEP in the environment, that step's loss is nudged (a divergence for the replay check
-to find). Under torchrun (2 CPU ranks, gloo) the Trainer runs DDP.
+to find). With HANG_IN_FILES=N it hangs writing the folder files of step N
+(the test SIGKILLs it). Under torchrun (2 CPU ranks, gloo) the Trainer runs DDP.
 """
 
 import gc
@@ -65,6 +66,19 @@ class HangAt(TrainerCallback):
             time.sleep(600)
 
 
+class HangInFiles:
+    """A processing_class whose save_pretrained hangs (after the weights were written) in the folder files of step
+    `step`, on their background thread, in the temporary folder beside checkpoint-N: the test SIGKILLs the child."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def save_pretrained(self, folder: str) -> None:
+        if os.path.basename(folder).startswith(f".checkpoint-{self.step}."):
+            say(f"hanging {os.getpid()}")
+            time.sleep(600)
+
+
 class RankSeed(TrainerCallback):
     """Under DDP, a fresh start reseeds each rank's torch RNG apart (HF seeds every rank alike), so that a resume
     that gave a rank another rank's RNG streams changes that rank's dropout, and its losses."""
@@ -116,7 +130,15 @@ def main(output_dir: str, out: str, max_steps: int, hang_at: int | None) -> None
             LossPrinter(model=model, args=args, train_dataset=data, manager_options={"local": f"{output_dir}/nvme"})
         except ValueError as e:
             say(f"refused {str(e).split(':')[0]}")
-    trainer = LossPrinter(model=model, args=args, train_dataset=data, callbacks=callbacks, save_decision=decision)
+    hang_in_files = int(os.environ.get("HANG_IN_FILES", "0"))
+    trainer = LossPrinter(
+        model=model,
+        args=args,
+        train_dataset=data,
+        callbacks=callbacks,
+        save_decision=decision,
+        processing_class=HangInFiles(hang_in_files) if hang_in_files else None,
+    )
     for cb in callbacks:
         cb.trainer = trainer
     root = trainer.ckpt_root
