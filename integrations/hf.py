@@ -326,7 +326,8 @@ class CkptTrainerMixin:
         """HF's train(), with the manager opened around it and a resume resolved against the manager's root.
 
         Before anything is written: a fresh start into another run's root or checkpoint folders raises
-        `ckpt.RunMismatchError` (or, with ``overwrite=True``, deletes that run); a restart of this run resumes.
+        `ckpt.RunMismatchError` (or, with ``overwrite=True``, deletes that run); a restart of this run resumes. Then
+        the root's writer lease is taken: a root another live process writes raises `ckpt.LeaseHeldError`.
         """
         # a step an earlier call saved is saved again by this one: that call's steps may have been deleted since
         # (overwrite=True, a rollback), and a step still committed is refused by the manager, not skipped
@@ -338,6 +339,9 @@ class CkptTrainerMixin:
                 lambda: self._start(manager, resume_from_checkpoint, trial),
                 "decide what train() resumes",
             )
+            # the root's writer lease now, as the first save would take it: a second writer of a live root (a
+            # duplicate submit) fails here, before it trains, rotates the live job's folders or starts a ledger
+            manager.hold_lease()
         except BaseException:
             manager.close()
             raise

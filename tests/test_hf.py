@@ -598,3 +598,30 @@ def test_a_restart_removes_the_folder_files_a_killed_attempt_left_half_written(t
     assert lines[-1] == ["done"], lines
     assert sorted(p.name for p in job.iterdir() if p.name != "ckpt") == ["checkpoint-4", "checkpoint-8"]
     assert (job / "checkpoint-8" / "model.safetensors").is_file()
+
+
+def test_a_second_trainer_on_a_live_output_dir_fails_before_it_trains_or_touches_a_folder(tmp_path):
+    """A job's process is alive (it saved steps 4 and 8 and trains on); a second process runs the same command
+    (train(resume_from_checkpoint=True), a duplicate submit). It resumed step 8, trained 4 steps, and its step-12
+    save made checkpoint-12 and rotated the live job's checkpoint-4 away before the root's lease refused it. It now
+    takes the lease at the start of train(): refused there, it trains nothing and leaves every folder as it was."""
+    import signal
+
+    job = tmp_path / "job"
+    live = start(CHILD, job, tmp_path / "live.npz", 16, hang_at=10)
+    for line in live.stdout:
+        if line.startswith("hanging"):
+            break
+    try:
+        before = _tree(job)
+        assert sorted(p.name for p in job.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
+        second = start(CHILD, job, tmp_path / "second.npz", 16)
+        lines = finish(second)
+        assert second.returncode != 0 and not losses(lines), lines
+        # the live job's folder files may still be moving in (its background thread): nothing it had is changed
+        after = _tree(job)
+        assert sorted(p.name for p in job.iterdir() if p.name != "ckpt") == ["checkpoint-4", "checkpoint-8"]
+        assert all(after.get(k) == v for k, v in before.items() if not k.startswith("ckpt")), (before, after)
+    finally:
+        os.kill(live.pid, signal.SIGKILL)
+        live.wait()
