@@ -599,6 +599,14 @@ class CkptTrainerMixin:
         if "optimizer" in staged:
             self.optimizer.load_state_dict(staged["optimizer"])
             self.lr_scheduler.load_state_dict(staged["lr_scheduler"])
+        else:  # HF resumes such a folder in silence; the run goes on as another one
+            warnings.warn(
+                f"step {checkpoint_step(checkpoint)} of {self.ckpt_manager.storage.url} holds no optimizer or LR "
+                f"scheduler state (saved with save_only_model=True): both start over (a fresh optimizer, the LR "
+                f"schedule back at its step 0), so the resumed run is not the one that never stopped",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         """The AMP grad scaler, when there is one."""

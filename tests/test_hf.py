@@ -625,3 +625,18 @@ def test_a_second_trainer_on_a_live_output_dir_fails_before_it_trains_or_touches
     finally:
         os.kill(live.pid, signal.SIGKILL)
         live.wait()
+
+
+def test_a_resume_of_a_step_saved_with_save_only_model_says_the_optimizer_and_schedule_start_over(tmp_path):
+    """save_only_model=True: the step holds no optimizer or LR scheduler. A resume of it went on in silence with a
+    fresh optimizer and the LR schedule back at step 0 (the run no longer the one that never stopped: at the end
+    the LR was 3.3e-4 where a straight run's is 0). It still resumes, with a warning naming the step and both."""
+    out = tmp_path / "out"
+    args = {"save_only_model": True}
+    first = _trainer(out, 6, args=args)
+    first.add_callback(_StopAt(2))
+    first.train()
+    resumed = _trainer(out, 6, args=args)
+    with pytest.warns(RuntimeWarning, match=r"step 2 of .*ckpt holds no optimizer or LR scheduler state.*save_only"):
+        resumed.train(resume_from_checkpoint=True)
+    assert resumed.step_log.steps == [3, 4, 5, 6]
