@@ -391,15 +391,17 @@ class CheckpointManager:
         sizes = [local_box(t)[0].nbytes for t in state_mod.flatten(state, rank=self.ranks.rank).tensors.values()]
         self._background.reserve(sizes, warm_snapshot=self.snapshot == "overlap")
 
-    def hold_lease(self) -> None:
+    def hold_lease(self, *, collective: bool = True) -> None:
         """Take the root's writer lease now, as the first save would (among ranks a collective: call it on every rank).
 
         For a writer that trains before its first save, such as a training loop: a second writer of the root fails
         here with `LeaseHeldError`, naming the live one, instead of an interval of training later. Held until
-        `close`."""
+        `close`. ``collective=False``: rank 0 alone takes it (another rank does nothing), for what rank 0 writes by
+        itself before the ranks meet again (deleting an earlier run at a start-over); a later collective call, or the
+        first save, lets every rank know."""
         self._check_open()
         if not self._root_lease.agreed:
-            self._root_lease.take(collective=True)
+            self._root_lease.take(collective=collective)
 
     # -- restoring ----------------------------------------------------------------------------------
 

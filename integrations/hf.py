@@ -405,7 +405,9 @@ class CkptTrainerMixin:
         return None
 
     def _start_over(self, manager: CheckpointManager, run_dir: str) -> None:
-        """overwrite=True: delete the other run's steps, run record, goodput ledgers and checkpoint folders."""
+        """overwrite=True: delete the other run's steps, run record, goodput ledgers and checkpoint folders; only once
+        this process holds the root's lease (a live writer's run is never deleted: `LeaseHeldError` names it)."""
+        manager.hold_lease(collective=False)  # rank 0's alone: the other ranks wait for its decision
         steps = ckpt_run.discard(manager.storage)
         fs, ledgers = fsspec.core.url_to_fs(ledger_dir(self.ckpt_root))
         mine = self._lease.given.attempt_id if self._lease.given is not None else None  # a tracker you started

@@ -191,6 +191,14 @@ def test_fresh_train_into_a_used_output_dir_fails_before_touching_it(tmp_path, n
     assert resumed.step_log.steps == [5, 6]
     assert len(attribute_root(str(out / "ckpt")).attempts) == 2
 
+    # overwrite=True never deletes the run of a live writer of the root (here another manager of this process)
+    before = _tree(out)
+    with ckpt.CheckpointManager(out / "ckpt") as live:
+        live.hold_lease()
+        with pytest.raises(ckpt.LeaseHeldError, match=f"pid {os.getpid()}"):
+            _trainer(out, 2, overwrite=True).train()
+    unleased = lambda tree: {k: v for k, v in tree.items() if k != "ckpt/_LEASE"}  # noqa: E731 - the live one's
+    assert unleased(_tree(out)) == unleased(before), "no step, folder or ledger of the live writer's run deleted"
     with pytest.warns(UserWarning, match=r"overwrite=True: deleted the earlier run .*steps \[4, 6\]"):
         _trainer(out, 2, overwrite=True).train()  # starts over: the old run is gone, its goodput history too
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
