@@ -808,14 +808,11 @@ def test_a_damaged_pointer_is_named_as_one(tmp_path, edit):
     io.teardown()
 
 
-def test_a_resume_from_last_keeps_the_top_k_a_repeated_save_of_its_step_changed(tmp_path):
-    """With accumulate_grad_batches=2 a resumed fit's first micro-batch saves the restored step again, as stock
-    Lightning does (``epoch=0-step=4-v1.ckpt``); ``last.ckpt`` then names that step with ModelCheckpoint's new top-k.
-    The pointer kept only the callbacks' str entries, so the next resume from it lost ``best_k_models``: the -v1
-    pointer was never removed and pinned its step for good. Stock Lightning ends with the two newest alone."""
+def _resumed_with_a_repeated_save(root: Path):
+    """Fit to step 4 and resume to 5 under accumulate_grad_batches=2, with a top-2 ModelCheckpoint (of ``root/p``,
+    by step, every 2 steps, with last.ckpt): the resume's first micro-batch saves the restored step 4 again, as
+    ``epoch=0-step=4-v1.ckpt``. Returns the factory of that ModelCheckpoint, for the fits that follow."""
     from lightning.pytorch.callbacks import ModelCheckpoint
-
-    root = tmp_path / "root"
 
     def top2() -> ModelCheckpoint:
         return ModelCheckpoint(
@@ -823,7 +820,17 @@ def test_a_resume_from_last_keeps_the_top_k_a_repeated_save_of_its_step_changed(
         )
 
     _fit(root, 4, callbacks=(top2(),), accumulate=2)
-    _fit(root, 5, ckpt_path="last", callbacks=(top2(),), accumulate=2)  # saves step 4 again, as -v1
+    _fit(root, 5, ckpt_path="last", callbacks=(top2(),), accumulate=2)
+    return top2
+
+
+def test_a_resume_from_last_keeps_the_top_k_a_repeated_save_of_its_step_changed(tmp_path):
+    """With accumulate_grad_batches=2 a resumed fit's first micro-batch saves the restored step again, as stock
+    Lightning does (``epoch=0-step=4-v1.ckpt``); ``last.ckpt`` then names that step with ModelCheckpoint's new top-k.
+    The pointer kept only the callbacks' str entries, so the next resume from it lost ``best_k_models``: the -v1
+    pointer was never removed and pinned its step for good. Stock Lightning ends with the two newest alone."""
+    root = tmp_path / "root"
+    top2 = _resumed_with_a_repeated_save(root)
     assert sorted(p.name for p in (root / "p").iterdir()) == [
         "epoch=0-step=4-v1.ckpt",
         "epoch=0-step=4.ckpt",
@@ -907,17 +914,8 @@ def test_a_fallback_from_a_step_that_never_committed_keeps_the_top_k_its_step_la
     """last.ckpt naming a step its process never committed falls back to the step before, and restored that step's
     callbacks as its first save stored them: a top-k file written later at that step (a resume's -v1 save of it) was
     forgotten and pinned its step for good. The fallback takes them from the newest pointer naming the step."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     root = tmp_path / "root"
-
-    def top2() -> ModelCheckpoint:
-        return ModelCheckpoint(
-            dirpath=root / "p", every_n_train_steps=2, save_top_k=2, monitor="step", mode="max", save_last=True
-        )
-
-    _fit(root, 4, callbacks=(top2(),), accumulate=2)
-    _fit(root, 5, ckpt_path="last", callbacks=(top2(),), accumulate=2)  # saves step 4 again, as -v1
+    top2 = _resumed_with_a_repeated_save(root)
     (root / "p" / "last.ckpt").write_text(json.dumps({"format": "ckpt-lightning-pointer/1", "root": "..", "step": 6}))
     last = top2()  # as if the process had died while writing step 6, right after its last.ckpt
     with pytest.warns(RuntimeWarning, match="step 6 was never committed"):
