@@ -113,6 +113,20 @@ def _load_whole(model: Any, state: dict[str, Any]) -> None:
     model.load_state_dict(state)
 
 
+def _check_groups(saved: dict[str, Any], optimizer: Any, step: int, manager: CheckpointManager) -> None:
+    """Refuse, naming the step and both sizes, an optimizer state whose parameter groups do not fit `optimizer`'s
+    (torch's own refusal names neither: "loaded state dict contains a parameter group that doesn't match...")."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    theirs = [len(g.get("params", ())) for g in groups] if isinstance(groups, list) else None
+    mine = [len(g["params"]) for g in optimizer.param_groups]
+    if theirs is not None and theirs != mine:
+        raise ValueError(
+            f"step {step} of {manager.storage.url}: its optimizer state holds {theirs} parameters per group, this "
+            f"trainer's optimizer {mine} (a parameter frozen, unfrozen or added since the save?). The model's weights "
+            f"were loaded already (HF loads them first); the optimizer and LR scheduler were not"
+        )
+
+
 class SaveDecisionCallback(TrainerCallback):
     """Saves when a `ckpt.SaveDecision` says so (every T seconds, the advised interval, a preemption signal), by
     setting ``control.should_save`` after an optimizer step; HF's own ``save_strategy`` still saves too
@@ -599,6 +613,7 @@ class CkptTrainerMixin:
             return super()._load_optimizer_and_scheduler(checkpoint)
         staged = self._staged_for(checkpoint)
         if "optimizer" in staged:
+            _check_groups(staged["optimizer"], self.optimizer, checkpoint_step(checkpoint), self.ckpt_manager)
             self.optimizer.load_state_dict(staged["optimizer"])
             self.lr_scheduler.load_state_dict(staged["lr_scheduler"])
         else:  # HF resumes such a folder in silence; the run goes on as another one

@@ -570,6 +570,23 @@ def test_a_resume_into_a_model_of_another_shape_changes_no_weight(tmp_path):
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
 
 
+def test_a_resume_into_an_optimizer_of_other_parameter_groups_names_the_step_and_both_sizes(tmp_path):
+    """A parameter frozen since the save: HF's optimizer has one parameter fewer, and torch refused the saved state
+    with "loaded state dict contains a parameter group that doesn't match the size of optimizer's group", naming
+    neither the step nor the sizes."""
+    out = tmp_path / "out"
+    _trainer(out, 2).train()
+    trainer = _trainer(out, 4)
+    trainer.model.transformer.wte.weight.requires_grad_(False)
+    with pytest.raises(
+        ValueError,
+        match=r"step 2 of .*ckpt: its optimizer state holds \[\d+, \d+\] parameters per "
+        r"group, this trainer's optimizer \[\d+, \d+\] \(a parameter frozen",
+    ):
+        trainer.train(resume_from_checkpoint=True)
+    assert trainer.step_log.steps == []
+
+
 def test_a_resume_rotates_no_save_away_for_a_folder_whose_step_never_committed(tmp_path, failing_commits):
     """Step 2 committed, step 4's save never did: the dead attempt left checkpoint-4 (its trainer_state.json alone),
     older than the resume. The resumed step-4 save writes into that folder, whose time HF's rotation (by mtime,
