@@ -79,6 +79,19 @@ class HangInFiles:
             time.sleep(600)
 
 
+class HoldAfter(TrainerCallback):
+    """Beside `HangInFiles`: the training thread waits at the start of the step after `step` until the test kills the
+    child, so no later step commits while the folder files of `step` hang (a kill landing after the next save would
+    otherwise leave a finished run, and the restart another outcome)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            time.sleep(600)
+
+
 class RankSeed(TrainerCallback):
     """Under DDP, a fresh start reseeds each rank's torch RNG apart (HF seeds every rank alike), so that a resume
     that gave a rank another rank's RNG streams changes that rank's dropout, and its losses."""
@@ -131,6 +144,8 @@ def main(output_dir: str, out: str, max_steps: int, hang_at: int | None) -> None
         except ValueError as e:
             say(f"refused {str(e).split(':')[0]}")
     hang_in_files = int(os.environ.get("HANG_IN_FILES", "0"))
+    if hang_in_files:
+        callbacks.append(HoldAfter(hang_in_files))
     trainer = LossPrinter(
         model=model,
         args=args,
