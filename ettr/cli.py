@@ -47,26 +47,21 @@ def _seconds(positive: bool):
     return parse
 
 
-def _count(text: str) -> int:
-    """An argparse type: a positive integer."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+def _integer(positive: bool):
+    """An argparse type: a positive (a count) or non-negative (a seed: numpy's generators take no negative one)
+    integer."""
+    least, what = (1, "positive") if positive else (0, "non-negative")
 
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be a {what} integer, got {text!r}")
+        return value
 
-def _seed(text: str) -> int:
-    """An argparse type: a non-negative integer (numpy's generators take no negative seed)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
-    return value
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -96,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
         if name == "report":
             s.add_argument(
                 "--straggler-window",
-                type=_count,
+                type=_integer(True),
                 default=WINDOW_STEPS,
                 help=f"steps per window in which the slowest rank is named (default {WINDOW_STEPS})",
             )
@@ -109,10 +104,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--local-mttf", type=_seconds(True), help="MTTF of failures the local tier survives, seconds")
     g.add_argument("--node-mttf", type=_seconds(True), help="MTTF of node losses (the local tier is lost), seconds")
     g.add_argument("--local-restart", type=_seconds(False), help="seconds per local-class failure (default --restart)")
-    g.add_argument("--persist-every", type=_count, default=1, help="every K-th save is persisted (default 1)")
+    g.add_argument("--persist-every", type=_integer(True), default=1, help="every K-th save is persisted (default 1)")
     g.add_argument("--persist-cost", type=_seconds(False), default=0.0, help="seconds of training per persist")
-    s.add_argument("--segments", type=_count, default=200_000)
-    s.add_argument("--seed", type=_seed, default=0, help="random seed, a non-negative integer (default 0)")
+    s.add_argument("--segments", type=_integer(True), default=200_000)
+    s.add_argument("--seed", type=_integer(False), default=0, help="random seed, a non-negative integer (default 0)")
     s.add_argument("--json", action="store_true")
     return p
 
