@@ -12,6 +12,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -112,12 +113,15 @@ def _extra(storage: Storage) -> dict[str, Any]:
     return {"previous": previous, "durable": durable}
 
 
-def check_start(storage: Storage, run: Run, *, resume: bool, how_to_resume: str, how_to_start_over: str) -> bool:
+def check_start(
+    storage: Storage, run: Run, *, resume: bool, how_to_resume: str | Callable[[], str], how_to_start_over: str
+) -> bool:
     """Decide at a training start, before anything is written: True to resume the root's newest step.
 
     A root without committed steps starts fresh (False). An explicit `resume` takes the root over (True). A fresh
     start resumes silently only when the root's recorded run is `run` (a restart by torchrun, a requeue, an
-    explicit run id); otherwise it raises `RunMismatchError`, saying how to resume or start over.
+    explicit run id); otherwise it raises `RunMismatchError`, saying how to resume or start over (`how_to_resume`
+    may be a function: what it reads to say so is read only for a refusal).
     """
     committed = layout.committed_steps(storage)
     if not committed:
@@ -127,7 +131,8 @@ def check_start(storage: Storage, run: Run, *, resume: bool, how_to_resume: str,
         owner = recorded.describe() if recorded is not None else "a run that recorded no id"
         raise RunMismatchError(
             f"{storage.url} holds committed steps {committed} of {owner}, and this fresh start is {run.describe()}. "
-            f"Nothing was written or deleted. To resume that run: {how_to_resume}. To start over: {how_to_start_over}. "
+            f"Nothing was written or deleted. To resume that run: "
+            f"{how_to_resume() if callable(how_to_resume) else how_to_resume}. To start over: {how_to_start_over}. "
             f"A restart resumes by itself when it carries the recorded id (run_id=, or CKPT_RUN_ID, SLURM_JOB_ID, "
             f"TORCHELASTIC_RUN_ID in the environment)."
         )

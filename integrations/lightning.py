@@ -496,7 +496,7 @@ class CkptCheckpointIO(CheckpointIO):
                 self.manager.storage,
                 self.manager.run,
                 resume=resume,
-                how_to_resume=self._how_to_resume(),
+                how_to_resume=self._how_to_resume,  # read (every pointer) only for a refusal
                 how_to_start_over=f"give CkptCheckpointIO a new root (or delete {self.root})",
             )
         fresh, self._fresh = self._fresh, None
