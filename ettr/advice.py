@@ -7,7 +7,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .attribution import LOCAL_TIERS, Attribution
-from .formulas import TwoTierCosts, TwoTierPlan, check_seconds, daly_interval, expected_ettr, optimal_two_tier
+from .formulas import (
+    MAX_SECONDS,
+    TwoTierCosts,
+    TwoTierPlan,
+    check_seconds,
+    daly_interval,
+    expected_ettr,
+    optimal_two_tier,
+)
 
 
 @dataclass(frozen=True)
@@ -242,12 +250,22 @@ def advise_two_tier(a: Attribution, inputs: TwoTierInputs, *, mttf_s: float | No
     missing = tuple(flag for name, flag in TWO_TIER_FLAGS.items() if name not in values)
     costs = plan = None
     if not missing:
-        overhead = values["restart_overhead_s"]
+
+        def restart(read: str) -> float:
+            """Restart overhead + a restore from one tier, refused past MAX_SECONDS naming where each came from."""
+            total = values["restart_overhead_s"] + values[read]
+            if total > MAX_SECONDS:
+                raise ValueError(
+                    f"the {read[:-7]} restore ({values[read]:g} s, {sources[read]}) plus the restart overhead "
+                    f"({values['restart_overhead_s']:g} s, {sources['restart_overhead_s']}) is over {MAX_SECONDS:g} s"
+                )
+            return total
+
         costs = TwoTierCosts(
             values["local_write_s"],
             values["persist_s"],
-            overhead + values["local_read_s"],
-            overhead + values["durable_read_s"],
+            restart("local_read_s"),
+            restart("durable_read_s"),
             values["local_mttf_s"],
             values["node_mttf_s"],
         )

@@ -403,6 +403,16 @@ def test_advise_bad_two_tier_input_names_the_flag_and_value(job, flag, value, sa
     assert out.returncode == 2 and f"argument {flag}: {says}" in out.stderr, out.stderr
 
 
+def test_advise_names_the_flag_whose_restore_and_the_ledgers_overhead_overflow(job):
+    # each flag is within the cap, but with the ledger's restart overhead a restart is not: the error names the flag,
+    # not the plan's internal field
+    tiers = ("--local-mttf", "7200", "--node-mttf", "86400")
+    for read, other in (("--local-read", "--durable-read"), ("--durable-read", "--local-read")):
+        out = cli("advise", job, read, "1e10", other, "1", *tiers)
+        assert out.returncode == 2 and f"1e+10 s, given ({read})) plus the restart overhead" in out.stderr, out.stderr
+        assert "restart_s" not in out.stderr
+
+
 def test_simulate_two_tiers():
     out = cli(
         "simulate", "--interval", "370", "--persist-every", "5", "--write", "5", "--persist-cost", "20",
