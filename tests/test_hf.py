@@ -643,7 +643,8 @@ def test_a_second_trainer_on_a_live_output_dir_fails_before_it_trains_or_touches
         second = start(CHILD, job, tmp_path / "second.npz", 16)
         lines = finish(second)
         assert second.returncode != 0 and not losses(lines), lines
-        # the live job's folder files may still be moving in (its background thread): nothing it had is changed
+        # the live job's folder files were whole before it hung (a snapshot taken while its thread moved them in
+        # found files in a temporary folder that were gone after): nothing it had is changed
         after = _tree(job)
         assert sorted(p.name for p in job.iterdir() if p.name != "ckpt") == ["checkpoint-4", "checkpoint-8"]
         assert all(after.get(k) == v for k, v in before.items() if not k.startswith("ckpt")), (before, after)

@@ -12,6 +12,7 @@ import gc
 import os
 import sys
 import time
+from concurrent import futures
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -51,8 +52,8 @@ def write_weights(trainer: CkptTrainer, out: str) -> None:
 
 
 class HangAt(TrainerCallback):
-    """After step `at` (its optimizer step, before its save): make the saves durable and the ledger current, write
-    the weights, then wait to be killed."""
+    """After step `at` (its optimizer step, before its save): make the saves durable, their checkpoint-N folders
+    whole and the ledger current, write the weights, then wait to be killed."""
 
     def __init__(self, at: int, out: str) -> None:
         self.at, self.out, self.trainer = at, out, None
@@ -60,6 +61,8 @@ class HangAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.at:
             self.trainer.ckpt_manager.wait()
+            if self.trainer._files is not None:  # and the folder files of those saves, moving in on their thread
+                futures.wait(list(self.trainer._files._pending.values()))
             self.trainer._goodput.tracker.flush()
             write_weights(self.trainer, self.out)
             say(f"hanging {os.getpid()}")
