@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.training_args import OptimizerNames
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 from ckpt import CheckpointManager, RNGState, RunMismatchError, SaveDecision, SaveHandle
@@ -61,6 +62,18 @@ _CHECKPOINT_DIR = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 _FILES_TMP = re.compile(rf"^\.{PREFIX_CHECKPOINT_DIR}-\d+\..+$")  # `_FolderFiles`' temporary folders
 _STOCK_STATE = ("optimizer.pt", "scheduler.pt", "rng_state.pth")  # what the stock Trainer writes and we never do
 _WEIGHTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+# the ``args.optim`` choices HF's own create_optimizer builds over its decay/no-decay groups of the trainable
+# parameters (GaLore, Apollo and LOMO, say, build groups of their own)
+_DECAY_GROUPED = frozenset(
+    {
+        OptimizerNames.ADAMW_TORCH,
+        OptimizerNames.ADAMW_TORCH_FUSED,
+        OptimizerNames.ADAFACTOR,
+        OptimizerNames.SGD,
+        OptimizerNames.ADAGRAD,
+        OptimizerNames.RMSPROP,
+    }
+)
 
 
 class GoodputCallback(TrainerCallback):
@@ -113,17 +126,16 @@ def _load_whole(model: Any, state: dict[str, Any]) -> None:
     model.load_state_dict(state)
 
 
-def _check_groups(saved: dict[str, Any], optimizer: Any, step: int, manager: CheckpointManager) -> None:
-    """Refuse, naming the step and both sizes, an optimizer state whose parameter groups do not fit `optimizer`'s
-    (torch's own refusal names neither: "loaded state dict contains a parameter group that doesn't match...")."""
+def _check_groups(saved: dict[str, Any], mine: list[int], step: int, manager: CheckpointManager, loaded: str) -> None:
+    """Refuse, naming the step, both sizes and what was `loaded`, an optimizer state whose parameter groups do not
+    hold `mine` parameters each (torch's own refusal names neither: "loaded state dict contains a parameter group
+    that doesn't match...")."""
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     theirs = [len(g.get("params", ())) for g in groups] if isinstance(groups, list) else None
-    mine = [len(g["params"]) for g in optimizer.param_groups]
     if theirs is not None and theirs != mine:
         raise ValueError(
             f"step {step} of {manager.storage.url}: its optimizer state holds {theirs} parameters per group, this "
-            f"trainer's optimizer {mine} (a parameter frozen, unfrozen or added since the save?). The model's weights "
-            f"were loaded already (HF loads them first); the optimizer and LR scheduler were not"
+            f"trainer's optimizer {mine} (a parameter frozen, unfrozen or added since the save?). {loaded}"
         )
 
 
@@ -601,11 +613,36 @@ class CkptTrainerMixin:
 
     # -- loading: HF's hooks, fed from the restored state -------------------------------------------------------
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        """Model weights from the manager instead of model.safetensors (a stock folder: HF's own loading)."""
+        """Model weights from the manager instead of model.safetensors (a stock folder: HF's own loading). HF loads
+        them before it builds the optimizer: a saved optimizer state whose groups will not fit it (when they can be
+        told now, `_optimizer_groups`) is refused first, so that the refusal leaves the weights as they were."""
         if self._is_stock(resume_from_checkpoint):
             with self._span("checkpoint_restore"):
                 return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        _load_whole(model if model is not None else self.model, self._staged_for(resume_from_checkpoint)["model"])
+        staged = self._staged_for(resume_from_checkpoint)
+        groups = self._optimizer_groups()
+        if "optimizer" in staged and groups is not None:
+            step = checkpoint_step(resume_from_checkpoint)
+            _check_groups(staged["optimizer"], groups, step, self.ckpt_manager, "Nothing was loaded")
+        _load_whole(model if model is not None else self.model, staged["model"])
+
+    def _optimizer_groups(self) -> list[int] | None:
+        """The parameters per group of the optimizer a resume loads into: this trainer's (passed to it, or built by
+        HF), else the one HF's create_optimizer will build (for the `_DECAY_GROUPED` choices of ``args.optim``): one
+        group of the model's trainable parameters that get weight decay, one of the others. None when neither: a
+        subclass's create_optimizer, ``optimizer_cls_and_kwargs`` or another ``args.optim`` builds its own groups."""
+        trainer: Trainer = self
+        if trainer.optimizer is not None:
+            return [len(g["params"]) for g in trainer.optimizer.param_groups]
+        if (
+            type(self).create_optimizer is not Trainer.create_optimizer
+            or trainer.optimizer_cls_and_kwargs is not None
+            or trainer.args.optim not in _DECAY_GROUPED
+        ):
+            return None
+        decay = set(trainer.get_decay_parameter_names(trainer.model))
+        trainable = [name for name, p in trainer.model.named_parameters() if p.requires_grad]
+        return [sum(n in decay for n in trainable), sum(n not in decay for n in trainable)]
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Optimizer and LR scheduler from the manager (absent when saved with save_only_model)."""
@@ -613,7 +650,14 @@ class CkptTrainerMixin:
             return super()._load_optimizer_and_scheduler(checkpoint)
         staged = self._staged_for(checkpoint)
         if "optimizer" in staged:
-            _check_groups(staged["optimizer"], self.optimizer, checkpoint_step(checkpoint), self.ckpt_manager)
+            _check_groups(
+                staged["optimizer"],
+                self._optimizer_groups(),
+                checkpoint_step(checkpoint),
+                self.ckpt_manager,
+                "The model's weights were loaded already (HF loads them before it builds the optimizer, whose groups "
+                "could not be told then); the optimizer and LR scheduler were not",
+            )
             self.optimizer.load_state_dict(staged["optimizer"])
             self.lr_scheduler.load_state_dict(staged["lr_scheduler"])
         else:  # HF resumes such a folder in silence; the run goes on as another one

@@ -570,18 +570,59 @@ def test_a_resume_into_a_model_of_another_shape_changes_no_weight(tmp_path):
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
 
 
-def test_a_resume_into_an_optimizer_of_other_parameter_groups_names_the_step_and_both_sizes(tmp_path):
-    """A parameter frozen since the save: HF's optimizer has one parameter fewer, and torch refused the saved state
-    with "loaded state dict contains a parameter group that doesn't match the size of optimizer's group", naming
-    neither the step nor the sizes."""
+def _freeze_wte(trainer) -> None:
+    trainer.model.transformer.wte.weight.requires_grad_(False)
+
+
+def _own_optimizer(trainer) -> None:
+    """An optimizer as ``Trainer(optimizers=...)`` sets it: all parameters in one group, not HF's two."""
+    trainer.optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize(
+    "change, mine",
+    [(_freeze_wte, r"\[5, 10\]"), (_own_optimizer, r"\[16\]")],
+    ids=["frozen-parameter", "own-optimizer"],
+)
+def test_a_resume_into_an_optimizer_of_other_parameter_groups_changes_no_weight(tmp_path, change, mine):
+    """A parameter frozen since the save (HF's default optimizer: decay/no-decay groups of the trainable parameters),
+    or an optimizer passed to the trainer, of other groups than the saved state's. torch refused it with "loaded
+    state dict contains a parameter group that doesn't match", naming neither the step nor the sizes; then the
+    refusal named both but came after HF had loaded the weights (it loads them before it builds the optimizer): a
+    failed resume left the model resumed. The groups are known when the weights are loaded: refused before."""
     out = tmp_path / "out"
     _trainer(out, 2).train()
     trainer = _trainer(out, 4)
-    trainer.model.transformer.wte.weight.requires_grad_(False)
+    change(trainer)
+    before = _weights(trainer.model)
     with pytest.raises(
         ValueError,
-        match=r"step 2 of .*ckpt: its optimizer state holds \[\d+, \d+\] parameters per "
-        r"group, this trainer's optimizer \[\d+, \d+\] \(a parameter frozen",
+        match=r"step 2 of .*ckpt: its optimizer state holds \[6, 10\] parameters per group, this trainer's "
+        rf"optimizer {mine} \(a parameter frozen, unfrozen or added since the save\?\)\. Nothing was loaded",
+    ):
+        trainer.train(resume_from_checkpoint=True)
+    assert trainer.step_log.steps == []
+    assert _weights(trainer.model) == before
+
+
+def test_optimizer_groups_built_by_a_subclass_are_refused_once_built(tmp_path):
+    """A subclass's create_optimizer builds groups that cannot be told before HF calls it, after it loaded the
+    weights: refused then, naming the step and both sizes, and saying the weights were loaded."""
+    from integrations.hf import CkptTrainer
+
+    class OneGroup(CkptTrainer):
+        def create_optimizer(self, model=None):
+            if self.optimizer is None:
+                self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+            return self.optimizer
+
+    out = tmp_path / "out"
+    _trainer(out, 2).train()
+    trainer = _trainer(out, 4, cls=OneGroup)
+    with pytest.raises(
+        ValueError,
+        match=r"step 2 of .*ckpt: its optimizer state holds \[6, 10\] parameters per group, this trainer's "
+        r"optimizer \[16\] .*\. The model's weights were loaded already",
     ):
         trainer.train(resume_from_checkpoint=True)
     assert trainer.step_log.steps == []
