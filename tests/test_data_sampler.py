@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import random
 import shutil
 from pathlib import Path
 
@@ -90,6 +92,46 @@ def test_batches_independent_of_workers_and_worker_seeds(dataset):
         )
         runs.append(_run(loader, s, 5))
     assert _same(runs[0], runs[1]) and _same(runs[0], runs[2])
+
+
+class GlobalDraws(torch.utils.data.Dataset):
+    """Items drawn from the fetching process's global RNGs, as a dataset calling random, np.random or torch.rand
+    (torchvision's random transforms) does."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i, random.randrange(10**6), np.random.randint(10**6), int(torch.randint(10**6, ()))])
+
+
+def global_noise(tokens: np.ndarray, rng: np.random.Generator) -> torch.Tensor:
+    """A transform that ignores its generator and draws from torch's global one."""
+    return torch.from_numpy(tokens.astype(np.int64)) + torch.randint(3, (len(tokens),))
+
+
+@pytest.mark.parametrize("token_windows", [False, True])
+def test_what_workers_draw_from_their_global_rngs_is_the_same_after_a_resume_and_for_any_worker_count(
+    dataset, token_windows
+):
+    """DataLoader seeded each worker once per iter() (base seed + worker id): a resumed run's workers started
+    their streams over, so the draws of __getitem__, a transform or a collate_fn diverged from the run that never
+    stopped. make_loader seeds a worker's global RNGs from each batch's first sample counter."""
+    if token_windows:
+        data = TokenWindowDataset(dataset.path, np.uint16, 16, SEED, transform=global_noise)
+        new = functools.partial(_sampler, data)
+    else:
+        data = GlobalDraws()
+        new = functools.partial(ShuffledSampler, 40, 4, SEED, world_size=1, rank=0)
+
+    def batches(sampler, workers: int, steps: int) -> list[list]:
+        loader = make_loader(data, sampler, num_workers=workers)
+        return [b["tokens"].tolist() if token_windows else b.tolist() for b in _run(loader, sampler, steps)]
+
+    straight = batches(new(), 2, 8)
+    for workers in (2, 1):
+        cut = new()
+        batches(cut, 2, 3)
+        resumed = new()
+        resumed.load_state_dict(json.loads(json.dumps(cut.state_dict())))
+        assert batches(resumed, workers, 5) == straight[3:], f"resumed with {workers} workers"
 
 
 def test_trap_iter_dataloader_does_not_touch_global_torch_rng(dataset):

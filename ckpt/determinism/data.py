@@ -20,14 +20,14 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from ..distributed import topology
 from ..errors import DataMismatchError  # noqa: F401 (defined with the other errors; importable here too)
 from ..observer import NO_TRACKER, CheckpointObserver
 from .permutation import epoch_permutation, epochs_permuted
-from .seeding import sample_rng, torch_generator
+from .seeding import sample_rng, seed_global_rngs, torch_generator
 from .windows import FINGERPRINT_BLOCK, TokenStream, WindowReader, data_fingerprint, resolve_token_files  # noqa: F401
 
 T = TypeVar("T")
@@ -71,6 +71,15 @@ def _ints(**arguments: Any) -> list[int]:
 
 _POSITION_LIMIT = 1 << 62  # counters stay int64 with a batch added
 _INT64_END = 1 << 63  # a sample counter is an int64 (a batch of keys is an int64 array)
+
+
+class _Keys(list[Any]):
+    """A local batch's keys, as the DataLoader hands them to a worker, and `counter`, the global sample counter of
+    the first: `make_loader`'s workers seed their global RNGs from it (`_SeededFetch`)."""
+
+    def __init__(self, keys: Iterable[Any], counter: int) -> None:
+        super().__init__(keys)
+        self.counter = counter
 
 
 class _CounterSampler(Sampler[list[Any]]):
@@ -188,7 +197,7 @@ class _CounterSampler(Sampler[list[Any]]):
         if len(self._hashes) > HASHES_KEPT:
             del self._hashes[next(iter(self._hashes))]
         sl = slice(self.rank * local, (self.rank + 1) * local)
-        return self._yielded(counters[sl], indices[sl])
+        return _Keys(self._yielded(counters[sl], indices[sl]), int(counters[sl][0]))
 
     def batch_hash(self, step: int) -> str:
         """The hash of step `step`'s global batch, as ``explain(step).batch_hash``: remembered from when the loader
@@ -562,7 +571,35 @@ PREFETCH_BATCHES = 4
 MAX_PREFETCH_BYTES = 256 << 20
 
 
-class WindowBatches(Dataset[Any]):
+class _SeededFetch(Dataset[Any]):
+    """`make_loader`'s dataset. In a DataLoader worker it seeds the global python, numpy and torch CPU RNGs from the
+    batch's first sample counter before fetching the batch, so what the dataset, a transform or the collate_fn
+    draws from them there (`random`, `np.random`, `torch.rand`, torchvision's random transforms) is a function of
+    the batch: the same after a resume and for any number of workers (DataLoader seeds a worker once per iterator,
+    so a resumed run's workers started their streams over). The main process's RNGs are training's, captured by
+    `RNGState`, and left alone."""
+
+    def __init__(self, dataset: Dataset[Any], seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.dataset[key]
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitems__(self, keys: _Keys) -> Any:
+        if get_worker_info() is not None:
+            seed_global_rngs(self.seed, "worker", keys.counter)
+        return self.fetch(keys)
+
+    def fetch(self, keys: Sequence[Any]) -> Any:
+        """The batch's samples, as the DataLoader would fetch them from the dataset."""
+        getitems = getattr(self.dataset, "__getitems__", None)
+        return getitems(keys) if getitems else [self.dataset[key] for key in keys]
+
+
+class WindowBatches(_SeededFetch):
     """`make_loader`'s view of a `TokenWindowDataset` under a `RandomWindowSampler`: one call per batch, and the
     reads of this process's next batches in flight before they are asked for.
 
@@ -586,7 +623,8 @@ class WindowBatches(Dataset[Any]):
             raise ValueError(
                 f"prefetch_batches and max_prefetch_bytes must be >= 0, got {prefetch_batches}, {max_prefetch_bytes}"
             )
-        self.dataset, self.sampler, self.collate = dataset, sampler, collate
+        super().__init__(dataset, sampler.seed)
+        self.sampler, self.collate = sampler, collate
         self.prefetch_batches, self.max_prefetch_bytes = prefetch_batches, max_prefetch_bytes
         self._pending: dict[int, tuple[np.ndarray, int]] = {}  # first counter -> (its starts, reader ticket)
         self._pid = -1
@@ -596,10 +634,7 @@ class WindowBatches(Dataset[Any]):
         """Workers start with nothing in flight (a reader's tickets are per process)."""
         return {**self.__dict__, "_pending": {}, "_pid": -1, "hits": 0, "misses": 0}
 
-    def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
-        return self.dataset[key]
-
-    def __getitems__(self, keys: Sequence[tuple[int, int]]) -> Any:
+    def fetch(self, keys: Sequence[tuple[int, int]]) -> Any:
         """The batch for these keys (collated unless the loader has its own collate_fn), then the next reads."""
         pairs = np.asarray(keys, dtype=np.int64).reshape(-1, 2)
         counters, starts = pairs[:, 0], pairs[:, 1]
@@ -719,6 +754,8 @@ def make_loader(
     process), with `pin_memory` on by default when CUDA is present; the batches are the same as per-item reads.
     With a `tracker` (an `ettr.GoodputTracker`, or any `CheckpointObserver`), the time training waits for each
     batch is recorded as ``data_wait``, so the goodput report shows the data's share with no code in the loop.
+    A worker seeds its global python, numpy and torch RNGs from each batch's first sample counter before fetching
+    it (`_SeededFetch`): what the dataset draws from them there is the same after a resume.
     """
     kwargs.setdefault("generator", torch_generator(sampler.seed, "loader"))
     kwargs["worker_init_fn"] = functools.partial(_worker_init, kwargs.get("worker_init_fn"))
@@ -735,6 +772,8 @@ def make_loader(
         if collate:
             kwargs["collate_fn"] = _collated
         kwargs.setdefault("pin_memory", torch.cuda.is_available())
+    elif not isinstance(dataset, IterableDataset):  # DataLoader refuses those under a batch sampler
+        dataset = _SeededFetch(dataset, sampler.seed)
     loader = _Loader(dataset, batch_sampler=sampler, **kwargs)
     if tracker is not None:
         loader.tracker = tracker

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import zlib
 
 import numpy as np
@@ -29,3 +30,11 @@ def torch_generator(seed: int, purpose: str, *path: int) -> torch.Generator:
     """A CPU torch.Generator seeded from (seed, purpose, *path), e.g. for DataLoader(generator=...)."""
     state = seed_sequence(seed, purpose, *path).generate_state(1, dtype=np.uint64)[0]
     return torch.Generator().manual_seed(int(state) & ((1 << 63) - 1))
+
+
+def seed_global_rngs(seed: int, purpose: str, *path: int) -> None:
+    """Seed this process's global python, numpy (legacy) and torch CPU RNGs from (seed, purpose, *path)."""
+    words = seed_sequence(seed, purpose, *path).generate_state(2, dtype=np.uint64)
+    random.seed(int(words[0]))
+    np.random.seed(words.view(np.uint32))
+    torch.default_generator.manual_seed(int(words[1]) & ((1 << 63) - 1))
