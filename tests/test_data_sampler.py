@@ -310,6 +310,17 @@ def test_batch_hash_is_the_hash_of_what_training_received_remembered_from_the_dr
     assert not s._hashes and s.batch_hash(2) == whole.explain(2).batch_hash
 
 
+def test_a_skip_forgets_the_hashes_of_the_batches_drawn_before_it(dataset):
+    """batch_hash(step) of a step the loader drew (prefetched) before a skip changed its batch gave the old batch's
+    hash, not explain's: a skip, like a load, makes the next iterator draw again."""
+    s = _sampler(dataset)
+    drawn = iter(s)
+    next(drawn), next(drawn)  # steps 1 and 2 drawn, as a loader's prefetch draws ahead of training
+    old = s.batch_hash(2)
+    s.skip(s.explain(2).indices[:1])
+    assert s.batch_hash(2) == s.explain(2).batch_hash != old
+
+
 def test_explain_matches_the_hash_of_what_training_received(dataset):
     s = _sampler(dataset)
     batches = _run(make_loader(dataset, s, num_workers=2), s, 4)

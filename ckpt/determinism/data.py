@@ -165,7 +165,7 @@ class _CounterSampler(Sampler[list[Any]]):
         if len(new) >= self.num_items:
             raise ValueError(f"cannot skip all {self.num_items} items")
         self._skip = new
-        self._generation += 1
+        self._new_generation()
 
     # ----- the pure function counter -> item ------------------------------------------------------------
     def indices(self, counters: np.ndarray) -> np.ndarray:
@@ -216,6 +216,12 @@ class _CounterSampler(Sampler[list[Any]]):
             yield self.local_batch(step)
             step += 1
 
+    def _new_generation(self) -> None:
+        """After a load or a skip: iterators created before end, and the next one draws again (the batches drawn
+        before, and their hashes, may be other ones now)."""
+        self._generation += 1
+        self._hashes.clear()
+
     def _check_generation(self, generation: int) -> None:
         """Refuse to continue an iterator created before `load_state_dict` (it would silently ignore the state)."""
         if generation != self._generation:
@@ -241,8 +247,7 @@ class _CounterSampler(Sampler[list[Any]]):
         """Resume at the saved position; a different kind, config or data fingerprint raises unless allowed, and a
         position this sampler cannot take (a tampered or foreign state) raises naming its key."""
         self._t, self._step, self._skip = self._checked(state)
-        self._generation += 1
-        self._hashes.clear()  # the next iterator draws again from the new position
+        self._new_generation()
 
     def _checked(self, state: Mapping[str, Any]) -> tuple[int, int, list[int]]:
         """The position (t, step, kept skips) `state` would set, or the error that refuses it."""
