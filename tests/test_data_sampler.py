@@ -356,6 +356,20 @@ def test_skip_list_removes_windows_for_every_later_resume(dataset):
         ShuffledSampler(3, 1, SEED).skip([0, 1, 2])
 
 
+def test_skip_of_indices_that_are_not_ints_is_a_type_error_naming_the_first():
+    """skip("12") skipped items 1 and 2, and skip([12.5]) (an index computed as start / stride) item 12, silently."""
+    s = ShuffledSampler(100, 4, SEED, world_size=1, rank=0)
+    for indices, message in (
+        ("12", r"indices\[0\] must be an int, got str '1'"),
+        ([3, 12.5], r"indices\[1\].*float 12.5"),
+    ):
+        with pytest.raises(TypeError, match=message):
+            s.skip(indices)
+    assert s.state_dict()["skip"] == []
+    s.skip(np.array([7, 3]))
+    assert s.state_dict()["skip"] == [3, 7]
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_elastic_same_global_batches_for_every_world_size(dataset, world_size):
     reference = _sampler(dataset)

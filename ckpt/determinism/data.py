@@ -159,7 +159,7 @@ class _CounterSampler(Sampler[list[Any]]):
 
     def skip(self, indices: Iterable[int]) -> None:
         """Never yield these items again (each becomes the next unskipped item of its epoch order); call before iter()."""
-        new = sorted(set(self._skip) | {int(i) for i in indices})
+        new = sorted(set(self._skip) | set(_ints(**{f"indices[{k}]": i for k, i in enumerate(indices)})))
         if new and (new[0] < 0 or new[-1] >= self.num_items):
             raise ValueError(f"skip indices must be in [0, {self.num_items}), got {new[0]}..{new[-1]}")
         if len(new) >= self.num_items:
