@@ -339,6 +339,20 @@ def test_explain_matches_the_hash_of_what_training_received(dataset):
     assert f"tokens [{e.starts[0]}, {e.starts[0] + 16})" in format_explanation(e)
 
 
+def test_explain_of_what_is_no_sampler_state_or_of_a_step_past_the_counters_is_a_value_error_naming_it(dataset):
+    """explain(None, 1) was "'NoneType' object has no attribute 'get'", and a step whose counter passes int64 was
+    "OverflowError: Python int too large to convert to C long", naming neither."""
+    state = _sampler(dataset).state_dict()
+    for odd in (None, [state]):
+        with pytest.raises(ValueError, match=f"not a sampler state: got {type(odd).__name__}"):
+            explain(odd, 1)
+    with pytest.raises(ValueError, match=rf"step {2**70}: its sample counter {(2**70 - 1) * 8} is past 2\*\*62"):
+        explain(state, 2**70)
+    with pytest.raises(ValueError, match=r"is past 2\*\*62"):
+        _sampler(dataset).advance(2**62)
+    assert explain(state, 2**59).counters[0] == (2**59 - 1) * 8  # the last steps below it still explain
+
+
 def test_skip_list_removes_windows_for_every_later_resume(dataset):
     s = _sampler(dataset)
     epoch_len = s.num_items

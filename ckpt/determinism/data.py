@@ -141,6 +141,8 @@ class _CounterSampler(Sampler[list[Any]]):
         t = self._t + (step - 1 - self._step) * self.global_batch_size
         if t < 0:
             raise ValueError(f"step {step} precedes the sampler's origin (t={self._t} after step {self._step})")
+        if t >= _POSITION_LIMIT:
+            raise ValueError(f"step {step}: its sample counter {t} is past 2**62, the last a sampler counts to")
         return t
 
     def advance(self, batches: int = 1) -> None:
@@ -447,9 +449,8 @@ def is_sampler_state(tree: Any) -> bool:
 def explain(state: Mapping[str, Any], step: int) -> Explanation:
     """The global batch of step `step` (from 1, as in logs and checkpoint names) from a saved sampler state."""
     if not is_sampler_state(state):
-        raise ValueError(
-            f"not a sampler state: key 'kind' is {state.get('kind')!r}, expected one of {list(SAMPLER_KINDS)}"
-        )
+        found = f"key 'kind' is {state.get('kind')!r}" if isinstance(state, Mapping) else f"got {type(state).__name__}"
+        raise ValueError(f"not a sampler state: {found}, expected a dict whose 'kind' is one of {list(SAMPLER_KINDS)}")
     return SAMPLER_KINDS[state["kind"]].from_state(state).explain(step)
 
 
