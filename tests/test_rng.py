@@ -121,6 +121,13 @@ def test_generator_kind_mismatch_and_unsupported_type():
         RNGState({"legacy": np.random.RandomState(0)})
 
 
+def test_a_system_random_is_refused_where_it_is_registered():
+    """random.SystemRandom is a random.Random without state: it was registered, and the first save failed with
+    "System entropy source does not have state", far from the line that registered it."""
+    with pytest.raises(TypeError, match="cannot capture a SystemRandom 'entropy': it has no state"):
+        RNGState({"entropy": random.SystemRandom()})
+
+
 def test_a_refused_state_changes_no_rng_and_names_the_bit_generators():
     """A numpy generator of another bit generator is named as such (numpy said "state must be for a Philox PRNG"),
     and the global RNGs it would have been set after are left as they were (they had taken the checkpoint's)."""

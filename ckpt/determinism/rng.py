@@ -109,6 +109,8 @@ class RNGState:
     def register(self, name: str, generator: Generator) -> None:
         """Include a generator (sampler, dropout or augmentation generator) under a stable name."""
         _kind(generator)
+        if isinstance(generator, random.SystemRandom):  # a random.Random whose getstate() raises
+            raise TypeError(f"cannot capture a SystemRandom {name!r}: it has no state (it reads the OS's entropy)")
         self.generators[name] = generator
 
     def state_dict(self) -> dict[str, Any]:
