@@ -146,6 +146,31 @@ def test_a_refused_state_changes_no_rng_and_names_the_bit_generators():
     )
 
 
+@pytest.mark.parametrize(
+    "key, entry, said",
+    [
+        ("python", {"version": 3, "state": [1, 2], "gauss_next": None}, "state vector is the wrong size"),
+        ("numpy", {"bit_generator": "MT19937"}, "state dictionary is not valid"),
+        ("torch", torch.zeros(3, dtype=torch.uint8), "size 5056"),
+        ("generators.a", {"state": {}}, "KeyError: 'kind'"),
+    ],
+)
+def test_an_entry_an_rng_refuses_is_an_error_naming_its_key(key, entry, said):
+    """A malformed or foreign entry was refused with the RNG's own words, naming no entry: numpy's "state dictionary
+    is not valid.", torch's "Expected a CPUGeneratorImplState of size 5056", python's "state vector is the wrong
+    size", a bare KeyError 'kind'. The error names the key; nothing changes."""
+    ours = RNGState({"a": random.Random(1)}, cuda=False)
+    state = ours.state_dict()
+    if key == "generators.a":
+        state["generators"]["a"] = entry
+    else:
+        state[key] = entry
+    before = torch.get_rng_state()
+    with pytest.raises(ValueError, match=rf"RNG state '{key}' does not restore: .*{said}"):
+        ours.load_state_dict(state)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_state_of_another_rank_loads_as_given():
     """Which rank's state a rank gets is the manager's mapping (modulo the saved world size), not refused here."""
     assert RNGState.per_rank is True

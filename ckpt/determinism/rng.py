@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Union
 
 import numpy as np
@@ -158,12 +159,27 @@ class RNGState:
     def _set(self, state: Mapping[str, Any]) -> None:
         """Set every enabled source and registered generator from a checked state, in order."""
         if self.sources["cuda"] and state["cuda"]:
-            torch.cuda.set_rng_state_all([_byte_tensor(s, f"cuda.{i}") for i, s in enumerate(state["cuda"])])
+            with _entry("cuda"):
+                torch.cuda.set_rng_state_all([_byte_tensor(s, f"cuda.{i}") for i, s in enumerate(state["cuda"])])
         if self.sources["python"]:
-            _python_restore(random, state["python"])
+            with _entry("python"):
+                _python_restore(random, state["python"])
         if self.sources["numpy"]:
-            np.random.set_state(state["numpy"])
+            with _entry("numpy"):
+                np.random.set_state(state["numpy"])
         if self.sources["torch"]:
-            torch.set_rng_state(_byte_tensor(state["torch"], "torch"))
+            with _entry("torch"):
+                torch.set_rng_state(_byte_tensor(state["torch"], "torch"))
         for name, generator in self.generators.items():
-            _restore(name, generator, state["generators"][name])
+            with _entry(f"generators.{name}"):
+                _restore(name, generator, state["generators"][name])
+
+
+@contextlib.contextmanager
+def _entry(key: str) -> Iterator[None]:
+    """An RNG's refusal of a saved entry (numpy's "state dictionary is not valid.", torch's "Expected a
+    CPUGeneratorImplState of size 5056") as a ValueError naming the entry; TypeErrors name it already."""
+    try:
+        yield
+    except (KeyError, ValueError, RuntimeError, IndexError) as e:
+        raise ValueError(f"RNG state {key!r} does not restore: {type(e).__name__}: {e}") from e
