@@ -286,6 +286,14 @@ def test_bad_data_arguments_are_refused_where_given(tmp_path, dataset):
         _sampler(dataset, rank=0, world_size=0)
 
 
+def test_a_shuffled_sampler_over_more_items_than_the_dataset_has_is_refused_by_make_loader():
+    """ShuffledSampler(501) over 500 items failed only when its batches reached item 500, anywhere in the epoch,
+    with the dataset's own IndexError."""
+    with pytest.raises(ValueError, match=r"sampler \(501 items\) does not fit the dataset \(500 items\)"):
+        make_loader(list(range(500)), ShuffledSampler(501, 4, SEED, world_size=1, rank=0))
+    make_loader(list(range(500)), ShuffledSampler(400, 4, SEED, world_size=1, rank=0))  # a prefix: fine
+
+
 def test_a_shuffled_sampler_of_a_count_that_is_not_an_int_is_a_type_error_naming_it():
     """`num_items < 1` ran before the type check: None or "100" gave "'<' not supported between instances"."""
     for num_items, kind in ((None, "NoneType"), ("100", "str"), (100.0, "float")):

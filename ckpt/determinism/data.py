@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -779,6 +779,10 @@ def make_loader(
             kwargs["collate_fn"] = _collated
         kwargs.setdefault("pin_memory", torch.cuda.is_available())
     elif not isinstance(dataset, IterableDataset):  # DataLoader refuses those under a batch sampler
+        if isinstance(sampler, ShuffledSampler) and isinstance(dataset, Sized) and sampler.num_items > len(dataset):
+            raise ValueError(  # an IndexError at whichever batch first held an item past the end
+                f"the sampler ({sampler.num_items} items) does not fit the dataset ({len(dataset)} items)"
+            )
         dataset = _SeededFetch(dataset, sampler.seed)
     loader = _Loader(dataset, batch_sampler=sampler, **kwargs)
     if tracker is not None:
