@@ -175,6 +175,15 @@ def test_errors_name_the_file_and_the_sizes(tmp_path):
         reader.read([100])
 
 
+def test_a_path_given_as_bytes_is_that_path(tmp_path):
+    """A bytes path was taken for a list of files, its bytes for paths: "expected str, bytes or os.PathLike
+    object, not int"."""
+    path = write_tokens(tmp_path / "t.bin", 100)
+    for source in (os.fsencode(path), [os.fsencode(path)], os.fsencode(tmp_path)):
+        ds = TokenWindowDataset(source, np.uint16, WINDOW, 0)
+        assert ds.files == [str(path)] and ds.fingerprint() == data_fingerprint(path)
+
+
 def test_a_stream_without_tokens_names_its_files(tmp_path):
     """An empty token file (or a directory of empty shards) said only "the stream's 0 tokens", naming no file."""
     empty = tmp_path / "empty.bin"

@@ -479,7 +479,7 @@ class TokenWindowDataset(Dataset[dict[str, Any]]):
 
     def __init__(
         self,
-        path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        path: str | bytes | os.PathLike[Any] | Sequence[str | bytes | os.PathLike[Any]],
         dtype: np.dtype | str,
         window: int,
         seed: int,

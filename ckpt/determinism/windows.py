@@ -57,11 +57,11 @@ def data_fingerprint(path: str | os.PathLike[str], block: int = FINGERPRINT_BLOC
     return digest.hexdigest()[:16]
 
 
-def resolve_token_files(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
+def resolve_token_files(source: str | bytes | os.PathLike[Any] | Sequence[str | bytes | os.PathLike[Any]]) -> list[str]:
     """The token files of a source, in stream order: a file; a directory's regular non-hidden files sorted by name;
     or a list, in the order given (the caller's order is the stream's)."""
-    if isinstance(source, (str, os.PathLike)):
-        path = os.fspath(source)
+    if isinstance(source, (str, bytes, os.PathLike)):
+        path = os.fsdecode(source)
         if not os.path.isdir(path):
             return [path]
         files = sorted(
@@ -72,7 +72,7 @@ def resolve_token_files(source: str | os.PathLike[str] | Sequence[str | os.PathL
         if not files:
             raise ValueError(f"{path}: directory holds no token files")
         return files
-    files = [os.fspath(p) for p in source]
+    files = [os.fsdecode(p) for p in source]
     if not files:
         raise ValueError("token file list is empty")
     return files
