@@ -134,6 +134,22 @@ def test_what_workers_draw_from_their_global_rngs_is_the_same_after_a_resume_and
         assert batches(resumed, workers, 5) == straight[3:], f"resumed with {workers} workers"
 
 
+class Vocabulary(GlobalDraws):
+    vocab = {"<eos>": 0}
+
+    def __len__(self) -> int:
+        return 40
+
+
+def test_the_loaders_dataset_still_answers_for_the_callers(dataset):
+    """make_loader hands the DataLoader a wrapper that seeds each batch (above): the caller's ``loader.dataset.vocab``
+    and ``len(loader.dataset)`` still reach its own dataset."""
+    loader = make_loader(Vocabulary(), ShuffledSampler(40, 4, SEED, world_size=1, rank=0), num_workers=1)
+    assert (loader.dataset.vocab, len(loader.dataset)) == ({"<eos>": 0}, 40)
+    with pytest.raises(AttributeError, match="no attribute 'tokenizer'"):
+        loader.dataset.tokenizer
+
+
 def test_trap_iter_dataloader_does_not_touch_global_torch_rng(dataset):
     s = _sampler(dataset)
     before = torch.get_rng_state()

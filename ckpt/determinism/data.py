@@ -588,6 +588,13 @@ class _SeededFetch(Dataset[Any]):
     def __init__(self, dataset: Dataset[Any], seed: int) -> None:
         self.dataset, self.seed = dataset, seed
 
+    def __getattr__(self, name: str) -> Any:
+        """The wrapped dataset's attributes, so that ``loader.dataset.vocab`` still works (not `dataset` itself:
+        unpickling in a worker looks attributes up before `__init__`'s are set)."""
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
     def __getitem__(self, key: Any) -> Any:
         return self.dataset[key]
 
