@@ -214,6 +214,17 @@ def test_a_sampler_built_from_numpy_integers_saves_a_state_it_loads(tmp_path):
         shuffled.advance(1.0)
 
 
+def test_advance_never_goes_back():
+    """advance(-2) moved the position back two batches in silence: a loop's step count turned into a rewind, the
+    next batches replayed and the saved position behind what training had consumed."""
+    s = ShuffledSampler(100, 8, 0, world_size=1, rank=0)
+    s.advance(3)
+    before = s.state_dict()
+    with pytest.raises(ValueError, match=r"advance\(-2\): a count of batches consumed is >= 0"):
+        s.advance(-2)
+    assert s.state_dict() == before
+
+
 def test_allow_data_change_carries_the_position_and_the_valid_skips_over_to_the_new_data(tmp_path, dataset):
     s = _sampler(dataset)
     s.skip([3, 600])

@@ -146,8 +146,11 @@ class _CounterSampler(Sampler[list[Any]]):
         return t
 
     def advance(self, batches: int = 1) -> None:
-        """Mark `batches` global batches as consumed by training (call after each step, or use `track`)."""
+        """Mark `batches` global batches as consumed by training (call after each step, or use `track`). Never back:
+        a rewind (a negative count) is a ValueError; `load_state_dict` goes back to a saved position."""
         (batches,) = _ints(batches=batches)
+        if batches < 0:
+            raise ValueError(f"advance({batches}): a count of batches consumed is >= 0 (to go back, load a state)")
         self._t = self.counter(self._step + batches + 1)
         self._step += batches
 
