@@ -386,6 +386,13 @@ def test_explain_of_what_is_no_sampler_state_or_of_a_step_past_the_counters_is_a
     with pytest.raises(ValueError, match=r"is past 2\*\*62"):
         _sampler(dataset).advance(2**62)
     assert explain(state, 2**59).counters[0] == (2**59 - 1) * 8  # the last steps below it still explain
+    cut = {
+        k: v for k, v in state.items() if k != "fingerprint"
+    }  # an older or edited state (was KeyError 'fingerprint')
+    with pytest.raises(
+        ValueError, match=r"sampler state of kind 'ckpt.RandomWindowSampler/1' has no key 'fingerprint'"
+    ):
+        explain(cut, 1)
 
 
 def test_skip_list_removes_windows_for_every_later_resume(dataset):

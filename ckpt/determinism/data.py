@@ -454,7 +454,11 @@ def explain(state: Mapping[str, Any], step: int) -> Explanation:
     if not is_sampler_state(state):
         found = f"key 'kind' is {state.get('kind')!r}" if isinstance(state, Mapping) else f"got {type(state).__name__}"
         raise ValueError(f"not a sampler state: {found}, expected a dict whose 'kind' is one of {list(SAMPLER_KINDS)}")
-    return SAMPLER_KINDS[state["kind"]].from_state(state).explain(step)
+    try:
+        sampler = SAMPLER_KINDS[state["kind"]].from_state(state)
+    except KeyError as e:  # a state cut short, or edited
+        raise ValueError(f"sampler state of kind {state['kind']!r} has no key {e.args[0]!r}") from None
+    return sampler.explain(step)
 
 
 def format_explanation(explanation: Explanation) -> str:
