@@ -238,17 +238,25 @@ class Tiers:
         replicas of such steps it keeps: an attempt killed between its local commits and their replicas leaves steps
         that some ranks hold and others lost, which no restore can take and the job's next saves of those steps
         would collide with (`StepExistsError`). A local tier of another run, and steps saved at another world size,
-        are left alone."""
-        if self.other_run() is not None:
-            return
-        for storage in [self.local] + [self.replica(r) for r in layout.replica_ranks(self.local)]:
-            for s in self._restorable(storage):  # of this world size: other world sizes' steps are no restore's
-                if step is None or s > step:
-                    self.take_lease()
-                    log.warning("step %d of %s is newer than the step resumed from: deleted", s, storage.url)
-                    catalog.delete_step(storage, s)
-                    if storage is self.local and self.on_local_delete is not None:
-                        self.on_local_delete(s)
+        are left alone; so is a local tier a live writer holds (a restore beside a training job): its newer steps
+        are that writer's, not left behind, and the restore, already applied, stands."""
+        if self.other_run() is None and self._newer(step):
+            try:
+                self.take_lease()
+            except LeaseHeldError as e:
+                log.info("local steps newer than step %s are left to the live writer of the local tier: %s", step, e)
+                return
+            for storage, s in self._newer(step):  # listed again under the lease
+                log.warning("step %d of %s is newer than the step resumed from: deleted", s, storage.url)
+                catalog.delete_step(storage, s)
+                if storage is self.local and self.on_local_delete is not None:
+                    self.on_local_delete(s)
+
+    def _newer(self, step: int | None) -> list[tuple[LocalStorage, int]]:
+        """The steps of this rank's local tier and replicas newer than `step` (None: all), of this world size (other
+        world sizes' steps are no restore's)."""
+        roots = [self.local] + [self.replica(r) for r in layout.replica_ranks(self.local)]
+        return [(storage, s) for storage in roots for s in self._restorable(storage) if step is None or s > step]
 
     def delete_local(self, step: int) -> None:
         """Delete `step` from this rank's local tier, now (manifest first)."""

@@ -122,6 +122,23 @@ def test_damaged_local_step_falls_back_to_its_durable_copy_and_is_quarantined(tm
     assert [q.step for q in catalog.quarantined(open_storage(local))] == [2]
 
 
+def test_a_restore_beside_the_live_writer_of_the_local_tier_stands_and_deletes_none_of_its_steps(tmp_path):
+    """An evaluation restores while the trainer holds the local tier: its newest step is damaged (and cannot be
+    quarantined under the trainer's lease), so the restore takes step 1. Step 2 is the trainer's, not left behind
+    by a killed attempt: it stays, and the restore, applied, returns instead of raising LeaseHeldError."""
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    with ckpt.CheckpointManager(durable, local=local, persist_every=100) as trainer:
+        trainer.save(1, state(1))
+        trainer.save(2, state(2)).wait()
+        flip_byte(chunk(local, 2))
+        with ckpt.CheckpointManager(durable, local=local, persist_every=100) as reader:
+            got = blank()
+            with pytest.warns(RuntimeWarning, match=r"step 2 in the local tier is damaged.*could not be quarantined"):
+                assert reader.restore(got) == 1
+            assert same(got, state(1))
+        assert layout.committed_steps(open_storage(local)) == [1, 2]
+
+
 def test_newer_local_step_wins_over_an_older_durable_one_and_damage_falls_back_to_the_older(tmp_path):
     durable, local = saved(tmp_path, [1, 2, 3], persist_every=2, keep_local=3)
     flip_byte(chunk(local, 3))
