@@ -109,8 +109,8 @@ class Tiers:
         self.local.check_creatable()
         if os.path.isdir(self.local.root):  # every save commits here: an existing read-only one would fail each
             check_writable(self.local.root, f"the local tier {self.local.root} cannot be written")
-        if durable.local_path("") == self.local.root:
-            raise ValueError(f"the local tier {self.local.root} must not be the durable root")
+        if _resolved(durable.url) == _resolved(self.local.root):  # under another name (a link) too
+            raise ValueError(f"the local tier {self.local.root} must not be the durable root {durable.url}")
         self.durable, self.ranks = durable, ranks
         self._persist_every, self.retention = options.persist_every, options.retention
         self.on_local_delete: Callable[[int], None] | None = None  # told each step deleted from the local tier

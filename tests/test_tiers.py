@@ -196,6 +196,16 @@ def test_local_tier_has_its_own_lease(tmp_path):
                 other.save(2, state(2))
 
 
+def test_a_local_tier_that_is_the_durable_root_under_another_name_is_refused_at_once(tmp_path):
+    """local= a link to the durable root: refused when the manager is made, naming both, not at the first save
+    with a LeaseHeldError that names this very process as the live writer."""
+    durable = tmp_path / "durable"
+    durable.mkdir()
+    (tmp_path / "link").symlink_to(durable)
+    with pytest.raises(ValueError, match=f"the local tier {tmp_path}/link must not be the durable root {durable}$"):
+        ckpt.CheckpointManager(durable, local=tmp_path / "link")
+
+
 _PERSISTER = r"""
 import sys, torch, ckpt
 durable, local = sys.argv[1], sys.argv[2]
