@@ -490,7 +490,7 @@ class CheckpointManager:
 
     def delete(self, step: int) -> None:
         """Delete a committed step in the background (manifest first); never the newest committed one, nor one
-        still being written. Returns at once; `steps()` stops listing it; an error is raised by the next call.
+        still being written (or persisted: a `ValueError`). Returns at once; `steps()` stops listing it; an error is raised by the next call.
         Among ranks the shared root has one writer: rank 0's call deletes the step there, another rank's checks it
         and deletes only its own local tier's copy (call it on every rank, or on rank 0); to another rank a step no
         longer listed is one rank 0 deleted first, not an error."""
@@ -499,6 +499,8 @@ class CheckpointManager:
         self._background.raise_error()
         if self._background.writing(step):
             raise ValueError(f"step {step} is still being written")
+        if step in self._target.persisting():  # its local copy is being read, its durable one not committed yet
+            raise ValueError(f"step {step} is still being persisted to {self.storage.url}: delete it after wait()")
         committed = self.steps()
         if step not in committed:
             if not self.ranks.leader:

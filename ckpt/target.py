@@ -87,6 +87,9 @@ class Target(Protocol):
     def delete_local(self, step: int) -> None:
         """Delete `step` from the tiers beside the durable root (now: a local delete is a file removal)."""
 
+    def persisting(self) -> set[int]:
+        """The step being copied to the durable root in the background, if any."""
+
     def where(self, source: Source) -> str:
         """Words naming the tier of `source` in a message ("" with one tier)."""
 
@@ -173,6 +176,9 @@ class SingleRoot:
 
     def delete_local(self, step: int) -> None:
         raise AssertionError(f"step {step}: a single root has no local tier")
+
+    def persisting(self) -> set[int]:
+        return set()
 
     def where(self, source: Source) -> str:
         return ""

@@ -325,10 +325,12 @@ class Tiers:
                 done.waited,
             )
             self._retain(self.replica(source), set())
-        self._retain(
-            self.local, {self._persisting[0]} if self._persisting and not self._persisting[1].done() else set()
-        )
+        self._retain(self.local, self.persisting())
         return False
+
+    def persisting(self) -> set[int]:
+        """The step whose persist is queued or running, if any."""
+        return {self._persisting[0]} if self._persisting is not None and not self._persisting[1].done() else set()
 
     def _persist(
         self,

@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -22,6 +23,7 @@ from ckpt.format import PACK_BYTES
 from ckpt.persist import PersistJob
 from ckpt.planner import Planner
 from ckpt.storage import open_storage
+from fault_storage import FaultStorage
 from step_paths import data_dir
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
@@ -308,6 +310,36 @@ def test_cli_ls_verify_gc_cover_both_tiers(tmp_path, capsys):
     assert cli.main(["gc", durable, "--local", local]) == 0
     assert "removed incomplete step 9" in capsys.readouterr().out.split("== local tier")[1]
     assert layout.step_dirs(open_storage(local)) == [2, 3]
+
+
+def test_a_step_being_persisted_is_not_deleted_under_its_persist(tmp_path):
+    """delete(2) while step 2 is being persisted is refused: deleting its local copy under the persist either failed
+    the persist (an error at the next call) or let it finish and bring step 2 back, durable, after delete() had
+    returned. Once persisted it is deleted from both tiers."""
+    started, go = threading.Event(), threading.Event()
+
+    def hold(path: str) -> bool:  # the persist of step 2 waits at its first write until the test lets it go
+        if path.startswith(layout.step_dir(2)) and not started.is_set():
+            started.set()
+            go.wait(120)
+        return False
+
+    durable = FaultStorage(open_storage(str(tmp_path / "durable")), fail_path=hold)
+    with ckpt.CheckpointManager(durable, local=tmp_path / "local", persist_every=2, keep_local=3) as m:
+        m.save(1, state(1))
+        m.save(2, state(2))
+        m.save(3, state(3)).wait()
+        assert started.wait(120)
+        try:
+            with pytest.raises(ValueError, match=f"step 2 is still being persisted to {durable.url}"):
+                m.delete(2)
+        finally:
+            go.set()
+        m.wait()
+        m.delete(2)
+        m.wait()
+        assert [(int(s), s.tiers) for s in m.steps()] == [(1, ("local",)), (3, ("local",))]
+    assert layout.committed_steps(durable) == []
 
 
 def test_a_failed_persist_is_raised_by_the_next_call_and_the_local_step_stays(tmp_path):
