@@ -129,30 +129,32 @@ class Tiers:
         """This rank's local tier's directory."""
         return self.local.root
 
-    def other_run(self) -> tuple[run_mod.Run, run_mod.Run | None] | None:
-        """(the local tier's run, the durable root's) when the local tier is another run's; None when it is this one's.
+    def other_run(self) -> tuple[str, run_mod.Run | None] | None:
+        """(the local tier's run, described; the durable root's) when the local tier is another run's, or may be;
+        None when it is this one's.
 
         A run's first save records it in every rank's local tier, with the durable root's URL, and only then in the
         durable root, each keeping the ids it recorded before (`run.lineage`). So the local tier of this job holds
         the run its durable root records in its lineage, whatever instant an attempt died at. Another run's local
         tier names another durable root, or (a durable root taken over by another run) lacks the run the durable
-        root records: its steps are never restored, listed, counted or deleted, and a save into it is refused. A
-        local tier without a record (new, or older than run records), or whose durable root records no run yet, is
-        this run's. Not the manager's own id: without a launcher's id each process draws a new one, and a restart
-        must still resume its local steps."""
+        root records: its steps are never restored, listed, counted or deleted, and a save into it is refused. So
+        is a local tier whose record is damaged: whose steps it holds cannot be told. A local tier without a record
+        (new, or older than run records), or whose durable root records no run yet, is this run's. Not the
+        manager's own id: without a launcher's id each process draws a new one, and a restart must still resume its
+        local steps."""
         if self._own:
             return None
-        local = _recorded(self.local)
+        try:
+            local = run_mod.recorded_run(self.local)
+            url, lineage = run_mod.durable_root(self.local), run_mod.lineage(self.local)
+        except CorruptCheckpointError as e:
+            return f"a run its damaged record does not name ({e})", _recorded(self.durable)
         if local is None:
             return None
         durable = _recorded(self.durable)
-        try:
-            url, lineage = run_mod.durable_root(self.local), run_mod.lineage(self.local)
-        except CorruptCheckpointError:
-            url, lineage = None, [local.id]
         if url is not None and _resolved(url) != _resolved(self.durable.url):
-            return local, durable
-        return None if durable is None or durable.id in lineage else (local, durable)
+            return local.describe(), durable
+        return None if durable is None or durable.id in lineage else (local.describe(), durable)
 
     def _held_steps(self) -> list[int]:
         """The committed steps of this rank's local tier and of the replicas it keeps."""
@@ -194,13 +196,13 @@ class Tiers:
             except CorruptCheckpointError:
                 written_for = None
             raise RunMismatchError(
-                f"the local tier {self.local.url} holds committed steps {steps} of {local.describe()}"
+                f"the local tier {self.local.url} holds committed steps {steps} of {local}"
                 f"{f' for the durable root {written_for}' if written_for else ''}, and the durable "
                 f"root {self.durable.url} records "
                 f"{durable.describe() if durable is not None else 'no run (a new root)'}: a run never writes into, "
                 f"restores or deletes another run's local tier. No step was written or deleted. Give this run a local "
                 f"tier of its own (put the run id in local=, e.g. local='/local_nvme/ckpt/RUN_ID/{{rank}}'), or remove "
-                f"{self.local.root} once run {local.id!r} needs it no more."
+                f"{self.local.root} once that run needs it no more."
             )
         self._own = True  # this save records this run in the local tier (an empty one of another run's included)
         return self.local, lease
@@ -389,9 +391,9 @@ class Tiers:
         if other is not None:
             local, durable = other
             log.warning(
-                "the local tier %s belongs to run %r, the durable root %s to %s: its steps are not restored",
+                "the local tier %s belongs to %s, the durable root %s to %s: its steps are not restored",
                 self.local.url,
-                local.id,
+                local,
                 self.durable.url,
                 f"run {durable.id!r}" if durable is not None else "no run",
             )

@@ -393,6 +393,29 @@ def test_a_new_run_never_restores_counts_or_deletes_another_runs_local_steps(tmp
     assert same(got, state(3))
 
 
+def test_a_local_tier_whose_run_record_is_damaged_is_never_resumed_nor_written(tmp_path):
+    """Run A's local tier, its run.json emptied (a power loss, bit rot): whose steps it holds cannot be told, so run B,
+    with a durable root of its own, restores its durable step, not A's local one, and its save there is refused
+    naming the damaged file; A's steps stay."""
+    local = str(tmp_path / "local")
+    with ckpt.CheckpointManager(tmp_path / "a", local=local, persist_every=100, run_id="runA") as m:
+        m.save(5, state(5)).wait()
+    with ckpt.CheckpointManager(tmp_path / "b", local=tmp_path / "b_local", persist_every=1, run_id="runB") as m:
+        m.save(1, state(1)).wait()
+    record = os.path.join(local, "run.json")
+    open(record, "w").close()
+    with ckpt.CheckpointManager(tmp_path / "b", local=local, persist_every=1, run_id="runB") as m:
+        got = blank()
+        assert m.restore(got) == 1
+        assert [(int(s), s.tiers) for s in m.steps()] == [(1, ("durable",))]
+        with pytest.raises(
+            ckpt.RunMismatchError, match=rf"holds committed steps \[5\] of a run its damaged record.*{record}"
+        ):
+            m.save(2, state(2))
+    assert same(got, state(1))
+    assert layout.committed_steps(open_storage(local)) == [5]
+
+
 def test_a_restart_without_a_run_id_resumes_its_own_local_steps(tmp_path, monkeypatch):
     """Without run_id= nor a launcher's id every process draws a new id: its local tier is still its own, being of
     the run its durable root records."""
