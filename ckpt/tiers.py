@@ -21,8 +21,6 @@ from concurrent.futures import wait as futures_wait
 from datetime import timedelta
 from typing import Callable, Iterable
 
-import fsspec
-
 from . import catalog, layout
 from . import lease as lease_mod
 from . import run as run_mod
@@ -35,7 +33,7 @@ from .pools import submit_or_run
 from .replica import transfer
 from .retention import StepMetadata, doomed
 from .save import WritePlan
-from .storage import LocalStorage, Storage, check_writable
+from .storage import LocalStorage, Storage, check_writable, local_dir
 from .target import DURABLE, LOCAL, Persisted, Source, Step, set_aside_durable
 
 log = logging.getLogger("ckpt")
@@ -101,9 +99,8 @@ class Tiers:
 
     def __init__(self, durable: Storage, options: TierOptions, ranks: Ranks, timeout: timedelta):
         local, replica_offset = options.local, options.replica_offset
-        path = os.fspath(local).replace("{rank}", str(ranks.rank))
-        protocol, path = fsspec.core.split_protocol(path)
-        if protocol not in (None, "file", "local"):
+        path = local_dir(os.fspath(local).replace("{rank}", str(ranks.rank)))
+        if path is None:
             raise ValueError(f"local= must be a directory on this machine (NVMe, /dev/shm), got {local!r}")
         self.local = LocalStorage(path)
         self.local.check_creatable()

@@ -477,6 +477,22 @@ def test_the_durable_tier_can_be_an_object_store(tmp_path):
     assert same(got, state(2))
 
 
+def test_file_urls_name_the_directory_of_this_machine_or_are_refused(tmp_path, monkeypatch):
+    """file://localhost/PATH is /PATH, for either tier; file://mnt/ckpt (two slashes) names a host: refused, where it
+    was the directory mnt/ckpt under the working directory, so a restart from another one found nothing."""
+    monkeypatch.chdir(tmp_path)
+    durable, local = f"file://localhost{tmp_path}/durable", f"file://localhost{tmp_path}/local"
+    with ckpt.CheckpointManager(durable, local=local, persist_every=1) as m:
+        m.save(1, state(1)).wait()
+        m.wait()
+        assert (m.storage.url, m.local_root) == (str(tmp_path / "durable"), str(tmp_path / "local"))
+    assert [layout.committed_steps(open_storage(str(tmp_path / d))) for d in ("durable", "local")] == [[1], [1]]
+    for root, tier in (("file://mnt/ckpt", str(tmp_path / "l")), (str(tmp_path / "d"), "file://nvme/ckpt/{rank}")):
+        with pytest.raises(ValueError, match="names the host '(mnt|nvme)': a directory of this machine is file:///"):
+            ckpt.CheckpointManager(root, local=tier)
+    assert sorted(os.listdir(tmp_path)) == ["durable", "local"]
+
+
 def test_save_with_persist_true_makes_that_step_durable_and_false_keeps_it_local(tmp_path):
     durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
     with ckpt.CheckpointManager(durable, local=local, persist_every=2) as m:

@@ -39,6 +39,7 @@ __all__ = [
     "context",
     "fsync_dir",
     "kvstore_spec",
+    "local_dir",
     "local_files",
     "makedirs_durable",
     "open_regular",
@@ -46,6 +47,21 @@ __all__ = [
     "retries",
     "where",
 ]
+
+
+def local_dir(url: str) -> str | None:
+    """The directory of this machine that a path or a ``file://`` (``local://``) URL names; None for another URL.
+    ``file://localhost/PATH`` is ``/PATH``; another host is refused: ``file://mnt/ckpt`` (two slashes) would
+    otherwise be the directory ``mnt/ckpt`` under whatever the working directory is."""
+    protocol, path = fsspec.core.split_protocol(url)
+    if protocol not in (None, "file", "local"):
+        return None
+    if protocol is None or path.startswith("/"):
+        return path
+    host, _, rest = path.partition("/")
+    if host == "localhost":
+        return "/" + rest
+    raise ValueError(f"{url!r} names the host {host!r}: a directory of this machine is {protocol}:///{path} or a path")
 
 
 def open_storage(root: str | os.PathLike | Storage, storage_options: Mapping[str, Any] | None = None) -> Storage:
@@ -66,8 +82,8 @@ def open_storage(root: str | os.PathLike | Storage, storage_options: Mapping[str
     root = os.fspath(root)
     if not root:  # an empty variable would scatter steps into the working directory
         raise ValueError("root must be a path or URL, got ''")
-    protocol, path = fsspec.core.split_protocol(root)
-    if protocol in (None, "file", "local"):
+    path = local_dir(root)
+    if path is not None:
         return LocalStorage(path)
     from .kv import KvStorage  # tensorstore (and numpy) load with the first object-store root, not with a local one
 
