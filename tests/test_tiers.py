@@ -110,6 +110,25 @@ def test_lost_local_tier_restores_from_the_durable_tier_bitwise(tmp_path):
     assert tracker.restored == [(4, "durable")]
 
 
+def test_a_step_committed_in_the_durable_tier_only_is_never_saved_again(tmp_path):
+    """The local tier lost, the job resumes from durable step 4 and saves step 4 again: refused, as a single root
+    refuses it. It was committed locally, so the tiers held two states of step 4 and the one a restore took
+    depended on which tier survived."""
+    durable, local = saved(tmp_path, [1, 2, 3, 4], persist_every=2)
+    shutil.rmtree(local)
+    with ckpt.CheckpointManager(durable, local=local, persist_every=2) as m:
+        assert m.restore(blank()) == 4
+        with pytest.raises(ckpt.StepExistsError, match=f"step 4 is already committed in {durable}; a committed"):
+            m.save(4, state(5))
+        m.save(5, state(5)).wait()
+        assert [(int(s), s.tiers) for s in m.steps()] == [(2, ("durable",)), (4, ("durable",)), (5, ("local",))]
+    shutil.rmtree(local)
+    with ckpt.CheckpointManager(durable, local=local) as m:
+        got = blank()
+        assert m.restore(got, step=4) == 4
+    assert same(got, state(4))
+
+
 def test_damaged_local_step_falls_back_to_its_durable_copy_and_is_quarantined(tmp_path):
     durable, local = saved(tmp_path, [1, 2], persist_every=1)
     flip_byte(chunk(local, 2))
