@@ -227,9 +227,8 @@ class CheckpointManager:
                     self._root_lease.take(collective=True)  # rank 0 checks it still holds the lease
                 bg.wait_delete(step)  # a delete of this very step number must finish before it is written again
                 target, lease = self._target.writable(self._root_lease.lease)
-                durable = [self.storage] if target is not self.storage and self.ranks.leader else []
-                taken = next((r for r in [target, *durable] if layout.is_committed(r, step)), None)
-                if taken is not None:  # with a local tier, in either: the tiers never hold two states of one step
+                taken = self._target.taken(step)
+                if taken is not None:
                     raise StepExistsError(
                         f"step {step} is already committed in {taken.url}; a committed checkpoint is never overwritten"
                     )

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
-from . import catalog
+from . import catalog, layout
 from . import lease as lease_mod
 from .distributed import Ranks
 from .errors import CorruptCheckpointError, LeaseHeldError
@@ -58,6 +58,9 @@ class Target(Protocol):
 
     def writable(self, durable_lease: lease_mod.Lease | None) -> tuple[Storage, lease_mod.Lease | None]:
         """Where the next save commits, and the lease that guards it."""
+
+    def taken(self, step: int) -> Storage | None:
+        """The root where `step` is committed already (a committed step is never saved again), else None."""
 
     def committed(
         self, plan: WritePlan, durable_lease: lease_mod.Lease | None, persisted: Persisted, persist: bool | None
@@ -150,6 +153,9 @@ class SingleRoot:
 
     def writable(self, durable_lease: lease_mod.Lease | None) -> tuple[Storage, lease_mod.Lease | None]:
         return self.storage, durable_lease
+
+    def taken(self, step: int) -> Storage | None:
+        return self.storage if layout.is_committed(self.storage, step) else None
 
     def committed(
         self, plan: WritePlan, durable_lease: lease_mod.Lease | None, persisted: Persisted, persist: bool | None

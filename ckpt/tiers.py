@@ -119,6 +119,7 @@ class Tiers:
         self._persisting: tuple[int, Future] | None = None
         self._unpersisted = 0  # committed saves since the last persist (counted alike on every rank)
         self.lease: lease_mod.Lease | None = None
+        self._durable_above: int | None = None  # rank 0: steps above it are in no durable root (`taken`)
         self._own = False  # the local tier was found to be this run's: this manager records its run there
 
     @property
@@ -279,6 +280,23 @@ class Tiers:
             return f"could not be quarantined ({e})"
 
     # -- after a local commit (the writer thread) ---------------------------------------------------
+
+    def taken(self, step: int) -> Storage | None:
+        """The tier `step` is committed in, either (the tiers never hold two states of one step): this rank's local
+        tier, and on rank 0 the durable root (the save's first message tells the others). The durable root is
+        listed once: only this writer, which holds its lease, adds steps to it, and only steps it saved, so a step
+        above the newest found then and every step saved since needs no read there (a save's stall holds no round
+        trip to an object store)."""
+        if layout.is_committed(self.local, step):
+            return self.local
+        if not self.ranks.leader:
+            return None
+        if self._durable_above is None:
+            self._durable_above = max(layout.step_dirs(self.durable), default=-1)
+        if step > self._durable_above:
+            self._durable_above = step
+            return None
+        return self.durable if layout.is_committed(self.durable, step) else None
 
     def committed(
         self,

@@ -129,6 +129,19 @@ def test_a_step_committed_in_the_durable_tier_only_is_never_saved_again(tmp_path
     assert same(got, state(4))
 
 
+def test_a_step_this_manager_persisted_and_its_local_retention_dropped_is_never_saved_again(tmp_path):
+    """The durable root is listed once per manager, not read at every save: a step this manager persisted itself
+    (after that listing) and no longer holds locally (keep_local=1) is still refused."""
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    with ckpt.CheckpointManager(durable, local=local, persist_every=1, keep_local=1) as m:
+        for step in (1, 2, 3):
+            m.save(step, state(step)).wait()
+        assert layout.committed_steps(open_storage(local)) == [3]
+        with pytest.raises(ckpt.StepExistsError, match=f"step 2 is already committed in {durable}; a committed"):
+            m.save(2, state(5))
+        m.save(4, state(4)).wait()
+
+
 def test_damaged_local_step_falls_back_to_its_durable_copy_and_is_quarantined(tmp_path):
     durable, local = saved(tmp_path, [1, 2], persist_every=1)
     flip_byte(chunk(local, 2))
