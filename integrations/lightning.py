@@ -64,6 +64,9 @@ _TMP = re.compile(r".+\.ckpt\.tmp-[0-9]+")  # a pointer being written (`_write_p
 # A pointer is renamed into place right after it is written (milliseconds; seconds on a slow object store): a
 # temporary pointer file older than this has no live writer, whatever host wrote it (its PID says nothing here)
 STALE_TMP_S = 120.0
+# A pointer file modified less than this before it was read may change again unseen by its listing (timestamps of 1 to
+# 2 s on some filesystems and object stores): it is read again at every listing until it is older (`_pointers`)
+SETTLED_S = 2.0
 
 
 def _abs_root(root: str | os.PathLike[str]) -> str:
@@ -207,8 +210,9 @@ def _modified(path: str) -> float:
         return 0.0
 
 
-def _write_pointer(path: str, root: str, step: int, callbacks: dict[str, dict[str, Any]]) -> None:
-    """Write the small JSON file Lightning sees as the checkpoint (atomically where the filesystem allows).
+def _write_pointer(path: str, root: str, step: int, callbacks: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Write the small JSON file Lightning sees as the checkpoint (atomically where the filesystem allows); returns
+    the pointer as `_read_pointer` reads it back.
 
     The root is stored relative to the pointer's folder, so a run directory can be moved or copied; `callbacks`
     are the path entries in which this pointer's checkpoint dict differs from the one stored for the step.
@@ -216,10 +220,25 @@ def _write_pointer(path: str, root: str, step: int, callbacks: dict[str, dict[st
     fs, p = fsspec.core.url_to_fs(path)
     fs.makedirs(posixpath.dirname(p), exist_ok=True)
     pointer = {"format": POINTER_FORMAT, "root": _relative(root, _folder(path)), "step": step}
-    data = json.dumps({**pointer, **({"callbacks": callbacks} if callbacks else {})}).encode()
+    pointer.update({"callbacks": callbacks} if callbacks else {})
     tmp = f"{p}.tmp-{os.getpid()}"
-    fs.pipe_file(tmp, data)
+    fs.pipe_file(tmp, json.dumps(pointer).encode())
     fs.mv(tmp, p)
+    return {**pointer, "root": root}
+
+
+def _member(folder: str, name: str) -> str:
+    """The path of the file `name` in `folder` (spelled as `_folder` spells it)."""
+    return posixpath.join(folder, name) if "://" in folder else os.path.join(folder, name)
+
+
+def _signature(info: dict[str, Any]) -> str | None:
+    """What a folder listing says of a file (size, times, inode, ETag... as the filesystem gives them), to tell that
+    it changed since it was read; None where that cannot tell: a link (its target may change under it) or a listing
+    with no more than the file's name, size and type."""
+    if info.get("islink") or set(info) <= {"name", "size", "type"}:
+        return None
+    return json.dumps({k: v for k, v in info.items() if k != "name"}, sort_keys=True, default=str)
 
 
 def _folder_entry(relative: str) -> str:
@@ -326,6 +345,10 @@ class CkptCheckpointIO(CheckpointIO):
         self._adopted: set[str] = set()
         self._folders: set[str] | None = None  # every folder pointers to the root's steps were written in (loaded once)
         self._damaged: str | None = None  # an unreadable record of a pointer folder: delete nothing
+        # each pointer folder's files as this process last listed them, or wrote or removed them since (`_pointers`):
+        # file name -> (its listing's `_signature` when it was read, None: read it again at the next listing; the
+        # pointer read, None: no pointer to a step of this root)
+        self._seen: dict[str, dict[str, tuple[str | None, dict[str, Any] | None]]] = {}
         # GoodputCallback, between a fit's setup and its start: a resume starts the tracker first. Only a fit's load
         # may find nothing to resume and start fresh (validate/test/predict must not run on untrained weights)
         self.before_load: Callable[[], None] | None = None
@@ -408,7 +431,7 @@ class CkptCheckpointIO(CheckpointIO):
             self._stored = step, fields, frozenset(clean)
         stored = self._stored[1] if self._stored is not None and self._stored[0] == step else {}
         self._forget(os.fspath(path))  # an overwritten pointer (e.g. last.ckpt) no longer names its old step
-        _write_pointer(os.fspath(path), self.root, step, _changed(stored, fields))
+        self._saw(os.fspath(path), _write_pointer(os.fspath(path), self.root, step, _changed(stored, fields)))
         self._sweep(folder)
         self._collect()
 
@@ -536,6 +559,7 @@ class CkptCheckpointIO(CheckpointIO):
             self._adopt(_folder(os.fspath(path)))
             self._forget(os.fspath(path))
             fs.rm(p)
+            self._saw(os.fspath(path), None)
             self._collect()
 
     def _adopt(self, folder: str) -> None:
@@ -557,6 +581,7 @@ class CkptCheckpointIO(CheckpointIO):
                 )
                 fs, p = fsspec.core.url_to_fs(path)
                 fs.rm(p)
+                self._saw(path, None)
         for step in committed:
             saved = self.manager.metadata(step).get(POINTERS)
             if saved is not None and _real(_resolve(saved, _real(self.root))) == folder:
@@ -616,20 +641,36 @@ class CkptCheckpointIO(CheckpointIO):
                 return
 
     def _pointers(self, folder: str) -> list[tuple[str, dict[str, Any]]]:
-        """(path, pointer) of every pointer file in `folder` that names a step of this root. A name that is no file
-        is none: a ``last.ckpt`` link of ``save_last="link"`` whose target top-k just removed (it is linked again
-        right after), a file removed since the listing, a folder (DeepSpeed's checkpoints)."""
+        """(path, pointer) of every pointer file in `folder` that names a step of this root, as the folder is listed
+        now; a file is read only if it is new or its `_signature` changed since this process read it (or it was
+        modified within `SETTLED_S` before that read). A name that is no file is none: a ``last.ckpt`` link of
+        ``save_last="link"`` whose target top-k just removed (it is linked again right after), a file removed since
+        the listing, a folder (DeepSpeed's checkpoints)."""
         fs, p = fsspec.core.url_to_fs(folder)
-        found = []
-        for name in fs.glob(f"{p.rstrip('/')}/*.ckpt"):
-            path = fs.unstrip_protocol(name) if "://" in folder else name
+        seen, now = self._seen.get(folder, {}), {}
+        for name, info in fs.glob(f"{p.rstrip('/')}/*.ckpt", detail=True).items():
+            base, signature = posixpath.basename(name), _signature(info)
+            if signature is not None and seen.get(base, (None, None))[0] == signature:
+                now[base] = seen[base]
+                continue
+            path = _member(folder, base)
+            settled = 0 < _modified(path) < time.time() - SETTLED_S  # taken before the read: a later change shows
             try:
                 pointer = _read_pointer(path)
             except (FileNotFoundError, IsADirectoryError):
                 continue
-            if pointer is not None and self._ours(pointer):
-                found.append((path, pointer))
-        return found
+            now[base] = (signature if settled else None), pointer if pointer and self._ours(pointer) else None
+        self._seen[folder] = now
+        return [(_member(folder, base), pointer) for base, (_, pointer) in now.items() if pointer is not None]
+
+    def _saw(self, path: str, pointer: dict[str, Any] | None) -> None:
+        """This process wrote `pointer` at `path` (None: removed the file there): its view of the folder (`_collect`)
+        has it so until the folder's next listing (`_pointers`), which reads it again."""
+        seen = self._seen.setdefault(_folder(path), {})
+        if pointer is None:
+            seen.pop(os.path.basename(path), None)
+        else:
+            seen[os.path.basename(path)] = None, pointer
 
     def _ours(self, pointer: dict[str, Any]) -> bool:
         """Whether a pointer names a step of this root (wherever the root was when it was written)."""
@@ -642,13 +683,19 @@ class CkptCheckpointIO(CheckpointIO):
         if pointer is not None and self._ours(pointer):
             self._orphans.add(int(pointer["step"]))
 
-    def _collect(self) -> None:
+    def _collect(self, listed: bool = False) -> None:
         """Delete the candidate steps that no pointer names, in any pointer folder of the root (another
-        ModelCheckpoint's may name the step one removed), and that a newer committed step covers."""
+        ModelCheckpoint's may name the step one removed), and that a newer committed step covers. The folders are
+        listed (`_pointers`) only where this process's view of them (as it last listed them, with its own writes and
+        removals since) leaves a candidate unnamed, or if `listed`: a save that frees no step reads no pointer; a
+        pointer another process removed frees its step at the next listing."""
         if not self._orphans:
             return
         folders = self._pointer_folders()
         if self._damaged:
+            return
+        seen = {pointer["step"] for folder in folders for _, pointer in self._seen.get(folder, {}).values() if pointer}
+        if not listed and self._orphans <= seen:
             return
         named = {pointer["step"] for folder in folders for _, pointer in self._pointers(folder)}
         for step in sorted(self._orphans - named):
@@ -700,7 +747,7 @@ class CkptCheckpointIO(CheckpointIO):
         """Drain the writes and release the manager (reopened on next use)."""
         if self._manager is not None:
             self._manager.wait()
-            self._collect()
+            self._collect(listed=True)
             manager, self._manager = self._manager, None
             manager.close()
 

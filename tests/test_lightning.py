@@ -505,6 +505,63 @@ def test_a_step_another_folders_pointer_names_is_kept_in_this_process_and_the_ne
     assert committed_steps(str(root)) == [12]
 
 
+def test_top_k_rotation_deletes_each_step_at_its_pointers_removal_not_at_the_fits_end(tmp_path):
+    """A long fit with save_top_k keeps its disk use bounded: the step a removal leaves unnamed (and a newer
+    committed step covers) is deleted by that removal, also where the plugin keeps track of its own pointers."""
+    root, folder = tmp_path / "root", tmp_path / "root" / "pointers"
+    io = CkptCheckpointIO(root)
+    for step in (4, 8, 12):
+        io.save_checkpoint({"global_step": step, "w": torch.zeros(3)}, folder / f"step={step}.ckpt")
+        io.wait()
+        if step > 4:
+            io.remove_checkpoint(folder / f"step={step - 4}.ckpt")
+            io.wait()  # the deletion is written in the background too
+            assert committed_steps(root) == [step]
+    io.teardown()
+
+
+def test_a_pointer_another_process_copies_or_rewrites_in_place_keeps_the_step_it_names(tmp_path):
+    """The plugin reads a pointer file again only where the folder's listing shows it new or changed since it was
+    read: a pointer another process (a user keeping a checkpoint) copies into the folder, then rewrites in place to
+    name another step (same size, same file), still keeps the step it names at each removal."""
+    root, folder = tmp_path / "root", tmp_path / "root" / "pointers"
+    io = CkptCheckpointIO(root)
+    for step in (4, 8, 12):
+        io.save_checkpoint({"global_step": step, "w": torch.full((3,), float(step))}, folder / f"step={step}.ckpt")
+    io.wait()
+    keep = folder / "keep.ckpt"
+    shutil.copyfile(folder / "step=4.ckpt", keep)
+    long_ago = time.time() - 3600  # written long before it is read: what the plugin read of it stands until it changes
+    os.utime(keep, (long_ago, long_ago))
+    io.remove_checkpoint(folder / "step=4.ckpt")
+    assert committed_steps(root) == [4, 8, 12]
+    shutil.copyfile(folder / "step=8.ckpt", keep)  # in place: now it keeps 8, and 4 is named by nothing
+    io.remove_checkpoint(folder / "step=8.ckpt")
+    io.teardown()
+    assert committed_steps(root) == [8, 12]
+    loaded = CkptCheckpointIO(root).load_checkpoint(keep)
+    assert loaded["global_step"] == 8 and torch.equal(loaded["w"], torch.full((3,), 8.0))
+
+
+def test_a_step_whose_other_pointer_another_process_removed_is_deleted_by_the_teardown(tmp_path):
+    """A save that frees no step of its own reads no pointer (the plugin knows what it wrote and removed itself), so
+    it does not see a pointer another process removed; the fit's teardown lists the folders again and deletes the
+    step that nothing names any more."""
+    root = tmp_path / "root"
+    every, best = root / "every", root / "best"
+    io = CkptCheckpointIO(root)
+    io.save_checkpoint({"global_step": 4, "w": torch.zeros(3)}, every / "step=4.ckpt")
+    io.save_checkpoint({"global_step": 4, "w": torch.zeros(3)}, best / "best.ckpt")
+    io.save_checkpoint({"global_step": 8, "w": torch.ones(3)}, every / "step=8.ckpt")
+    io.remove_checkpoint(every / "step=4.ckpt")  # best.ckpt names 4 still
+    io.wait()
+    assert committed_steps(root) == [4, 8]
+    (best / "best.ckpt").unlink()  # by a user, say
+    io.save_checkpoint({"global_step": 12, "w": torch.full((3,), 2.0)}, every / "step=12.ckpt")
+    io.teardown()
+    assert committed_steps(root) == [8, 12]
+
+
 def test_a_damaged_record_of_a_pointer_folder_stops_deletions_and_is_named(tmp_path):
     root = tmp_path / "root"
     io = CkptCheckpointIO(root)
