@@ -349,6 +349,9 @@ class CkptCheckpointIO(CheckpointIO):
         # file name -> (its listing's `_signature` when it was read, None: read it again at the next listing; the
         # pointer read, None: no pointer to a step of this root)
         self._seen: dict[str, dict[str, tuple[str | None, dict[str, Any] | None]]] = {}
+        # pointer folders a save swept clean (`_sweep`): this process's own temporary pointer files are renamed at
+        # once, and it holds the root's lease, so its saves there look for none again (a glob of the whole folder)
+        self._swept: set[str] = set()
         # GoodputCallback, between a fit's setup and its start: a resume starts the tracker first. Only a fit's load
         # may find nothing to resume and start fresh (validate/test/predict must not run on untrained weights)
         self.before_load: Callable[[], None] | None = None
@@ -432,7 +435,8 @@ class CkptCheckpointIO(CheckpointIO):
         stored = self._stored[1] if self._stored is not None and self._stored[0] == step else {}
         self._forget(os.fspath(path))  # an overwritten pointer (e.g. last.ckpt) no longer names its old step
         self._saw(os.fspath(path), _write_pointer(os.fspath(path), self.root, step, _changed(stored, fields)))
-        self._sweep(folder)
+        if folder not in self._swept and self._sweep(folder):
+            self._swept.add(folder)
         self._collect()
 
     def load_checkpoint(
@@ -623,22 +627,27 @@ class CkptCheckpointIO(CheckpointIO):
         self.manager.storage.write_atomic(_folder_entry(relative), data)
         self._pointer_folders().add(folder)
 
-    def _sweep(self, folder: str) -> None:
+    def _sweep(self, folder: str) -> bool:
         """Remove the temporary pointer files (``NAME.ckpt.tmp-PID``) a process killed inside `_write_pointer` left:
         they name nothing Lightning reads and would otherwise stay forever. Only those older than `STALE_TMP_S`: a
-        younger one may be a live writer's (another process loading from this folder must not break its rename)."""
+        younger one may be a live writer's (another process loading from this folder must not break its rename).
+        True if it left none that a later sweep could remove."""
         fs, p = fsspec.core.url_to_fs(folder)
         now = datetime.datetime.now(datetime.timezone.utc)
+        done = True
         for name in fs.glob(f"{p.rstrip('/')}/*.ckpt.tmp-*"):
             if not _TMP.fullmatch(posixpath.basename(name)):
                 continue
             try:
                 if (now - fs.modified(name)).total_seconds() > STALE_TMP_S:
                     fs.rm(name)
+                else:
+                    done = False
             except FileNotFoundError:  # renamed or removed meanwhile
                 pass
             except NotImplementedError:  # a filesystem that cannot tell a file's age: nothing is known stale
-                return
+                return True
+        return done
 
     def _pointers(self, folder: str) -> list[tuple[str, dict[str, Any]]]:
         """(path, pointer) of every pointer file in `folder` that names a step of this root, as the folder is listed

@@ -689,6 +689,25 @@ def test_a_start_load_or_save_removes_temporary_pointer_files_left_by_a_killed_w
     assert "last.ckpt" in {p.name for p in folder.iterdir()}
 
 
+def test_a_temporary_pointer_file_too_young_for_one_save_is_removed_by_a_later_one(tmp_path):
+    """A writer killed inside its pointer write just before this process started leaves a temporary file younger than
+    STALE_TMP_S at the first saves: a later save removes it once it is older (saves stop looking once none is left)."""
+    from integrations.lightning import STALE_TMP_S
+
+    root, folder = tmp_path / "root", tmp_path / "root" / "pointers"
+    folder.mkdir(parents=True)
+    left = folder / "last.ckpt.tmp-2334"
+    left.write_text('{"format": "ckpt-lightning-pointer/1", "root": "..", "st')  # cut short by the kill
+    io = CkptCheckpointIO(root)
+    io.save_checkpoint({"global_step": 4, "w": torch.zeros(2)}, folder / "step=4.ckpt")
+    assert left.exists()  # it may be a live writer's still
+    killed_at = time.time() - STALE_TMP_S - 60
+    os.utime(left, (killed_at, killed_at))  # as if the fit had run on for longer than that
+    io.save_checkpoint({"global_step": 8, "w": torch.ones(2)}, folder / "step=8.ckpt")
+    io.teardown()
+    assert sorted(p.name for p in folder.iterdir()) == ["step=4.ckpt", "step=8.ckpt"]
+
+
 class _FaultyRoot(CkptCheckpointIO):
     """A CkptCheckpointIO whose root is a `FaultStorage`: the first write `fail_path` accepts raises (the predicate
     may also hold a write back while it waits)."""
