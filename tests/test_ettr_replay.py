@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from ettr import FakeClock, GoodputTracker, LedgerError, attribute_root, configure_metrics, metric_totals, report_text
-from ettr.replay import Digest, Divergence, bits_value, float_bits
+from ettr.replay import Digest, Divergence, FirstPasses, bits_value, float_bits
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -194,3 +194,17 @@ def test_a_batch_hash_must_be_a_string(tmp_path):
     tr.step_begin(1)
     with pytest.raises(TypeError, match=r"batch must be the batch hash as a string .* got 7"):
         tr.step_end(1, 0.5, batch=7)
+
+
+def test_the_steps_to_train_again_include_those_first_trained_below_earlier_ones():
+    """FirstPasses finds the steps above a resume point by bisection in its steps kept in order: a1 trained 1-4 and
+    20-21, a2 trained 5 and 6 for the first time (below 20, merged in order) and 20 again, a3 trained 7."""
+    d = {s: Digest(float_bits(loss_of(s))) for s in (1, 2, 3, 4, 5, 6, 7, 20, 21)}
+    passes = FirstPasses()
+    passes.add("a1", {s: d[s] for s in (1, 2, 3, 4, 20, 21)})
+    passes.add("a2", {s: d[s] for s in (5, 6, 20)})
+    passes.add("a3", {7: d[7]})
+    assert passes.after(6) == {7: ("a3", d[7]), 20: ("a2", d[20]), 21: ("a1", d[21])}
+    assert passes.after(4).keys() == {5, 6, 7, 20, 21}
+    assert passes.after(-math.inf) == {**{s: ("a1", d[s]) for s in (1, 2, 3, 4, 21)}, **passes.after(4)}
+    assert passes.after(21) == {} == passes.after(math.inf)
