@@ -1,7 +1,7 @@
 """ettr: attribute a training job's wall time across restarts and export its goodput (ETTR)."""
 
 from .advice import Advice, TwoTierAdvice, TwoTierInputs, advise, advise_two_tier
-from .attribution import CATEGORIES, AttemptSummary, Attribution, Segment, attribute, attribute_root
+from .attribution import CATEGORIES, AttemptSummary, Attribution, RootFollower, Segment, attribute, attribute_root
 from .clock import Clock, FakeClock, SystemClock
 from .formulas import (
     TwoTierCosts,
@@ -35,6 +35,7 @@ __all__ = [
     "Ledger",
     "LedgerError",
     "RankSteps",
+    "RootFollower",
     "Segment",
     "SimResult",
     "StepWindow",

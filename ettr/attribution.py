@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import warnings
 from dataclasses import dataclass, field
@@ -257,7 +258,7 @@ class Attribution:
 class _Attempt:
     """What attribution needs from one ledger, gathered in one pass."""
 
-    ledger: Ledger
+    ledger: Ledger  # its start record only: the others are gathered into the fields below
     start: int  # dated from the process's start (imports count as startup)
     last: int
     seen: int  # its first record after the start: when it began recording
@@ -272,8 +273,16 @@ class _Attempt:
     save_us: list[int]
     restore_us: list[int]
     digests: dict[int, Digest | None] = field(default_factory=dict)  # step -> its first record's digest
+    # `_labelled`'s last answer and the placement it was for, (k, end, lost_after): that one is not swept again
+    swept: tuple[tuple[int, int, float], Any] | None = field(default=None, init=False, repr=False)
 
-    @property
+    @functools.cached_property
+    def step_range(self) -> tuple[int | None, int | None, int]:
+        """Its first and last step (None without one) and how many it trained."""
+        steps = [s for *_, c, s in self.intervals if c == "step"]
+        return min(steps, default=None), max(steps, default=None), len(steps)
+
+    @functools.cached_property
     def first_step(self) -> tuple[int, int] | None:
         """(begin, step) of the earliest step."""
         steps = [(b, s) for b, _, _, c, s in self.intervals if c == "step"]
@@ -333,7 +342,7 @@ def _gather(ledger: Ledger) -> _Attempt:
             intervals.append((b, last, o, "step" if kind == "step" else name, name if kind == "step" else None))
     seen = ledger.began_us
     return _Attempt(
-        ledger,
+        dataclasses.replace(ledger, records=ledger.records[:1]),  # the records are gathered below, not kept twice
         start,
         last,
         seen,
@@ -509,6 +518,33 @@ def _sweep(a: _Attempt, end: int, lost_after: float) -> tuple[list[tuple[int, in
     return out, lost_steps
 
 
+def _labelled(
+    a: _Attempt, k: int, end: int, lost_after: float
+) -> tuple[dict[str, int], dict[str, int], list[Segment], int]:
+    """Attempt `a`, the k-th on the timeline, swept up to `end` (`_sweep`): its microseconds per category, its
+    checkpoint_save split (SAVE_SPLIT), its segments and its lost steps. Kept on `a` for the next call with the same
+    placement: a `RootFollower` keeps an ended attempt, whose placement does not change, from call to call."""
+    if a.swept is not None and a.swept[0] == (k, end, lost_after):
+        return a.swept[1]
+    labelled, lost_steps = _sweep(a, end, lost_after)
+    micros: dict[str, int] = {}
+    split = dict.fromkeys(SAVE_SPLIT, 0)
+    segments: list[Segment] = []
+    for b, e, cat in labelled:
+        if cat == "checkpoint_save":
+            split["stall"] += e - b
+        elif cat.startswith(_PART_LABEL):
+            split[cat[len(_PART_LABEL) :]] += e - b
+            cat = "checkpoint_save"
+        micros[cat] = micros.get(cat, 0) + e - b
+        if segments and segments[-1].category == cat and segments[-1].end_us == b:
+            segments[-1] = Segment(segments[-1].begin_us, e, cat, k)  # a part next to its save: one segment
+        else:
+            segments.append(Segment(b, e, cat, k))
+    a.swept = ((k, end, lost_after), (micros, split, segments, lost_steps))
+    return a.swept[1]
+
+
 def attribute(
     ledgers: Iterable[Ledger],
     committed: Iterable[int] = (),
@@ -526,7 +562,51 @@ def attribute(
     if not ledgers:
         raise ValueError("no ledgers to attribute (is ROOT/ettr/ empty?)")
     rank = min(l.rank for l in ledgers) if rank is None else rank
-    attempts = _timeline([_gather(l) for l in ledgers if l.rank == rank])
+    return _attribute([_gather(l) for l in ledgers if l.rank == rank], rank, committed, window_s, _Passes())
+
+
+class _Passes:
+    """The replay comparisons of a job's first attempts, kept for the next call (a `RootFollower`'s): each attempt
+    with its resume point and `Replay`, and the passes of its steps (`FirstPasses`)."""
+
+    def __init__(self) -> None:
+        self.done: list[tuple[_Attempt, float, Replay]] = []
+        self.passes = FirstPasses()
+
+    def clear(self) -> None:
+        """Keep nothing: the next call compares every attempt again."""
+        self.__init__()
+
+
+def _replays(attempts: list[_Attempt], resume: list[float], kept: _Passes) -> list[Replay]:
+    """Each attempt's replay: its steps compared with the latest pass of each before it (`compare`). The first
+    attempts' are `kept`'s when they are the same attempts with the same resume points (else every attempt is
+    compared again); the last attempt's passes are not added: no attempt after it needs them."""
+    if len(kept.done) >= len(attempts) or any(
+        a is not b or r != s for (a, r, _), b, s in zip(kept.done, attempts, resume)
+    ):
+        kept.clear()
+    out = [replay for *_, replay in kept.done]
+    try:
+        for k in range(len(kept.done), len(attempts)):
+            a = attempts[k]
+            out.append(
+                compare(kept.passes.after(resume[k]), a.ledger.attempt, a.digests.items(), root_of(a.ledger.source))
+            )
+            if k + 1 < len(attempts):
+                kept.passes.add(a.ledger.attempt, a.digests)
+                kept.done.append((a, resume[k], out[-1]))
+    except BaseException:  # passes half added are kept for no call
+        kept.clear()
+        raise
+    return out
+
+
+def _attribute(
+    gathered: list[_Attempt], rank: int, committed: Iterable[int], window_s: float, kept: _Passes
+) -> Attribution:
+    """`attribute` of rank `rank`'s ledgers, gathered (`kept`: as `_replays` takes it)."""
+    attempts = _timeline(gathered)
     if not attempts:
         raise ValueError(f"no ledger for rank {rank}")
     commits = [c for a in attempts for c in a.commits]
@@ -541,30 +621,16 @@ def attribute(
     totals = {c: 0 for c in CATEGORIES}
     segments: list[Segment] = []
     summaries = []
-    passes = FirstPasses()
+    replays = _replays(attempts, resume, kept)
     for k, a in enumerate(attempts):
         end = min(a.last, attempts[k + 1].start) if k + 1 < len(attempts) else a.last
-        lost_after = min(resume[k + 1 :], default=_INF)
-        labelled, lost_steps = _sweep(a, end, lost_after)
-        micros: dict[str, int] = {}
-        split = dict.fromkeys(SAVE_SPLIT, 0)
-        for b, e, cat in labelled:
-            if cat == "checkpoint_save":
-                split["stall"] += e - b
-            elif cat.startswith(_PART_LABEL):
-                split[cat[len(_PART_LABEL) :]] += e - b
-                cat = "checkpoint_save"
-            micros[cat] = micros.get(cat, 0) + e - b
-            if segments and segments[-1].attempt == k and segments[-1].category == cat and segments[-1].end_us == b:
-                segments[-1] = Segment(segments[-1].begin_us, e, cat, k)  # a part next to its save: one segment
-            else:
-                segments.append(Segment(b, e, cat, k))
+        micros, split, own, lost_steps = _labelled(a, k, end, min(resume[k + 1 :], default=_INF))
+        segments += own
         if k + 1 < len(attempts) and attempts[k + 1].start > end:
             segments.append(Segment(end, attempts[k + 1].start, "downtime", DOWNTIME))
             totals["downtime"] += attempts[k + 1].start - end
         for cat, us in micros.items():
             totals[cat] = totals.get(cat, 0) + us
-        steps = [s for *_, c, s in a.intervals if c == "step"]
         last = k + 1 == len(attempts)
         status = a.status or ("running" if last else "failed")
         failed = status in ("failed", "error") and not last
@@ -577,22 +643,19 @@ def attribute(
                 end,
                 status,
                 a.restored[1] if a.restored[0] else None,
-                min(steps, default=None),
-                max(steps, default=None),
-                len(steps),
+                *a.step_range,
                 lost_steps,
-                micros,
+                dict(micros),
                 a.ledger.torn,
                 a.restored_tier,
                 sum(a.restore_us),
                 failure_class(attempts[: k + 1], attempts[k + 1]) if failed else None,
-                split,
+                dict(split),
                 len(a.save_us),
                 sum(bg for _, bg, _ in a.commits),
-                compare(passes.after(resume[k]), a.ledger.attempt, a.digests.items(), root_of(a.ledger.source)),
+                replays[k],
             )
         )
-        passes.add(a.ledger.attempt, a.digests)
     return Attribution(
         start_us=attempts[0].start,
         end_us=summaries[-1].end_us,
@@ -617,16 +680,49 @@ def attribute_root(
     committed: Iterable[int] = (),
 ) -> Attribution:
     """Attribute from the ledgers under ROOT/ettr/ (and `committed`, as in `attribute`)."""
+    rank, ledgers = _rank_ledgers(root, rank, storage_options)
+    return attribute(ledgers, committed, rank=rank, window_s=window_s)
+
+
+def _rank_ledgers(
+    root: str,
+    rank: int | None,
+    storage_options: dict[str, Any] | None,
+    known: dict[tuple[str, int], Ledger] | None = None,
+) -> tuple[int, list[Ledger]]:
+    """The rank to attribute (`rank`, default the lowest) and its ledgers under ROOT/ettr/ (`known` as
+    `read_ledgers` takes it)."""
     ranks = ledger_ranks(root, storage_options)  # a LIST; then only the chosen rank's ledgers are read
     if not ranks:
         raise no_ledgers(root)
     if rank is not None and rank not in ranks:
         raise ValueError(f"no ledger for rank {rank}")
     rank = min(ranks) if rank is None else rank
-    ledgers = read_ledgers(root, storage_options, rank=rank)
+    ledgers = read_ledgers(root, storage_options, rank=rank, known=known)
     if not ledgers:  # each one empty (left out, with a warning): "no ledgers to attribute (is ROOT/ettr/ empty?)"
         raise LedgerError(
             f"no ledger of rank {rank} in {ledger_dir(root)} holds a record: each one is empty (its attempt ended "
             "before writing its start record)"
         )
-    return attribute(ledgers, committed, rank=rank, window_s=window_s)
+    return rank, ledgers
+
+
+class RootFollower:
+    """`attribute_root(root)` again and again while the job goes on (an advisor, after each save), the same answer
+    for less: the ledger of an attempt that has ended (an end record, or a later attempt after it: it writes no
+    more) is read, gathered, swept and compared once and kept (about 800 bytes per step), and only the others are
+    read again. A call costs what the live attempt's ledger costs, not what the whole job's does."""
+
+    def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.root, self.storage_options = root, storage_options
+        self._ended: dict[tuple[str, int], _Attempt] = {}  # (attempt, rank) -> its ledger, gathered
+        self._passes = _Passes()
+
+    def attribute(self) -> Attribution:
+        """The job's attribution now, of its lowest rank (`attribute_root` with its defaults)."""
+        known = {key: a.ledger for key, a in self._ended.items()}
+        rank, ledgers = _rank_ledgers(self.root, None, self.storage_options, known)
+        gathered = {(l.attempt, l.rank): self._ended.get((l.attempt, l.rank)) or _gather(l) for l in ledgers}
+        out = _attribute(list(gathered.values()), rank, (), 3600.0, self._passes)
+        self._ended = {(a.attempt, a.rank): gathered[a.attempt, a.rank] for a in out.attempts if a.status != "running"}
+        return out

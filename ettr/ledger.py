@@ -9,7 +9,7 @@ import os
 import re
 import stat
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -439,32 +439,47 @@ def _check_attempt(located: list[tuple[str, int, dict[str, Any]]], rank: int) ->
             )
 
 
-def read_ledgers(root: str, storage_options: dict[str, Any] | None = None, *, rank: int | None = None) -> list[Ledger]:
+def read_ledgers(
+    root: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    rank: int | None = None,
+    known: Mapping[tuple[str, int], Ledger] | None = None,
+) -> list[Ledger]:
     """Read every attempt's ledger under ROOT/ettr/ (only rank `rank`'s when given), segments joined in order.
 
     An object-store root costs one LIST (a page per 1,000 objects; with `rank`, of that rank's objects only) and
-    one GET per segment.
+    one GET per segment. `known`: ledgers read before, by (attempt, rank), taken as they are while their attempt's
+    files are listed, not read again (those of attempts that ended: they write no more).
     """
     files = _Files(root, storage_options)
     ledgers = []
-    for (attempt, r), parts in sorted(_grouped(files.names(rank), rank).items()):
-        located: list[tuple[str, int, dict[str, Any]]] = []  # (file, line, record)
-        torn = False
-        for _, name in sorted(parts):
-            part, part_torn = parse_lines(files.read(name).decode("utf-8", errors="replace"), files.where(name))
-            located += [(files.where(name), line, rec) for line, rec in enumerate(part, start=1)]
-            torn = torn or part_torn
-        records = [rec for *_, rec in located]
-        if not records:  # an attempt that died (or found the disk full) before its start record was written
-            warnings.warn(
-                f"{files.where(parts[0][1])}: an empty ledger (its attempt ended before writing its start record): "
-                "left out of the report",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            continue
-        if records[0]["k"] != "start":
-            raise LedgerError(f"{files.where(parts[0][1])}:1: a ledger must begin with a 'start' record")
-        _check_attempt(located, r)
-        ledgers.append(Ledger(files.where(parts[0][1]), attempt, r, tuple(records), torn))
+    for key, parts in sorted(_grouped(files.names(rank), rank).items()):
+        ledger = known[key] if known and key in known else _read_attempt(files, *key, sorted(parts))
+        if ledger is not None:
+            ledgers.append(ledger)
     return ledgers
+
+
+def _read_attempt(files: _Files, attempt: str, rank: int, parts: list[tuple[int, str]]) -> Ledger | None:
+    """One attempt's ledger from its files (segment, name) in order; None (with a warning) when they hold no record."""
+    located: list[tuple[str, int, dict[str, Any]]] = []  # (file, line, record)
+    torn = False
+    for _, name in parts:
+        where = files.where(name)
+        part, part_torn = parse_lines(files.read(name).decode("utf-8", errors="replace"), where)
+        located += [(where, line, rec) for line, rec in enumerate(part, start=1)]
+        torn = torn or part_torn
+    records = [rec for *_, rec in located]
+    if not records:  # an attempt that died (or found the disk full) before its start record was written
+        warnings.warn(
+            f"{files.where(parts[0][1])}: an empty ledger (its attempt ended before writing its start record): "
+            "left out of the report",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    if records[0]["k"] != "start":
+        raise LedgerError(f"{files.where(parts[0][1])}:1: a ledger must begin with a 'start' record")
+    _check_attempt(located, rank)
+    return Ledger(files.where(parts[0][1]), attempt, rank, tuple(records), torn)

@@ -17,6 +17,7 @@ from ettr import (
     GoodputMetrics,
     GoodputTracker,
     LedgerError,
+    RootFollower,
     attribute,
     attribute_root,
     metric_totals,
@@ -638,3 +639,97 @@ def test_attributing_many_restarts_grows_linearly_with_the_attempts(tmp_path):
     check_sum(a)
     ratio = _python_calls(lambda: attribute(large)) / _python_calls(lambda: attribute(small))
     assert ratio < 6, f"4x the attempts made {ratio:.1f}x the calls"  # linear: ~4; the old code: ~16
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_follower_answers_as_attribute_root_at_every_point_of_a_job(tmp_path, where):
+    """RootFollower, what an advisor asks after every save: at each point of a job (a crash without an end record,
+    an end by an error, a live attempt that goes on, a later attempt whose start from scratch makes the steps of those
+    before it lost) the same attribution as attribute_root, though it reads an ended attempt's ledger only once."""
+    root = str(tmp_path) if where == "local" else "memory://ettr-follower"
+    follower, clock = RootFollower(root), FakeClock(1000.0)
+
+    def same() -> None:
+        assert follower.attribute() == attribute_root(root)
+
+    tr = attempt(root, clock, "a1")
+    restore(tr, clock, None, 0.5)
+    steps(tr, clock, 1, 2, 1.0)
+    save(tr, clock, 2, 0.5, bg=1.0)
+    same()
+    steps(tr, clock, 3, 5, 1.0)  # then killed: no end record
+    tr = attempt(root, clock, "a2", at=1100.0)
+    restore(tr, clock, 2, 1.0)
+    same()
+    steps(tr, clock, 3, 4, 1.0)
+    save(tr, clock, 4, 0.5, bg=1.0)
+    steps(tr, clock, 5, 6, 1.0)
+    same()
+    tr.end("error")
+    tr = attempt(root, clock, "a3", at=1200.0)
+    restore(tr, clock, None, 1.0)  # from scratch: every step of a1 and a2 is lost now
+    for s in (1, 3):
+        steps(tr, clock, s, s + 1, 1.0)
+        save(tr, clock, s + 1, 0.5, bg=1.0)
+        same()
+    # a2's steps 3-6, and a1's 1-5 as far as they reached the store (an object store's last minute of steps waits)
+    assert follower.attribute().micros["lost"] == to_us(4.0 + (2.0 if where == "memory" else 5.0))
+
+
+def test_a_follower_reads_the_ledger_of_an_ended_attempt_once(tmp_path):
+    """The ledger of an attempt that ended is not read again: replaced by garbage after the first call, the answers
+    stay those of its first content; the live attempt's ledger is read again at each call."""
+    root = str(tmp_path)
+    two_attempts(root)  # a1 killed, a2 ended
+    clock = FakeClock(1200.0)
+    tr = attempt(root, clock, "a3")
+    restore(tr, clock, 8, 1.0)
+    follower = RootFollower(root)
+    follower.attribute()
+    ended = [tmp_path / "ettr" / f"ledger-{a}-rank0.jsonl" for a in ("a1", "a2")]
+    kept = [p.read_bytes() for p in ended]
+    for p in ended:
+        p.write_text("not a\nledger\n")
+    with pytest.raises(LedgerError, match="not a JSON record"):
+        attribute_root(root)  # garbage indeed
+    steps(tr, clock, 9, 10, 1.0)
+    save(tr, clock, 10, 0.5, bg=1.0)
+    now = follower.attribute()
+    for p, data in zip(ended, kept):
+        p.write_bytes(data)
+    assert now == attribute_root(root) and now.attempts[-1].last_step == 10
+    live = tmp_path / "ettr" / "ledger-a3-rank0.jsonl"
+    live.write_text(live.read_text() + "not a record\n{}\n")
+    with pytest.raises(LedgerError, match=r"ledger-a3-rank0.jsonl:\d+: not a JSON record"):
+        follower.attribute()
+    ended[0].unlink()  # a ledger deleted is left out, as attribute_root leaves it
+    live.write_text("".join(live.read_text().splitlines(keepends=True)[:-2]))
+    assert follower.attribute() == attribute_root(root) and len(attribute_root(root).attempts) == 2
+
+
+def test_a_follower_answers_as_attribute_root_for_attempts_moved_on_the_timeline(tmp_path, recwarn):
+    """Attempts that attribution moves (a second tracker of one process starts where the first ended, a wall clock
+    that went back is placed after the attempt it resumed from) are placed anew at each call: what a follower kept
+    for an attempt as placed before is not taken for another placement."""
+    root, follower = str(tmp_path), RootFollower(str(tmp_path))
+    clock = _ProcessClock(1000.0)
+    clock.advance(2.0)
+    tr = attempt(tmp_path, clock, "a1")
+    steps(tr, clock, 1, 2, 1.0)
+    save(tr, clock, 2, 0.5, bg=1.0)
+    tr.end()
+    clock.advance(5.5)
+    tr = attempt(tmp_path, clock, "a2")  # dated from the process start, which a1 covers
+    restore(tr, clock, 2, 1.0)
+    steps(tr, clock, 3, 4, 1.0)
+    save(tr, clock, 4, 0.5, bg=1.0)
+    assert follower.attribute() == attribute_root(root)
+    steps(tr, clock, 5, 6, 1.0)  # then killed
+    clock = FakeClock(900.0)  # the next node's wall clock is behind
+    tr = attempt(tmp_path, clock, "a3")
+    restore(tr, clock, 4, 1.0)
+    for s in (5, 7):
+        steps(tr, clock, s, s + 1, 1.0)
+        save(tr, clock, s + 1, 0.5, bg=1.0)
+        assert follower.attribute() == attribute_root(root)
+    assert [at.attempt for at in attribute_root(root).attempts] == ["a1", "a2", "a3"]
