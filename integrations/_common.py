@@ -100,10 +100,14 @@ def advised_interval(
 
     ckpt does not import ettr: this is where the two meet. A save still being written may not be in the ledger yet;
     the next answer includes it. Ledgers that cannot be read (`_readable_attribution`) answer None, with a warning.
+    Each answer reads the ledgers through one `ettr.RootFollower`: an ended attempt's ledger is read once, so an
+    answer costs what the live attempt's ledger costs, not what the whole job's does.
     """
 
+    job = ettr.RootFollower(root, storage_options)
+
     def interval_s() -> float | None:
-        attribution = _readable_attribution(root, storage_options)
+        attribution = _readable_attribution(job)
         if attribution is None or not attribution.save_us:
             return None
         advice = ettr.advise(attribution, mttf_s=mttf_s)
@@ -112,12 +116,12 @@ def advised_interval(
     return interval_s
 
 
-def _readable_attribution(root: str, storage_options: dict[str, Any] | None) -> ettr.Attribution | None:
+def _readable_attribution(job: ettr.RootFollower) -> ettr.Attribution | None:
     """The job's attribution for an advisor, None (with a warning) when its ledgers cannot be read: a damaged ledger
     (a bad line, a stray file named like one) or a store that does not answer costs the advice, not the training,
     as it costs the tracker's telemetry only (the schedule in force stays)."""
     try:
-        return ettr.attribute_root(root, storage_options=storage_options)
+        return job.attribute()
     except (ettr.LedgerError, OSError) as e:
         warnings.warn(
             f"the goodput ledgers cannot be read ({e}): the checkpoint interval stays as it is, not advised",
@@ -150,10 +154,12 @@ def advised_two_tier(
     """The advice of a `ckpt.AdvisedTiers`: the (local interval in seconds, K) that `ettr.advise_two_tier` fits to the
     job's ledgers in `root` (per-tier save and restore costs, the failure classes seen so far; `inputs` for what the
     ledger cannot tell, e.g. ``persist_s``), or None until it has a plan (no save yet, no failure classified, or
-    ledgers that cannot be read: `_readable_attribution`)."""
+    ledgers that cannot be read: `_readable_attribution`). The ledgers are read as for `advised_interval`."""
+
+    job = ettr.RootFollower(root, storage_options)
 
     def advice() -> tuple[float, int] | None:
-        attribution = _readable_attribution(root, storage_options)
+        attribution = _readable_attribution(job)
         if attribution is None or not attribution.save_us:
             return None
         plan = ettr.advise_two_tier(attribution, inputs or ettr.TwoTierInputs(), mttf_s=mttf_s).plan
