@@ -491,7 +491,8 @@ class CheckpointManager:
 
     def delete(self, step: int) -> None:
         """Delete a committed step in the background (manifest first); never the newest committed one, nor one
-        still being written (or persisted: a `ValueError`). Returns at once; `steps()` stops listing it; an error is raised by the next call.
+        still being written or persisted (a `ValueError`). Returns at once; `steps()` stops listing it; an error is
+        raised by the next call.
         Among ranks the shared root has one writer: rank 0's call deletes the step there, another rank's checks it
         and deletes only its own local tier's copy (call it on every rank, or on rank 0); to another rank a step no
         longer listed is one rank 0 deleted first, not an error."""

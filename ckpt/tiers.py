@@ -279,8 +279,6 @@ class Tiers:
         except (LeaseHeldError, OSError) as e:
             return f"could not be quarantined ({e})"
 
-    # -- after a local commit (the writer thread) ---------------------------------------------------
-
     def taken(self, step: int) -> Storage | None:
         """The tier `step` is committed in, either (the tiers never hold two states of one step): this rank's local
         tier, and on rank 0 the durable root (the save's first message tells the others). The durable root is
@@ -297,6 +295,8 @@ class Tiers:
             self._durable_above = step
             return None
         return self.durable if layout.is_committed(self.durable, step) else None
+
+    # -- after a local commit (the writer thread) ---------------------------------------------------
 
     def committed(
         self,
