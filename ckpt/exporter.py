@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import sys
 import warnings
@@ -160,16 +161,20 @@ def _check_out(out: str, format: str) -> None:
 
 
 class _staged:
-    """A temporary file or folder next to `out`, renamed to `out` when the block completes, removed otherwise."""
+    """A temporary file or folder next to `out` (a name of its own: a pid repeats, in containers and after a
+    killed export, whose temporary name stays), renamed to `out` when the block completes, removed otherwise."""
 
     def __init__(self, out: str, *, directory: bool):
         self.out, self.directory = out, directory
-        self.tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-{os.getpid()}")
+        name = f".{os.path.basename(out)}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        self.tmp = os.path.join(os.path.dirname(out), name)
 
     def __enter__(self) -> str:
         try:
             if self.directory:
                 os.mkdir(self.tmp)
+            else:
+                os.close(os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         except OSError as e:
             raise self._named(e) from e
         return self.tmp
@@ -368,7 +373,7 @@ def _write_torch(
 
         values = {k: state_mod.decode(node, load) for k, node in tree.items()}
     value = _at(values, routes[0]) if len(routes) == 1 else {".".join(map(str, r)): _at(values, r) for r in routes}
-    with open(path, "xb") as f:
+    with open(path, "wb") as f:  # the staged file, made empty for this export
         torch.save(_weights_only(value), f)
         f.flush()
         os.fsync(f.fileno())

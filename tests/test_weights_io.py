@@ -314,6 +314,26 @@ def test_export_to_a_missing_folder_is_an_error_naming_it_and_makes_no_folders(t
     assert cli.main(["export", root, "--format", "torch", "-o", str(tmp_path / "w.pt"), "-q"]) == 0  # a folder there
 
 
+def test_export_beside_what_a_killed_export_with_the_same_pid_left(tmp_path):
+    """The temporary output was `.OUT.tmp-<pid>`: a killed export leaves it, and a pid repeats (a container's
+    process has the same one every run), so the next export failed 'File exists (writing OUT)' with no OUT there
+    (safetensors), or deleted the other file and failed the same way (torch). Now each export has a name of its
+    own and leaves what is not its own alone."""
+    model, _ = _trained()
+    with ckpt.CheckpointManager(tmp_path / "root") as m:
+        m.save(1, {"model": model})
+    for fmt, out in (("safetensors", tmp_path / "st"), ("torch", tmp_path / "w.pt")):
+        stale = tmp_path / f".{out.name}.tmp-{os.getpid()}"
+        stale.mkdir() if fmt == "safetensors" else stale.write_bytes(b"a killed export's")
+        assert ckpt.export(tmp_path / "root", out, format=fmt) == 1
+        assert out.exists() and stale.exists()
+    loaded = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert torch.equal(loaded["embed.weight"], model.embed.weight)
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [f".st.tmp-{os.getpid()}", f".w.pt.tmp-{os.getpid()}", "root", "st", "w.pt"]
+    )
+
+
 # -- import ---------------------------------------------------------------------------------------------------
 
 
