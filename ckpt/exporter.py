@@ -152,8 +152,13 @@ def _check_out(out: str, format: str) -> None:
         raise error(f"{parent}: {what} (the parent of the output {out}); export creates no folders: make it first")
     if not os.path.lexists(out):
         return
-    if format != "torch" and os.path.isdir(out) and not os.path.islink(out) and not os.listdir(out):
-        return
+    folder = os.path.isdir(out) and not os.path.islink(out)
+    if folder and not os.listdir(out):
+        if format != "torch":
+            return
+        raise IsADirectoryError(
+            f"{out} is a folder: --format torch writes one file; name it (e.g. {os.path.join(out, 'model.pt')})"
+        )
     raise FileExistsError(
         f"{out} already exists{' and is not empty' if os.path.isdir(out) else ''}: export never "
         f"overwrites; remove it or choose another output"

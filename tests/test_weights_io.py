@@ -334,6 +334,19 @@ def test_export_beside_what_a_killed_export_with_the_same_pid_left(tmp_path):
     )
 
 
+def test_export_torch_into_an_empty_folder_says_it_is_a_folder(tmp_path, capsys):
+    """`--format torch -o DIR` with DIR an empty folder said 'DIR already exists and is not empty': it is empty, and
+    the user looks for what is in it. Now: it is a folder, torch writes one file, name it."""
+    model, _ = _trained()
+    with ckpt.CheckpointManager(tmp_path / "root") as m:
+        m.save(1, {"model": model})
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["export", str(tmp_path / "root"), "--format", "torch", "-o", str(tmp_path / "empty")]) == 1
+    err = capsys.readouterr().err
+    assert "not empty" not in err and f"{tmp_path / 'empty'} is a folder: --format torch writes one file" in err, err
+    assert err.count("\n") == 1 and os.listdir(tmp_path / "empty") == []
+
+
 # -- import ---------------------------------------------------------------------------------------------------
 
 
