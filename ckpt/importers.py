@@ -31,7 +31,7 @@ from .exporter import HF_CONFIG, INDEX, TIES_MARK
 from .format import overlapping
 from .manager import CheckpointManager
 from .safetensors_file import number, open_tensors
-from .state import check_top_level_key
+from .state import check_top_level_key, flatten
 
 DEFAULT_KEY = "model"
 IMPORTED = "imported_from"  # step metadata: {"path": ..., "kind": ...}
@@ -64,6 +64,10 @@ def import_checkpoint(
     elif not _is_entries(state):
         state = {DEFAULT_KEY: state}
     metadata[IMPORTED] = {"path": os.path.abspath(src), "kind": kind}
+    try:  # what the save refuses (a sparse tensor, a None key), refused naming the source, before the root is touched
+        flatten(state)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{src} cannot be imported: {e}") from None
     with CheckpointManager(root, max_staging_bytes=_STAGING, storage_options=storage_options) as manager:
         manager.save(step, state, metadata=metadata).wait()
     return kind

@@ -383,6 +383,22 @@ def test_import_torch_save_then_restore_is_bitwise(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+def test_import_of_values_a_checkpoint_cannot_hold_names_the_source_and_leaves_the_root_untouched(tmp_path):
+    """A torch.save file holding a sparse tensor or a None key failed inside the save: the error named the key but
+    not the file, and a new root was left with a _LEASE file. Now the state is checked first: the error names the
+    source and the key, and the root is not made."""
+    for name, obj in (
+        ("sparse", {"model": {"w": torch.ones(2).to_sparse()}}),
+        ("nonekey", {"model": {None: torch.ones(2)}}),
+    ):
+        src = tmp_path / f"{name}.pt"
+        torch.save(obj, src)
+        with pytest.raises(TypeError) as err:
+            ckpt.import_checkpoint(src, tmp_path / name, step=1)
+        assert str(err.value).startswith(f"{src} cannot be imported: ") and "'model" in str(err.value), err.value
+        assert not (tmp_path / name).exists()
+
+
 def test_import_dcp_then_restore_is_bitwise(tmp_path):
     import torch.distributed.checkpoint as dcp
 
