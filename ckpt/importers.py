@@ -369,7 +369,8 @@ def _check_dcp_metadata(folder: str, metadata: Any) -> None:
         rel = os.fspath(rel) if isinstance(rel, (str, os.PathLike)) else rel
         if not isinstance(rel, str) or not rel or "\0" in rel:
             raise bad(f"its data file is {str(rel)[:100]!r}, not a path", fqn)
-        if os.path.isabs(rel) or ".." in rel.split(os.sep):
+        inside = os.path.realpath(os.path.join(folder, rel)).startswith(os.path.join(os.path.realpath(folder), ""))
+        if os.path.isabs(rel) or ".." in rel.split(os.sep) or not inside:  # not inside: a symlink out of it
             raise ValueError(
                 f"{file}: entry {fqn!r} is stored in {rel!r}, outside the checkpoint folder {folder}; refused (the "
                 f"data files of a DCP checkpoint are inside its folder, and nothing outside it is read)"
