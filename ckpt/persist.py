@@ -175,8 +175,7 @@ class PersistJob:
         fsyncs = ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-persist-fsync")
         files = ChunkWriter(fsyncs) if self.dst.direct_path("") is not None else None
         try:  # every rank reaches the collectives below, whatever fails here
-            manifest_bytes = self.src.read(layout.manifest_path(self.step)) or b""
-            manifest = Manifest.from_bytes(manifest_bytes, file=where(self.src, layout.manifest_path(self.step)))
+            manifest = layout.read_manifest(self.src, self.step)  # a missing one is named as such, not as bad JSON
             data = manifest.data  # the local save's data directory: the durable manifest names it too
             if self.ranks.leader:
                 manifest_bytes = durable_manifest(manifest, self.shared).to_bytes()

@@ -374,6 +374,31 @@ def test_a_step_being_persisted_is_not_deleted_under_its_persist(tmp_path):
     assert layout.committed_steps(durable) == []
 
 
+def test_a_persist_whose_local_manifest_is_gone_says_so(tmp_path):
+    """The local step's manifest removed under its persist (by hand, a clean-up script) failed the persist with
+    "manifest is not valid JSON": it reads as a step not committed there, naming the local tier."""
+    started, go = threading.Event(), threading.Event()
+
+    def hold(path: str) -> bool:  # the persist of step 2 waits at its first write, before it reads the local step
+        if path.startswith(layout.step_dir(2)) and not started.is_set():
+            started.set()
+            go.wait(120)
+        return False
+
+    durable = FaultStorage(open_storage(str(tmp_path / "durable")), fail_path=hold)
+    local = tmp_path / "local"
+    with ckpt.CheckpointManager(durable, local=local, persist_every=2) as m:
+        m.save(1, state(1))
+        m.save(2, state(2))
+        assert started.wait(120)
+        os.remove(local / layout.manifest_path(2))
+        go.set()
+        with pytest.raises(ckpt.CheckpointWriteError, match=f"step 2 is not committed in .*{local}") as e:
+            m.wait()
+        assert "not valid JSON" not in str(e.value)
+    assert layout.committed_steps(durable) == []
+
+
 def test_a_failed_persist_is_raised_by_the_next_call_and_the_local_step_stays(tmp_path):
     durable, local = tmp_path / "durable", str(tmp_path / "local")
     durable.mkdir()
