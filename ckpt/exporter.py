@@ -70,7 +70,10 @@ def parse_size(text: str | int) -> int:
         m = _SIZE.match(text)
         if not m:
             raise ValueError(f"not a size: {text!r} (write e.g. 5GB, 500MB, 2GiB or a number of bytes)")
-        size = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
+        unit = _UNITS[(m.group(2) or "B").lower()]
+        if unit == 1 and not float(m.group(1)).is_integer():  # "1.5" is no 1-byte shard
+            raise ValueError(f"not a whole number of bytes: {text!r} (write e.g. 1.5GB, 500MB or 1500 bytes)")
+        size = round(float(m.group(1)) * unit)  # 0.29KB is 290 bytes, not int(289.99999999999997)
     if size < 1:
         raise ValueError(f"a shard size must be at least 1 byte, got {text!r}")
     return size

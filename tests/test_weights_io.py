@@ -271,6 +271,7 @@ def test_cli_errors_are_one_line_and_leave_nothing(tmp_path, capsys):
         (["--format", "safetensors", "--keys", "optim"], "key 'optim' is not in checkpoint step 1"),
         (["--format", "torch", "--keys", "model.embed.weight.x"], "no 'x' under model.embed.weight"),
         (["--format", "safetensors", "--max-shard-size", "lots"], "not a size: 'lots'"),
+        (["--format", "safetensors", "--max-shard-size", "1.5"], "not a whole number of bytes: '1.5'"),
         (["--format", "safetensors", "--keys", "model,"], "hold an empty key"),  # exported the whole state
         (["--format", "safetensors", "--keys", "epoch"], "no tensor is under ['epoch'] in step 1"),  # an empty file
     ]
@@ -723,3 +724,12 @@ def test_import_dcp_refuses_a_data_file_that_is_a_symlink_out_of_its_folder(tmp_
     with pytest.raises(ValueError, match="outside the checkpoint folder"):
         ckpt.import_checkpoint(tmp_path / "dcp", tmp_path / "root", step=1)
     assert not (tmp_path / "root").exists()
+
+
+def test_a_shard_size_is_whole_bytes_as_written():
+    """0.29KB was int(0.29 * 1000) = 289 bytes; 1.5 (no unit) a 1-byte limit, one file per tensor."""
+    from ckpt.exporter import parse_size
+
+    assert [parse_size(s) for s in ("0.29KB", "1.5GB", "1.5KiB", "2", 7)] == [290, 1_500_000_000, 1536, 2, 7]
+    with pytest.raises(ValueError, match="not a whole number of bytes: '1.5'"):
+        parse_size("1.5")
