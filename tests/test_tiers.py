@@ -344,19 +344,25 @@ def test_cli_ls_verify_gc_cover_both_tiers(tmp_path, capsys):
     assert layout.step_dirs(open_storage(local)) == [2, 3]
 
 
-def test_a_step_being_persisted_is_not_deleted_under_its_persist(tmp_path):
-    """delete(2) while step 2 is being persisted is refused: deleting its local copy under the persist either failed
-    the persist (an error at the next call) or let it finish and bring step 2 back, durable, after delete() had
-    returned. Once persisted it is deleted from both tiers."""
+def held_persist(root, step: int) -> tuple[FaultStorage, threading.Event, threading.Event]:
+    """A durable root whose persist of `step` waits at its first write (before it reads the local step) until `go`
+    is set; `started` is set once it waits."""
     started, go = threading.Event(), threading.Event()
 
-    def hold(path: str) -> bool:  # the persist of step 2 waits at its first write until the test lets it go
-        if path.startswith(layout.step_dir(2)) and not started.is_set():
+    def hold(path: str) -> bool:
+        if path.startswith(layout.step_dir(step)) and not started.is_set():
             started.set()
             go.wait(120)
         return False
 
-    durable = FaultStorage(open_storage(str(tmp_path / "durable")), fail_path=hold)
+    return FaultStorage(open_storage(str(root)), fail_path=hold), started, go
+
+
+def test_a_step_being_persisted_is_not_deleted_under_its_persist(tmp_path):
+    """delete(2) while step 2 is being persisted is refused: deleting its local copy under the persist either failed
+    the persist (an error at the next call) or let it finish and bring step 2 back, durable, after delete() had
+    returned. Once persisted it is deleted from both tiers."""
+    durable, started, go = held_persist(tmp_path / "durable", 2)
     with ckpt.CheckpointManager(durable, local=tmp_path / "local", persist_every=2, keep_local=3) as m:
         m.save(1, state(1))
         m.save(2, state(2))
@@ -377,15 +383,7 @@ def test_a_step_being_persisted_is_not_deleted_under_its_persist(tmp_path):
 def test_a_persist_whose_local_manifest_is_gone_says_so(tmp_path):
     """The local step's manifest removed under its persist (by hand, a clean-up script) failed the persist with
     "manifest is not valid JSON": it reads as a step not committed there, naming the local tier."""
-    started, go = threading.Event(), threading.Event()
-
-    def hold(path: str) -> bool:  # the persist of step 2 waits at its first write, before it reads the local step
-        if path.startswith(layout.step_dir(2)) and not started.is_set():
-            started.set()
-            go.wait(120)
-        return False
-
-    durable = FaultStorage(open_storage(str(tmp_path / "durable")), fail_path=hold)
+    durable, started, go = held_persist(tmp_path / "durable", 2)
     local = tmp_path / "local"
     with ckpt.CheckpointManager(durable, local=local, persist_every=2) as m:
         m.save(1, state(1))
