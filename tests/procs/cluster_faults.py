@@ -58,23 +58,26 @@ class Gate:
 
 def install(gate: Gate) -> None:
     """The gates inside the library's real code paths (each calls through to the real function)."""
-    run, manifest, transfer = save.SaveJob.run, persist.Manifest, tiers.transfer
+    run, layout, transfer = save.SaveJob.run, persist.layout, tiers.transfer
 
     def gated_run(job, *a, **k):
         gate("save")
         return run(job, *a, **k)
 
-    class GatedManifest:  # every rank's persist reads the local manifest once it began the durable step
+    class GatedLayout:  # every rank's persist reads the local manifest once it began the durable step
+        def __getattr__(self, name):
+            return getattr(layout, name)
+
         @staticmethod
-        def from_bytes(*a, **k):
+        def read_manifest(*a, **k):
             gate("persist")
-            return manifest.from_bytes(*a, **k)
+            return layout.read_manifest(*a, **k)
 
     def gated_transfer(*a, **k):
         gate("replicate")
         return transfer(*a, **k)
 
-    save.SaveJob.run, persist.Manifest, tiers.transfer = gated_run, GatedManifest, gated_transfer
+    save.SaveJob.run, persist.layout, tiers.transfer = gated_run, GatedLayout(), gated_transfer
 
 
 def main() -> None:
