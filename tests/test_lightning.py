@@ -243,12 +243,13 @@ def _fit(
     io: CkptCheckpointIO | None = None,
     accumulate: int = 1,
     val_every: int | None = None,
+    then: int | None = None,
     **io_options,
 ) -> dict[str, torch.Tensor]:
     """A tiny fit through CkptCheckpointIO + GoodputCallback (the child's model and data); returns its final weights.
     `callbacks` replace the ModelCheckpoint saving every 4 steps; `io` the CkptCheckpointIO(root, **io_options);
     `val_every` validates every that many steps (and in the sanity check) on a plain DataLoader, whose iterations
-    draw from the global RNG.
+    draw from the global RNG; `then` fits the same Trainer again, its max_steps raised to `then` (no ckpt_path).
     Negative controls: `without="rng"` leaves the RNG
     state out of the checkpoint, `without="sampler"` leaves the sampler where it is on a resume instead of loading
     its saved position."""
@@ -285,6 +286,9 @@ def _fit(
     model = Net()
     val = torch.utils.data.DataLoader(Points(), batch_size=16) if val_every else None
     trainer.fit(model, make_loader(Points(), sampler), val, ckpt_path=ckpt_path)
+    if then is not None:
+        trainer.fit_loop.epoch_loop.max_steps = steps = then
+        trainer.fit(model, make_loader(Points(), sampler), val)
     assert trainer.global_step == steps
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -926,38 +930,11 @@ def test_a_second_fit_of_one_trainer_goes_on_bitwise_without_ckpt_path(tmp_path,
     """A second ``trainer.fit`` of the same Trainer (max_steps raised, no ckpt_path) was refused with
     RunMismatchError: the plugin's manager, reopened after the first fit's teardown, generated a new run id, so the
     root's steps looked like another run's. The process keeps its run: the fit goes on, bitwise as one fit."""
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from ckpt import make_loader
-    from lightning_train import Net, Points
-
     expected = _fit(tmp_path / "straight", 8)
     root = tmp_path / "root"
-    torch.manual_seed(0)
-    sampler = ShuffledSampler(64, 8, seed=1)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=4,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        deterministic=True,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        plugins=[CkptCheckpointIO(root)],
-        callbacks=[
-            GoodputCallback(samplers={"train": sampler}),
-            ModelCheckpoint(dirpath=root / "pointers", every_n_train_steps=4, save_last=True),
-        ],
-    )
-    model = Net()
-    trainer.fit(model, make_loader(Points(), sampler))
-    trainer.fit_loop.epoch_loop.max_steps = 8
-    trainer.fit(model, make_loader(Points(), sampler))
-    assert trainer.global_step == 8 and committed_steps(root) == [8]
-    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    resumed = _fit(root, 4, then=8)
+    assert committed_steps(root) == [8]
+    assert all(torch.equal(v, expected[k]) for k, v in resumed.items())
 
 
 def test_a_fit_into_a_root_another_fit_is_writing_fails_before_training_and_claims_nothing(tmp_path, capsys):
