@@ -3,6 +3,8 @@ read-all, delete, the batch hash a step record carries."""
 
 from __future__ import annotations
 
+import math
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -89,8 +91,15 @@ class TrackerLease:
             self.tracker.end(status)
 
 
+ADVICE_SHARE = 0.01  # the most of the wall time refits may take in the training thread...
+ADVICE_FREE_S = 0.05  # ...once one takes longer than this (a long live attempt); a shorter one is never skipped
+
+
 def advised_interval(
-    root: str, mttf_s: float | None = None, storage_options: dict[str, Any] | None = None
+    root: str,
+    mttf_s: float | None = None,
+    storage_options: dict[str, Any] | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Callable[[], float | None]:
     """The interval provider of a `ckpt.AdvisedInterval`: the seconds `ettr.advise` fits to the job's ledgers in
     `root` (`mttf_s` overrides the fitted MTTF; `storage_options` as the manager's), or None while the run is too
@@ -101,7 +110,9 @@ def advised_interval(
     ckpt does not import ettr: this is where the two meet. A save still being written may not be in the ledger yet;
     the next answer includes it. Ledgers that cannot be read (`_readable_attribution`) answer None, with a warning.
     Each answer reads the ledgers through one `ettr.RootFollower`: an ended attempt's ledger is read once, so an
-    answer costs what the live attempt's ledger costs, not what the whole job's does.
+    answer costs what the live attempt's ledger costs, not what the whole job's does. That cost grows with the live
+    attempt (~20 us a step): once a refit takes over ADVICE_FREE_S, the next ones are skipped (None: the interval
+    stays) until 1/ADVICE_SHARE times its cost has passed (`clock`, seconds), so refits keep to 1% of the time.
     """
 
     job = ettr.RootFollower(root, storage_options)
@@ -113,7 +124,26 @@ def advised_interval(
         advice = ettr.advise(attribution, mttf_s=mttf_s)
         return None if advice.too_short else advice.recommended_interval_s
 
-    return interval_s
+    return _within_share(interval_s, clock)
+
+
+def _within_share(refit: Callable[[], Any], clock: Callable[[], float]) -> Callable[[], Any]:
+    """`refit`, skipped (None: no new advice, the schedule in force stays) after a call that took over ADVICE_FREE_S
+    until its cost / ADVICE_SHARE has passed since it ended."""
+    due = -math.inf
+
+    def call() -> Any:
+        nonlocal due
+        begin = clock()
+        if begin < due:
+            return None
+        try:
+            return refit()
+        finally:
+            end = clock()
+            due = end + (end - begin) / ADVICE_SHARE if end - begin > ADVICE_FREE_S else -math.inf
+
+    return call
 
 
 def _readable_attribution(job: ettr.RootFollower) -> ettr.Attribution | None:
@@ -150,11 +180,13 @@ def advised_two_tier(
     mttf_s: float | None = None,
     storage_options: dict[str, Any] | None = None,
     inputs: ettr.TwoTierInputs | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Callable[[], tuple[float, int] | None]:
     """The advice of a `ckpt.AdvisedTiers`: the (local interval in seconds, K) that `ettr.advise_two_tier` fits to the
     job's ledgers in `root` (per-tier save and restore costs, the failure classes seen so far; `inputs` for what the
     ledger cannot tell, e.g. ``persist_s``), or None until it has a plan (no save yet, no failure classified, or
-    ledgers that cannot be read: `_readable_attribution`). The ledgers are read as for `advised_interval`."""
+    ledgers that cannot be read: `_readable_attribution`). The ledgers are read, and refits skipped to keep them
+    within 1% of the time, as for `advised_interval`."""
 
     job = ettr.RootFollower(root, storage_options)
 
@@ -165,7 +197,7 @@ def advised_two_tier(
         plan = ettr.advise_two_tier(attribution, inputs or ettr.TwoTierInputs(), mttf_s=mttf_s).plan
         return None if plan is None else (plan.interval_s, plan.persist_every)
 
-    return advice
+    return _within_share(advice, clock)
 
 
 def resolve_step(manager: CheckpointManager, step: int) -> int | None:

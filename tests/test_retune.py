@@ -9,9 +9,10 @@ import torch
 import ckpt
 from ckpt import layout
 from ckpt.storage import open_storage
-from ettr import FakeClock, GoodputTracker, TwoTierCosts, TwoTierInputs, optimal_two_tier
-from integrations import TrainLoop, advised_two_tier
+from ettr import FakeClock, GoodputTracker, TwoTierCosts, TwoTierInputs, advise, attribute_root, optimal_two_tier
+from integrations import TrainLoop, advised_interval, advised_two_tier
 from test_ettr_report import TWO_TIER_FIT, two_tier_job
+from test_ettr_trust import short_run
 
 
 def test_the_pair_is_refit_from_the_ledger_once_failures_are_classified(tmp_path):
@@ -39,6 +40,20 @@ def test_the_pair_is_refit_from_the_ledger_once_failures_are_classified(tmp_path
         TwoTierCosts(2.0, 0.0, 364.0 + 5.0, 364.0 + 50.0, f["local_mttf_s"], f["node_mttf_s"]), min_interval_s=10.0
     )
     assert advised_two_tier(str(tmp_path / "later"))() == (free.interval_s, free.persist_every)  # persists: free
+
+
+def test_a_refit_grown_slow_is_not_repeated_until_a_hundred_times_its_cost_has_passed(tmp_path):
+    """A refit reads and attributes the live attempt's whole ledger in the training thread, ~20 us a step: at 300,000
+    steps, seconds at every save. Refits under 50 ms are never skipped; after a slower one, the advice is None (the
+    interval in force stays) until 100x its cost has passed, so refits keep to 1% of the time."""
+    short_run(str(tmp_path))
+    fitted = advise(attribute_root(str(tmp_path)), mttf_s=3600.0).recommended_interval_s
+    # the clock as each call reads it: before and after a refit, only before a skipped one. A 10 ms refit, a 2 s
+    # one (due again at 3 + 200 s), two skipped before 203 s, then refits again
+    times = iter([0.0, 0.01, 1.0, 3.0, 100.0, 202.99, 203.0, 203.01, 210.0, 210.01])
+    interval_s = advised_interval(str(tmp_path), mttf_s=3600.0, clock=lambda: next(times))
+    assert [interval_s() for _ in range(6)] == [fitted, fitted, None, None, fitted, fitted]
+    assert next(times, "all read") == "all read"
 
 
 def state(step: int) -> dict:
