@@ -824,8 +824,8 @@ def read_step(
     leader (`shared_step`), and a region several ranks restore is read once and exchanged (`planner.share_reads`);
     collective: then every rank calls this. A mismatch between `state` and the
     checkpoint (StateKeyError, StateMismatchError) is found before anything is read: alone it is raised here; among
-    ranks it is returned, as damage is, so that `agree` tells every rank (none waits for this one). Nothing is
-    applied to `state`.
+    ranks it is returned, as damage is, so that `agree` tells every rank (none waits for this one); so is a read that
+    failed for another reason (an I/O error). Nothing is applied to `state`.
     """
     plan, error, bands = None, None, {}
     try:
@@ -852,6 +852,12 @@ def read_step(
         execute(storage, plan, readers, arena, ranks)
         return plan, None
     except (CorruptCheckpointError, StepNotFoundError) as e:
+        return None, e
+    except Exception as e:  # a read that failed otherwise (EIO, a storage error) on this rank: among ranks `agree`
+        # tells every rank (raised here, this rank would skip the agreement and the others pair their next message
+        # with it: one took the step with the bands this rank never read)
+        if ranks.world_size == 1:
+            raise
         return None, e
 
 

@@ -23,7 +23,8 @@ class FaultStorage:
     """`inner` as it is, except: the `fail_write`-th write (write_atomic or create, counting from 1) of a path
     `fail_path` accepts raises `InjectedFault`, nothing written; a read of a path `corrupt` accepts returns its
     bytes with one bit flipped; a whole read (`read`) of a path `fail_read` accepts raises `InjectedFault` (an
-    unreadable file: a ranged read of it, as of its first byte, still succeeds), a read of a path `hide` accepts finds
+    unreadable file: a ranged read of it, as of its first byte, still succeeds), a ranged read (`read_range`) of a path
+    `fail_range` accepts raises `InjectedFault` (an I/O error in the middle of a file), a read of a path `hide` accepts finds
     nothing (a file deleted meanwhile), a listing of a directory `fail_list` accepts raises `InjectedFault` (with
     `direct`, a step's listing too: its direct path is asked for first). `reads` and `writes` record every path read
     and written through it, `read_bytes` the bytes each read returned (path, bytes), `directs` every direct path asked
@@ -39,10 +40,12 @@ class FaultStorage:
         fail_read: Callable[[str], bool] = lambda path: False,
         hide: Callable[[str], bool] = lambda path: False,
         fail_list: Callable[[str], bool] = lambda path: False,
+        fail_range: Callable[[str], bool] = lambda path: False,
         direct: bool = False,
     ):
         self.inner, self.fail_path, self.fail_write, self.corrupt = inner, fail_path, fail_write, corrupt
         self.fail_read, self.hide, self.fail_list, self.direct = fail_read, hide, fail_list, direct
+        self.fail_range = fail_range
         self.url = inner.url
         self.keeps_written_buffers = inner.keeps_written_buffers
         self.cheap_sizes = inner.cheap_sizes
@@ -105,6 +108,9 @@ class FaultStorage:
         return data
 
     def read_range(self, path: str, start: int, stop: int | None) -> bytes | None:
+        if self.fail_range(path):
+            self.reads.append(path)
+            raise InjectedFault(f"injected fault: read of bytes [{start}, {stop}) of {path}")
         data = self.inner.read_range(path, start, stop) if self._read(path) else None
         self.read_bytes.append((path, len(data or b"")))
         if data and self.corrupt(path):

@@ -51,6 +51,17 @@ def test_replicated_state_is_read_once_between_the_ranks_and_damage_fails_every_
     others = [d for d in damage if d["rank"] != replicated_worker.DAMAGED_RANK]
     assert all("another rank found damage" in d["error"] for d in others), others
 
+    # an I/O error on one rank's reads (no damage): every rank raises, the others naming that rank, no rank takes the
+    # step with bands that rank never read, every state is as it was, and the next restore reads step 1 everywhere
+    unreadable = _lines(results, "UNREADABLE")
+    for u in unreadable:
+        assert u["step"] is None and u["error"] and u["changed"] == [], u
+        assert u["then"] == 1 and u["mismatched"] == [], u
+        if u["rank"] == replicated_worker.DAMAGED_RANK:
+            assert u["error"].startswith("InjectedFault: injected fault: read of bytes"), u
+        else:
+            assert u["error"].startswith(f"CheckpointError: rank {replicated_worker.DAMAGED_RANK} could not read "), u
+
 
 def test_shared_regions_are_cut_where_digests_end_and_spread_evenly_over_their_holders():
     """The leader's plan from every rank's regions: a large region in bands at allowed rows, nearest to equal

@@ -6,7 +6,8 @@ DTensor saved in column shards that every rank restores whole, as a plain tensor
 saves step 1 (1 MiB digests, so that the large tensors are read in bands by several ranks), zeroes its state and restores it through a `FaultStorage` that counts every byte read; prints one
 ``RESULT {...}`` line (its pack bytes read, whether every tensor is bitwise the saved one). Then every tensor is set
 to 0.5 and step 1 restored again with rank 2's reads of pack data files corrupted: prints ``DAMAGE {...}`` (the error,
-whether the state is still all 0.5). Started through `tests/test_distributed.run_ranks(..., worker=replicated_worker)`.
+whether the state is still all 0.5); then with rank 2's ranged reads of them failing (an I/O error) and again
+with none: prints ``UNREADABLE {...}``. Started through `tests/test_distributed.run_ranks(..., worker=replicated_worker)`.
 """
 
 import json
@@ -120,5 +121,22 @@ def main(mode: str, root: str) -> None:
     after = tensors(state)
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     print("DAMAGE " + json.dumps({"rank": rank, "bytes": pack_bytes(damaged), "error": error, "changed": changed}))
+
+    # rank 2's ranged reads of the packs fail (an I/O error, no damage): every rank raises, none takes the step with
+    # the bands rank 2 never read, and the ranks stay in step (the restore after it reads step 1 on every rank)
+    unreadable = FaultStorage(open_storage(root), fail_range=lambda path: rank == DAMAGED_RANK and _data(path))
+    with ckpt.CheckpointManager(unreadable, collective_timeout=60) as m:
+        try:
+            step, error = m.restore(state), None
+        except Exception as e:
+            step, error = None, f"{type(e).__name__}: {e}"
+        changed = [k for k, v in tensors(state).items() if not torch.equal(before[k], v)]
+        unreadable.fail_range = lambda path: False
+        again = m.restore(state)
+    bad = [k for k, v in tensors(state).items() if not torch.equal(reference[k], v)]
+    print(
+        "UNREADABLE "
+        + json.dumps({"rank": rank, "step": step, "error": error, "changed": changed, "then": again, "mismatched": bad})
+    )
     dist.barrier()
     dist.destroy_process_group()
