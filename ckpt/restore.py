@@ -37,6 +37,7 @@ from .distributed import Ranks, ShardedLike, is_dtensor, leader_reads, read_regi
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
+    DataMismatchError,
     StateKeyError,
     StateMismatchError,
     StepNotFoundError,
@@ -230,7 +231,21 @@ def plan_restore(
                 f"checkpoint step {step} has keys {extra} that the state passed to restore lacks: add "
                 f"them, or restore only some keys with keys=[...]"
             )
+    for obj, v in checked(target, values):  # here, before any read: among ranks `agree` tells every rank a refusal
+        obj.check_state_dict(v)
     return ReadPlan(manifest, reads, values)
+
+
+def checked(target: Mapping[str, Any], values: Mapping[str, Any]) -> list[tuple[Any, Any]]:
+    """(object, its restored state) of every object at any depth of `target` that can check a state without taking
+    it (`check_state_dict`: the samplers). `plan_restore` checks them, so that a sampler over other data on one rank
+    fails the restore on every rank before anything is read; `apply` loads them last of all."""
+    return [
+        (obj, v)
+        for k in values
+        for obj, v in state_mod.stateful_in(target, k, values[k])
+        if callable(getattr(obj, "check_state_dict", None))
+    ]
 
 
 def _check_files(info: ArrayInfo, box: Box, manifest: Manifest, files: StepFiles) -> None:
@@ -729,19 +744,14 @@ def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
     nothing is given back (every object keeps the step's values: a consistent state, as the docs say)."""
     copied = [(r, t) for r in plan.reads.values() for t in (r.targets[1:] if r.saved is not None else r.targets)]
     into = {(t.device, t.untyped_storage().data_ptr()) for _, t in copied}
-    checked = [  # at any depth: a sampler in a dict of the caller's must not load before a sibling refuses
-        (obj, v)
-        for k in plan.values
-        for obj, v in state_mod.stateful_in(target, k, plan.values[k])
-        if callable(getattr(obj, "check_state_dict", None))
-    ]
-    deferred = {id(obj) for obj, _ in checked}
+    checks = checked(target, plan.values)  # at any depth: a sampler in a dict must not load before a sibling refuses
+    deferred = {id(obj) for obj, _ in checks}
     stateful = [k for k in plan.values if state_mod.is_stateful(target.get(k)) and id(target[k]) not in deferred]
     first = [k for k in stateful if not _holds(plan.values[k], into)]
     loaded: list[tuple[Any, Any]] = []
     copied_yet = False
     try:
-        for obj, v in checked:
+        for obj, v in checks:  # checked by `plan_restore` too: a state it changed meanwhile is still refused here
             obj.check_state_dict(v)
         for k in first:
             loaded.append(_before(target[k]))
@@ -760,7 +770,7 @@ def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
         for k, v in plan.values.items():
             if k not in stateful:
                 state_mod.apply(target, k, v, skip=deferred)
-        for obj, v in checked:  # last: a load its check passed takes the state whole or, raising, changes nothing
+        for obj, v in checks:  # last: a load its check passed takes the state whole or, raising, changes nothing
             obj.load_state_dict(v)
     except BaseException:
         if not (copied_yet and copied):  # else bytes that cannot be given back: every object keeps the step's values
@@ -897,11 +907,11 @@ def _unframed(message: bytes) -> tuple[bytes, dict[str, int] | None]:
 def agree(storage: Storage, ranks: Ranks, step: int, error: Exception | None) -> CorruptCheckpointError | str | None:
     """Every rank's outcome of reading `step`, one decision for all: None (read everywhere), "vanished" (it was
     deleted meanwhile, e.g. by another process's retention: no damage) or its damage. A rank whose state does not fit
-    the step, or that could not read it for another reason than damage (`read_step`), makes every rank raise: that
+    the step (a key, shape or dtype; a sampler over other data), or that could not read it for another reason than damage (`read_step`), makes every rank raise: that
     rank its own error, the others a StateMismatchError (a CheckpointError for the other reasons) naming it."""
     if error is None:
         verdict = "ok"
-    elif isinstance(error, (StateKeyError, StateMismatchError)):
+    elif isinstance(error, (StateKeyError, StateMismatchError, DataMismatchError)):
         verdict = "mismatch"
     elif not isinstance(error, (CorruptCheckpointError, StepNotFoundError)):
         verdict = "refused"  # e.g. the manifest could not be read (StorageError)

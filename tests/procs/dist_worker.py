@@ -259,6 +259,21 @@ def main(mode: str, root: str) -> None:
             except ckpt.CheckpointError as e:
                 print(f"steps refused: {e}", flush=True)
             print(f"then restored {m.restore(state_of(model, opt))}", flush=True)
+            # rank 1's sampler is over other data: every rank raises before anything is read (rank 0 did load the
+            # step, with rank 1 left at its own state), every model and sampler as it was
+            m.save(3, {**state_of(model, opt), "sampler": ckpt.ShuffledSampler(64, 4, seed=0)}).wait()
+            train(model, opt, torch.Generator().manual_seed(2))
+            before = flat_reference(model, opt)
+            sampler = ckpt.ShuffledSampler(64 if rank == 0 else 72, 4, seed=0)
+            sampler.advance(5)
+            try:
+                m.restore({**state_of(model, opt), "sampler": sampler})
+                print("NO ERROR", flush=True)
+            except (ckpt.DataMismatchError, ckpt.StateMismatchError) as e:
+                print(f"sampler refused: {type(e).__name__}: {e}", flush=True)
+            after = flat_reference(model, opt)
+            changed = [k for k in before if not torch.equal(before[k], after[k])]
+            print(f"then changed {changed}, sampler at {sampler.state_dict()['step']}", flush=True)
     elif mode == "loop_preempt":
         # SIGTERM reaches rank 0 alone, during step 5 (a launcher signalling ranks one after another): every rank
         # saves step 5 and exits 143; alone, rank 0 waited in the save's collective while rank 1 trained on
