@@ -218,28 +218,50 @@ class SaveJob:
         self._prepared = False
         self._in_doubt = False  # the manifest's write failed in a way the store may still apply (`ManifestInDoubt`)
         self.pending: Pending | None = None
-        waves = arena.plan(plan.tensors)
+        self.staged: Sequence[Staged] = []
+        # among ranks, a snapshot that failed on this rank (an allocation, a copy): the other ranks go on with the
+        # save the plan agreed, so this one takes part in its messages in `run()` and reports this error there
+        self.failure: Exception | None = None
         try:
+            waves = arena.plan(plan.tensors)
             for wave in waves[:-1]:  # beyond the staging cap: write earlier waves before returning
                 self._write_staged(arena.stage(plan.tensors, wave)[0])
-        except BaseException:  # raised from save() itself: what this save opened and wrote goes with it
+            defer = dict(defer or {}) if len(waves) == 1 else {}
+            self.staged, later = arena.stage(plan.tensors, waves[-1], later=defer)
+            self.pending = Pending(plan.step, later, plan.tensors, defer) if defer else None
+        except Exception as e:
+            if ranks.world_size > 1 and not isinstance(e, CollectiveTimeout):
+                self.failure, self.staged, self.pending = e, [], None
+                return
+            with contextlib.suppress(Exception):  # raised from save() itself: what it opened and wrote goes with it
+                self.abandon()
+            raise
+        except BaseException:  # Ctrl-C: raised from save() itself, as above
             with contextlib.suppress(Exception):
                 self.abandon()
             raise
-        defer = dict(defer or {}) if len(waves) == 1 else {}
-        self.staged, later = arena.stage(plan.tensors, waves[-1], later=defer)
-        self.pending = Pending(plan.step, later, plan.tensors, defer) if defer else None
 
-    def _prepare(self) -> None:
-        """Once per save, before any array write: the leader clears leftovers and marks the save in flight."""
+    def _prepare(self, failure: BaseException | None = None) -> None:
+        """Once per save, before any array write: the leader clears leftovers and marks the save in flight. Among
+        ranks a collective (the step's data directory from rank 0), in which every rank takes part once: also one
+        whose save already failed (`failure`: it begins nothing). When rank 0 could not begin the step, or failed
+        before, it tells the others, which then write nothing."""
         if self._prepared:
             return
         self._prepared = True
-        if self.leader:
-            begin_step(self.storage, self.plan.step, self.lease)
+        if self.leader and failure is None:
+            try:
+                begin_step(self.storage, self.plan.step, self.lease)
+            except Exception as e:  # told to the others in the broadcast below, then raised
+                failure = e
         # rank 0's data directory for every rank (also with private roots: a persist copies every rank's regions under
         # the one manifest's name); also the barrier: no rank writes before the step is begun
-        self.data = self.ranks.broadcast_json(self.data)
+        told = None if failure is None or not self.ranks.leader else described(failure)
+        self.data, told = self.ranks.broadcast_json([self.data, told])
+        if failure is not None:
+            raise failure
+        if told is not None:
+            raise RuntimeError(f"rank 0 could not begin writing step {self.plan.step}: {told}")
 
     def _array_path(self, info: ArrayInfo) -> str:
         """Where an array of this step lives in the root: a pack, or an array of its own, in this save's directory."""
@@ -314,6 +336,8 @@ class SaveJob:
         """
         error: BaseException | None = None
         try:
+            if self.failure is not None:
+                raise self.failure
             if self.pending is not None:
                 self.pending.result()  # the copies overlapped with training, unchanged meanwhile
             self._write_staged(self.staged, last=True)
@@ -322,6 +346,13 @@ class SaveJob:
                 self._files.close()  # every chunk file written here is durable
         except BaseException as e:
             error = e
+        if error is not None and not self._prepared and self.ranks.world_size > 1:
+            try:  # failed before the step's first message: take part in it, so that no rank waits for this one
+                self._prepare(error)
+            except CollectiveTimeout as e:
+                error = e
+            except BaseException:  # its own error, raised again: the one this rank reports
+                pass
         rank = self.ranks.rank
         report = {
             "error": None if error is None else f"rank {rank}: {described(error)}",

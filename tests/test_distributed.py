@@ -136,6 +136,22 @@ def test_a_save_one_rank_cannot_make_fails_on_every_rank_and_the_next_one_commit
     assert all("tiered steps [2]" in r.stdout for r in results), results
 
 
+def test_a_save_that_fails_on_one_rank_after_its_plan_fails_on_every_rank_at_once(tmp_path):
+    """Rank 1 cannot allocate its snapshot, then rank 0 cannot write the step's in-progress marker: each rank raises
+    at once (none waits for the other until the collective timeout, or finds the group broken after it), the others
+    naming the rank that failed and why, and the next save commits."""
+    results = run_ranks(2, "unbegun", str(tmp_path / "ck"), timeout=120)
+    _ok(results)
+    zero, one = (r.stdout for r in results)
+    assert "save 2 refused: saving step 2 failed: RuntimeError: rank 1: OSError: [Errno 12]" in zero, zero
+    assert "save 2 refused: saving step 2 failed: OSError: [Errno 12]" in one, one
+    assert "save 3 refused: saving step 3 failed: InjectedFault: injected fault: write 3 of step_00000003/" in zero, (
+        zero
+    )
+    assert "save 3 refused: saving step 3 failed: RuntimeError: rank 0 could not begin writing step 3: " in one, one
+    assert all("save 4 ok" in r.stdout and "steps [1, 4]" in r.stdout for r in results), results
+
+
 def test_a_root_that_cannot_be_created_fails_the_first_save_on_every_rank_at_once(tmp_path):
     """A root made uncreatable after the managers were: rank 0 raised its NotADirectoryError alone; rank 1 waited
     in the lease's broadcast until rank 0's group went away (or the collective timeout, were rank 0 to go on), and

@@ -236,6 +236,33 @@ def main(mode: str, root: str) -> None:
                 print(f"persist refused: {e}", flush=True)
             m.save(2, state_of(model, opt), persist=True).wait()
         print(f"tiered steps {ckpt.CheckpointManager(f'{root}.tiered').steps()}", flush=True)
+    elif mode == "unbegun":
+        # a save that fails on one rank after the plan was agreed: rank 1 cannot allocate step 2's snapshot (its
+        # address space is capped), rank 0 cannot write step 3's in-progress marker (a storage error): every rank
+        # raises at once, none waits for the other until the timeout, and step 4 commits
+        import resource
+        import zlib
+
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from ckpt.storage import open_storage
+        from fault_storage import FaultStorage
+
+        marker = lambda path: rank == 0 and path.endswith("_IN_PROGRESS")  # noqa: E731
+        name = next(f"big{i}" for i in range(64) if zlib.crc32(f"big{i}".encode()) % WORLD == 1)  # rank 1 writes it
+        big = {name: torch.arange(64 << 20, dtype=torch.float32)}  # 256 MiB
+        with ckpt.CheckpointManager(FaultStorage(open_storage(root), fail_path=marker, fail_write=3, direct=True)) as m:
+            soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+            for step in (1, 2, 3, 4):
+                if step == 2 and rank == 1:  # room for a few threads, not for a snapshot of 256 MiB
+                    vm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize"))
+                    resource.setrlimit(resource.RLIMIT_AS, (vm * 1024 + (64 << 20), hard))
+                try:
+                    m.save(step, big if step > 1 else {name: torch.zeros(4)}).wait()
+                    print(f"save {step} ok", flush=True)
+                except ckpt.CheckpointWriteError as e:
+                    print(f"save {step} refused: {e}", flush=True)
+                resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+            print(f"steps {m.steps()}", flush=True)
     elif mode == "restore_refused":
         # rank 1's state has a key the checkpoint lacks: it raises its StateKeyError, rank 0 a StateMismatchError
         # naming it, neither waits for the other, every tensor is as it was, and a save after it commits
