@@ -915,10 +915,14 @@ def agree(storage: Storage, ranks: Ranks, step: int, error: Exception | None) ->
         verdict = "mismatch"
     elif not isinstance(error, (CorruptCheckpointError, StepNotFoundError)):
         verdict = "refused"  # e.g. the manifest could not be read (StorageError)
-    elif isinstance(error, StepNotFoundError) or not layout.is_committed(storage, step):
+    elif isinstance(error, StepNotFoundError):
         verdict = "vanished"
     else:
-        verdict = "damaged"
+        try:
+            verdict = "damaged" if layout.is_committed(storage, step) else "vanished"
+        except Exception as e:  # the root does not answer whether it is damage: refused (raised here, this rank
+            # would skip the message below and the others pair their next one with it)
+            verdict, error = "refused", e
     told = None if error is None else str(error) if verdict in ("damaged", "vanished") else described(error)
     reports = ranks.all_gather_json([verdict, told])
     refused = [(r, v, m) for r, (v, m) in enumerate(reports) if v in ("mismatch", "refused")]

@@ -62,6 +62,14 @@ def test_replicated_state_is_read_once_between_the_ranks_and_damage_fails_every_
         else:
             assert u["error"].startswith(f"CheckpointError: rank {replicated_worker.DAMAGED_RANK} could not read "), u
 
+    # damage on rank 2, whose root then fails to say whether the step is still committed: every rank raises at once
+    # (before, rank 2 raised alone and the others waited for its verdict until the collective timeout)
+    for u in _lines(results, "UNCHECKED"):
+        if u["rank"] == replicated_worker.DAMAGED_RANK:
+            assert u["error"].startswith("InjectedFault: injected fault: read of bytes"), u
+        else:
+            assert u["error"].startswith(f"CheckpointError: rank {replicated_worker.DAMAGED_RANK} could not read "), u
+
 
 def test_shared_regions_are_cut_where_digests_end_and_spread_evenly_over_their_holders():
     """The leader's plan from every rank's regions: a large region in bands at allowed rows, nearest to equal

@@ -7,7 +7,8 @@ saves step 1 (1 MiB digests, so that the large tensors are read in bands by seve
 ``RESULT {...}`` line (its pack bytes read, whether every tensor is bitwise the saved one). Then every tensor is set
 to 0.5 and step 1 restored again with rank 2's reads of pack data files corrupted: prints ``DAMAGE {...}`` (the error,
 whether the state is still all 0.5); then with rank 2's ranged reads of them failing (an I/O error) and again
-with none: prints ``UNREADABLE {...}``. Started through `tests/test_distributed.run_ranks(..., worker=replicated_worker)`.
+with none: prints ``UNREADABLE {...}``; then with rank 2's reads corrupted and its read of the manifest failing
+(whether the step is still committed: unknown): prints ``UNCHECKED {...}``. Started through `tests/test_distributed.run_ranks(..., worker=replicated_worker)`.
 """
 
 import json
@@ -21,6 +22,7 @@ import ckpt
 from dist_worker import redirect
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ckpt import layout  # noqa: E402
 from ckpt.storage import open_storage  # noqa: E402
 from fault_storage import FaultStorage  # noqa: E402
 
@@ -138,5 +140,19 @@ def main(mode: str, root: str) -> None:
         "UNREADABLE "
         + json.dumps({"rank": rank, "step": step, "error": error, "changed": changed, "then": again, "mismatched": bad})
     )
+    # rank 2 finds damage and cannot ask the root whether the step is still committed (its read of the manifest
+    # fails): every rank raises, none waits for rank 2's verdict until the collective timeout
+    unchecked = FaultStorage(
+        open_storage(root),
+        corrupt=lambda path: rank == DAMAGED_RANK and _data(path),
+        fail_range=lambda path: rank == DAMAGED_RANK and path.endswith(layout.MANIFEST),
+    )
+    with ckpt.CheckpointManager(unchecked, collective_timeout=60) as m:
+        try:
+            m.restore(state, step=1)
+            error = None
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+    print("UNCHECKED " + json.dumps({"rank": rank, "error": error}))
     dist.barrier()
     dist.destroy_process_group()
