@@ -174,7 +174,7 @@ class LedgerWriter:
 
     def append(self, text: str) -> None:
         """Hand whole lines to the OS now (local) or keep them for the next `sync` (object stores)."""
-        self._check_open()
+        self.check_open()
         if self._fd is None:
             self._lines.append(text)
             self._size += len(text)
@@ -190,7 +190,7 @@ class LedgerWriter:
 
     def sync(self, now_us: int) -> None:
         """Make every appended line durable: fsync, or one PUT of the current segment (nothing new: no PUT)."""
-        self._check_open()
+        self.check_open()
         if self._fd is not None:
             os.fsync(self._fd)
             return
@@ -209,7 +209,8 @@ class LedgerWriter:
             os.close(self._fd)
         self._closed = True
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise the refusal of a closed ledger (ValueError naming it); nothing when it is open."""
         if self._closed:
             raise ValueError(f"{self._name}: the ledger is closed (the tracker's end() was called); record refused")
 

@@ -357,6 +357,7 @@ class GoodputTracker:
         self._writer: LedgerWriter | None = None  # created by start(), or before it by claim_attempt()
         self._started = False
         self._mono = _not_started  # the attempt's clock, from start(): nothing is recorded before it
+        self._ended: int | None = None  # the end's last record (its heartbeat), once end() closed the ledger
         self._prior: Attribution | None = None
         self._earlier: dict[str, int] = {}  # microseconds per category of the earlier attempts
         self._overlap = 0  # microseconds of this attempt's startup the timeline gives to the one before (_Prior)
@@ -469,13 +470,15 @@ class GoodputTracker:
                 self.metrics.bind(job=self.job_id, attempt=self.attempt_id, rank=self.rank, now_us=self._now)
 
     def end(self, status: str = "ok") -> None:
-        """Mark a clean end (or status="error"), flush and close the ledger."""
+        """Mark a clean end (or status="error"), flush and close the ledger. Every record after it is refused with
+        a ValueError naming the ledger, a second end() too; `totals_us()` stays at the totals of the end."""
         if not isinstance(status, str):
             raise TypeError(f"status must be a string ('ok' or 'error'), got {type(status).__name__} {status!r}")
+        t = self._now()  # refused before start() and after end()
         window = self._windows.close()  # the window in progress, partial or not
         if window is not None:
             self.metrics.set_step_window(*window)
-        self._buf.append({"k": "end", "t": self._now(), "status": status})
+        self._buf.append({"k": "end", "t": t, "status": status})
         self._resume_known = True
         self.flush()
         with self._lock:
@@ -484,6 +487,15 @@ class GoodputTracker:
         self.metrics.end()
         with self._lock:
             self._writer.close()
+            self._ended = self._last_flush
+            self._mono = self._refuse  # a step, a span or a checkpoint hook from now on is an error, not a lost record
+
+    def _refuse(self) -> int:
+        """The clock of an ended tracker: it raises the ledger's refusal (`LedgerWriter.check_open`), so every
+        record after end() fails at its call, as one handed to the closed ledger does, instead of waiting in memory
+        for a flush that never comes (a span, a delete, a step's begin were kept and lost in silence)."""
+        self._writer.check_open()
+        raise AssertionError("unreachable: an ended tracker's ledger is closed")
 
     def __enter__(self) -> GoodputTracker:
         return self.start()
@@ -799,9 +811,10 @@ class GoodputTracker:
             )
 
     def totals_us(self, at_us: int | None = None) -> dict[str, int]:
-        """Job-level microseconds per category as this process sees them: earlier attempts plus this one live."""
+        """Job-level microseconds per category as this process sees them: earlier attempts plus this one live (after
+        end(), as at its end)."""
         with self._lock:
-            t = self._now() if at_us is None else at_us
+            t = at_us if at_us is not None else self._ended if self._ended is not None else self._now()
             acc = dict(self._acc)
             top = self._stack[-1][1] if self._stack else self._gap
             acc[top] = acc.get(top, 0) + t - self._last

@@ -284,3 +284,30 @@ def test_a_refused_digest_ends_its_step_and_never_hides_the_steps_own_error(tmp_
     tracker.end()
     seconds = {k: v for k, v in attribute_root(str(tmp_path)).seconds.items() if v}
     assert seconds["productive"] == pytest.approx(4.0) and seconds["other"] == pytest.approx(10.0), seconds
+
+
+def test_every_record_after_end_is_refused_and_the_totals_stay_at_the_end(tmp_path):
+    """After end() a step's begin, a span (a loader's data_wait during an evaluation after training) and a delete
+    were accepted and kept in memory for a flush that never came: lost in silence, and memory grew with every
+    one. Each is refused at its call naming the closed ledger, as a commit is, and so is a second end(); the live
+    totals (TrainLoop.ettr()) stay those of the end instead of counting the time after it as 'other'."""
+    clock = FakeClock(1000.0)
+    tracker = GoodputTracker(str(tmp_path), attempt_id="a1", rank=0, job_id="job", clock=clock).start()
+    tracker.checkpoint_restored(None)
+    with tracker.step(1):
+        clock.advance(1.0)
+    tracker.end()
+    totals = tracker.totals_us()
+    clock.advance(60.0)
+    for record in (
+        lambda: tracker.step_begin(2),
+        lambda: tracker.span("data_wait").__enter__(),
+        lambda: tracker.checkpoint_deleted(1),
+        tracker.end,
+    ):
+        with pytest.raises(ValueError, match=r"ledger-a1-rank0: the ledger is closed"):
+            record()
+    assert tracker.totals_us() == totals and totals["productive"] == to_us(1.0)
+    text = (tmp_path / "ettr" / "ledger-a1-rank0.jsonl").read_text()
+    kinds = [json.loads(line)["k"] for line in text.splitlines()]
+    assert kinds.count("end") == 1 and "delete" not in kinds and "span" not in kinds
