@@ -153,6 +153,8 @@ class LedgerWriter:
     ) -> None:
         self._closed = False
         self._fd: int | None = None
+        self._pid = os.getpid()  # the process the ledger belongs to
+        self._forked = False  # this is a forked child's copy of it (`forked`)
         local = local_root(root)
         if local is not None:
             os.makedirs(os.path.join(local, LEDGER_DIR), exist_ok=True)
@@ -209,8 +211,24 @@ class LedgerWriter:
             os.close(self._fd)
         self._closed = True
 
+    def forked(self) -> None:
+        """In a forked child (called after a fork): refuse every record from now on and close the child's copy of the
+        descriptor. The ledger is the parent's: a child's records landed in it, between the parent's, with orders
+        the parent had given already and an end record in the middle that no reader refused; on an object store its
+        PUT would have replaced the parent's segment with the child's stale copy."""
+        if self._fd is not None and not self._closed:
+            os.close(self._fd)
+        self._closed = self._forked = True
+
     def check_open(self) -> None:
-        """Raise the refusal of a closed ledger (ValueError naming it); nothing when it is open."""
+        """Raise the refusal of a closed ledger (ValueError naming it), or of one a forked child inherited
+        (RuntimeError naming it and both processes); nothing when it is open."""
+        if self._forked:
+            raise RuntimeError(
+                f"{self._name}: the ledger of process {self._pid}, and this process ({os.getpid()}) is a fork of it: "
+                "two processes never share a ledger, so a forked child records nothing with its parent's tracker; "
+                "make a GoodputTracker of its own in the child if it is to be measured"
+            )
         if self._closed:
             raise ValueError(f"{self._name}: the ledger is closed (the tracker's end() was called); record refused")
 

@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections import defaultdict, deque
 from typing import Any, NamedTuple
 
@@ -263,6 +264,20 @@ def _check_args(root: Any, job_id: Any, attempt_id: Any, rank: Any, storage_opti
     return root
 
 
+_HOLDING: weakref.WeakSet[GoodputTracker] = weakref.WeakSet()  # trackers with an open ledger, for `_forked`
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker, a multiprocessing.Process) holds copies of its parent's trackers: each
+    is told it is a copy (`GoodputTracker._in_forked_child`)."""
+    for tracker in list(_HOLDING):
+        tracker._in_forked_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class _Span:
     """Context manager for one span; a class rather than a generator to keep the step path lean."""
 
@@ -431,7 +446,22 @@ class GoodputTracker:
                         self._writer.attempt,
                     )
                     self.attempt_id = self._writer.attempt
+                _HOLDING.add(self)
             return self.attempt_id
+
+    def _in_forked_child(self) -> None:
+        """Called in a forked child: the tracker is its parent's. Every record is refused from now on, naming both
+        processes (`LedgerWriter.forked`), and its metrics stop reporting the checkpoint gauges: the child's copy of
+        the SDK exports too (its periodic reader restarts in a child), and a DataLoader worker reported a last step
+        frozen at the fork and an age growing beside the parent's, in the same series. The lock is new: a thread of
+        the parent may have held it at the fork, and no thread of the parent runs in the child to release it."""
+        self._lock = threading.RLock()
+        self._loaded = threading.Condition(self._lock)
+        self._loading = False
+        self.metrics.end()
+        self._writer.forked()
+        if self._started:
+            self._mono = self._refuse
 
     def use_metrics(self, metrics: GoodputMetrics) -> None:
         """Report to `metrics` from now on (e.g. instruments of a provider configured after the tracker was made)."""
@@ -487,15 +517,17 @@ class GoodputTracker:
         self.metrics.end()
         with self._lock:
             self._writer.close()
+            _HOLDING.discard(self)
             self._ended = self._last_flush
             self._mono = self._refuse  # a step, a span or a checkpoint hook from now on is an error, not a lost record
 
     def _refuse(self) -> int:
-        """The clock of an ended tracker: it raises the ledger's refusal (`LedgerWriter.check_open`), so every
-        record after end() fails at its call, as one handed to the closed ledger does, instead of waiting in memory
-        for a flush that never comes (a span, a delete, a step's begin were kept and lost in silence)."""
+        """The clock of an ended tracker (or of a forked child's copy): it raises the ledger's refusal
+        (`LedgerWriter.check_open`), so every record fails at its call, as one handed to the closed ledger does,
+        instead of waiting in memory for a flush that never comes (a span, a delete, a step's begin were kept and
+        lost in silence)."""
         self._writer.check_open()
-        raise AssertionError("unreachable: an ended tracker's ledger is closed")
+        raise AssertionError("unreachable: the ledger is closed")
 
     def __enter__(self) -> GoodputTracker:
         return self.start()

@@ -311,3 +311,62 @@ def test_every_record_after_end_is_refused_and_the_totals_stay_at_the_end(tmp_pa
     text = (tmp_path / "ettr" / "ledger-a1-rank0.jsonl").read_text()
     kinds = [json.loads(line)["k"] for line in text.splitlines()]
     assert kinds.count("end") == 1 and "delete" not in kinds and "span" not in kinds
+
+
+def test_a_forked_child_records_nothing_into_its_parents_ledger_nor_exports_its_checkpoint(tmp_path):
+    """A forked child (a DataLoader worker, a multiprocessing.Process) holds a copy of its parent's tracker. Its
+    steps, spans and end record went into the parent's ledger between the parent's own (orders the parent had
+    given, an 'ok' end in the middle), read by every report without a word; and its copy of the SDK exported the
+    parent's last checkpoint step frozen at the fork with an age growing beside the parent's, in the same series
+    (an age alert fired from a DataLoader worker). In the child every record is refused naming both processes, and
+    the checkpoint gauges report nothing."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from ettr import GoodputMetrics, metric_totals
+
+    reader = InMemoryMetricReader()
+    metrics = GoodputMetrics(MeterProvider(metric_readers=[reader]).get_meter("ettr"))
+    clock = FakeClock(1000.0)
+    tracker = GoodputTracker(
+        str(tmp_path), attempt_id="a1", rank=0, job_id="job", clock=clock, metrics=metrics, flush_interval=0
+    ).start()
+    tracker.checkpoint_restored(None)
+    with tracker.step(1):
+        clock.advance(1.0)
+    tracker.checkpoint_committed(1, 0.5)
+    assert metric_totals(reader)["last_step"] == 1
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what it saw through the pipe, whatever happens
+        try:
+            seen = metric_totals(reader)
+            errors = []
+            for record in (
+                lambda: tracker.step_begin(2),
+                lambda: tracker.span("eval").__enter__(),
+                lambda: tracker.checkpoint_committed(2, 0.5),
+                tracker.end,
+            ):
+                try:
+                    record()
+                    errors.append(None)
+                except RuntimeError as e:
+                    errors.append(str(e))
+            os.write(write, json.dumps({"gauges": sorted({"last_step", "age"} & set(seen)), "errors": errors}).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        child = json.loads(pipe.read() or "null")
+    os.waitpid(pid, 0)
+    with tracker.step(2):
+        clock.advance(1.0)
+    tracker.end()
+    assert child is not None and child["gauges"] == []
+    for error in child["errors"]:
+        assert error and f"the ledger of process {os.getpid()}" in error and "is a fork of it" in error, error
+    records = [json.loads(line) for line in (tmp_path / "ettr" / "ledger-a1-rank0.jsonl").read_text().splitlines()]
+    assert [r["s"] for r in records if r["k"] == "step"] == [1, 2]
+    assert [r["k"] for r in records].count("end") == 1 and not any(r["k"] == "span" for r in records)
+    assert [r["s"] for r in records if r["k"] == "commit"] == [1]
