@@ -79,7 +79,7 @@ class GoodputMetrics:
     def __init__(self, meter: metrics.Meter | None = None, *, point_attributes: dict[str, Any] | None = None) -> None:
         """`point_attributes`: put on every point besides the job and rank, e.g. `identity_attributes()`
         (``configure_metrics(identity_on_points=True)``): for backends that do not join `target_info`."""
-        meter = meter or metrics.get_meter("ettr")
+        meter = meter or _global_meter()
         self._points = dict(point_attributes or {})
         self._job: dict[str, Any] = dict(self._points)  # ettr.job, ettr.rank (and the point attributes)
         self._attempt: dict[str, Any] = {}  # and ettr.attempt
@@ -258,15 +258,36 @@ class GoodputMetrics:
 
 _OBSERVED: dict[int, tuple[metrics.Meter, weakref.WeakSet[GoodputMetrics]]] = {}  # id(meter) -> its live metrics
 _OBSERVED_LOCK = threading.Lock()
+_GLOBAL: list[metrics.Meter] = []  # the global provider's meter "ettr", once asked for (`_global_meter`)
+
+
+def _global_meter() -> metrics.Meter:
+    """The global provider's meter "ettr", the same one for every GoodputMetrics made without a meter. Before an
+    application configures the SDK the API hands out a new proxy meter per call, each following the provider set
+    later: a second proxy made the checkpoint gauges again on the same SDK meter, which drops their callbacks."""
+    with _OBSERVED_LOCK:
+        if not _GLOBAL:
+            _GLOBAL.append(metrics.get_meter("ettr"))
+        return _GLOBAL[0]
+
+
+def _backing(meter: metrics.Meter) -> metrics.Meter:
+    """The meter that records for `meter`: the SDK meter behind an API proxy once the global provider is set (the
+    proxy's `_real_meter`; absent from another API version, the proxy itself), else `meter`."""
+    return getattr(meter, "_real_meter", None) or meter
 
 
 def _observed_by(meter: metrics.Meter) -> weakref.WeakSet[GoodputMetrics]:
-    """The live metrics whose checkpoint gauges `meter` reports. Its observable gauges are made once: the SDK keeps
-    a name's first registration and drops later callbacks, so a second tracker in one process (an integration's
-    next train()) exported the first one's step and age, and kept it alive; now each collection reads every live
-    (not ended, not collected) metrics object of the meter."""
+    """The live metrics whose checkpoint gauges `meter` reports. Its observable gauges are made once per meter
+    that records (a proxy of the global provider and the SDK meter behind it are one): the SDK keeps a name's first
+    registration and drops later callbacks, so a second tracker in one process (an integration's next train())
+    exported the first one's step and age, and kept it alive; now each collection reads every live (not ended, not
+    collected) metrics object of the meter."""
     with _OBSERVED_LOCK:
         found = _OBSERVED.get(id(meter))
+        if found is None:
+            backing = _backing(meter)
+            found = next((f for f in _OBSERVED.values() if _backing(f[0]) is backing), None)
         if found is None:
             live: weakref.WeakSet[GoodputMetrics] = weakref.WeakSet()
             meter.create_observable_gauge(

@@ -567,3 +567,42 @@ def test_end_waits_for_a_read_of_the_earlier_ledgers_in_progress_on_another_thre
     assert tr._prior_done and not tr._loading
     assert metric_totals(reader)["failures"] == 1
     provider.shutdown()
+
+
+_GLOBAL_LATER_CHILD = r"""
+import json, sys
+from opentelemetry import metrics
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from ettr import FakeClock, GoodputMetrics, GoodputTracker, metric_totals
+
+root, clock, reader, seen = sys.argv[1], FakeClock(1000.0), InMemoryMetricReader(), []
+first = GoodputTracker(root, job_id="job-7", clock=clock).start()  # no metrics=: the global provider's, unset yet
+second_metrics = GoodputMetrics()  # made before the provider too (an integration's callback, built early)
+metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+first.checkpoint_committed(10, 1.0)
+first.end()
+for step, made in ((20, lambda: None), (30, lambda: GoodputMetrics(metrics.get_meter("ettr")))):
+    tracker = GoodputTracker(root, job_id="job-7", clock=clock, metrics=made() or second_metrics).start()
+    tracker.checkpoint_restored(step - 10)
+    tracker.checkpoint_committed(step, 1.0)
+    clock.advance(5)
+    totals = metric_totals(reader)
+    seen.append([totals.get("last_step"), totals.get("age")])
+    tracker.end()
+print(json.dumps(seen))
+"""
+
+
+def test_trackers_after_the_first_report_their_checkpoint_when_the_global_provider_is_set_later(tmp_path):
+    """The docs say a tracker made without metrics= may have the global provider configured after it exists. The
+    API hands out a new proxy meter per call until then, each following the provider set later: the second
+    tracker's proxy made the checkpoint gauges again on the same SDK meter, which dropped their callbacks, and so
+    did a meter asked of the provider afterwards: ettr.checkpoint.last_step and ettr.checkpoint.age, what the docs
+    say to alert on, were missing for every tracker but the first (an integration's next train())."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__))])}
+    out = subprocess.run(
+        [sys.executable, "-c", _GLOBAL_LATER_CHILD, str(tmp_path)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout) == [[20, 5.0], [30, 5.0]]
