@@ -199,6 +199,9 @@ class _Prior(NamedTuple):
     # this attempt's first microseconds, from its process's start, that the job's timeline gives to the attempt before
     # it (a second tracker of one process: its startup is dated from the process start, which the first one covers)
     overlap_us: int = 0
+    # how far the job's timeline moved this attempt from its own clock (a wall clock that went back between attempts:
+    # attribution places it after the attempt before); its time t is t + shift_us there
+    shift_us: int = 0
 
 
 def _earlier_attempts(root: str, storage_options: dict[str, Any] | None, rank: int) -> _Prior:
@@ -230,7 +233,7 @@ def _earlier_attempts(root: str, storage_options: dict[str, Any] | None, rank: i
     failures = sum(a.failed for a in prior.attempts[:-1])
     # the steps of this attempt already recorded are compared; plain tuples, which the collector lets be
     expect = {s: (a, None if d is None else tuple(d)) for s, (a, d) in me.replay.pending.items()}
-    return _Prior(newest, prior, earlier, earlier_split, failures, expect, overlap)
+    return _Prior(newest, prior, earlier, earlier_split, failures, expect, overlap, shift)
 
 
 def _not_started() -> int:
@@ -376,6 +379,7 @@ class GoodputTracker:
         self._prior: Attribution | None = None
         self._earlier: dict[str, int] = {}  # microseconds per category of the earlier attempts
         self._overlap = 0  # microseconds of this attempt's startup the timeline gives to the one before (_Prior)
+        self._shift = 0  # microseconds the job's timeline moved this attempt by (_Prior.shift_us)
         # checkpoint time by part (SAVE_SPLIT, and "background_write"): this attempt's from its closed spans and
         # commits, the earlier attempts' from their ledgers
         self._split: dict[str, int] = dict.fromkeys((*SAVE_SPLIT, "background_write"), 0)
@@ -792,6 +796,7 @@ class GoodputTracker:
             self._prior = prior.attribution
             self._earlier, self._earlier_split = prior.earlier, prior.earlier_split
             self._overlap = prior.overlap_us
+            self._shift = prior.shift_us
             self._expect = prior.expect
             me = prior.attribution.attempts[-1]
             self._through = me.replay.through
@@ -868,17 +873,21 @@ class GoodputTracker:
         with self._lock:
             split = {part: us + self._earlier_split.get(part, 0) for part, us in self._split.items()}
         self.metrics.set_checkpoint_seconds({part: us / 1e6 for part, us in split.items()})
+        # the ratios are taken on the job's timeline, as attribution's: this attempt's clock moved by `_shift` (a
+        # wall clock that went back gave 0.0, or a ratio above 1, beside the report's); its history is kept in its own
         job_start = self._prior.start_us if self._prior is not None else self._start
-        begin = max(job_start, t - round(self.window_s * 1e6))
+        now = t + self._shift
+        begin = max(job_start, now - round(self.window_s * 1e6))
         own = totals.get("productive", 0) - self._earlier.get("productive", 0)
         self._history.append((t, own))
-        while len(self._history) > 1 and self._history[1][0] <= begin:
+        while len(self._history) > 1 and self._history[1][0] <= begin - self._shift:
             self._history.popleft()  # keep the newest snapshot at or before the window's start
-        own_before = self._history[0][1] if self._history[0][0] <= begin else 0
+        own_before = self._history[0][1] if self._history[0][0] <= begin - self._shift else 0
         # the earlier attempts' productive time up to where the timeline starts this attempt
-        earlier = self._prior.productive_us_between(begin, self._start + self._overlap) if self._prior else 0
+        starts = self._start + self._overlap + self._shift
+        earlier = self._prior.productive_us_between(begin, starts) if self._prior else 0
         self.metrics.set_ettr(
-            totals.get("productive", 0) / (t - job_start) if t > job_start else 0.0,
-            (earlier + own - own_before) / (t - begin) if t > begin else 0.0,
+            totals.get("productive", 0) / (now - job_start) if now > job_start else 0.0,
+            (earlier + own - own_before) / (now - begin) if now > begin else 0.0,
             self.window_s,
         )

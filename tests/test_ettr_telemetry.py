@@ -606,3 +606,38 @@ def test_trackers_after_the_first_report_their_checkpoint_when_the_global_provid
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout) == [[20, 5.0], [30, 5.0]]
+
+
+@pytest.mark.parametrize("starts_at", [990.0, 1003.0])  # before the first attempt's start, inside its run
+def test_the_ratio_gauges_equal_the_report_when_the_wall_clock_went_back(tmp_path, starts_at):
+    """The restarted attempt's clock is behind (an NTP step, a node with a wrong clock): attribution places it right
+    after the attempt before, and the job's seconds were exported as the report has them, but the ratios divided by
+    the attempt's own clock less the job's start: ETTR 0.0 (a clock behind the job's start) or far above the
+    report's (0.7 for 0.27). They are taken on the job's timeline: cumulative and windowed, as the report's."""
+    root = str(tmp_path)
+    clock = FakeClock(1000.0)
+    first = GoodputTracker(root, job_id=JOB, attempt_id="a1", rank=0, clock=clock, flush_interval=0).start()
+    first.checkpoint_restored(None)
+    steps(first, clock, 1, 3)
+    with first.span("checkpoint_save", step=3):
+        clock.advance(0.5)
+    first.checkpoint_committed(3, 1.0)
+    steps(first, clock, 4, 5)  # then it dies: no end
+    clock = FakeClock(starts_at)
+    second = GoodputTracker(root, job_id=JOB, attempt_id="a2", rank=0, clock=clock, flush_interval=0, window_s=8.0)
+    _, reader = configure_metrics("memory", tracker=second, set_global=False)
+    second.start()
+    clock.advance(2.0)
+    with second.span("checkpoint_restore"):
+        clock.advance(1.0)
+    second.checkpoint_restored(3)
+    steps(second, clock, 4, 6)
+    second.flush()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the report's own warning about the clock
+        report = attribute_root(root, window_s=8.0)
+    seen = metric_totals(reader)
+    assert seen["seconds"] == pytest.approx({k: v for k, v in report.seconds.items() if v})
+    assert seen["ettr"]["cumulative"] == pytest.approx(report.ettr) and 0 < report.ettr < 1
+    assert seen["ettr"]["8s"] == pytest.approx(report.ettr_window(8.0))
+    second.end()
