@@ -203,6 +203,22 @@ def test_a_missing_bucket_fails_when_the_root_is_opened_naming_the_bucket(s3_buc
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("path, segment", [("x//y", "an empty"), ("x/./y", "a '.'"), ("x/../y", "a '..'")])
+def test_a_root_path_with_an_empty_or_dot_segment_is_refused_before_any_request(s3_bucket, capsys, path, segment):
+    """SeaweedFS stores x//y/k as x/y/k and lists nothing under x//y/: every save there succeeded and no step was
+    ever seen (steps() [], restore None: a resumed run started afresh); curl resolves '..' after signing (a
+    'refused the credentials' error). Such a root is refused, naming the segment, by the manager, load and the CLI."""
+    root = f"s3://{s3_bucket}/{path}"
+    for call in (lambda: ckpt.CheckpointManager(root), lambda: ckpt.load(root)):
+        with pytest.raises(ValueError, match=f"may not have {segment} segment"):
+            call()
+    assert cli.main(["ls", root]) == 1 and "may not have" in capsys.readouterr().err
+    with ckpt.CheckpointManager(f"s3://{s3_bucket}//x/y/") as m:  # slashes around the path are no segment: x/y
+        m.save(1, _state(1))
+        m.wait()
+    assert ckpt.load(f"s3://{s3_bucket}/x/y", keys=["opt"])["opt"]["step"] == 1
+
+
 def _s3_bytes_read() -> int:
     """Bytes this process has read from S3 so far (tensorstore's own counter)."""
     import tensorstore as ts

@@ -144,6 +144,8 @@ def kvstore_spec(url: str, storage_options: Mapping[str, Any] | None = None) -> 
     protocol, rest = fsspec.core.split_protocol(url)
     bucket, _, path = (rest or "").partition("/")
     path = path.strip("/") + "/" if path.strip("/") else ""
+    if protocol in ("s3", "gs", "gcs"):
+        _check_prefix(url, path)
     if protocol == "s3":
         if not bucket:
             raise ValueError(f"{url}: an s3:// root names a bucket (s3://bucket/path)")
@@ -158,6 +160,21 @@ def kvstore_spec(url: str, storage_options: Mapping[str, Any] | None = None) -> 
     import tensorstore as ts
 
     return ts.KvStore.Spec(url.rstrip("/") + "/").to_json()
+
+
+def _check_prefix(url: str, path: str) -> None:
+    """Refuse a root whose key prefix has an empty, '.' or '..' segment (``s3://b/x//y``, ``s3://b/x/../y``).
+
+    Object keys are not paths, but stores and HTTP clients treat such keys as paths, each its own way: SeaweedFS
+    stores ``x//y/k`` as ``x/y/k`` yet lists nothing under ``x//y/`` (every save succeeds, and no step is ever seen:
+    a resumed run starts afresh), and curl resolves ``..`` after the request was signed (refused as bad
+    credentials). The URL is refused here, naming the segment, before any request."""
+    for segment in path.rstrip("/").split("/") if path else ():
+        if segment in ("", ".", ".."):
+            raise ValueError(
+                f"{url}: an object-store root's path may not have {'an empty' if not segment else 'a ' + repr(segment)}"
+                " segment (keys are not paths: stores and HTTP clients resolve '//', '.' and '..' each their own way)"
+            )
 
 
 def _s3_spec(bucket: str, path: str, options: Mapping[str, Any], timeout: float) -> dict[str, Any]:
