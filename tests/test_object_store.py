@@ -11,6 +11,7 @@ import torch
 import ckpt
 from ckpt import catalog, cli, layout, lease
 from ckpt.storage import kvstore_spec, open_storage
+from ckpt.storage.spec import context as spec_context
 from step_paths import pack_path
 
 AWS_VARS = (
@@ -304,3 +305,39 @@ def test_a_damaged_object_is_detected_named_set_aside_and_the_previous_step_rest
         _assert_equal(target, _state(1))
         assert m.steps() == [1]
     assert [q.step for q in catalog.quarantined(storage)] == [2]  # moved aside through the store, for inspection
+
+
+def test_a_damaged_step_holding_stray_objects_is_still_set_aside_and_the_previous_step_restored(s3_bucket, caplog):
+    """An object no checkpoint writes (`.DS_Store`, a note with spaces) in a damaged step: its quarantine copied it
+    as an 'unsafe array path' and failed, and with it the restore (CorruptCheckpointError, no fallback). It moves
+    with the rest now; a key no request can address as written (an empty, '.' or '..' segment) is left out, named."""
+    root = f"s3://{s3_bucket}/stray"
+    with ckpt.CheckpointManager(root) as m:
+        m.save(1, _state(1))
+        m.save(2, _state(2))
+    storage = open_storage(root)
+    pack = pack_path(storage, 2, layout.pack_name(0))
+    path = next(f"{pack}/{f}" for f in storage.list_files(pack) if f.startswith("c/"))
+    data = bytearray(storage.read(path))
+    data[100] ^= 0xFF
+    storage.write_atomic(path, bytes(data))
+    kv = ts.KvStore.open(kvstore_spec(root)).result()  # objects put by hand, as `aws s3 cp` or a Finder would
+    for stray in ("step_00000002/.DS_Store", "step_00000002/zz notes (1).txt"):
+        kv.write(stray, b"not a checkpoint file").result()
+
+    with ckpt.CheckpointManager(root) as m:
+        target = _state(0)
+        with pytest.warns(RuntimeWarning, match="step 2 is damaged.*quarantined to"):
+            assert m.restore(target) == 1
+        _assert_equal(target, _state(1))
+        assert m.steps() == [1]
+    (moved,) = catalog.quarantined(storage)
+    assert moved.step == 2 and {".DS_Store", "zz notes (1).txt"} <= set(storage.list_files(moved.path))
+
+    memory = open_storage("memory://stray-dots")  # S3 servers refuse such keys (SeaweedFS); AWS and GCS hold them
+    kv = ts.KvStore.open(memory.kvstore_spec(""), context=spec_context()).result()  # the store's own context
+    for key in ("src/a", "src/b/../../a", "src/.DS_Store"):
+        kv.write(key, b"x").result()
+    memory.move_tree("src", "dst")
+    assert memory.list_files("dst") == [".DS_Store", "a"] and memory.list_files("src") == []
+    assert "src/b/../../a is not copied" in caplog.text

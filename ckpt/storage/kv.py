@@ -7,6 +7,7 @@ another. On object stores a single PUT of the manifest is the atomic commit.
 from __future__ import annotations
 
 import errno
+import logging
 import time
 from typing import Any, Mapping
 
@@ -15,8 +16,9 @@ import tensorstore as ts
 from ..errors import StorageError
 from .local import too_big
 from .protocol import checked
-from .spec import DEFAULT_TIMEOUT_S, curl_timeouts, kvstore_spec, validated_options
+from .spec import DEFAULT_TIMEOUT_S, curl_timeouts, kvstore_spec, plain_key, validated_options
 
+log = logging.getLogger(__name__)
 _REMOTE = ("s3", "gcs")  # drivers probed when a root is opened
 _PROBE = ".ckpt-probe"  # a prefix listed once when a root is opened (one LIST, nothing written)
 
@@ -125,11 +127,22 @@ class KvStorage:
         self._wait(self._kv.delete_range(ts.KvStore.KeyRange(checked(path), checked(path) + "\x00")), "delete", path)
 
     def move_tree(self, src: str, dst: str) -> None:
-        """Copy every key under `src` to `dst`, then delete `src` (object stores have no rename)."""
+        """Copy every key under `src` to `dst`, then delete `src` (object stores have no rename).
+
+        The keys are the listing's, moved as they are (under `src`, so inside the root): an object no checkpoint
+        writes (`.DS_Store`, `notes (1).txt`) moves with the rest, as a rename moves it on a local root, instead of
+        failing the move as an unsafe path (which failed the restore that quarantined a damaged step). A key with an
+        empty, '.' or '..' segment, which no request addresses as written, is not copied (a warning names it)."""
+        source, target = checked(src).rstrip("/") + "/", checked(dst).rstrip("/") + "/"
         for k in self.list_files(src):
-            data = self.read(f"{src}/{k}")
-            if data is not None:
-                self.write_atomic(f"{dst}/{k}", data)
+            if not plain_key(k):
+                log.warning(
+                    "%s%s%s is not copied to %s: a key with an empty, '.' or '..' segment", self.url, source, k, target
+                )
+                continue
+            r = self._wait(self._kv.read(source + k), "read", source + k)
+            if r.state == "value":
+                self._wait(self._kv.write(target + k, r.value), "write", target + k)
         self.delete_tree(src)
 
     def size(self, path: str) -> int:

@@ -162,6 +162,14 @@ def kvstore_spec(url: str, storage_options: Mapping[str, Any] | None = None) -> 
     return ts.KvStore.Spec(url.rstrip("/") + "/").to_json()
 
 
+_UNPLAIN = ("", ".", "..")  # the key segments that stores and HTTP clients resolve as a path's
+
+
+def plain_key(key: str) -> bool:
+    """Whether an object key has no empty, '.' or '..' segment: a request addresses that key and no other."""
+    return not any(segment in _UNPLAIN for segment in key.split("/"))
+
+
 def _check_prefix(url: str, path: str) -> None:
     """Refuse a root whose key prefix has an empty, '.' or '..' segment (``s3://b/x//y``, ``s3://b/x/../y``).
 
@@ -170,7 +178,7 @@ def _check_prefix(url: str, path: str) -> None:
     a resumed run starts afresh), and curl resolves ``..`` after the request was signed (refused as bad
     credentials). The URL is refused here, naming the segment, before any request."""
     for segment in path.rstrip("/").split("/") if path else ():
-        if segment in ("", ".", ".."):
+        if segment in _UNPLAIN:
             raise ValueError(
                 f"{url}: an object-store root's path may not have {'an empty' if not segment else 'a ' + repr(segment)}"
                 " segment (keys are not paths: stores and HTTP clients resolve '//', '.' and '..' each their own way)"
