@@ -66,6 +66,17 @@ def _parse(data: bytes | None) -> dict[str, Any] | None:
     return holder if isinstance(holder, dict) else None
 
 
+def _until(holder: dict[str, Any] | None) -> str:
+    """When an object-store lease frees the root, for the writer it refuses: a holder that died (SIGKILL, a lost node)
+    cannot release it, and nothing else says that waiting is enough, or for how long."""
+    end = _expires(holder)
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(end))
+    return (
+        f"its lease expires at {when} (in {max(end - time.time(), 0):.0f} s) unless its holder renews it: a holder "
+        "that died frees the root then, and the next writer takes it over"
+    )
+
+
 def _expires(holder: dict[str, Any] | None) -> float:
     """When an object-store lease ends (0: unreadable, i.e. free)."""
     value = holder.get("expires") if holder else None
@@ -233,7 +244,9 @@ class KvLease:
             data, gen = storage.read_versioned(LEASE)
             current = _parse(data)
             if data is not None and _expires(current) > time.time():
-                raise LeaseHeldError(f"{storage.url} is being written by {_describe(current)}", holder=current)
+                raise LeaseHeldError(
+                    f"{storage.url} is being written by {_describe(current)}; {_until(current)}", holder=current
+                )
             self.holder["expires"] = time.time() + ttl
             new = storage.write_if(LEASE, json.dumps(self.holder).encode(), gen)
             if new is not None:

@@ -341,3 +341,24 @@ def test_a_damaged_step_holding_stray_objects_is_still_set_aside_and_the_previou
     memory.move_tree("src", "dst")
     assert memory.list_files("dst") == [".DS_Store", "a"] and memory.list_files("src") == []
     assert "src/b/../../a is not copied" in caplog.text
+
+
+def test_a_second_writer_of_an_s3_root_is_refused_saying_when_the_lease_frees_the_root(s3_bucket):
+    """The refusal named the holder alone: a job restarted on another node after its writer was SIGKILLed read that a
+    writer (a pid long dead) held the root, with nothing saying that the lease ends by itself, nor when."""
+    root = f"s3://{s3_bucket}/two"
+    with ckpt.CheckpointManager(root, lease_ttl=40) as first:
+        first.save(1, _state(1))
+        first.wait()
+        second = ckpt.CheckpointManager(root, lease_ttl=40)
+        with pytest.raises(ckpt.LeaseHeldError) as info:
+            second.save(1, _state(2))
+        message = str(info.value)
+        assert f"pid {os.getpid()}" in message and "a holder that died frees the root then" in message
+        left = int(message.split("its lease expires at ")[1].split("(in ")[1].split(" s)")[0])
+        assert 0 < left <= 40
+        second.close()
+    target = _state(0)
+    with ckpt.CheckpointManager(root) as reader:
+        assert reader.restore(target) == 1
+    _assert_equal(target, _state(1))  # the refused writer committed nothing over the first one's step
