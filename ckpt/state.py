@@ -167,6 +167,10 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
                     raise TypeError(
                         f"dict at key {key!r} has a key {k!r} of type {type(k).__name__}; only str and int keys are supported"
                     )
+                if isinstance(k, int) and k.bit_length() > _INT_BITS:  # as an int value: JSON reads no longer ones
+                    raise TypeError(
+                        f"dict at key {key!r} has an int key of {k.bit_length()} bits: at most {_INT_BITS} can be saved"
+                    )
                 items.append((k, enc(v, path + [escape_segment(k)], f"{key}.{k}" if key else str(k), depth + 1)))
             if isinstance(x, OrderedDict):
                 return {"$odict": [[k, v] for k, v in items]}

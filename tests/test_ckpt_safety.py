@@ -101,6 +101,8 @@ def test_bad_input_errors_name_the_key(tmp_path):
             m.save(0, {"cfg": {"fn": lambda: 0}})
         with pytest.raises(TypeError, match=r"key 'opt'.*only str and int keys"):
             m.save(0, {"opt": {(1, 2): 3}})
+        with pytest.raises(TypeError, match=r"key 'cfg.ids' has an int key of 20001 bits"):  # was a ValueError of
+            m.save(0, {"cfg": {"ids": {2**20000: 1}}})  # str(int) naming no key
         m.save(1, {"w": torch.zeros(3, 4), "x": torch.zeros(2, dtype=torch.int64)}).wait()
         with pytest.raises(ValueError, match=r"key 'w'.*shape \[3, 4\].*shape \[4, 3\]"):
             m.restore({"w": torch.zeros(4, 3)})
