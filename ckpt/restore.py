@@ -310,7 +310,31 @@ def _fresh(info: ArrayInfo, box: Box, step: int) -> torch.Tensor:
     return torch.empty(shape, dtype=torch_dtype(info.dtype))
 
 
+def _check_dense_target(info: ArrayInfo, t: torch.Tensor, step: int) -> None:
+    """A restore writes a tensor in place, so the caller's must have memory laid out densely: a meta tensor (a model
+    built on ``torch.device("meta")`` and not yet materialized) has none, and copying into it does nothing, so the
+    restore would report success while the state kept no value; a sparse or nested one has no such layout (torch
+    fails the copy, after other tensors were written, or names no key)."""
+    what = (
+        "a nested tensor"
+        if t.is_nested
+        else f"a {t.layout} (sparse) tensor"
+        if t.layout != torch.strided
+        else "a meta tensor, which has no memory to restore into (materialize it first, e.g. "
+        "module.to_empty(device=...))"
+        if t.is_meta
+        else None
+    )
+    if what:
+        raise StateMismatchError(
+            f"restore of key {info.name!r} (step {step}): checkpoint has a dense {info.dtype} array of shape "
+            f"{list(info.shape)}, the target tensor is {what}"
+        )
+
+
 def _check_match(info: ArrayInfo, tmpl: torch.Tensor, step: int) -> None:
+    """The caller's tensor can take the array in place: dense memory of its own, the array's shape and dtype."""
+    _check_dense_target(info, tmpl.to_local() if is_dtensor(tmpl) else tmpl, step)
     if tuple(tmpl.shape) != info.shape:
         raise StateMismatchError(
             f"restore of key {info.name!r} (step {step}): checkpoint has shape {list(info.shape)}, "

@@ -524,3 +524,29 @@ def test_a_numpy_array_with_negative_strides_restores(tmp_path):
     with ckpt.CheckpointManager(tmp_path) as m:
         assert m.restore(target) == 1
     assert target["a"].tolist() == [9.0, 7.0, 5.0, 3.0, 1.0] and target["b"].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kind", ["meta", "sparse_coo", "sparse_csr", "nested"])
+def test_a_restore_into_a_tensor_without_dense_memory_is_refused_naming_the_key(tmp_path, kind):
+    """A model built on the meta device and not materialized: restore copied into its tensors, which does nothing,
+    and returned the step (the state kept no value, silently). A sparse or nested target failed inside torch, naming
+    no key (or as an 'expanded view'). Each is a StateMismatchError naming the key and what the target is, raised
+    before any tensor of the caller changed."""
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"model": torch.nn.Linear(3, 3), "w": torch.arange(6.0).reshape(3, 2)}).wait()
+    if kind == "meta":
+        with torch.device("meta"):
+            model = torch.nn.Linear(3, 3)
+        state, key, what = {"model": model, "w": torch.zeros(3, 2)}, "model/weight", "a meta tensor"
+    else:
+        w = {
+            "sparse_coo": lambda: torch.ones(3, 2).to_sparse(),
+            "sparse_csr": lambda: torch.ones(3, 2).to_sparse_csr(),
+            "nested": lambda: torch.nested.nested_tensor([torch.ones(2)] * 3),
+        }[kind]()
+        state, key, what = {"model": torch.nn.Linear(3, 3), "w": w}, "w", "sparse" if "sparse" in kind else "nested"
+    before = {k: v.detach().clone() for k, v in state["model"].state_dict().items() if not v.is_meta}
+    with pytest.raises(ckpt.StateMismatchError, match=f"key '{key}' .* the target tensor is .*{what}"):
+        with ckpt.CheckpointManager(tmp_path) as m:
+            m.restore(state)
+    assert all(torch.equal(state["model"].state_dict()[k], v) for k, v in before.items())
