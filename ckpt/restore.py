@@ -14,6 +14,7 @@ picks the step and handles failures.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -784,7 +785,10 @@ def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
         cuda = False
         with torch.no_grad():  # a leaf that requires grad (a strided one: not read into directly) takes its bytes
             for r, t in copied:  # a direct read's first target already holds it
-                t.copy_(r.buffer, non_blocking=t.is_cuda)
+                # an inference tensor (made under torch.inference_mode) takes an in-place write only inside it (not
+                # inference_mode(False) for the others: it turns grad mode back on, and a leaf's copy raises)
+                with torch.inference_mode() if t.is_inference() else contextlib.nullcontext():
+                    t.copy_(r.buffer, non_blocking=t.is_cuda)
                 cuda = cuda or t.is_cuda
         if cuda:
             torch.cuda.synchronize()

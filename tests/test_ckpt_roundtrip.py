@@ -550,3 +550,18 @@ def test_a_restore_into_a_tensor_without_dense_memory_is_refused_naming_the_key(
         with ckpt.CheckpointManager(tmp_path) as m:
             m.restore(state)
     assert all(torch.equal(state["model"].state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_strided_inference_tensor_restores_in_place(tmp_path):
+    """A strided target made under torch.inference_mode: its copy raised torch's 'Inplace update to inference tensor'
+    after the other tensors had been overwritten (a failed restore that changed the state). It is restored in place."""
+    saved = {"a": torch.arange(12.0).reshape(3, 4), "b": torch.arange(12.0).reshape(4, 3).t() + 100}
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, saved).wait()
+    with torch.inference_mode():
+        b = torch.full((4, 3), -2.0).t()
+    target = {"a": torch.full((3, 4), -1.0), "b": b}
+    with ckpt.CheckpointManager(tmp_path) as m:
+        assert m.restore(target) == 1
+    assert target["b"] is b and b.is_inference()
+    assert all(torch.equal(target[k], v) for k, v in saved.items())
