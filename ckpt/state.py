@@ -292,14 +292,17 @@ def decode(
     but only after loading the rest); other objects' load_state_dict judge their own state.
     """
     if is_stateful(template):
-        if isinstance(node, dict) and _tag(node) in ("$tensor", "$ndarray"):  # a state_dict of its own is a dict
+        own = isinstance(node, dict) and _tag(node) == "$state"  # else a plain state_dict that was saved as such
+        judged = isinstance(template, (torch.nn.Module, torch.optim.Optimizer))  # whose state restore checks itself
+        if not own and node_of(node).kind != MAPPING and (judged or node_of(node).kind == TENSOR):
+            # a module's or optimizer's state is a dict: a number, a list... is another kind of value (their
+            # load_state_dict refuses it naming no key); other objects' own load judges what is not a tensor
             raise StateMismatchError(
                 f"restore: key {key!r} is a {type(template).__qualname__} in the state passed to restore, but the "
                 f"checkpoint holds {_kind(node)} there"
             )
         obj, strict = template, isinstance(template, torch.nn.Module)
         template = state_of(template)
-        own = isinstance(node, dict) and _tag(node) == "$state"  # else a plain state_dict that was saved as such
         value = decode(node["v"] if own else node, load, template, key, strict, state_of)
         if isinstance(obj, torch.optim.Optimizer):
             _check_groups(value, template, key)

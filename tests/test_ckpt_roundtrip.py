@@ -407,7 +407,9 @@ def test_a_failed_restore_leaves_a_samplers_live_iterator_running(tmp_path, wher
     assert next(live) == next(expected)
 
 
-@pytest.mark.parametrize("case", ["module_for_tensor", "tensor_for_module", "optimizer_groups"])
+@pytest.mark.parametrize(
+    "case", ["module_for_tensor", "tensor_for_module", "optimizer_groups", "module_for_none", "optimizer_for_list"]
+)
 def test_a_restore_into_objects_of_another_kind_is_refused_before_anything_changes(tmp_path, case):
     """A module where the checkpoint holds a tensor, a tensor where it holds a module, an optimizer with other
     parameter groups: a StateMismatchError naming the key, raised before any tensor of the caller changed."""
@@ -424,12 +426,21 @@ def test_a_restore_into_objects_of_another_kind_is_refused_before_anything_chang
         )
     elif case == "tensor_for_module":
         state["model"], match = torch.zeros(3), "key 'model' is a tensor .* holds the state of a Linear"
-    else:
+    elif case == "optimizer_groups":
         state["optim"], match = torch.optim.AdamW([model.weight]), r"key 'optim': .* groups of \[2\] .* \[1\]"
+    else:  # torch's own load raised 'Expected state_dict to be dict-like', 'parameter groups of None', naming no key
+        with ckpt.CheckpointManager(tmp_path) as m:
+            m.save(2, {"model": model, "x": None, "optim": [0.1, 0.2]}).wait()
+        if case == "module_for_none":
+            state["x"], match = torch.nn.Linear(1, 1), "key 'x' is a Linear .* the checkpoint holds a NoneType value"
+        else:
+            state["x"], match = None, "key 'optim' is a AdamW .* the checkpoint holds a list value"
     with pytest.raises(ckpt.StateMismatchError, match=match), ckpt.CheckpointManager(tmp_path) as m:
         m.restore(state)
     assert torch.equal(model.weight, weight)
-    assert case == "module_for_tensor" or torch.equal(state["x"], torch.ones(2))
+    assert case in ("module_for_tensor", "module_for_none", "optimizer_for_list") or torch.equal(
+        state["x"], torch.ones(2)
+    )
 
 
 class _Whitening:
