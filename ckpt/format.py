@@ -40,6 +40,10 @@ PACK_ALIGN_MIN = 1 << 20  # boxes of this size or more start at a multiple of 40
 _PACK_ALIGN = 4096  # the arena's and O_DIRECT's alignment: such a box goes from the arena to disk without a copy
 # An array name: '/'-separated segments of safe characters; no empty, '.' or '..' segment, nothing absolute.
 _MAX_SEGMENT = 200
+# An array name's length: an array of its own is the directory ``step_N/w-<token>/arrays/<name>/`` holding
+# ``c/<i>/<j>...`` chunk files, and that whole path must fit a local path (PATH_MAX, 4096 bytes with the root's own)
+# and an object key (1,024 bytes on S3 and GCS, with the root's prefix).
+MAX_NAME = 400
 
 # The zarr3 data_types a tensor may have; each is also the name of its torch dtype (torch.float64, ...). The numpy
 # dtype views the raw bytes for tensorstore.
@@ -112,6 +116,45 @@ def escape_segment(key: str | int) -> str:
     if len(out) > _MAX_SEGMENT:
         out = out[: _MAX_SEGMENT - 17] + "~" + hashlib.sha256(out.encode()).hexdigest()[:16]
     return out
+
+
+def sibling_segments(keys: Sequence[str | int]) -> list[str]:
+    """The path segments of a dict's keys, one each (`escape_segment`), never two alike even ignoring case.
+
+    Two keys may escape alike (the int 0 and the str "0"; "" and NUL; "W" and "w" on a case-insensitive file system,
+    where they name one directory). An array under one would then lie inside, or be, the other's directory: a file
+    where the other needs a directory (EISDIR), or two arrays' chunks in one file. Each key after the first of its
+    kind takes ``~1``, ``~2``...: the first free among its siblings'. ASCII case is the only folding there is to
+    fear: a segment is ASCII (`escape_segment` percent-escapes the rest).
+    """
+    segments = [escape_segment(k) for k in keys]
+    folded = [s.lower() for s in segments]
+    if len(set(folded)) == len(folded):  # every dict of a normal state: nothing to do
+        return segments
+    taken, seen = set(folded), set()
+    for i, low in enumerate(folded):
+        if low in seen:
+            n = 1
+            while f"{low}~{n}" in taken:
+                n += 1
+            segments[i], low = f"{segments[i]}~{n}", f"{low}~{n}"
+            taken.add(low)
+        seen.add(low)
+    return segments
+
+
+def array_name(segments: Sequence[str]) -> str:
+    """The name of a tensor's array from its key path's segments: joined by '/', at most `MAX_NAME` characters.
+
+    A longer path keeps its first characters and ends in ``~`` and 16 hex digits of its sha256, so every array's
+    directory fits any root (a path of 25 keys of 200 characters failed the write with ENAMETOOLONG). The cut can
+    fall anywhere: the segment it ends in still starts as it did (never '.'), or is the ``~`` tail alone. The tree
+    refers to an array by this name, so a restore never derives it again and older steps read as they were written.
+    """
+    name = "/".join(segments) or "%00"
+    if len(name) > MAX_NAME:
+        name = name[: MAX_NAME - 17] + "~" + hashlib.sha256(name.encode()).hexdigest()[:16]
+    return name
 
 
 @functools.lru_cache(maxsize=1 << 16)

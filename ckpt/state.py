@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .errors import StateKeyError, StateMismatchError
-from .format import MAX_DEPTH, MAX_RANK, escape_segment
+from .format import MAX_DEPTH, MAX_RANK, array_name, sibling_segments
 from .tree import (  # noqa: F401 (the tree's grammar, importable here as before)
     _NP_SCALAR,
     MAPPING,
@@ -113,7 +113,7 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
         )
         if t.numel() and ident in seen:
             return {tag: seen[ident]}
-        name = "/".join(path) or "%00"
+        name = array_name(path)
         base, n = name, 1
         while name in flat.tensors:
             name, n = f"{base}~{n}", n + 1
@@ -161,8 +161,7 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
         if isinstance(x, list):
             return [enc(v, path + [str(i)], f"{key}.{i}", depth + 1) for i, v in enumerate(x)]
         if isinstance(x, Mapping):
-            items = []
-            for k, v in x.items():
+            for k in x:
                 if isinstance(k, bool) or not isinstance(k, (str, int)):
                     raise TypeError(
                         f"dict at key {key!r} has a key {k!r} of type {type(k).__name__}; only str and int keys are supported"
@@ -171,7 +170,10 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
                     raise TypeError(
                         f"dict at key {key!r} has an int key of {k.bit_length()} bits: at most {_INT_BITS} can be saved"
                     )
-                items.append((k, enc(v, path + [escape_segment(k)], f"{key}.{k}" if key else str(k), depth + 1)))
+            items = [
+                (k, enc(v, path + [seg], f"{key}.{k}" if key else str(k), depth + 1))
+                for (k, v), seg in zip(x.items(), sibling_segments(list(x)))
+            ]
             if isinstance(x, OrderedDict):
                 return {"$odict": [[k, v] for k, v in items]}
             if all(isinstance(k, str) and not k.startswith("$") for k, _ in items):
@@ -186,12 +188,13 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
         )
 
     tree = {}
-    for k, v in state.items():
+    for k in state:
         check_top_level_key(k)
+    for (k, v), seg in zip(state.items(), sibling_segments(list(state))):
         if is_per_rank(v):
-            tree[k] = per_rank_node([[rank, enc(v, [escape_segment(k), f"rank_{rank:05d}"], k)]])
+            tree[k] = per_rank_node([[rank, enc(v, [seg, f"rank_{rank:05d}"], k)]])
         else:
-            tree[k] = enc(v, [escape_segment(k)], k)
+            tree[k] = enc(v, [seg], k)
     flat.tree = tree
     return flat
 

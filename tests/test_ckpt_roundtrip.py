@@ -576,3 +576,64 @@ def test_a_strided_inference_tensor_restores_in_place(tmp_path):
         assert m.restore(target) == 1
     assert target["b"] is b and b.is_inference()
     assert all(torch.equal(target[k], v) for k, v in saved.items())
+
+
+def _deep(depth: int, key_chars: int, leaf):
+    """`leaf` under `depth` nested dicts, each keyed by a string of `key_chars` characters."""
+    for level in range(depth):
+        leaf = {f"{level:03d}".ljust(key_chars, "k"): leaf}
+    return leaf
+
+
+def _key_state():
+    """Tensors under keys a file system or an object store may mishandle: paths of 5,000+ characters, segments past
+    NAME_MAX (in UTF-8 too), characters with a meaning in paths or URLs, the layout's own names, and sibling keys
+    that escape to one directory name: an int and its str, '' and NUL, and names differing only in case (one
+    directory on a case-insensitive file system)."""
+    t = lambda *shape, v=1.0: torch.full(shape, v)  # noqa: E731
+    return {
+        "deep": _deep(25, 200, {"w": torch.arange(6.0).reshape(2, 3), "empty": torch.empty(0, 4)}),
+        "long": {"x" * 300: t(2, v=2), "é" * 200: t(3, v=3), "日本" * 100: t(1, v=4)},
+        "chars": {
+            c: t(2, v=i) for i, c in enumerate(["\x00", "\n", "%", "%25", "\\", ":", "a.", "a ", ".", "..", "~"])
+        },
+        "layout": {
+            n: t(1, v=i) for i, n in enumerate(["manifest.json", "_LEASE", "zarr.json", "c", "packs", "arrays"])
+        },
+        "int_str": {0: t(3, v=5), "0": {"c": {"0": t(5, v=6), "zarr.json": t(1)}}, "0~1": t(2, v=7)},
+        "str_int": {"1": {"c": {"0": t(2, 2, v=8)}}, 1: t(2, 2, v=9)},
+        "nul": {"": t(3, 1, v=10), "\x00": {"c": {"0": {"0": t(4, v=11)}}}},
+        "case": {"W": t(2, v=12), "w": t(3, v=13), "Layer": {"x": t(1, v=14)}, "layer": {"x": t(1, v=15)}},
+    }
+
+
+def _zeros_like_tree(x):
+    return {k: _zeros_like_tree(v) for k, v in x.items()} if isinstance(x, dict) else torch.full_like(x, -1)
+
+
+def _equal_trees(a, b) -> bool:
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_equal_trees(a[k], b[k]) for k in a)
+    return _bits_equal(a, b)
+
+
+@pytest.mark.parametrize("pack_bytes", [None, 0])
+def test_every_key_saves_and_restores_under_a_bounded_array_path(root, pack_bytes):
+    """A tensor stored as an array of its own (an empty one, or any with pack_bytes=0) under any valid key saves
+    and restores bitwise: a key path of 5,000 characters failed the background write with ENAMETOOLONG, and an int
+    key beside its str (or '' beside NUL) put one array's directory inside another's (EISDIR), losing the step."""
+    from ckpt import layout
+    from ckpt.format import MAX_NAME
+    from ckpt.storage import open_storage
+
+    state = _key_state()
+    with ckpt.CheckpointManager(root, **({} if pack_bytes is None else {"pack_bytes": pack_bytes})) as m:
+        m.save(1, state).wait()
+    target = _zeros_like_tree(state)
+    with ckpt.CheckpointManager(root) as m:
+        assert m.restore(target) == 1
+    assert _equal_trees(target, state)
+    names = [n.lower() for n in layout.read_manifest(open_storage(root), 1).arrays]
+    assert max(map(len, names)) <= MAX_NAME
+    dirs = set(names)  # no array's directory lies inside another's, nor is another's, even case-insensitively
+    assert len(dirs) == len(names) and not [n for n in names if any(n[:i] in dirs for i, c in enumerate(n) if c == "/")]
