@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Protocol
 from . import catalog, layout
 from . import lease as lease_mod
 from .distributed import Ranks
-from .errors import CorruptCheckpointError, LeaseHeldError
+from .errors import CorruptCheckpointError, LeaseHeldError, StorageError
 from .save import WritePlan
 from .storage import Storage
 
@@ -114,7 +114,10 @@ def set_aside_durable(
     storage: Storage, ranks: Ranks, step: int, error: CorruptCheckpointError, lease: lease_mod.Lease | None
 ) -> str:
     """Quarantine a damaged step of the durable root: rank 0 does it for all, under the root's lease (borrowed for
-    the move when this manager holds none: moving a step is a write, never beside another live writer)."""
+    the move when this manager holds none: moving a step is a write, never beside another live writer).
+
+    A quarantine that fails (a file system's OSError, an object store's `StorageError`: read-only credentials, a
+    store gone away) leaves the step in place and says why: the restore still falls back to the previous step."""
     if not ranks.leader:
         return "quarantined by rank 0"
     borrowed = None
@@ -124,8 +127,8 @@ def set_aside_durable(
         return f"quarantined to {catalog.quarantine(storage, step, str(error))}"
     except LeaseHeldError as e:
         return f"left in place ({e})"
-    except OSError as e:
-        log.warning("could not quarantine damaged step %d: %s", step, e)
+    except (OSError, StorageError) as e:
+        log.warning("could not quarantine damaged step %d of %s: %s", step, storage.url, e)
         return f"could not be quarantined ({e})"
     finally:
         if borrowed is not None:

