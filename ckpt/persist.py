@@ -27,7 +27,7 @@ from .packs import BoxRead, PackWriter, read_boxes
 from .planner import ArrayPlan
 from .pools import Inline, submit_or_run
 from .save import ManifestInDoubt, begin_step, clear_attempt, commit_step, raise_outcome, settle
-from .storage import Storage, context, where
+from .storage import Storage, context, request_error, where
 
 
 def copy_region(
@@ -195,7 +195,7 @@ class PersistJob:
             if files is not None:
                 files.close()  # every chunk file copied is durable
         except Exception as e:
-            error = e
+            error = request_error(self.dst, e)  # a chunk's write to an object store names its URL and endpoint
             if files is not None:
                 with contextlib.suppress(Exception):
                     files.close()

@@ -33,7 +33,7 @@ from .packs import PackWriter
 from .planner import ArrayPlan, Planner
 from .snapshot import Pending
 from .staging import Staged, StagingArena
-from .storage import Storage
+from .storage import Storage, request_error
 
 log = logging.getLogger("ckpt")
 
@@ -345,7 +345,7 @@ class SaveJob:
             if self._files is not None:
                 self._files.close()  # every chunk file written here is durable
         except BaseException as e:
-            error = e
+            error = request_error(self.storage, e)  # a chunk's write to an object store names its URL and endpoint
         if error is not None and not self._prepared and self.ranks.world_size > 1:
             try:  # failed before the step's first message: take part in it, so that no rank waits for this one
                 self._prepare(error)

@@ -54,6 +54,13 @@ def test_server_killed_mid_save_fails_the_save_in_bounded_time_and_the_store_rec
                 s3_server.start()
                 step += 1
         assert failed is not None and failed.step == step, "no save was in flight when the server died"
+        # the error names the object by its URL (tensorstore names the key inside the bucket only), the endpoint,
+        # and that it cannot be reached, after the prefix a training loop matches
+        message = str(failed)
+        assert message.startswith(f"saving step {step} failed: StorageError: "), message
+        assert f"{root}/step_{step:08d}/" in message and s3_server.endpoint in message, message
+        assert "the endpoint cannot be reached" in message, message
+        assert isinstance(failed.__cause__, ckpt.StorageError) and failed.__cause__.url == root + "/"
         with pytest.raises(ckpt.CheckpointError):  # while the store is down, a restore fails: it never skips
             m.restore(state_for(0))  # ... the newest step as "damaged" (nothing is quarantined)
         s3_server.start()

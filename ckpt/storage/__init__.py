@@ -44,6 +44,7 @@ __all__ = [
     "makedirs_durable",
     "open_regular",
     "open_storage",
+    "request_error",
     "retries",
     "where",
 ]
@@ -88,6 +89,15 @@ def open_storage(root: str | os.PathLike | Storage, storage_options: Mapping[str
     from .kv import KvStorage  # tensorstore (and numpy) load with the first object-store root, not with a local one
 
     return KvStorage(root, context(), options)
+
+
+def request_error(storage: Storage, error: BaseException) -> BaseException:
+    """`error` of a request tensorstore made itself through `storage.kvstore_spec` (a chunk's write), as the root's
+    own requests name theirs: on an object store a `StorageError` naming the object's URL, the endpoint and what to
+    check; any other error as it is (see `kv.request_error`)."""
+    from .kv import request_error  # tensorstore's errors: a process that met one has loaded tensorstore already
+
+    return request_error(storage, error)
 
 
 def __getattr__(name: str) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import time
 from typing import Any, Mapping
 
@@ -15,7 +16,7 @@ import tensorstore as ts
 
 from ..errors import StorageError
 from .local import too_big
-from .protocol import checked
+from .protocol import Storage, checked
 from .spec import DEFAULT_TIMEOUT_S, curl_timeouts, kvstore_spec, plain_key, validated_options
 
 log = logging.getLogger(__name__)
@@ -71,9 +72,12 @@ class KvStorage:
             return future.result(timeout=timeout)
         except TimeoutError as e:
             future.cancel()
-            raise _storage_error(self, what, key, f"no answer within {timeout:g} s", e) from e
+            raise self._error(what, key, f"no answer within {timeout:g} s", e) from e
         except (ValueError, OSError, RuntimeError) as e:  # tensorstore's error statuses
-            raise _storage_error(self, what, key, str(e), e) from e
+            raise self._error(what, key, str(e), e) from e
+
+    def _error(self, what: str, key: str, detail: str, cause: BaseException) -> StorageError:
+        return _storage_error(self.url, self.endpoint, self.bucket, what, key, detail, cause)
 
     def _keys(self, prefix: str) -> list[str]:
         rng = ts.KvStore.KeyRange(prefix, prefix + "\xff") if prefix else ts.KvStore.KeyRange()
@@ -167,14 +171,46 @@ class KvStorage:
         return stamp.generation or None
 
 
-def _storage_error(storage: KvStorage, what: str, key: str, detail: str, cause: BaseException) -> StorageError:
-    """The error of a failed request, naming the root, endpoint and bucket, and what to check."""
-    server = f"endpoint {storage.endpoint}" if storage.endpoint else "the provider's default endpoint"
+def _storage_error(
+    url: str, endpoint: str | None, bucket: str | None, what: str, key: str, detail: str, cause: BaseException
+) -> StorageError:
+    """The error of a failed request to the root `url`, naming the object, endpoint and bucket, and what to check."""
+    server = f"endpoint {endpoint}" if endpoint else "the provider's default endpoint"
     first = detail.splitlines()[0][:300] if detail else type(cause).__name__
-    message = (
-        f"{what} {storage.url}{key} failed ({server}, bucket {storage.bucket!r}): {_hint(detail, storage)}; {first}"
-    )
-    return StorageError(message, url=storage.url, endpoint=storage.endpoint, bucket=storage.bucket, key=key)
+    message = f"{what} {url}{key} failed ({server}, bucket {bucket!r}): {_hint(detail, bucket)}; {first}"
+    return StorageError(message, url=url, endpoint=endpoint, bucket=bucket, key=key)
+
+
+_STATUS = re.compile(r"[A-Z][A-Z_]+: ")  # tensorstore's error text: its status code first
+_REQUEST = re.compile(r'Error (writing|reading|deleting|listing) "([^"]*)"')  # ... then the request that failed
+_SPEC = " [tensorstore_spec="  # ... then the whole spec, whose words ("credentials") are no answer of the store
+
+
+def request_error(storage: Storage, error: BaseException) -> BaseException:
+    """`error` of a request tensorstore made itself through `storage.kvstore_spec` (a chunk's write, an array's
+    creation), in the words of this module's own requests: a `StorageError` naming the object's URL, the endpoint,
+    the bucket and what to check, where the request went to an object store (S3, GCS).
+
+    tensorstore names only the key inside the bucket (``Error writing "run/step_2/.../c/0": ... CURL error``): no URL,
+    no endpoint, no word that the endpoint cannot be reached. Any other error is returned as it is: a local root's
+    (its message names the file), ours, and one naming no key under this root (a local tier's read while persisting).
+    """
+    if isinstance(error, StorageError) or not isinstance(error, (ValueError, OSError, RuntimeError)):
+        return error
+    detail = str(error).split(_SPEC, 1)[0]
+    spec = storage.kvstore_spec("")
+    if spec.get("driver") not in _REMOTE or not _STATUS.match(detail):
+        return error
+    prefix = spec.get("path", "")
+    found = [(v, k) for v, k in _REQUEST.findall(detail) if k.startswith(prefix) and not k.startswith("/")]
+    if not found:
+        return error
+    verb, key = found[0]
+    what = {"writing": "write", "reading": "read", "deleting": "delete", "listing": "list"}[verb]
+    endpoint, bucket = spec.get("endpoint"), spec.get("bucket")
+    failed = _storage_error(storage.url, endpoint, bucket, what, key[len(prefix) :], detail, error)
+    failed.__cause__ = error
+    return failed
 
 
 _REFUSED = ("permission_denied", "unauthenticated", "response_code='403'", "signaturedoesnotmatch", "accessdenied")
@@ -182,7 +218,7 @@ _REFUSED += ("invalidaccesskeyid", "credentials")
 _UNREACHABLE = ("curl error", "could not connect", "couldn't connect", "resolve host", "timed out", "no answer within")
 
 
-def _hint(detail: str, storage: KvStorage) -> str:
+def _hint(detail: str, bucket: str | None) -> str:
     """What a user should check, from the store's answer."""
     text = detail.lower()
     if any(s in text for s in _REFUSED):
@@ -191,7 +227,7 @@ def _hint(detail: str, storage: KvStorage) -> str:
             "AWS_SESSION_TOKEN / AWS_PROFILE or storage_options"
         )
     if "nosuchbucket" in text or ("not_found" in text and "bucket" in text):
-        return f"bucket {storage.bucket!r} does not exist: create it or fix the root's URL"
+        return f"bucket {bucket!r} does not exist: create it or fix the root's URL"
     if any(s in text for s in _UNREACHABLE):
         return (
             "the endpoint cannot be reached: check AWS_ENDPOINT_URL / storage_options['endpoint'], the "
