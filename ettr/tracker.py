@@ -21,7 +21,16 @@ from typing import Any, NamedTuple
 from .attribution import SAVE_SPLIT, Attribution, attribute
 from .clock import Clock, SystemClock
 from .formulas import check_seconds
-from .ledger import FORMAT_VERSION, SAVE_PARTS, TIERS, UPLOAD_INTERVAL_S, LedgerError, LedgerWriter, read_ledgers
+from .ledger import (
+    FORMAT_VERSION,
+    SAVE_PARTS,
+    TIERS,
+    UPLOAD_INTERVAL_S,
+    LedgerError,
+    LedgerWriter,
+    local_root,
+    read_ledgers,
+)
 from .replay import Replay, compare, float_bits
 from .stragglers import WAIT, WINDOW_STEPS, WindowMeter
 from .telemetry import GoodputMetrics
@@ -252,6 +261,7 @@ def _check_args(root: Any, job_id: Any, attempt_id: Any, rank: Any, storage_opti
         raise TypeError(f"root must be a path or URL (str or os.PathLike), got {type(root).__name__} {root!r}")
     if not root:
         raise ValueError("root must be a path or URL, got ''")
+    local_root(root)  # a URL missing its '//' (s3:bucket/run), a file:// URL of another host: refused now
     for name, value in (("job_id", job_id), ("attempt_id", attempt_id)):
         if value is not None and not isinstance(value, str):
             raise TypeError(f"{name} must be a string or None, got {type(value).__name__} {value!r}")

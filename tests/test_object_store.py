@@ -2,6 +2,7 @@
 variables or `storage_options`, bounded failures, the commit, retention, verify and the `ckpt` commands."""
 
 import os
+import re
 import time
 
 import pytest
@@ -218,6 +219,34 @@ def test_a_root_path_with_an_empty_or_dot_segment_is_refused_before_any_request(
         m.save(1, _state(1))
         m.wait()
     assert ckpt.load(f"s3://{s3_bucket}/x/y", keys=["opt"])["opt"]["step"] == 1
+
+
+@pytest.mark.parametrize(
+    "root, meant",
+    [("s3:bkt/run", "s3://bkt/run"), ("gs:/bkt/run", "gs://bkt/run"), ("memory:x", "memory://x"), ("file:ck", "ck")],
+)
+def test_a_url_missing_its_slashes_is_refused_not_taken_for_a_directory(tmp_path, monkeypatch, capsys, root, meant):
+    """`s3:bkt/run` (no '//') was the directory 's3:bkt/run' under the working directory: every save landed there
+    and the bucket never saw one. The one parser of roots refuses it, saying what was meant, for the manager, load,
+    the CLI and ettr's ledger (the same storage stack); './s3:bkt/run' still names that directory."""
+    from ettr import GoodputTracker, attribute_root
+
+    monkeypatch.chdir(tmp_path)
+    message = f"{root!r} looks like a URL missing its '//': did you mean {meant!r}?"
+    calls = (
+        lambda: ckpt.CheckpointManager(root),
+        lambda: ckpt.load(root),
+        lambda: GoodputTracker(root),
+        lambda: attribute_root(root),
+    )
+    for call in calls:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            call()
+    assert cli.main(["ls", root]) == 1 and message in capsys.readouterr().err
+    assert not os.listdir(tmp_path)  # nothing made under the working directory
+    with ckpt.CheckpointManager(f"./{root}") as m:  # a directory of that name, asked for as one
+        m.save(1, _state(1))
+    assert (tmp_path / root / layout.step_dir(1)).is_dir()
 
 
 def _s3_bytes_read() -> int:

@@ -50,14 +50,31 @@ __all__ = [
 ]
 
 
+# The schemes of the URLs a root is given by (tensorstore's kvstores, and other stores' that a user may type): a
+# relative path starting with one and a colon, but no '//', is a mistyped URL rather than a directory of that name.
+_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "hdfs", "http", "https", "file", "local", "memory")
+
+
 def local_dir(url: str) -> str | None:
     """The directory of this machine that a path or a ``file://`` (``local://``) URL names; None for another URL.
     ``file://localhost/PATH`` is ``/PATH``; another host is refused: ``file://mnt/ckpt`` (two slashes) would
-    otherwise be the directory ``mnt/ckpt`` under whatever the working directory is."""
+    otherwise be the directory ``mnt/ckpt`` under whatever the working directory is. So is a URL missing its
+    '//' (``s3:bucket/run``, ``gs:/bucket``, ``file:/ckpt``): as a path it is a directory ``s3:bucket/run`` under the
+    working directory, where every save would land in silence (``./s3:bucket/run`` is that directory)."""
     protocol, path = fsspec.core.split_protocol(url)
     if protocol not in (None, "file", "local"):
         return None
-    if protocol is None or path.startswith("/"):
+    if protocol is None:
+        scheme, colon, rest = path.partition(":")
+        if colon and scheme.lower() in _SCHEMES:
+            file = scheme.lower() in ("file", "local")
+            meant = rest if file else f"{scheme.lower()}://{rest.lstrip('/')}"
+            raise ValueError(
+                f"{url!r} looks like a URL missing its '//': did you mean {meant!r}? "
+                f"(a local directory of that name is './{url}')"
+            )
+        return path
+    if path.startswith("/"):
         return path
     host, _, rest = path.partition("/")
     if host == "localhost":
