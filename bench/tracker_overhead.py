@@ -4,20 +4,31 @@ time of the process (what the step path costs training, robust to other jobs on 
 Each run is a fresh job (its own root): bare steps, steps with a data_wait span, steps whose record carries a digest
 (the loss and a batch hash, as the integrations record them), and the same steps trained a second time by a resumed
 attempt, each compared with its first pass at the flushes (replay verification, docs/goodput.md).
+
+    .venv/bin/python bench/tracker_overhead.py                     # every variant, 5 runs of 200,000 steps each
+    .venv/bin/python bench/tracker_overhead.py bare --runs 1 --steps 1000   # smoke run
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 import tempfile
 import time
 
 from ettr import GoodputTracker
 
-STEPS = 200_000
-LOSSES = [2.0 + 1.0 / (s + 1) for s in range(STEPS + 1)]  # made before timing: a float each, as `loss.item()` gives
-BATCHES = [f"{s * 2654435761 % 2**64:016x}" for s in range(STEPS + 1)]  # 16 hex digits, as sampler.batch_hash gives
+STEPS = 200_000  # steps per run; --steps sets it before the inputs below are made
+LOSSES: list[float] = []  # made before timing: a float each, as `loss.item()` gives
+BATCHES: list[str] = []  # 16 hex digits, as sampler.batch_hash gives
+
+
+def make_inputs(steps: int) -> None:
+    """Set STEPS and precompute the losses and batch hashes the digest variants record (outside the timing)."""
+    global STEPS
+    STEPS = steps
+    LOSSES[:] = [2.0 + 1.0 / (s + 1) for s in range(steps + 1)]
+    BATCHES[:] = [f"{s * 2654435761 % 2**64:016x}" for s in range(steps + 1)]
 
 
 def steps(tr: GoodputTracker, variant: str) -> None:
@@ -67,10 +78,19 @@ LABELS = {
 }
 
 
-def main(variants: list[str]) -> None:
-    """Print the median over 5 runs of each variant (default: all)."""
-    for variant in variants or list(LABELS):
-        cpu, wall = zip(*(one_run(variant) for _ in range(5)))
+def main(argv: list[str] | None = None) -> None:
+    """Print the median over --runs runs of each variant named (default: all)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap.add_argument("variants", nargs="*", metavar="VARIANT", help=f"any of {', '.join(LABELS)} (default: all)")
+    ap.add_argument("--runs", type=int, default=5, help="fresh jobs per variant (default 5; the median is reported)")
+    ap.add_argument("--steps", type=int, default=STEPS, help=f"steps per run (default {STEPS:,})")
+    args = ap.parse_args(argv)
+    unknown = [v for v in args.variants if v not in LABELS]
+    if unknown:
+        ap.error(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(LABELS)}")
+    make_inputs(args.steps)
+    for variant in args.variants or list(LABELS):
+        cpu, wall = zip(*(one_run(variant) for _ in range(args.runs)))
         print(
             f"{LABELS[variant]:<26} median {statistics.median(cpu):.2f} us/step CPU, {statistics.median(wall):.2f} "
             f"wall  (CPU runs: {', '.join(f'{r:.2f}' for r in cpu)}; {STEPS} steps each, flushes included)"
@@ -78,4 +98,4 @@ def main(variants: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
