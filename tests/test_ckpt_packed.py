@@ -215,6 +215,45 @@ def test_load_of_one_tensor_reads_only_its_bytes(tmp_path):
     assert info.value.key == "layers/3.bias" and info.value.file == path
 
 
+def _disk_bytes_read() -> int:
+    """Bytes this process has had read from a block device (/proc/self/io: read-ahead it caused included)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split(":")[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def _evict(path: str) -> None:
+    """Drop a (synced) file's pages from the page cache, so that the next read of it goes to the disk (no root)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux's per-process IO counters")
+def test_load_of_one_tensor_reads_no_more_of_the_disk_than_its_bytes(tmp_path):
+    """A tensor packed before others ends inside its pack file: the kernel's read-ahead must not pull the rest
+    (up to read_ahead_kb: 8 MiB on some machines, more on network file systems) from the disk."""
+    state = {"a": torch.arange(1 << 20, dtype=torch.float32), "b": torch.ones(4 << 20)}  # 4 MiB, then 16 MiB
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, state).wait()
+    path, at = _placed_byte(tmp_path, 1, "a")
+    assert _placed_byte(tmp_path, 1, "b")[0] == path and os.path.getsize(path) > at + (8 << 20)
+    _evict(path)
+    before = _disk_bytes_read()
+    with open(path, "rb") as f:
+        f.read(1 << 20)
+    if _disk_bytes_read() == before:
+        pytest.skip("this file system does not read through a block device (tmpfs?): read_bytes stays 0")
+    _evict(path)
+    before = _disk_bytes_read()
+    got = ckpt.load(tmp_path, step=1, keys=["a"])
+    read = _disk_bytes_read() - before
+    assert torch.equal(got["a"], state["a"])
+    assert read <= (4 << 20) + (64 << 10), f"read {read} bytes from the disk for a 4 MiB tensor"
+
+
 def test_region_of_a_placed_tensor_is_checked_whole(tmp_path):
     with ckpt.CheckpointManager(tmp_path) as m:
         m.save(1, _small(1)).wait()
