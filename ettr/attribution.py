@@ -90,6 +90,10 @@ class Attribution:
     restore_us: tuple[int, ...] = field(repr=False)
     window_s: float = 3600.0
     deleted_steps: tuple[int, ...] = ()  # committed steps deleted since (retention, delete()), by the ledgers
+    # (step, time) of the newest commit the ledgers record (the highest step, its latest commit), the time on the
+    # job's timeline as the attempts are placed (a wall clock that went back moves a later attempt's commits with it),
+    # so `end_us - newest_commit[1]` is the checkpoint's age at the job's last record; None without a commit record
+    newest_commit: tuple[int, int] | None = None
 
     @property
     def retained_steps(self) -> tuple[int, ...]:
@@ -668,6 +672,7 @@ def _attribute(
         save_us=tuple(x for a in attempts for x in a.save_us),
         restore_us=tuple(x for a in attempts for x in a.restore_us),
         window_s=window_s,
+        newest_commit=max(((s, t) for a in attempts for s, t in a.commit_times.items()), default=None),
     )
 
 

@@ -199,7 +199,9 @@ _EVERY_STEP = _INT64  # `_through` while the earlier attempts are read: every st
 class _Prior(NamedTuple):
     """What an attempt takes from the earlier attempts' ledgers (`_earlier_attempts`)."""
 
-    newest_commit: tuple[int, int] | None  # (step, time) of the job's newest commit, for the checkpoint gauges
+    # (step, time) of the job's newest commit, for the checkpoint gauges; the time on this attempt's clock (the
+    # timeline's less `shift_us`), which its own commits and the age's "now" are read on
+    newest_commit: tuple[int, int] | None
     attribution: Attribution | None  # the whole job's, this attempt last; None without an earlier attempt
     earlier: dict[str, int]  # microseconds per category of the earlier attempts
     earlier_split: dict[str, int]  # and their checkpoint time by part
@@ -222,10 +224,9 @@ def _earlier_attempts(root: str, storage_options: dict[str, Any] | None, rank: i
     except (LedgerError, OSError) as e:  # the goodput of earlier attempts is lost to telemetry, not the training
         log.warning("goodput: the earlier attempts' ledgers cannot be read (%s): telemetry counts this one only", e)
         ledgers = []
-    commits = [(r["s"], r["t"]) for l in ledgers for r in l.records if r["k"] == "commit"]
-    newest = max(commits) if commits else None
-    if len(ledgers) <= 1:
-        return _Prior(newest, None, {}, {}, 0, {})
+    if len(ledgers) <= 1:  # this attempt's own commits, if any: on its own clock
+        commits = [(r["s"], r["t"]) for l in ledgers for r in l.records if r["k"] == "commit"]
+        return _Prior(max(commits) if commits else None, None, {}, {}, 0, {})
     prior = attribute(ledgers, rank=rank)
     me = prior.attempts[-1]
     earlier = {cat: us - me.micros.get(cat, 0) for cat, us in prior.micros.items()}
@@ -242,6 +243,9 @@ def _earlier_attempts(root: str, storage_options: dict[str, Any] | None, rank: i
     failures = sum(a.failed for a in prior.attempts[:-1])
     # the steps of this attempt already recorded are compared; plain tuples, which the collector lets be
     expect = {s: (a, None if d is None else tuple(d)) for s, (a, d) in me.replay.pending.items()}
+    # the newest commit as attribution places it, brought onto this attempt's clock: an earlier attempt's raw ledger
+    # time is on its own clock, and one that ran ahead of this one (a wall clock that went back) made the age negative
+    newest = None if prior.newest_commit is None else (prior.newest_commit[0], prior.newest_commit[1] - shift)
     return _Prior(newest, prior, earlier, earlier_split, failures, expect, overlap, shift)
 
 

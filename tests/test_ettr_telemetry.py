@@ -641,3 +641,39 @@ def test_the_ratio_gauges_equal_the_report_when_the_wall_clock_went_back(tmp_pat
     assert seen["ettr"]["cumulative"] == pytest.approx(report.ettr) and 0 < report.ettr < 1
     assert seen["ettr"]["8s"] == pytest.approx(report.ettr_window(8.0))
     second.end()
+
+
+@pytest.mark.parametrize(("starts_at", "age"), [(990.0, 8.0), (1003.0, 8.0), (1020.0, 22.5)])
+def test_the_checkpoint_age_follows_the_report_when_the_wall_clock_went_back(tmp_path, starts_at, age):
+    """a1 (from 1000 s) commits step 3 at 1003.5 s and dies at 1005.5 s; a2's clock starts at `starts_at` and restores
+    step 3. A clock behind (990 s: before a1's start; 1003 s: inside its run) is placed by the report right after a1,
+    at 1005.5 s: its flush at 6 s of its own is 1011.5 s on the job's timeline, 8 s after the commit. The age compared
+    a1's raw commit time with a2's own clock: -7.5 s (a checkpoint from the future) and 5.5 s. A clock ahead (1020 s)
+    is not moved: 22.5 s either way."""
+    root = str(tmp_path)
+    clock = FakeClock(1000.0)
+    first = GoodputTracker(root, job_id=JOB, attempt_id="a1", rank=0, clock=clock, flush_interval=0).start()
+    first.checkpoint_restored(None)
+    steps(first, clock, 1, 3)
+    with first.span("checkpoint_save", step=3):
+        clock.advance(0.5)
+    first.checkpoint_committed(3, 1.0)
+    steps(first, clock, 4, 5)  # then it dies: no end
+    clock = FakeClock(starts_at)
+    second = GoodputTracker(root, job_id=JOB, attempt_id="a2", rank=0, clock=clock, flush_interval=0)
+    _, reader = configure_metrics("memory", tracker=second, set_global=False)
+    second.start()
+    clock.advance(2.0)
+    with second.span("checkpoint_restore"):
+        clock.advance(1.0)
+    second.checkpoint_restored(3)
+    steps(second, clock, 4, 6)
+    second.flush()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the report's own warning about the clock
+        report = attribute_root(root)
+    assert report.newest_commit == (3, 1_003_500_000)
+    seen = metric_totals(reader)  # the fake clock stands still: the collection is at the report's end
+    assert (seen["last_step"], seen["age"]) == (3, age)
+    assert seen["age"] == (report.end_us - report.newest_commit[1]) / 1e6
+    second.end()
