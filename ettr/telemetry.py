@@ -86,6 +86,10 @@ class GoodputMetrics:
         self._now_us: Callable[[], int] | None = None
         self._recorded = False  # a point of a synchronous instrument was recorded (its series is exported for good)
         self._last_commit: tuple[int, int] | None = None  # (step, commit time in microseconds)
+        # what the counters and gauges were given while their API proxy had no SDK instrument behind it (no global
+        # provider yet: the API drops it), per series: [instrument, attributes, sum (a counter) or last value]
+        self._held: dict[tuple[int, frozenset], list[Any]] = {}
+        self._held_lock = threading.Lock()
         self._attempt_time = meter.create_counter(
             "ettr.attempt.time",
             unit="s",
@@ -163,54 +167,80 @@ class GoodputMetrics:
         the new job's series. The checkpoint gauges are read at each collection and follow a new job."""
         return self._recorded
 
+    def _record(self, instrument: Any, value: float, attributes: dict[str, Any]) -> None:
+        """Add `value` to a counter, or set a gauge to it. An API proxy made before the global provider was set
+        drops what it is given until then, so that is held here (a counter's sum, a gauge's last value, per series)
+        and handed to the SDK instrument once one is behind it: a counter set up before the provider counted only
+        what came after (ettr.attempt.time 2 s of an attempt's 5), a gauge set once (the first divergence) was lost.
+        A histogram's observations before the provider are dropped, as the API does (they are not bounded)."""
+        self._recorded = True
+        real = _recording(instrument)
+        if real is None:
+            key = id(instrument), frozenset(attributes.items())
+            with self._held_lock:
+                held = self._held.setdefault(key, [instrument, attributes, 0])
+                held[2] = held[2] + value if isinstance(instrument, metrics.Counter) else value
+            return
+        if self._held:
+            self._release()
+        (real.add if isinstance(instrument, metrics.Counter) else real.set)(value, attributes)
+
+    def _release(self) -> None:
+        """Hand what was held (`_record`) to the SDK instruments now behind the proxies."""
+        with self._held_lock:
+            held, self._held = self._held, {}
+        for key, (instrument, attributes, value) in held.items():
+            real = _recording(instrument)
+            if real is None:  # cannot be: one meter's proxies get their SDK instruments at once; kept, not lost
+                with self._held_lock:
+                    self._held.setdefault(key, [instrument, attributes, value])
+            elif isinstance(instrument, metrics.Counter):
+                real.add(value, attributes)
+            else:
+                real.set(value, attributes)
+
     def add_attempt_seconds(self, category: str, seconds: float) -> None:
         """Count `seconds` more of this attempt's wall time in `category`."""
-        self._recorded = True
-        self._attempt_time.add(seconds, {**self._attempt, "ettr.category": category})
+        self._record(self._attempt_time, seconds, {**self._attempt, "ettr.category": category})
 
     def set_job_seconds(self, seconds: dict[str, float]) -> None:
         """Set the job's total seconds per category."""
-        self._recorded = True
         for category, value in seconds.items():
-            self._job_time.set(value, {**self._job, "ettr.category": category})
+            self._record(self._job_time, value, {**self._job, "ettr.category": category})
 
     def set_checkpoint_seconds(self, seconds: dict[str, float]) -> None:
         """Set the job's checkpoint seconds per part (attribute ettr.part): "stall", "previous_wait" and
         "overlap_wait" sum to checkpoint_save's badput; "background_write" overlaps training."""
-        self._recorded = True
         for part, value in seconds.items():
-            self._checkpoint_time.set(value, {**self._job, "ettr.part": part})
+            self._record(self._checkpoint_time, value, {**self._job, "ettr.part": part})
 
     def set_ettr(self, cumulative: float, windowed: float, window_s: float) -> None:
         """Set the ETTR gauges (attribute ettr.window = "cumulative" or "<seconds>s")."""
-        self._recorded = True
-        self._ratio.set(cumulative, {**self._job, "ettr.window": "cumulative"})
-        self._ratio.set(windowed, {**self._job, "ettr.window": f"{window_s:g}s"})
+        self._record(self._ratio, cumulative, {**self._job, "ettr.window": "cumulative"})
+        self._record(self._ratio, windowed, {**self._job, "ettr.window": f"{window_s:g}s"})
 
     def set_failures(self, count: int) -> None:
         """Set the number of failed attempts of the job (each is one restart)."""
-        self._recorded = True
-        self._failures.set(count, self._job)
+        self._record(self._failures, count, self._job)
 
     def replayed(self, steps: int, diverged: int, first_divergence: int | None = None) -> None:
         """Count `steps` more steps trained again after the resume, `diverged` of them unlike their first pass, the
         first of those `first_divergence` (ettr.replay; the tracker gives it once per attempt)."""
         self._recorded = True
         if steps:
-            self._replayed.add(steps, self._attempt)
+            self._record(self._replayed, steps, self._attempt)
         if diverged:
-            self._diverged.add(diverged, self._attempt)
+            self._record(self._diverged, diverged, self._attempt)
         if first_divergence is not None:
-            self._first_divergence.set(first_divergence, self._attempt)
+            self._record(self._first_divergence, first_divergence, self._attempt)
 
     def set_step_window(self, first_step: int, steps: int, busy_us: int, wait_us: int) -> None:
         """Set this rank's last complete window of steps (`first_step` on, `steps` of them run): its busy and
         collective-wait seconds (attribute ettr.part = "busy", "collective_wait")."""
-        self._recorded = True
-        self._window_time.set(busy_us / 1e6, {**self._job, "ettr.part": "busy"})
-        self._window_time.set(wait_us / 1e6, {**self._job, "ettr.part": "collective_wait"})
-        self._window_first.set(first_step, self._job)
-        self._window_steps.set(steps, self._job)
+        self._record(self._window_time, busy_us / 1e6, {**self._job, "ettr.part": "busy"})
+        self._record(self._window_time, wait_us / 1e6, {**self._job, "ettr.part": "collective_wait"})
+        self._record(self._window_first, first_step, self._job)
+        self._record(self._window_steps, steps, self._job)
 
     def record_duration(self, category: str, seconds: float) -> None:
         """Record one duration of `category` (DURATIONS): a save() call, a part of a save (its wait for the previous
@@ -269,6 +299,13 @@ def _global_meter() -> metrics.Meter:
         if not _GLOBAL:
             _GLOBAL.append(metrics.get_meter("ettr"))
         return _GLOBAL[0]
+
+
+def _recording(instrument: Any) -> Any:
+    """The instrument that records for `instrument`: the SDK instrument behind an API proxy once the global provider
+    is set, None before it (the proxy drops what it is given), else `instrument` (an SDK instrument; a proxy of
+    another API version, without `_real_instrument`, is taken as recording)."""
+    return getattr(instrument, "_real_instrument", instrument)
 
 
 def _backing(meter: metrics.Meter) -> metrics.Meter:

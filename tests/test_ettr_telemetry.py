@@ -677,3 +677,59 @@ def test_the_checkpoint_age_follows_the_report_when_the_wall_clock_went_back(tmp
     assert (seen["last_step"], seen["age"]) == (3, age)
     assert seen["age"] == (report.end_us - report.newest_commit[1]) / 1e6
     second.end()
+
+
+_GLOBAL_AFTER_STEPS_CHILD = r"""
+import json, sys
+from opentelemetry import metrics
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from ettr import FakeClock, GoodputTracker, metric_totals
+
+def train(tr, clock, first, last, loss):
+    for s in range(first, last + 1):
+        with tr.step(s) as step:
+            clock.advance(1.0)
+            step.record(loss(s))
+
+root, clock, reader = sys.argv[1], FakeClock(1000.0), InMemoryMetricReader()
+a1 = GoodputTracker(root, job_id="job-7", attempt_id="a1", clock=clock, flush_interval=0).start()
+a1.checkpoint_restored(None)
+train(a1, clock, 1, 2, float)
+a1.checkpoint_committed(2, 1.0)
+train(a1, clock, 3, 5, float)  # then it dies: no end
+clock = FakeClock(1100.0)
+a2 = GoodputTracker(root, job_id="job-7", attempt_id="a2", clock=clock, flush_interval=0).start()  # no metrics=
+clock.advance(2.0)
+a2.checkpoint_restored(2)
+train(a2, clock, 3, 5, lambda s: s + (0.5 if s == 4 else 0.0))  # step 4 diverges; all exported to the proxies
+metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+train(a2, clock, 6, 7, float)
+a2.flush()
+print(json.dumps(metric_totals(reader)))
+"""
+
+
+def test_the_attempt_counters_count_what_came_before_the_global_provider_was_set(tmp_path):
+    """A tracker made without metrics= reports through the API's proxies, which drop what they are given until the
+    global provider is set (the docs say setting it after the tracker exists works). The job gauges caught up at the
+    next export, but ettr.attempt.time counted only the time after the provider (2 s of productive where the report
+    says 5 s, no startup), and the replay counters and the first divergence, given once, were lost: exactly what
+    the docs say to alert on. What came before is held and handed to the SDK once the provider is set."""
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+    out = subprocess.run(
+        [sys.executable, "-c", _GLOBAL_AFTER_STEPS_CHILD, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout)
+    report = attribute_root(str(tmp_path))
+    mine = report.attempts[-1]
+    assert mine.attempt == "a2" and mine.replay.replayed == 3 and mine.replay.first_divergence.step == 4
+    assert seen["attempt_seconds"] == {"startup": 2.0, "productive": 5.0}
+    assert seen["attempt_seconds"] == {k: v / 1e6 for k, v in mine.micros.items() if v}
+    assert seen["seconds"] == {k: v for k, v in report.seconds.items() if v}
+    assert seen["replay"] == {"steps": 3, "divergences": 1, "first_divergence": 4}
