@@ -193,6 +193,12 @@ def _encode(rec: tuple | dict[str, Any]) -> str:
     return json.dumps(rec, separators=(",", ":")) + "\n"
 
 
+# The sliding window's history keeps snapshots at least 1/WINDOW_PARTS of the window apart (of two neighbours the
+# later one moves on instead of a new one being added): at most 2 * WINDOW_PARTS + 3 of them whatever the flush rate
+# (one per flush grew to 12.5 MB per 100k steps at flush_interval=0), and the windowed ratio within 1/WINDOW_PARTS of
+# the one taken at every flush
+WINDOW_PARTS = 1000
+
 _EVERY_STEP = _INT64  # `_through` while the earlier attempts are read: every step ended is kept for the comparison
 
 
@@ -404,6 +410,7 @@ class GoodputTracker:
         self._failures: int | None = None  # failed earlier attempts, once read: set at every export
         self._resume_known = False  # a restore, a first step or the end tells where this attempt resumed
         self._history: deque[tuple[int, int]] = deque()  # (time, own productive us) at exports, for the window
+        self._history_gap = max(1, round(window_s * 1e6 / WINDOW_PARTS))  # microseconds between snapshots kept
         self._exported: dict[str, int] = {}  # this attempt's microseconds per category already counted
         # replay verification (ettr.replay): this attempt's steps compared so far; the first passes of the steps it
         # has yet to train again, the last of them, and the digests of those ended since the last comparison
@@ -893,10 +900,14 @@ class GoodputTracker:
         now = t + self._shift
         begin = max(job_start, now - round(self.window_s * 1e6))
         own = totals.get("productive", 0) - self._earlier.get("productive", 0)
-        self._history.append((t, own))
-        while len(self._history) > 1 and self._history[1][0] <= begin - self._shift:
-            self._history.popleft()  # keep the newest snapshot at or before the window's start
-        own_before = self._history[0][1] if self._history[0][0] <= begin - self._shift else 0
+        history = self._history
+        if len(history) > 1 and t - history[-2][0] < self._history_gap:
+            history[-1] = (t, own)  # the last snapshot moves on: the one before it is less than a gap older
+        else:
+            history.append((t, own))
+        while len(history) > 1 and history[1][0] <= begin - self._shift:
+            history.popleft()  # keep the newest snapshot at or before the window's start
+        own_before = history[0][1] if history[0][0] <= begin - self._shift else 0
         # the earlier attempts' productive time up to where the timeline starts this attempt
         starts = self._start + self._overlap + self._shift
         earlier = self._prior.productive_us_between(begin, starts) if self._prior else 0

@@ -22,6 +22,7 @@ import warnings
 import pytest
 
 from ettr import FakeClock, GoodputTracker, attribute_root, configure_metrics, metric_totals
+from ettr.tracker import WINDOW_PARTS
 
 pytest.importorskip("opentelemetry.exporter.prometheus")
 from prometheus_client import start_http_server  # noqa: E402
@@ -733,3 +734,31 @@ def test_the_attempt_counters_count_what_came_before_the_global_provider_was_set
     assert seen["attempt_seconds"] == {k: v / 1e6 for k, v in mine.micros.items() if v}
     assert seen["seconds"] == {k: v for k, v in report.seconds.items() if v}
     assert seen["replay"] == {"steps": 3, "divergences": 1, "first_divergence": 4}
+
+
+def test_the_windowed_ratio_keeps_a_bounded_history_at_any_flush_rate(tmp_path):
+    """The sliding window's history took a snapshot at every export and kept all of those in the window: at
+    flush_interval=0, 12.5 MB per 100k steps (an hour of 1 ms flushes: 460 MB). Snapshots closer than 1/1000 of the
+    window are coalesced: here 8,000 flushes in a 0.1 s window keep at most 2,003, and the ratio is still the
+    report's, exactly where the window starts in a stretch without steps (a data wait). An object-store root: a
+    flush exports without an fsync each."""
+    root = f"memory://ettr-window-{tmp_path.name}"
+    clock = FakeClock(1000.0)
+    tr = GoodputTracker(root, job_id=JOB, attempt_id="a1", rank=0, clock=clock, flush_interval=0, window_s=0.1)
+    _, reader = configure_metrics("memory", tracker=tr, set_global=False)
+    tr.start()
+    tr.checkpoint_restored(None)
+    for s in range(5000):  # 0.05 s of 10 us steps, one flush each
+        with tr.step(s):
+            clock.advance(0.00001)
+    with tr.span("data_wait"):  # 1000.05 s to 1000.09 s: the window (0.1 s to 1000.17 s) starts inside it
+        clock.advance(0.04)
+    for s in range(5000, 13000):  # 0.08 s more
+        with tr.step(s):
+            clock.advance(0.00001)
+    tr.flush()
+    report = attribute_root(root, window_s=0.1)
+    assert (report.ettr, report.ettr_window(0.1)) == (0.13 / 0.17, 0.8)
+    assert metric_totals(reader)["ettr"] == {"cumulative": report.ettr, "0.1s": report.ettr_window(0.1)}
+    assert len(tr._history) <= 2 * WINDOW_PARTS + 3 < 8000
+    tr.end()
