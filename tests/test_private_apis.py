@@ -1,4 +1,5 @@
-"""One canary for every private name of torch, Transformers, Accelerate and Lightning this project touches.
+"""One canary for every private name of torch, Transformers, Accelerate, Lightning and OpenTelemetry this project
+touches.
 
 The integrations override or call private `Trainer` methods (integrations/hf.py), reach into Lightning's checkpoint
 connector and `ModelCheckpoint`'s private save methods (integrations/lightning.py), and ckpt uses torch internals
@@ -84,6 +85,21 @@ def _sees_overlap(fn: Any) -> str | None:
     return None
 
 
+def _proxies_point_to_the_sdk(proxy_meter: Any) -> str | None:
+    """ettr/telemetry.py finds the SDK meter and instruments behind the API's proxies (made before the global
+    provider was set) by `_real_meter` and `_real_instrument`: None before a provider, the SDK's after."""
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    meter = proxy_meter("canary")
+    counter = meter.create_counter("canary")
+    if getattr(meter, "_real_meter", 0) is not None or getattr(counter, "_real_instrument", 0) is not None:
+        return "a proxy made before any provider has no _real_meter / _real_instrument of None"
+    meter.on_set_meter_provider(MeterProvider())
+    if getattr(meter, "_real_meter", None) is None or getattr(counter, "_real_instrument", None) is None:
+        return "a proxy no longer names the SDK meter / instrument behind it as _real_meter / _real_instrument"
+    return None
+
+
 def _version_counts(t_cls: Any) -> str | None:
     import torch
 
@@ -145,6 +161,9 @@ USES = [
         _attr("torch", "Tensor"), check=_version_counts),
     Use("torch._debug_has_internal_overlap", "torch", "ckpt/restore.py (an expanded target is refused first)",
         _attr("torch", "_debug_has_internal_overlap"), check=_sees_overlap),
+    Use("opentelemetry.metrics proxies' _real_meter and _real_instrument", "opentelemetry-api",
+        "ettr/telemetry.py (_backing, _recording: gauges registered once, points held until a provider is set)",
+        _attr("opentelemetry.metrics._internal", "_ProxyMeter"), check=_proxies_point_to_the_sdk),
 ]  # fmt: skip
 
 
