@@ -782,16 +782,14 @@ def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
             loaded.append(_before(target[k]))
             state_mod.apply(target, k, plan.values[k])
         copied_yet = True
-        cuda = False
         with torch.no_grad():  # a leaf that requires grad (a strided one: not read into directly) takes its bytes
             for r, t in copied:  # a direct read's first target already holds it
                 # an inference tensor (made under torch.inference_mode) takes an in-place write only inside it (not
                 # inference_mode(False) for the others: it turns grad mode back on, and a leaf's copy raises)
                 with torch.inference_mode() if t.is_inference() else contextlib.nullcontext():
                     t.copy_(r.buffer, non_blocking=t.is_cuda)
-                cuda = cuda or t.is_cuda
-        if cuda:
-            torch.cuda.synchronize()
+        for device in {t.device for _, t in copied if t.is_cuda}:  # each target's device, not only the current one:
+            torch.cuda.synchronize(device)  # the scratch buffers are freed (and reused) after this
         for k in (k for k in stateful if k not in first):
             loaded.append(_before(target[k]))
             state_mod.apply(target, k, plan.values[k])

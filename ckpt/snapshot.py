@@ -84,11 +84,20 @@ class Pending:
         self, step: int, copies: list[Copy], tensors: Mapping[str, torch.Tensor], saved_versions: dict[str, int]
     ):
         self.step, self._copies, self._tensors, self._versions = step, copies, tensors, saved_versions
+        # made in `save`, on the training thread: the work it queued so far on each CUDA source's device (its current
+        # stream: a loop under ``torch.cuda.stream(s)``, a CUDA graph's replay), which the copies on the snapshot
+        # thread's stream must follow; that stream does not wait for another one by itself
+        self._queued = [
+            (device, torch.cuda.current_stream(device).record_event())
+            for device in {src.device for _, src in copies if src.is_cuda}
+        ]
         self._done = threading.Event()
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
+            for device, queued in self._queued:
+                torch.cuda.current_stream(device).wait_event(queued)
             copy(self._copies)
             changed = [
                 f"{name!r} (version {v} -> {self._tensors[name]._version})"
@@ -105,7 +114,7 @@ class Pending:
         except BaseException as e:
             self.error = e
         finally:
-            self._copies, self._tensors = [], {}  # the sources are no longer referenced once copied
+            self._copies, self._tensors, self._queued = [], {}, []  # the sources are no longer referenced once copied
             self._done.set()
 
     def done(self) -> bool:

@@ -289,6 +289,32 @@ def test_a_manager_collected_on_another_thread_leaves_its_fence_to_the_next_one(
     assert dropped not in fences() and mine not in fences()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["overlap", "sync"])
+def test_a_snapshot_follows_the_work_the_loop_queued_on_its_own_cuda_stream(tmp_path, mode):
+    """A loop that trains under ``torch.cuda.stream(side)`` queues its writes there; the overlapped snapshot copies
+    on its own thread's stream, which waits for no other stream by itself: it must follow what was queued before
+    `save`, or it commits parameters from before the step's kernels ran."""
+    model = torch.nn.Linear(4096, 4096, bias=False).cuda()
+    torch.nn.init.zeros_(model.weight)
+    optim = torch.optim.SGD(model.parameters(), lr=1.0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # the zeros first
+    with ckpt.CheckpointManager(str(tmp_path), snapshot=mode) as m:
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(200):  # ~200 kernels over 64 MiB: queued, far from done when save() returns
+                model.weight.add_(1.0)
+            m.save(1, {"model": model, "optim": optim})
+        side.synchronize()
+        m.wait()
+    expected = torch.full((4096, 4096), 200.0)
+    target = torch.nn.Linear(4096, 4096, bias=False)
+    with ckpt.CheckpointManager(str(tmp_path)) as m:
+        m.restore({"model": target, "optim": torch.optim.SGD(target.parameters(), lr=1.0)})
+    assert torch.equal(model.weight.detach().cpu(), expected)
+    assert torch.equal(target.weight.detach(), expected)  # every add queued before save() is in the checkpoint
+
+
 def test_snapshot_mode_is_checked():
     with pytest.raises(ValueError, match="snapshot must be one of"):
         ckpt.CheckpointManager("memory://x", snapshot="lazy")
