@@ -609,13 +609,9 @@ def test_trackers_after_the_first_report_their_checkpoint_when_the_global_provid
     assert json.loads(out.stdout) == [[20, 5.0], [30, 5.0]]
 
 
-@pytest.mark.parametrize("starts_at", [990.0, 1003.0])  # before the first attempt's start, inside its run
-def test_the_ratio_gauges_equal_the_report_when_the_wall_clock_went_back(tmp_path, starts_at):
-    """The restarted attempt's clock is behind (an NTP step, a node with a wrong clock): attribution places it right
-    after the attempt before, and the job's seconds were exported as the report has them, but the ratios divided by
-    the attempt's own clock less the job's start: ETTR 0.0 (a clock behind the job's start) or far above the
-    report's (0.7 for 0.27). They are taken on the job's timeline: cumulative and windowed, as the report's."""
-    root = str(tmp_path)
+def _first_attempt_dies_after_a_commit(root: str) -> None:
+    """a1, from 1000 s: steps 1-3 of 1 s, a 0.5 s save of step 3 committed at 1003.5 s, steps 4-5, then it dies (no
+    end record) at 1005.5 s."""
     clock = FakeClock(1000.0)
     first = GoodputTracker(root, job_id=JOB, attempt_id="a1", rank=0, clock=clock, flush_interval=0).start()
     first.checkpoint_restored(None)
@@ -623,7 +619,17 @@ def test_the_ratio_gauges_equal_the_report_when_the_wall_clock_went_back(tmp_pat
     with first.span("checkpoint_save", step=3):
         clock.advance(0.5)
     first.checkpoint_committed(3, 1.0)
-    steps(first, clock, 4, 5)  # then it dies: no end
+    steps(first, clock, 4, 5)
+
+
+@pytest.mark.parametrize("starts_at", [990.0, 1003.0])  # before the first attempt's start, inside its run
+def test_the_ratio_gauges_equal_the_report_when_the_wall_clock_went_back(tmp_path, starts_at):
+    """The restarted attempt's clock is behind (an NTP step, a node with a wrong clock): attribution places it right
+    after the attempt before, and the job's seconds were exported as the report has them, but the ratios divided by
+    the attempt's own clock less the job's start: ETTR 0.0 (a clock behind the job's start) or far above the
+    report's (0.7 for 0.27). They are taken on the job's timeline: cumulative and windowed, as the report's."""
+    root = str(tmp_path)
+    _first_attempt_dies_after_a_commit(root)
     clock = FakeClock(starts_at)
     second = GoodputTracker(root, job_id=JOB, attempt_id="a2", rank=0, clock=clock, flush_interval=0, window_s=8.0)
     _, reader = configure_metrics("memory", tracker=second, set_global=False)
@@ -652,14 +658,7 @@ def test_the_checkpoint_age_follows_the_report_when_the_wall_clock_went_back(tmp
     a1's raw commit time with a2's own clock: -7.5 s (a checkpoint from the future) and 5.5 s. A clock ahead (1020 s)
     is not moved: 22.5 s either way."""
     root = str(tmp_path)
-    clock = FakeClock(1000.0)
-    first = GoodputTracker(root, job_id=JOB, attempt_id="a1", rank=0, clock=clock, flush_interval=0).start()
-    first.checkpoint_restored(None)
-    steps(first, clock, 1, 3)
-    with first.span("checkpoint_save", step=3):
-        clock.advance(0.5)
-    first.checkpoint_committed(3, 1.0)
-    steps(first, clock, 4, 5)  # then it dies: no end
+    _first_attempt_dies_after_a_commit(root)
     clock = FakeClock(starts_at)
     second = GoodputTracker(root, job_id=JOB, attempt_id="a2", rank=0, clock=clock, flush_interval=0)
     _, reader = configure_metrics("memory", tracker=second, set_global=False)

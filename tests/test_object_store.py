@@ -313,17 +313,24 @@ def test_ckpt_commands_work_on_an_s3_root_from_the_variables_or_from_options(
     assert code == 1 and "unknown storage option" in err
 
 
-def test_a_damaged_object_is_detected_named_set_aside_and_the_previous_step_restored(s3_bucket, capsys):
-    root = f"s3://{s3_bucket}/damaged"
+def _second_step_damaged(root: str):
+    """Steps 1 and 2 saved to `root`, then a byte of step 2's pack flipped (the small tensors' pack), as a torn or
+    bit-flipped object would read: (the root's storage, the damaged object's path)."""
     with ckpt.CheckpointManager(root) as m:
         m.save(1, _state(1))
         m.save(2, _state(2))
     storage = open_storage(root)
     pack = pack_path(storage, 2, layout.pack_name(0))
-    path = next(f"{pack}/{f}" for f in storage.list_files(pack) if f.startswith("c/"))  # the small tensors' pack
+    path = next(f"{pack}/{f}" for f in storage.list_files(pack) if f.startswith("c/"))
     data = bytearray(storage.read(path))
     data[100] ^= 0xFF
-    storage.write_atomic(path, bytes(data))  # as a torn or bit-flipped object would read
+    storage.write_atomic(path, bytes(data))
+    return storage, path
+
+
+def test_a_damaged_object_is_detected_named_set_aside_and_the_previous_step_restored(s3_bucket, capsys):
+    root = f"s3://{s3_bucket}/damaged"
+    storage, path = _second_step_damaged(root)
 
     assert cli.main(["verify", root, "--step", "2", "-q"]) == 1
     assert f"{root}/{path}" in capsys.readouterr().out
@@ -341,15 +348,7 @@ def test_a_damaged_step_holding_stray_objects_is_still_set_aside_and_the_previou
     as an 'unsafe array path' and failed, and with it the restore (CorruptCheckpointError, no fallback). It moves
     with the rest now; a key no request can address as written (an empty, '.' or '..' segment) is left out, named."""
     root = f"s3://{s3_bucket}/stray"
-    with ckpt.CheckpointManager(root) as m:
-        m.save(1, _state(1))
-        m.save(2, _state(2))
-    storage = open_storage(root)
-    pack = pack_path(storage, 2, layout.pack_name(0))
-    path = next(f"{pack}/{f}" for f in storage.list_files(pack) if f.startswith("c/"))
-    data = bytearray(storage.read(path))
-    data[100] ^= 0xFF
-    storage.write_atomic(path, bytes(data))
+    storage, path = _second_step_damaged(root)
     kv = ts.KvStore.open(kvstore_spec(root)).result()  # objects put by hand, as `aws s3 cp` or a Finder would
     for stray in ("step_00000002/.DS_Store", "step_00000002/zz notes (1).txt"):
         kv.write(stray, b"not a checkpoint file").result()
@@ -379,15 +378,7 @@ def test_a_damaged_step_that_cannot_be_set_aside_is_named_and_the_previous_step_
     from seaweed import READ_ONLY_KEY, READ_ONLY_SECRET
 
     root = f"s3://{s3_bucket}/read-only"
-    with ckpt.CheckpointManager(root) as m:
-        m.save(1, _state(1))
-        m.save(2, _state(2))
-    storage = open_storage(root)
-    pack = pack_path(storage, 2, layout.pack_name(0))
-    path = next(f"{pack}/{f}" for f in storage.list_files(pack) if f.startswith("c/"))
-    data = bytearray(storage.read(path))
-    data[100] ^= 0xFF
-    storage.write_atomic(path, bytes(data))
+    storage, path = _second_step_damaged(root)
 
     options = {"access_key_id": READ_ONLY_KEY, "secret_access_key": READ_ONLY_SECRET, "timeout": 5}
     with ckpt.CheckpointManager(root, storage_options=options) as m:
