@@ -609,9 +609,10 @@ def test_trackers_after_the_first_report_their_checkpoint_when_the_global_provid
     assert json.loads(out.stdout) == [[20, 5.0], [30, 5.0]]
 
 
-def _first_attempt_dies_after_a_commit(root: str) -> None:
+def _restarted_at(root: str, starts_at: float, window_s: float = 3600.0):
     """a1, from 1000 s: steps 1-3 of 1 s, a 0.5 s save of step 3 committed at 1003.5 s, steps 4-5, then it dies (no
-    end record) at 1005.5 s."""
+    end record) at 1005.5 s. a2's clock starts at `starts_at`: 2 s of startup, a 1 s restore of step 3, steps 4-6,
+    a flush. (a2, still open; its metrics as collected then; the report then, over `window_s`)."""
     clock = FakeClock(1000.0)
     first = GoodputTracker(root, job_id=JOB, attempt_id="a1", rank=0, clock=clock, flush_interval=0).start()
     first.checkpoint_restored(None)
@@ -620,18 +621,8 @@ def _first_attempt_dies_after_a_commit(root: str) -> None:
         clock.advance(0.5)
     first.checkpoint_committed(3, 1.0)
     steps(first, clock, 4, 5)
-
-
-@pytest.mark.parametrize("starts_at", [990.0, 1003.0])  # before the first attempt's start, inside its run
-def test_the_ratio_gauges_equal_the_report_when_the_wall_clock_went_back(tmp_path, starts_at):
-    """The restarted attempt's clock is behind (an NTP step, a node with a wrong clock): attribution places it right
-    after the attempt before, and the job's seconds were exported as the report has them, but the ratios divided by
-    the attempt's own clock less the job's start: ETTR 0.0 (a clock behind the job's start) or far above the
-    report's (0.7 for 0.27). They are taken on the job's timeline: cumulative and windowed, as the report's."""
-    root = str(tmp_path)
-    _first_attempt_dies_after_a_commit(root)
     clock = FakeClock(starts_at)
-    second = GoodputTracker(root, job_id=JOB, attempt_id="a2", rank=0, clock=clock, flush_interval=0, window_s=8.0)
+    second = GoodputTracker(root, job_id=JOB, attempt_id="a2", rank=0, clock=clock, flush_interval=0, window_s=window_s)
     _, reader = configure_metrics("memory", tracker=second, set_global=False)
     second.start()
     clock.advance(2.0)
@@ -642,8 +633,17 @@ def test_the_ratio_gauges_equal_the_report_when_the_wall_clock_went_back(tmp_pat
     second.flush()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the report's own warning about the clock
-        report = attribute_root(root, window_s=8.0)
-    seen = metric_totals(reader)
+        report = attribute_root(root, window_s=window_s)
+    return second, metric_totals(reader), report
+
+
+@pytest.mark.parametrize("starts_at", [990.0, 1003.0])  # before the first attempt's start, inside its run
+def test_the_ratio_gauges_equal_the_report_when_the_wall_clock_went_back(tmp_path, starts_at):
+    """The restarted attempt's clock is behind (an NTP step, a node with a wrong clock): attribution places it right
+    after the attempt before, and the job's seconds were exported as the report has them, but the ratios divided by
+    the attempt's own clock less the job's start: ETTR 0.0 (a clock behind the job's start) or far above the
+    report's (0.7 for 0.27). They are taken on the job's timeline: cumulative and windowed, as the report's."""
+    second, seen, report = _restarted_at(str(tmp_path), starts_at, window_s=8.0)
     assert seen["seconds"] == pytest.approx({k: v for k, v in report.seconds.items() if v})
     assert seen["ettr"]["cumulative"] == pytest.approx(report.ettr) and 0 < report.ettr < 1
     assert seen["ettr"]["8s"] == pytest.approx(report.ettr_window(8.0))
@@ -657,23 +657,8 @@ def test_the_checkpoint_age_follows_the_report_when_the_wall_clock_went_back(tmp
     at 1005.5 s: its flush at 6 s of its own is 1011.5 s on the job's timeline, 8 s after the commit. The age compared
     a1's raw commit time with a2's own clock: -7.5 s (a checkpoint from the future) and 5.5 s. A clock ahead (1020 s)
     is not moved: 22.5 s either way."""
-    root = str(tmp_path)
-    _first_attempt_dies_after_a_commit(root)
-    clock = FakeClock(starts_at)
-    second = GoodputTracker(root, job_id=JOB, attempt_id="a2", rank=0, clock=clock, flush_interval=0)
-    _, reader = configure_metrics("memory", tracker=second, set_global=False)
-    second.start()
-    clock.advance(2.0)
-    with second.span("checkpoint_restore"):
-        clock.advance(1.0)
-    second.checkpoint_restored(3)
-    steps(second, clock, 4, 6)
-    second.flush()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the report's own warning about the clock
-        report = attribute_root(root)
+    second, seen, report = _restarted_at(str(tmp_path), starts_at)  # the collection: at the report's end
     assert report.newest_commit == (3, 1_003_500_000)
-    seen = metric_totals(reader)  # the fake clock stands still: the collection is at the report's end
     assert (seen["last_step"], seen["age"]) == (3, age)
     assert seen["age"] == (report.end_us - report.newest_commit[1]) / 1e6
     second.end()
