@@ -319,7 +319,8 @@ class CheckpointManager:
         self._retain_after(step)
 
     def _retain_after(self, step: int) -> None:
-        """Queue the deletion of the committed steps the policy does not keep; never the newest, whatever it says.
+        """Queue the deletion of the committed steps the policy does not keep; never the newest, whatever it says, nor
+        `step`, the one just committed (or persisted).
         A checkpoint left behind is no data loss: a failure is reported, not raised."""
         if self.retention is None or not self.ranks.leader:
             return
@@ -327,7 +328,7 @@ class CheckpointManager:
             self._check_lease()  # a writer that lost the root lists nothing: the steps are its successor's now
             steps = layout.committed_steps(self.storage)
             read = functools.partial(layout.saved_metadata, self.storage)
-            for s in doomed(self.retention, steps, StepMetadata(steps, read, self._metadata)):
+            for s in doomed(self.retention, steps, StepMetadata(steps, read, self._metadata), spare={step}):
                 self._queue_delete(s, report=False)
         except Exception as e:
             log.warning("retention after step %d failed: %s", step, e)

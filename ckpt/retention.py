@@ -1,12 +1,13 @@
 """Which committed steps to keep: small retention policies, combined with `Keep`.
 
-A policy only names the steps it keeps; the manager deletes the rest, and never the newest committed step.
+A policy only names the steps it keeps; the manager deletes the rest, and never the newest committed step nor the
+step it has just committed.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -155,7 +156,11 @@ class StepMetadata(Mapping[int, Mapping[str, Any]]):
         return len(self._steps)
 
 
-def doomed(policy: RetentionPolicy, steps: Sequence[int], metadata: Metadata) -> list[int]:
-    """The committed `steps` (ascending) that `policy` does not keep; never the newest, whatever it says."""
+def doomed(
+    policy: RetentionPolicy, steps: Sequence[int], metadata: Metadata, *, spare: Collection[int] = ()
+) -> list[int]:
+    """The committed `steps` (ascending) that `policy` does not keep; never the newest, whatever it says, nor a step
+    of `spare`: the step just committed, which a save below a newer step (a run resumed with `restore(step=)` from
+    before the newest) would otherwise see deleted by its own retention right after its handle said it committed."""
     kept = policy.keep(steps, metadata) if steps else set()
-    return [s for s in steps[:-1] if s not in kept]
+    return [s for s in steps[:-1] if s not in kept and s not in spare]

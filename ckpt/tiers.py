@@ -341,8 +341,8 @@ class Tiers:
                 time.perf_counter() - t0,
                 done.waited,
             )
-            self._retain(self.replica(source), set())
-        self._retain(self.local, self.persisting())
+            self._retain(self.replica(source), {step})
+        self._retain(self.local, self.persisting() | {step})
         return False
 
     def persisting(self) -> set[int]:
@@ -373,14 +373,13 @@ class Tiers:
 
     def _retain(self, storage: Storage, protected: set[int]) -> None:
         """Delete the committed steps of a local root the local retention does not keep: never the newest, nor a
-        step being persisted."""
+        step of `protected` (the one just committed, one being persisted)."""
         steps = layout.committed_steps(storage)
         metadata = StepMetadata(steps, functools.partial(layout.saved_metadata, storage), {})
-        for s in doomed(self.retention, steps, metadata):
-            if s not in protected:
-                catalog.delete_step(storage, s)
-                if storage is self.local and self.on_local_delete is not None:
-                    self.on_local_delete(s)
+        for s in doomed(self.retention, steps, metadata, spare=protected):
+            catalog.delete_step(storage, s)
+            if storage is self.local and self.on_local_delete is not None:
+                self.on_local_delete(s)
 
     def wait(self) -> None:
         """Until the persist in flight, if any, has ended."""

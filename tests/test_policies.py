@@ -100,6 +100,19 @@ def test_the_newest_committed_step_survives_any_policy(tmp_path):
     assert _save(tmp_path, range(1, 5), retention=_KeepNothing()) == [4]
 
 
+def test_a_save_below_a_newer_step_is_not_deleted_by_its_own_retention(tmp_path):
+    """A run resumed with restore(step=3) from before the root's newest step 5 saves step 4: keep_last=1 keeps the
+    newest (5) and must keep step 4 too, the step whose handle just said it committed; step 3 goes."""
+    _save(tmp_path, [1, 2, 3, 5])
+    with ckpt.CheckpointManager(tmp_path, keep_last=1) as m:
+        assert m.restore({"w": torch.zeros(4)}, step=3) == 3
+        m.save(4, {"w": torch.full((4,), 4.0)}).wait()
+        m.wait()
+        assert m.steps() == [4, 5]
+        got = {"w": torch.zeros(4)}
+        assert m.restore(got, step=4) == 4 and torch.equal(got["w"], torch.full((4,), 4.0))
+
+
 def test_manager_refuses_a_policy_with_shorthands_or_a_non_policy(tmp_path):
     with pytest.raises(ValueError, match="not both"):
         ckpt.CheckpointManager(tmp_path, retention=KeepLast(2), keep_every=5)

@@ -142,6 +142,25 @@ def test_a_step_this_manager_persisted_and_its_local_retention_dropped_is_never_
         m.save(4, state(4)).wait()
 
 
+def test_a_save_below_a_newer_step_is_kept_by_both_tiers_retention(tmp_path):
+    """Resumed with restore(step=3) while step 5 is committed in both tiers, a save of step 4 commits locally and is
+    persisted; keep_local=1 and keep_last=1 each keep their newest (5) and the step just committed, in both tiers."""
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    with ckpt.CheckpointManager(durable, local=local, persist_every=1) as m:
+        for step in (1, 2, 3, 5):
+            m.save(step, state(step))
+    with ckpt.CheckpointManager(durable, local=local, persist_every=1, keep_local=1, keep_last=1) as m:
+        assert m.restore(blank(), step=3) == 3
+        m.save(4, state(4)).wait()
+        m.wait()  # the persist and the durable retention after it
+        assert [(int(s), s.tiers) for s in m.steps()] == [(4, ("local", "durable")), (5, ("local", "durable"))]
+    shutil.rmtree(local)
+    with ckpt.CheckpointManager(durable) as m:
+        got = blank()
+        assert m.restore(got, step=4) == 4
+    assert same(got, state(4))
+
+
 def test_damaged_local_step_falls_back_to_its_durable_copy_and_is_quarantined(tmp_path):
     durable, local = saved(tmp_path, [1, 2], persist_every=1)
     flip_byte(chunk(local, 2))
