@@ -135,40 +135,47 @@ def quarantine(storage: Storage, step: int, reason: str) -> str:
     return where(storage, dest)
 
 
-def garbage(storage: Storage, *, force: bool = False) -> list[StepEntry]:
+def garbage(storage: Storage, *, force: bool = False, writer: Storage | None = None) -> list[StepEntry]:
     """Uncommitted step directories that no live writer owns (all of them with `force`).
 
     Without a live writer, everything uncommitted is a leftover. Beside a live writer whose lease is exclusive (a
     local root's flock), a leftover is a directory whose marker names another (dead) writer's lease, or none;
     beside one whose lease is not (an object store's) nothing is (gc leaves it to a later run: a writer that lost
-    the lease may still be writing, and there is no lock to exclude a save).
+    the lease may still be writing, and there is no lock to exclude a save). `writer`: the root whose lease covers
+    this one, when it is another (a peer replica: the local tier it lies in, whose writer receives into it).
     """
     uncommitted = [e for e in entries(storage) if not e.committed]
-    holder = None if force else lease.live_holder(storage)
+    holder = None if force else lease.live_holder(writer or storage)
     if holder is None:
         return uncommitted
-    if not lease.lease_class(storage).exclusive:
+    if writer is not None or not lease.lease_class(storage).exclusive:
         return []
     return [e for e in uncommitted if e.owner != holder.get("id")]
 
 
-def collect_garbage(storage: Storage, *, force: bool = False) -> list[int]:
+def collect_garbage(storage: Storage, *, force: bool = False, writer: Storage | None = None) -> list[int]:
     """Delete uncommitted leftovers of crashed saves, never a live save (unless `force`); returns the steps removed.
 
     gc takes the root's lease itself when it is free, so no save can start while it deletes. Beside a
     live writer it holds what keeps that writer's saves from starting (`beside_writer`: a local root's ``_GC_LOCK``,
     which every save holds while it marks itself in progress) and spares the directories whose marker names the
     live writer's lease; where nothing can (object stores), it deletes nothing.
+
+    `writer`: the root whose lease covers this one, when it is another. A peer replica (``_replica/rank_R/`` of a
+    local tier) is written by the local tier's writer, whose transfers mark no lease of the replica: gc takes the
+    local tier's lease, and beside its live writer deletes nothing there (a replica it receives is a live save).
     """
     uncommitted = [e for e in entries(storage) if not e.committed]
     if force or not uncommitted:  # nothing to delete: no lease taken, so no save waits for gc
         return _delete_uncommitted(storage, uncommitted)
-    held = _gc_lease(storage)
+    held = _gc_lease(writer or storage)
     if held is not None:
         try:
             return _delete_uncommitted(storage, [e for e in entries(storage) if not e.committed])
         finally:
             held.release()
+    if writer is not None:
+        return []
     with lease.lease_class(storage).beside_writer(storage) as holder:
         return [] if holder is None else _delete_leftovers(storage, holder.get("id"))
 

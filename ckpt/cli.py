@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import warnings
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from . import catalog, layout, lease, storage_args
 from . import tree as tree_mod
@@ -45,30 +45,41 @@ def _when(t: float) -> str:
     return datetime.datetime.fromtimestamp(t).isoformat(" ", "seconds")
 
 
-def _tiers(storage: Storage, args: argparse.Namespace) -> list[tuple[str, Storage]]:
+class _Tier(NamedTuple):
+    """A root a command covers: the line that heads its part, the root, and the root whose lease covers it when it
+    is another (a peer replica: the local tier it lies in, whose writer receives into it)."""
+
+    heading: str
+    root: Storage
+    writer: Storage | None = None
+
+
+def _tiers(storage: Storage, args: argparse.Namespace) -> list[_Tier]:
     """The roots a command covers, each with the line that heads its part: the root alone (no heading), or with
     ``--local DIR`` (a rank's local tier, repeatable) the durable root, each local tier and each peer replica in it."""
     if not getattr(args, "local", None):
-        return [("", storage)]
-    out = [(f"durable tier {storage.url}", storage)]
+        return [_Tier("", storage)]
+    out = [_Tier(f"durable tier {storage.url}", storage)]
     for path in args.local:
         local = _open(path, args.storage_options)
-        out.append((f"local tier {local.url}", local))
+        out.append(_Tier(f"local tier {local.url}", local))
         for rank in layout.replica_ranks(local):
             replica = open_storage(os.path.join(local.url, layout.replica_root(rank)))
-            out.append((f"replica of rank {rank} in {local.url}", replica))
+            out.append(_Tier(f"replica of rank {rank} in {local.url}", replica, local))
     return out
 
 
-def _each_tier(command: Any) -> Any:
-    """Run a one-root command on every root of `_tiers`, each part under its heading; exit status: the worst."""
+def _each_tier(command: Any, *, with_writer: bool = False) -> Any:
+    """Run a one-root command on every root of `_tiers`, each part under its heading; exit status: the worst.
+    `with_writer`: the command also takes the root whose lease covers that root (`_Tier.writer`)."""
 
     def run(storage: Storage, args: argparse.Namespace) -> int:
         code = 0
-        for heading, root in _tiers(storage, args):
-            if heading:
-                print(f"== {heading}")
-            code = max(code, command(root, args))
+        for tier in _tiers(storage, args):
+            if tier.heading:
+                print(f"== {tier.heading}")
+            extra = {"writer": tier.writer} if with_writer else {}
+            code = max(code, command(tier.root, args, **extra))
         return code
 
     return run
@@ -260,11 +271,13 @@ def cmd_explain(storage: Storage, args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
+def cmd_gc(storage: Storage, args: argparse.Namespace, writer: Storage | None = None) -> int:
+    """Remove leftovers of crashed saves (never a live save: `writer`, the root whose lease covers this one when it is
+    another, a replica's local tier), other saves' data directories, quarantined steps."""
     incomplete = args.incomplete or args.force or not args.damaged
     removed = 0
     if args.dry_run:
-        for e in catalog.garbage(storage, force=args.force) if incomplete else []:
+        for e in catalog.garbage(storage, force=args.force, writer=writer) if incomplete else []:
             print(f"would remove incomplete step {e.step}")
             removed += 1
         for step, d in catalog.stale_data(storage) if incomplete else []:
@@ -276,7 +289,7 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
             print(f"would remove damaged step {q.step} ({q.path})")
             removed += 1
     else:
-        for step in catalog.collect_garbage(storage, force=args.force) if incomplete else []:
+        for step in catalog.collect_garbage(storage, force=args.force, writer=writer) if incomplete else []:
             print(f"removed incomplete step {step}")
             removed += 1
         for step, d in catalog.collect_stale_data(storage, force=args.force) if incomplete else []:
@@ -295,8 +308,8 @@ def cmd_rollback(storage: Storage, args: argparse.Namespace) -> int:
     replicas), so a run resumed from it can save them again; refused before anything is deleted when nothing would
     be left to resume or the step it resumes from is damaged."""
     tiers = _tiers(storage, args)
-    roots = [root for _, root in tiers]
-    heading = {id(root): f" from the {name}" if name else "" for name, root in tiers}
+    roots = [tier.root for tier in tiers]
+    heading = {id(tier.root): f" from the {tier.heading}" if tier.heading else "" for tier in tiers}
     victims = (catalog.roll_back_plan if args.dry_run else catalog.roll_back)(roots, args.to)
     for root, step in victims:
         print(f"{'would remove' if args.dry_run else 'removed'} committed step {step}{heading[id(root)]}")
@@ -460,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         "ls": _each_tier(cmd_ls),
         "inspect": cmd_inspect,
         "verify": _each_tier(cmd_verify),
-        "gc": _each_tier(cmd_gc),
+        "gc": _each_tier(cmd_gc, with_writer=True),
         "rollback": cmd_rollback,
         "explain": cmd_explain,
         "export": cmd_export,

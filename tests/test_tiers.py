@@ -363,6 +363,29 @@ def test_cli_ls_verify_gc_cover_both_tiers(tmp_path, capsys):
     assert layout.step_dirs(open_storage(local)) == [2, 3]
 
 
+def test_cli_gc_spares_a_replica_the_live_writer_of_its_local_tier_receives(tmp_path, capsys):
+    """A peer's replica being received into the local tier (`_replica/rank_1/step_2`, marked in progress by the
+    transfer's `begin_step`, which names no lease) is a live save of the local tier's writer: gc beside it removes
+    nothing there (it removed the directory, and the replica then committed a manifest naming no files); once the
+    writer is gone, gc removes it as a leftover."""
+    from ckpt import cli
+    from ckpt.save import begin_step
+    from ckpt.storage import LocalStorage
+
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    replica = LocalStorage(os.path.join(local, layout.replica_root(1)))
+    with ckpt.CheckpointManager(durable, local=local, persist_every=1) as writer:
+        writer.save(1, state(1)).wait()  # the writer holds the local tier's lease from here on
+        begin_step(replica, 2, None)  # what `replica.transfer` does before it receives a step's files
+        for dry in ([], ["--dry-run"]):
+            assert cli.main(["gc", *dry, durable, "--local", local]) == 0
+            assert "nothing to remove" in capsys.readouterr().out.split("== replica of rank 1")[1]
+        assert layout.step_dirs(replica) == [2]
+    assert cli.main(["gc", durable, "--local", local]) == 0
+    assert "removed incomplete step 2" in capsys.readouterr().out.split("== replica of rank 1")[1]
+    assert layout.step_dirs(replica) == []
+
+
 def held_persist(root, step: int) -> tuple[FaultStorage, threading.Event, threading.Event]:
     """A durable root whose persist of `step` waits at its first write (before it reads the local step) until `go`
     is set; `started` is set once it waits."""
