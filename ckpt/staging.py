@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .distributed import ranks_per_node
+from .errors import described
 from .pools import Inline, submit_or_run
 
 _ALIGN = 4096
@@ -81,6 +82,37 @@ class Staged:
 Copy = tuple[torch.Tensor, torch.Tensor]  # (uint8 view of the arena, source tensor)
 
 
+SCRATCH = "a restore's scratch"  # what `_allocate_for` allocates for a restore (its error says what helps there)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes} bytes ({nbytes / 2**20:.1f} MiB)"
+
+
+def _allocate_for(
+    what: str,
+    nbytes: int,
+    max_bytes: int | None,
+    populate: bool = True,
+    stop: Callable[[], bool] = lambda: False,
+) -> torch.Tensor:
+    """`_allocate`, whose failure (the host or the address space is out of memory: ``ENOMEM`` from mmap, a
+    ``MemoryError``, a pinned allocation's ``RuntimeError``) is a MemoryError naming the bytes asked for, what they
+    were for (`what`: a save's arena, a restore's scratch) and the cap, instead of a bare ``[Errno 12]``."""
+    try:
+        return _allocate(nbytes, populate, stop)
+    except (OSError, MemoryError, RuntimeError) as e:
+        cap = "no cap" if max_bytes is None else _mib(max_bytes)
+        if what == SCRATCH:
+            hint = (
+                "a restore reads every byte into memory of its own before it applies any (all or nothing), so it needs "
+                f"that much free host memory whatever max_staging_bytes is (now {cap}); keys= restores fewer entries"
+            )
+        else:
+            hint = f"max_staging_bytes caps the arena (now {cap}): past it a save copies and writes its state in waves"
+        raise MemoryError(f"could not allocate {_mib(nbytes)} of host memory for {what}: {described(e)}; {hint}") from e
+
+
 def check_max_bytes(max_bytes: int | None) -> None:
     """A cap on the arena holds at least one aligned block (checked where a manager's options are made)."""
     if max_bytes is not None and max_bytes < _ALIGN:
@@ -119,6 +151,11 @@ class StagingArena:
     @property
     def capacity(self) -> int:
         return self._buf.numel()
+
+    def _grow(self, what: str, nbytes: int, populate: bool, stop: Callable[[], bool] = lambda: False) -> None:
+        """Replace the arena by one of `nbytes` (caller holds `_lock`); a failure is a MemoryError saying what for."""
+        self._buf = _allocate_for(what, nbytes, self.max_bytes, populate, stop)
+        self._np = self._buf.numpy()
 
     def plan(self, tensors: dict[str, torch.Tensor]) -> list[list[tuple[str, tuple[int, int] | None, int]]]:
         """Waves of (name, row range, nbytes); each wave fits the cap; oversize tensors are cut by rows."""
@@ -170,8 +207,8 @@ class StagingArena:
         nbytes = nbytes if self.max_bytes is None else min(nbytes, self.max_bytes)
         with self._lock:
             if nbytes > self.capacity:
-                self._buf = _allocate(nbytes, stop=lambda: self._wanted > 0 or self._closing)
-                self._np = self._buf.numpy()
+                stop = lambda: self._wanted > 0 or self._closing  # noqa: E731
+                self._grow("the staging arena, reserved ahead of a save", nbytes, True, stop)
 
     def scratch(self, sizes: list[int]) -> list[torch.Tensor]:
         """Uint8 buffers of these sizes, for a restore to read into before anything reaches the caller: in
@@ -180,9 +217,8 @@ class StagingArena:
         need = sum(_round_up(n) for n in sizes)
         with self._lock:
             if self.capacity < need <= (self.max_bytes or need):
-                self._buf = _allocate(need, populate=False)
-                self._np = self._buf.numpy()
-            buf = self._buf if need <= self.capacity else _allocate(need, populate=False)
+                self._grow(SCRATCH, need, populate=False)
+            buf = self._buf if need <= self.capacity else _allocate_for(SCRATCH, need, self.max_bytes, False)
         out, off = [], 0
         for n in sizes:
             out.append(buf[off : off + n])
@@ -202,8 +238,7 @@ class StagingArena:
             need = sum(_round_up(n) for _, _, n in wave)
             if need > self.capacity:  # not reserved: the copies below fault the pages in (touching them first
                 # doubled the stall: docs/benchmarks.md, run 13)
-                self._buf = _allocate(need, populate=False)
-                self._np = self._buf.numpy()
+                self._grow("the staging arena a save copies its tensors into", need, populate=False)
             out, off = [], 0
             now: list[Copy] = []
             deferred: list[Copy] = []

@@ -1,8 +1,13 @@
 """The snapshot's copy into the staging arena on several threads: large contiguous tensors are cut into pieces,
 small ones grouped, copied meanwhile, and every byte lands where one serial copy would put it, whatever the dtype,
-layout or size; a closed manager leaves no copy thread behind and gives its memory back."""
+layout or size; a closed manager leaves no copy thread behind and gives its memory back; an arena that cannot be
+allocated is an error that says how many bytes, for what."""
 
 import gc
+import json
+import os
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -120,3 +125,22 @@ def test_a_closed_manager_gives_its_host_memory_back_without_the_garbage_collect
         gc.enable()
     assert torch.equal(into["w"], state["w"])
     assert grown < nbytes, f"{grown / 2**20:.0f} MiB still held after three managers closed"
+
+
+ADDRESS_LIMIT = os.path.join(os.path.dirname(__file__), "procs", "address_limit.py")
+
+
+def test_host_memory_that_cannot_be_allocated_is_a_clear_error_and_loses_nothing(tmp_path):
+    """Under an address-space limit (``ulimit -v``; the child lowers its own RLIMIT_AS) a save whose arena cannot
+    grow, and a restore whose scratch cannot be allocated, raise a MemoryError naming the bytes asked for, what for
+    and the cap, not a bare ``[Errno 12]``; nothing is committed, quarantined or applied, and the manager goes on."""
+    out = subprocess.run([sys.executable, ADDRESS_LIMIT, str(tmp_path / "ck")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.splitlines()[-1])
+    assert seen["big_save"].startswith("MemoryError: could not allocate 536870912 bytes (512.0 MiB)"), seen
+    assert "staging arena" in seen["big_save"] and "max_staging_bytes" in seen["big_save"], seen
+    assert seen["next_save"] is None and seen["steps"] == [1, 3]  # the next save (within the limit) commits
+    assert seen["restore"].startswith("MemoryError: could not allocate 67108864 bytes (64.0 MiB)"), seen
+    assert "restore's scratch" in seen["restore"] and "max_staging_bytes" in seen["restore"], seen
+    assert seen["untouched"] and seen["steps_after_restore"] == [1, 3]  # nothing applied, nothing set aside
+    assert seen["restored"] == 3 and seen["bitwise"]
