@@ -153,7 +153,13 @@ class StagingArena:
         return self._buf.numel()
 
     def _grow(self, what: str, nbytes: int, populate: bool, stop: Callable[[], bool] = lambda: False) -> None:
-        """Replace the arena by one of `nbytes` (caller holds `_lock`); a failure is a MemoryError saying what for."""
+        """Replace the arena by one of `nbytes` (caller holds `_lock`); a failure is a MemoryError saying what for.
+
+        The old one is let go first: a user near the host's memory limit needs the new size, not the old one plus the
+        new (a reservation faulted the new pages in while the old buffer stayed resident), nor that much address space
+        (``ulimit -v``). A failure then leaves an empty arena, which the next save grows again."""
+        self._buf = _allocate(0)
+        self._np = self._buf.numpy()
         self._buf = _allocate_for(what, nbytes, self.max_bytes, populate, stop)
         self._np = self._buf.numpy()
 

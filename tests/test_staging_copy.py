@@ -1,7 +1,7 @@
 """The snapshot's copy into the staging arena on several threads: large contiguous tensors are cut into pieces,
 small ones grouped, copied meanwhile, and every byte lands where one serial copy would put it, whatever the dtype,
-layout or size; a closed manager leaves no copy thread behind and gives its memory back; an arena that cannot be
-allocated is an error that says how many bytes, for what."""
+layout or size; a closed manager leaves no copy thread behind and gives its memory back; an arena that grows lets
+the old one go first, and one that cannot be allocated is an error that says how many bytes, for what."""
 
 import gc
 import json
@@ -144,3 +144,23 @@ def test_host_memory_that_cannot_be_allocated_is_a_clear_error_and_loses_nothing
     assert "restore's scratch" in seen["restore"] and "max_staging_bytes" in seen["restore"], seen
     assert seen["untouched"] and seen["steps_after_restore"] == [1, 3]  # nothing applied, nothing set aside
     assert seen["restored"] == 3 and seen["bitwise"]
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
+
+
+def test_an_arena_that_grows_lets_the_old_one_go_before_faulting_the_new_one_in():
+    """A state that grows (an optimizer's state after its first step, `manager.reserve`) needs the new size of host
+    memory, not the old arena plus the new one: a job near its memory limit would be killed by the growth."""
+    old, new = 64 << 20, 96 << 20
+    arena = StagingArena()
+    arena.reserve([old])
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak RSS starts again from now
+    before = _rss()
+    arena.reserve([new])
+    assert arena.capacity == new
+    peak = _peak_rss() - before
+    assert peak < (new - old) + (24 << 20), f"growing {old >> 20} -> {new >> 20} MiB took {peak >> 20} MiB more at peak"
