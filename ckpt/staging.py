@@ -173,8 +173,10 @@ class StagingArena:
             pieces: list[tuple[tuple[int, int] | None, int]] = [(None, nbytes)]
             if cap is not None and _round_up(nbytes) > cap and t.dim() > 0 and t.shape[0] > 1:
                 row = nbytes // t.shape[0]
-                per = max(1, cap // max(1, _round_up(row)) - 1)
-                if row * per + _ALIGN > cap:
+                # as many rows as the cap holds once rounded to the arena's alignment (rows of a few bytes made
+                # pieces of a thousandth of the cap: 15,629 of 16 KiB for a 256 MB vector, an 11x slower save)
+                per = cap // _ALIGN * _ALIGN // max(1, row)
+                if per == 0:
                     raise ValueError(f"tensor {name!r} has rows of {row} bytes, more than max_staging_bytes={cap}")
                 pieces = [
                     ((a, min(a + per, t.shape[0])), (min(a + per, t.shape[0]) - a) * row)
