@@ -92,7 +92,7 @@ class TrackerLease:
 
 
 ADVICE_SHARE = 0.01  # the most of the wall time refits may take in the training thread...
-ADVICE_FREE_S = 0.05  # ...once one takes longer than this (a long live attempt); a shorter one is never skipped
+ADVICE_FREE_S = 0.05  # ...once one costs more CPU than this (a long live attempt); a cheaper one is never skipped
 
 
 def advised_interval(
@@ -100,6 +100,7 @@ def advised_interval(
     mttf_s: float | None = None,
     storage_options: dict[str, Any] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    cpu_clock: Callable[[], float] = time.thread_time,
 ) -> Callable[[], float | None]:
     """The interval provider of a `ckpt.AdvisedInterval`: the seconds `ettr.advise` fits to the job's ledgers in
     `root` (`mttf_s` overrides the fitted MTTF; `storage_options` as the manager's), or None while the run is too
@@ -111,8 +112,9 @@ def advised_interval(
     the next answer includes it. Ledgers that cannot be read (`_readable_attribution`) answer None, with a warning.
     Each answer reads the ledgers through one `ettr.RootFollower`: an ended attempt's ledger is read once, so an
     answer costs what the live attempt's ledger costs, not what the whole job's does. That cost grows with the live
-    attempt (~20 us a step): once a refit takes over ADVICE_FREE_S, the next ones are skipped (None: the interval
-    stays) until 1/ADVICE_SHARE times its cost has passed (`clock`, seconds), so refits keep to 1% of the time.
+    attempt (~20 us a step): once a refit costs the training thread over ADVICE_FREE_S of CPU (`cpu_clock`: its
+    thread's, so a busy machine does not inflate it), the next ones are skipped (None: the interval stays) until
+    1/ADVICE_SHARE times that cost has passed (`clock`, wall seconds), so refits keep to 1% of the time.
     """
 
     job = ettr.RootFollower(root, storage_options)
@@ -124,24 +126,26 @@ def advised_interval(
         advice = ettr.advise(attribution, mttf_s=mttf_s)
         return None if advice.too_short else advice.recommended_interval_s
 
-    return _within_share(interval_s, clock)
+    return _within_share(interval_s, clock, cpu_clock)
 
 
-def _within_share(refit: Callable[[], Any], clock: Callable[[], float]) -> Callable[[], Any]:
-    """`refit`, skipped (None: no new advice, the schedule in force stays) after a call that took over ADVICE_FREE_S
-    until its cost / ADVICE_SHARE has passed since it ended."""
+def _within_share(
+    refit: Callable[[], Any], clock: Callable[[], float], cpu_clock: Callable[[], float]
+) -> Callable[[], Any]:
+    """`refit`, skipped (None: no new advice, the schedule in force stays) after a call that cost over ADVICE_FREE_S
+    (`cpu_clock`) until that cost / ADVICE_SHARE has passed (`clock`) since it ended."""
     due = -math.inf
 
     def call() -> Any:
         nonlocal due
-        begin = clock()
-        if begin < due:
+        if clock() < due:
             return None
+        begin = cpu_clock()
         try:
             return refit()
         finally:
-            end = clock()
-            due = end + (end - begin) / ADVICE_SHARE if end - begin > ADVICE_FREE_S else -math.inf
+            cost = cpu_clock() - begin
+            due = clock() + cost / ADVICE_SHARE if cost > ADVICE_FREE_S else -math.inf
 
     return call
 
@@ -181,6 +185,7 @@ def advised_two_tier(
     storage_options: dict[str, Any] | None = None,
     inputs: ettr.TwoTierInputs | None = None,
     clock: Callable[[], float] = time.monotonic,
+    cpu_clock: Callable[[], float] = time.thread_time,
 ) -> Callable[[], tuple[float, int] | None]:
     """The advice of a `ckpt.AdvisedTiers`: the (local interval in seconds, K) that `ettr.advise_two_tier` fits to the
     job's ledgers in `root` (per-tier save and restore costs, the failure classes seen so far; `inputs` for what the
@@ -197,7 +202,7 @@ def advised_two_tier(
         plan = ettr.advise_two_tier(attribution, inputs or ettr.TwoTierInputs(), mttf_s=mttf_s).plan
         return None if plan is None else (plan.interval_s, plan.persist_every)
 
-    return _within_share(advice, clock)
+    return _within_share(advice, clock, cpu_clock)
 
 
 def resolve_step(manager: CheckpointManager, step: int) -> int | None:
