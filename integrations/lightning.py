@@ -343,6 +343,9 @@ class CkptCheckpointIO(CheckpointIO):
         self._stored: tuple[int, dict[str, dict[str, Any]], frozenset[str]] | None = None
         self._orphans: set[int] = set()  # steps whose pointer was removed, not deletable yet
         self._adopted: set[str] = set()
+        # per pointer folder, the ``last*.ckpt`` files `_adopt` found naming a step that is not committed, kept until
+        # this process writes a ``last*.ckpt`` there (`_replace_stale`): until then they are what ckpt_path="last" finds
+        self._stale_last: dict[str, set[str]] = {}
         self._folders: set[str] | None = None  # every folder pointers to the root's steps were written in (loaded once)
         self._damaged: str | None = None  # an unreadable record of a pointer folder: delete nothing
         # each pointer folder's files as this process last listed them, or wrote or removed them since (`_pointers`):
@@ -435,6 +438,8 @@ class CkptCheckpointIO(CheckpointIO):
         stored = self._stored[1] if self._stored is not None and self._stored[0] == step else {}
         self._forget(os.fspath(path))  # an overwritten pointer (e.g. last.ckpt) no longer names its old step
         self._saw(os.fspath(path), _write_pointer(os.fspath(path), self.root, step, _changed(stored, fields)))
+        if _is_last(os.fspath(path)):
+            self._replace_stale(folder, os.path.basename(os.fspath(path)))
         if folder not in self._swept and self._sweep(folder):
             self._swept.add(folder)
         self._collect()
@@ -577,6 +582,11 @@ class CkptCheckpointIO(CheckpointIO):
         committed = self.manager.steps()
         for path, pointer in self._pointers(folder):
             if pointer["step"] not in committed and pointer["step"] not in self._done:
+                if _is_last(path) and committed and committed[0] < pointer["step"]:
+                    # a resume from "last" falls back through it to the newest committed step before its step: removed
+                    # now, a kill before the next last.ckpt is written would leave "last" nothing to find
+                    self._stale_last.setdefault(folder, set()).add(os.path.basename(path))
+                    continue
                 warnings.warn(
                     f"removing {path}: it names step {pointer['step']} of {self.root}, which is not "
                     f"committed (its save died with its process, or the step was deleted)",
@@ -590,6 +600,21 @@ class CkptCheckpointIO(CheckpointIO):
             saved = self.manager.metadata(step).get(POINTERS)
             if saved is not None and _real(_resolve(saved, _real(self.root))) == folder:
                 self._orphans.add(step)
+
+    def _replace_stale(self, folder: str, written: str) -> None:
+        """This process just wrote the ``last*.ckpt`` pointer `written` in `folder`: the stale ``last*.ckpt`` files
+        `_adopt` kept there are replaced now. One of the same name was replaced atomically by that write (its step
+        became a candidate for deletion in `save_checkpoint`); any other (ModelCheckpoint picked ``last-v1.ckpt``
+        beside it) is removed, its step a candidate for deletion too."""
+        for name in sorted(self._stale_last.pop(folder, set()) - {written}):
+            path = _member(folder, name)
+            self._forget(path)
+            fs, p = fsspec.core.url_to_fs(path)
+            try:
+                fs.rm(p)
+            except FileNotFoundError:
+                pass
+            self._saw(path, None)
 
     def _pointer_folders(self) -> set[str]:
         """Every folder pointers to this root's steps were written in, as `_folder` gives them: those registered under

@@ -226,10 +226,13 @@ def test_pointers_are_relative_and_the_next_writer_drops_those_of_steps_that_nev
     with pytest.warns(RuntimeWarning, match="not committed") as removed:
         io.save_checkpoint({"global_step": 5, "w": torch.zeros(3)}, folder / "c.ckpt")
     io.teardown()
-    assert sorted(str(w.message).split(":")[0] for w in removed) == [
-        f"removing {folder / n}" for n in ("b.ckpt", "last.ckpt")
-    ]
-    assert sorted(p.name for p in folder.iterdir()) == ["a.ckpt", "c.ckpt", "old.ckpt"]
+    assert [str(w.message).split(":")[0] for w in removed] == [f"removing {folder / 'b.ckpt'}"]
+    # last.ckpt stays until the next last.ckpt replaces it: a resume from "last" falls back through it meanwhile
+    assert sorted(p.name for p in folder.iterdir()) == ["a.ckpt", "c.ckpt", "last.ckpt", "old.ckpt"]
+    io = CkptCheckpointIO(root)
+    io.save_checkpoint({"global_step": 6, "w": torch.ones(3)}, folder / "last-v1.ckpt")  # another last name: it goes
+    io.teardown()
+    assert sorted(p.name for p in folder.iterdir()) == ["a.ckpt", "c.ckpt", "last-v1.ckpt", "old.ckpt"]
 
 
 def _fit(
@@ -987,3 +990,35 @@ def test_a_pointers_tensor_field_names_a_dtype_of_torch_or_stays_as_it_is():
     assert _value({"tensor": 1.5, "dtype": "float64"}).dtype == torch.float64
     for name in ("load", "__class__", "nope"):
         assert _value({"best": {"tensor": 1.5, "dtype": name}}) == {"best": {"tensor": 1.5, "dtype": name}}
+
+
+class _Killed(Exception):
+    """Stands for a SIGKILL at a chosen point of a save (the files are left as the kill would leave them)."""
+
+
+class _KilledAtLast(CkptCheckpointIO):
+    """A CkptCheckpointIO whose process dies as ModelCheckpoint asks it for last.ckpt, before anything is written."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        if os.path.basename(path) == "last.ckpt":
+            raise _Killed(path)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def test_a_kill_before_a_resumed_fits_first_last_ckpt_leaves_a_last_ckpt_that_resumes(tmp_path, no_launcher_ids):
+    """A resume through a last.ckpt naming a step that never committed: its first save (the top-k pointer, before
+    last.ckpt) removed that last.ckpt, and a kill before the new one was written left none. fit(ckpt_path="last")
+    then found nothing and was refused as a fresh start into another run's root (RunMismatchError). The stale
+    last.ckpt stays until the new one replaces it (atomically, by its rename), so the same command resumes."""
+    straight = _fit(tmp_path / "straight", 16)
+    root, folder = tmp_path / "root", tmp_path / "root" / "pointers"
+    _fit(root, 8)
+    for name in ("epoch=0-step=12.ckpt", "last.ckpt"):  # as if killed while step 12 was written (save_top_k=1)
+        (folder / name).write_text(json.dumps({"format": "ckpt-lightning-pointer/1", "root": "..", "step": 12}))
+    (folder / "epoch=0-step=8.ckpt").unlink()
+    with pytest.warns(RuntimeWarning, match="step 12 was never committed"), pytest.raises(_Killed):
+        _fit(root, 16, ckpt_path="last", io=_KilledAtLast(root))  # dies at step 12's last.ckpt
+    assert [p.name for p in folder.glob("last*.ckpt")] == ["last.ckpt"]
+    resumed = _fit(root, 16, ckpt_path="last")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert [a.restored_step for a in attribute_root(str(root)).attempts] == [None, 8, 12]
