@@ -294,9 +294,15 @@ def read_step(
 
 
 def delete_step(manager: CheckpointManager, step: int) -> bool:
-    """Delete a committed step that is not the newest committed one (the one a resume needs); True if deleted."""
-    committed = manager.steps()
-    if step not in committed or step == committed[-1]:
+    """Delete a committed step that is not the newest committed one (the one a resume needs); True if deleted.
+
+    False, and nothing deleted, for a step the manager refuses to delete now: not committed (or already being
+    deleted), the newest, still being written, or, with a local tier, still being persisted to the durable root (a
+    save can follow its step's local commit before that copy ends): a later call deletes it. Its other errors (a
+    background write's, a lost lease) are raised. The manager's check lists the committed steps once.
+    """
+    try:
+        manager.delete(step)
+    except ValueError:  # StepNotFoundError, or the newest / being written / being persisted: not now
         return False
-    manager.delete(step)
     return True

@@ -1022,3 +1022,37 @@ def test_a_kill_before_a_resumed_fits_first_last_ckpt_leaves_a_last_ckpt_that_re
     resumed = _fit(root, 16, ckpt_path="last")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert [a.restored_step for a in attribute_root(str(root)).attempts] == [None, 8, 12]
+
+
+def test_a_top_k_removal_of_a_step_still_being_persisted_from_the_local_tier_defers_its_deletion(tmp_path, monkeypatch):
+    """With local= the durable root gets each step after it committed locally; ModelCheckpoint removes the previous
+    top-k pointer as soon as the next step is saved, while that step may still be on its way to the root (a slow
+    store, the case a local tier is for). The deletion raised the manager's ValueError ("still being persisted") out
+    of remove_checkpoint, and the fit died. The step is deleted later, once its persist is done."""
+    import threading
+
+    from ckpt.persist import PersistJob
+
+    entered, release, run = threading.Event(), threading.Event(), PersistJob.run
+
+    def held(job):  # the persist of step 1 waits here until the test lets it go
+        if job.step == 1:
+            entered.set()
+            assert release.wait(60)
+        return run(job)
+
+    monkeypatch.setattr(PersistJob, "run", held)
+    root, folder = tmp_path / "root", tmp_path / "root" / "p"
+    io = CkptCheckpointIO(root, local=tmp_path / "local")
+    io.save_checkpoint({"global_step": 1, "w": torch.zeros(3)}, folder / "epoch=0-step=1.ckpt")
+    assert entered.wait(60)  # step 1 committed locally, its persist under way
+    io.save_checkpoint({"global_step": 2, "w": torch.ones(3)}, folder / "epoch=0-step=2.ckpt")
+    deadline = time.monotonic() + 60
+    while 2 not in io.manager.steps():  # step 2 committed locally
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    io.remove_checkpoint(folder / "epoch=0-step=1.ckpt")  # save_top_k=1 at step 2
+    assert [int(s) for s in io.manager.steps()] == [1, 2]
+    release.set()
+    io.teardown()
+    assert committed_steps(root) == [2] and [p.name for p in folder.iterdir()] == ["epoch=0-step=2.ckpt"]
