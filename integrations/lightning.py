@@ -746,14 +746,20 @@ class CkptCheckpointIO(CheckpointIO):
         return f": fit(..., ckpt_path={min(named)!r})" if named else ""
 
     def _how_to_resume(self) -> str:
-        """How a fit resumes the root's newest step: ``ckpt_path="last"`` where a ``last*.ckpt`` pointer names it,
-        else a pointer that names it (a process killed between its pointers can leave a folder without last.ckpt, and
-        "last" then finds nothing)."""
+        """How a fit resumes the root's newest step: through a pointer that leads to it, one naming it or a step after
+        it, which never committed (its load falls back to the newest step: a process killed while writing that step
+        left it). ``ckpt_path="last"`` where every ``last*.ckpt`` pointer leads there (a process killed between its
+        pointers can leave a folder without last.ckpt, and "last" then finds nothing), else such a pointer by its
+        path; where none does (every pointer to it removed), the recorded run id that `check_start` names next."""
         step = self.manager.latest_step()
-        named = [] if step is None else self._named(step)
-        if not named or any(_is_last(p) for p in named):
+        pointers = [(p, q["step"]) for folder in self._pointer_folders() for p, q in self._pointers(folder)]
+        leading = [p for p, s in pointers if step is None or s >= step]
+        lasts = [p for p, _ in pointers if _is_last(p)]
+        if step is None or (lasts and set(lasts) <= set(leading)):
             return 'trainer.fit(model, ..., ckpt_path="last")'
-        return f"trainer.fit(model, ..., ckpt_path={min(named)!r})"
+        if leading:
+            return f"trainer.fit(model, ..., ckpt_path={min(leading)!r})"
+        return f"no pointer file names step {step} any more: restart with the run id recorded there (see below)"
 
     def _pointer(self, path: str) -> dict[str, Any]:
         """The pointer file at `path`; clear errors for foreign files and other roots."""

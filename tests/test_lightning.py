@@ -375,6 +375,20 @@ def test_fit_without_ckpt_path_into_another_runs_root_fails_before_touching_it(t
         ckpt.RunMismatchError, match=re.escape(f"To resume that run: trainer.fit(model, ..., ckpt_path={named!r})")
     ):
         _fit(root, 12)
+    # killed while step 12 was written (save_last=False, save_top_k=1): its pointer names it, none names step 8;
+    # that pointer is the way back (its load falls back to 8), where "last" would find nothing again
+    (root / "pointers" / "epoch=0-step=8.ckpt").rename(root / "pointers" / "epoch=0-step=12.ckpt")
+    (root / "pointers" / "epoch=0-step=12.ckpt").write_text(
+        json.dumps({"format": "ckpt-lightning-pointer/1", "root": "..", "step": 12})
+    )
+    named = str(root / "pointers" / "epoch=0-step=12.ckpt")
+    with pytest.raises(
+        ckpt.RunMismatchError, match=re.escape(f"To resume that run: trainer.fit(model, ..., ckpt_path={named!r})")
+    ):
+        _fit(root, 12)
+    (root / "pointers" / "epoch=0-step=12.ckpt").unlink()
+    with pytest.raises(ckpt.RunMismatchError, match=r"no pointer file names step 8 any more: restart with the run id"):
+        _fit(root, 12)
     (root / "pointers" / "last.ckpt").write_bytes(last)
     _fit(root, 12, ckpt_path="last")  # the explicit resume takes the run over
 
