@@ -419,7 +419,7 @@ class CkptCheckpointIO(CheckpointIO):
                 stacklevel=2,
             )
         folder = _folder(os.fspath(path))
-        self._adopt(folder)
+        self._adopt(folder, _last_paths(clean.get("callbacks")))
         metadata = {POINTERS: _relative(folder, self.root), WRITTEN_AT: _real(self.root)}
         fields = _path_fields(clean.get("callbacks"))
         if self._stored is not None and self._stored[0] == step and step in self._done:
@@ -571,10 +571,11 @@ class CkptCheckpointIO(CheckpointIO):
             self._saw(os.fspath(path), None)
             self._collect()
 
-    def _adopt(self, folder: str) -> None:
+    def _adopt(self, folder: str, lasts: frozenset[str] = frozenset()) -> None:
         """Once per process and folder, before writing there: drop pointers to steps that are not committed (left
         by a process that died while saving; this process is the root's writer now), and make earlier attempts'
-        steps of the folder candidates for deletion (their removals may have died)."""
+        steps of the folder candidates for deletion (their removals may have died). Such a ``last*.ckpt`` that is one
+        of `lasts` (`_last_paths`: the trainer's ModelCheckpoint writes it next, over it) stays until then."""
         if folder in self._adopted:
             return
         self._register(folder)
@@ -582,9 +583,10 @@ class CkptCheckpointIO(CheckpointIO):
         committed = self.manager.steps()
         for path, pointer in self._pointers(folder):
             if pointer["step"] not in committed and pointer["step"] not in self._done:
-                if _is_last(path) and committed and committed[0] < pointer["step"]:
+                if _real(path) in lasts and committed and committed[0] < pointer["step"]:
                     # a resume from "last" falls back through it to the newest committed step before its step: removed
-                    # now, a kill before the next last.ckpt is written would leave "last" nothing to find
+                    # now, a kill before the next last.ckpt is written would leave "last" nothing to find. (One that
+                    # ModelCheckpoint does not write next goes now: left, it would make it pick last-v1.ckpt.)
                     self._stale_last.setdefault(folder, set()).add(os.path.basename(path))
                     continue
                 warnings.warn(
@@ -809,6 +811,15 @@ def _same_start(trainer: Trainer, io: CkptCheckpointIO) -> None:
 def _is_last(path: str) -> bool:
     """Whether `path` is one of ModelCheckpoint's ``last*.ckpt`` pointers (``last.ckpt``, ``last-v1.ckpt``)."""
     return posixpath.basename(path).startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST)
+
+
+def _last_paths(callbacks: Any) -> frozenset[str]:
+    """The ``last*.ckpt`` paths the callbacks of a checkpoint dict write next (ModelCheckpoint's ``last_model_path``:
+    it overwrites that file rather than picking ``last-v1.ckpt`` beside it), symlinks resolved."""
+    if not isinstance(callbacks, Mapping):
+        return frozenset()
+    paths = (state.get("last_model_path") for state in callbacks.values() if isinstance(state, Mapping))
+    return frozenset(_real(p) for p in paths if isinstance(p, str) and p)
 
 
 def _writer() -> bool:

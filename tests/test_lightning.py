@@ -226,13 +226,10 @@ def test_pointers_are_relative_and_the_next_writer_drops_those_of_steps_that_nev
     with pytest.warns(RuntimeWarning, match="not committed") as removed:
         io.save_checkpoint({"global_step": 5, "w": torch.zeros(3)}, folder / "c.ckpt")
     io.teardown()
-    assert [str(w.message).split(":")[0] for w in removed] == [f"removing {folder / 'b.ckpt'}"]
-    # last.ckpt stays until the next last.ckpt replaces it: a resume from "last" falls back through it meanwhile
-    assert sorted(p.name for p in folder.iterdir()) == ["a.ckpt", "c.ckpt", "last.ckpt", "old.ckpt"]
-    io = CkptCheckpointIO(root)
-    io.save_checkpoint({"global_step": 6, "w": torch.ones(3)}, folder / "last-v1.ckpt")  # another last name: it goes
-    io.teardown()
-    assert sorted(p.name for p in folder.iterdir()) == ["a.ckpt", "c.ckpt", "last-v1.ckpt", "old.ckpt"]
+    assert sorted(str(w.message).split(":")[0] for w in removed) == [
+        f"removing {folder / n}" for n in ("b.ckpt", "last.ckpt")
+    ]
+    assert sorted(p.name for p in folder.iterdir()) == ["a.ckpt", "c.ckpt", "old.ckpt"]
 
 
 def _fit(
@@ -1070,3 +1067,21 @@ def test_a_top_k_removal_of_a_step_still_being_persisted_from_the_local_tier_def
     release.set()
     io.teardown()
     assert committed_steps(root) == [2] and [p.name for p in folder.iterdir()] == ["epoch=0-step=2.ckpt"]
+
+
+def test_a_fallback_to_the_roots_first_step_keeps_one_last_ckpt_and_pins_no_step(tmp_path, no_launcher_ids):
+    """Killed while the second save (step 8) was written, after the first (step 4) committed: the fallback restores
+    ModelCheckpoint without a last_model_path (step 4's dict was stored before its last.ckpt), so it writes
+    last-v1.ckpt if last.ckpt is there at its first save. That stale last.ckpt, which it does not write over, goes at
+    the first save: otherwise the next resume, through last-v1.ckpt, kept that file (Lightning keeps the checkpoint it
+    resumed from) and with it a step for good."""
+    root, folder = tmp_path / "root", tmp_path / "root" / "pointers"
+    _fit(root, 4)
+    for name in ("epoch=0-step=8.ckpt", "last.ckpt"):
+        (folder / name).write_text(json.dumps({"format": "ckpt-lightning-pointer/1", "root": "..", "step": 8}))
+    (folder / "epoch=0-step=4.ckpt").unlink()
+    with pytest.warns(RuntimeWarning, match="step 8 was never committed"):
+        _fit(root, 8, ckpt_path="last")
+    _fit(root, 12, ckpt_path="last")
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=12.ckpt", "last.ckpt"]
+    assert committed_steps(root) == [12]
