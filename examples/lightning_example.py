@@ -3,6 +3,7 @@
 Run: python examples/lightning_example.py [RUN_DIR]   (offline, seconds on a CPU; each attempt is its own process)
 """
 
+import argparse
 import subprocess
 import sys
 import tempfile
@@ -68,7 +69,9 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--attempt"]:
         fit(sys.argv[2], 16, int(sys.argv[3]) or None)
         sys.exit()
-    root = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="lightning-example-")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", nargs="?", default=None, help="the checkpoint root (default: a new temp dir)")
+    root = p.parse_args().run_dir or tempfile.mkdtemp(prefix="lightning-example-")
     for fail_at in (10, 0):  # the first attempt fails after step 10 (checkpoint at 8), the restart finishes
         subprocess.run([sys.executable, __file__, "--attempt", root, str(fail_at)], capture_output=True)
     print(ettr.report_text(ettr.attribute_root(root)))

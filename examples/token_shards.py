@@ -9,8 +9,8 @@ each batch against the concatenated shards and prints which reader backend serve
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 import tempfile
 
 import numpy as np
@@ -40,9 +40,12 @@ def main(folder: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        os.makedirs(sys.argv[1], exist_ok=True)
-        main(sys.argv[1])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dir", nargs="?", default=None, help="where the shards are written (default: a temp dir)")
+    folder = p.parse_args().dir
+    if folder is not None:
+        os.makedirs(folder, exist_ok=True)
+        main(folder)
     else:
         with tempfile.TemporaryDirectory() as folder:
             main(folder)
