@@ -760,24 +760,23 @@ def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
 
     A Stateful object's own `load_state_dict` may still refuse (a sampler over other data, a scheduler of another
     kind). Objects that can check a state without taking it (`check_state_dict`: the samplers, whose live iterator
-    a load ends), at any depth of the state, are checked first and loaded last of all; then the objects whose state
-    holds none of the tensors copied here load (schedulers, RNG states: nothing of the caller's changed yet but the
-    tensors read into directly), then the copies, the other objects (modules, optimizers: `state.decode` checked
-    their keys, shapes and groups), the plain values (and the objects nested in them), the checked objects. When a
+    a load ends), at any depth of the state, were checked by `plan_restore` before any read, and load last of all;
+    first the objects whose state holds none of the tensors copied here load (schedulers, RNG states: nothing of the
+    caller's changed yet but the tensors read into directly), then the copies, the other objects (modules,
+    optimizers: `state.decode` checked their keys, shapes and groups), the plain values (and the objects nested in
+    them), the checked objects. When a
     load raises, the objects loaded so far get their state from before back and so do the tensors read into
     directly; when tensors were copied into here (CUDA, strided or tied ones) and a load after the copies raises,
     nothing is given back (every object keeps the step's values: a consistent state, as the docs say)."""
     copied = [(r, t) for r in plan.reads.values() for t in (r.targets[1:] if r.saved is not None else r.targets)]
     into = {(t.device, t.untyped_storage().data_ptr()) for _, t in copied}
-    checks = checked(target, plan.values)  # at any depth: a sampler in a dict must not load before a sibling refuses
+    checks = checked(target, plan.values)  # at any depth: a sampler in a dict loads after its siblings
     deferred = {id(obj) for obj, _ in checks}
     stateful = [k for k in plan.values if state_mod.is_stateful(target.get(k)) and id(target[k]) not in deferred]
     first = [k for k in stateful if not _holds(plan.values[k], into)]
     loaded: list[tuple[Any, Any]] = []
     copied_yet = False
     try:
-        for obj, v in checks:  # checked by `plan_restore` too: a state it changed meanwhile is still refused here
-            obj.check_state_dict(v)
         for k in first:
             loaded.append(_before(target[k]))
             state_mod.apply(target, k, plan.values[k])
@@ -933,8 +932,9 @@ def _unframed(message: bytes) -> tuple[bytes, dict[str, int] | None]:
 def agree(storage: Storage, ranks: Ranks, step: int, error: Exception | None) -> CorruptCheckpointError | str | None:
     """Every rank's outcome of reading `step`, one decision for all: None (read everywhere), "vanished" (it was
     deleted meanwhile, e.g. by another process's retention: no damage) or its damage. A rank whose state does not fit
-    the step (a key, shape or dtype; a sampler over other data), or that could not read it for another reason than damage (`read_step`), makes every rank raise: that
-    rank its own error, the others a StateMismatchError (a CheckpointError for the other reasons) naming it."""
+    the step (a key, shape or dtype; a sampler over other data), or that could not read it for another reason than
+    damage (`read_step`), makes every rank raise: that rank its own error, the others a StateMismatchError (a
+    CheckpointError for the other reasons) naming it."""
     if error is None:
         verdict = "ok"
     elif isinstance(error, (StateKeyError, StateMismatchError, DataMismatchError)):
