@@ -92,27 +92,36 @@ def verify(
 ) -> Iterator[CorruptCheckpointError]:
     """Check a committed step as restore does: its manifest, no special files, every array's zarr.json
     and every chunk (size, crc32c, the manifest's digest), every packed tensor's bytes against its digest and
-    every chunk of the packs; yields each problem found."""
+    every chunk of the packs; yields each problem found. A rank's own root (`Manifest.held`) is checked for the
+    boxes it holds: the others are in the other ranks' roots."""
     try:
         manifest = layout.read_manifest(storage, step)
         layout.step_files(storage, step)
     except CorruptCheckpointError as e:
         yield e
         return
+    used: set[str] = set()  # the packs holding a box checked
     for name, info in manifest.arrays.items():
+        boxes = manifest.boxes_here(name)
         try:
             if info.places is None:
-                path = layout.array_path(step, name, manifest.data)
-                store.verify_array(storage, path, info, step=step, on_bytes=on_bytes)
+                if boxes:
+                    path = layout.array_path(step, name, manifest.data)
+                    box = None if manifest.held is None else info.boxes[boxes[0]]
+                    store.verify_array(storage, path, info, step=step, on_bytes=on_bytes, box=box)
                 continue
-            for box, (pack, _) in enumerate(info.places):
+            for box in boxes:
+                pack = info.places[box][0]
+                used.add(pack)
                 path = layout.pack_path(step, pack, manifest.data)
                 packs.verify_box(storage, manifest.packs[pack], path, info, box, step=step)
-            if on_bytes:
-                on_bytes(info.nbytes)
+                if on_bytes:
+                    on_bytes(info.box_nbytes(info.boxes[box]))
         except CorruptCheckpointError as e:
             yield e
     for name, pack in manifest.packs.items():  # zarr.json, each file's size, and (ckpt/3-4) each file's crc32c
+        if manifest.held is not None and name not in used:
+            continue
         try:
             path = layout.pack_path(step, name, manifest.data)
             if pack.raw:

@@ -201,7 +201,7 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
         raise StepNotFoundError(f"step {args.step} is not committed in {storage.url} (committed: {committed})")
     for step in steps:
         try:
-            total = sum(a.nbytes for a in read_manifest(storage, step).arrays.values())
+            total = read_manifest(storage, step).nbytes_here()
         except CheckpointError as e:
             print(f"step {step}: DAMAGED: {e}")
             bad += 1

@@ -643,6 +643,20 @@ class Manifest:
     # before ckpt/4); each save writes into one of its own, so a writer that lost the root's lease never touches
     # the files of the step its successor commits
     data: str = ""
+    # a rank's own root (a local tier, or a peer's replica of one) holds one box of some arrays, not the step: the
+    # index of the box it holds of each array it holds (None: a shared root, which holds every box); written as a
+    # list in the arrays' order, -1 for none (older readers ignore it)
+    held: dict[str, int] | None = None
+
+    def boxes_here(self, name: str) -> list[int]:
+        """The indices of the boxes of array `name` that this manifest's root holds (every box of a shared root)."""
+        if self.held is None:
+            return list(range(len(self.arrays[name].boxes)))
+        return [self.held[name]] if name in self.held else []
+
+    def nbytes_here(self) -> int:
+        """The bytes of tensors this manifest's root holds (what `ckpt verify` checks)."""
+        return sum(a.box_nbytes(a.boxes[i]) for name, a in self.arrays.items() for i in self.boxes_here(name))
 
     def to_json(self) -> dict[str, Any]:
         """The manifest's body: what `to_bytes` checksums and writes (and `ckpt inspect --json` prints)."""
@@ -657,6 +671,7 @@ class Manifest:
             "arrays": {k: v.to_json(self.format) for k, v in self.arrays.items()},
             **({"packs": {k: v.to_json(self.format) for k, v in self.packs.items()}} if self.format in _PACKED else {}),
             **({"data": self.data} if self.format in _DATA_DIR else {}),
+            **({"held": [self.held.get(k, -1) for k in self.arrays]} if self.held is not None else {}),
         }
 
     def to_bytes(self) -> bytes:
@@ -725,6 +740,7 @@ class Manifest:
                     f"{pack!r} ({_span(arrays[a], i)} and {_span(arrays[b], j)})",
                     key=b,
                 )
+            held = _held(body.get("held"), arrays)
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(e.message, step=e.step, key=e.key, file=file) from None
         return cls(
@@ -738,4 +754,23 @@ class Manifest:
             format=body["format"],
             packs=packs,
             data=data,
+            held=held,
         )
+
+
+def _held(value: Any, arrays: dict[str, ArrayInfo]) -> dict[str, int] | None:
+    """A manifest's ``held`` (a rank's own root: the box it holds of each array, -1 for none), checked against the
+    arrays."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != len(arrays):
+        raise CorruptCheckpointError(f"malformed manifest: bad held {str(value)[:100]!r} ({len(arrays)} arrays)")
+    held = {}
+    for (name, info), box in zip(arrays.items(), value):
+        if type(box) is not int or not -1 <= box < len(info.boxes):
+            raise CorruptCheckpointError(
+                f"malformed manifest: held box {str(box)[:100]!r} of an array of {len(info.boxes)} boxes", key=name
+            )
+        if box >= 0:
+            held[name] = box
+    return held

@@ -124,7 +124,7 @@ def relay_pack(
 
 def durable_manifest(local: Manifest, shared: ArrayPlan) -> Manifest:
     """The shared root's manifest of a step persisted from a local tier: the local one, digests and all, with every
-    placed box at its place in the shared packs."""
+    placed box at its place in the shared packs (a shared root holds every box: no `held`)."""
     arrays = {}
     for name, info in local.arrays.items():
         places = shared.arrays[name].places if name in shared.arrays else None
@@ -132,7 +132,7 @@ def durable_manifest(local: Manifest, shared: ArrayPlan) -> Manifest:
             raise RuntimeError(f"array {name!r}: the local step and the plan of the shared root place it differently")
         arrays[name] = info if places is None else dataclasses.replace(info, places=places)
     packs = {name: dataclasses.replace(p, digests=()) for name, p in shared.packs.items()}
-    return dataclasses.replace(local, arrays=arrays, packs=packs)
+    return dataclasses.replace(local, arrays=arrays, packs=packs, held=None)
 
 
 class PersistJob:

@@ -49,6 +49,7 @@ class ArrayPlan:
     designated: frozenset[str]
     packs: dict[str, ArrayInfo]
     durable: "ArrayPlan | None" = None  # of a private root: this rank's part of the shared root's plan (a persist's)
+    held: Mapping[str, int] | None = None  # of a private root: the index of the box it holds of each array it holds
 
 
 class Planner:
@@ -241,7 +242,8 @@ def _own_root(shared: ArrayPlan, mine: Mapping[str, Any], rank: int, chunk_bytes
         places = list(arrays[n].places)
         places[i] = (pack, offset)
         arrays[n] = dataclasses.replace(arrays[n], places=tuple(places))
-    return ArrayPlan(arrays, frozenset(boxes), shared.designated, packs, durable=shared)
+    held = {n: shared.arrays[n].boxes.index(b) for n, b in boxes.items() if _volume(b)}
+    return ArrayPlan(arrays, frozenset(boxes), shared.designated, packs, durable=shared, held=held)
 
 
 def _to_json(plan: ArrayPlan) -> dict[str, Any]:

@@ -68,6 +68,7 @@ class WritePlan:
     packs: dict[str, ArrayInfo] = field(default_factory=dict)  # the pack arrays, as `arrays` (see `planner.py`)
     rank: int = 0
     durable: ArrayPlan | None = None  # private: this rank's part of the shared root's plan, which a persist follows
+    held: Mapping[str, int] | None = None  # private: the box this rank holds of each array (`Manifest.held`)
 
     @property
     def pack(self) -> ArrayInfo | None:
@@ -153,6 +154,7 @@ def plan(
         agreed.packs,
         ranks.rank,
         agreed.durable,
+        agreed.held,
     )
 
 
@@ -407,6 +409,7 @@ class SaveJob:
             versions=versions(),
             packs={name: dataclasses.replace(pack, digests=()) for name, pack in p.packs.items()},
             data=self.data,
+            held=None if p.held is None or p.world_size == 1 else dict(p.held),  # alone, a rank holds every box
         )
 
     def abandon(self) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import crc32c
 
@@ -382,11 +382,18 @@ def _open_chunk(path: str, info: ArrayInfo, step: int | None) -> int:
 
 
 def verify_array(
-    storage: Storage, path: str, info: ArrayInfo, *, step: int | None, on_bytes: Callable[[int], None] | None = None
+    storage: Storage,
+    path: str,
+    info: ArrayInfo,
+    *,
+    step: int | None,
+    on_bytes: Callable[[int], None] | None = None,
+    box: Sequence[tuple[int, int]] | None = None,
 ) -> None:
-    """Check an array's zarr.json and every chunk (size, crc32c, digest), one chunk in memory at a time."""
+    """Check an array's zarr.json and every chunk (size, crc32c, digest), or the chunks of `box` only, one chunk in
+    memory at a time."""
     check_zarr_json(storage, path, info, step=step)
-    for index in info.chunks(tuple((0, n) for n in info.shape)):
+    for index in info.chunks(tuple((0, n) for n in info.shape) if box is None else box):
         _read_chunk(storage, path, info, index, None, (), step)
         if on_bytes:
             on_bytes(info.itemsize * math.prod(min(c, n - i * c) for i, c, n in zip(index, info.chunk, info.shape)))

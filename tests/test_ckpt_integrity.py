@@ -434,6 +434,9 @@ _CRAFTED = {
     "per_rank_malformed": _set(["tree", "n"], {"$per_rank": [["zero", 1]]}),
     "per_rank_past_the_world": _set(["tree", "n"], {"$per_rank": [[10**30, 1]]}),  # world size 1: rank 0 only
     "array_name_unsafe": lambda b: b["arrays"].update({"../../x": b["arrays"]["a"]}),
+    "held_is_dict": _set(["held"], {"a": 0}),
+    "held_short": _set(["held"], [0]),
+    "held_past_the_boxes": lambda b: b.update(held=[1] * len(b["arrays"])),  # one box each: only 0 or -1
 }
 
 

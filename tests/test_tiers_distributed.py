@@ -59,6 +59,26 @@ def test_lost_local_tier_comes_back_from_the_peer_and_two_lost_fall_back_to_dura
     assert cli.main(["ls", os.path.join(root, "durable"), "--local", os.path.join(root, "local2")]) == 0
     assert f"== replica of rank 1 in {os.path.join(root, 'local2')}" in capsys.readouterr().out
 
+    # each local tier and peer replica holds its rank's boxes only: verify checks those (a false "zarr.json is
+    # missing" of the other ranks' packs made verify fail and rollback refuse), and still finds damage in them
+    tiers = [a for r in range(4) for a in ("--local", os.path.join(root, f"local{r}"))]
+    assert cli.main(["verify", "-q", os.path.join(root, "durable"), *tiers]) == 0, capsys.readouterr().out
+    assert "DAMAGED" not in capsys.readouterr().out
+    assert cli.main(["rollback", os.path.join(root, "durable"), "--to", "2", "--dry-run", *tiers]) == 0
+    assert capsys.readouterr().out.count("would remove committed step 3") == 8  # 4 local tiers, 4 replicas
+    copy = os.path.join(root, "copy")
+    shutil.copytree(os.path.join(root, "local3"), copy)
+    copied = open_storage(copy)
+    pack = os.path.join(copy, layout.pack_path(3, "rank_00003", layout.read_manifest(copied, 3).data), "c", "0")
+    with open(pack, "r+b") as f:
+        f.seek(7)
+        byte = f.read(1)
+        f.seek(7)
+        f.write(bytes([byte[0] ^ 1]))
+    problems = list(catalog.verify(copied, 3))
+    assert len(problems) == 1 and problems[0].file.endswith(pack.removeprefix(copy)), problems
+    shutil.rmtree(copy)
+
     results = run_ranks(2, "restore", root, worker=tiers_worker)  # at another world size: the local copies do not fit
     _ok(results)
     assert _restored(results) == [(2, "durable", True)] * 2
