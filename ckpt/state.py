@@ -316,6 +316,7 @@ def decode(
             f"restore: key {key!r} is a tensor in the state passed to restore, but the checkpoint holds {_kind(node)}"
         )
     if isinstance(node, list):
+        _check_length(template, len(node), key, strict)
         tl = template if isinstance(template, (list, tuple)) and len(template) == len(node) else [None] * len(node)
         return [decode(v, load, t, f"{key}.{i}", strict, state_of) for i, (v, t) in enumerate(zip(node, tl))]
     if not isinstance(node, dict):
@@ -334,6 +335,7 @@ def decode(
     if tag == "$float":
         return float(v)
     if tag == "$tuple":
+        _check_length(template, len(v), key, strict)
         tl = template if isinstance(template, (list, tuple)) and len(template) == len(v) else [None] * len(v)
         return tuple(decode(x, load, t, f"{key}.{i}", strict, state_of) for i, (x, t) in enumerate(zip(v, tl)))
     if tag == "$size":
@@ -345,6 +347,28 @@ def decode(
     if tag == "$dtype":
         return _TORCH_DTYPES[v]
     return decode(node["v"], load, template, key, strict, state_of)  # "$state": a Stateful object's state_dict
+
+
+def _check_length(template: Any, saved: int, key: str, strict: bool) -> None:
+    """A list or tuple of the caller's holding tensors or objects has the checkpoint's length: of another length
+    it would be replaced, and what it holds would keep its values (a JSON list takes the checkpoint's)."""
+    if strict and isinstance(template, (list, tuple)) and len(template) != saved and _holds_own(template):
+        raise StateMismatchError(
+            f"restore: key {key!r} is a {type(template).__name__} of {len(template)} in the state passed to restore, "
+            f"holding tensors or objects that load in place, but the checkpoint's holds {saved}"
+        )
+
+
+def _holds_own(x: Any, seen: set[int] | None = None) -> bool:
+    """The caller's value holds, at any depth, a tensor or an object that a restore fills in place (each container
+    looked into once, so a value that contains itself ends)."""
+    if is_stateful(x) or isinstance(x, torch.Tensor):
+        return True
+    seen = set() if seen is None else seen
+    if not isinstance(x, (Mapping, list, tuple)) or id(x) in seen:
+        return False
+    seen.add(id(x))
+    return any(_holds_own(v, seen) for v in (x.values() if isinstance(x, Mapping) else x))
 
 
 def _kind(node: Any) -> str:

@@ -495,6 +495,28 @@ def test_objects_in_a_list_of_the_state_load_their_state(tmp_path):
         assert torch.equal(got.state_dict()["state"][0]["exp_avg"], want.state_dict()["state"][0]["exp_avg"])
 
 
+def test_a_list_of_objects_of_another_length_is_refused_and_a_json_list_takes_the_checkpoints(tmp_path):
+    """A list (or tuple) of the caller's holding tensors or objects, of another length than the checkpoint's, was
+    replaced by the checkpoint's values: the restore returned the step and the caller's optimizers kept their
+    state. It is refused naming the key and both lengths, before anything changes; a JSON list takes the saved one."""
+    models = [torch.nn.Linear(2, 2) for _ in range(3)]
+    with ckpt.CheckpointManager(tmp_path) as m:
+        saved = {"opts": [torch.optim.SGD(x.parameters(), lr=0.5) for x in models], "t": (torch.ones(2),), "h": [1, 2]}
+        m.save(1, saved).wait()
+    opts = [torch.optim.SGD(x.parameters(), lr=0.1) for x in models[:2]]
+    for mine, key, lengths in (
+        ({"opts": opts, "t": (torch.zeros(2),), "h": []}, "opts", "list of 2 .* holds 3"),
+        ({"opts": saved["opts"], "t": (torch.zeros(2), torch.zeros(1)), "h": []}, "t", "tuple of 2 .* holds 1"),
+    ):
+        with ckpt.CheckpointManager(tmp_path) as m, pytest.raises(ckpt.StateMismatchError, match=f"'{key}'.*{lengths}"):
+            m.restore(mine)
+        assert mine["h"] == [] and all(o.param_groups[0]["lr"] == 0.1 for o in opts)
+    mine = {"opts": [torch.optim.SGD(x.parameters(), lr=0.1) for x in models], "t": (torch.zeros(2),), "h": []}
+    with ckpt.CheckpointManager(tmp_path) as m:
+        assert m.restore(mine) == 1
+    assert mine["h"] == [1, 2] and [o.param_groups[0]["lr"] for o in mine["opts"]] == [0.5] * 3
+
+
 def test_a_strided_tensor_that_requires_grad_restores_in_place(tmp_path):
     """A transposed or channels_last tensor that requires grad (not read into directly: copied in once verified):
     the copy raised torch's in-place-on-a-leaf error, naming no key, after the model had been overwritten."""
