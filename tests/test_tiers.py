@@ -576,7 +576,8 @@ def test_the_durable_tier_can_be_an_object_store(tmp_path):
 
 def test_file_urls_name_the_directory_of_this_machine_or_are_refused(tmp_path, monkeypatch):
     """file://localhost/PATH is /PATH, for either tier; file://mnt/ckpt (two slashes) names a host: refused, where it
-    was the directory mnt/ckpt under the working directory, so a restart from another one found nothing."""
+    was the directory mnt/ckpt under the working directory, so a restart from another one found nothing; and
+    file://localhost alone names no directory (it was "/")."""
     monkeypatch.chdir(tmp_path)
     durable, local = f"file://localhost{tmp_path}/durable", f"file://localhost{tmp_path}/local"
     with ckpt.CheckpointManager(durable, local=local, persist_every=1) as m:
@@ -586,6 +587,12 @@ def test_file_urls_name_the_directory_of_this_machine_or_are_refused(tmp_path, m
     assert [layout.committed_steps(open_storage(str(tmp_path / d))) for d in ("durable", "local")] == [[1], [1]]
     for root, tier in (("file://mnt/ckpt", str(tmp_path / "l")), (str(tmp_path / "d"), "file://nvme/ckpt/{rank}")):
         with pytest.raises(ValueError, match="names the host '(mnt|nvme)': a directory of this machine is file:///"):
+            ckpt.CheckpointManager(root, local=tier)
+    # file://localhost with no path was "/": a save wrote step_00000001/, run.json and _LEASE into the file system's root
+    for root, tier in (("file://localhost", str(tmp_path / "l")), (str(tmp_path / "d"), "local://localhost")):
+        with pytest.raises(
+            ValueError, match="'(file|local)://localhost' names no directory: .*localhost/PATH is /PATH"
+        ):
             ckpt.CheckpointManager(root, local=tier)
     assert sorted(os.listdir(tmp_path)) == ["durable", "local"]
 

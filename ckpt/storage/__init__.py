@@ -77,8 +77,10 @@ def local_dir(url: str) -> str | None:
     if path.startswith("/"):
         return path
     host, _, rest = path.partition("/")
-    if host == "localhost":
+    if host == "localhost" and rest:
         return "/" + rest
+    if host == "localhost":  # "/" by the letter: the file system's root, where a save would land beside /etc
+        raise ValueError(f"{url!r} names no directory: {protocol}://localhost/PATH is /PATH")
     raise ValueError(f"{url!r} names the host {host!r}: a directory of this machine is {protocol}:///{path} or a path")
 
 
