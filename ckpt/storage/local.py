@@ -139,13 +139,17 @@ class LocalStorage:
 
     def _unlinked(self, path: str) -> str:
         """`path` to read, reached from the root through no symbolic link (a step directory that is a link would
-        read another place's files as this root's); UnsafeFileError otherwise."""
+        read another place's files as this root's); UnsafeFileError otherwise. One lstat per directory below the
+        root (resolving the whole path each time made listing 3,000 steps take 0.2 s)."""
         full = self._p(path)
-        parent = os.path.dirname(full)
-        if os.path.realpath(parent) != os.path.normpath(
-            os.path.join(os.path.realpath(self.root), os.path.dirname(checked(path)))
-        ):
-            raise UnsafeFileError(errno.ELOOP, "reached through a symbolic link", full)
+        at = self.root
+        for part in filter(None, os.path.dirname(checked(path)).split("/")):
+            at = os.path.join(at, part)
+            try:
+                if stat.S_ISLNK(os.lstat(at).st_mode):
+                    raise UnsafeFileError(errno.ELOOP, "reached through a symbolic link", full)
+            except (FileNotFoundError, NotADirectoryError):
+                break  # missing: the read finds it so
         return full
 
     def read(self, path: str, limit: int | None = None) -> bytes | None:
