@@ -94,6 +94,12 @@ class StateKeyError(CheckpointError, KeyError):
     """The state passed to restore and the checkpoint have different keys (names the key path)."""
 
 
+class PartialCopyError(CheckpointError):
+    """The step read is one rank's own copy (its local tier, or a peer's replica of it) and lacks a region this
+    restore needs: the restore is of another sharding or world size, or not through that rank's manager. No damage:
+    the durable copy is read instead, where there is one."""
+
+
 class DataMismatchError(CheckpointError, ValueError):
     """A sampler state saved for other data or another configuration is being resumed."""
 

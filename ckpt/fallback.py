@@ -16,7 +16,7 @@ from . import layout
 from . import lease as lease_mod
 from . import restore as restore_mod
 from .distributed import Ranks, leader_reads
-from .errors import CheckpointError, CorruptCheckpointError, StepNotFoundError, described
+from .errors import CheckpointError, CorruptCheckpointError, PartialCopyError, StepNotFoundError, described
 from .storage import Storage
 from .target import DURABLE, Source, Target
 
@@ -35,6 +35,11 @@ class Found:
     plan: restore_mod.ReadPlan | None = None
     remaining: list[Source] = field(default_factory=list)
     damaged: dict[tuple[int, str], CorruptCheckpointError] = field(default_factory=dict)
+    partial: dict[tuple[int, str], PartialCopyError] = field(default_factory=dict)  # copies lacking a needed region
+
+    def tried(self) -> dict[tuple[int, str], CheckpointError]:
+        """The sources not to try again: damaged, or lacking a region."""
+        return {**self.damaged, **self.partial}
 
 
 def candidates(
@@ -72,7 +77,7 @@ def walk(
         steps = ", ".join(f"rank {r}: {s}" for r, (s, _) in enumerate(told))
         raise CheckpointError(f"the ranks called restore with different steps ({steps}): every rank restores the same")
     found = Found()
-    todo, relists = candidates(durable, target, ranks, step, found.damaged), 0
+    todo, relists = candidates(durable, target, ranks, step, found.tried()), 0
     while todo:
         source = todo.pop(0)
         s, storage = source.step, target.storage_of(source)
@@ -96,8 +101,14 @@ def walk(
                     f"is another process deleting them?"
                 )
             log.info("step %d vanished while being read (retention?); listing the steps again", s)
-            todo = candidates(durable, target, ranks, step, found.damaged)
+            todo = candidates(durable, target, ranks, step, found.tried())
             continue
+        if isinstance(outcome, PartialCopyError):  # no damage: nothing set aside; the next copy, if any
+            found.partial[(s, source.tier)] = outcome
+            if todo and (step is None or todo[0].step == s):
+                log.warning("not restoring%s: %s; trying the next copy", target.where(source), outcome)
+                continue
+            raise outcome
         if isinstance(outcome, CorruptCheckpointError):
             found.damaged[(s, source.tier)] = outcome
             if step is not None and not todo:

@@ -39,6 +39,7 @@ from .errors import (
     CheckpointError,
     CorruptCheckpointError,
     DataMismatchError,
+    PartialCopyError,
     StateKeyError,
     StateMismatchError,
     StepNotFoundError,
@@ -175,6 +176,7 @@ def plan_restore(
     def read(name: str, box: Box) -> ArrayRead:
         """The read of a region, planned once; its files checked first (before a fresh tensor is allocated)."""
         if (name, box) not in reads:
+            _check_held(manifest, name, box)
             if files is not None:
                 _check_files(manifest.arrays[name], box, manifest, files)
             reads[name, box] = ArrayRead(manifest.arrays[name], box)
@@ -247,6 +249,22 @@ def checked(target: Mapping[str, Any], values: Mapping[str, Any]) -> list[tuple[
         for obj, v in state_mod.stateful_in(target, k, values[k])
         if callable(getattr(obj, "check_state_dict", None))
     ]
+
+
+def _check_held(manifest: Manifest, name: str, box: Box) -> None:
+    """A rank's own root holds the region to read (`Manifest.held`): else `PartialCopyError`, before any read."""
+    if manifest.held is None:
+        return
+    info, held = manifest.arrays[name], manifest.held.get(name)
+    have = None if held is None else info.boxes[held]
+    if have is None or any(a < lo or b > hi for (a, b), (lo, hi) in zip(box, have)):
+        holds = "none of it" if have is None else f"the region {[list(r) for r in have]}"
+        raise PartialCopyError(
+            f"step {manifest.step} here is one rank's own copy of a {manifest.world_size}-rank save (a local tier or "
+            f"a peer's replica): of array {name!r} {list(info.shape)} it holds {holds}, and this restore needs "
+            f"{[list(r) for r in box]}; restore it with the manager of the run (local= this tier) at the world size "
+            "and sharding it was saved with, or from the durable root"
+        )
 
 
 def _check_files(info: ArrayInfo, box: Box, manifest: Manifest, files: StepFiles) -> None:
@@ -859,8 +877,8 @@ def read_step(
     leader (`shared_step`), and a region several ranks restore is read once and exchanged (`planner.share_reads`);
     collective: then every rank calls this. A mismatch between `state` and the
     checkpoint (StateKeyError, StateMismatchError) is found before anything is read: alone it is raised here; among
-    ranks it is returned, as damage is, so that `agree` tells every rank (none waits for this one); so is a read that
-    failed for another reason (an I/O error). Nothing is applied to `state`.
+    ranks it is returned, as damage and a `PartialCopyError` are, so that `agree` tells every rank (none waits for
+    this one); so is a read that failed for another reason (an I/O error). Nothing is applied to `state`.
     """
     plan, error, bands = None, None, {}
     try:
@@ -870,7 +888,7 @@ def read_step(
             manifest = layout.read_manifest(storage, step)
             files = step_files(storage, step)
         plan = plan_restore(manifest, state, keys, ranks, rank_map=rank_map, files=files)
-    except (CorruptCheckpointError, StepNotFoundError) as e:
+    except (CorruptCheckpointError, StepNotFoundError, PartialCopyError) as e:  # the next copy or step may do
         error = e
     except Exception as e:
         if ranks.world_size == 1:
@@ -929,14 +947,19 @@ def _unframed(message: bytes) -> tuple[bytes, dict[str, int] | None]:
     return message[8 : 8 + n], json.loads(message[8 + n :])
 
 
-def agree(storage: Storage, ranks: Ranks, step: int, error: Exception | None) -> CorruptCheckpointError | str | None:
+def agree(
+    storage: Storage, ranks: Ranks, step: int, error: Exception | None
+) -> CorruptCheckpointError | PartialCopyError | str | None:
     """Every rank's outcome of reading `step`, one decision for all: None (read everywhere), "vanished" (it was
-    deleted meanwhile, e.g. by another process's retention: no damage) or its damage. A rank whose state does not fit
+    deleted meanwhile, e.g. by another process's retention: no damage), a `PartialCopyError` (a rank's own copy
+    lacks what a rank needs: no damage either) or its damage. A rank whose state does not fit
     the step (a key, shape or dtype; a sampler over other data), or that could not read it for another reason than
     damage (`read_step`), makes every rank raise: that rank its own error, the others a StateMismatchError (a
     CheckpointError for the other reasons) naming it."""
     if error is None:
         verdict = "ok"
+    elif isinstance(error, PartialCopyError):
+        verdict = "partial"
     elif isinstance(error, (StateKeyError, StateMismatchError, DataMismatchError)):
         verdict = "mismatch"
     elif not isinstance(error, (CorruptCheckpointError, StepNotFoundError)):
@@ -949,7 +972,7 @@ def agree(storage: Storage, ranks: Ranks, step: int, error: Exception | None) ->
         except Exception as e:  # the root does not answer whether it is damage: refused (raised here, this rank
             # would skip the message below and the others pair their next one with it)
             verdict, error = "refused", e
-    told = None if error is None else str(error) if verdict in ("damaged", "vanished") else described(error)
+    told = None if error is None else str(error) if verdict in ("damaged", "vanished", "partial") else described(error)
     reports = ranks.all_gather_json([verdict, told])
     refused = [(r, v, m) for r, (v, m) in enumerate(reports) if v in ("mismatch", "refused")]
     if refused:
@@ -962,6 +985,11 @@ def agree(storage: Storage, ranks: Ranks, step: int, error: Exception | None) ->
     verdicts = [v for v, _ in reports]
     if "vanished" in verdicts:
         return "vanished"
+    if "partial" in verdicts:
+        if isinstance(error, PartialCopyError):
+            return error
+        rank, message = next((r, m) for r, (v, m) in enumerate(reports) if v == "partial")
+        return PartialCopyError(f"rank {rank}: {message}")
     if "damaged" not in verdicts:
         return None
     if isinstance(error, CorruptCheckpointError):

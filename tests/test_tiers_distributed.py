@@ -7,6 +7,10 @@ import shutil
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import ckpt  # noqa: E402
 import tiers_worker  # noqa: E402
 from ckpt import catalog, cli, layout  # noqa: E402
 from ckpt.storage import open_storage  # noqa: E402
@@ -109,3 +113,30 @@ def test_steps_an_attempt_left_on_some_ranks_only_are_dropped_and_saved_again(tm
     assert all("saved 3" in r.stdout for r in results)  # not StepExistsError: the other ranks' step 3 was dropped
     for r in range(4):
         assert layout.committed_steps(open_storage(os.path.join(root, f"local{r}"))) == [2, 3]
+
+
+def test_local_copies_of_another_sharding_are_skipped_not_quarantined(tmp_path):
+    """A restore whose shards are not those saved (the same world size, columns instead of rows) reads the durable
+    copy: the local tiers' copies lack its regions, which is no damage. They were quarantined as damaged ("chunk file
+    is missing"), as every step was by a single process given one rank's local tier as its root, which now says what
+    the directory is, as ckpt.load does."""
+    root = str(tmp_path)
+    _ok(run_ranks(2, "save", root, worker=tiers_worker))
+    local0 = os.path.join(root, "local0")
+    target = {"shard": torch.zeros(8, 16), "table": torch.zeros(300), "step": 0}
+    with pytest.raises(ckpt.CheckpointError, match=r"step 2 here is one rank's own copy of a 2-rank save .* 'shard'"):
+        with ckpt.CheckpointManager(local0) as m:
+            m.restore(target)
+    with pytest.raises(ckpt.CheckpointError, match=r"holds the region \[\[0, 4\], \[0, 16\]\]"):
+        ckpt.load(local0, step=3)
+    assert layout.committed_steps(open_storage(local0)) == [2, 3] and torch.equal(target["shard"], torch.zeros(8, 16))
+
+    results = run_ranks(2, "reshard", root, worker=tiers_worker)
+    _ok(results)
+    assert _restored(results) == [(2, "durable", True)] * 2
+    assert all("not restoring in the local tier: step 3 here is one rank's own copy" in r.stdout for r in results)
+    for r in range(2):  # no damage: nothing quarantined; step 3, newer than the step resumed, dropped as a resume does
+        local = os.path.join(root, f"local{r}")
+        assert not os.path.exists(os.path.join(local, layout.QUARANTINE))
+        assert layout.committed_steps(open_storage(local)) == [2]
+    assert _restored(run_ranks(2, "restore", root, worker=tiers_worker)) == [(2, "local", True)] * 2

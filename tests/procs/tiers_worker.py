@@ -3,7 +3,8 @@
 Each rank has its own local tier ``ROOT/local<rank>`` (``{rank}`` in the path) and all share the durable root
 ``ROOT/durable``. Modes: "save" saves steps 1, 2, 3 with persist_every=2 (step 2 is durable; the local tiers and
 their peer replicas keep 2 and 3); "restore" restores into zeros and prints the step, the tier and whether every
-value is bitwise the saved one; "resume" restores as "restore" does, then saves the next step. Started through `tests/test_distributed.run_ranks(..., worker=tiers_worker)`.
+value is bitwise the saved one ("reshard": as "restore", into column shards); "resume" restores as "restore" does,
+then saves the next step. Started through `tests/test_distributed.run_ranks(..., worker=tiers_worker)`.
 """
 
 import gc
@@ -44,9 +45,9 @@ def full(step: int) -> torch.Tensor:
     return torch.arange(8 * 16, dtype=torch.float32).reshape(8, 16) * step + 0.5
 
 
-def state(step: int, mesh) -> dict:
+def state(step: int, mesh, dim: int = 0) -> dict:
     return {
-        "shard": distribute_tensor(full(step), mesh, [Shard(0)]),
+        "shard": distribute_tensor(full(step), mesh, [Shard(dim)]),
         "table": torch.full((300,), float(step)),
         "step": step,
     }
@@ -67,11 +68,12 @@ def run(mode: str, root: str, rank: int, world: int, port: int, log: str) -> Non
             m.wait()
             print(f"rank {rank} steps {[(int(s), s.tiers) for s in m.steps()]}", flush=True)
         else:
-            got = state(0, mesh)
+            dim = 1 if mode == "reshard" else 0  # "reshard": the same world size, the shard's columns instead of rows
+            got = state(0, mesh, dim)
             got["shard"].to_local().zero_()
             got["table"].zero_()
             step = m.restore(got)
-            want = state(step, mesh)
+            want = state(step, mesh, dim)
             ok = (
                 torch.equal(got["shard"].to_local(), want["shard"].to_local())
                 and torch.equal(got["table"], want["table"])
