@@ -443,6 +443,8 @@ def _timeline(attempts: list[_Attempt]) -> list[_Attempt]:
                     f"{a.ledger.attempt} starts",
                     RuntimeWarning,
                 )
+                if here.start < prev.start:  # its process started first: cut there, prev would end before it began
+                    here = dataclasses.replace(here, start=prev.start)
         placed[id(a)] = here
         out.append(here)
     return out

@@ -475,6 +475,27 @@ def test_two_attempts_recording_at_once_are_named_in_a_warning(tmp_path):
     check_sum(a)
 
 
+def test_a_second_job_whose_process_started_first_is_counted_from_the_first_jobs_start(tmp_path):
+    """Two jobs started on one root at once, the second one's process 0.5 s before the first one's (its imports took
+    longer, so its tracker began recording later): the first attempt was counted up to the second one's process
+    start, before its own start (end_us < start_us), and the categories summed to 7.5 s of a 6.5 s job."""
+    first, second = _ProcessClock(1000.5), _ProcessClock(1000.0)
+    first.advance(0.5)
+    one = attempt(tmp_path, first, "a1")  # dated from its process start, 1000.5
+    steps(one, first, 1, 3, 1.0)  # to 1004
+    second.set(1002.0)
+    with pytest.warns(RuntimeWarning, match="two processes of rank 0"):
+        two = attempt(tmp_path, second, "a2")  # dated from its process start, 1000.0
+        steps(two, second, 1, 5, 1.0)  # to 1007
+    one.end()
+    two.end()
+    with pytest.warns(RuntimeWarning, match="two processes of rank 0"):
+        a = attribute_root(str(tmp_path))
+    assert [(at.start_us, at.end_us) for at in a.attempts] == [(to_us(1000.5),) * 2, (to_us(1000.5), to_us(1007.0))]
+    assert a.micros == expected(startup=1.5, productive=5.0)
+    check_sum(a)
+
+
 class _TickClock(_ProcessClock):
     """As Linux tells a process's age (SystemClock: /proc, in clock ticks of 10 ms): the age read at x.004 s is
     cut to x.000, so the process start it dates an attempt from wobbles by up to 10 ms from one reading to the next."""
