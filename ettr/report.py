@@ -227,7 +227,7 @@ def plot_timeline(a: Attribution, path: str, *, title: str | None = None) -> str
     ax.set_title(title or f"ETTR {a.ettr:.3f} over {a.wall_us / 1e6 / scale:.2f} {unit}, {a.failures} failure(s)")
     fig.tight_layout()
     try:
-        fig.savefig(path, dpi=110, format=None if os.path.splitext(path)[1] else "png")
+        fig.savefig(path, dpi=110, format=ext.lower() or "png")  # a format given: matplotlib appends no extension
     finally:
         plt.close(fig)
     return path

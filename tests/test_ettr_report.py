@@ -158,13 +158,13 @@ def test_plot_draws_each_category_as_long_as_its_seconds(job, tmp_path):
 def test_plot_writes_the_path_it_is_given_and_prints_the_one_it_wrote(job, tmp_path):
     """`-o t` wrote t.png (matplotlib appends .png) but printed `t`. Now it writes `t` exactly, as PNG, and an
     existing directory gets timeline.png inside; what is printed is the file written."""
-    bare, folder = tmp_path / "t", tmp_path / "plots"
+    bare, dot, folder = tmp_path / "t", tmp_path / "u.", tmp_path / "plots"  # `-o u.` wrote u.png, printed u.
     folder.mkdir()
-    for given, written in ((bare, bare), (folder, folder / "timeline.png")):
+    for given, written in ((bare, bare), (dot, dot), (folder, folder / "timeline.png")):
         out = cli("plot", job, "-o", str(given))
         assert out.returncode == 0, out.stderr
         assert out.stdout == f"{written}\n" and written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["plots", "t"]  # no t.png, no plots.png beside them
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plots", "t", "u."]  # no t.png, u.png, plots.png beside
 
 
 def test_a_plot_of_many_attempts_keeps_a_readable_height_and_labels_every_kth_row(tmp_path):
