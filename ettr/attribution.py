@@ -703,7 +703,9 @@ def _rank_ledgers(
     if not ranks:
         raise no_ledgers(root)
     if rank is not None and rank not in ranks:
-        raise ValueError(f"no ledger for rank {rank}")
+        raise LedgerError(
+            f"no ledger of rank {rank} in {ledger_dir(root)}: it holds ledgers of rank {', '.join(map(str, ranks))}"
+        )
     rank = min(ranks) if rank is None else rank
     ledgers = read_ledgers(root, storage_options, rank=rank, known=known)
     if not ledgers:  # each one empty (left out, with a warning): "no ledgers to attribute (is ROOT/ettr/ empty?)"

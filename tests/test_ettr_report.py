@@ -244,8 +244,9 @@ def test_rank_selects_whose_ledger_is_reported(tmp_path):
         seen[args] = {k: v for k, v in json.loads(out.stdout)["seconds"].items() if v}
     assert seen[()] == seen[("--rank", "0")] == {"startup": 10.0, "productive": 80.0}
     assert seen[("--rank", "1")] == {"startup": 10.0, "data_wait": 20.0, "productive": 80.0}
-    out = cli("report", str(tmp_path), "--rank", "7")
-    assert out.returncode == 2 and out.stderr.strip() == "error: no ledger for rank 7"
+    out = cli("report", str(tmp_path), "--rank", "7")  # said "no ledger for rank 7": of which root, which ranks?
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"error: no ledger of rank 7 in {tmp_path}/ettr: it holds ledgers of rank 0, 1"
 
 
 def test_advise_and_simulate():
