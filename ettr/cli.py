@@ -104,8 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--local-mttf", type=_seconds(True), help="MTTF of failures the local tier survives, seconds")
     g.add_argument("--node-mttf", type=_seconds(True), help="MTTF of node losses (the local tier is lost), seconds")
     g.add_argument("--local-restart", type=_seconds(False), help="seconds per local-class failure (default --restart)")
-    g.add_argument("--persist-every", type=_integer(True), default=1, help="every K-th save is persisted (default 1)")
-    g.add_argument("--persist-cost", type=_seconds(False), default=0.0, help="seconds of training per persist")
+    g.add_argument("--persist-every", type=_integer(True), help="every K-th save is persisted (default 1)")
+    g.add_argument("--persist-cost", type=_seconds(False), help="seconds of training per persist (default 0)")
     s.add_argument("--segments", type=_integer(True), default=200_000)
     s.add_argument("--seed", type=_integer(False), default=0, help="random seed, a non-negative integer (default 0)")
     s.add_argument("--json", action="store_true")
@@ -161,6 +161,12 @@ def _run(args: argparse.Namespace) -> str:
     if args.cmd == "simulate":
         if args.mttf is None:
             raise ValueError("simulate needs --mttf (one tier), or --local-mttf and --node-mttf (two tiers)")
+        given = [f"--{k.replace('_', '-')}" for k in _TWO_TIER_ONLY if getattr(args, k) is not None]
+        if given:  # else a one-tier run was simulated as if they had been taken
+            raise ValueError(
+                f"{', '.join(given)}: two-tier flags, and --mttf simulates one tier; give --local-mttf and "
+                "--node-mttf instead of --mttf to simulate two tiers"
+            )
         sim = simulate(args.interval, args.write, args.restart, args.mttf, segments=args.segments, seed=args.seed)
         out = {
             "simulated": sim.ettr,
@@ -184,13 +190,18 @@ def _run(args: argparse.Namespace) -> str:
     return json.dumps(adv.to_dict(), indent=2) if args.json else adv.text()
 
 
+_TWO_TIER_ONLY = ("local_restart", "persist_every", "persist_cost")  # simulate's flags that only two tiers take
+
+
 def _simulate_two_tier(args: argparse.Namespace) -> str:
     """`simulate` with two tiers: the given plan simulated beside its exact form, the optimal pair, the best one tier."""
     if args.mttf is not None or not (args.local_mttf and args.node_mttf):
         raise ValueError("two tiers need --local-mttf and --node-mttf, and not --mttf (that is the one-tier MTTF)")
     local_restart = args.restart if args.local_restart is None else args.local_restart
-    costs = TwoTierCosts(args.write, args.persist_cost, local_restart, args.restart, args.local_mttf, args.node_mttf)
-    k = args.persist_every
+    costs = TwoTierCosts(
+        args.write, args.persist_cost or 0.0, local_restart, args.restart, args.local_mttf, args.node_mttf
+    )
+    k = args.persist_every or 1
     sim = simulate_two_tier(args.interval, k, costs, cycles=max(1, args.segments // k), seed=args.seed)
     plan = optimal_two_tier(costs)
     out = {

@@ -429,6 +429,12 @@ def test_simulate_two_tiers():
         (("--local-mttf", "1", "--node-mttf", "1", "--mttf", "5"), "two tiers need"),
         ((), "simulate needs --mttf (one tier), or --local-mttf and --node-mttf (two tiers)"),
         (("--mttf", "5", "--persist-every", "0"), "argument --persist-every: must be a positive integer, got '0'"),
+        # simulated one tier, as if the two-tier flags had been taken
+        (("--mttf", "1000", "--persist-every", "5"), "--persist-every: two-tier flags, and --mttf simulates one tier"),
+        (
+            ("--mttf", "1000", "--local-restart", "5", "--persist-cost", "0"),
+            "--local-restart, --persist-cost: two-tier",
+        ),
     ]:
         out = cli("simulate", "--interval", "370", *args)
         assert out.returncode == 2 and says in out.stderr, out.stderr
