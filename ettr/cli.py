@@ -76,8 +76,14 @@ def _parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=help_, parents=[storage_args.parser()])
         s.add_argument("root", help="checkpoint root: a path, or an object-store URL (s3://bucket/path, gs://...)")
         s.add_argument("--rank", type=int, default=None, help="rank whose ledger to attribute (default: lowest)")
-        s.add_argument("--window", type=_seconds(True), default=3600.0, help="sliding ETTR window in seconds")
-        s.add_argument("--mttf", type=_seconds(True), default=None, help="MTTF in seconds instead of the one fitted")
+        if name == "report":  # the one output with the windowed ETTR: plot and advise would take it and ignore it
+            s.add_argument("--window", type=_seconds(True), default=3600.0, help="sliding ETTR window in seconds")
+        else:
+            s.set_defaults(window=3600.0)
+        if name != "plot":  # the plot draws no advice
+            s.add_argument(
+                "--mttf", type=_seconds(True), default=None, help="MTTF in seconds instead of the one fitted"
+            )
         if name == "plot":
             s.add_argument(
                 "-o",

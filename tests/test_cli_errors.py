@@ -114,7 +114,11 @@ def test_special_files_planted_in_a_root_are_damage_or_ignored_never_a_hang_or_a
 
 ETTR_ERRORS = [
     (["report", "{goodput}", "--mttf", "0"], "must be a finite positive"),
-    (["advise", "{goodput}", "--window", "-5"], "must be a finite positive"),
+    (["report", "{goodput}", "--window", "-5"], "must be a finite positive"),
+    # taken and ignored: only report prints a windowed ETTR, and the plot draws no advice
+    (["advise", "{goodput}", "--window", "60"], "unrecognized arguments: --window 60"),
+    (["plot", "{goodput}", "--window", "60"], "unrecognized arguments: --window 60"),
+    (["plot", "{goodput}", "--mttf", "3600"], "unrecognized arguments: --mttf 3600"),
     (["report", "{missing}"], "nope: no such directory"),
     (["report", "{empty}"], "no ledgers in"),
     # was "no ledgers to attribute (is ROOT/ettr/ empty?)", naming no folder, of one that is not empty
