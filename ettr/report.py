@@ -214,7 +214,7 @@ def plot_timeline(a: Attribution, path: str, *, title: str | None = None) -> str
     ax.set_yticks([-1] + [n - k - 1 for k in labelled], ["downtime"] + [f"attempt {k + 1}" for k in labelled])
     ax.set_ylim(-1.5, n - 0.5)
     ax.set_xlabel(f"time since job start ({unit})")
-    ax.set_xlim(0, a.wall_us / 1e6 / scale)
+    ax.set_xlim(0, a.wall_us / 1e6 / scale or 1.0)  # no wall time (died after its start record): one unit, no warning
     curve = a.ettr_curve()
     ettr_ax = ax.twinx()
     ettr_ax.plot([(t - t0) / 1e6 / scale for t, _ in curve], [e for _, e in curve], color="black", lw=1.2)

@@ -167,6 +167,16 @@ def test_plot_writes_the_path_it_is_given_and_prints_the_one_it_wrote(job, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plots", "t", "u."]  # no t.png, u.png, plots.png beside
 
 
+def test_a_plot_of_a_job_of_no_wall_time_is_drawn_without_a_warning(tmp_path):
+    """An attempt that died right after its start record (wall time 0): plot printed matplotlib's 'warning: Attempting
+    to set identical low and high xlims makes transformation singular; automatically expanding.' beside the file."""
+    GoodputTracker(str(tmp_path), attempt_id="a0", rank=0, clock=FakeClock(1000.0)).start().flush()
+    png = tmp_path / "t.png"
+    out = cli("plot", str(tmp_path), "-o", str(png))
+    assert (out.returncode, out.stdout, out.stderr) == (0, f"{png}\n", "")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_a_plot_of_many_attempts_keeps_a_readable_height_and_labels_every_kth_row(tmp_path):
     """A row per attempt grew the figure without bound (2,000 attempts: a PNG 121,000 pixels tall, 19 s). Past
     MAX_PLOT_ROWS the rows share that height and every k-th is labelled, from attempt 1; every attempt is drawn."""
