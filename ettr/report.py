@@ -42,7 +42,7 @@ def report_text(a: Attribution, advice: Advice | None = None, stragglers: Stragg
         _split_line(a),
         "",
         f"ETTR {a.ettr:.4f} cumulative, {a.ettr_window():.4f} over the last {a.window_s:g} s; "
-        f"{a.failures} failure(s); committed steps: {_steps(a.committed_steps)}",
+        f"{a.failures} failure(s); committed steps: {_steps(a.committed_steps) or 'none'}",
         f"  retained {_steps(a.retained_steps) or 'none'}; deleted since (retention, delete()): "
         f"{_steps(a.deleted_steps) or 'none'}",
         _restore_line(a),

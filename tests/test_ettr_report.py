@@ -177,6 +177,17 @@ def test_a_plot_of_a_job_of_no_wall_time_is_drawn_without_a_warning(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_report_without_commits_says_none_were_committed(tmp_path):
+    """'committed steps: ' ended the ETTR line with nothing after it, where the line below says 'retained none'."""
+    clock = FakeClock(1000.0)
+    tr = GoodputTracker(str(tmp_path), attempt_id="a0", rank=0, clock=clock).start()
+    with tr.step(1):
+        clock.advance(1.0)
+    tr.end()
+    out = cli("report", str(tmp_path))
+    assert "; 0 failure(s); committed steps: none\n  retained none; deleted since" in out.stdout, out.stdout
+
+
 def test_a_plot_of_many_attempts_keeps_a_readable_height_and_labels_every_kth_row(tmp_path):
     """A row per attempt grew the figure without bound (2,000 attempts: a PNG 121,000 pixels tall, 19 s). Past
     MAX_PLOT_ROWS the rows share that height and every k-th is labelled, from attempt 1; every attempt is drawn."""
