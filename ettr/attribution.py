@@ -709,9 +709,11 @@ def _rank_ledgers(
     rank = min(ranks) if rank is None else rank
     ledgers = read_ledgers(root, storage_options, rank=rank, known=known)
     if not ledgers:  # each one empty (left out, with a warning): "no ledgers to attribute (is ROOT/ettr/ empty?)"
+        others = ", ".join(str(r) for r in ranks if r != rank)
         raise LedgerError(
             f"no ledger of rank {rank} in {ledger_dir(root)} holds a record: each one is empty (its attempt ended "
             "before writing its start record)"
+            + (f"; it holds ledgers of rank {others} too (--rank R)" if others else "")
         )
     return rank, ledgers
 

@@ -46,7 +46,10 @@ def roots(tmp_path_factory):
         clock.advance(1.0)
         tr.step_end(s)
     tr.end()
-    return {k: str(base / k) for k in ("good", "empty", "file", "goodput", "unstarted")}
+    other = GoodputTracker(str(base / "unstarted1"), attempt_id="a1", rank=1, clock=clock).start()  # rank 1 ran
+    other.end()
+    (base / "unstarted1" / "ettr" / "ledger-a1-rank0.jsonl").write_bytes(b"")  # rank 0 died in start()
+    return {k: str(base / k) for k in ("good", "empty", "file", "goodput", "unstarted", "unstarted1")}
 
 
 CKPT_ERRORS = [  # argv (ROOT names a fixture root), exit status, text of the one line on stderr
@@ -123,6 +126,8 @@ ETTR_ERRORS = [
     (["report", "{empty}"], "no ledgers in"),
     # was "no ledgers to attribute (is ROOT/ettr/ empty?)", naming no folder, of one that is not empty
     (["report", "{unstarted}"], "unstarted/ettr holds a record: each one is empty (its attempt ended before"),
+    # rank 0 died in start(), rank 1 ran: the error named no other rank to report instead
+    (["report", "{unstarted1}"], "writing its start record); it holds ledgers of rank 1 too (--rank R)"),
     (["advise", "{file}"], "file: not a directory"),
     (["plot", "{goodput}", "-o", "/nonexistent/x.png"], "/nonexistent/x.png"),
     # matplotlib's "Format 'v2' is not supported (supported formats: ...)", after drawing, named no file
