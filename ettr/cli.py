@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left (`| head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except (LedgerError, ValueError, OSError) as err:
+    except (LedgerError, ValueError, OSError, ImportError) as err:  # ImportError: plot's extra, matplotlib
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

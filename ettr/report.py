@@ -177,8 +177,10 @@ def plot_timeline(a: Attribution, path: str, *, title: str | None = None) -> str
             (NotADirectoryError, "not a folder") if os.path.exists(parent) else (FileNotFoundError, "no such folder")
         )
         raise error(f"{parent}: {what} (the parent of the output {path}); plot creates no folders: make it first")
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError as err:  # an extra, not a dependency
+        raise ImportError("plot needs matplotlib, which is not installed: pip install 'ckpt-goodput[plot]'") from err
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.collections import PolyCollection

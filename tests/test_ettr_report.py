@@ -177,6 +177,18 @@ def test_a_plot_of_a_job_of_no_wall_time_is_drawn_without_a_warning(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_without_matplotlib_says_what_to_install_in_one_line(job, tmp_path, monkeypatch, capsys):
+    """matplotlib is an extra (`[plot]`): without it plot ended in a ModuleNotFoundError traceback."""
+    import ettr.cli
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` finds where it is not installed
+    code = ettr.cli.main(["plot", job, "-o", str(tmp_path / "t.png")])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "")
+    assert err == "error: plot needs matplotlib, which is not installed: pip install 'ckpt-goodput[plot]'\n"
+    assert not (tmp_path / "t.png").exists()
+
+
 def test_a_report_without_commits_says_none_were_committed(tmp_path):
     """'committed steps: ' ended the ETTR line with nothing after it, where the line below says 'retained none'."""
     clock = FakeClock(1000.0)
