@@ -483,6 +483,12 @@ def read_ledgers(
 
 def _read_attempt(files: _Files, attempt: str, rank: int, parts: list[tuple[int, str]]) -> Ledger | None:
     """One attempt's ledger from its files (segment, name) in order; None (with a warning) when they hold no record."""
+    segments = [seg for seg, _ in parts]
+    if len(parts) > 1 and (-1 in segments or len(set(segments)) < len(segments)):  # its records would count twice
+        raise LedgerError(
+            f"the ledger of attempt {attempt}, rank {rank} is there twice (a copy of an object-store root's ettr/rank"
+            f"{rank}/ beside a local ledger of that attempt?): {', '.join(files.where(n) for _, n in parts)}; keep one"
+        )
     located: list[tuple[str, int, dict[str, Any]]] = []  # (file, line, record)
     torn = False
     for _, name in parts:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ettr import CATEGORIES, FakeClock, GoodputTracker, attribute_root
+from ettr import CATEGORIES, FakeClock, GoodputTracker, LedgerError, attribute_root
 from ettr.clock import to_us
 from ettr.ledger import LEDGER_DIR, SEGMENT_BYTES, UPLOAD_INTERVAL_S, open_url_store, read_ledgers
 
@@ -76,6 +76,26 @@ def test_a_local_copy_of_an_object_store_root_reads_as_the_store(tmp_path):
     ]
     assert [l.rank for l in read_ledgers(str(tmp_path), rank=1)] == [1]
     assert attribute_root(str(tmp_path), rank=1).micros == attribute_root(root, rank=1).micros
+
+
+def test_a_ledger_copied_in_twice_is_an_error_naming_both_files(tmp_path):
+    """A local ledger and a synced copy of the same attempt (ettr/ledger-a1-rank0.jsonl beside
+    ettr/rank0/ledger-a1-rank0.000000.jsonl) were read as one ledger of both files' records: every save, commit and
+    restore counted twice (2 saves of 1, the background write doubled, T_write halved), in silence."""
+    clock = FakeClock(1000.0)
+    tr = GoodputTracker(str(tmp_path), attempt_id="a1", rank=0, clock=clock).start()
+    with tr.span("checkpoint_save", step=1):
+        clock.advance(1.0)
+    tr.checkpoint_committed(1, 2.0)
+    tr.end()
+    flat = tmp_path / LEDGER_DIR / "ledger-a1-rank0.jsonl"
+    (tmp_path / LEDGER_DIR / "rank0").mkdir()
+    copy = tmp_path / LEDGER_DIR / "rank0" / "ledger-a1-rank0.000000.jsonl"
+    copy.write_bytes(flat.read_bytes())
+    with pytest.raises(LedgerError, match=f"attempt a1, rank 0 is there twice .*: {flat}, {copy}; keep one"):
+        attribute_root(str(tmp_path))
+    copy.unlink()
+    assert attribute_root(str(tmp_path)).saves == 1
 
 
 # One attempt on a fake clock from START s: a 0.5 s restore of RESTORED (none: a fresh start), three steps of 0.1 s,
