@@ -450,6 +450,14 @@ def _timeline(attempts: list[_Attempt]) -> list[_Attempt]:
     return out
 
 
+def placed(ledgers: Iterable[Ledger]) -> list[Ledger]:
+    """One rank's ledgers in the order attribution places their attempts on the job's timeline (`_timeline`): an
+    attempt that restored a step after the one that committed it, whatever their wall clocks say."""
+    mine = list(ledgers)
+    order = {a.ledger.attempt: k for k, a in enumerate(_timeline([_gather(l) for l in mine]))}
+    return sorted(mine, key=lambda l: order[l.attempt])
+
+
 def _resume_point(a: _Attempt, committed: Sequence[int]) -> float:
     """The step an attempt resumed from: its restore record, else the newest commit before its first step.
 

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .attribution import placed
 from .ledger import Ledger, no_ledgers, read_ledgers
 
 # The span category a training loop puts around its blocking collective (`tracker.span("collective_wait")`): the time a
@@ -161,11 +162,12 @@ def _seconds(us: float | None) -> float | None:
 
 
 def _steps_of(ledgers: Iterable[Ledger]) -> dict[int, tuple[int, int]]:
-    """Step -> (duration, collective waits inside it) of one rank, each step's last run: the ledgers in the order their
-    attempts began recording (as attribution orders them), a later run of a step replacing an earlier one. Steps
-    still open at a kill are no step."""
+    """Step -> (duration, collective waits inside it) of one rank, each step's last run: the ledgers in the order
+    attribution places their attempts (`placed`: by when they began recording, and an attempt that restored a step
+    after the one that committed it, even where its wall clock went back), a later run of a step replacing an
+    earlier one. Steps still open at a kill are no step."""
     out: dict[int, tuple[int, int]] = {}
-    for ledger in sorted(ledgers, key=lambda l: (l.began_us, l.records[0]["t"], l.attempt)):
+    for ledger in placed(ledgers):
         steps = sorted((r["b"], r["e"], r["s"]) for r in ledger.records if r["k"] == "step")
         begins = [b for b, _, _ in steps]
         waits: dict[int, int] = {}

@@ -221,6 +221,30 @@ def test_ledgers_from_before_still_report(tmp_path):
     ]
 
 
+def test_a_step_run_again_counts_its_kept_run_where_the_wall_clock_went_back(tmp_path, recwarn):
+    """a1 runs steps 1-10 in 1 s and dies after committing 5; a2, on a node whose clock is 110 s behind, restores 5
+    and runs 6-12 in 3 s. The report keeps a2's runs of 6-10 (placed after a1); the step times took a1's lost runs,
+    sorting a2 first by its wall clock: 16 s of steps and an ideal step of 1 s, where the kept runs took 26 s."""
+    clock = FakeClock(1000.0)
+    tr = GoodputTracker(str(tmp_path), attempt_id="a1", rank=0, clock=clock).start()
+    tr.checkpoint_restored(None)
+    for s in range(1, 11):
+        with tr.step(s):
+            clock.advance(1.0)
+        if s == 5:
+            tr.checkpoint_committed(5, 0.1)
+    tr.flush()  # killed
+    clock = FakeClock(900.0)
+    tr = GoodputTracker(str(tmp_path), attempt_id="a2", rank=0, clock=clock).start()
+    tr.checkpoint_restored(5)
+    for s in range(6, 13):
+        with tr.step(s):
+            clock.advance(3.0)
+    tr.end()
+    (r,) = stragglers_root(str(tmp_path)).ranks
+    assert (r.steps, r.step_us, r.ideal_step_us) == (12, 26_000_000, 26_000_000 / 12)
+
+
 def test_bad_window_is_refused():
     with pytest.raises(ValueError, match="window must be a positive number of steps, got 0"):
         stragglers([], window=0)
