@@ -326,8 +326,19 @@ def test_a_shuffled_sampler_of_a_count_that_is_not_an_int_is_a_type_error_naming
     for num_items, kind in ((None, "NoneType"), ("100", "str"), (100.0, "float")):
         with pytest.raises(TypeError, match=f"num_items must be an int, got {kind}"):
             ShuffledSampler(num_items, 8, SEED, world_size=1, rank=0)
-    with pytest.raises(ValueError, match="num_items must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="num_items must be >= 1 and <= 2\\*\\*62, got 0"):
         ShuffledSampler(0, 8, SEED, world_size=1, rank=0)
+
+
+@pytest.mark.parametrize("items", [2**62 + 1, 2**63, 2**70])
+def test_a_sampler_over_more_items_than_its_permutation_covers_is_refused_where_built(items):
+    """Built without a word, such a sampler failed at its first batch or explain(): "permutation size must be in
+    [1, 2**62]" past 2**62 items, an OverflowError naming nothing past 2**63."""
+    with pytest.raises(ValueError, match=f"num_items must be >= 1 and <= 2\\*\\*62, got {items}"):
+        ShuffledSampler(items, 8, SEED, world_size=1, rank=0)
+    with pytest.raises(ValueError, match=f"n_tokens={items + 1} window=2 stride=1 give {items} windows"):
+        RandomWindowSampler(items + 1, 2, 1, 8, SEED, world_size=1, rank=0)
+    assert ShuffledSampler(2**62, 8, SEED, world_size=1, rank=0).explain(1).indices  # the largest it permutes
 
 
 def test_batch_hash_is_the_hash_of_what_training_received_remembered_from_the_draw(dataset):

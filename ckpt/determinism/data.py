@@ -26,7 +26,7 @@ from torch.utils.data._utils.collate import default_collate
 from ..distributed import topology
 from ..errors import DataMismatchError  # noqa: F401 (defined with the other errors; importable here too)
 from ..observer import NO_TRACKER, CheckpointObserver
-from .permutation import epoch_permutation, epochs_permuted
+from .permutation import MAX_SIZE, epoch_permutation, epochs_permuted
 from .seeding import sample_rng, seed_global_rngs, torch_generator
 from .windows import FINGERPRINT_BLOCK, TokenStream, WindowReader, data_fingerprint, resolve_token_files  # noqa: F401
 
@@ -349,9 +349,15 @@ class RandomWindowSampler(_CounterSampler):
             raise ValueError(
                 f"need window >= 1, stride >= 1, n_tokens >= window; got n={n_tokens} L={window} c={stride}"
             )
+        windows = (n_tokens - window) // stride + 1
+        if windows > MAX_SIZE:  # the permutation's domain: refused here, not at the first draw
+            raise ValueError(
+                f"n_tokens={n_tokens} window={window} stride={stride} give {windows} windows; a sampler permutes at"
+                " most 2**62 (use a larger stride)"
+            )
         self.n_tokens, self.window, self.stride = n_tokens, window, stride
         super().__init__(
-            (n_tokens - window) // stride + 1,
+            windows,
             global_batch_size,
             seed,
             rank=rank,
@@ -419,8 +425,8 @@ class ShuffledSampler(_CounterSampler):
         allow_data_change: bool = False,
     ) -> None:
         _ints(num_items=num_items)  # before the comparison: `None < 1` is a TypeError naming no argument
-        if num_items < 1:
-            raise ValueError(f"num_items must be >= 1, got {num_items}")
+        if not 1 <= num_items <= MAX_SIZE:  # the permutation's domain: refused here, not at the first draw
+            raise ValueError(f"num_items must be >= 1 and <= 2**62, got {num_items}")
         super().__init__(
             num_items,
             global_batch_size,
