@@ -269,6 +269,7 @@ def test_allow_data_change_to_another_stride_or_window_skips_every_window_over_t
         ({"step": None}, r"key 'step' must be an int"),
         ({"skip": "12"}, r"key 'skip' must be a list"),  # read as [1, 2]
         ({"skip": [-1]}, r"key 'skip' must be a list"),
+        ({"skip": [3, 713]}, r"key 'skip' must hold item indices in \[0, 713\), got 713"),  # dropped silently
         ({"skip": list(range(713))}, r"key 'skip' skips all 713 items"),  # iteration looped forever
     ],
 )

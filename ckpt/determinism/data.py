@@ -278,6 +278,10 @@ class _CounterSampler(Sampler[list[Any]]):
         skip = state.get("skip")
         if not isinstance(skip, list) or any(type(i) is not int or i < 0 for i in skip):
             raise DataMismatchError(f"sampler state key 'skip' must be a list of item indices, got {str(skip)[:80]}")
+        if not mismatches and skip and max(skip) >= self.num_items:  # on its own data: no sampler skipped it
+            raise DataMismatchError(
+                f"sampler state key 'skip' must hold item indices in [0, {self.num_items}), got {max(skip)}"
+            )
         kept = self._carried(state, skip)
         if len(kept) >= self.num_items:
             raise DataMismatchError(
