@@ -34,12 +34,10 @@ def _numpy_capture(state: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _byte_tensor(value: Any, key: str) -> torch.Tensor:
-    """A torch RNG state as the CPU uint8 tensor torch expects, or a TypeError naming the key."""
+def _byte_tensor(value: Any) -> torch.Tensor:
+    """A torch RNG state as the CPU uint8 tensor torch expects, or a TypeError (`_entry` names the key)."""
     if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8:
-        raise TypeError(
-            f"RNG state {key!r}: expected a uint8 tensor, got {type(value).__name__} {getattr(value, 'dtype', '')}"
-        )
+        raise TypeError(f"expected a uint8 tensor, got {type(value).__name__} {getattr(value, 'dtype', '')}")
     return value.to("cpu").contiguous()
 
 
@@ -63,25 +61,21 @@ def _capture(generator: Generator) -> dict[str, Any]:
     return {"kind": kind, "state": generator.get_state()}
 
 
-def _restore(name: str, generator: Generator, saved: Mapping[str, Any]) -> None:
-    """Put a registered generator back to its saved state; the saved kind must match."""
+def _restore(generator: Generator, saved: Mapping[str, Any]) -> None:
+    """Put a registered generator back to its saved state; the saved kind must match (`_entry` names the key)."""
     kind = _kind(generator)
     if saved["kind"] != kind:
-        raise TypeError(
-            f"RNG generator {name!r}: checkpoint has a {saved['kind']} generator, this run registered a {kind} one"
-        )
+        raise TypeError(f"checkpoint has a {saved['kind']} generator, this run registered a {kind} one")
     if isinstance(generator, random.Random):
         _python_restore(generator, saved["state"])
     elif isinstance(generator, np.random.Generator):
         ours = generator.bit_generator.state["bit_generator"]
         theirs = saved["state"].get("bit_generator") if isinstance(saved["state"], Mapping) else None
         if theirs != ours:
-            raise TypeError(
-                f"RNG generator {name!r}: checkpoint has a {theirs} bit generator, this run registered a {ours} one"
-            )
+            raise TypeError(f"checkpoint has a {theirs} bit generator, this run registered a {ours} one")
         generator.bit_generator.state = saved["state"]
     else:
-        generator.set_state(_byte_tensor(saved["state"], f"generators.{name}"))
+        generator.set_state(_byte_tensor(saved["state"]))
 
 
 class RNGState:
@@ -159,8 +153,12 @@ class RNGState:
     def _set(self, state: Mapping[str, Any]) -> None:
         """Set every enabled source and registered generator from a checked state, in order."""
         if self.sources["cuda"] and state["cuda"]:
+            devices = []
+            for i, saved in enumerate(state["cuda"]):
+                with _entry(f"cuda.{i}"):
+                    devices.append(_byte_tensor(saved))
             with _entry("cuda"):
-                torch.cuda.set_rng_state_all([_byte_tensor(s, f"cuda.{i}") for i, s in enumerate(state["cuda"])])
+                torch.cuda.set_rng_state_all(devices)
         if self.sources["python"]:
             with _entry("python"):
                 _python_restore(random, state["python"])
@@ -169,17 +167,19 @@ class RNGState:
                 np.random.set_state(state["numpy"])
         if self.sources["torch"]:
             with _entry("torch"):
-                torch.set_rng_state(_byte_tensor(state["torch"], "torch"))
+                torch.set_rng_state(_byte_tensor(state["torch"]))
         for name, generator in self.generators.items():
             with _entry(f"generators.{name}"):
-                _restore(name, generator, state["generators"][name])
+                _restore(generator, state["generators"][name])
 
 
 @contextlib.contextmanager
 def _entry(key: str) -> Iterator[None]:
-    """An RNG's refusal of a saved entry (numpy's "state dictionary is not valid.", torch's "Expected a
-    CPUGeneratorImplState of size 5056") as a ValueError naming the entry; TypeErrors name it already."""
+    """A refusal of a saved entry (numpy's "state dictionary is not valid.", torch's "Expected a
+    CPUGeneratorImplState of size 5056", a field of another type or past uint64) as an error naming the entry: a
+    TypeError (another kind of generator or state) as a TypeError, any other as a ValueError."""
     try:
         yield
-    except (KeyError, ValueError, RuntimeError, IndexError) as e:
-        raise ValueError(f"RNG state {key!r} does not restore: {type(e).__name__}: {e}") from e
+    except (KeyError, ValueError, RuntimeError, IndexError, OverflowError, TypeError) as e:
+        cls = TypeError if isinstance(e, TypeError) else ValueError
+        raise cls(f"RNG state {key!r} does not restore: {type(e).__name__}: {e}") from e
