@@ -155,6 +155,8 @@ PCG = {"bit_generator": "PCG64", "has_uint32": 0, "uinteger": 0}
     "key, entry, said",
     [
         ("python", {"version": 3, "state": [1, 2], "gauss_next": None}, "state vector is the wrong size"),
+        ("python", {"version": 3, "state": [1.5] * 625, "gauss_next": None}, "'state' must be ints, got float 1.5"),
+        ("python", {"version": 3, "state": [1] * 625, "gauss_next": "x"}, "'gauss_next' must be a float or None"),
         ("numpy", {"bit_generator": "MT19937"}, "state dictionary is not valid"),
         ("torch", torch.zeros(3, dtype=torch.uint8), "size 5056"),
         ("generators.a", {"state": {}}, "KeyError: 'kind'"),

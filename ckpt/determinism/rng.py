@@ -22,8 +22,15 @@ def _python_capture(rng: Any) -> dict[str, Any]:
 
 
 def _python_restore(rng: Any, state: Mapping[str, Any]) -> None:
-    """Inverse of `_python_capture`."""
-    rng.setstate((state["version"], tuple(int(x) for x in state["state"]), state["gauss_next"]))
+    """Inverse of `_python_capture`; a word that is no int (a float was truncated) or a cached gauss that is no float
+    (it failed at the next `gauss()`) is a TypeError, which `_entry` names."""
+    words, gauss = state["state"], state["gauss_next"]
+    bad = next((x for x in words if isinstance(x, bool) or not isinstance(x, (int, np.integer))), None)
+    if bad is not None:
+        raise TypeError(f"'state' must be ints, got {type(bad).__name__} {bad!r}")
+    if gauss is not None and (isinstance(gauss, bool) or not isinstance(gauss, (float, int))):
+        raise TypeError(f"'gauss_next' must be a float or None, got {type(gauss).__name__} {gauss!r}")
+    rng.setstate((state["version"], tuple(int(x) for x in words), gauss))
 
 
 def _numpy_capture(state: Mapping[str, Any]) -> dict[str, Any]:
