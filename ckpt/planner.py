@@ -138,8 +138,8 @@ def _unshared(skeletons: list[list[str]]) -> str:
                 diffs.append(f"rank {r} {what} {', '.join(repr(line) for line in lines[:3])}{more}")
     return (
         f"the ranks' states differ in their keys (against rank 0's: {'; '.join(diffs)}). Every rank saves the same "
-        "keys, and rank 0's tree is the one committed; state that differs per rank goes in a top-level entry whose "
-        "object has per_rank = True"
+        "keys (and the same state of an object with same_on_every_rank = True: a data sampler), and rank 0's tree is "
+        "the one committed; state that differs per rank goes in a top-level entry whose object has per_rank = True"
     )
 
 

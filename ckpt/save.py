@@ -129,7 +129,7 @@ def plan(
         every_holder=private,
         step=step,
         persist=persist,
-        skeleton=state_mod.skeleton(flat.tree) if ranks.world_size > 1 else None,
+        skeleton=state_mod.save_skeleton(flat) if ranks.world_size > 1 else None,
     )
     per_rank = state_mod.per_rank_entries(flat.tree)
     tree = flat.tree

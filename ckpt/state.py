@@ -9,6 +9,7 @@ JSON with explicit tags so tuples, int keys, non-finite floats and bytes survive
 from __future__ import annotations
 
 import base64
+import json
 import math
 import sys
 from collections import OrderedDict
@@ -83,6 +84,7 @@ class Flat:
     tree: Any
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     numpy_names: set[str] = field(default_factory=set)
+    agreed: dict[str, Any] = field(default_factory=dict)  # key -> encoded state of an object `same_on_every_rank`
 
 
 _INT_BITS = 13_000  # about 3,900 decimal digits
@@ -180,7 +182,10 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
                 return dict(items)
             return {"$dict": [[k, v] for k, v in items]}
         if is_stateful(x):
-            return {"$state": type(x).__qualname__, "v": enc(x.state_dict(), path, key, depth + 1)}
+            node = {"$state": type(x).__qualname__, "v": enc(x.state_dict(), path, key, depth + 1)}
+            if getattr(x, "same_on_every_rank", False):
+                flat.agreed[key] = node
+            return node
         raise TypeError(
             f"value at key {key!r} has type {type(x).__module__}.{type(x).__qualname__}, which cannot be "
             f"saved: use tensors, JSON values (None/bool/int/float/str/list/tuple/dict), numpy arrays, "
@@ -197,6 +202,14 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
             tree[k] = enc(v, [seg], k)
     flat.tree = tree
     return flat
+
+
+def save_skeleton(flat: Flat) -> list[str]:
+    """What every rank of a save must share: the tree's `skeleton`, and the whole state of each object that declares
+    `same_on_every_rank = True` (a data sampler: rank 0's is committed, so a rank at another position or with another
+    skip list would resume on rank 0's, not its own)."""
+    values = [f"{key} = {json.dumps(node, sort_keys=True)}" for key, node in flat.agreed.items()]
+    return skeleton(flat.tree) + values
 
 
 def check_top_level_key(k: Any) -> None:

@@ -114,7 +114,7 @@ def test_a_delete_is_rank_0s_alone_on_the_shared_root(tmp_path):
 def test_a_save_one_rank_cannot_make_fails_on_every_rank_and_the_next_one_commits(tmp_path):
     """Rank 1's metadata is not JSON: it raises its TypeError, rank 0 a CheckpointWriteError naming it, and neither
     takes rank 1's next save for this one; saves of different steps (or persist=), or of states with different keys,
-    on different ranks fail everywhere."""
+    on different ranks fail everywhere, and so do samplers at different positions (rank 0's alone was committed)."""
     results = run_ranks(2, "refused", str(tmp_path / "ck"), timeout=120)
     _ok(results)
     zero, one = (r.stdout for r in results)
@@ -132,6 +132,10 @@ def test_a_save_one_rank_cannot_make_fails_on_every_rank_and_the_next_one_commit
             f"0's: rank 1 has {key})" in r.stdout
             for r in results
         ), results
+    for r in results:  # rank 1 one batch ahead, named with both positions: rank 0's alone was committed
+        assert "save 10 refused: saving step 10 failed: RuntimeError: the ranks' states differ" in r.stdout, r.stdout
+        for what, position in (("has", '"step": 3, "t": 12'), ("lacks", '"step": 2, "t": 8')):
+            assert re.search(f'rank 1 {what} \'sampler = {{"[$]state": "ShuffledSampler"[^\']*{position}', r.stdout)
     assert all("different persist= (rank 0: True, rank 1: False)" in r.stdout for r in results), results
     assert all("tiered steps [2]" in r.stdout for r in results), results
 

@@ -86,6 +86,8 @@ class _CounterSampler(Sampler[list[Any]]):
     """Batch sampler over a keyed per-epoch permutation of `num_items`; position = (global counter t, steps done)."""
 
     kind: ClassVar[str]
+    # one position for all ranks: a save refuses ranks whose states differ (rank 0's alone would be committed)
+    same_on_every_rank: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -227,6 +227,13 @@ def main(mode: str, root: str) -> None:
                     print("save 9 ok", flush=True)
                 except ckpt.CheckpointWriteError as e:
                     print(f"save 9 refused: {e}", flush=True)
+            sampler = ckpt.ShuffledSampler(100, 4, 0)
+            sampler.advance(2 + rank)  # a rank one batch ahead: rank 0's position alone was committed
+            try:
+                m.save(10, {**state_of(model, opt), "sampler": sampler}).wait()
+                print("save 10 ok", flush=True)
+            except ckpt.CheckpointWriteError as e:
+                print(f"save 10 refused: {e}", flush=True)
             print(f"steps {m.steps()}", flush=True)
         with ckpt.CheckpointManager(f"{root}.tiered", local=f"{root}.local/{rank}", collective_timeout=20) as m:
             try:  # ranks that disagree on persist=: no rank persists alone
