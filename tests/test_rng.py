@@ -149,6 +149,7 @@ def test_a_refused_state_changes_no_rng_and_names_the_bit_generators():
 
 
 PCG = {"bit_generator": "PCG64", "has_uint32": 0, "uinteger": 0}
+MT = {"bit_generator": "MT19937", "has_gauss": 0, "gauss": 0.0}  # a position past the key: the next draw segfaulted
 
 
 @pytest.mark.parametrize(
@@ -164,6 +165,12 @@ PCG = {"bit_generator": "PCG64", "has_uint32": 0, "uinteger": 0}
         ("generators.n", {"kind": "numpy", "state": {**PCG, "state": {"state": 2**200, "inc": 1}}}, "OverflowError"),
         ("generators.n", {"kind": "numpy", "state": {**PCG, "state": {"state": 1, "inc": "x"}}}, "TypeError"),
         ("generators.a", 5, "TypeError: 'int' object is not subscriptable"),
+        ("numpy", {**MT, "state": {"key": np.zeros(624, np.uint32), "pos": 10**6}}, r"'pos' must be .* got 1000000"),
+        (
+            "generators.m",
+            {"kind": "numpy", "state": {**MT, "state": {"key": np.zeros(624, np.uint32), "pos": -1}}},
+            "'pos'",
+        ),
         ("torch", np.zeros(5056, dtype=np.uint8), "TypeError: expected a uint8 tensor, got ndarray"),
     ],
 )
@@ -172,7 +179,10 @@ def test_an_entry_an_rng_refuses_is_an_error_naming_its_key(key, entry, said):
     is not valid.", torch's "Expected a CPUGeneratorImplState of size 5056", python's "state vector is the wrong
     size", a bare KeyError 'kind', numpy's OverflowError or TypeError of a field past uint64 or of another type.
     The error names the key (a TypeError stays one); nothing changes."""
-    ours = RNGState({"a": random.Random(1), "n": np.random.default_rng(1)}, cuda=False)
+    ours = RNGState(
+        {"a": random.Random(1), "n": np.random.default_rng(1), "m": np.random.Generator(np.random.MT19937(2))},
+        cuda=False,
+    )
     state = ours.state_dict()
     if key.startswith("generators."):
         state["generators"][key.split(".")[1]] = entry

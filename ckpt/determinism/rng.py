@@ -41,6 +41,17 @@ def _numpy_capture(state: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _numpy_state(state: Any) -> Any:
+    """A numpy bit-generator state, its MT19937 position checked: numpy takes a position past the 624 words of
+    its key and the next draw reads past them (a segfault at 10**6); a ValueError (`_entry` names the key)."""
+    inner = state.get("state") if isinstance(state, Mapping) and state.get("bit_generator") == "MT19937" else None
+    if isinstance(inner, Mapping) and "pos" in inner:  # without one numpy refuses it itself
+        pos = inner["pos"]
+        if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or not 0 <= pos <= 624:
+            raise ValueError(f"an MT19937 state's 'pos' must be an int in [0, 624], got {pos!r}")
+    return state
+
+
 def _byte_tensor(value: Any) -> torch.Tensor:
     """A torch RNG state as the CPU uint8 tensor torch expects, or a TypeError (`_entry` names the key)."""
     if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8:
@@ -80,7 +91,7 @@ def _restore(generator: Generator, saved: Mapping[str, Any]) -> None:
         theirs = saved["state"].get("bit_generator") if isinstance(saved["state"], Mapping) else None
         if theirs != ours:
             raise TypeError(f"checkpoint has a {theirs} bit generator, this run registered a {ours} one")
-        generator.bit_generator.state = saved["state"]
+        generator.bit_generator.state = _numpy_state(saved["state"])
     else:
         generator.set_state(_byte_tensor(saved["state"]))
 
@@ -171,7 +182,7 @@ class RNGState:
                 _python_restore(random, state["python"])
         if self.sources["numpy"]:
             with _entry("numpy"):
-                np.random.set_state(state["numpy"])
+                np.random.set_state(_numpy_state(state["numpy"]))
         if self.sources["torch"]:
             with _entry("torch"):
                 torch.set_rng_state(_byte_tensor(state["torch"]))
