@@ -150,6 +150,7 @@ def test_a_refused_state_changes_no_rng_and_names_the_bit_generators():
 
 PCG = {"bit_generator": "PCG64", "has_uint32": 0, "uinteger": 0}
 MT = {"bit_generator": "MT19937", "has_gauss": 0, "gauss": 0.0}  # a position past the key: the next draw segfaulted
+PHILOX = np.random.Philox(0).state  # so did one before its buffer
 
 
 @pytest.mark.parametrize(
@@ -165,11 +166,12 @@ MT = {"bit_generator": "MT19937", "has_gauss": 0, "gauss": 0.0}  # a position pa
         ("generators.n", {"kind": "numpy", "state": {**PCG, "state": {"state": 2**200, "inc": 1}}}, "OverflowError"),
         ("generators.n", {"kind": "numpy", "state": {**PCG, "state": {"state": 1, "inc": "x"}}}, "TypeError"),
         ("generators.a", 5, "TypeError: 'int' object is not subscriptable"),
-        ("numpy", {**MT, "state": {"key": np.zeros(624, np.uint32), "pos": 10**6}}, r"'pos' must be .* got 1000000"),
+        ("numpy", {**MT, "state": {"key": np.zeros(624, np.uint32), "pos": 10**6}}, r"'state.pos' must .* 1000000"),
+        ("generators.p", {"kind": "numpy", "state": {**PHILOX, "buffer_pos": -(10**6)}}, r"'buffer_pos' must"),
         (
             "generators.m",
             {"kind": "numpy", "state": {**MT, "state": {"key": np.zeros(624, np.uint32), "pos": -1}}},
-            "'pos'",
+            "'state.pos' must be an int in \\[0, 624\\], got -1",
         ),
         ("torch", np.zeros(5056, dtype=np.uint8), "TypeError: expected a uint8 tensor, got ndarray"),
     ],
@@ -180,7 +182,12 @@ def test_an_entry_an_rng_refuses_is_an_error_naming_its_key(key, entry, said):
     size", a bare KeyError 'kind', numpy's OverflowError or TypeError of a field past uint64 or of another type.
     The error names the key (a TypeError stays one); nothing changes."""
     ours = RNGState(
-        {"a": random.Random(1), "n": np.random.default_rng(1), "m": np.random.Generator(np.random.MT19937(2))},
+        {
+            "a": random.Random(1),
+            "n": np.random.default_rng(1),
+            "m": np.random.Generator(np.random.MT19937(2)),
+            "p": np.random.Generator(np.random.Philox(3)),
+        },
         cuda=False,
     )
     state = ours.state_dict()

@@ -41,14 +41,26 @@ def _numpy_capture(state: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+# bit generator -> (where its position into its buffer is, its largest value): numpy takes any position, and the
+# next draw reads outside the buffer (a segfault: MT19937 at pos 10**6, Philox at buffer_pos -10**6)
+_POSITIONS = {"MT19937": (("state", "pos"), 624), "Philox": (("buffer_pos",), 4)}
+
+
 def _numpy_state(state: Any) -> Any:
-    """A numpy bit-generator state, its MT19937 position checked: numpy takes a position past the 624 words of
-    its key and the next draw reads past them (a segfault at 10**6); a ValueError (`_entry` names the key)."""
-    inner = state.get("state") if isinstance(state, Mapping) and state.get("bit_generator") == "MT19937" else None
-    if isinstance(inner, Mapping) and "pos" in inner:  # without one numpy refuses it itself
-        pos = inner["pos"]
-        if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or not 0 <= pos <= 624:
-            raise ValueError(f"an MT19937 state's 'pos' must be an int in [0, 624], got {pos!r}")
+    """A numpy bit-generator state, its buffer position checked (`_POSITIONS`); a ValueError (`_entry` names the
+    key)."""
+    found = _POSITIONS.get(state.get("bit_generator")) if isinstance(state, Mapping) else None
+    if found is None:
+        return state
+    (*parents, field), end = found
+    inner = state
+    for key in parents:
+        inner = inner.get(key) if isinstance(inner, Mapping) else None
+    if isinstance(inner, Mapping) and field in inner:  # without one numpy refuses it itself
+        pos = inner[field]
+        if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or not 0 <= pos <= end:
+            where = ".".join([*parents, field])
+            raise ValueError(f"a {state['bit_generator']} state's {where!r} must be an int in [0, {end}], got {pos!r}")
     return state
 
 
