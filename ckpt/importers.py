@@ -21,6 +21,7 @@ import json
 import math
 import os
 import pickle
+import re
 import warnings
 from typing import Any, Mapping
 
@@ -36,6 +37,7 @@ from .state import check_top_level_key, flatten
 DEFAULT_KEY = "model"
 IMPORTED = "imported_from"  # step metadata: {"path": ..., "kind": ...}
 _STAGING = 256 << 20  # the import copies through a staging buffer of at most this size
+_SHARD = re.compile(r"^(.+)-(\d+)-of-(\d+)\.safetensors$")  # Transformers' shard names: model-00001-of-00003
 
 
 def import_checkpoint(
@@ -134,6 +136,7 @@ def read_hf_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]
         files = list(dict.fromkeys(weight_map.values()))
     else:
         files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+        _check_shards_complete(folder, files)
     if not files:
         raise ValueError(
             f"{folder} holds neither a DCP checkpoint (.metadata) nor safetensors weights ({INDEX} or *.safetensors)"
@@ -167,6 +170,24 @@ def read_hf_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     if isinstance(config, dict):
         tensors = _tie_like_model(tensors, config, config_path)
     return tensors, ({HF_CONFIG: config} if isinstance(config, dict) else {})
+
+
+def _check_shards_complete(folder: str, files: list[str]) -> None:
+    """ValueError naming a missing shard of a folder without an index: ``NAME-0000K-of-0000N.safetensors`` says N
+    files make the model, and an export or download cut short has fewer (the index comes last)."""
+    groups: dict[tuple[str, str], dict[int, int]] = {}  # (name, N) -> {K: the width K is written in}
+    for name in files:
+        m = _SHARD.match(name)
+        if m and 1 <= int(m.group(2)) <= int(m.group(3)):
+            groups.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = len(m.group(2))
+    for (prefix, total), present in groups.items():
+        missing = next(i for i in range(1, int(total) + 2) if i not in present)  # at most len(present) + 1 steps
+        if missing <= int(total):
+            raise ValueError(
+                f"{folder} holds {len(present)} of the {int(total)} shards {prefix}-*-of-{total}.safetensors but not "
+                f"{prefix}-{missing:0{max(present.values())}d}-of-{total}.safetensors, and no {INDEX}: an export or "
+                f"download cut short?"
+            )
 
 
 def _aliases(metadata: Mapping[str, str]) -> dict[str, str]:

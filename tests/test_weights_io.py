@@ -733,3 +733,21 @@ def test_a_shard_size_is_whole_bytes_as_written():
     assert [parse_size(s) for s in ("0.29KB", "1.5GB", "1.5KiB", "2", 7)] == [290, 1_500_000_000, 1536, 2, 7]
     with pytest.raises(ValueError, match="not a whole number of bytes: '1.5'"):
         parse_size("1.5")
+
+
+def test_import_of_shards_without_their_index_refuses_a_missing_shard(tmp_path):
+    """An export (or download) cut short leaves shards 1..K of N and no index (written last): the folder was imported
+    as the whole model, without the tensors of the missing shards. Now it names the shard that is missing."""
+    model, _ = _trained()
+    with ckpt.CheckpointManager(tmp_path / "root") as m:
+        m.save(1, {"model": model})
+    ckpt.export(tmp_path / "root", tmp_path / "st", format="safetensors", max_shard_size=1)
+    (tmp_path / "st" / "model.safetensors.index.json").unlink()
+    last = sorted(os.listdir(tmp_path / "st"))[-1]
+    assert last == "model-00005-of-00005.safetensors"
+    ckpt.import_checkpoint(tmp_path / "st", tmp_path / "whole", step=1)  # every shard there: as before
+    assert torch.equal(ckpt.load(tmp_path / "whole")["model"]["norm.weight"], model.norm.weight)
+    (tmp_path / "st" / last).unlink()
+    with pytest.raises(ValueError, match=f"holds 4 of the 5 shards model-.*-of-00005.safetensors but not {last}"):
+        ckpt.import_checkpoint(tmp_path / "st", tmp_path / "cut", step=1)
+    assert not (tmp_path / "cut").exists()
