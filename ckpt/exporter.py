@@ -291,6 +291,22 @@ def bands(info: ArrayInfo) -> Iterator[tuple[tuple[int, int], ...]]:
         yield ((a, min(a + rows, n)),) + whole[1:]
 
 
+def _check_names(t: ExportTensor, step: int) -> None:
+    """ValueError for a name a safetensors file cannot give `t`: its header's own ``__metadata__``, or, for a tie
+    (recorded in that metadata), the entries ``format`` and `TIES_MARK`, which hold the file's own values."""
+    if t.name == "__metadata__":
+        raise ValueError(
+            f"tensor '__metadata__' of step {step}: safetensors names its header's metadata so, and no tensor can "
+            f"have that name; export it with --format torch"
+        )
+    for alias in t.aliases:
+        if alias in ("format", TIES_MARK):
+            raise ValueError(
+                f"tensor {alias!r} of step {step} is tied to {t.name!r}: a safetensors file records ties in its "
+                f"metadata, whose {alias!r} entry is the file's own; export it with --format torch, which keeps ties"
+            )
+
+
 def _bar(total: int, step: int, progress: bool | None) -> tqdm:
     return tqdm(
         total=total,
@@ -326,8 +342,9 @@ def _write_safetensors(
         raise ValueError(
             f"no tensor is under {list(keys)} in step {reader.step}: nothing to export ({format} holds tensors only)"
         )
-    for t in tensors:
-        dtype_name(torch_dtype(t.info.dtype), t.name)  # refuse before writing anything
+    for t in tensors:  # refuse before writing anything
+        dtype_name(torch_dtype(t.info.dtype), t.name)
+        _check_names(t, reader.step)
     _warn_skipped(skipped, format)
     shards = _shards(tensors, limit)
     files = (

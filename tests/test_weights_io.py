@@ -751,3 +751,30 @@ def test_import_of_shards_without_their_index_refuses_a_missing_shard(tmp_path):
     with pytest.raises(ValueError, match=f"holds 4 of the 5 shards model-.*-of-00005.safetensors but not {last}"):
         ckpt.import_checkpoint(tmp_path / "st", tmp_path / "cut", step=1)
     assert not (tmp_path / "cut").exists()
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ({"__metadata__": torch.ones(2)}, "tensor '__metadata__' of step 1: safetensors names its header's metadata"),
+        ({"a": torch.ones(2), "format": "a"}, "'format' of step 1 is tied to 'a'"),
+        ({"a": torch.ones(2), "ckpt.ties": "a"}, "'ckpt.ties' of step 1 is tied to 'a'"),
+    ],
+    ids=["__metadata__", "format", "ckpt.ties"],
+)
+def test_export_safetensors_refuses_a_name_the_file_format_takes_and_writes_nothing(tmp_path, capsys, model, message):
+    """A tensor named __metadata__ was written as the header entry of that name (a file no reader opens, exit 0); a
+    tie named format or ckpt.ties overwrote that metadata entry ('format': 'a', which from_pretrained refuses, and
+    the tie was lost on import). Now the export is refused naming the key, and nothing is written."""
+    tied = {k: model[v] if isinstance(v, str) else v for k, v in model.items()}
+    with ckpt.CheckpointManager(tmp_path / "root") as m:
+        m.save(1, {"model": tied})
+    (tmp_path / "config.json").write_text("{}")
+    for fmt in ("safetensors", "hf"):
+        out = ["--config", str(tmp_path / "config.json"), "-o", str(tmp_path / "out")]
+        assert cli.main(["export", str(tmp_path / "root"), "--format", fmt, *out]) == 1
+        err = capsys.readouterr().err
+        assert message in err and "--format torch" in err and err.count("\n") == 1, err
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "root"]
+    assert cli.main(["export", str(tmp_path / "root"), "--format", "torch", "-q", "-o", str(tmp_path / "w.pt")]) == 0
+    assert list(torch.load(tmp_path / "w.pt", weights_only=True)) == list(tied)
