@@ -17,6 +17,7 @@ import sys
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -71,9 +72,13 @@ def parse_size(text: str | int) -> int:
         if not m:
             raise ValueError(f"not a size: {text!r} (write e.g. 5GB, 500MB, 2GiB or a number of bytes)")
         unit = _UNITS[(m.group(2) or "B").lower()]
-        if unit == 1 and not float(m.group(1)).is_integer():  # "1.5" is no 1-byte shard
+        try:
+            number = Fraction(m.group(1))  # exact: 0.29KB is 290 bytes, and no size is too large (a float overflows)
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+            raise ValueError(f"not a size: a number of {len(m.group(1))} digits (write e.g. 5GB or 500MB)") from None
+        if unit == 1 and number.denominator != 1:  # "1.5" is no 1-byte shard
             raise ValueError(f"not a whole number of bytes: {text!r} (write e.g. 1.5GB, 500MB or 1500 bytes)")
-        size = round(float(m.group(1)) * unit)  # 0.29KB is 290 bytes, not int(289.99999999999997)
+        size = round(number * unit)
     if size < 1:
         raise ValueError(f"a shard size must be at least 1 byte, got {text!r}")
     return size

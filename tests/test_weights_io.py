@@ -778,3 +778,17 @@ def test_export_safetensors_refuses_a_name_the_file_format_takes_and_writes_noth
     assert sorted(os.listdir(tmp_path)) == ["config.json", "root"]
     assert cli.main(["export", str(tmp_path / "root"), "--format", "torch", "-q", "-o", str(tmp_path / "w.pt")]) == 0
     assert list(torch.load(tmp_path / "w.pt", weights_only=True)) == list(tied)
+
+
+def test_a_shard_size_of_many_digits_is_read_exactly():
+    """A size past a float's range was an OverflowError ('cannot convert float infinity to integer', naming
+    neither the option nor the size) with a unit, 'not a whole number of bytes' without one; past 2**53 bytes a
+    size was rounded to another. Sizes are read as exact fractions."""
+    from ckpt.exporter import parse_size
+
+    huge = "9" * 400
+    assert parse_size(huge + "GB") == int(huge) * 10**9 and parse_size(huge) == int(huge)
+    assert parse_size("12345678901234567891") == 12345678901234567891
+    assert parse_size("0.0015KB") == 2 and parse_size("1.0000000000000000001KiB") == 1024
+    with pytest.raises(ValueError, match="not a size: a number of 5000 digits"):
+        parse_size("9" * 5000 + "GB")  # more than int() converts
