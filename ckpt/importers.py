@@ -31,7 +31,7 @@ from . import layout
 from .exporter import HF_CONFIG, INDEX, TIES_MARK
 from .format import overlapping
 from .manager import CheckpointManager
-from .safetensors_file import number, open_tensors
+from .safetensors_file import number, open_regular, open_tensors
 from .state import check_top_level_key, flatten
 
 DEFAULT_KEY = "model"
@@ -82,9 +82,9 @@ def read_source(src: str) -> tuple[str, Any, dict[str, Any]]:
             return "dcp", read_dcp(src), {}
         state, metadata = read_hf_folder(src)
         return "hf", state, metadata
-    if not os.path.isfile(src):
+    if not os.path.exists(src):
         raise FileNotFoundError(f"{src} does not exist")
-    with open(src, "rb") as f:
+    with open_regular(src) as f:
         head = f.read(8)
     if src.endswith(".safetensors"):
         found, metadata = open_tensors(src)

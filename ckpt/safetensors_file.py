@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, BinaryIO, Mapping
 
 import numpy as np
 import torch
@@ -118,8 +119,8 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[Entry, int]], 
     """A file's tensors (entry, offset of its bytes in the file) in file order, its metadata and size; the header
     is validated (known dtypes, offsets inside the file that match each shape); ValueError naming the file."""
     path = os.fspath(path)
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
         n = int.from_bytes(f.read(8), "little")
         if size < 8 or n > min(MAX_HEADER, size - 8):
             raise ValueError(f"{path} is not a safetensors file (header length {n}, file size {size})")
@@ -172,6 +173,19 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, tuple[Entry, int]], 
     if end != size - data:
         raise ValueError(f"{path}: the tensors' data ends at byte {end} of the file's {size - data} bytes of data")
     return entries, metadata, size
+
+
+def open_regular(path: str) -> BinaryIO:
+    """`path` opened for reading; ValueError naming it unless it is a regular file (a FIFO would block the open
+    until a writer came, a device read forever)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # no wait for a FIFO's writer; no effect on a regular file
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "folder" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "device or socket"
+        raise ValueError(f"{path} is a {kind}, not a regular file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -792,3 +792,16 @@ def test_a_shard_size_of_many_digits_is_read_exactly():
     assert parse_size("0.0015KB") == 2 and parse_size("1.0000000000000000001KiB") == 1024
     with pytest.raises(ValueError, match="not a size: a number of 5000 digits"):
         parse_size("9" * 5000 + "GB")  # more than int() converts
+
+
+def test_import_of_a_fifo_is_refused_naming_it_and_does_not_hang(tmp_path):
+    """A FIFO named *.safetensors in an HF folder made the import wait forever for a writer (open() blocks), and a
+    FIFO given as the source was said not to exist. Both are refused as not regular files, naming them."""
+    (tmp_path / "hf").mkdir()
+    os.mkfifo(tmp_path / "hf" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"hf/model.safetensors is a FIFO, not a regular file"):
+        ckpt.import_checkpoint(tmp_path / "hf", tmp_path / "root", step=1)
+    os.mkfifo(tmp_path / "w.pt")
+    with pytest.raises(ValueError, match=r"w.pt is a FIFO, not a regular file"):
+        ckpt.import_checkpoint(tmp_path / "w.pt", tmp_path / "root", step=1)
+    assert not (tmp_path / "root").exists()
