@@ -805,3 +805,13 @@ def test_import_of_a_fifo_is_refused_naming_it_and_does_not_hang(tmp_path):
     with pytest.raises(ValueError, match=r"w.pt is a FIFO, not a regular file"):
         ckpt.import_checkpoint(tmp_path / "w.pt", tmp_path / "root", step=1)
     assert not (tmp_path / "root").exists()
+
+
+def test_import_under_an_empty_key_is_refused_before_the_root_is_touched(tmp_path, capsys):
+    """`import --key ''` committed the source under the top-level key '', which `export --keys` and
+    `load(keys=[...])` cannot select (an empty key is refused there). Now it is refused, naming the option."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
+    assert cli.main(["import", str(tmp_path / "w.pt"), str(tmp_path / "root"), "--step", "1", "--key", ""]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: key '' is empty: name the top-level key") and err.count("\n") == 1, err
+    assert not (tmp_path / "root").exists()
