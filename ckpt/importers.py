@@ -99,10 +99,30 @@ def read_source(src: str) -> tuple[str, Any, dict[str, Any]]:
     try:
         return "torch", torch.load(src, map_location="cpu", weights_only=True, mmap=head[:4] == b"PK\x03\x04"), {}
     except pickle.UnpicklingError as e:
-        raise ValueError(
-            f"{src} holds objects other than tensors and plain values, which are not loaded (no code "
-            f"from a checkpoint runs): {str(e).splitlines()[0]}"
-        ) from None
+        detail = _refusal(e)
+        if "GLOBAL" in detail:  # a class, a function: what weights_only refuses to build
+            raise ValueError(
+                f"{src} holds objects other than tensors and plain values, which are not loaded (no code "
+                f"from a checkpoint runs): {detail}"
+            ) from None
+        raise _unreadable(src, detail) from None
+    except (RuntimeError, EOFError, OSError) as e:  # the zip reader's, the unpickler's, mmap's: cut short or damaged
+        if isinstance(e, OSError) and e.filename:  # a file it could not open or read: it names it
+            raise
+        raise _unreadable(src, str(e).split(". ")[0] or "it ends too early") from None
+
+
+def _refusal(e: pickle.UnpicklingError) -> str:
+    """What torch.load(weights_only=True) refused, without the advice around it (to load with weights_only=False)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n\n|$)", text, re.S)
+    advice = ("Weights only load failed", "Check the documentation")
+    parts = [found.group(1)] if found else [p for p in text.split("\n\n") if p.strip() and not p.startswith(advice)]
+    return (parts or text.splitlines() or [""])[0].strip().split(". ")[0].rstrip(".")
+
+
+def _unreadable(src: str, detail: str) -> ValueError:
+    return ValueError(f"{src} is not a torch.save file this can read (cut short or damaged?): {detail}")
 
 
 def _is_entries(state: Any) -> bool:

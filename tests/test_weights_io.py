@@ -815,3 +815,31 @@ def test_import_under_an_empty_key_is_refused_before_the_root_is_touched(tmp_pat
     err = capsys.readouterr().err
     assert err.startswith("error: key '' is empty: name the top-level key") and err.count("\n") == 1, err
     assert not (tmp_path / "root").exists()
+
+
+class _NotAllowed:
+    """A class torch.load(weights_only=True) refuses to build."""
+
+
+def test_import_of_a_torch_file_cut_short_or_holding_objects_names_the_file_and_what_is_wrong(tmp_path, capsys):
+    """A torch.save file cut short failed 'error: RuntimeError: PytorchStreamReader failed ...' or 'error: EOFError',
+    naming no file, or was said to hold objects other than tensors, followed by torch's advice to load it with
+    weights_only=False ('This file can still be loaded, ...'), as was a file that does hold an object, whose class
+    went unnamed. Now each says which file and what is wrong in one line."""
+    torch.save({"w": torch.ones(1000)}, tmp_path / "zip.pt")
+    torch.save({"w": torch.ones(1000)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    torch.save({"w": torch.ones(2), "x": _NotAllowed()}, tmp_path / "object.pt")
+    cases = [(tmp_path / "object.pt", "holds objects other than tensors", f"GLOBAL {__name__}._NotAllowed")]
+    for name in ("zip.pt", "legacy.pt"):
+        data = (tmp_path / name).read_bytes()
+        for n in (10, 1000, len(data) - 100):
+            (tmp_path / f"cut{n}-{name}").write_bytes(data[:n])
+            cases.append(
+                (tmp_path / f"cut{n}-{name}", "is not a torch.save file this can read (cut short or damaged?)", "")
+            )
+    for path, message, detail in cases:
+        assert cli.main(["import", str(path), str(tmp_path / "root"), "--step", "1"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {path} {message}") and detail in err, err
+        assert err.count("\n") == 1 and "weights_only" not in err and "\x1b" not in err, err
+    assert not (tmp_path / "root").exists()
