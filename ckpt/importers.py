@@ -156,6 +156,13 @@ def read_hf_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]
             if not isinstance(name, str) or name in ("", ".", "..") or "\0" in name or os.path.basename(name) != name:
                 raise ValueError(f"{index}: weight_map maps {key[:100]!r} to {str(name)[:100]!r}, not a file name")
         files = list(dict.fromkeys(weight_map.values()))
+        for name in files:
+            if not os.path.lexists(os.path.join(folder, name)):  # a download cut short
+                keys = [k for k, v in weight_map.items() if v == name]
+                shown = ", ".join(repr(k[:100]) for k in keys[:3]) + ", ..." * (len(keys) > 3)
+                raise ValueError(
+                    f"{index}: its weight_map puts {len(keys)} tensors ({shown}) in {name}, which is not in {folder}"
+                )
     else:
         files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
         _check_shards_complete(folder, files)

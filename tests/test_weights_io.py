@@ -843,3 +843,21 @@ def test_import_of_a_torch_file_cut_short_or_holding_objects_names_the_file_and_
         assert err.startswith(f"error: {path} {message}") and detail in err, err
         assert err.count("\n") == 1 and "weights_only" not in err and "\x1b" not in err, err
     assert not (tmp_path / "root").exists()
+
+
+def test_import_of_a_folder_whose_index_names_a_missing_shard_names_the_index_and_its_tensors(tmp_path, capsys):
+    """A shard the index names was missing (a download cut short): '[Errno 2] No such file or directory: ...', which
+    says neither that the index names it nor what it should hold. Now the index, the shard and its tensors."""
+    from safetensors.torch import save_file
+
+    (tmp_path / "hf").mkdir()
+    save_file({"a": torch.zeros(1)}, tmp_path / "hf" / _SHARDS[0])
+    index = {"metadata": {}, "weight_map": {"a": _SHARDS[0], "b": _SHARDS[1], "c": _SHARDS[1]}}
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert cli.main(["import", str(tmp_path / "hf"), str(tmp_path / "root"), "--step", "1"]) == 1
+    err = capsys.readouterr().err
+    expected = (
+        f"error: {tmp_path / 'hf' / 'model.safetensors.index.json'}: its weight_map puts 2 tensors ('b', 'c') in "
+    )
+    assert err.startswith(expected + f"{_SHARDS[1]}, which is not in {tmp_path / 'hf'}"), err
+    assert err.count("\n") == 1 and not (tmp_path / "root").exists()
