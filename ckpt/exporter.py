@@ -230,7 +230,11 @@ def _hf_config(config: str | os.PathLike | Mapping[str, Any] | None, reader: Ste
         return stored
     if isinstance(config, Mapping):
         return dict(config)
-    with open(config, encoding="utf-8") as f:
+    try:
+        f = open(config, encoding="utf-8")
+    except OSError as e:  # said as the option it was given to
+        raise ValueError(f"--config {config}: {e.strerror} (the model's config.json, for --format hf)") from None
+    with f:
         try:
             data = json.load(f)
         except ValueError as e:

@@ -861,3 +861,16 @@ def test_import_of_a_folder_whose_index_names_a_missing_shard_names_the_index_an
     )
     assert err.startswith(expected + f"{_SHARDS[1]}, which is not in {tmp_path / 'hf'}"), err
     assert err.count("\n") == 1 and not (tmp_path / "root").exists()
+
+
+def test_export_hf_with_a_config_that_cannot_be_read_names_the_option(tmp_path, capsys):
+    """`--config nope.json` failed '[Errno 2] No such file or directory: 'nope.json'' and `--config /etc` '[Errno 21]
+    Is a directory', not saying which argument was read. Now the option, the path and why, and nothing is written."""
+    with ckpt.CheckpointManager(tmp_path / "root") as m:
+        m.save(1, {"model": {"w": torch.ones(2)}})
+    for config, why in ((tmp_path / "nope.json", "No such file or directory"), (tmp_path, "Is a directory")):
+        out = str(tmp_path / "out")
+        assert cli.main(["export", str(tmp_path / "root"), "--format", "hf", "--config", str(config), "-o", out]) == 1
+        err = capsys.readouterr().err
+        assert err == f"error: --config {config}: {why} (the model's config.json, for --format hf)\n", err
+    assert sorted(os.listdir(tmp_path)) == ["root"]
