@@ -8,6 +8,7 @@ appears only when complete: it is written next to OUT under a temporary name and
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -204,11 +205,19 @@ class _staged:
     def _finish(self, exc_type: Any) -> None:
         try:
             if exc_type is None:
-                if self.directory:
-                    os.rename(self.tmp, self.out)  # replaces an empty folder; fails on a non-empty one
-                else:
-                    os.link(self.tmp, self.out)  # fails if `out` appeared meanwhile: never overwrite
-                    os.unlink(self.tmp)
+                try:
+                    if self.directory:
+                        os.rename(self.tmp, self.out)  # replaces an empty folder; fails on a non-empty one
+                    else:
+                        os.link(self.tmp, self.out)  # fails if `out` appeared meanwhile: never overwrite
+                        os.unlink(self.tmp)
+                except OSError as e:
+                    if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
+                        raise
+                    raise FileExistsError(
+                        f"{self.out} appeared while the export was written: export never overwrites; remove it or "
+                        f"choose another output"
+                    ) from None
                 fd = os.open(os.path.dirname(self.out), os.O_RDONLY)
                 try:
                     os.fsync(fd)

@@ -874,3 +874,21 @@ def test_export_hf_with_a_config_that_cannot_be_read_names_the_option(tmp_path, 
         err = capsys.readouterr().err
         assert err == f"error: --config {config}: {why} (the model's config.json, for --format hf)\n", err
     assert sorted(os.listdir(tmp_path)) == ["root"]
+
+
+@pytest.mark.parametrize("directory", [True, False], ids=["folder", "file"])
+def test_an_output_that_appears_during_the_export_is_kept_and_named(tmp_path, directory):
+    """An OUT made by another process while the export ran (after its check) was kept, but the error named the
+    export's temporary name, gone by then: '[Errno 39] Directory not empty: '.../.out.tmp-31403-afb2d23d' ->
+    '.../out''. Now it says OUT appeared and export never overwrites."""
+    from ckpt.exporter import _staged
+
+    out = tmp_path / "out"
+    with pytest.raises(FileExistsError, match=f"{out} appeared while the export was written: export never overwrites"):
+        with _staged(str(out), directory=directory) as tmp:
+            (Path(tmp) / "model.safetensors").write_bytes(b"x") if directory else Path(tmp).write_bytes(b"x")
+            out.mkdir() if directory else out.write_text("someone else's")
+            if directory:
+                (out / "x").write_text("someone else's")
+    assert os.listdir(tmp_path) == ["out"]
+    assert (out / "x" if directory else out).read_text() == "someone else's"
