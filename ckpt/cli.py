@@ -266,8 +266,9 @@ def cmd_explain(storage: Storage, args: argparse.Namespace) -> int:
     key, saved = found[0]
     from .determinism import data
 
+    explanation = data.format_explanation(data.explain(saved, args.step))  # an error leaves stdout empty
     print(f"sampler {key!r} from checkpoint step {m.step}")
-    print(data.format_explanation(data.explain(saved, args.step)))
+    print(explanation)
     return 0
 
 

@@ -79,6 +79,17 @@ def test_ckpt_cli_bad_input_is_one_line_and_a_nonzero_exit(roots, tmp_path, caps
     assert got == code and text in err and len(err.strip().splitlines()) == 1, (got, err)
 
 
+def test_explain_of_a_step_it_cannot_explain_prints_nothing_on_stdout(tmp_path, capsys):
+    """A step past what the sampler counts to printed the header line ('sampler ... from checkpoint step 3') on stdout
+    before the error, so a script reading stdout got half an answer with exit 1. Now stdout stays empty."""
+    from ckpt import ShuffledSampler
+
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(3, {"sampler": ShuffledSampler(100, 4, seed=1)})
+    code, out, err = _run(ckpt.cli.main, ["explain", str(tmp_path), "--step", str(1 << 61)], capsys)
+    assert code == 1 and out == "" and "is past 2**62" in err and err.count("\n") == 1, (out, err)
+
+
 def test_ckpt_cli_reads_crafted_markers_without_a_traceback(roots, capsys):
     code, out, err = _run(ckpt.cli.main, ["ls", roots["good"]], capsys)
     assert code == 0 and not err
