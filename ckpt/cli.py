@@ -41,6 +41,12 @@ def _human(n: float) -> str:
     return str(n)
 
 
+def _printable(text: str) -> str:
+    """`text` with its control characters escaped (``\\n``, ``\\x1b``): a key or reason read from a root forges no
+    line and sends the terminal no escape sequence."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _when(t: float) -> str:
     return datetime.datetime.fromtimestamp(t).isoformat(" ", "seconds")
 
@@ -108,14 +114,14 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
             except StepNotFoundError:  # deleted since it was listed (another process's retention)
                 continue
             except CheckpointError as err:
-                when = f"DAMAGED: {err}"
+                when = f"DAMAGED: {_printable(str(err))}"
         state = (
             "committed" if e.committed else ("in progress" if holder and e.owner == holder.get("id") else "incomplete")
         )
         rows.append((e.step, state, on_disk(layout.step_dir(e.step)), tensors, when))
     for q in catalog.quarantined(storage):
         when = f"quarantined {_when(q.time)}" if q.time is not None else "quarantined"
-        rows.append((q.step, "damaged", on_disk(q.path), "-", f"{when} in {q.path}: {q.reason}"))
+        rows.append((q.step, "damaged", on_disk(q.path), "-", f"{when} in {q.path}: {_printable(q.reason)}"))
     if not rows:
         print(f"no checkpoints in {storage.url}")
         return 0
@@ -154,12 +160,13 @@ def _tree_lines(tree: Any, arrays: dict, indent: str = "") -> list[str]:
 
 def _entry_lines(label: str, tree: Any, arrays: dict, indent: str) -> list[str]:
     node = tree_mod.node_of(tree)
+    label = _printable(label)
     if node.kind == tree_mod.TENSOR:
         a = arrays[node.name]
         where = f"array {node.name}" if a.places is None else _places(a)
         return [f"{indent}{label}: {a.dtype}{list(a.shape)}  ({_human(a.nbytes)}, {where})"]
     if node.kind in _BRANCHES:
-        kind = f" <{node.name}>" if node.kind == tree_mod.STATE else ""
+        kind = f" <{_printable(node.name)}>" if node.kind == tree_mod.STATE else ""
         return [f"{indent}{label}:{kind}"] + _tree_lines(tree, arrays, indent + "  ")
     text = json.dumps(tree)
     return [f"{indent}{label}: {text if len(text) < 100 else text[:97] + '...'}"]
@@ -203,7 +210,7 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
         try:
             total = read_manifest(storage, step).nbytes_here()
         except CheckpointError as e:
-            print(f"step {step}: DAMAGED: {e}")
+            print(f"step {step}: DAMAGED: {_printable(str(e))}")
             bad += 1
             continue
         from tqdm import tqdm
@@ -218,7 +225,7 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
         ) as bar:
             problems = list(catalog.verify(storage, step, on_bytes=bar.update))
         for p in problems:
-            print(f"step {step}: DAMAGED: {p}")
+            print(f"step {step}: DAMAGED: {_printable(str(p))}")
         if problems:
             bad += 1
         else:

@@ -90,6 +90,27 @@ def test_explain_of_a_step_it_cannot_explain_prints_nothing_on_stdout(tmp_path, 
     assert code == 1 and out == "" and "is past 2**62" in err and err.count("\n") == 1, (out, err)
 
 
+def test_control_characters_of_a_root_reach_the_terminal_escaped(tmp_path, capsys):
+    """A key holding a newline or an escape sequence (an imported file's tensor names, a crafted root) was printed
+    as is by inspect: a forged line, a terminal recoloured or cleared; ls did so with a quarantined step's reason.
+    Now such a character is shown escaped; other text (é) as it is."""
+    import json
+
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"model": {"w\n  fake: float32[9]": torch.ones(1), "\x1b[2Jé": torch.ones(1)}})
+    (tmp_path / "_quarantine" / "step_00000009-1").mkdir(parents=True)
+    record = {"reason": "bad\x1b[2J\nstep 10 ok", "time": 0}
+    (tmp_path / "_quarantine" / "step_00000009-1" / "_DAMAGED").write_text(json.dumps(record))
+    for argv in (["inspect", str(tmp_path)], ["ls", str(tmp_path)]):
+        code, out, err = _run(ckpt.cli.main, argv, capsys)
+        assert code == 0 and "\x1b" not in out and "\\x1b[2J" in out, out
+    code, out, err = _run(ckpt.cli.main, ["inspect", str(tmp_path)], capsys)
+    assert "  w\\n  fake: float32[9]: float32[1]" in out and "\\x1b[2Jé: float32[1]" in out, out
+    assert len(out.splitlines()) == 4, out
+    code, out, err = _run(ckpt.cli.main, ["ls", str(tmp_path)], capsys)
+    assert "bad\\x1b[2J\\nstep 10 ok" in out and len(out.splitlines()) == 3, out
+
+
 def test_ckpt_cli_reads_crafted_markers_without_a_traceback(roots, capsys):
     code, out, err = _run(ckpt.cli.main, ["ls", roots["good"]], capsys)
     assert code == 0 and not err
