@@ -60,6 +60,11 @@ class StepReader:
             return [(k,) for k in self.tree]
         if isinstance(keys, str):
             raise TypeError(f"keys must be a list of dotted paths, e.g. [{keys!r}], not a str")
+        wrong = [k for k in keys if not isinstance(k, str)]
+        if wrong:
+            raise TypeError(
+                f"keys must be dotted paths (str), got {wrong[0]!r} ({type(wrong[0]).__name__}) in {list(keys)}"
+            )
         if "" in keys:  # `--keys model,`: it selected the whole state, optimizer and all
             raise ValueError(f"keys {list(keys)} hold an empty key: name each one (keys=None selects the whole state)")
         return [_route(self.tree, key, key, (), self.step) for key in keys]

@@ -892,3 +892,18 @@ def test_an_output_that_appears_during_the_export_is_kept_and_named(tmp_path, di
                 (out / "x").write_text("someone else's")
     assert os.listdir(tmp_path) == ["out"]
     assert (out / "x" if directory else out).read_text() == "someone else's"
+
+
+def test_a_key_that_is_not_a_str_is_a_type_error_naming_it(tmp_path):
+    """keys=['model', 3] failed "AttributeError: 'int' object has no attribute 'startswith'" (load and export),
+    naming neither the argument nor the value. Now a TypeError names both."""
+    with ckpt.CheckpointManager(tmp_path / "root") as m:
+        m.save(1, {"model": {"w": torch.ones(2)}})
+    for call, got in (
+        (lambda: ckpt.load(tmp_path / "root", keys=["model", 3]), r"3 \(int\) in \['model', 3\]"),
+        (lambda: ckpt.load(tmp_path / "root", keys=[None]), r"None \(NoneType\) in \[None\]"),
+        (lambda: ckpt.export(tmp_path / "root", tmp_path / "out", format="torch", keys=["model", 3]), r"3 \(int\)"),
+    ):
+        with pytest.raises(TypeError, match=r"keys must be dotted paths \(str\), got " + got):
+            call()
+    assert sorted(os.listdir(tmp_path)) == ["root"]
