@@ -66,8 +66,10 @@ def model_config_metadata(model: Any) -> dict[str, Any]:
 
 def parse_size(text: str | int) -> int:
     """Bytes from ``"5GB"`` (10^9, as Transformers counts), ``"500MiB"`` (2^20) or a plain number of bytes."""
-    if isinstance(text, int):
+    if type(text) is int:
         size = text
+    elif not isinstance(text, str):  # True is no 1-byte limit, 1.5 no size in bytes
+        raise TypeError(f"max_shard_size must be a str such as '5GB' or an int of bytes, got {text!r}")
     else:
         m = _SIZE.match(text)
         if not m:

@@ -794,6 +794,16 @@ def test_a_shard_size_of_many_digits_is_read_exactly():
         parse_size("9" * 5000 + "GB")  # more than int() converts
 
 
+@pytest.mark.parametrize("size", [True, 1.5, None], ids=["bool", "float", "None"])
+def test_a_shard_size_of_another_type_is_a_type_error_naming_it(size):
+    """max_shard_size=True was a 1-byte limit (one file per tensor, in silence), 1.5 failed 'expected string or
+    bytes-like object, got 'float'' (the regex's), naming neither the argument nor the value."""
+    from ckpt.exporter import parse_size
+
+    with pytest.raises(TypeError, match=rf"max_shard_size must be a str such as '5GB' or an int of bytes, got {size}"):
+        parse_size(size)
+
+
 def test_import_of_a_fifo_is_refused_naming_it_and_does_not_hang(tmp_path):
     """A FIFO named *.safetensors in an HF folder made the import wait forever for a writer (open() blocks), and a
     FIFO given as the source was said not to exist. Both are refused as not regular files, naming them."""
