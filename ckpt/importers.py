@@ -323,6 +323,11 @@ def read_dcp(folder: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
     file = os.path.join(folder, ".metadata")
+    if not _inside(folder, ".metadata"):
+        raise ValueError(
+            f"{file} is a symlink to {os.path.realpath(file)}, outside the checkpoint folder {folder}; refused "
+            f"(nothing outside a DCP checkpoint's folder is read)"
+        )
     with open(file, "rb") as f:
         try:
             metadata = _MetadataUnpickler(f).load()
@@ -360,6 +365,11 @@ def read_dcp(folder: str) -> dict[str, Any]:
                 f"{list(path)!r} in the state, which another entry's place contradicts"
             ) from None
     return _int_param_ids(state)
+
+
+def _inside(folder: str, rel: str) -> bool:
+    """Whether `rel` in `folder` is inside it once symlinks are followed."""
+    return os.path.realpath(os.path.join(folder, rel)).startswith(os.path.join(os.path.realpath(folder), ""))
 
 
 def _dcp_item(folder: str, fqn: str, info: Any) -> Any:
@@ -419,8 +429,7 @@ def _check_dcp_metadata(folder: str, metadata: Any) -> None:
         rel = os.fspath(rel) if isinstance(rel, (str, os.PathLike)) else rel
         if not isinstance(rel, str) or not rel or "\0" in rel:
             raise bad(f"its data file is {str(rel)[:100]!r}, not a path", fqn)
-        inside = os.path.realpath(os.path.join(folder, rel)).startswith(os.path.join(os.path.realpath(folder), ""))
-        if os.path.isabs(rel) or ".." in rel.split(os.sep) or not inside:  # not inside: a symlink out of it
+        if os.path.isabs(rel) or ".." in rel.split(os.sep) or not _inside(folder, rel):  # a symlink out of it
             raise ValueError(
                 f"{file}: entry {fqn!r} is stored in {rel!r}, outside the checkpoint folder {folder}; refused (the "
                 f"data files of a DCP checkpoint are inside its folder, and nothing outside it is read)"

@@ -917,3 +917,18 @@ def test_a_key_that_is_not_a_str_is_a_type_error_naming_it(tmp_path):
         with pytest.raises(TypeError, match=r"keys must be dotted paths \(str\), got " + got):
             call()
     assert sorted(os.listdir(tmp_path)) == ["root"]
+
+
+def test_import_dcp_refuses_metadata_that_is_a_symlink_out_of_its_folder(tmp_path):
+    """.metadata itself a symlink to a file outside the folder was followed and unpickled, where the docs say
+    nothing outside a DCP folder is read (its data files were checked, not it)."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": {"w": torch.ones(3)}}, checkpoint_id=str(tmp_path / "dcp"))
+    (tmp_path / "dcp" / ".metadata").rename(tmp_path / "outside.metadata")
+    (tmp_path / "dcp" / ".metadata").symlink_to(tmp_path / "outside.metadata")
+    with pytest.raises(ValueError, match=r"dcp/.metadata is a symlink to .*outside.metadata, outside the checkpoint"):
+        ckpt.import_checkpoint(tmp_path / "dcp", tmp_path / "root", step=1)
+    assert not (tmp_path / "root").exists()
