@@ -375,7 +375,7 @@ def _inside(folder: str, rel: str) -> bool:
 def _dcp_item(folder: str, fqn: str, info: Any) -> Any:
     """One stored item of a DCP checkpoint (a ``torch.save`` blob at a checked byte range), weights_only."""
     path = os.path.join(folder, os.fspath(info.relative_path))
-    with open(path, "rb") as f:
+    with open_regular(path) as f:  # a FIFO would block the open
         f.seek(info.offset)
         blob = f.read(info.length)
     try:

@@ -932,3 +932,18 @@ def test_import_dcp_refuses_metadata_that_is_a_symlink_out_of_its_folder(tmp_pat
     with pytest.raises(ValueError, match=r"dcp/.metadata is a symlink to .*outside.metadata, outside the checkpoint"):
         ckpt.import_checkpoint(tmp_path / "dcp", tmp_path / "root", step=1)
     assert not (tmp_path / "root").exists()
+
+
+def test_import_dcp_refuses_a_data_file_that_is_a_fifo_and_does_not_hang(tmp_path):
+    """An item stored in a FIFO of the folder (an empty byte range passes the size check) made the import wait
+    forever for a writer at its open. Now it is refused as not a regular file, naming it."""
+
+    def edit(md, by_fqn):
+        info = by_fqn["obj.x"][1]
+        info.relative_path, info.offset, info.length = "fifo", 0, 0
+
+    folder = os.path.dirname(_dcp_with(tmp_path, edit))
+    os.mkfifo(os.path.join(folder, "fifo"))
+    with pytest.raises(ValueError, match=r"dcp/fifo is a FIFO, not a regular file"):
+        ckpt.import_checkpoint(folder, tmp_path / "root", step=1)
+    assert not (tmp_path / "root").exists()
