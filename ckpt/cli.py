@@ -66,8 +66,12 @@ def _tiers(storage: Storage, args: argparse.Namespace) -> list[_Tier]:
     if not getattr(args, "local", None):
         return [_Tier("", storage)]
     out = [_Tier(f"durable tier {storage.url}", storage)]
+    named = {storage.url: "the durable root"}  # a root covered twice: rollback would meet its own lease
     for path in args.local:
         local = _open(path, args.storage_options)
+        if local.url in named:
+            raise ValueError(f"--local {path} is {local.url}, {named[local.url]}: name each tier once")
+        named[local.url] = f"--local {path}"
         out.append(_Tier(f"local tier {local.url}", local))
         for rank in layout.replica_ranks(local):
             replica = open_storage(os.path.join(local.url, layout.replica_root(rank)))

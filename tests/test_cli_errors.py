@@ -111,6 +111,21 @@ def test_control_characters_of_a_root_reach_the_terminal_escaped(tmp_path, capsy
     assert "bad\\x1b[2J\\nstep 10 ok" in out and len(out.splitlines()) == 3, out
 
 
+@pytest.mark.parametrize("command", [["rollback", "--to", "1"], ["gc"], ["ls"], ["verify", "-q"]])
+def test_a_tier_named_twice_is_refused_naming_it(tmp_path, capsys, command):
+    """`rollback ROOT --local ROOT` (the root given as its own local tier) failed 'ROOT is being written by ckpt gc:
+    pid N' (its own lease, taken for the first), and ls, verify and gc covered the root twice. Now a root named
+    twice (./ROOT, ROOT/ alike) is refused before anything is done."""
+    with ckpt.CheckpointManager(tmp_path / "r") as m:
+        for step in (1, 2):
+            m.save(step, {"w": torch.ones(2)}).wait()
+    root = str(tmp_path / "r")
+    code, out, err = _run(ckpt.cli.main, [command[0], root, *command[1:], "--local", root + "/"], capsys)
+    assert code == 1 and out == "" and err.count("\n") == 1, (out, err)
+    assert err.startswith(f"error: --local {root}/ is {root}, the durable root: name each tier once"), err
+    assert ckpt.CheckpointManager(root).steps() == [1, 2]
+
+
 def test_ckpt_cli_reads_crafted_markers_without_a_traceback(roots, capsys):
     code, out, err = _run(ckpt.cli.main, ["ls", roots["good"]], capsys)
     assert code == 0 and not err
