@@ -63,6 +63,8 @@ def import_checkpoint(
             raise ValueError("key '' is empty: name the top-level key to put the source under, or give none")
     src = os.fspath(src)
     kind, state, metadata = read_source(src)
+    if isinstance(state, (Mapping, list, tuple)) and not state:  # committed, it would be the step a resume takes
+        raise ValueError(f"{src} holds nothing to import (an empty {kind} checkpoint)")
     if key is not None:
         state = {key: state}
     elif not _is_entries(state):

@@ -947,3 +947,17 @@ def test_import_dcp_refuses_a_data_file_that_is_a_fifo_and_does_not_hang(tmp_pat
     with pytest.raises(ValueError, match=r"dcp/fifo is a FIFO, not a regular file"):
         ckpt.import_checkpoint(folder, tmp_path / "root", step=1)
     assert not (tmp_path / "root").exists()
+
+
+def test_import_of_an_empty_source_is_refused_before_the_root_is_touched(tmp_path):
+    """An empty source (a safetensors file of no tensor, an HF folder of one, torch.save({})) was committed as a step
+    holding nothing, which then became the newest step a resume restores from, and could never be overwritten."""
+    header = b"{}      "
+    (tmp_path / "hf").mkdir()
+    for path in (tmp_path / "empty.safetensors", tmp_path / "hf" / "model.safetensors"):
+        path.write_bytes(len(header).to_bytes(8, "little") + header)
+    torch.save({}, tmp_path / "empty.pt")
+    for src in ("empty.safetensors", "hf", "empty.pt"):
+        with pytest.raises(ValueError, match=f"{src} holds nothing to import"):
+            ckpt.import_checkpoint(tmp_path / src, tmp_path / "root", step=1)
+    assert not (tmp_path / "root").exists()
