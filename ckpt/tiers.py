@@ -121,6 +121,7 @@ class Tiers:
         self.lease: lease_mod.Lease | None = None
         self._durable_above: int | None = None  # rank 0: steps above it are in no durable root (`taken`)
         self._own = False  # the local tier was found to be this run's: this manager records its run there
+        self._superseded: list[tuple[LocalStorage, int]] = []  # newer steps of another world size: the next save's
 
     @property
     def local_root(self) -> str:
@@ -203,6 +204,8 @@ class Tiers:
                 f"{self.local.root} once that run needs it no more."
             )
         self._own = True  # this save records this run in the local tier (an empty one of another run's included)
+        self._drop(self._superseded, "the step resumed from, saved at another world size")
+        self._superseded = []
         return self.local, lease
 
     def storage_of(self, source: Source) -> Storage:
@@ -237,26 +240,42 @@ class Tiers:
         """Delete this rank's local steps newer than `step` (the one the job resumed from; None: none), and the
         replicas of such steps it keeps: an attempt killed between its local commits and their replicas leaves steps
         that some ranks hold and others lost, which no restore can take and the job's next saves of those steps
-        would collide with (`StepExistsError`). A local tier of another run, and steps saved at another world size,
-        are left alone; so is a local tier a live writer holds (a restore beside a training job): its newer steps
-        are that writer's, not left behind, and the restore, already applied, stands."""
-        if self.other_run() is None and self._newer(step):
+        would collide with (`StepExistsError`). Newer steps saved at another world size are deleted by the next save
+        (`writable`): a restore alone keeps them for a restart at their world size. A local tier of another run is
+        left alone; so is a local tier a live writer holds (a restore beside a training job): its newer steps are
+        that writer's, not left behind, and the restore, already applied, stands."""
+        if self.other_run() is not None:
+            return
+        self._superseded = self._newer(step, this_world=False)
+        if self._newer(step, this_world=True):
             try:
                 self.take_lease()
             except LeaseHeldError as e:
                 log.info("local steps newer than step %s are left to the live writer of the local tier: %s", step, e)
                 return
-            for storage, s in self._newer(step):  # listed again under the lease
-                log.warning("step %d of %s is newer than the step resumed from: deleted", s, storage.url)
-                catalog.delete_step(storage, s)
-                if storage is self.local and self.on_local_delete is not None:
-                    self.on_local_delete(s)
+            self._drop(self._newer(step, this_world=True), "the step resumed from")  # listed again under the lease
 
-    def _newer(self, step: int | None) -> list[tuple[LocalStorage, int]]:
-        """The steps of this rank's local tier and replicas newer than `step` (None: all), of this world size (other
-        world sizes' steps are no restore's)."""
-        roots = [self.local] + [self.replica(r) for r in layout.replica_ranks(self.local)]
-        return [(storage, s) for storage in roots for s in self._restorable(storage) if step is None or s > step]
+    def _newer(self, step: int | None, *, this_world: bool) -> list[tuple[LocalStorage, int]]:
+        """The committed steps of this rank's local tier and replicas newer than `step` (None: all), saved at this
+        world size (`this_world`) or at another one."""
+        found = []
+        for root in [self.local] + [self.replica(r) for r in layout.replica_ranks(self.local)]:
+            restorable = set(self._restorable(root))
+            found += [
+                (root, s)
+                for s in layout.committed_steps(root)
+                if (step is None or s > step) and (s in restorable) == this_world
+            ]
+        return found
+
+    def _drop(self, steps: list[tuple[LocalStorage, int]], than: str) -> None:
+        """Delete `steps` (root, step) of this rank's local tier and replicas, each newer than `than` (words)."""
+        for root, s in steps:
+            if layout.is_committed(root, s):
+                log.warning("step %d of %s is newer than %s: deleted", s, root.url, than)
+                catalog.delete_step(root, s)
+                if root is self.local and self.on_local_delete is not None:
+                    self.on_local_delete(s)
 
     def delete_local(self, step: int) -> None:
         """Delete `step` from this rank's local tier, now (manifest first)."""

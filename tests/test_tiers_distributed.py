@@ -140,3 +140,16 @@ def test_local_copies_of_another_sharding_are_skipped_not_quarantined(tmp_path):
         assert not os.path.exists(os.path.join(local, layout.QUARANTINE))
         assert layout.committed_steps(open_storage(local)) == [2]
     assert _restored(run_ranks(2, "restore", root, worker=tiers_worker)) == [(2, "local", True)] * 2
+
+
+def test_a_resume_at_another_world_size_drops_the_newer_local_steps_of_the_old_one_and_saves_them_again(tmp_path):
+    """Saved at 2 ranks (step 2 durable, step 3 local only), resumed at 1 rank: the local copies do not fit, so the
+    job resumes from the durable step 2, and its save of step 3 is not refused by the old world size's step 3."""
+    root = str(tmp_path)
+    _ok(run_ranks(2, "save", root, worker=tiers_worker))
+    results = run_ranks(1, "resume", root, worker=tiers_worker)
+    _ok(results)
+    assert _restored(results) == [(2, "durable", True)]
+    assert "saved 3" in results[0].stdout
+    local = open_storage(os.path.join(root, "local0"))
+    assert layout.committed_steps(local) == [2, 3] and layout.read_manifest(local, 3).world_size == 1
