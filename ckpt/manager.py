@@ -337,9 +337,10 @@ class CheckpointManager:
         """Writer thread, once the roots are this run's (its first commit): delete what earlier processes' kills left
         in them (a save's partial step, a step whose delete a kill interrupted), so that no disk stays taken until a
         `ckpt gc`. Each root by the rank holding its exclusive lease (`catalog.collect_leftovers`): the root this save
-        committed to (with a local tier, each rank's own), and the durable root by the leader. Before the save's
-        handle is done, so nothing of it outlives a manager dropped after `wait()`; a failure is only logged."""
-        roots = [(job.storage, job.lease)]
+        committed to (with a local tier, each rank's own, and the peer replicas in it: a kill during a replica's
+        receive leaves one half written), and the durable root by the leader. Before the save's handle is done, so
+        nothing of it outlives a manager dropped after `wait()`; a failure is only logged."""
+        roots = [(job.storage, job.lease)] + [(replica, job.lease) for replica in self._target.replicas()]
         if job.storage is not self.storage and self.ranks.leader:
             roots.append((self.storage, self._root_lease.lease))
         for storage, held in roots:

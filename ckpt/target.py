@@ -104,6 +104,9 @@ class Target(Protocol):
     def metadata_root(self, step: int) -> Storage:
         """The root whose manifest of `step` a metadata read takes."""
 
+    def replicas(self) -> list[Storage]:
+        """The roots kept inside the root a save commits to, under its lease: a local tier's peer replicas."""
+
     def wait(self) -> None:
         """Until the work a commit started in the background (a persist) has ended."""
 
@@ -188,6 +191,9 @@ class SingleRoot:
 
     def persisting(self) -> set[int]:
         return set()
+
+    def replicas(self) -> list[Storage]:
+        return []
 
     def where(self, source: Source) -> str:
         return ""

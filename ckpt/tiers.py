@@ -157,8 +157,7 @@ class Tiers:
 
     def _held_steps(self) -> list[int]:
         """The committed steps of this rank's local tier and of the replicas it keeps."""
-        replicas = [self.replica(r) for r in layout.replica_ranks(self.local)]
-        return sorted({s for storage in [self.local, *replicas] for s in layout.committed_steps(storage)})
+        return sorted({s for storage in [self.local, *self.replicas()] for s in layout.committed_steps(storage)})
 
     def take_lease(self) -> lease_mod.Lease:
         """This rank's local tier's lease (held until `close`): one writer per local tier."""
@@ -179,6 +178,10 @@ class Tiers:
     def replica(self, rank: int) -> LocalStorage:
         """The replica of rank `rank`'s local tier kept in this one."""
         return LocalStorage(os.path.join(self.local.root, layout.replica_root(rank)))
+
+    def replicas(self) -> list[LocalStorage]:
+        """Every peer replica kept in this rank's local tier, written under its lease."""
+        return [self.replica(r) for r in layout.replica_ranks(self.local)]
 
     def writable(self, durable_lease: lease_mod.Lease | None) -> tuple[Storage, lease_mod.Lease | None]:
         """A save commits to this rank's local tier, under its own lease; never into a local tier holding another
@@ -259,7 +262,7 @@ class Tiers:
         """The committed steps of this rank's local tier and replicas newer than `step` (None: all), saved at this
         world size (`this_world`) or at another one."""
         found = []
-        for root in [self.local] + [self.replica(r) for r in layout.replica_ranks(self.local)]:
+        for root in [self.local, *self.replicas()]:
             restorable = set(self._restorable(root))
             found += [
                 (root, s)

@@ -670,3 +670,20 @@ def test_a_roll_back_covers_the_local_tier_and_refuses_a_damaged_step_to_resume_
     with ckpt.CheckpointManager(root, local=local, persist_every=2, keep_local=2) as m:
         assert m.restore(state) == 4 and torch.equal(state["x"], torch.full((4,), 4.0))
         m.save(5, {"x": torch.ones(4)}).wait()  # the numbers after 4 are free again
+
+
+def test_the_next_writer_removes_a_replica_a_kill_left_half_received(tmp_path):
+    """A rank killed while its peer's step 2 was being received into `_replica/rank_1/` (marked in progress, some files
+    written, no manifest) left a step's worth of disk there: the next manager's first commit removes it, as it does
+    the local tier's own leftovers; the replica's committed step stays."""
+    from ckpt.save import begin_step
+    from ckpt.storage import LocalStorage
+
+    durable, local = saved(tmp_path, [1], persist_every=1)
+    replica = LocalStorage(os.path.join(local, layout.replica_root(1)))
+    shutil.copytree(os.path.join(local, layout.step_dir(1)), os.path.join(replica.root, layout.step_dir(1)))
+    begin_step(replica, 2, None)  # what `replica.transfer` does before it receives a step's files
+    replica.write_atomic(f"{layout.step_dir(2)}/some_file", b"x" * 1000)
+    with ckpt.CheckpointManager(durable, local=local, persist_every=1) as m:
+        m.save(3, state(3)).wait()
+    assert [(e.step, e.committed) for e in catalog.entries(replica)] == [(1, True)]
