@@ -158,8 +158,9 @@ class FileLease:
         path = os.path.join(self.root, LEASE)
         try:
             same = os.path.samestat(os.fstat(self._fd), os.stat(path))
-        except FileNotFoundError:
-            same = False
+        except FileNotFoundError:  # no other writer to name: the file (or the whole root) was removed
+            gone = "" if os.path.isdir(self.root) else f", and so was the root {self.root} itself"
+            raise LeaseHeldError(f"the lease file {path} was removed while this writer held it{gone}") from None
         if not same:
             raise LeaseHeldError(
                 f"the lease file {path} was removed or replaced while this writer held it; now held by "

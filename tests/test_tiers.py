@@ -1,6 +1,7 @@
 """Two tiers: every save commits to a local tier, every K-th is persisted to the durable root from the local
 files; restore takes the newest intact step, local first; a lost or damaged local copy falls back to the durable one."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -687,3 +688,23 @@ def test_the_next_writer_removes_a_replica_a_kill_left_half_received(tmp_path):
     with ckpt.CheckpointManager(durable, local=local, persist_every=1) as m:
         m.save(3, state(3)).wait()
     assert [(e.step, e.committed) for e in catalog.entries(replica)] == [(1, True)]
+
+
+def test_a_durable_root_removed_under_the_writer_is_named_as_gone_and_the_local_steps_stay(tmp_path):
+    """The durable root deleted while the job runs (its file system unmounted, a clean-up script): the next save is
+    refused by the lease check, which said the root's lease was "now held by an unknown process (its lease names no
+    holder yet)", sending the user after another writer; it says the lease file and the root are gone."""
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    m = ckpt.CheckpointManager(durable, local=local, persist_every=2)
+    for s in (1, 2, 3):
+        m.save(s, state(s)).wait()
+    m.wait()
+    shutil.rmtree(durable)
+    with pytest.raises(
+        ckpt.LeaseHeldError, match=f"lease file {durable}/_LEASE was removed .*the root {durable} itself"
+    ) as e:
+        m.save(4, state(4))
+    assert "unknown process" not in str(e.value)
+    with contextlib.suppress(ckpt.LeaseHeldError):
+        m.close()
+    assert layout.committed_steps(open_storage(local)) == [2, 3]  # keep_local=2
