@@ -612,6 +612,23 @@ class CkptTrainerMixin:
         return tracker.span(category, **attrs) if tracker is not None else contextlib.nullcontext()
 
     # -- loading: HF's hooks, fed from the restored state -------------------------------------------------------
+    def _init_training_state(
+        self,
+        max_steps: int,
+        num_update_steps_per_epoch: int,
+        num_train_epochs: int,
+        resume_from_checkpoint: Any,
+        trial: Any,
+    ) -> tuple[int, int]:
+        """HF's (epochs trained, batches to skip), with no epoch left to run once the resumed step reached
+        `max_steps`: HF's loop resuming mid-epoch trains one step before it checks max_steps (a finished run
+        restarted trained, saved and rotated a step past its end)."""
+        epochs, skip = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        trainer: Trainer = self
+        return (num_train_epochs, 0) if trainer.state.global_step >= max_steps else (epochs, skip)
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """Model weights from the manager instead of model.safetensors (a stock folder: HF's own loading). HF loads
         them before it builds the optimizer: a saved optimizer state whose groups will not fit it (when they can be

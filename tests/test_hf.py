@@ -707,3 +707,22 @@ def test_a_resume_of_a_step_saved_with_save_only_model_says_the_optimizer_and_sc
     with pytest.warns(RuntimeWarning, match=r"step 2 of .*ckpt holds no optimizer or LR scheduler state.*save_only"):
         resumed.train(resume_from_checkpoint=True)
     assert resumed.step_log.steps == [3, 4, 5, 6]
+
+
+def test_a_resume_of_the_last_step_mid_epoch_trains_no_step_past_max_steps(tmp_path):
+    """max_steps=6 (4 batches an epoch: step 6 is mid-epoch), saved at 3 and 6, then the same command again (a
+    requeue of a run that had finished, or a kill after its last save committed). HF's loop, resuming mid-epoch,
+    trained step 7 before it checked max_steps (the stock Trainer does too): checkpoint-7 written, step 7 committed,
+    the weights no longer the finished run's. It trains nothing now, and saves nothing."""
+    import ckpt
+
+    out = tmp_path / "out"
+    args = {"save_steps": 3}
+    finished = _trainer(out, 6, args=args)
+    finished.train()
+    again = _trainer(out, 6, args=args)
+    again.train(resume_from_checkpoint=True)
+    assert again.step_log.steps == [] and again.state.global_step == 6
+    assert _weights(again.model) == _weights(finished.model)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+    assert ckpt.CheckpointManager(out / "ckpt").steps() == [3, 6]

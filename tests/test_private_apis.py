@@ -110,6 +110,7 @@ def _version_counts(t_cls: Any) -> str | None:
 
 
 HF_OVERRIDES = [
+    "_init_training_state",
     "_load_from_checkpoint",
     "_load_optimizer_and_scheduler",
     "_load_scaler",
