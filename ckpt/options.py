@@ -211,7 +211,8 @@ def _merge(kind: type[Options], given: Options | None, name: str, **shorthands: 
     return kind(**set_)
 
 
-_RETENTION = set(inspect.signature(policy_of).parameters)  # retention=, keep_last=... as CheckpointManager has them
+# retention=, keep_last=... as CheckpointManager has them
+RETENTION_KEYWORDS = frozenset(inspect.signature(policy_of).parameters)
 
 
 def typed(keywords: Mapping[str, Any]) -> dict[str, Any]:
@@ -221,12 +222,12 @@ def typed(keywords: Mapping[str, Any]) -> dict[str, Any]:
     groups = {"write", "tiers", "root_options"}
     fields = _fields(WriteOptions) | _fields(TierOptions) | _fields(RootOptions)
     rest = {k: v for k, v in keywords.items() if k not in fields and k not in groups}
-    unknown = sorted(set(rest) - _RETENTION - {"tracker"})
+    unknown = sorted(set(rest) - RETENTION_KEYWORDS - {"tracker"})
     if unknown:
         raise TypeError(
-            f"unknown CheckpointManager option(s) {unknown}; known: {sorted(fields | groups | _RETENTION | {'tracker'})}"
+            f"unknown CheckpointManager option(s) {unknown}; known: {sorted(fields | groups | RETENTION_KEYWORDS | {'tracker'})}"
         )
-    policy_of(**{k: v for k, v in rest.items() if k in _RETENTION})
+    policy_of(**{k: v for k, v in rest.items() if k in RETENTION_KEYWORDS})
     check_observer(rest.get("tracker"))
     write, tiers, root = resolve(
         keywords.get("write"),

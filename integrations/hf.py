@@ -40,7 +40,7 @@ from ckpt import CheckpointManager, RNGState, RunMismatchError, SaveDecision, Sa
 from ckpt import run as ckpt_run
 from ckpt.distributed import leader_reads
 from ckpt.exporter import model_config_metadata
-from ckpt.options import TierOptions, typed
+from ckpt.options import RETENTION_KEYWORDS, TierOptions, typed
 from ckpt.storage import open_storage
 from ettr import GoodputTracker
 from ettr.ledger import ledger_dir
@@ -270,9 +270,9 @@ class CkptTrainerMixin:
             entry and ended with "ok" or, when train() raises, "error".
         manager_options: passed to `CheckpointManager` (staging cap, chunk size). Retention follows HF's
             rotation: a step is deleted (in the background) once its ``checkpoint-N`` folder is gone and a newer
-            step is committed. Saves copy the whole state before they return (the manager's default,
-            ``snapshot="sync"``): callbacks may change the weights between a save and the next optimizer step
-            (an EMA swap, clipping through ``.data``). ``{"snapshot": "overlap"}`` opts in to copying the
+            step is committed; the manager's retention keywords (``keep_last=``...) are refused. Saves copy the
+            whole state before they return (the manager's default, ``snapshot="sync"``): callbacks may change the
+            weights between a save and the next optimizer step (an EMA swap, clipping through ``.data``). ``{"snapshot": "overlap"}`` opts in to copying the
             parameters and optimizer state beside the next forward and backward: a shorter stall, if nothing but
             ``optimizer.step()`` writes them before that step.
         run_id: this run's id (default: the launcher's, from the environment; see `ckpt.run`). A ``train()``
@@ -328,6 +328,14 @@ class CkptTrainerMixin:
         self.record_loss = check_flag("record_loss", record_loss)
         # typed and checked now; the run id is the mixin's own (given or from the launcher)
         self._ckpt_options = typed({**(manager_options or {}), "run_id": run_id})
+        retention = sorted(RETENTION_KEYWORDS & set(manager_options or {}))
+        if retention:
+            raise ValueError(
+                f"manager_options {retention}: a CkptTrainer's steps follow HF's rotation (a step is deleted once its "
+                f"checkpoint-N folder is rotated away), and a retention of the manager's own deleted steps whose "
+                f"folders HF keeps (load_best_model_at_end's best step, a folder to resume from); set save_total_limit "
+                f"in TrainingArguments instead"
+            )
         if self.folder_files and self._ckpt_options["tiers"] is not None and trainer.args.world_size > 1:
             raise ValueError(
                 "folder_files=True with a local tier (manager_options local=) among several processes: the folder "

@@ -550,6 +550,7 @@ def test_resume_true_passes_over_a_folder_whose_step_never_committed_to_a_stock_
         ({"save_decision": "x"}, r"decision must be a ckpt.SaveDecision .* got 'x'"),
         ({"manager_options": {"keep_lst": 3}}, r"unknown CheckpointManager option\(s\) \['keep_lst'\]"),
         ({"manager_options": {"keep_last": -1}}, "keep_last must be a positive int, got -1"),
+        ({"manager_options": {"keep_last": 1}}, r"manager_options \['keep_last'\]: .* save_total_limit"),
     ],
 )
 def test_bad_arguments_are_refused_when_the_trainer_is_built(tmp_path, option, message):
