@@ -223,6 +223,12 @@ class _FolderFiles:
         """Fill `folder` once the save behind `handle` is committed."""
         self._pending[handle.step] = self._pool.submit(self._run, handle, folder)
 
+    def submit_state(self, step: int, folder: str, model_state: dict[str, Any]) -> None:
+        """Fill `folder` of committed `step` from its model state, read already: a resumed step whose files a killed
+        process never moved in (without them ``from_pretrained`` fails on that folder for good). A copy of the
+        mapping is written: ``save_pretrained`` pops the tensors of the one it is given, which the resume loads."""
+        self._pending[step] = self._pool.submit(self._fill, folder, dict(model_state))
+
     def busy(self, step: int) -> bool:
         """Whether the files of `step` are still being written (its step must not be deleted yet)."""
         future = self._pending.get(step)
@@ -248,9 +254,13 @@ class _FolderFiles:
         handle.wait()
         state: dict[str, Any] = {"model": None}
         self._reader.restore(state, step=handle.step, keys=["model"], track=False)
+        self._fill(folder, state["model"])
+
+    def _fill(self, folder: str, model_state: dict[str, Any]) -> None:
+        """Write the files into a temporary folder beside `folder`, then move them in (unless it was rotated away)."""
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.", dir=os.path.dirname(folder))
         try:
-            self._write(tmp, state["model"])
+            self._write(tmp, model_state)
             with self._lock:
                 if os.path.isdir(folder):
                     for name in os.listdir(tmp):
@@ -483,6 +493,8 @@ class CkptTrainerMixin:
         # each rank writes it (HF reads it on every rank, from a shared or a node's own output dir): whole or not at
         # all, as another rank may be reading it
         open_storage(folder).write_atomic(TRAINER_STATE, staged["trainer_state"].encode())
+        if self._files is not None and not _holds_state(folder):
+            self._files.submit_state(step, folder, staged["model"])
         self._staged = (os.path.abspath(folder), staged)
         self._done.add(step)
         return folder

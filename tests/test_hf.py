@@ -655,7 +655,9 @@ def test_a_resume_rotates_no_save_away_for_a_folder_whose_step_never_committed(t
 def test_a_restart_removes_the_folder_files_a_killed_attempt_left_half_written(tmp_path):
     """SIGKILLed while the background thread wrote step 4's folder files (model.safetensors was in its temporary
     folder .checkpoint-4.* beside the checkpoint folders): each kill left a copy of the weights there for good. The
-    restart removes such temporary folders, and ends with every folder complete."""
+    restart removes such temporary folders, and ends with every folder complete: checkpoint-4, the step it resumes,
+    held only trainer_state.json for good (from_pretrained failed on it) until its files were written from that
+    step."""
     job = tmp_path / "job"
     lines = finish(start(CHILD, job, tmp_path / "killed.npz", 8, env={"HANG_IN_FILES": "4"}))
     assert hung(lines)
@@ -664,7 +666,13 @@ def test_a_restart_removes_the_folder_files_a_killed_attempt_left_half_written(t
     lines = finish(start(CHILD, job, tmp_path / "resumed.npz", 8))
     assert lines[-1] == ["done"], lines
     assert sorted(p.name for p in job.iterdir() if p.name != "ckpt") == ["checkpoint-4", "checkpoint-8"]
-    assert (job / "checkpoint-8" / "model.safetensors").is_file()
+    for folder in ("checkpoint-4", "checkpoint-8"):
+        assert sorted(p.name for p in (job / folder).iterdir()) == [
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "trainer_state.json",
+        ], folder
 
 
 def test_a_second_trainer_on_a_live_output_dir_fails_before_it_trains_or_touches_a_folder(tmp_path):
