@@ -90,6 +90,18 @@ def test_explain_of_a_step_it_cannot_explain_prints_nothing_on_stdout(tmp_path, 
     assert code == 1 and out == "" and "is past 2**62" in err and err.count("\n") == 1, (out, err)
 
 
+def test_a_step_directory_given_as_the_root_is_named_with_its_root(tmp_path, capsys):
+    """`ckpt ls ROOT/step_00000100` said only "no checkpoints in ROOT/step_00000100"; ls, inspect and verify now name
+    the directory's step and the root holding it."""
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(100, {"t": torch.ones(2)}).wait()
+    step_dir = str(tmp_path / "step_00000100")
+    hint = f"(step_00000100 is step 100's directory: its root is {tmp_path})"
+    for command, want in (("ls", 0), ("inspect", 1), ("verify", 0)):
+        code, out, err = _run(ckpt.cli.main, [command, step_dir], capsys)
+        assert code == want and hint in out + err, (command, out, err)
+
+
 def test_control_characters_of_a_root_reach_the_terminal_escaped(tmp_path, capsys):
     """A key holding a newline or an escape sequence (an imported file's tensor names, a crafted root) was printed
     as is by inspect: a forged line, a terminal recoloured or cleared; ls did so with a quarantined step's reason.
