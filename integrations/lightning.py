@@ -9,6 +9,7 @@ the positions of `ckpt` samplers in its own ``state_dict``, which is what makes 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -567,8 +568,7 @@ class CkptCheckpointIO(CheckpointIO):
         if fs.exists(p):
             self._adopt(_folder(os.fspath(path)))
             self._forget(os.fspath(path))
-            fs.rm(p)
-            self._saw(os.fspath(path), None)
+            self._remove_pointer(os.fspath(path))
             self._collect()
 
     def _adopt(self, folder: str, lasts: frozenset[str] = frozenset()) -> None:
@@ -595,9 +595,7 @@ class CkptCheckpointIO(CheckpointIO):
                     RuntimeWarning,
                     stacklevel=3,
                 )
-                fs, p = fsspec.core.url_to_fs(path)
-                fs.rm(p)
-                self._saw(path, None)
+                self._remove_pointer(path)
         for step in committed:
             saved = self.manager.metadata(step).get(POINTERS)
             if saved is not None and _real(_resolve(saved, _real(self.root))) == folder:
@@ -611,12 +609,15 @@ class CkptCheckpointIO(CheckpointIO):
         for name in sorted(self._stale_last.pop(folder, set()) - {written}):
             path = _member(folder, name)
             self._forget(path)
-            fs, p = fsspec.core.url_to_fs(path)
-            try:
-                fs.rm(p)
-            except FileNotFoundError:
-                pass
-            self._saw(path, None)
+            self._remove_pointer(path)
+
+    def _remove_pointer(self, path: str) -> None:
+        """Remove the pointer file at `path` (one removed meanwhile, by another process, is gone all the same) and
+        note it in this process's view of its folder (`_saw`)."""
+        fs, p = fsspec.core.url_to_fs(path)
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(p)
+        self._saw(path, None)
 
     def _pointer_folders(self) -> set[str]:
         """Every folder pointers to this root's steps were written in, as `_folder` gives them: those registered under
