@@ -113,6 +113,13 @@ def test_missing_source_or_generator_is_a_clear_error():
         RNGState({"dropout": torch.Generator()}).load_state_dict(RNGState().state_dict())
 
 
+def test_a_saved_generator_this_run_did_not_register_is_named_in_a_warning():
+    """A resume that forgot to register a generator would restart its stream from the seed in silence."""
+    state = RNGState({"aug": np.random.default_rng(1), "noise": torch.Generator()}).state_dict()
+    with pytest.warns(RuntimeWarning, match=r"generators \['aug'\] this run did not register"):
+        RNGState({"noise": torch.Generator()}).load_state_dict(state)
+
+
 def test_generator_kind_mismatch_and_unsupported_type():
     state = RNGState({"g": random.Random(0)}).state_dict()
     with pytest.raises(TypeError, match="'generators.g' does not restore: .*python.*torch"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, Union
 
@@ -179,6 +180,14 @@ class RNGState:
         except BaseException:  # a state refused halfway (a generator of another kind, a malformed entry)
             self._set(before)
             raise
+        dropped = sorted(set(state["generators"]) - set(self.generators))
+        if dropped:  # a generator the run forgot to register would restart from its seed, not where it was
+            warnings.warn(
+                f"RNG state holds generators {dropped} this run did not register: they are not restored "
+                f"(register them with RNGState({{name: generator}}) to continue their streams)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _set(self, state: Mapping[str, Any]) -> None:
         """Set every enabled source and registered generator from a checked state, in order."""
