@@ -331,6 +331,16 @@ def test_a_shuffled_sampler_of_a_count_that_is_not_an_int_is_a_type_error_naming
         ShuffledSampler(0, 8, SEED, world_size=1, rank=0)
 
 
+def test_a_fingerprint_that_is_not_a_str_is_refused_where_the_sampler_is_built():
+    """A fingerprint of bytes (or the method itself, not its value) was kept: the save failed later or stored bytes
+    that no resume's str fingerprint equals, a DataMismatchError of two equal-looking digests."""
+    for fingerprint in (b"abc", TokenWindowDataset.fingerprint, 12):
+        with pytest.raises(TypeError, match="fingerprint must be a str .* or None, got"):
+            RandomWindowSampler(10_000, 16, 8, 4, SEED, rank=0, world_size=1, fingerprint=fingerprint)
+        with pytest.raises(TypeError, match="fingerprint must be a str"):
+            ShuffledSampler(100, 4, SEED, rank=0, world_size=1, fingerprint=fingerprint)
+
+
 @pytest.mark.parametrize("items", [2**62 + 1, 2**63, 2**70])
 def test_a_sampler_over_more_items_than_its_permutation_covers_is_refused_where_built(items):
     """Built without a word, such a sampler failed at its first batch or explain(): "permutation size must be in

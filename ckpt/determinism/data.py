@@ -116,6 +116,8 @@ class _CounterSampler(Sampler[list[Any]]):
             raise ValueError(f"rank {rank} not in [0, {world_size})")
         if seed < 0:
             raise ValueError(f"seed must be non-negative, got {seed}")
+        if fingerprint is not None and not isinstance(fingerprint, str):  # saved as JSON, compared at the resume
+            raise TypeError(f"fingerprint must be a str (dataset.fingerprint()) or None, got {fingerprint!r}")
         self.num_items = num_items
         self.global_batch_size = global_batch_size
         self.seed = seed
