@@ -9,6 +9,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from .formulas import check_window
 from .ledger import SAVE_PARTS, Ledger, LedgerError, ledger_dir, ledger_ranks, no_ledgers, read_ledgers, root_of
 from .replay import Digest, FirstPasses, Replay, compare
 
@@ -190,7 +191,7 @@ class Attribution:
 
     def ettr_window(self, window_s: float | None = None) -> float:
         """ETTR over the last `window_s` seconds of the job (default: self.window_s)."""
-        w = round((window_s or self.window_s) * 1e6)
+        w = round((self.window_s if window_s is None else check_window("window_s", window_s)) * 1e6)
         begin = max(self.start_us, self.end_us - w)
         return self.productive_us_between(begin, self.end_us) / (self.end_us - begin) if self.end_us > begin else 0.0
 
@@ -572,6 +573,7 @@ def attribute(
     steps `ckpt.layout.committed_steps` lists); ettr itself knows nothing of a checkpointer's files. A step of attempt k is `lost` if a later attempt resumed from an earlier step; the time after an attempt's
     last record until the next attempt starts is `downtime`. Pure: same inputs, same answer.
     """
+    window_s = check_window("window_s", window_s)
     ledgers = list(ledgers)
     if not ledgers:
         raise ValueError("no ledgers to attribute (is ROOT/ettr/ empty?)")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 import warnings
+from collections.abc import Callable
 
 import ckpt.storage_args as storage_args
 
@@ -15,6 +17,7 @@ from .attribution import Attribution, attribute_root
 from .formulas import (
     TwoTierCosts,
     check_seconds,
+    check_window,
     daly_interval,
     expected_ettr,
     optimal_two_tier,
@@ -35,12 +38,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _seconds(positive: bool):
-    """An argparse type: a finite (positive or non-negative) number of seconds."""
+def _seconds(positive: bool, check: Callable[[str, float], float] | None = None):
+    """An argparse type: a finite (positive or non-negative) number of seconds, or one `check` (name, value) takes."""
+    check = check or functools.partial(check_seconds, positive=positive)
 
     def parse(text: str) -> float:
         try:
-            return check_seconds("the value", float(text), positive=positive)
+            return check("the value", float(text))
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e).replace("the value", repr(text), 1)) from None
 
@@ -77,7 +81,9 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("root", help="checkpoint root: a path, or an object-store URL (s3://bucket/path, gs://...)")
         s.add_argument("--rank", type=int, default=None, help="rank whose ledger to attribute (default: lowest)")
         if name == "report":  # the one output with the windowed ETTR: plot and advise would take it and ignore it
-            s.add_argument("--window", type=_seconds(True), default=3600.0, help="sliding ETTR window in seconds")
+            s.add_argument(
+                "--window", type=_seconds(True, check_window), default=3600.0, help="sliding ETTR window in seconds"
+            )
         else:
             s.set_defaults(window=3600.0)
         if name != "plot":  # the plot draws no advice

@@ -34,6 +34,15 @@ def check_seconds(name: str, value: float, *, positive: bool = False) -> float:
     return float(value)
 
 
+def check_window(name: str, window_s: float) -> float:
+    """`window_s` if it is a positive number of seconds of at least a microsecond (the ledgers' resolution: a
+    shorter window held no time, an ETTR of 0); else a ValueError naming `name`."""
+    check_seconds(name, window_s, positive=True)
+    if window_s < 1e-6:
+        raise ValueError(f"{name} must be at least 1e-06 s (a microsecond, the ledgers' resolution), got {window_s!r}")
+    return float(window_s)
+
+
 def seed_ettr(interval_s: float, write_s: float, read_s: float, mttf_s: float) -> float:
     """First-order model: ETTR = 1 - T_read/MTTF - T_write/T_period - T_period/(2 MTTF), clamped at 0: an ETTR is never
     negative, and losses that large are outside the first order's validity (`expected_ettr` holds there)."""

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from .attribution import SAVE_SPLIT, Attribution, attribute
 from .clock import Clock, SystemClock
-from .formulas import check_seconds
+from .formulas import check_seconds, check_window
 from .ledger import (
     FORMAT_VERSION,
     SAVE_PARTS,
@@ -373,7 +373,7 @@ class GoodputTracker:
     ) -> None:
         root = _check_args(root, job_id, attempt_id, rank, storage_options)
         check_seconds("flush_interval", flush_interval)
-        check_seconds("window_s", window_s, positive=True)
+        check_window("window_s", window_s)
         check_seconds("upload_interval", upload_interval)
         self.root = root
         self.clock = clock or SystemClock()

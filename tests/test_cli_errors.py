@@ -177,6 +177,7 @@ def test_special_files_planted_in_a_root_are_damage_or_ignored_never_a_hang_or_a
 ETTR_ERRORS = [
     (["report", "{goodput}", "--mttf", "0"], "must be a finite positive"),
     (["report", "{goodput}", "--window", "-5"], "must be a finite positive"),
+    (["report", "{goodput}", "--window", "1e-300"], "must be at least 1e-06 s (a microsecond"),  # was an ETTR of 0
     # taken and ignored: only report prints a windowed ETTR, and the plot draws no advice
     (["advise", "{goodput}", "--window", "60"], "unrecognized arguments: --window 60"),
     (["plot", "{goodput}", "--window", "60"], "unrecognized arguments: --window 60"),

@@ -273,6 +273,16 @@ def test_windowed_ettr(tmp_path):
     # last 10 s (1098..1108): downtime to 1100, startup 2, restore 1, steps 5-6, save, steps 7-8, save
     assert a.ettr_window() == pytest.approx(4.0 / 10.0)
     assert a.ettr == pytest.approx(8.0 / 108.0)
+    for window in (
+        0,
+        1e-300,
+        float("nan"),
+        -1.0,
+    ):  # rounded to no microsecond, an ETTR of 0 (nan: a ValueError of round)
+        with pytest.raises(ValueError, match="window_s must be"):
+            a.ettr_window(window)
+        with pytest.raises(ValueError, match="window_s must be"):
+            attribute_root(str(tmp_path), window_s=window)
 
 
 def test_step_end_without_begin_is_an_error(tmp_path):

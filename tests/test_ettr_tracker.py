@@ -184,6 +184,7 @@ def test_steps_and_hook_arguments_must_be_integers_and_seconds(tmp_path):
         (("r", {"window_s": 0}), ValueError, "window_s must be a finite positive number of seconds, .* got 0"),
         (("r", {"window_s": 1e308}), ValueError, "window_s .* at most 1e\\+10 \\(317 years\\), got 1e\\+308"),
         (("r", {"window_s": True}), ValueError, "window_s must be a finite positive number of seconds, .* got True"),
+        (("r", {"window_s": 1e-9}), ValueError, "window_s must be at least 1e-06 s \\(a microsecond.*got 1e-09"),
         (("r", {"upload_interval": float("nan")}), ValueError, "upload_interval must be a finite"),
         (("r", {"rank": -1}), ValueError, "rank must be a non-negative integer, got -1"),
         (("r", {"rank": "0"}), TypeError, "rank must be an integer, got str '0'"),
