@@ -279,6 +279,22 @@ def _step_seconds(a: Attribution) -> float | None:
     return (a.micros["productive"] + a.micros["lost"]) / 1e6 / n_steps if n_steps else None
 
 
+def _save_interval_s(a: Attribution) -> float | None:
+    """Mean compute seconds (productive or lost) before a save, the model's checkpoint interval: each attempt's
+    compute up to its last save, over the saves. The compute after an attempt's last save (what its failure lost, or
+    the run's tail) ends in no save: counted, it made the interval look longer by the lost work. None without saves."""
+    last_save: dict[int, int] = {}
+    for s in a.segments:
+        if s.category == "checkpoint_save":
+            last_save[s.attempt] = s.end_us
+    us = sum(
+        s.end_us - s.begin_us
+        for s in a.segments
+        if s.category in ("productive", "lost") and s.end_us <= last_save.get(s.attempt, -1)
+    )
+    return us / 1e6 / a.saves if a.saves and us else None
+
+
 def advise(attribution: Attribution, *, mttf_s: float | None = None, two_tier: TwoTierInputs | None = None) -> Advice:
     """Fit T_write, T_read, startup and MTTF from the job's own attribution and recommend a checkpoint interval.
 
@@ -307,7 +323,7 @@ def advise(attribution: Attribution, *, mttf_s: float | None = None, two_tier: T
         source = "fitted from the ledger" if failures else "lower bound: no failure observed"
     compute_s = (a.micros["productive"] + a.micros["lost"]) / 1e6
     step_s = _step_seconds(a)
-    interval_s = compute_s / a.saves if a.saves and compute_s else None
+    interval_s = _save_interval_s(a)
     recommended = max(daly_interval(write_s, mttf_s), step_s or 0.0)
     too_short = _too_short(a, compute_s, recommended, given_mttf is not None)
     return Advice(

@@ -116,6 +116,29 @@ def test_advise_fits_costs_from_ledger(tmp_path):
     assert adv.gain > 0 and "rests on 2 failure(s)" in adv.text()
 
 
+def test_the_current_interval_is_the_compute_before_each_save_not_the_work_a_failure_lost(tmp_path):
+    """Saves every 10 steps of 10 s: attempt 1 dies 5 steps after its save at step 20 (50 s lost), attempt 2
+    resumes there, saves at 30 and 40 and runs 3 steps more. The interval is 100 s; compute / saves said 120."""
+    clock = FakeClock(0.0)
+    for k, (first, last) in enumerate(((1, 25), (21, 43))):
+        clock.set(1000.0 * k)
+        tr = GoodputTracker(str(tmp_path), attempt_id=f"a{k}", rank=0, clock=clock, flush_interval=0).start()
+        tr.checkpoint_restored(first - 1 or None)
+        for s in range(first, last + 1):
+            with tr.step(s):
+                clock.advance(10.0)
+            if s % 10 == 0:
+                with tr.span("checkpoint_save", step=s):
+                    clock.advance(4.0)
+                tr.checkpoint_committed(s, 1.0)
+    tr.end()
+    a = attribute_root(str(tmp_path))
+    assert (a.saves, a.micros["lost"], a.micros["productive"]) == (4, 50_000_000, 430_000_000)
+    adv = advise(a, mttf_s=3600.0)
+    assert adv.interval_s == pytest.approx(100.0)
+    assert adv.expected_ettr_current == pytest.approx(expected_ettr(100.0, 4.0, adv.restart_s, 3600.0))
+
+
 def test_huge_and_degenerate_inputs_give_a_number_or_a_clear_error(tmp_path):
     """An MTTF far beyond the segment: expected_ettr tends to T / (T + d) (it returned 0.0, M e^{R/M} overflowing);
     durations past MAX_SECONDS are refused naming the argument (simulate printed inf intervals); a ledger whose
