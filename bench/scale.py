@@ -80,6 +80,15 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return a, b
 
 
+def growth(label: str, xs: list[float], ys: list[float]) -> str:
+    """The fitted line of `ys` against the world size and its value at R = 1,000; a line falling with R (noise over
+    a cost that does not grow, or too few worlds) is said to be flat, never extrapolated to a negative cost."""
+    a, b = fit(xs, ys)
+    if b <= 0:
+        return f"  {label} flat over R = {min(xs):g}..{max(xs):g} (largest {max(ys):.4g}): no growth to extrapolate"
+    return f"  {label} = {a:8.4f} + {b:8.5f} R  -> {a + 1000 * b:10.2f}"
+
+
 def report(sizes: list[dict], tensors: list[dict]) -> str:
     lines = []
     for size in sorted({r["size"] for r in sizes}):
@@ -120,14 +129,12 @@ def report(sizes: list[dict], tensors: list[dict]) -> str:
             pts = [r for r in sizes if r["size"] == size and r["method"] == m and r["world"] > 1]
             for k in ("durable", "restore", "files"):
                 if len(pts) >= 2:
-                    a, b = fit([r["world"] for r in pts], [r[k] for r in pts])
-                    lines.append(f"  {size} GiB {m:<10} {k:<8} = {a:8.3f} + {b:8.4f} R  -> {a + 1000 * b:10.1f}")
+                    lines.append(growth(f"{size} GiB {m:<10} {k:<8}", [r["world"] for r in pts], [r[k] for r in pts]))
     for count in sorted({r["tensors"] for r in tensors}):
         for k in ("ckpt_first", "ckpt_next", "dcp_async", "ckpt_files", "dcp_files"):
             pts = [r for r in tensors if r["tensors"] == count]
             if len(pts) >= 2:
-                a, b = fit([r["world"] for r in pts], [r[k] for r in pts])
-                lines.append(f"  {count} tensors {k:<10} = {a:8.4f} + {b:8.5f} R  -> {a + 1000 * b:10.2f}")
+                lines.append(growth(f"{count} tensors {k:<10}", [r["world"] for r in pts], [r[k] for r in pts]))
     return "\n".join(lines)
 
 
