@@ -809,6 +809,37 @@ def _same_start(trainer: Trainer, io: CkptCheckpointIO) -> None:
         )
 
 
+def _same_samplers(trainer: Trainer, samplers: Mapping[str, Sampler], when: str) -> None:
+    """Every rank's samplers hold one state (seed, batch size, data, position, skips), or every rank raises: Lightning
+    writes rank 0's checkpoint alone, so a rank whose sampler differs trained on other batches than it, and a resume
+    would put it on rank 0's state unseen (the check a `CheckpointManager` save among ranks makes for samplers,
+    `same_on_every_rank`). One all-gather of a digest; on a difference, rank 0's states are broadcast to name it."""
+    states = {name: s.state_dict() for name, s in samplers.items() if getattr(s, "same_on_every_rank", False)}
+    digest = hashlib.sha256(json.dumps(states, sort_keys=True).encode()).digest()
+    mine = torch.tensor([int.from_bytes(digest[:8], "little", signed=True)], device=trainer.strategy.root_device)
+    digests = [int(d) for d in trainer.strategy.all_gather(mine).reshape(-1).tolist()]
+    if len(set(digests)) == 1:
+        return
+    first = trainer.strategy.broadcast(states, src=0)
+    others = [rank for rank, d in enumerate(digests) if d != digests[0]]
+    diffs = []
+    for name in sorted(set(first) | set(states)):
+        theirs, ours = first.get(name, {}), states.get(name, {})
+        diffs += [
+            f"{name!r} {key}: rank 0 has {str(theirs.get(key))[:80]}, rank {trainer.global_rank} has "
+            f"{str(ours.get(key))[:80]}"
+            for key in sorted(set(theirs) | set(ours))
+            if theirs.get(key) != ours.get(key)
+        ]
+    raise RuntimeError(
+        f"the samplers of rank(s) {others} differ from rank 0's at {when}"
+        + (f" ({'; '.join(diffs)})" if diffs else "")
+        + ": Lightning saves rank 0's state alone, so those ranks trained on other batches and a resume would put "
+        "them on rank 0's. Build every rank's sampler with the same seed, global_batch_size and data, and skip the "
+        "same items on every rank"
+    )
+
+
 def _is_last(path: str) -> bool:
     """Whether `path` is one of ModelCheckpoint's ``last*.ckpt`` pointers (``last.ckpt``, ``last-v1.ckpt``)."""
     return posixpath.basename(path).startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST)
@@ -886,10 +917,13 @@ class GoodputCallback(Callback):
         return self._lease.tracker
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Refuse strategies that bypass CheckpointIO; start the tracker, or, with a `CkptCheckpointIO`, let a resume
-        start it before its load (a fit that loads nothing is checked first, in `on_fit_start`)."""
+        """Refuse strategies that bypass CheckpointIO, and ranks whose samplers differ before a resume loads rank 0's
+        state into them (`_same_samplers`); start the tracker, or, with a `CkptCheckpointIO`, let a resume start it
+        before its load (a fit that loads nothing is checked first, in `on_fit_start`)."""
         if stage != "fit":
             return
+        if trainer.world_size > 1:
+            _same_samplers(trainer, self.samplers, "the fit's start")
         io = _ckpt_io(trainer)
         self._begun = False
         self._rank = trainer.global_rank if trainer.world_size > 1 else None
@@ -922,6 +956,12 @@ class GoodputCallback(Callback):
                 connector.restore_callbacks()
         if trainer.world_size > 1:
             _same_start(trainer, io)
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Among several processes, refuse a save whose ranks' samplers differ (`_same_samplers`): every rank builds
+        the checkpoint, and rank 0's alone is written."""
+        if trainer.world_size > 1:
+            _same_samplers(trainer, self.samplers, f"the save of step {trainer.global_step}")
 
     def _begin(self, io: CkptCheckpointIO | None, resume: bool) -> None:
         """Start this fit's tracker (once) and attach it to the IO; a resume first claims the root for this run."""

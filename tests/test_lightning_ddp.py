@@ -94,3 +94,25 @@ def test_ddp_fit_saves_on_rank_0_every_rank_resumes_from_last_and_a_rank_blind_t
         split.stdout[-6000:]
     )
     assert layout.committed_steps(open_storage(str(root))) == [6, 8]
+
+
+def test_ddp_fit_whose_ranks_samplers_differ_is_refused_at_its_start_and_at_a_save(tmp_path):
+    """Lightning writes rank 0's checkpoint alone, and GoodputCallback's sampler states are plain dicts in it, which
+    no save among ranks compares: a rank 1 whose sampler skipped other items or stood at another position trained
+    on other batches, every save committed rank 0's state, and a resume put rank 1 on it unseen (its skips lost).
+    Every rank now raises, naming what differs, at the fit's start and at a save."""
+    root = tmp_path / "root"
+    first = fit(root, 4, "sampled")  # the same sampler on both ranks: saved and resumed as before
+    assert first["end", 0] == first["end", 1] and first["end", 0][0] == 4
+    assert layout.committed_steps(open_storage(str(root))) == [4]
+
+    skipped = run(root, 8, "sampled", "skip")
+    assert skipped.returncode != 0
+    assert "samplers of rank(s) [1] differ from rank 0's at the fit's start" in skipped.stdout, skipped.stdout[-6000:]
+    assert "'train' skip: rank 0 has [], rank 1 has [3]" in skipped.stdout, skipped.stdout[-6000:]
+
+    advanced = run(root, 8, "sampled", "advance")  # rank 1 counts step 5's batch twice; step 6 is the next save
+    assert advanced.returncode != 0
+    assert "differ from rank 0's at the save of step 6" in advanced.stdout, advanced.stdout[-6000:]
+    assert "'train' step: rank 0 has 6, rank 1 has 7" in advanced.stdout, advanced.stdout[-6000:]
+    assert layout.committed_steps(open_storage(str(root))) == [4]
