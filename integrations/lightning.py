@@ -32,7 +32,7 @@ from ckpt import CheckpointManager, RandomWindowSampler, RNGState, SaveDecision,
 from ckpt import run as ckpt_run
 from ckpt.distributed import topology
 from ckpt.observer import check_observer
-from ckpt.options import typed
+from ckpt.options import RETENTION_KEYWORDS, typed
 from ckpt.safetensors_file import Entry, Writer, open_tensors, read_header
 from ckpt.state import encodable
 from ckpt.storage import open_storage
@@ -336,6 +336,14 @@ class CkptCheckpointIO(CheckpointIO):
         self.root = _abs_root(root)
         self.tracker = check_observer(tracker)
         self._options = typed(manager_options)  # checked now, where the trainer is configured
+        retention = sorted(RETENTION_KEYWORDS & set(manager_options))
+        if retention:
+            raise ValueError(
+                f"CkptCheckpointIO options {retention}: the root's steps follow ModelCheckpoint's pointers (a step is "
+                f"deleted once no pointer names it), and a retention of the manager's own deleted steps that pointers "
+                f"still name (save_top_k's best, whose ckpt_path='best' load then failed); set save_top_k on the "
+                f"ModelCheckpoint instead"
+            )
         open_storage(self.root, self._options["root_options"].storage_options).check_creatable()  # and the root
         self._manager: CheckpointManager | None = None
         self._run: ckpt_run.Run | None = None  # this process's run (a generated id is kept when the manager reopens)

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("lightning")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
 
-from ckpt import ShuffledSampler, explain, layout  # noqa: E402
+from ckpt import KeepLast, ShuffledSampler, explain, layout  # noqa: E402
 from ckpt.storage import open_storage  # noqa: E402
 from ettr import attribute_root, read_ledgers  # noqa: E402
 from integrations.lightning import CkptCheckpointIO, DecisionCheckpoint, GoodputCallback, saveable  # noqa: E402
@@ -841,6 +841,8 @@ def test_a_pointer_to_a_step_that_never_committed_never_skips_a_newer_committed_
         (lambda root: CkptCheckpointIO(root, keep_lst=3), r"unknown CheckpointManager option\(s\) \['keep_lst'\]"),
         (lambda root: CkptCheckpointIO(root, keep_last=-1), "keep_last must be a positive int, got -1"),
         (lambda root: CkptCheckpointIO(root, max_staging_bytes=100), "max_staging_bytes must be at least 4096"),
+        (lambda root: CkptCheckpointIO(root, keep_last=2), r"options \['keep_last'\]: .* set save_top_k"),
+        (lambda root: CkptCheckpointIO(root, retention=KeepLast(2)), r"options \['retention'\]: .* set save_top_k"),
         (lambda root: CkptCheckpointIO(root, tracker="x"), "tracker must be a CheckpointObserver"),
         (lambda root: GoodputCallback(root, samplers=[ShuffledSampler(64, 8, seed=1)]), "samplers must map a name"),
         (lambda root: GoodputCallback(root, samplers={"train": "x"}), r"samplers\['train'\] must be a ckpt sampler"),
@@ -853,7 +855,9 @@ def test_a_pointer_to_a_step_that_never_committed_never_skips_a_newer_committed_
 )
 def test_bad_arguments_are_refused_at_construction(tmp_path, build, message):
     """They used to fail at the first save, hundreds of steps in, or hang: a list of samplers was iterated as
-    name-sampler pairs, that is, the sampler's endless iteration; a root under a file was found by the first save."""
+    name-sampler pairs, that is, the sampler's endless iteration; a root under a file was found by the first save.
+    A retention of the manager's own (keep_last=2) deleted the step ModelCheckpoint(save_top_k=1)'s best pointer
+    named: ckpt_path="best" failed with FileNotFoundError after the whole fit."""
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "file").write_text("x")
     with pytest.raises((TypeError, ValueError, OSError), match=message):
