@@ -176,14 +176,21 @@ class TrainLoop:
     def __enter__(self) -> TrainLoop:
         """Take the root's writer lease, start the ledger, install the signal handlers, restore the newest checkpoint
         (sets `start_step`). A second writer of the root fails here (`LeaseHeldError`), before it starts a ledger
-        among the live writer's attempts or trains an interval it could not save."""
-        self.manager = CheckpointManager(self.root, tracker=self.tracker, **self._manager_options)
+        among the live writer's attempts or trains an interval it could not save. A loop is entered once (its tracker
+        records one attempt): a nested or second ``with`` of it is refused before it touches the root."""
+        if self.manager is not None:
+            raise RuntimeError(
+                f"this TrainLoop of {self.root} was entered already (one `with` block per loop: its tracker records "
+                f"one attempt); make a new TrainLoop for another attempt"
+            )
+        manager = CheckpointManager(self.root, tracker=self.tracker, **self._manager_options)
         try:
-            self.manager.hold_lease()
+            manager.hold_lease()
+            self.tracker.start()  # a tracker started already fails here: the lease goes with the manager
         except BaseException:
-            self.manager.close()
+            manager.close()
             raise
-        self.tracker.start()
+        self.manager = manager
         try:
             self.preemption.install()
             self.start_step = self.step = self.last_saved = self.manager.restore(self.state) or 0

@@ -600,3 +600,31 @@ def test_an_advised_loop_trains_on_when_an_earlier_attempts_ledger_is_damaged(tm
                 loop.on_step_end(step)
     assert isinstance(loop.decision.current, EveryNSteps)  # the interval given stays
     assert layout.committed_steps(open_storage(root)) == [2, 4, 6, 8]
+
+
+def test_a_loop_is_entered_once_and_a_refused_entry_leaves_the_root_free(tmp_path):
+    """A nested `with loop:` replaced the live loop's manager with a new one: the outer loop lost its lease holder
+    and failed its final save ("CheckpointManager is closed"); a second `with` after the first, or a tracker started
+    already, failed in tracker.start() after the lease was taken, and that lease stayed held: the next loop of the
+    process got LeaseHeldError naming its own pid. Now both are refused before the root is touched."""
+    root = str(tmp_path)
+    loop = TrainLoop(root, {"w": torch.zeros(2)}, every_steps=2, rng=False)
+    with loop:
+        for step in loop.steps(3):
+            loop.on_step_end(step)
+        with pytest.raises(RuntimeError, match="entered already .* make a new TrainLoop"):
+            with loop:
+                pytest.fail("entered twice")
+        for step in loop.steps(5):  # the outer loop goes on
+            loop.on_step_end(step)
+    with pytest.raises(RuntimeError, match="entered already"):
+        with loop:
+            pytest.fail("entered after its exit")
+    started = GoodputTracker(root).start()
+    with pytest.raises(RuntimeError, match="start\\(\\) called twice"):
+        with TrainLoop(root, {"w": torch.zeros(2)}, every_steps=2, rng=False, tracker=started):
+            pytest.fail("entered with a started tracker")
+    started.end()
+    with TrainLoop(root, {"w": torch.zeros(2)}, every_steps=2, rng=False) as after:  # the root is free
+        assert after.start_step == 5
+    assert layout.committed_steps(open_storage(root)) == [2, 3, 5]
