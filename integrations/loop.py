@@ -11,7 +11,6 @@ stderr without any logging setup) naming the signal, the step saved, how long th
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -201,18 +200,21 @@ class TrainLoop:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
-        """At a clean exit save the last ended step (`save_last`); drain writes, restore the previous signal
-        handlers, end the ledger."""
+        """At a clean exit save the last ended step (`save_last`); drain writes and release the root (also when that
+        save fails), restore the previous signal handlers, end the ledger: ``error`` when the exit itself raised (its
+        last steps are not saved)."""
+        status = "ok" if exc_type is None else "preempted" if isinstance(exc, Preempted) else "error"
         try:
             if exc_type is None:
-                self.save_last()
-                self.manager.close()
+                with self.manager:  # closed whatever save_last raised; a write error is raised, never masks its own
+                    self.save_last()
             else:  # keep the loop's exception; still drain what can be drained
-                with contextlib.suppress(Exception):  # the loop's own exception is the one to report
-                    self.manager.close()
+                self.manager.__exit__(exc_type, exc, tb)
+        except BaseException:
+            status = "error"
+            raise
         finally:
             self.preemption.uninstall()
-            status = "ok" if exc_type is None else "preempted" if isinstance(exc, Preempted) else "error"
             self.tracker.end(status)
 
     @property

@@ -628,3 +628,28 @@ def test_a_loop_is_entered_once_and_a_refused_entry_leaves_the_root_free(tmp_pat
     with TrainLoop(root, {"w": torch.zeros(2)}, every_steps=2, rng=False) as after:  # the root is free
         assert after.start_step == 5
     assert layout.committed_steps(open_storage(root)) == [2, 3, 5]
+
+
+@pytest.mark.parametrize("last", [4, 5])
+def test_a_final_save_that_fails_at_exit_ends_the_attempt_as_an_error_and_frees_the_root(tmp_path, last):
+    """Step 4's write fails (a file is where its directory goes). Ended at 4, the exit's drain raised the write
+    error, yet the ledger said `ok` (no failure in the report); ended at 5, the exit's save of 5 raised it and the
+    manager was never closed: the root's lease stayed held, and the next loop of the process got LeaseHeldError. Now
+    the attempt ends `error` and the root is free: the next loop resumes from step 2."""
+    from ckpt import CheckpointWriteError
+
+    root = str(tmp_path)
+    with pytest.raises(CheckpointWriteError, match="saving step 4 failed"):
+        with TrainLoop(root, {"w": torch.zeros(2)}, every_steps=2, rng=False) as loop:
+            for step in loop.steps(100):
+                if step == 3:
+                    (tmp_path / "step_00000004").write_text("in the way")
+                loop.on_step_end(step)
+                if step == last:
+                    break
+    (ledger,) = read_ledgers(root)
+    assert [r["status"] for r in ledger.records if r["k"] == "end"] == ["error"]
+    (tmp_path / "step_00000004").unlink()
+    with TrainLoop(root, {"w": torch.zeros(2)}, every_steps=2, rng=False) as after:
+        assert after.start_step == 2
+    assert attribute_root(root).failures == 1
