@@ -147,6 +147,7 @@ class TrainLoop:
         )
         self._handle: SaveHandle | None = None  # the last save, whose snapshot `wait_for_staging` waits for
         self._open_step: int | None = None
+        self._live = False  # inside the `with` block: a manager to save to, a ledger to record in
         self.manager: CheckpointManager | None = None
         self.start_step = self.step = self.last_saved = 0
         self._total: int | None = None  # the last step of the job, once steps(total) gave it
@@ -189,7 +190,7 @@ class TrainLoop:
         except BaseException:
             manager.close()
             raise
-        self.manager = manager
+        self.manager, self._live = manager, True
         try:
             self.preemption.install()
             self.start_step = self.step = self.last_saved = self.manager.restore(self.state) or 0
@@ -214,6 +215,7 @@ class TrainLoop:
             status = "error"
             raise
         finally:
+            self._live = False
             self.preemption.uninstall()
             self.tracker.end(status)
 
@@ -234,6 +236,7 @@ class TrainLoop:
     def step_begin(self, step: int) -> None:
         """Start timing step `step` (what `steps()` does for you). Step numbers only go up, from 1: a checkpoint is
         named by its step, so a counter restarting each epoch would save nothing new and resume from an old step."""
+        self._check_live(f"step_begin({step})")
         if self._open_step is not None:
             raise RuntimeError(f"step {self._open_step} was never ended: call loop.on_step_end({self._open_step})")
         if type(step) is int and step <= self.step:  # a step of another type: the tracker names it
@@ -304,6 +307,7 @@ class TrainLoop:
         The ``with`` block calls it at a clean exit, so a planned end (``steps(total)`` run out, or a ``break``)
         loses no step. A step begun but never ended is not saved: its state may be half updated; a warning says
         which step the root resumes from instead."""
+        self._check_live("save_last()")
         if self._open_step is not None:
             warnings.warn(
                 f"step {self._open_step} was begun but never ended (loop.on_step_end): not saved; "
@@ -319,12 +323,22 @@ class TrainLoop:
 
         With two tiers (``local=``), `persist` is `CheckpointManager.save`'s: True also persists the step to the
         durable root, None leaves it to ``persist_every``."""
+        self._check_live(f"save({step})")
         if step == self.last_saved:
             return False
         self._handle = self.manager.save(step, self.state, metadata=metrics, persist=persist)
         self.last_saved = step
         self._decided(step)
         return True
+
+    def _check_live(self, call: str) -> None:
+        """Refuse `call` outside the `with` block: before it there is no manager or ledger yet, after it they are
+        closed (it failed deep inside them, naming neither the loop nor the block)."""
+        if not self._live:
+            when = "before it is entered" if self.manager is None else "after its `with` block ended"
+            raise RuntimeError(
+                f"loop.{call} on a TrainLoop of {self.root} {when}: call it inside `with TrainLoop(...) as loop:`"
+            )
 
     def _decided(self, step: int) -> None:
         """Tell the save decision of a checkpoint of `step`; a retuned K (`AdvisedTiers`) goes to the manager."""

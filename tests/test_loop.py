@@ -653,3 +653,20 @@ def test_a_final_save_that_fails_at_exit_ends_the_attempt_as_an_error_and_frees_
     with TrainLoop(root, {"w": torch.zeros(2)}, every_steps=2, rng=False) as after:
         assert after.start_step == 2
     assert attribute_root(root).failures == 1
+
+
+def test_the_step_and_save_calls_outside_the_with_block_say_so(tmp_path):
+    """Before the `with` block loop.save(1) failed "AttributeError: 'NoneType' object has no attribute 'save'" and
+    step_begin with the tracker's "GoodputTracker records nothing before start()"; after it, step_begin failed "the
+    ledger is closed" and save "CheckpointManager is closed": none named the loop or the block. Each now says it."""
+    loop = TrainLoop(str(tmp_path), {"w": torch.zeros(1)}, every_steps=1, rng=False)
+    for call in (lambda: loop.step_begin(1), lambda: loop.save(1), loop.save_last):
+        with pytest.raises(RuntimeError, match="on a TrainLoop of .* before it is entered: call it inside `with"):
+            call()
+    with loop:
+        for step in loop.steps(2):
+            loop.on_step_end(step)
+    for call in (lambda: loop.step_begin(3), lambda: loop.save(3)):
+        with pytest.raises(RuntimeError, match=r"loop\.(step_begin|save)\(3\) on .* after its `with` block ended"):
+            call()
+    assert layout.committed_steps(open_storage(tmp_path)) == [1, 2]
