@@ -37,7 +37,15 @@ from ckpt.options import typed
 from ckpt.schedule import PREEMPTION_SIGNALS
 from ettr import GoodputTracker
 
-from ._common import advised_interval, advised_two_tier, batch_hash, check_rng, lacks
+from ._common import (
+    advised_interval,
+    advised_two_tier,
+    batch_hash,
+    check_decision,
+    check_flag,
+    check_rng,
+    lacks,
+)
 
 log = logging.getLogger("integrations")
 
@@ -107,6 +115,8 @@ class TrainLoop:
         reserved = [k for k, on in (("rng", rng is not False), ("sampler", sampler is not None)) if on and k in state]
         if reserved:
             raise ValueError(f"state keys {reserved} are reserved for the loop's own entries; rename them")
+        for name, flag in (("advise", advise), ("overlap", overlap)):  # "no" would read as True
+            check_flag(name, flag)
         if decision is not None and (every_steps is not None or every_seconds is not None or advise):
             raise ValueError("give decision= or every_steps/every_seconds/advise, not both")
         if not isinstance(root, (str, os.PathLike)):  # None became a folder named 'None'
@@ -130,7 +140,9 @@ class TrainLoop:
         self._manager_options = typed(manager_options)  # checked now, where the loop is configured
         # one configuration for the root's store
         self._storage_options = self._manager_options["root_options"].storage_options
-        self.decision = decision if decision is not None else self._interval(every_steps, every_seconds, advise)
+        self.decision = (
+            check_decision(decision) if decision is not None else self._interval(every_steps, every_seconds, advise)
+        )
         self.rng = RNGState() if check_rng(rng) is True else (rng or None)
         if sampler is not None and lacks(sampler, "state_dict", "load_state_dict"):
             raise TypeError(f"sampler must be checkpointable (state_dict and load_state_dict), got {sampler!r}")

@@ -477,12 +477,15 @@ def test_the_loop_copies_the_whole_state_inside_a_save_unless_overlap_is_asked_f
         ({"signals": ["SIGTERM"]}, ValueError, "is not a signal a handler can catch"),
         ({"mttf_s": -5}, ValueError, "mttf_s must be a finite positive number"),  # after the root was made
         ({"tracker": "x"}, TypeError, "tracker must be an unstarted ettr.GoodputTracker"),
+        ({"advise": "no"}, TypeError, "advise must be True or False, got 'no'"),  # an advised interval
+        ({"overlap": "no"}, TypeError, "overlap must be True or False, got 'no'"),  # snapshot='overlap'
+        ({"every_steps": None, "decision": "x"}, TypeError, "decision must be a ckpt.SaveDecision"),  # at step 1
     ],
 )
 def test_bad_arguments_are_refused_at_construction_and_make_nothing(tmp_path, kw, error, message):
     root = tmp_path / "ck"
     with pytest.raises(error, match=message):
-        TrainLoop(str(root), {"w": torch.zeros(1)}, every_steps=1, **kw)
+        TrainLoop(str(root), {"w": torch.zeros(1)}, **{"every_steps": 1, **kw})
     with pytest.raises(TypeError, match="root must be a path or URL, got None"):  # a folder named 'None'
         TrainLoop(None, {"w": torch.zeros(1)}, every_steps=1)
     assert not root.exists()
