@@ -240,6 +240,8 @@ class TrainLoop:
     def steps(self, total: int) -> Iterator[int]:
         """Step numbers after the last ended (or restored) one .. total, each timed as productive until its
         `on_step_end`; a second call (a second phase of training) goes on where the first ended."""
+        if type(total) is not int:  # "10" failed inside range() naming neither the call nor the argument
+            raise TypeError(f"loop.steps(total): total must be an int (the last step), got {total!r}")
         self._total = total
         for step in range(self.step + 1, total + 1):
             self.step_begin(step)
@@ -272,6 +274,8 @@ class TrainLoop:
                 f"on_step_end({step}) without step_begin({step}): iterate loop.steps(total) "
                 f"or call loop.step_begin(step) first"
             )
+        if metrics is not None and not isinstance(metrics, Mapping):  # checked while the step is still open
+            raise TypeError(f"on_step_end({step}, metrics): metrics must map a name to a value, got {metrics!r}")
         behind = getattr(self.sampler, "step", None)
         if hasattr(self.sampler, "batch_hash") and behind < step:  # a ckpt sampler nothing advanced
             raise RuntimeError(

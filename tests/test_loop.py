@@ -673,3 +673,18 @@ def test_the_step_and_save_calls_outside_the_with_block_say_so(tmp_path):
         with pytest.raises(RuntimeError, match=r"loop\.(step_begin|save)\(3\) on .* after its `with` block ended"):
             call()
     assert layout.committed_steps(open_storage(tmp_path)) == [1, 2]
+
+
+def test_a_wrong_type_to_steps_or_on_step_end_names_the_argument(tmp_path):
+    """loop.steps("10") failed 'can only concatenate str (not "int") to str' (range's), steps(True) trained one
+    step, and on_step_end(s, [("loss", 1.0)]) "'list' object has no attribute 'get'": none named the argument. Each
+    is refused naming it; a refused metrics leaves the step open, so the loop goes on."""
+    with TrainLoop(str(tmp_path), {"w": torch.zeros(1)}, every_steps=2, rng=False) as loop:
+        for total in ("10", 10.0, True, None):
+            with pytest.raises(TypeError, match=r"loop\.steps\(total\): total must be an int"):
+                next(loop.steps(total))
+        for step in loop.steps(2):
+            with pytest.raises(TypeError, match=rf"on_step_end\({step}, metrics\): metrics must map a name"):
+                loop.on_step_end(step, [("loss", 1.0)])
+            loop.on_step_end(step, {"loss": 1.0})
+    assert layout.committed_steps(open_storage(tmp_path)) == [2]
