@@ -253,7 +253,9 @@ class TrainLoop:
         self._check_live(f"step_begin({step})")
         if self._open_step is not None:
             raise RuntimeError(f"step {self._open_step} was never ended: call loop.on_step_end({self._open_step})")
-        if type(step) is int and step <= self.step:  # a step of another type: the tracker names it
+        if type(step) is not int:  # a numpy integer passed the tracker, trained an interval and failed the save
+            raise TypeError(f"step_begin({step!r}): step must be an int, got {type(step).__name__}; pass int(step)")
+        if step <= self.step:
             restored = " (restored)" if self.step and self.step == self.start_step else ""
             raise ValueError(
                 f"step_begin({step}) after step {self.step}{restored}: step numbers only go up, from 1 (a checkpoint "

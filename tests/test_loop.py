@@ -688,3 +688,17 @@ def test_a_wrong_type_to_steps_or_on_step_end_names_the_argument(tmp_path):
                 loop.on_step_end(step, [("loss", 1.0)])
             loop.on_step_end(step, {"loss": 1.0})
     assert layout.committed_steps(open_storage(tmp_path)) == [2]
+
+
+def test_a_step_number_that_is_not_an_int_is_refused_at_its_begin(tmp_path):
+    """Steps from np.arange passed step_begin (the tracker takes a numpy integer) and skipped its check that step
+    numbers go up; four steps trained, then the save of step 5 failed "step must be a non-negative int below 2**63,
+    got np.int64(5)" (the interval's compute lost). A step that is not an int is refused at its begin."""
+    with TrainLoop(str(tmp_path), {"w": torch.zeros(1)}, every_steps=5, rng=False) as loop:
+        for step in (np.int64(1), torch.tensor(1), 1.0, True):
+            with pytest.raises(TypeError, match=r"step_begin\(.*\): step must be an int, got \w+; pass int\(step\)"):
+                loop.step_begin(step)
+        for step in np.arange(1, 6):
+            loop.step_begin(int(step))
+            loop.on_step_end(int(step))
+    assert layout.committed_steps(open_storage(tmp_path)) == [5]
