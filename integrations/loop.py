@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import signal
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -194,6 +195,12 @@ class TrainLoop:
             raise RuntimeError(
                 f"this TrainLoop of {self.root} was entered already (one `with` block per loop: its tracker records "
                 f"one attempt); make a new TrainLoop for another attempt"
+            )
+        if self.preemption.signals and threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(  # signal.signal's ValueError came after the ledger began: a failed attempt recorded
+                f"a TrainLoop with preemption signals {[signal.Signals(s).name for s in self.preemption.signals]} is "
+                f"entered in thread {threading.current_thread().name!r}: Python installs signal handlers in the main "
+                f"thread only; enter it there, or pass signals=[] (no just-in-time save on a preemption notice)"
             )
         manager = CheckpointManager(self.root, tracker=self.tracker, **self._manager_options)
         try:

@@ -702,3 +702,30 @@ def test_a_step_number_that_is_not_an_int_is_refused_at_its_begin(tmp_path):
             loop.step_begin(int(step))
             loop.on_step_end(int(step))
     assert layout.committed_steps(open_storage(tmp_path)) == [5]
+
+
+def test_a_loop_entered_outside_the_main_thread_is_refused_before_its_ledger_begins(tmp_path):
+    """Entered in another thread, the loop failed "signal only works in main thread of the main interpreter" after
+    its ledger began: the job's report counted a failed attempt that trained nothing, and the message did not say
+    what to do. It is refused before the root is touched, naming signals=[]; with that the loop runs there."""
+    import threading
+
+    outcome: list[BaseException | list[int]] = []
+
+    def train(**kw) -> None:
+        try:
+            with TrainLoop(str(tmp_path), {"w": torch.zeros(1)}, every_steps=2, rng=False, **kw) as loop:
+                for step in loop.steps(2):
+                    loop.on_step_end(step)
+            outcome.append(loop.manager.steps())
+        except BaseException as e:
+            outcome.append(e)
+
+    for kw in ({}, {"signals": []}):
+        worker = threading.Thread(target=train, kwargs=kw)
+        worker.start()
+        worker.join()
+    refused, trained = outcome
+    assert isinstance(refused, RuntimeError) and "pass signals=[]" in str(refused) and trained == [2]
+    a = attribute_root(str(tmp_path))
+    assert [at.status for at in a.attempts] == ["ok"] and a.failures == 0
