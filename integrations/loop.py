@@ -345,12 +345,20 @@ class TrainLoop:
 
     def save(self, step: int, metrics: Mapping[str, Any] | None = None, *, persist: bool | None = None) -> bool:
         """Checkpoint `step` now unless it is already saved (restored or saved by this loop); True if started.
+        `step` is the last ended step or the one open (after its ``optim.step()``): the state now is that step's, and
+        a checkpoint named by another step would resume from the wrong state.
 
         With two tiers (``local=``), `persist` is `CheckpointManager.save`'s: True also persists the step to the
         durable root, None leaves it to ``persist_every``."""
         self._check_live(f"save({step})")
         if step == self.last_saved:
             return False
+        if step not in (self.step, self._open_step):
+            open_step = f", step {self._open_step} open" if self._open_step is not None else ""
+            raise ValueError(
+                f"loop.save({step}): the state is that of step {self.step}{open_step}; a checkpoint named {step} "
+                f"would hold another step's state, and a resume from it would train from the wrong weights"
+            )
         self._handle = self.manager.save(step, self.state, metadata=metrics, persist=persist)
         self.last_saved = step
         self._decided(step)

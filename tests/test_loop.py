@@ -729,3 +729,26 @@ def test_a_loop_entered_outside_the_main_thread_is_refused_before_its_ledger_beg
     assert isinstance(refused, RuntimeError) and "pass signals=[]" in str(refused) and trained == [2]
     a = attribute_root(str(tmp_path))
     assert [at.status for at in a.attempts] == ["ok"] and a.failures == 0
+
+
+def test_a_save_named_by_another_step_than_the_states_is_refused(tmp_path):
+    """loop.save(3) after step 2 ended (an off-by-one) wrote step 2's state as step 3, and step 3's own save was
+    then skipped as done: the restart resumed at step 3 with step 2's weights, in silence. A save of a step other
+    than the last ended one (or the one open) is refused; saving the open step or the ended one still works."""
+    w = torch.zeros(1)
+    with TrainLoop(str(tmp_path), {"w": w}, every_steps=100, rng=False) as loop:
+        for step in loop.steps(4):
+            w += 1
+            if step == 2:
+                with pytest.raises(ValueError, match=r"loop\.save\(3\): the state is that of step 1, step 2 open"):
+                    loop.save(3)
+                assert loop.save(2)  # the open step, after its update
+            loop.on_step_end(step)
+            if step == 3:
+                with pytest.raises(ValueError, match=r"loop\.save\(1\): the state is that of step 3;"):
+                    loop.save(1)
+                assert loop.save(3)
+    again = torch.zeros(1)
+    with TrainLoop(str(tmp_path), {"w": again}, every_steps=100, rng=False) as loop:
+        assert loop.start_step == 4 and again.item() == 4.0
+    assert layout.committed_steps(open_storage(tmp_path)) == [2, 3, 4]
