@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Protocol, runtime_checkable
@@ -213,6 +213,8 @@ class Preemption:
     """
 
     def __init__(self, signals: Sequence[int] = PREEMPTION_SIGNALS) -> None:
+        if not isinstance(signals, Iterable) or isinstance(signals, str):  # one signal failed "not iterable"
+            raise TypeError(f"signals must be a list of signals, e.g. [signal.SIGTERM], got {signals!r}")
         self.signals = tuple(signals)
         for signum in self.signals:  # checked here, not when the handlers are installed
             valid = type(signum) is int or isinstance(signum, signal.Signals)

@@ -475,6 +475,8 @@ def test_the_loop_copies_the_whole_state_inside_a_save_unless_overlap_is_asked_f
         ({"sampler": [1, 2]}, TypeError, "sampler must be checkpointable"),  # saved as a JSON list
         ({"signals": [signal.SIGKILL]}, ValueError, "is not a signal a handler can catch"),  # OSError at enter
         ({"signals": ["SIGTERM"]}, ValueError, "is not a signal a handler can catch"),
+        ({"signals": signal.SIGTERM}, TypeError, "signals must be a list of signals, e.g. \\[signal.SIGTERM\\]"),
+        ({"signals": "SIGTERM"}, TypeError, "signals must be a list of signals"),  # its letters, one by one
         ({"mttf_s": -5}, ValueError, "mttf_s must be a finite positive number"),  # after the root was made
         ({"tracker": "x"}, TypeError, "tracker must be an unstarted ettr.GoodputTracker"),
         ({"advise": "no"}, TypeError, "advise must be True or False, got 'no'"),  # an advised interval
