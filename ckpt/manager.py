@@ -268,6 +268,18 @@ class CheckpointManager:
             pending=job.pending,
         )
 
+    def persist(self, step: int) -> bool:
+        """With a local tier, persist `step`, this manager's newest save, to the durable root now unless it was (a save
+        that turned out to be the job's last, or the one before a preemption: the node may not come back); True if a
+        persist started. Waits for that save's local commit, then returns; `wait()` waits for the persist. Among
+        ranks call it on every rank. With one root a committed step is durable already: False."""
+        self._check_open()
+        layout.step_dir(step)  # a ValueError for a step that is not a non-negative int
+        bg = self._background
+        bg.drain()  # the step's local commit: its plan is known once it is done
+        bg.raise_error()
+        return self._target.persist(step, self._root_lease.lease, self._persisted)
+
     def _to_tell(self, error: Exception) -> Exception:
         """An error met before a save's or restore's first message among the ranks, which tells it to every rank;
         raised here alone, or once a message among the ranks timed out (they are out of step: another would only

@@ -68,6 +68,9 @@ class Target(Protocol):
         """A save committed (writer thread); returns whether the durable root's retention runs now (else after
         its persist, which calls `persisted`)."""
 
+    def persist(self, step: int, durable_lease: lease_mod.Lease | None, persisted: Persisted) -> bool:
+        """Persist `step`, the newest save, to the durable root if it was not; True if a persist was queued."""
+
     def sources(self, durable: list[int]) -> list[Source]:
         """Every source a restore may try, newest first (one list for every rank)."""
 
@@ -167,6 +170,9 @@ class SingleRoot:
         self, plan: WritePlan, durable_lease: lease_mod.Lease | None, persisted: Persisted, persist: bool | None
     ) -> bool:
         return True
+
+    def persist(self, step: int, durable_lease: lease_mod.Lease | None, persisted: Persisted) -> bool:
+        return False  # committed to the one root: durable already
 
     def sources(self, durable: list[int]) -> list[Source]:
         return [Source(s, DURABLE) for s in sorted(durable, reverse=True)]

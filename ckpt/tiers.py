@@ -118,6 +118,8 @@ class Tiers:
         self._persister = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
         self._persisting: tuple[int, Future] | None = None
         self._unpersisted = 0  # committed saves since the last persist (counted alike on every rank)
+        # the newest local commit: its step, this rank's designated boxes and its part of the shared root's plan
+        self._newest: tuple[int, dict[str, Box], ArrayPlan] | None = None
         self.lease: lease_mod.Lease | None = None
         self._durable_above: int | None = None  # rank 0: steps above it are in no durable root (`taken`)
         self._own = False  # the local tier was found to be this run's: this manager records its run there
@@ -332,15 +334,11 @@ class Tiers:
         `done(step, error, seconds, bytes copied)` is called on the persist thread when a persist ends (bytes None: the
         step was durable already); the durable root's retention waits for it (returns False)."""
         step = plan.step
+        assert plan.durable is not None  # a private root's plan carries the shared root's
+        self._newest = (step, {name: plan.boxes[name] for name in plan.designated}, plan.durable)
         self._unpersisted += 1
         if persist or (persist is None and self._unpersisted >= self.persist_every):
-            self._unpersisted = 0
-            if self._persisting is not None:  # one persist at a time: a slower durable tier holds the writer back
-                futures_wait([self._persisting[1]])
-            regions = {name: plan.boxes[name] for name in plan.designated}
-            assert plan.durable is not None  # a private root's plan carries the shared root's
-            future = submit_or_run(self._persister, self._persist, step, regions, plan.durable, durable_lease, done)
-            self._persisting = (step, future)
+            self._queue_persist(durable_lease, done)
         if self.offset:
             world, rank = self.ranks.world_size, self.ranks.rank
             source = (rank - self.offset) % world
@@ -366,6 +364,30 @@ class Tiers:
             self._retain(self.replica(source), {step})
         self._retain(self.local, self.persisting() | {step})
         return False
+
+    def persist(self, step: int, durable_lease: lease_mod.Lease | None, done: Persisted) -> bool:
+        """Persist `step`, the newest local commit, unless its persist was queued already (False then); a
+        ValueError for another step: only the newest one's plan is kept."""
+        newest = None if self._newest is None else self._newest[0]
+        if newest != step:
+            raise ValueError(
+                f"persist({step}): only this manager's newest save can be persisted, and that is step {newest} "
+                f"(a step saved before it, or restored, is not in its plan)"
+            )
+        if self._persisting is not None and self._persisting[0] == step:
+            return False
+        self._queue_persist(durable_lease, done)
+        return True
+
+    def _queue_persist(self, durable_lease: lease_mod.Lease | None, done: Persisted) -> None:
+        """Queue the persist of the newest local commit (one at a time: a slower durable tier holds the caller back)."""
+        assert self._newest is not None
+        self._unpersisted = 0
+        step, regions, shared = self._newest
+        if self._persisting is not None:
+            futures_wait([self._persisting[1]])
+        future = submit_or_run(self._persister, self._persist, step, regions, shared, durable_lease, done)
+        self._persisting = (step, future)
 
     def persisting(self) -> set[int]:
         """The step whose persist is queued or running, if any."""

@@ -349,9 +349,12 @@ class TrainLoop:
         a checkpoint named by another step would resume from the wrong state.
 
         With two tiers (``local=``), `persist` is `CheckpointManager.save`'s: True also persists the step to the
-        durable root, None leaves it to ``persist_every``."""
+        durable root, None leaves it to ``persist_every``; True for a step this loop saved already persists it then
+        (`CheckpointManager.persist`)."""
         self._check_live(f"save({step})")
         if step == self.last_saved:
+            if persist and self._handle is not None:  # saved at its interval, now the last or the preemption's
+                self.manager.persist(step)  # to the durable root too (nothing when it was, or with one root)
             return False
         if step not in (self.step, self._open_step):
             open_step = f", step {self._open_step} open" if self._open_step is not None else ""

@@ -257,6 +257,28 @@ def test_with_two_tiers_the_save_of_the_last_step_is_persisted(tmp_path):
     assert layout.committed_steps(open_storage(root)) == [6]  # 2 and 4 stayed local; the job's end is durable
 
 
+def test_with_two_tiers_a_last_step_saved_at_its_interval_is_persisted_too(tmp_path):
+    """A break right after an interval save, or a preemption after a save of the step the loop made already: that
+    step was in the local tier alone (save_last skips a step saved already), so a new node started from scratch."""
+    root, local = tmp_path / "run", tmp_path / "local"
+    kw = dict(every_steps=2, rng=False, local=str(local), persist_every=100)
+    with TrainLoop(str(root), {"w": torch.zeros(2)}, **kw) as loop:
+        for step in loop.steps(10):
+            loop.on_step_end(step)
+            if step == 4:
+                break
+    assert layout.committed_steps(open_storage(root)) == [4]
+    assert layout.committed_steps(open_storage(str(local))) == [2, 4]
+    with pytest.raises(Preempted):
+        with TrainLoop(str(root), {"w": torch.zeros(2)}, **kw) as loop:
+            for step in loop.steps(10):
+                loop.save(step)  # the user's own save of the open step (after its optimizer step)
+                if step == 5:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                loop.on_step_end(step)
+    assert layout.committed_steps(open_storage(root)) == [4, 5]
+
+
 def test_sigkill_resume_is_bitwise_identical_and_the_report_shows_it(tmp_path, tokens, reference):
     reference, run = reference[0], tmp_path / "run"
     code, killed = run_child(run, tokens, signal_on=("step 10", signal.SIGKILL))

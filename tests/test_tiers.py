@@ -90,6 +90,30 @@ def test_every_save_is_local_and_every_kth_is_persisted_with_its_own_retention(t
         assert a.read() == b.read()
 
 
+def test_persist_copies_the_newest_local_save_to_the_durable_root_once(tmp_path):
+    """A save at its interval that turns out to be the job's last (a loop's break, a preemption right after it) was
+    in the local tier only, and saving it again with persist=True is a StepExistsError: persist(step) copies it."""
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    with ckpt.CheckpointManager(durable, local=local, persist_every=100) as m:
+        m.save(2, state(2))
+        m.save(4, state(4))
+        with pytest.raises(ckpt.StepExistsError):
+            m.save(4, state(4), persist=True)
+        assert m.persist(4) is True  # waits for step 4's local commit first
+        assert m.persist(4) is False  # queued already
+        with pytest.raises(ValueError, match=r"persist\(2\): only this manager's newest save .* step 4"):
+            m.persist(2)
+        m.wait()
+        assert [(int(s), s.tiers) for s in m.steps()] == [(2, ("local",)), (4, ("local", "durable"))]
+    assert layout.committed_steps(open_storage(durable)) == [4]
+    assert list(catalog.verify(open_storage(durable), 4)) == []
+    got = blank()
+    assert ckpt.CheckpointManager(durable).restore(got) == 4 and same(got, state(4))
+    with ckpt.CheckpointManager(str(tmp_path / "one")) as m:  # one root: a committed step is durable already
+        m.save(1, state(1))
+        assert m.persist(1) is False
+
+
 def test_restore_takes_the_newest_step_local_first_and_tells_the_tracker(tmp_path):
     durable, local = saved(tmp_path, [1, 2, 3], persist_every=1)
     tracker = Restores()
