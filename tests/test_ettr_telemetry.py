@@ -746,3 +746,55 @@ def test_the_windowed_ratio_keeps_a_bounded_history_at_any_flush_rate(tmp_path):
     assert metric_totals(reader)["ettr"] == {"cumulative": report.ettr, "0.1s": report.ettr_window(0.1)}
     assert len(tr._history) <= 2 * WINDOW_PARTS + 3 < 8000
     tr.end()
+
+
+_GAUGES = {  # the synchronous gauges: set at flushes, at a window's end, once (the first divergence)
+    "ettr.job.time",
+    "ettr.job.checkpoint_time",
+    "ettr.job.failures",
+    "ettr.ratio",
+    "ettr.step_window.time",
+    "ettr.step_window.first_step",
+    "ettr.step_window.steps",
+    "ettr.replay.first_divergence",
+}
+
+
+def _gauges(reader) -> set[str]:
+    """The synchronous gauges in one collection of `reader`."""
+    data = reader.get_metrics_data()
+    return {m.name for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics} & _GAUGES
+
+
+def test_the_job_gauges_stay_in_every_collection_while_training_hangs_and_after_the_end(tmp_path):
+    """The tracker sets its gauges at flushes (the step window's at a window's end, the first divergence once). The
+    SDK before 1.45 (which the dependency floor, 1.30, allowed) dropped a synchronous gauge from every collection
+    after the first without a new set(): while training hung (no flush) the job time, ETTR, failures, checkpoint
+    time and step window vanished from the export, the first divergence after one export, and every gauge after the
+    end. Each collection carries them all."""
+    root = str(tmp_path)
+    clock = FakeClock(1000.0)
+    a1 = GoodputTracker(root, job_id=JOB, attempt_id="a1", rank=0, clock=clock, straggler_window=2).start()
+    a1.checkpoint_restored(None)
+    for s in range(1, 4):
+        with a1.step(s) as step:
+            clock.advance(1.0)
+            step.record(float(s))
+    a1.checkpoint_committed(1, 0.5)
+    a1.end("error")
+    clock.advance(10.0)
+    a2 = GoodputTracker(root, job_id=JOB, attempt_id="a2", rank=0, clock=clock, straggler_window=2)
+    provider, reader = configure_metrics("memory", tracker=a2, set_global=False)
+    a2.start()
+    a2.checkpoint_restored(1)
+    for s in range(2, 6):  # step 3 diverges
+        with a2.step(s) as step:
+            clock.advance(1.0)
+            step.record(float(s) + (s == 3))
+    a2.flush()
+    assert _gauges(reader) == _GAUGES
+    clock.advance(60.0)  # training hangs: nothing is set again
+    assert _gauges(reader) == _GAUGES
+    a2.end()
+    assert _gauges(reader) == _gauges(reader) == _GAUGES
+    provider.shutdown()
