@@ -437,11 +437,9 @@ def configure_metrics(
             from opentelemetry.exporter.prometheus import PrometheusMetricReader
         except ImportError as err:
             raise ImportError("exporter='prometheus' needs `pip install opentelemetry-exporter-prometheus`") from err
-        reader = PrometheusMetricReader()
         if prometheus_port is not None:
-            from prometheus_client import start_http_server
-
-            start_http_server(prometheus_port)
+            _serve_metrics(prometheus_port)  # first: a port in use leaves no reader registered in the global REGISTRY
+        reader = PrometheusMetricReader()
     else:
         raise ValueError(f"unknown exporter {exporter!r}: use console, otlp, prometheus or memory")
     resource = goodput_resource(tracker, service_name)
@@ -452,6 +450,21 @@ def configure_metrics(
         points = identity_attributes(resource) if identity_on_points else None
         tracker.use_metrics(GoodputMetrics(provider.get_meter("ettr"), point_attributes=points))
     return provider, reader
+
+
+def _serve_metrics(port: int) -> None:
+    """Serve prometheus_client's registry on /metrics at `port`. A port in use was a bare "[Errno 98] Address already
+    in use" from every rank but the first on a host when each was given the same port."""
+    from prometheus_client import start_http_server
+
+    try:
+        start_http_server(port)
+    except OSError as err:
+        raise OSError(
+            err.errno,
+            f"prometheus_port {port} cannot be served ({err.strerror}): each process on a host needs a port of its "
+            f"own, e.g. prometheus_port={port} + int(os.environ['LOCAL_RANK'])",
+        ) from err
 
 
 def metric_totals(reader: Any) -> dict[str, Any]:

@@ -372,6 +372,24 @@ def test_the_export_interval_and_port_are_checked(options, message):
         configure_metrics(**{"exporter": "console", **options}, set_global=False)
 
 
+def test_a_prometheus_port_in_use_names_it_and_registers_nothing(tmp_path):
+    """Every rank of a host given the docs' one port: all but the first failed with a bare "[Errno 98] Address already
+    in use", naming neither the argument nor the port, after a reader had joined the global registry (a retry on
+    another port exported every point twice). The error names both and says what to do; nothing is registered."""
+    from prometheus_client import REGISTRY
+
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        before = set(REGISTRY._collector_to_names)
+        tracker = GoodputTracker(str(tmp_path), job_id=JOB, attempt_id="a1", rank=1)
+        with pytest.raises(OSError, match=f"prometheus_port {port} cannot be served .*LOCAL_RANK"):
+            configure_metrics("prometheus", tracker=tracker, prometheus_port=port, set_global=False)
+    assert set(REGISTRY._collector_to_names) == before
+    assert not os.listdir(tmp_path)  # nor was the attempt claimed (an empty ledger)
+
+
 def test_a_second_tracker_in_one_process_reports_its_own_checkpoint_and_an_ended_one_none(tmp_path):
     """An integration makes a tracker per train(): the SDK keeps the first registration of an observable gauge and
     dropped the second tracker's callbacks, so the newest step and the age (what the docs say to alert on) stayed
