@@ -215,9 +215,10 @@ class GoodputMetrics:
             self._record(self._checkpoint_time, value, {**self._job, "ettr.part": part})
 
     def set_ettr(self, cumulative: float, windowed: float, window_s: float) -> None:
-        """Set the ETTR gauges (attribute ettr.window = "cumulative" or "<seconds>s")."""
+        """Set the ETTR gauges (attribute ettr.window = "cumulative" or "<seconds>s", the seconds exact: "3600s",
+        "2592000s"; `:g` made a 30-day window "2.592e+06s" and 1000001 s "1e+06s", another window's label)."""
         self._record(self._ratio, cumulative, {**self._job, "ettr.window": "cumulative"})
-        self._record(self._ratio, windowed, {**self._job, "ettr.window": f"{window_s:g}s"})
+        self._record(self._ratio, windowed, {**self._job, "ettr.window": f"{str(float(window_s)).removesuffix('.0')}s"})
 
     def set_failures(self, count: int) -> None:
         """Set the number of failed attempts of the job (each is one restart)."""

@@ -816,3 +816,20 @@ def test_the_job_gauges_stay_in_every_collection_while_training_hangs_and_after_
     a2.end()
     assert _gauges(reader) == _gauges(reader) == _GAUGES
     provider.shutdown()
+
+
+@pytest.mark.parametrize(
+    "window_s, label", [(3600, "3600s"), (0.1, "0.1s"), (2592000, "2592000s"), (1000001, "1000001s")]
+)
+def test_the_window_label_is_its_exact_seconds(tmp_path, window_s, label):
+    """The windowed ratio's `ettr.window` was `f"{window_s:g}s"`: a 30-day window read "2.592e+06s" in every query,
+    and a window of 1000001 s "1e+06s", the label of another window."""
+    clock = FakeClock(1000.0)
+    tr = GoodputTracker(str(tmp_path), job_id=JOB, attempt_id="a1", rank=0, clock=clock, window_s=window_s)
+    provider, reader = configure_metrics("memory", tracker=tr, set_global=False)
+    tr.start()
+    tr.checkpoint_restored(None)
+    steps(tr, clock, 1, 2)
+    tr.end()
+    assert set(metric_totals(reader)["ettr"]) == {"cumulative", label}
+    provider.shutdown()
