@@ -287,8 +287,43 @@ class GoodputMetrics:
         return [metrics.Observation((now() - last[1]) / 1e6, self._job)] if last is not None and now else []
 
 
-_OBSERVED: dict[int, tuple[metrics.Meter, weakref.WeakSet[GoodputMetrics]]] = {}  # id(meter) -> its live metrics
+class _Live:
+    """The live metrics whose checkpoint gauges one meter reports, behind a lock: a collection (the exporter's or the
+    scrape's thread) read the bare WeakSet while a tracker started or ended (bind, end) and failed with "Set changed
+    size during iteration", losing that collection's step and age of every tracker, with an error logged; it could
+    also read the clock of a tracker ended meanwhile, which raises. `end` now waits for a collection under way."""
+
+    def __init__(self) -> None:
+        self._metrics: weakref.WeakSet[GoodputMetrics] = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def add(self, m: GoodputMetrics) -> None:
+        with self._lock:
+            self._metrics.add(m)
+
+    def discard(self, m: GoodputMetrics) -> None:
+        with self._lock:
+            self._metrics.discard(m)
+
+    def observe(self, read: Callable[[GoodputMetrics], list[metrics.Observation]]) -> list[metrics.Observation]:
+        """`read` of every live metrics, with none started or ended meanwhile."""
+        with self._lock:
+            return [o for m in self._metrics for o in read(m)]
+
+
+_OBSERVED: dict[int, tuple[metrics.Meter, _Live]] = {}  # id(meter) -> its live metrics
 _OBSERVED_LOCK = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """New locks for the live metrics in a forked child: a collection under way in the parent at the fork holds one in
+    the child's copy for good, and the tracker's own fork hook (which ends its metrics there) would wait on it."""
+    for _, live in _OBSERVED.values():
+        live._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 _GLOBAL: list[metrics.Meter] = []  # the global provider's meter "ettr", once asked for (`_global_meter`)
 
 
@@ -315,7 +350,7 @@ def _backing(meter: metrics.Meter) -> metrics.Meter:
     return getattr(meter, "_real_meter", None) or meter
 
 
-def _observed_by(meter: metrics.Meter) -> weakref.WeakSet[GoodputMetrics]:
+def _observed_by(meter: metrics.Meter) -> _Live:
     """The live metrics whose checkpoint gauges `meter` reports. Its observable gauges are made once per meter
     that records (a proxy of the global provider and the SDK meter behind it are one): the SDK keeps a name's first
     registration and drops later callbacks, so a second tracker in one process (an integration's next train())
@@ -327,17 +362,17 @@ def _observed_by(meter: metrics.Meter) -> weakref.WeakSet[GoodputMetrics]:
             backing = _backing(meter)
             found = next((f for f in _OBSERVED.values() if _backing(f[0]) is backing), None)
         if found is None:
-            live: weakref.WeakSet[GoodputMetrics] = weakref.WeakSet()
+            live = _Live()
             meter.create_observable_gauge(
                 "ettr.checkpoint.last_step",
                 unit="{step}",
-                callbacks=[lambda options: [o for m in list(live) for o in m._last_step()]],
+                callbacks=[lambda options: live.observe(GoodputMetrics._last_step)],
                 description="Newest committed checkpoint step of the job",
             )
             meter.create_observable_gauge(
                 "ettr.checkpoint.age",
                 unit="s",
-                callbacks=[lambda options: [o for m in list(live) for o in m._age()]],
+                callbacks=[lambda options: live.observe(GoodputMetrics._age)],
                 description="Seconds since the newest committed checkpoint was committed, as of the collection",
             )
             found = _OBSERVED[id(meter)] = (meter, live)
