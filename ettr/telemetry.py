@@ -311,7 +311,9 @@ class _Live:
             return [o for m in self._metrics for o in read(m)]
 
 
-_OBSERVED: dict[int, tuple[metrics.Meter, _Live]] = {}  # id(meter) -> its live metrics
+# id(meter) -> (the meter, its live metrics); weakly: a strong reference kept every provider ever made (its
+# instruments, storage and readers, 50 KB each) after its shutdown, for the life of the process
+_OBSERVED: dict[int, tuple[weakref.ref[metrics.Meter], _Live]] = {}
 _OBSERVED_LOCK = threading.Lock()
 
 
@@ -357,10 +359,12 @@ def _observed_by(meter: metrics.Meter) -> _Live:
     exported the first one's step and age, and kept it alive; now each collection reads every live (not ended, not
     collected) metrics object of the meter."""
     with _OBSERVED_LOCK:
+        for key in [key for key, (ref, _) in _OBSERVED.items() if ref() is None]:
+            del _OBSERVED[key]  # a meter gone with its provider: its id may be a new meter's now
         found = _OBSERVED.get(id(meter))
         if found is None:
             backing = _backing(meter)
-            found = next((f for f in _OBSERVED.values() if _backing(f[0]) is backing), None)
+            found = next((f for f in _OBSERVED.values() if (m := f[0]()) is not None and _backing(m) is backing), None)
         if found is None:
             live = _Live()
             meter.create_observable_gauge(
@@ -375,7 +379,7 @@ def _observed_by(meter: metrics.Meter) -> _Live:
                 callbacks=[lambda options: live.observe(GoodputMetrics._age)],
                 description="Seconds since the newest committed checkpoint was committed, as of the collection",
             )
-            found = _OBSERVED[id(meter)] = (meter, live)
+            found = _OBSERVED[id(meter)] = (weakref.ref(meter), live)
         return found[1]
 
 

@@ -894,3 +894,28 @@ def test_a_fork_during_a_collection_does_not_hang_the_child(tmp_path):
     assert os.waitstatus_to_exitcode(status) == 0
     tr.end()
     provider.shutdown()
+
+
+def test_a_provider_and_its_reader_are_freed_once_dropped(tmp_path):
+    """A process making a provider per run (a sweep, an integration's train() with configure_metrics in it) kept every
+    one for good: the checkpoint gauges' registry held each meter strongly, and with it the provider's instruments,
+    storage and reader, 50 KB each after its shutdown (200 runs: 10 MB more). Dropped, they are freed."""
+    import gc
+    import weakref
+
+    clock = FakeClock(1000.0)
+    readers = []
+    for i in range(3):
+        tr = GoodputTracker(str(tmp_path), job_id=JOB, attempt_id=f"a{i}", rank=0, clock=clock)
+        provider, reader = configure_metrics("memory", tracker=tr, set_global=False)
+        tr.start()
+        tr.checkpoint_restored(None)
+        steps(tr, clock, 1, 2)
+        tr.checkpoint_committed(2, 0.5, 4096)
+        assert metric_totals(reader)["last_step"] == 2
+        tr.end()
+        provider.shutdown()
+        readers.append(weakref.ref(reader))
+        del tr, provider, reader
+    gc.collect()
+    assert [r() for r in readers] == [None, None, None]
