@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping
 
@@ -28,6 +29,8 @@ from .planner import ArrayPlan
 from .pools import Inline, submit_or_run
 from .save import ManifestInDoubt, begin_step, clear_attempt, commit_step, raise_outcome, settle
 from .storage import Storage, context, request_error, where
+
+log = logging.getLogger("ckpt")
 
 
 def copy_region(
@@ -211,8 +214,24 @@ class PersistJob:
                 commit_error = e
         try:
             raise_outcome(self.ranks, error, commit_error, failures)
-        except BaseException:
-            if self.ranks.leader and not layout.is_committed(self.dst, self.step):  # nothing partial stays behind
-                clear_attempt(self.dst, self.step, data, self.lease, in_doubt=isinstance(commit_error, ManifestInDoubt))
+        except BaseException as failed:
+            if self.ranks.leader:
+                self._clear(data, in_doubt=isinstance(commit_error, ManifestInDoubt), failed=failed)
             raise
         return copied
+
+    def _clear(self, data: str | None, in_doubt: bool, failed: BaseException) -> None:
+        """Remove what a failed persist wrote (nothing partial stays behind), unless the step got committed. The
+        store that failed the persist may fail this too (down, refusing): then `failed`, the persist's own error, is
+        the one raised, and `ckpt gc` removes the leftovers."""
+        try:
+            if not layout.is_committed(self.dst, self.step):
+                clear_attempt(self.dst, self.step, data, self.lease, in_doubt=in_doubt)
+        except Exception as e:
+            log.warning(
+                "persisting step %d to %s failed (%s); what it wrote stays for `ckpt gc`: %s",
+                self.step,
+                self.dst.url,
+                described(failed),
+                described(e),
+            )

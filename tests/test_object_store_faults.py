@@ -3,6 +3,7 @@ and the saving process SIGKILLed in the middle of an upload."""
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import catalog, layout, lease
+from ckpt import catalog, cli, layout, lease
 from ckpt.storage import open_storage
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "procs"))
@@ -77,6 +78,55 @@ def test_server_killed_mid_save_fails_the_save_in_bounded_time_and_the_store_rec
     storage = open_storage(root)
     assert not list(catalog.verify(storage, step))
     assert not catalog.quarantined(storage)
+
+
+def test_server_killed_mid_persist_names_the_object_it_could_not_write_and_gc_cleans_once_it_is_back(
+    s3_server, s3_bucket, tmp_path, caplog
+):
+    """A persist to an object-store root whose server dies under it: the failure was the cleanup's ("read
+    .../manifest.json failed", raised over the persist's own error); it names the object its own request failed on,
+    the local step stays, and `ckpt gc` removes the durable leftovers once the server is back."""
+    root = f"s3://{s3_bucket}/persist-killed"
+    local = str(tmp_path / "local")
+    m = ckpt.CheckpointManager(root, local=local, persist_every=1, chunk_bytes=256 << 10, storage_options=TIMEOUT)
+    watcher = open_storage(root)
+    try:
+        m.save(1, state_for(1)).wait()
+        m.wait()
+        failed, step = None, 2
+        while failed is None and step < 6:  # the kill must land inside a persist: retry if a persist won the race
+            m.save(step, state_for(step)).wait()  # committed locally; the persist runs behind it
+            while watcher.read(layout.in_progress_path(step)) is None and not layout.is_committed(watcher, step):
+                time.sleep(0.005)
+            s3_server.kill()
+            try:
+                m.wait()
+            except ckpt.CheckpointWriteError as e:
+                failed = e
+            if failed is None:
+                s3_server.start()
+                step += 1
+        assert failed is not None, "every persist won the race against the kill"
+        message = str(failed)
+        assert f"saving step {step} failed" in message and f"persisting to {root}/" in message, message
+        # the persist's own request (a pack's open reads its zarr.json, a chunk's write), not the cleanup's read of the
+        # manifest, which was raised over it
+        named = re.search(rf"(read|write) {re.escape(root)}/step_{step:08d}/(\S+) failed", message)
+        assert named and (named[2], named[1]) != ("manifest.json", "read"), message
+        assert "the endpoint cannot be reached" in message and s3_server.endpoint in message, message
+        assert "what it wrote stays for `ckpt gc`" in caplog.text  # the cleanup could not reach the store either
+        s3_server.start()
+        # the local step stays; a kill that cut the manifest's PUT itself may still have committed the durable one
+        late = named[2] == "manifest.json"
+        tiers = [s.tiers for s in m.steps() if int(s) == step]
+        assert tiers == [("local",)] or (late and tiers == [("local", "durable")]), (tiers, message)
+    finally:
+        if s3_server.proc is None:
+            s3_server.start()
+        m.close()
+    assert cli.main(["gc", root]) == 0
+    committed = layout.committed_steps(watcher)
+    assert layout.step_dirs(watcher) == committed and committed[: step - 1] == list(range(1, step)), committed
 
 
 def _wait_until_the_lease_expires(storage) -> None:
