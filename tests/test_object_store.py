@@ -197,6 +197,27 @@ def test_bad_credentials_fail_fast_saying_to_check_them(s3_bucket, monkeypatch):
     assert "refused the credentials" in str(err) and "AWS_SECRET_ACCESS_KEY" in str(err)
 
 
+def test_an_access_key_without_its_secret_is_refused_naming_the_missing_variable(s3_bucket, monkeypatch, capfd):
+    """AWS_ACCESS_KEY_ID alone (a secret not exported): the default chain went on to ~/.aws and instance metadata,
+    printed their errors, then sent unsigned requests, and the store's refusal read as wrong credentials. botocore
+    refuses it (PartialCredentialsError); so does the root, before any request, naming the missing variable."""
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    missing = "AWS_ACCESS_KEY_ID is set but AWS_SECRET_ACCESS_KEY is not"
+    with pytest.raises(ValueError, match=missing):
+        kvstore_spec(f"s3://{s3_bucket}/x")
+    assert cli.main(["ls", f"s3://{s3_bucket}/x", "--timeout", "2"]) == 1
+    err = capfd.readouterr().err
+    assert missing in err and "refused" not in err, err
+    from seaweed import ACCESS_KEY, SECRET_KEY
+
+    options = {"access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY}  # given keys need no variable
+    assert open_storage(f"s3://{s3_bucket}/x", options).list_dirs() == []
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)  # a secret alone is passed over, as botocore does
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.setenv("AWS_PROFILE", "team")
+    assert kvstore_spec(f"s3://{s3_bucket}/x")["aws_credentials"] == {"type": "profile", "profile": "team"}
+
+
 def test_a_missing_bucket_fails_when_the_root_is_opened_naming_the_bucket(s3_bucket, capsys):
     root = f"s3://{s3_bucket}-missing/x"
     err = _fails_fast(lambda: ckpt.CheckpointManager(root, storage_options={"timeout": 2}))

@@ -214,7 +214,8 @@ def _s3_spec(bucket: str, path: str, options: Mapping[str, Any], timeout: float)
 def _aws_credentials(options: Mapping[str, Any]) -> dict[str, Any]:
     """Which credentials sign the requests, in the AWS SDKs' order: explicit keys, a named profile, the key
     variables, AWS_PROFILE, then the default chain (files, ECS, instance metadata). Naming the source also
-    keeps the default chain from printing errors about a missing ~/.aws/config."""
+    keeps the default chain from printing errors about a missing ~/.aws/config. AWS_ACCESS_KEY_ID without
+    AWS_SECRET_ACCESS_KEY is a ValueError, as botocore's PartialCredentialsError (a secret alone is passed over)."""
     env = os.environ
     if options.get("anonymous"):
         return {"type": "anonymous"}
@@ -224,8 +225,15 @@ def _aws_credentials(options: Mapping[str, Any]) -> dict[str, Any]:
         )
     if options.get("profile"):
         return {"type": "profile", "profile": str(options["profile"])}
-    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+    key, secret = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
+    if key and secret:
         return {"type": "environment"}  # AWS_SESSION_TOKEN too
+    if key:  # the default chain would go on to files and instance metadata, then send unsigned requests
+        raise ValueError(
+            "AWS_ACCESS_KEY_ID is set but AWS_SECRET_ACCESS_KEY is not: set both (as the AWS SDKs require), or unset "
+            "AWS_ACCESS_KEY_ID to use AWS_PROFILE or the default chain, or give storage_options access_key_id and "
+            "secret_access_key"
+        )
     if env.get("AWS_PROFILE"):
         return {"type": "profile", "profile": env["AWS_PROFILE"]}
     return {"type": "default"}
