@@ -295,9 +295,11 @@ def cmd_gc(storage: Storage, args: argparse.Namespace, writer: Storage | None = 
     another, a replica's local tier), other saves' data directories, quarantined steps."""
     incomplete = args.incomplete or args.force or not args.damaged
     removed = 0
+    gone: set[int] = set()  # the incomplete steps removed (or that would be)
     if args.dry_run:
         for e in catalog.garbage(storage, force=args.force, writer=writer) if incomplete else []:
             print(f"would remove incomplete step {e.step}")
+            gone.add(e.step)
             removed += 1
         for step, d in catalog.stale_data(storage) if incomplete else []:
             print(
@@ -310,6 +312,7 @@ def cmd_gc(storage: Storage, args: argparse.Namespace, writer: Storage | None = 
     else:
         for step in catalog.collect_garbage(storage, force=args.force, writer=writer) if incomplete else []:
             print(f"removed incomplete step {step}")
+            gone.add(step)
             removed += 1
         for step, d in catalog.collect_stale_data(storage, force=args.force) if incomplete else []:
             print(f"removed another save's data {layout.data_path(step, d)} (committed step {step} does not use it)")
@@ -317,9 +320,23 @@ def cmd_gc(storage: Storage, args: argparse.Namespace, writer: Storage | None = 
         for q in catalog.collect_damaged(storage) if args.damaged else []:
             print(f"removed damaged step {q.step} ({q.path})")
             removed += 1
-    if not removed:
+    kept = [e.step for e in catalog.entries(storage) if not e.committed and e.step not in gone] if incomplete else []
+    if kept:
+        _say_kept(storage, kept, writer)
+    elif not removed:
         print("nothing to remove")
     return 0
+
+
+def _say_kept(storage: Storage, kept: list[int], writer: Storage | None) -> None:
+    """Why gc left incomplete steps: the live writer of the root (of `writer`, when its lease covers this one) may
+    still be writing them. gc beside an object store's writer said "nothing to remove" while `ls` listed them."""
+    root = writer or storage
+    print(
+        f"kept incomplete step {', '.join(str(s) for s in kept)}: {root.url} is being written by "
+        f"{lease.describe(lease.live_holder(root))}, whose saves may still be writing it; gc removes it once no "
+        "writer holds the root (--force removes it now: only when that writer is dead)"
+    )
 
 
 def cmd_rollback(storage: Storage, args: argparse.Namespace) -> int:

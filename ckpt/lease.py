@@ -49,7 +49,7 @@ def _forget_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def _describe(holder: dict[str, Any] | None) -> str:
+def describe(holder: dict[str, Any] | None) -> str:
     if not holder:
         return "an unknown process (its lease names no holder yet)"
     since = holder.get("since")
@@ -136,7 +136,7 @@ class FileLease:
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
             holder = current_holder_local(root)
-            raise LeaseHeldError(f"{root} is being written by {_describe(holder)}", holder=holder) from None
+            raise LeaseHeldError(f"{root} is being written by {describe(holder)}", holder=holder) from None
         data = json.dumps(self.holder).encode()
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, data, 0)
@@ -164,7 +164,7 @@ class FileLease:
         if not same:
             raise LeaseHeldError(
                 f"the lease file {path} was removed or replaced while this writer held it; now held by "
-                f"{_describe(current_holder_local(self.root))}"
+                f"{describe(current_holder_local(self.root))}"
             )
         return math.inf
 
@@ -246,7 +246,7 @@ class KvLease:
             current = _parse(data)
             if data is not None and _expires(current) > time.time():
                 raise LeaseHeldError(
-                    f"{storage.url} is being written by {_describe(current)}; {_until(current)}", holder=current
+                    f"{storage.url} is being written by {describe(current)}; {_until(current)}", holder=current
                 )
             self.holder["expires"] = time.time() + ttl
             new = storage.write_if(LEASE, json.dumps(self.holder).encode(), gen)
@@ -283,7 +283,7 @@ class KvLease:
                 if current.get("id") == self.id and _expires(current):  # an earlier renewal of its own, whose answer
                     self._gen, self.holder = gen, current  # timed out (a stalled store), applied later: still held
                     return True
-                self._lost = f"the lease on {self.storage.url} was taken over by {_describe(current)}"
+                self._lost = f"the lease on {self.storage.url} was taken over by {describe(current)}"
                 return False
             self._gen, self.holder = new, holder
             return True

@@ -125,8 +125,11 @@ def test_gc_beside_a_live_writer_removes_dead_writers_leftovers_only(tmp_path, p
         out = capsys.readouterr().out
         assert "7  in progress" in out and "5  incomplete" in out and "8  incomplete" in out
         assert cli.main(["gc", root, "--dry-run"]) == 0
-        assert sorted(int(line.split()[-1]) for line in capsys.readouterr().out.splitlines()) == [5, 6, 8, 9]
+        *would, kept = capsys.readouterr().out.splitlines()
+        assert sorted(int(line.split()[-1]) for line in would) == [5, 6, 8, 9]
+        assert kept.startswith(f"kept incomplete step 7: {root} is being written by a writer: pid {holder.pid}"), kept
         assert cli.main(["gc", root]) == 0
+        assert f"kept incomplete step 7: {root} is being written by" in capsys.readouterr().out
         assert sorted(catalog.garbage(open_storage(root))) == []
         assert [e.step for e in catalog.entries(open_storage(root))] == [1, 7]
     finally:

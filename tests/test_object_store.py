@@ -360,6 +360,26 @@ def _restored_from_step_1(root: str, **options):
         return m.steps(), [str(w.message) for w in warned]
 
 
+def test_gc_beside_a_live_writer_of_an_s3_root_names_the_incomplete_steps_it_keeps_and_why(s3_bucket, capsys):
+    """A dead writer's leftover beside the live writer of an object store: gc rightly removed nothing, and said
+    "nothing to remove" while `ls` listed the step incomplete. It names the step, the root and its writer."""
+    root = f"s3://{s3_bucket}/kept"
+    with ckpt.CheckpointManager(root) as m:
+        m.save(1, _state(1)).wait()
+        kv = ts.KvStore.open(kvstore_spec(root)).result()  # a writer killed mid-save, its lease since taken over
+        kv.write("step_00000009/_IN_PROGRESS", b'{"pid": 1, "host": "gone", "time": 1, "lease": "dead"}').result()
+        kv.write("step_00000009/w-dead/packs/rank_00000/c/0", b"half").result()
+        for dry in ([], ["--dry-run"]):
+            assert cli.main(["gc", *dry, root]) == 0
+            out = capsys.readouterr().out
+            assert "nothing to remove" not in out, out
+            assert f"kept incomplete step 9: {root}/ is being written by a writer: pid {os.getpid()}" in out, out
+        assert [e.step for e in catalog.entries(m.storage) if not e.committed] == [9]
+    assert cli.main(["gc", root]) == 0  # the writer is gone: the leftover goes
+    assert capsys.readouterr().out == "removed incomplete step 9\n"
+    assert layout.step_dirs(open_storage(root)) == [1]
+
+
 def test_a_damaged_object_is_detected_named_set_aside_and_the_previous_step_restored(s3_bucket, capsys):
     root = f"s3://{s3_bucket}/damaged"
     storage, path = _second_step_damaged(root)

@@ -404,7 +404,8 @@ def test_cli_gc_spares_a_replica_the_live_writer_of_its_local_tier_receives(tmp_
         begin_step(replica, 2, None)  # what `replica.transfer` does before it receives a step's files
         for dry in ([], ["--dry-run"]):
             assert cli.main(["gc", *dry, durable, "--local", local]) == 0
-            assert "nothing to remove" in capsys.readouterr().out.split("== replica of rank 1")[1]
+            out = capsys.readouterr().out.split("== replica of rank 1")[1]
+            assert f"kept incomplete step 2: {local} is being written by a writer: pid {os.getpid()}" in out, out
         assert layout.step_dirs(replica) == [2]
     assert cli.main(["gc", durable, "--local", local]) == 0
     assert "removed incomplete step 2" in capsys.readouterr().out.split("== replica of rank 1")[1]
