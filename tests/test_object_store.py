@@ -415,6 +415,39 @@ def test_a_damaged_step_holding_stray_objects_is_still_set_aside_and_the_previou
     assert "src/b/../../a is not copied" in caplog.text
 
 
+def test_a_quarantine_whose_delete_is_cut_short_leaves_no_committed_step_and_the_step_is_saved_again(s3_bucket):
+    """An object store has no rename: a quarantine copies the damaged step aside, then deletes it. Its delete cut short
+    (the store gone at that moment) left the step committed, damaged as before, and the resumed run's save of that
+    step failed ("step 2 is already committed"). The manifest goes first now: what is left is an uncommitted leftover
+    that the next save of the step does not mind and gc removes, beside a whole copy in the quarantine."""
+    root = f"s3://{s3_bucket}/cut-short"
+    storage, _ = _second_step_damaged(root)
+    step_files = set(storage.list_files(layout.step_dir(2)))
+    with ckpt.CheckpointManager(root) as m:
+        delete_tree = m.storage.delete_tree
+
+        def store_gone_during_the_delete(path: str) -> None:  # fault injection on the real store
+            if path == layout.step_dir(2):
+                raise OSError("the store went away in the middle of the delete")
+            delete_tree(path)
+
+        m.storage.delete_tree = store_gone_during_the_delete
+        target = _state(0)
+        with pytest.warns(RuntimeWarning, match="step 2 is damaged"):
+            assert m.restore(target) == 1
+        m.storage.delete_tree = delete_tree
+        assert layout.committed_steps(storage) == [1]
+        (moved,) = catalog.quarantined(storage)
+        assert set(storage.list_files(moved.path)) == step_files  # a whole copy (no _DAMAGED: the move failed)
+        m.save(2, _state(2)).wait()  # the resumed run saves step 2 again
+    assert cli.main(["gc", root]) == 0  # the cut-short leftover: the old data directory of step 2
+    with ckpt.CheckpointManager(root) as m:
+        target = _state(0)
+        assert m.restore(target) == 2
+    _assert_equal(target, _state(2))
+    assert not list(catalog.verify(storage, 2))
+
+
 def test_a_damaged_step_that_cannot_be_set_aside_is_named_and_the_previous_step_restored(s3_bucket, caplog):
     """A reader whose credentials may not write (an evaluation job's): the quarantine of a damaged step is refused by
     the store (a `StorageError`, no OSError). The restore used to fail with it; it falls back to the previous step and

@@ -128,17 +128,25 @@ class KvStorage:
         self._wait(self._kv.delete_range(ts.KvStore.KeyRange(prefix, prefix + "\xff")), "delete", prefix)
 
     def delete_file(self, path: str) -> None:
-        self._wait(self._kv.delete_range(ts.KvStore.KeyRange(checked(path), checked(path) + "\x00")), "delete", path)
+        self._delete_key(checked(path))
+
+    def _delete_key(self, key: str) -> None:
+        """One DELETE of the object `key`, as listed (a key no checkpoint writes, `.DS_Store`, too)."""
+        self._wait(self._kv.delete_range(ts.KvStore.KeyRange(key, key + "\x00")), "delete", key)
 
     def move_tree(self, src: str, dst: str) -> None:
-        """Copy every key under `src` to `dst`, then delete `src` (object stores have no rename).
+        """Copy every key under `src` to `dst`, then delete `src` (object stores have no rename): the keys right under
+        it first, then the rest, so that a step moved aside stops being committed (its manifest goes first, as
+        `catalog.delete_step` orders it) before any of its files goes; a delete cut short leaves an uncommitted
+        leftover for gc, not a committed step missing files that blocks the next save of its number.
 
         The keys are the listing's, moved as they are (under `src`, so inside the root): an object no checkpoint
         writes (`.DS_Store`, `notes (1).txt`) moves with the rest, as a rename moves it on a local root, instead of
         failing the move as an unsafe path (which failed the restore that quarantined a damaged step). A key with an
         empty, '.' or '..' segment, which no request addresses as written, is not copied (a warning names it)."""
         source, target = checked(src).rstrip("/") + "/", checked(dst).rstrip("/") + "/"
-        for k in self.list_files(src):
+        keys = self.list_files(src)
+        for k in keys:
             if not plain_key(k):
                 log.warning(
                     "%s%s%s is not copied to %s: a key with an empty, '.' or '..' segment", self.url, source, k, target
@@ -147,6 +155,9 @@ class KvStorage:
             r = self._wait(self._kv.read(source + k), "read", source + k)
             if r.state == "value":
                 self._wait(self._kv.write(target + k, r.value), "write", target + k)
+        for k in keys:
+            if "/" not in k and plain_key(k):
+                self._delete_key(source + k)
         self.delete_tree(src)
 
     def size(self, path: str) -> int:
