@@ -270,6 +270,17 @@ def test_a_url_missing_its_slashes_is_refused_not_taken_for_a_directory(tmp_path
     assert (tmp_path / root / layout.step_dir(1)).is_dir()
 
 
+@pytest.mark.parametrize(
+    "root, meant", [("S3://bkt/run", "s3://bkt/run"), ("s3a://bkt/run", "s3://bkt/run"), ("GS://b/r", "gs://b/r")]
+)
+def test_a_scheme_tensorstore_opens_under_another_spelling_names_the_one_meant(capsys, root, meant):
+    """Hadoop's s3a:// and an upper-case S3:// failed with tensorstore's 'unsupported URL scheme', naming no fix."""
+    message = f"did you mean {meant!r}?"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ckpt.CheckpointManager(root)
+    assert cli.main(["ls", root]) == 1 and message in capsys.readouterr().err
+
+
 def _s3_bytes_read() -> int:
     """Bytes this process has read from S3 so far (tensorstore's own counter)."""
     import tensorstore as ts

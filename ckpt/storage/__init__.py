@@ -55,6 +55,18 @@ __all__ = [
 _SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "hdfs", "http", "https", "file", "local", "memory")
 
 
+_MEANT = {"s3a": "s3", "s3n": "s3"}  # Hadoop's names of the S3 scheme, which tensorstore does not open
+
+
+def _check_scheme(url: str) -> None:
+    """A URL whose scheme tensorstore opens under another spelling (``S3://``, Hadoop's ``s3a://``) is a ValueError
+    naming the one meant; tensorstore's own error ("unsupported URL scheme") says nothing of it."""
+    scheme, sep, rest = url.partition("://")
+    meant = _MEANT.get(scheme.lower(), scheme.lower())
+    if sep and meant != scheme:
+        raise ValueError(f"{url!r}: tensorstore does not open {scheme}:// URLs; did you mean '{meant}://{rest}'?")
+
+
 def local_dir(url: str) -> str | None:
     """The directory of this machine that a path or a ``file://`` (``local://``) URL names; None for another URL.
     ``file://localhost/PATH`` is ``/PATH``; another host is refused: ``file://mnt/ckpt`` (two slashes) would
@@ -105,6 +117,7 @@ def open_storage(root: str | os.PathLike | Storage, storage_options: Mapping[str
     path = local_dir(root)
     if path is not None:
         return LocalStorage(path)
+    _check_scheme(root)
     from .kv import KvStorage  # tensorstore (and numpy) load with the first object-store root, not with a local one
 
     return KvStorage(root, context(), options)
