@@ -59,8 +59,6 @@ def import_checkpoint(
     layout.step_dir(step)  # a bad step or key fails before the root is touched (no lease left in a new root)
     if key is not None:
         check_top_level_key(key)
-        if not key:  # saved so, no key selection (export --keys, load(keys=)) could reach it
-            raise ValueError("key '' is empty: name the top-level key to put the source under, or give none")
     src = os.fspath(src)
     kind, state, metadata = read_source(src)
     if isinstance(state, (Mapping, list, tuple)) and not state:  # committed, it would be the step a resume takes

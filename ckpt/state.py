@@ -213,9 +213,14 @@ def save_skeleton(flat: Flat) -> list[str]:
 
 
 def check_top_level_key(k: Any) -> None:
-    """TypeError unless `k` can be a top-level key of a state (a str not starting with '$', the tree's tags)."""
+    """TypeError unless `k` can be a top-level key of a state (a str not starting with '$', the tree's tags);
+    ValueError for '', which `load(keys=)` and `export --keys` refuse to select (`--keys model,`)."""
     if not isinstance(k, str) or k.startswith("$"):
         raise TypeError(f"top-level state keys must be str not starting with '$', got {k!r}")
+    if not k:
+        raise ValueError(
+            "key '' is empty: name the top-level key (load(keys=) and export --keys cannot select an empty one)"
+        )
 
 
 def _check_dense(t: torch.Tensor, key: str) -> None:

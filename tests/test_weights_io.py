@@ -961,3 +961,12 @@ def test_import_of_an_empty_source_is_refused_before_the_root_is_touched(tmp_pat
         with pytest.raises(ValueError, match=f"{src} holds nothing to import"):
             ckpt.import_checkpoint(tmp_path / src, tmp_path / "root", step=1)
     assert not (tmp_path / "root").exists()
+
+
+def test_a_save_under_an_empty_top_level_key_is_refused_naming_it(tmp_path):
+    """save({'': t}) was committed, but load(keys=[...]) and export --keys refuse an empty key (`--keys model,`), so
+    that entry could be read only with the whole state. It is refused as import --key '' is, and nothing is saved."""
+    with ckpt.CheckpointManager(tmp_path / "root") as m:
+        with pytest.raises(ValueError, match=r"^key '' is empty: name the top-level key \(load\(keys=\) and export"):
+            m.save(1, {"": torch.ones(2), "model": {"w": torch.ones(2)}})
+        assert m.steps() == []
