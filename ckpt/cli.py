@@ -380,7 +380,7 @@ def cmd_export(storage: Storage, args: argparse.Namespace) -> int:
             args.output,
             format=args.format,
             step=args.step,
-            keys=args.keys.split(",") if args.keys else None,
+            keys=args.keys.split(",") if args.keys is not None else None,  # --keys "": an empty key, refused
             max_shard_size=args.max_shard_size,
             config=args.config,
             progress=False if args.quiet else None,

@@ -108,8 +108,8 @@ def export(
     progress: bool | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> int:
-    """Export the tensors under `keys` (default ``["model"]``) of `step` (default: the newest committed) to `out`;
-    returns the step exported.
+    """Export the tensors under `keys` (default ``["model"]``; ``[]`` selects nothing, an error) of `step` (default:
+    the newest committed) to `out`; returns the step exported.
 
     Names are the dotted paths below the one selected key (``model.embed.weight`` -> ``embed.weight``, what
     ``load_state_dict`` and ``from_pretrained`` expect), or full paths when several keys are selected.
@@ -135,7 +135,12 @@ def export(
     with ThreadPoolExecutor(8, thread_name_prefix="ckpt-export") as pool:
         try:
             reader = StepReader(storage, step, pool)
-            keys = keys or [DEFAULT_KEY]
+            keys = [DEFAULT_KEY] if keys is None else keys
+            if not keys and not isinstance(keys, str):  # as for load: [] selects nothing, not the default
+                raise ValueError(
+                    f"keys=[] selects nothing to export from step {step}: name the keys, or leave keys "
+                    f"out to export {DEFAULT_KEY!r}"
+                )
             routes = reader.routes(keys)  # a KeyError naming a missing key (and a str for a list: TypeError)
             hf_config = _hf_config(config, reader, step) if format == "hf" else None
             with _staged(out, directory=format != "torch") as tmp:

@@ -66,7 +66,10 @@ class StepReader:
                 f"keys must be dotted paths (str), got {wrong[0]!r} ({type(wrong[0]).__name__}) in {list(keys)}"
             )
         if "" in keys:  # `--keys model,`: it selected the whole state, optimizer and all
-            raise ValueError(f"keys {list(keys)} hold an empty key: name each one (keys=None selects the whole state)")
+            raise ValueError(
+                f"keys {list(keys)} hold an empty key: name each one, or leave keys out (load reads the whole state, "
+                "export 'model')"
+            )
         return [_route(self.tree, key, key, (), self.step) for key in keys]
 
     def select(self, keys: Sequence[str] | None) -> dict[str, Any]:

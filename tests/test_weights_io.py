@@ -970,3 +970,21 @@ def test_a_save_under_an_empty_top_level_key_is_refused_naming_it(tmp_path):
         with pytest.raises(ValueError, match=r"^key '' is empty: name the top-level key \(load\(keys=\) and export"):
             m.save(1, {"": torch.ones(2), "model": {"w": torch.ones(2)}})
         assert m.steps() == []
+
+
+def test_an_empty_key_selection_selects_nothing_in_load_and_export(tmp_path, capsys):
+    """export(keys=[]) exported 'model' where load(keys=[]) selects nothing ({}), and `export --keys ""` (an empty
+    shell variable) likewise exported 'model'. keys=[] now selects nothing in both: load gives {}, export refuses
+    (nothing to export), naming the step; --keys "" is an empty key, refused as --keys model, is."""
+    with ckpt.CheckpointManager(tmp_path / "root") as m:
+        m.save(1, {"model": {"w": torch.ones(2)}, "epoch": 3}).wait()
+    assert ckpt.load(tmp_path / "root", keys=[]) == {}
+    for fmt in ("safetensors", "torch"):
+        with pytest.raises(ValueError, match=r"keys=\[\] selects nothing to export from step 1: name the keys"):
+            ckpt.export(tmp_path / "root", tmp_path / "out", format=fmt, keys=[])
+    assert (
+        cli.main(["export", str(tmp_path / "root"), "--format", "torch", "--keys", "", "-o", str(tmp_path / "o")]) == 1
+    )
+    err = capsys.readouterr().err
+    assert err.startswith("error: keys [''] hold an empty key") and err.count("\n") == 1, err
+    assert sorted(os.listdir(tmp_path)) == ["root"]
