@@ -203,9 +203,8 @@ def _children(node: Any) -> list[tuple[Any, Any]] | None:
 
 def _route(node: Any, path: str, key: str, above: Route, step: int) -> Route:
     """The keys that spell `path` below `node`; a child's name may itself contain dots (``embed.weight``), the
-    longest name that fits is tried first. A KeyError names where the deepest attempt stopped matching."""
-    if path == "":
-        return ()
+    longest name that fits is tried first; a name may be empty (``"model."`` is the child '' of ``model``). A
+    KeyError names where the deepest attempt stopped matching."""
     children = _children(node)
     fits = sorted(
         ((k, c) for k, c in (children or []) if str(k) == path or path.startswith(f"{k}.")),
@@ -213,6 +212,8 @@ def _route(node: Any, path: str, key: str, above: Route, step: int) -> Route:
     )
     deepest: _NoMatch | None = None
     for k, child in fits:
+        if str(k) == path:
+            return (k,)
         try:
             return (k,) + _route(child, path[len(str(k)) + 1 :], key, above + (k,), step)
         except _NoMatch as e:

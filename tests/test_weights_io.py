@@ -988,3 +988,15 @@ def test_an_empty_key_selection_selects_nothing_in_load_and_export(tmp_path, cap
     err = capsys.readouterr().err
     assert err.startswith("error: keys [''] hold an empty key") and err.count("\n") == 1, err
     assert sorted(os.listdir(tmp_path)) == ["root"]
+
+
+def test_a_key_ending_in_a_dot_selects_the_empty_name_below_not_the_whole_node(tmp_path):
+    """A dict may hold the key '' (restore keeps it), but `load(keys=['model.'])` selected all of `model` instead of
+    its '' entry, and 'model.w.' read model.w: the trailing dot was dropped, so no key reached the '' entry alone and
+    a typo read something else. Now 'model.' is the entry '' of model, and 'model.w.' a KeyError naming it."""
+    with ckpt.CheckpointManager(tmp_path / "root") as m:
+        m.save(1, {"model": {"w": torch.ones(2), "": torch.zeros(3)}}).wait()
+    got = ckpt.load(tmp_path / "root", keys=["model."])
+    assert list(got["model"]) == [""] and torch.equal(got["model"][""], torch.zeros(3))
+    with pytest.raises(KeyError, match=r"key 'model.w.' is not in checkpoint step 1: no '' under model.w"):
+        ckpt.load(tmp_path / "root", keys=["model.w."])
