@@ -94,14 +94,16 @@ class StepReader:
         tensor `keys` selects is read."""
         tree = self.select(keys)
         if region is not None:
-            arrays = {leaf.array.name: leaf.array for leaf in self.leaves(keys) if leaf.array is not None}
+            arrays = {leaf.array.name: leaf for leaf in self.leaves(keys) if leaf.array is not None}
             if len(arrays) != 1:
+                chosen = "the whole state (keys=None) holds" if keys is None else f"keys {list(keys)} select"
                 raise ValueError(
-                    f"region= reads part of one tensor: keys {list(keys or [])} select {len(arrays)} "
+                    f"region= reads part of one tensor: {chosen} {len(arrays)} "
                     f"arrays of step {self.step}; name one tensor, e.g. keys=['model.embed.weight']"
                 )
-            info = next(iter(arrays.values()))
-            part = self.read_array(info, region_box(info, region))
+            leaf = next(iter(arrays.values()))
+            info = leaf.array
+            part = self.read_array(info, region_box(info, region, ".".join(map(str, leaf.route))))
             values = {
                 k: state_mod.decode(node, lambda name, _, as_np: part.numpy() if as_np else part)
                 for k, node in tree.items()
@@ -168,12 +170,13 @@ def load(
     raise FileNotFoundError(f"no committed checkpoint in {storage.url}")
 
 
-def region_box(info: ArrayInfo, region: Sequence[slice]) -> Box:
-    """The box of an array that `region` (slices with step 1, trailing dimensions whole) selects."""
+def region_box(info: ArrayInfo, region: Sequence[slice], key: str) -> Box:
+    """The box of an array that `region` (slices with step 1, trailing dimensions whole) selects; errors name `key`,
+    the dotted key the caller selected it by."""
     region = tuple(region) if isinstance(region, (tuple, list)) else (region,)
     if len(region) > len(info.shape) or not all(isinstance(s, slice) and s.step in (None, 1) for s in region):
         raise ValueError(
-            f"region must be at most {len(info.shape)} slices with step 1 for key {info.name!r} "
+            f"region must be at most {len(info.shape)} slices with step 1 for key {key!r} "
             f"(shape {list(info.shape)}), got {region!r}"
         )
     box = []

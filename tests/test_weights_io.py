@@ -1000,3 +1000,16 @@ def test_a_key_ending_in_a_dot_selects_the_empty_name_below_not_the_whole_node(t
     assert list(got["model"]) == [""] and torch.equal(got["model"][""], torch.zeros(3))
     with pytest.raises(KeyError, match=r"key 'model.w.' is not in checkpoint step 1: no '' under model.w"):
         ckpt.load(tmp_path / "root", keys=["model.w."])
+
+
+def test_a_region_error_names_the_key_as_selected_and_a_whole_state_selection_as_such(tmp_path):
+    """A bad region named the array's storage name ('model/0.weight'), not the key the caller wrote, and region=
+    without keys said 'keys [] select 2 arrays'. Now the dotted key, and 'the whole state'."""
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"model": torch.nn.Sequential(torch.nn.Linear(3, 2))}).wait()
+    with pytest.raises(
+        ValueError, match=r"with step 1 for key 'model.0.weight' \(shape \[2, 3\]\), got \(slice\(0, 2, 2"
+    ):
+        ckpt.load(tmp_path, keys=["model.0.weight"], region=(slice(0, 2, 2),))
+    with pytest.raises(ValueError, match=r"one tensor: the whole state \(keys=None\) holds 2 arrays of step 1"):
+        ckpt.load(tmp_path, region=(slice(0, 1),))
