@@ -8,19 +8,20 @@ one step at a time, for callers that read many tensors in turn (export streams t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
 from . import layout, restore
 from . import state as state_mod
 from .distributed import Ranks
-from .errors import CorruptCheckpointError, StateKeyError
+from .errors import CorruptCheckpointError, StateKeyError, StepNotFoundError
 from .format import ArrayInfo, torch_dtype
 from .staging import StagingArena
 from .storage import Storage, open_storage
@@ -46,7 +47,8 @@ class StepReader:
     def __init__(self, storage: Storage, step: int, pool: ThreadPoolExecutor):
         self.storage, self.step, self._pool = storage, step, pool
         self.manifest = layout.read_manifest(storage, step)
-        self.files = restore.step_files(storage, step)
+        with _unless_deleted(storage, step):
+            self.files = restore.step_files(storage, step)
         m = self.manifest
         self.tree = {
             k: state_mod.select_rank(v, 0, m.world_size, 1, "modulo") if isinstance(v, dict) and "$per_rank" in v else v
@@ -111,7 +113,7 @@ class StepReader:
         else:
             manifest = dataclasses.replace(self.manifest, tree=tree)
             plan = restore.plan_restore(manifest, dict.fromkeys(tree), None, Ranks.local(), files=self.files)
-            restore.execute(self.storage, plan, self._pool, StagingArena())  # no scratch: own tensors
+            self._execute(plan)
             values = plan.values
         device = torch.device(device)
         return values if device.type == "cpu" else _to_device(values, device, {})
@@ -121,8 +123,27 @@ class StepReader:
         box = box if box is not None else tuple((0, n) for n in info.shape)
         out = torch.empty(tuple(b - a for a, b in box), dtype=torch_dtype(info.dtype))
         plan = restore.ReadPlan(self.manifest, {(info.name, box): restore.ArrayRead(info, box, fresh=out)}, {})
-        restore.execute(self.storage, plan, self._pool, StagingArena())
+        self._execute(plan)
         return out
+
+    def _execute(self, plan: restore.ReadPlan) -> None:
+        """Run `plan`'s verified reads into tensors of its own."""
+        with _unless_deleted(self.storage, self.step):
+            restore.execute(self.storage, plan, self._pool, StagingArena())  # no scratch: own tensors
+
+
+@contextlib.contextmanager
+def _unless_deleted(storage: Storage, step: int) -> Iterator[None]:
+    """Files missing because the step was deleted while being read (another process's retention) are no damage, as
+    for restore: a StepNotFoundError (a FileNotFoundError), not the CorruptCheckpointError the read raised."""
+    try:
+        yield
+    except CorruptCheckpointError as e:
+        if layout.is_committed(storage, step):
+            raise
+        raise StepNotFoundError(
+            f"step {step} of {storage.url} was deleted while being read (another process's retention?): {e}"
+        ) from None
 
 
 def load(

@@ -1013,3 +1013,43 @@ def test_a_region_error_names_the_key_as_selected_and_a_whole_state_selection_as
         ckpt.load(tmp_path, keys=["model.0.weight"], region=(slice(0, 2, 2),))
     with pytest.raises(ValueError, match=r"one tensor: the whole state \(keys=None\) holds 2 arrays of step 1"):
         ckpt.load(tmp_path, region=(slice(0, 1),))
+
+
+@pytest.mark.parametrize("where", ["manifest", "files"])
+def test_a_step_deleted_while_load_or_export_reads_it_is_not_damage(tmp_path, monkeypatch, where):
+    """A step deleted by another process's retention while load read it was reported 'checkpoint step 2 is damaged'
+    (RuntimeWarning) before the previous step was read, load(step=2) raised CorruptCheckpointError, and export said
+    'step 2 is damaged', where restore counts it as vanished. Now load reads the previous step in silence, and
+    load(step=) and export raise StepNotFoundError saying it was deleted. The deletion is made right after the
+    reader read the manifest (or listed the step's files), where the race falls."""
+    from ckpt import catalog, layout, restore
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root) as m:
+        m.save(1, {"model": {"w": torch.ones(4)}}).wait()
+    for step in (2, 3, 4):
+        with ckpt.CheckpointManager(root) as m:
+            m.save(step, {"model": {"w": torch.full((4,), float(step))}}).wait()
+        module, name = (layout, "read_manifest") if where == "manifest" else (restore, "step_files")
+        real = getattr(module, name)
+
+        def racing(storage, s, real=real, newest=step):
+            got = real(storage, s)
+            if s == newest:
+                catalog.delete_step(storage, s)  # another process's retention, just then
+            return got
+
+        with monkeypatch.context() as patch:
+            patch.setattr(module, name, racing)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no "damaged" warning
+                if step == 2:
+                    assert torch.equal(ckpt.load(root)["model"]["w"], torch.ones(4))
+                elif step == 3:
+                    with pytest.raises(ckpt.StepNotFoundError, match=r"step 3 of .* was deleted while being read"):
+                        ckpt.load(root, step=3)
+                else:
+                    with pytest.raises(ckpt.StepNotFoundError, match=r"step 4 of .* was deleted while being read"):
+                        ckpt.export(root, tmp_path / "out", format="safetensors")
+    assert sorted(os.listdir(tmp_path)) == ["root"] and ckpt.CheckpointManager(root).steps() == [1]
+    assert not (root / "_quarantine").exists()
