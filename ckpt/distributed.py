@@ -294,13 +294,14 @@ def _whole(shape: tuple[int, ...]) -> Box:
     return tuple((0, n) for n in shape)
 
 
-def read_region(info: ArrayInfo, template: Any) -> tuple[Any, Box] | None:
-    """For a DTensor target, the local shard and the box of the global array it holds; else None (read whole)."""
+def read_region(info: ArrayInfo, template: Any, key: str) -> tuple[Any, Box] | None:
+    """For a DTensor target (at `key`, which errors name), the local shard and the box of the global array it holds;
+    else None (read whole)."""
     if not is_dtensor(template):
         return None
     if tuple(template.shape) != info.shape:
         raise StateMismatchError(
-            f"restore of key {info.name!r}: checkpoint has global shape {list(info.shape)}, "
+            f"restore of key {key!r}: checkpoint has global shape {list(info.shape)}, "
             f"the target DTensor has {list(template.shape)}"
         )
     return template, local_box(template)[1]

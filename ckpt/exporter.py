@@ -415,7 +415,7 @@ def _write_torch(
     read: dict[str, torch.Tensor] = {}
     with _bar(sum(a.nbytes for a in arrays.values()), reader.step, progress) as bar:
 
-        def load(name: str, template: Any, as_numpy: bool) -> torch.Tensor:
+        def load(name: str, template: Any, as_numpy: bool, key: str) -> torch.Tensor:
             if name not in read:
                 read[name] = reader.read_array(arrays[name])
                 bar.update(arrays[name].nbytes)

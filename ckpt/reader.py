@@ -107,7 +107,7 @@ class StepReader:
             info = leaf.array
             part = self.read_array(info, region_box(info, region, ".".join(map(str, leaf.route))))
             values = {
-                k: state_mod.decode(node, lambda name, _, as_np: part.numpy() if as_np else part)
+                k: state_mod.decode(node, lambda name, _, as_np, key: part.numpy() if as_np else part)
                 for k, node in tree.items()
             }
         else:

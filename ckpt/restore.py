@@ -182,7 +182,7 @@ def plan_restore(
             reads[name, box] = ArrayRead(manifest.arrays[name], box)
         return reads[name, box]
 
-    def plan_read(name: str, template: Any, as_numpy: bool) -> Any:
+    def plan_read(name: str, template: Any, as_numpy: bool, key: str) -> Any:
         """A tensor reference met by `state.decode`: plan its read (no IO) and give the value the state will hold."""
         info = manifest.arrays[name]
         ours = isinstance(template, ShardedLike)  # a tensor this restore makes: nothing of the caller's to set aside
@@ -193,10 +193,10 @@ def plan_restore(
         )
         tmpl = torch.from_numpy(template) if in_place else template  # else (read-only, or negative strides, which
         # torch cannot view) a new array takes its place in the state
-        shard = read_region(info, tmpl)
+        shard = read_region(info, tmpl, key)
         if shard is not None:
             dtensor, box = shard
-            _check_match(info, dtensor, step)
+            _check_match(info, dtensor, step, key)
             r = read(name, box)
             if ours and r.fresh is None and not r.targets:
                 r.fresh = dtensor.to_local()
@@ -206,10 +206,10 @@ def plan_restore(
         whole = tuple((0, n) for n in info.shape)
         r = read(name, whole)
         if isinstance(tmpl, torch.Tensor):
-            _check_match(info, tmpl, step)
+            _check_match(info, tmpl, step, key)
             if torch._debug_has_internal_overlap(tmpl) == 1:  # copy_ refuses it, after other targets were written
                 raise StateMismatchError(
-                    f"restore of key {info.name!r} (step {step}): the target tensor's elements share memory (an "
+                    f"restore of key {key!r} (step {step}): the target tensor's elements share memory (an "
                     f"expanded view, strides {list(tmpl.stride())}): it cannot hold {list(info.shape)} distinct "
                     "values; restore into a tensor of its own"
                 )
@@ -219,7 +219,7 @@ def plan_restore(
             value = r.targets[0]
         else:
             if r.fresh is None:
-                r.fresh = _fresh(info, whole, step)
+                r.fresh = _fresh(info, whole, step, key)
             value = r.fresh
         return value.numpy() if as_numpy else value
 
@@ -316,20 +316,20 @@ def _add_target(r: ArrayRead, t: torch.Tensor) -> None:
         r.targets.append(t)
 
 
-def _fresh(info: ArrayInfo, box: Box, step: int) -> torch.Tensor:
+def _fresh(info: ArrayInfo, box: Box, step: int, key: str) -> torch.Tensor:
     """A tensor of its own for an array the caller has none for; never larger than this machine's memory."""
     shape = tuple(b - a for a, b in box)
     nbytes = math.prod(shape) * info.itemsize
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if nbytes > memory:
         raise CheckpointError(
-            f"restore of key {info.name!r} (step {step}) needs {nbytes} bytes of new memory, more "
+            f"restore of key {key!r} (step {step}) needs {nbytes} bytes of new memory, more "
             f"than this machine has ({memory}); restore it into an existing tensor"
         )
     return torch.empty(shape, dtype=torch_dtype(info.dtype))
 
 
-def _check_dense_target(info: ArrayInfo, t: torch.Tensor, step: int) -> None:
+def _check_dense_target(info: ArrayInfo, t: torch.Tensor, step: int, key: str) -> None:
     """A restore writes a tensor in place, so the caller's must have memory laid out densely: a meta tensor (a model
     built on ``torch.device("meta")`` and not yet materialized) has none, and copying into it does nothing, so the
     restore would report success while the state kept no value; a sparse or nested one has no such layout (torch
@@ -346,22 +346,23 @@ def _check_dense_target(info: ArrayInfo, t: torch.Tensor, step: int) -> None:
     )
     if what:
         raise StateMismatchError(
-            f"restore of key {info.name!r} (step {step}): checkpoint has a dense {info.dtype} array of shape "
+            f"restore of key {key!r} (step {step}): checkpoint has a dense {info.dtype} array of shape "
             f"{list(info.shape)}, the target tensor is {what}"
         )
 
 
-def _check_match(info: ArrayInfo, tmpl: torch.Tensor, step: int) -> None:
-    """The caller's tensor can take the array in place: dense memory of its own, the array's shape and dtype."""
-    _check_dense_target(info, tmpl.to_local() if is_dtensor(tmpl) else tmpl, step)
+def _check_match(info: ArrayInfo, tmpl: torch.Tensor, step: int, key: str) -> None:
+    """The caller's tensor at `key` (its dotted path, which errors name) can take the array in place: dense memory of
+    its own, the array's shape and dtype."""
+    _check_dense_target(info, tmpl.to_local() if is_dtensor(tmpl) else tmpl, step, key)
     if tuple(tmpl.shape) != info.shape:
         raise StateMismatchError(
-            f"restore of key {info.name!r} (step {step}): checkpoint has shape {list(info.shape)}, "
+            f"restore of key {key!r} (step {step}): checkpoint has shape {list(info.shape)}, "
             f"the target tensor has shape {list(tmpl.shape)}"
         )
     if tmpl.dtype != torch_dtype(info.dtype):
         raise StateMismatchError(
-            f"restore of key {info.name!r} (step {step}): checkpoint has dtype {info.dtype}, "
+            f"restore of key {key!r} (step {step}): checkpoint has dtype {info.dtype}, "
             f"the target tensor has dtype {str(tmpl.dtype).removeprefix('torch.')}"
         )
 

@@ -298,13 +298,14 @@ def _np_scalar(x: np.generic, key: str) -> dict[str, Any]:
 
 def decode(
     node: Any,
-    load: Callable[[str, Any, bool], Any],
+    load: Callable[[str, Any, bool, str], Any],
     template: Any = None,
     key: str = "",
     strict: bool = False,
     state_of: Callable[[Any], Any] = lambda obj: obj.state_dict(),
 ) -> Any:
-    """Rebuild a value from a checked JSON tree; `load(name, template, as_numpy)` returns the array for a reference.
+    """Rebuild a value from a checked JSON tree; `load(name, template, as_numpy, key)` returns the array for a reference
+    (`key`: its dotted key path, for errors).
 
     `template` is the value currently at this position in the caller's state (for Stateful objects, what `state_of`
     gives: by default their state_dict), so tensors can be read in place into the caller's memory. With `strict`, a
@@ -349,7 +350,7 @@ def decode(
         )
     v = node[tag]
     if tag in ("$tensor", "$ndarray"):
-        return load(v, template, tag == "$ndarray")
+        return load(v, template, tag == "$ndarray", key)
     if tag == "$float":
         return float(v)
     if tag == "$tuple":

@@ -570,7 +570,7 @@ def test_a_restore_into_a_tensor_without_dense_memory_is_refused_naming_the_key(
     if kind == "meta":
         with torch.device("meta"):
             model = torch.nn.Linear(3, 3)
-        state, key, what = {"model": model, "w": torch.zeros(3, 2)}, "model/weight", "a meta tensor"
+        state, key, what = {"model": model, "w": torch.zeros(3, 2)}, "model.weight", "a meta tensor"
     else:
         w = {
             "sparse_coo": lambda: torch.ones(3, 2).to_sparse(),

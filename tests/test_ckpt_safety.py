@@ -116,6 +116,25 @@ def test_bad_input_errors_name_the_key(tmp_path):
             m.save(-1, {})
 
 
+def test_a_mismatch_error_names_the_key_as_the_state_spells_it_not_its_storage_name(tmp_path):
+    """A shape or dtype mismatch named the array's storage name: 'model/0~1' for the int key 0 (beside "0"),
+    'model/a%2Fb' for 'a/b', a key of 300 characters cut and hashed, 'model/weight' for a module's parameter. Now
+    the dotted key path, as load(keys=) and the other restore errors spell it."""
+    saved = {"model": {"0": torch.ones(3), 0: torch.ones(1), "a/b": torch.ones(2), "x" * 300: torch.ones(2)}}
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {**saved, "lin": torch.nn.Linear(3, 2)}).wait()
+        for key, bad, what in (
+            (0, torch.ones(2), r"shape \[1\], the target tensor has shape \[2\]"),
+            ("a/b", torch.ones(2, dtype=torch.int64), "dtype float32, the target tensor has dtype int64"),
+            ("x" * 300, torch.ones(3), r"shape \[2\]"),
+        ):
+            target = {"model": {**saved["model"], key: bad}}
+            with pytest.raises(ckpt.StateMismatchError, match=rf"^restore of key 'model\.{key}' \(step 1\): .*{what}"):
+                m.restore(target, keys=["model"])
+        with pytest.raises(ckpt.StateMismatchError, match=r"^restore of key 'lin\.weight' \(step 1\): checkpoint has"):
+            m.restore({"lin": torch.nn.Linear(4, 2)}, keys=["lin"])
+
+
 ROOT_IS_A_FILE = """
 import sys, torch, ckpt
 try:
