@@ -167,6 +167,7 @@ def load(
     """
     if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
         raise ValueError(f"io_threads must be an int >= 1, got {io_threads!r}")
+    device = _usable_device(device)
     storage = open_storage(root, storage_options)
     with ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-load") as pool:
         if step is not None:
@@ -189,6 +190,17 @@ def load(
             f"no intact checkpoint in {storage.url}: {len(damaged)} damaged (newest error: {damaged[0]})"
         )
     raise FileNotFoundError(f"no committed checkpoint in {storage.url}")
+
+
+def _usable_device(device: str | torch.device) -> torch.device:
+    """`device` parsed and reached (an empty tensor moved there) before anything is read: a typo or a GPU this
+    machine lacks fails at once, naming the argument, not after the whole read."""
+    try:
+        parsed = torch.device(device)
+        torch.empty(0).to(parsed)
+    except (RuntimeError, TypeError, AssertionError) as e:  # torch's: bad string, no such backend or ordinal
+        raise ValueError(f"device={device!r} cannot take the loaded tensors: {e}") from None
+    return parsed
 
 
 def region_box(info: ArrayInfo, region: Sequence[slice], key: str) -> Box:

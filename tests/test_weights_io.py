@@ -1053,3 +1053,19 @@ def test_a_step_deleted_while_load_or_export_reads_it_is_not_damage(tmp_path, mo
                         ckpt.export(root, tmp_path / "out", format="safetensors")
     assert sorted(os.listdir(tmp_path)) == ["root"] and ckpt.CheckpointManager(root).steps() == [1]
     assert not (root / "_quarantine").exists()
+
+
+@pytest.mark.parametrize(
+    "device, what",
+    [("nope", "Expected one of cpu"), ("cuda:1000", "")],
+)
+def test_load_to_a_device_it_cannot_reach_fails_before_reading_naming_it(tmp_path, device, what):
+    """device='nope' (a typo) or a GPU this machine lacks read the whole selection first, then failed in torch
+    naming no argument ('Expected one of cpu, ...'). Now a ValueError names device= before the arrays are read."""
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"model": {"w": torch.ones(1 << 20)}}).wait()  # 4 MiB
+    ckpt.load(tmp_path, keys=["model"])  # imports and caches warm
+    before = _io()
+    with pytest.raises(ValueError, match=rf"^device={device!r} cannot take the loaded tensors: .*{what}"):
+        ckpt.load(tmp_path, device=device)
+    assert _io() - before < 1 << 20
