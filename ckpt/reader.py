@@ -57,7 +57,8 @@ class StepReader:
 
     def routes(self, keys: Sequence[str] | None) -> list[Route]:
         """The route of each dotted key (``"model.embed.weight"``: the top-level key, then the keys below it, whose
-        own names may hold dots); KeyError naming the key and what the checkpoint has where it stops matching."""
+        own names may hold dots), each once; KeyError naming the key and what the checkpoint has where it stops
+        matching."""
         if keys is None:
             return [(k,) for k in self.tree]
         if isinstance(keys, str):
@@ -72,7 +73,8 @@ class StepReader:
                 f"keys {list(keys)} hold an empty key: name each one, or leave keys out (load reads the whole state, "
                 "export 'model')"
             )
-        return [_route(self.tree, key, key, (), self.step) for key in keys]
+        routes = [_route(self.tree, key, key, (), self.step) for key in keys]
+        return list(dict.fromkeys(routes))  # a key given twice counts once: export names its output as for one key
 
     def select(self, keys: Sequence[str] | None) -> dict[str, Any]:
         """The state tree cut down to the selected keys (the nesting above them kept)."""

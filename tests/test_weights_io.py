@@ -1069,3 +1069,31 @@ def test_load_to_a_device_it_cannot_reach_fails_before_reading_naming_it(tmp_pat
     with pytest.raises(ValueError, match=rf"^device={device!r} cannot take the loaded tensors: .*{what}"):
         ckpt.load(tmp_path, device=device)
     assert _io() - before < 1 << 20
+
+
+def test_a_key_given_twice_exports_as_the_key_once(tmp_path):
+    """`--keys model,model` exported full paths ('model.w') instead of the names below the key ('w'), and
+    --format torch a dict {'model': ...} instead of the state dict itself: the duplicate counted as a second key.
+    A key given twice now counts once."""
+    from safetensors.torch import load_file
+
+    with ckpt.CheckpointManager(tmp_path / "root") as m:
+        m.save(1, {"model": {"w": torch.ones(2), "b": torch.zeros(1)}}).wait()
+    assert (
+        cli.main(
+            [
+                "export",
+                str(tmp_path / "root"),
+                "--format",
+                "safetensors",
+                "--keys",
+                "model,model",
+                "-o",
+                str(tmp_path / "st"),
+            ]
+        )
+        == 0
+    )
+    assert sorted(load_file(tmp_path / "st" / "model.safetensors")) == ["b", "w"]
+    ckpt.export(tmp_path / "root", tmp_path / "w.pt", format="torch", keys=["model", "model"])
+    assert sorted(torch.load(tmp_path / "w.pt", weights_only=True)) == ["b", "w"]
