@@ -127,7 +127,7 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
         when = f"quarantined {_when(q.time)}" if q.time is not None else "quarantined"
         rows.append((q.step, "damaged", on_disk(q.path), "-", f"{when} in {q.path}: {_printable(q.reason)}"))
     if not rows:
-        print(f"no checkpoints in {storage.url}{_step_dir_hint(storage)}")
+        print(f"no checkpoints in {storage.url}{layout.step_dir_hint(storage)}")
         return 0
     print(f"{'step':>10}  {'state':<12} {'on disk':>10} {'tensors':>10}  time")
     for step, state, disk, tensors, when in sorted(rows, key=lambda r: r[0]):
@@ -140,15 +140,8 @@ def _pick_step(storage: Storage, step: int | None) -> int:
         return step
     steps = layout.committed_steps(storage)
     if not steps:
-        raise CheckpointError(f"no committed checkpoint in {storage.url}{_step_dir_hint(storage)}")
+        raise CheckpointError(f"no committed checkpoint in {storage.url}{layout.step_dir_hint(storage)}")
     return steps[-1]
-
-
-def _step_dir_hint(storage: Storage) -> str:
-    """Where an empty root is a step directory (`ckpt ls ROOT/step_00000100`): the root it belongs to."""
-    head, name = os.path.split(storage.url.rstrip("/"))
-    step = layout.parse_step_dir(name)
-    return "" if step is None else f" ({name} is step {step}'s directory: its root is {head})"
 
 
 _BRANCHES = (tree_mod.MAPPING, tree_mod.STATE, tree_mod.PER_RANK)  # shown entry by entry; the rest on one line
@@ -211,7 +204,7 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
 def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
     steps = [args.step] if args.step is not None else layout.committed_steps(storage)
     if not steps:
-        print(f"no committed checkpoint in {storage.url}{_step_dir_hint(storage)}")
+        print(f"no committed checkpoint in {storage.url}{layout.step_dir_hint(storage)}")
         return 0
     bad = 0
     if args.step is not None and not layout.is_committed(storage, args.step):  # not damage: nothing to check

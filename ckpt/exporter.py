@@ -130,7 +130,7 @@ def export(
     if step is None:
         steps = layout.committed_steps(storage)
         if not steps:
-            raise FileNotFoundError(f"no committed checkpoint in {storage.url}")
+            raise FileNotFoundError(f"no committed checkpoint in {storage.url}{layout.step_dir_hint(storage)}")
         step = steps[-1]
     with ThreadPoolExecutor(8, thread_name_prefix="ckpt-export") as pool:
         try:

@@ -22,6 +22,7 @@ exists: `is_committed` asks, `read_manifest` reads it (validated) or raises `Ste
 
 from __future__ import annotations
 
+import posixpath
 import re
 import secrets
 from dataclasses import dataclass
@@ -62,6 +63,14 @@ def parse_step_dir(name: str) -> int | None:
     ``step_000000000100`` listed step 100 twice)."""
     m = _STEP_RE.fullmatch(name)
     return _canonical(m.group(1)) if m else None
+
+
+def step_dir_hint(storage: Storage) -> str:
+    """Where a root without steps is a step directory (`ROOT/step_00000100` given as the root): the root it belongs
+    to, to add to the error; else ''."""
+    head, name = posixpath.split(storage.url.rstrip("/"))
+    step = parse_step_dir(name)
+    return "" if step is None else f" ({name} is step {step}'s directory: its root is {head})"
 
 
 def _canonical(digits: str) -> int | None:

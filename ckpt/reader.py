@@ -191,7 +191,7 @@ def load(
         raise CorruptCheckpointError(
             f"no intact checkpoint in {storage.url}: {len(damaged)} damaged (newest error: {damaged[0]})"
         )
-    raise FileNotFoundError(f"no committed checkpoint in {storage.url}")
+    raise FileNotFoundError(f"no committed checkpoint in {storage.url}{layout.step_dir_hint(storage)}")
 
 
 def _usable_device(device: str | torch.device) -> torch.device:

@@ -5,6 +5,7 @@ line; no code from an imported checkpoint runs."""
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import warnings
@@ -1097,3 +1098,16 @@ def test_a_key_given_twice_exports_as_the_key_once(tmp_path):
     assert sorted(load_file(tmp_path / "st" / "model.safetensors")) == ["b", "w"]
     ckpt.export(tmp_path / "root", tmp_path / "w.pt", format="torch", keys=["model", "model"])
     assert sorted(torch.load(tmp_path / "w.pt", weights_only=True)) == ["b", "w"]
+
+
+def test_load_or_export_of_a_step_directory_names_its_root(tmp_path, capsys):
+    """ckpt.load(ROOT/step_00000001) and `export ROOT/step_00000001` said only 'no committed checkpoint in
+    ROOT/step_00000001', where ls, inspect and verify name the directory's step and its root. Now they do too."""
+    with ckpt.CheckpointManager(tmp_path / "root") as m:
+        m.save(1, {"model": {"w": torch.ones(2)}}).wait()
+    step_dir = tmp_path / "root" / "step_00000001"
+    hint = f"(step_00000001 is step 1's directory: its root is {tmp_path / 'root'})"
+    with pytest.raises(FileNotFoundError, match=re.escape(hint)):
+        ckpt.load(step_dir)
+    assert cli.main(["export", str(step_dir), "--format", "torch", "-o", str(tmp_path / "w.pt")]) == 1
+    assert capsys.readouterr().err == f"error: no committed checkpoint in {step_dir} {hint}\n"
