@@ -73,6 +73,14 @@ def step_dir_hint(storage: Storage) -> str:
     return "" if step is None else f" ({name} is step {step}'s directory: its root is {head})"
 
 
+def check_not_a_step(storage: Storage) -> None:
+    """ValueError when the root is a committed step's directory (``ROOT/step_00000100``): a manager there finds no
+    step, so its restore would start fresh (an evaluation on random weights) and its saves go inside that step."""
+    hint = step_dir_hint(storage)
+    if hint and storage.read_range(MANIFEST, 0, 1) is not None:
+        raise ValueError(f"the checkpoint root {storage.url} is a committed step, not a root{hint}: give the root")
+
+
 def _canonical(digits: str) -> int | None:
     """The step `digits` spell as `step_dir` writes it (below 2**63, padded to 8 digits and no more), else None."""
     step = int(digits) if len(digits) <= 19 else STEP_LIMIT

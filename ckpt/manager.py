@@ -135,6 +135,7 @@ class CheckpointManager:
         self.retention = policy_of(retention, keep_last, keep_every, keep_best, best_metric, best_mode)
         self.storage: Storage = open_storage(root, reach.storage_options)
         self.storage.check_creatable()  # here, not at the first save an hour into the run
+        layout.check_not_a_step(self.storage)
         self.run = run_mod.Run.current(reach.run_id)
         self._run_recorded = False
         self._tracker: CheckpointObserver = NO_TRACKER

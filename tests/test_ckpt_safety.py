@@ -135,6 +135,26 @@ def test_a_mismatch_error_names_the_key_as_the_state_spells_it_not_its_storage_n
             m.restore({"lin": torch.nn.Linear(4, 2)}, keys=["lin"])
 
 
+def test_a_manager_of_a_step_directory_is_refused_naming_its_root(tmp_path):
+    """CheckpointManager(ROOT/step_00000001) found no step there: restore(keys=['model']) returned None (an
+    evaluation went on with random weights) and a save wrote steps inside that committed step. It is refused where
+    the manager is made, naming the root; a root merely named like a step (no manifest in it) is still one."""
+    with ckpt.CheckpointManager(tmp_path / "root") as m:
+        m.save(1, {"model": {"w": torch.ones(2)}}).wait()
+    step_dir = tmp_path / "root" / "step_00000001"
+    held = sorted(os.listdir(step_dir))
+    with pytest.raises(
+        ValueError,
+        match=r"root/step_00000001 is a committed step, not a root \(step_00000001 is step "
+        rf"1's directory: its root is {re.escape(str(tmp_path / 'root'))}\): give the root",
+    ):
+        ckpt.CheckpointManager(step_dir)
+    assert sorted(os.listdir(step_dir)) == held
+    with ckpt.CheckpointManager(tmp_path / "step_00000002") as m:
+        m.save(1, {"w": torch.ones(1)}).wait()
+        assert m.steps() == [1]
+
+
 ROOT_IS_A_FILE = """
 import sys, torch, ckpt
 try:
