@@ -159,7 +159,14 @@ def plan_restore(
     selected = list(keys) if keys is not None else list(target)
     missing = [k for k in selected if k not in tree]
     if missing:
-        raise StateKeyError(f"keys {missing} not in checkpoint step {step} (it has {sorted(tree)})")
+        dotted = next((k for k in missing if isinstance(k, str) and k.split(".")[0] in tree), None)
+        hint = (
+            f"; restore's keys are top-level entries: restore {dotted.split('.')[0]!r} whole, or read {dotted!r} "
+            f"with ckpt.load(root, keys=[{dotted!r}])"
+            if dotted is not None
+            else ""
+        )
+        raise StateKeyError(f"keys {missing} not in checkpoint step {step} (it has {sorted(tree)}){hint}")
     absent = [k for k in selected if k not in target]
     if absent:
         raise StateKeyError(f"keys {absent} are not in the state passed to restore (it has {sorted(target)})")

@@ -155,6 +155,20 @@ def test_a_manager_of_a_step_directory_is_refused_naming_its_root(tmp_path):
         assert m.steps() == [1]
 
 
+def test_restore_of_a_dotted_key_says_restore_takes_top_level_entries(tmp_path):
+    """restore(state, keys=['model.w']) said "keys ['model.w'] not in checkpoint step 1 (it has ['model'])", though
+    the step holds model.w (ckpt.load(keys=['model.w']) reads it). Now it says restore's keys are top-level entries
+    and what reads the dotted one."""
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"model": {"w": torch.ones(2)}}).wait()
+        with pytest.raises(
+            ckpt.StateKeyError,
+            match=r"restore's keys are top-level entries: restore 'model' whole, or read 'model.w' with "
+            r"ckpt.load\(root, keys=\['model.w'\]\)",
+        ):
+            m.restore({"model": {"w": torch.zeros(2)}}, keys=["model.w"])
+
+
 ROOT_IS_A_FILE = """
 import sys, torch, ckpt
 try:
