@@ -21,7 +21,6 @@ from .storage import Storage
 from .target import DURABLE, Source, Target
 
 log = logging.getLogger("ckpt")
-MAX_RELISTS = 100  # steps vanishing under a restore, in a row, before it gives up
 
 Read = Callable[[Storage, int], "tuple[restore_mod.ReadPlan | None, Exception | None]"]
 
@@ -95,7 +94,7 @@ def walk(
             if step is not None:
                 raise StepNotFoundError(f"step {step} is not committed in {durable.url}")
             relists += 1
-            if relists > MAX_RELISTS:
+            if relists > restore_mod.MAX_RELISTS:
                 raise CheckpointError(
                     f"steps of {durable.url} vanished while being read, {relists} times: "
                     f"is another process deleting them?"

@@ -21,7 +21,7 @@ import torch
 from . import layout, restore
 from . import state as state_mod
 from .distributed import Ranks
-from .errors import CorruptCheckpointError, StateKeyError, StepNotFoundError
+from .errors import CheckpointError, CorruptCheckpointError, StateKeyError, StepNotFoundError
 from .format import ArrayInfo, torch_dtype
 from .staging import StagingArena
 from .storage import Storage, open_storage
@@ -174,22 +174,30 @@ def load(
     with ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-load") as pool:
         if step is not None:
             return StepReader(storage, step, pool).read(keys, region=region, device=device)
-        damaged: list[CorruptCheckpointError] = []
-        for s in sorted(layout.committed_steps(storage), reverse=True):
+        damaged: dict[int, CorruptCheckpointError] = {}
+        todo, relists = sorted(layout.committed_steps(storage), reverse=True), 0
+        while todo:
+            s = todo.pop(0)
             try:
                 return StepReader(storage, s, pool).read(keys, region=region, device=device)
             except CorruptCheckpointError as e:
-                damaged.append(e)
+                damaged[s] = e
                 warnings.warn(
                     f"checkpoint step {s} is damaged: {e}; loading the previous committed step",
                     RuntimeWarning,
                     stacklevel=2,
                 )
-            except FileNotFoundError:  # deleted while being read (another process's retention): not damage
-                continue
+            except FileNotFoundError:  # deleted while being read (another process's retention): not damage; the
+                relists += 1  # steps are listed again, as restore does: the one that replaced it is newer
+                if relists > restore.MAX_RELISTS:
+                    raise CheckpointError(
+                        f"steps of {storage.url} vanished while being read, {relists} times: is another process "
+                        f"deleting them?"
+                    ) from None
+                todo = [x for x in sorted(layout.committed_steps(storage), reverse=True) if x not in damaged]
     if damaged:
         raise CorruptCheckpointError(
-            f"no intact checkpoint in {storage.url}: {len(damaged)} damaged (newest error: {damaged[0]})"
+            f"no intact checkpoint in {storage.url}: {len(damaged)} damaged (newest error: {damaged[max(damaged)]})"
         )
     raise FileNotFoundError(f"no committed checkpoint in {storage.url}{layout.step_dir_hint(storage)}")
 

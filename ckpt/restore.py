@@ -52,6 +52,7 @@ from .storage import Storage, where
 
 Box = tuple[tuple[int, int], ...]
 log = logging.getLogger("ckpt")
+MAX_RELISTS = 100  # steps vanishing under a reader (restore, load), in a row, before it gives up
 
 
 @dataclass

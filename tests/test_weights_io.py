@@ -1111,3 +1111,29 @@ def test_load_or_export_of_a_step_directory_names_its_root(tmp_path, capsys):
         ckpt.load(step_dir)
     assert cli.main(["export", str(step_dir), "--format", "torch", "-o", str(tmp_path / "w.pt")]) == 1
     assert capsys.readouterr().err == f"error: no committed checkpoint in {step_dir} {hint}\n"
+
+
+def test_load_of_the_newest_step_replaced_while_it_reads_gives_the_newer_one(tmp_path, monkeypatch):
+    """A training run under keep_last=1 committed step 3 and deleted step 2 while load read step 2: load went on to
+    the older steps it had listed (none) and said 'no committed checkpoint in ROOT', with step 3 committed there.
+    It now lists the steps again, as restore does, and reads step 3. The writer's save is made right after the
+    reader read step 2's manifest, where the race falls."""
+    from ckpt import layout
+
+    root = tmp_path / "root"
+    real = layout.read_manifest
+    with ckpt.CheckpointManager(root, keep_last=1) as writer:
+        writer.save(2, {"model": {"w": torch.full((4,), 2.0)}}).wait()
+
+        def racing(storage, step):
+            got = real(storage, step)
+            if step == 2:
+                writer.save(3, {"model": {"w": torch.full((4,), 3.0)}}).wait()
+                writer.wait()  # its retention deleted step 2
+            return got
+
+        monkeypatch.setattr(layout, "read_manifest", racing)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert torch.equal(ckpt.load(root)["model"]["w"], torch.full((4,), 3.0))
+        assert writer.steps() == [3]
