@@ -25,13 +25,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from . import layout, store
+from . import layout, restore, store
 from . import state as state_mod
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from .format import ArrayInfo, torch_dtype
 from .reader import Route, StepReader
 from .safetensors_file import Entry, Writer, dtype_name
-from .storage import open_storage
+from .storage import Storage, open_storage
 
 FORMATS = ("safetensors", "torch", "hf")
 DEFAULT_KEY = "model"
@@ -127,36 +127,59 @@ def export(
     out = os.path.abspath(os.fspath(out))
     _check_out(out, format)
     storage = open_storage(root, storage_options)
-    if step is None:
-        steps = layout.committed_steps(storage)
-        if not steps:
-            raise FileNotFoundError(f"no committed checkpoint in {storage.url}{layout.step_dir_hint(storage)}")
-        step = steps[-1]
+    keys = [DEFAULT_KEY] if keys is None else keys
     with ThreadPoolExecutor(8, thread_name_prefix="ckpt-export") as pool:
-        try:
-            reader = StepReader(storage, step, pool)
-            keys = [DEFAULT_KEY] if keys is None else keys
-            if not keys and not isinstance(keys, str):  # as for load: [] selects nothing, not the default
-                raise ValueError(
-                    f"keys=[] selects nothing to export from step {step}: name the keys, or leave keys "
-                    f"out to export {DEFAULT_KEY!r}"
-                )
-            routes = reader.routes(keys)  # a KeyError naming a missing key (and a str for a list: TypeError)
-            hf_config = _hf_config(config, reader, step) if format == "hf" else None
-            with _staged(out, directory=format != "torch") as tmp:
-                if format == "torch":
-                    _write_torch(reader, keys, routes, tmp, progress)
-                else:
-                    _write_safetensors(reader, keys, routes, tmp, shard_bytes, progress, format)
-                    if hf_config is not None:
-                        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
-                            json.dump(hf_config, f, indent=2, sort_keys=True)
-        except CorruptCheckpointError as e:
-            raise CheckpointError(
-                f"step {step} is damaged: {e}; nothing was written to {out} (export another step "
-                f"with --step; `python -m ckpt ls` lists them)"
-            ) from None
-    return step
+        relists = 0
+        while True:
+            s = step if step is not None else _newest(storage)
+            try:
+                _export_step(StepReader(storage, s, pool), keys, out, format, shard_bytes, config, progress)
+                return s
+            except StepNotFoundError:  # the newest step deleted while exported (a run's retention): list again
+                relists += 1
+                if step is not None or relists > restore.MAX_RELISTS:
+                    raise
+            except CorruptCheckpointError as e:
+                raise CheckpointError(
+                    f"step {s} is damaged: {e}; nothing was written to {out} (export another step "
+                    f"with --step; `python -m ckpt ls` lists them)"
+                ) from None
+
+
+def _newest(storage: Storage) -> int:
+    """The newest committed step of the root; FileNotFoundError when it has none."""
+    steps = layout.committed_steps(storage)
+    if not steps:
+        raise FileNotFoundError(f"no committed checkpoint in {storage.url}{layout.step_dir_hint(storage)}")
+    return steps[-1]
+
+
+def _export_step(
+    reader: StepReader,
+    keys: Sequence[str],
+    out: str,
+    format: str,
+    shard_bytes: int,
+    config: str | os.PathLike | Mapping[str, Any] | None,
+    progress: bool | None,
+) -> None:
+    """Write `keys` of the step `reader` reads to `out`, which appears only when complete."""
+    step = reader.step
+    if not keys and not isinstance(keys, str):  # as for load: [] selects nothing, not the default
+        raise ValueError(
+            f"keys=[] selects nothing to export from step {step}: name the keys, or leave keys out to export "
+            f"{DEFAULT_KEY!r}"
+        )
+    routes = reader.routes(keys)  # a KeyError naming a missing key (and a str for a list: TypeError)
+    hf_config = _hf_config(config, reader, step) if format == "hf" else None
+    with _staged(out, directory=format != "torch") as tmp:
+        if format == "torch":
+            _write_torch(reader, keys, routes, tmp, progress)
+        else:
+            _write_safetensors(reader, keys, routes, tmp, shard_bytes, progress, format)
+            if hf_config is not None:
+                with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+                    json.dump(hf_config, f, indent=2, sort_keys=True)
 
 
 def _check_out(out: str, format: str) -> None:

@@ -1051,7 +1051,7 @@ def test_a_step_deleted_while_load_or_export_reads_it_is_not_damage(tmp_path, mo
                         ckpt.load(root, step=3)
                 else:
                     with pytest.raises(ckpt.StepNotFoundError, match=r"step 4 of .* was deleted while being read"):
-                        ckpt.export(root, tmp_path / "out", format="safetensors")
+                        ckpt.export(root, tmp_path / "out", format="safetensors", step=4)
     assert sorted(os.listdir(tmp_path)) == ["root"] and ckpt.CheckpointManager(root).steps() == [1]
     assert not (root / "_quarantine").exists()
 
@@ -1113,11 +1113,12 @@ def test_load_or_export_of_a_step_directory_names_its_root(tmp_path, capsys):
     assert capsys.readouterr().err == f"error: no committed checkpoint in {step_dir} {hint}\n"
 
 
-def test_load_of_the_newest_step_replaced_while_it_reads_gives_the_newer_one(tmp_path, monkeypatch):
+@pytest.mark.parametrize("call", ["load", "export"])
+def test_load_of_the_newest_step_replaced_while_it_reads_gives_the_newer_one(tmp_path, monkeypatch, call):
     """A training run under keep_last=1 committed step 3 and deleted step 2 while load read step 2: load went on to
-    the older steps it had listed (none) and said 'no committed checkpoint in ROOT', with step 3 committed there.
-    It now lists the steps again, as restore does, and reads step 3. The writer's save is made right after the
-    reader read step 2's manifest, where the race falls."""
+    the older steps it had listed (none) and said 'no committed checkpoint in ROOT', with step 3 committed there,
+    and export (without --step) failed. Both now list the steps again, as restore does, and read step 3. The
+    writer's save is made right after the reader read step 2's manifest, where the race falls."""
     from ckpt import layout
 
     root = tmp_path / "root"
@@ -1135,5 +1136,9 @@ def test_load_of_the_newest_step_replaced_while_it_reads_gives_the_newer_one(tmp
         monkeypatch.setattr(layout, "read_manifest", racing)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert torch.equal(ckpt.load(root)["model"]["w"], torch.full((4,), 3.0))
+            if call == "load":
+                assert torch.equal(ckpt.load(root)["model"]["w"], torch.full((4,), 3.0))
+            else:
+                assert ckpt.export(root, tmp_path / "w.pt", format="torch") == 3
+                assert torch.equal(torch.load(tmp_path / "w.pt", weights_only=True)["w"], torch.full((4,), 3.0))
         assert writer.steps() == [3]
