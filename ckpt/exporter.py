@@ -29,7 +29,7 @@ from . import layout, restore, store
 from . import state as state_mod
 from .errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from .format import ArrayInfo, torch_dtype
-from .reader import Route, StepReader
+from .reader import Route, StepReader, key_list
 from .safetensors_file import Entry, Writer, dtype_name
 from .storage import Storage, open_storage
 
@@ -127,7 +127,7 @@ def export(
     out = os.path.abspath(os.fspath(out))
     _check_out(out, format)
     storage = open_storage(root, storage_options)
-    keys = [DEFAULT_KEY] if keys is None else keys
+    keys = key_list(keys) if keys is not None else [DEFAULT_KEY]
     with ThreadPoolExecutor(8, thread_name_prefix="ckpt-export") as pool:
         relists = 0
         while True:
@@ -165,7 +165,7 @@ def _export_step(
 ) -> None:
     """Write `keys` of the step `reader` reads to `out`, which appears only when complete."""
     step = reader.step
-    if not keys and not isinstance(keys, str):  # as for load: [] selects nothing, not the default
+    if not keys:  # as for load: [] selects nothing, not the default
         raise ValueError(
             f"keys=[] selects nothing to export from step {step}: name the keys, or leave keys out to export "
             f"{DEFAULT_KEY!r}"

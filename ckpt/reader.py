@@ -14,7 +14,7 @@ import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -59,15 +59,9 @@ class StepReader:
         """The route of each dotted key (``"model.embed.weight"``: the top-level key, then the keys below it, whose
         own names may hold dots), each once; KeyError naming the key and what the checkpoint has where it stops
         matching."""
+        keys = key_list(keys)
         if keys is None:
             return [(k,) for k in self.tree]
-        if isinstance(keys, str):
-            raise TypeError(f"keys must be a list of dotted paths, e.g. [{keys!r}], not a str")
-        wrong = [k for k in keys if not isinstance(k, str)]
-        if wrong:
-            raise TypeError(
-                f"keys must be dotted paths (str), got {wrong[0]!r} ({type(wrong[0]).__name__}) in {list(keys)}"
-            )
         if "" in keys:  # `--keys model,`: it selected the whole state, optimizer and all
             raise ValueError(
                 f"keys {list(keys)} hold an empty key: name each one, or leave keys out (load reads the whole state, "
@@ -169,7 +163,7 @@ def load(
     """
     if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
         raise ValueError(f"io_threads must be an int >= 1, got {io_threads!r}")
-    device = _usable_device(device)
+    device, keys = _usable_device(device), key_list(keys)
     storage = open_storage(root, storage_options)
     with ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-load") as pool:
         if step is not None:
@@ -200,6 +194,20 @@ def load(
             f"no intact checkpoint in {storage.url}: {len(damaged)} damaged (newest error: {damaged[max(damaged)]})"
         )
     raise FileNotFoundError(f"no committed checkpoint in {storage.url}{layout.step_dir_hint(storage)}")
+
+
+def key_list(keys: Iterable[str] | None) -> list[str] | None:
+    """`keys` as given to load or export, checked and read once: a generator is consumed here, not by the first of
+    the passes over the selection (which left the others, and the output, empty). None stays None."""
+    if keys is None:
+        return None
+    if isinstance(keys, str):
+        raise TypeError(f"keys must be a list of dotted paths, e.g. [{keys!r}], not a str")
+    keys = list(keys)
+    wrong = [k for k in keys if not isinstance(k, str)]
+    if wrong:
+        raise TypeError(f"keys must be dotted paths (str), got {wrong[0]!r} ({type(wrong[0]).__name__}) in {keys}")
+    return keys
 
 
 def _usable_device(device: str | torch.device) -> torch.device:

@@ -1142,3 +1142,13 @@ def test_load_of_the_newest_step_replaced_while_it_reads_gives_the_newer_one(tmp
                 assert ckpt.export(root, tmp_path / "w.pt", format="torch") == 3
                 assert torch.equal(torch.load(tmp_path / "w.pt", weights_only=True)["w"], torch.full((4,), 3.0))
         assert writer.steps() == [3]
+
+
+def test_keys_given_as_a_generator_select_what_it_yields(tmp_path):
+    """keys=(k for k in ['model']) selected nothing: the first pass over the selection consumed the generator, so
+    load gave {} and export wrote an empty torch file ({}), with no error. Keys are read once now."""
+    with ckpt.CheckpointManager(tmp_path / "root") as m:
+        m.save(1, {"model": {"w": torch.ones(2)}, "opt": {"x": torch.zeros(1)}}).wait()
+    assert list(ckpt.load(tmp_path / "root", keys=(k for k in ["model"]))) == ["model"]
+    ckpt.export(tmp_path / "root", tmp_path / "w.pt", format="torch", keys=(k for k in ["model"]))
+    assert list(torch.load(tmp_path / "w.pt", weights_only=True)) == ["w"]
