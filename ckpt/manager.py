@@ -452,6 +452,7 @@ class CheckpointManager:
             raise TypeError(f"state must be a dict of the objects to restore into, got {type(state).__name__}")
         if isinstance(keys, str):
             raise TypeError(f"keys must be a list of top-level keys, e.g. [{keys!r}], not a str")
+        keys = None if keys is None else list(keys)  # read once: each step tried (and each rank's plan) reads it
         self._check_open()
         failure = None  # among ranks, told to every rank by the restore's first message
         try:

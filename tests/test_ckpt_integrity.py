@@ -788,3 +788,15 @@ def test_damage_under_a_module_named_fc_names_the_right_file(tmp_path, chunk_byt
     with ckpt.CheckpointManager(tmp_path) as m, pytest.raises(CorruptCheckpointError) as info:
         m.restore({"fc": {"c": torch.zeros(1, 3000)}}, step=1)
     assert info.value.file == str(chunk) and info.value.key == "fc/c"
+
+
+def test_restore_keys_given_as_a_generator_restore_the_step_fallen_back_to(tmp_path):
+    """restore(state, keys=(k for k in ['a'])) with the newest step damaged read the generator on the first try,
+    then restored nothing of step 1 and returned 1: the state kept its values in silence. Keys are read once."""
+    _save(tmp_path, [1, 2])
+    _flip(os.path.join(data_dir(tmp_path, 2), "arrays", "a", "c", "0", "0"), 4000)
+    target = _target()
+    with ckpt.CheckpointManager(tmp_path) as m, warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert m.restore(target, keys=(k for k in ["a"])) == 1
+    assert _bits(target["a"]) == _bits(_state(1)["a"])
