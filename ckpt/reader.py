@@ -258,12 +258,19 @@ def _children(node: Any) -> list[tuple[Any, Any]] | None:
 def _route(node: Any, path: str, key: str, above: Route, step: int) -> Route:
     """The keys that spell `path` below `node`; a child's name may itself contain dots (``embed.weight``), the
     longest name that fits is tried first; a name may be empty (``"model."`` is the child '' of ``model``). A
-    KeyError names where the deepest attempt stopped matching."""
+    KeyError names where the deepest attempt stopped matching, or the two names (0 and "0") that spell `path`."""
     children = _children(node)
     fits = sorted(
         ((k, c) for k, c in (children or []) if str(k) == path or path.startswith(f"{k}.")),
         key=lambda kc: -len(str(kc[0])),
     )
+    where = ".".join(map(str, above)) or "the top level"
+    exact = [k for k, _ in fits if str(k) == path]
+    if len(exact) > 1:  # an int key and its str (0 and "0") are spelled alike
+        raise StateKeyError(
+            f"key {key!r} is ambiguous in checkpoint step {step}: {where} holds both {exact[0]!r} and {exact[1]!r}; "
+            f"select {where!r} whole"
+        )
     deepest: _NoMatch | None = None
     for k, child in fits:
         if str(k) == path:
@@ -274,7 +281,6 @@ def _route(node: Any, path: str, key: str, above: Route, step: int) -> Route:
             deepest = e if deepest is None or e.depth > deepest.depth else deepest
     if deepest is not None:
         raise deepest
-    where = ".".join(map(str, above)) or "the top level"
     has = [str(k) for k, _ in children or []]
     listing = f"it has {has[:20]}{' ...' if len(has) > 20 else ''}" if children is not None else "it is not a container"
     raise _NoMatch(len(above), f"key {key!r} is not in checkpoint step {step}: no {path!r} under {where} ({listing})")

@@ -1152,3 +1152,13 @@ def test_keys_given_as_a_generator_select_what_it_yields(tmp_path):
     assert list(ckpt.load(tmp_path / "root", keys=(k for k in ["model"]))) == ["model"]
     ckpt.export(tmp_path / "root", tmp_path / "w.pt", format="torch", keys=(k for k in ["model"]))
     assert list(torch.load(tmp_path / "w.pt", weights_only=True)) == ["w"]
+
+
+def test_a_key_that_spells_an_int_key_and_its_str_alike_is_ambiguous(tmp_path):
+    """A dict holding both 0 and '0' (restore keeps both): keys=['m.0'] read whichever came first, in silence, and
+    the other could not be chosen. Now a KeyError says the key is ambiguous and names both."""
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"m": {0: torch.ones(1), "0": torch.zeros(2)}}).wait()
+    with pytest.raises(KeyError, match=r"key 'm.0' is ambiguous in checkpoint step 1: m holds both 0 and '0'; select"):
+        ckpt.load(tmp_path, keys=["m.0"])
+    assert list(ckpt.load(tmp_path, keys=["m"])["m"]) == [0, "0"]
