@@ -320,7 +320,7 @@ def decode(
             # a module's or optimizer's state is a dict: a number, a list... is another kind of value (their
             # load_state_dict refuses it naming no key); other objects' own load judges what is not a tensor
             raise StateMismatchError(
-                f"restore: key {key!r} is a {type(template).__qualname__} in the state passed to restore, but the "
+                f"restore: key {key!r} is {_a(type(template).__qualname__)} in the state passed to restore, but the "
                 f"checkpoint holds {_kind(node)} there"
             )
         obj, strict = template, isinstance(template, torch.nn.Module)
@@ -393,12 +393,17 @@ def _holds_own(x: Any, seen: set[int] | None = None) -> bool:
 def _kind(node: Any) -> str:
     """What a checkpoint's tree holds at a node, in words (for a mismatch)."""
     if not isinstance(node, dict):
-        return f"a {type(node).__name__} value"
+        return _a(f"{type(node).__name__} value")
     tag = _tag(node)
     if tag == "$state":
-        return f"the state of a {node['$state']}"
+        return f"the state of {_a(node['$state'])}"
     names = {None: "a dict", "$tensor": "a tensor", "$ndarray": "a numpy array"}
-    return names[tag] if tag in names else f"a {tag[1:]} value"
+    return names[tag] if tag in names else _a(f"{tag[1:]} value")
+
+
+def _a(words: str) -> str:
+    """`words` after their indefinite article ("an int value", "an OrderedDict", "a float value")."""
+    return f"{'an' if words[:1].lower() in 'aeiou' else 'a'} {words}"
 
 
 def _check_groups(value: Any, current: Mapping[str, Any], key: str) -> None:

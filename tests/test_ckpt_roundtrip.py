@@ -434,7 +434,7 @@ def test_a_restore_into_objects_of_another_kind_is_refused_before_anything_chang
         if case == "module_for_none":
             state["x"], match = torch.nn.Linear(1, 1), "key 'x' is a Linear .* the checkpoint holds a NoneType value"
         else:
-            state["x"], match = None, "key 'optim' is a AdamW .* the checkpoint holds a list value"
+            state["x"], match = None, "key 'optim' is an AdamW .* the checkpoint holds a list value"
     with pytest.raises(ckpt.StateMismatchError, match=match), ckpt.CheckpointManager(tmp_path) as m:
         m.restore(state)
     assert torch.equal(model.weight, weight)
@@ -583,6 +583,16 @@ def test_a_restore_into_a_tensor_without_dense_memory_is_refused_naming_the_key(
         with ckpt.CheckpointManager(tmp_path) as m:
             m.restore(state)
     assert all(torch.equal(state["model"].state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_kind_mismatch_reads_as_english(tmp_path):
+    """The mismatch errors said 'the checkpoint holds a int value' and 'key 'optim' is a AdamW'; now 'an'."""
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"epoch": 3}).wait()
+        with pytest.raises(
+            ckpt.StateMismatchError, match=r"key 'epoch' is a tensor .* the checkpoint holds an int value$"
+        ):
+            m.restore({"epoch": torch.zeros(1)})
 
 
 def test_a_strided_inference_tensor_restores_in_place(tmp_path):
