@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
 import threading
 from dataclasses import dataclass
@@ -71,6 +72,10 @@ class WriteBudget:
     def __post_init__(self) -> None:
         if not 0 < self.cores <= 1:
             raise ValueError(f"WriteBudget.cores is a share of the CPUs, in (0, 1]; got {self.cores}")
+        for name in ("file_ops_per_core", "nice"):  # a thread count and a niceness: a float failed the writer thread's
+            value = getattr(self, name)  # start (os.setpriority), and every save then waited for it forever
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"WriteBudget.{name} must be an int, got {value!r} ({type(value).__name__})")
         if self.file_ops_per_core < 1:
             raise ValueError(f"WriteBudget.file_ops_per_core must be at least 1, got {self.file_ops_per_core}")
         if not 0 <= self.nice <= 19:

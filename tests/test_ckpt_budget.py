@@ -105,6 +105,14 @@ def test_write_budget_rejects_a_niceness_outside_0_19():
         WriteBudget(nice=20)
 
 
+@pytest.mark.parametrize("field", ["nice", "file_ops_per_core"])
+@pytest.mark.parametrize("bad", [5.5, True, "5"])
+def test_write_budget_refuses_a_niceness_or_file_count_that_is_not_an_int(tmp_path, field, bad):
+    """nice=5.5 used to be taken: the writer thread failed to start (os.setpriority) and the save waited forever."""
+    with pytest.raises(TypeError, match=f"WriteBudget.{field} must be an int, got {bad!r}"):
+        WriteBudget(**{field: bad})
+
+
 _PRIORITIES = textwrap.dedent(
     """
     import json, os, sys, threading, torch
