@@ -236,7 +236,7 @@ class CheckpointManager:
             except Exception as e:
                 failure = self._to_tell(e)
             t0 = time.perf_counter()
-            owned = snapshot_mod.optimizer_owned(state) if self.snapshot == "overlap" and failure is None else set()
+            owned = snapshot_mod.optimizer_owned(state) if self.snapshot == "overlap" and failure is None else {}
             w = self.write
             written = plan(
                 step,

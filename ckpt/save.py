@@ -31,7 +31,7 @@ from .format import MAX_DEPTH, ArrayInfo, Manifest, deeper_than
 from .lease import Lease
 from .packs import PackWriter
 from .planner import ArrayPlan, Planner
-from .snapshot import Pending
+from .snapshot import Pending, Watched
 from .staging import Staged, StagingArena
 from .storage import Storage, request_error
 
@@ -188,7 +188,7 @@ def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
 class SaveJob:
     """One save in flight: the snapshot is taken in the constructor, `run()` writes and commits in the background.
 
-    `defer`: tensors whose copy may be made after the constructor returns (name -> version counter now; see
+    `defer`: tensors whose copy may be made after the constructor returns (name -> version counters now; see
     `ckpt.snapshot`): they are left to `pending`, which the caller runs, and `run()` waits for it before writing.
     Only when the whole snapshot fits the arena at once; past the staging cap every copy is made here.
     """
@@ -202,7 +202,7 @@ class SaveJob:
         ranks: Ranks,
         lease: Lease | None = None,
         fsyncs: ThreadPoolExecutor | None = None,
-        defer: Mapping[str, int] | None = None,
+        defer: Mapping[str, Watched] | None = None,
     ):
         self.storage, self.plan, self.arena, self.context, self.ranks = storage, plan, arena, context, ranks
         self.lease = lease  # the root's lease (the leader's, or each rank's own root's); None on other ranks

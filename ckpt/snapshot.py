@@ -12,8 +12,10 @@ The contract of the mode: between `save` and the next optimizer step nothing els
 `SaveHandle.wait_snapshot()` is called first). A tensor changed in place by anything else before its copy is
 taken (``p.mul_()`` outside a step, ``load_state_dict``, ``nn.Embedding(max_norm=...)``'s renorm in forward) has
 its version counter bumped; the copy compares the counters afterwards and fails the save, naming the keys,
-instead of committing a mixed state (whether the write or the copy comes first is a race). Writes through
-``p.data``, numpy views, EMA swaps through ``.data`` bypass version counters: they are committed silently.
+instead of committing a mixed state (whether the write or the copy comes first is a race). The counters compared
+are the saved tensor's and the optimizer's own tensor's of the same memory (a ``p.data`` in the state has a counter
+of its own, which a ``p.mul_()`` does not bump). Writes through ``p.data``, numpy views, EMA swaps through ``.data``
+bypass version counters: they are committed silently.
 """
 
 from __future__ import annotations
@@ -34,14 +36,16 @@ from .state import is_dtensor
 MODES = ("overlap", "sync")
 
 
-def optimizer_owned(state: Mapping[str, Any]) -> set[int]:
-    """Storage addresses of the parameters and state tensors of every torch optimizer in `state` (at any depth of
-    its dicts, lists and tuples; wrappers such as accelerate's delegate `param_groups` and `state`)."""
-    owned: set[int] = set()
+def optimizer_owned(state: Mapping[str, Any]) -> dict[int, torch.Tensor]:
+    """Storage address -> the first of the parameters and state tensors of every torch optimizer in `state` found in
+    that storage (at any depth of its dicts, lists and tuples; wrappers such as accelerate's delegate `param_groups`
+    and `state`)."""
+    owned: dict[int, torch.Tensor] = {}
 
     def add(t: Any) -> None:
         if isinstance(t, torch.Tensor):
-            owned.add((t.to_local() if is_dtensor(t) else t).untyped_storage().data_ptr())
+            local = (t.to_local() if is_dtensor(t) else t).detach()  # its version counter, whatever swaps `t`'s later
+            owned.setdefault(local.untyped_storage().data_ptr(), local)
 
     def visit(x: Any, depth: int) -> None:
         if depth > 16:
@@ -64,15 +68,20 @@ def optimizer_owned(state: Mapping[str, Any]) -> set[int]:
     return owned
 
 
-def versions(tensors: Mapping[str, torch.Tensor], owned: set[int]) -> dict[str, int]:
-    """The tensors whose copy may wait for the next optimizer step: name -> version counter now. Only tensors in
+Watched = tuple[int, torch.Tensor, int]  # a deferred tensor's version, its storage's optimizer tensor and that one's
+
+
+def versions(tensors: Mapping[str, torch.Tensor], owned: Mapping[int, torch.Tensor]) -> dict[str, Watched]:
+    """The tensors whose copy may wait for the next optimizer step: name -> (its version counter now, the optimizer's
+    tensor of its storage, that one's counter now: a ``p.data`` in the state counts apart from ``p``). Only tensors in
     `owned` storages, and only those with a version counter (inference tensors have none: copied at once)."""
     if not owned:
         return {}
     out = {}
     for name, t in tensors.items():
-        if t.untyped_storage().data_ptr() in owned and not t.is_inference():
-            out[name] = t._version
+        owner = owned.get(t.untyped_storage().data_ptr())
+        if owner is not None and not t.is_inference():
+            out[name] = (t._version, owner, owner._version)
     return out
 
 
@@ -81,9 +90,11 @@ class Pending:
     sources changed meanwhile; `wait` blocks until then (the fence, the write before it reads the arena)."""
 
     def __init__(
-        self, step: int, copies: list[Copy], tensors: Mapping[str, torch.Tensor], saved_versions: dict[str, int]
+        self, step: int, copies: list[Copy], tensors: Mapping[str, torch.Tensor], watched: Mapping[str, Watched]
     ):
-        self.step, self._copies, self._tensors, self._versions = step, copies, tensors, saved_versions
+        self.step, self._copies, self._tensors = step, copies, tensors
+        self._versions = {name: v for name, (v, _, _) in watched.items()}
+        self._owners = {name: (owner, v) for name, (_, owner, v) in watched.items()}
         # made in `save`, on the training thread: the work it queued so far on each CUDA source's device (its current
         # stream: a loop under ``torch.cuda.stream(s)``, a CUDA graph's replay), which the copies on the snapshot
         # thread's stream must follow; that stream does not wait for another one by itself
@@ -100,9 +111,10 @@ class Pending:
                 torch.cuda.current_stream(device).wait_event(queued)
             copy(self._copies)
             changed = [
-                f"{name!r} (version {v} -> {self._tensors[name]._version})"
-                for name, v in self._versions.items()
-                if self._tensors[name]._version != v
+                f"{name!r} (version {v} -> {t._version})"
+                for name in self._versions
+                for t, v in ((self._tensors[name], self._versions[name]), self._owners[name])
+                if t._version != v
             ]
             if changed:
                 raise StateChangedError(
@@ -114,7 +126,7 @@ class Pending:
         except BaseException as e:
             self.error = e
         finally:
-            self._copies, self._tensors, self._queued = [], {}, []  # the sources are no longer referenced once copied
+            self._copies, self._tensors, self._owners, self._queued = [], {}, {}, []  # sources unreferenced once copied
             self._done.set()
 
     def done(self) -> bool:

@@ -143,6 +143,24 @@ def test_a_change_outside_an_optimizer_step_fails_the_save_naming_the_key_and_no
     assert_same(restored(tmp_path, 1), first)
 
 
+def test_a_change_through_a_parameter_saved_as_its_data_alias_fails_the_save(tmp_path):
+    """``p.data`` has a version counter of its own, which ``p.mul_()`` does not bump: the save compares the optimizer's
+    tensor's counter too (before, the doubled weight was committed silently as the state at save)."""
+    model, optim = make()
+    train_step(model, optim)
+    state = {"weights": [p.data for p in model.parameters()], "optim": optim}
+    with ckpt.CheckpointManager(tmp_path, snapshot="overlap") as m:
+        gate = Gate(m)
+        handle = m.save(1, state)
+        with torch.no_grad():
+            model[0].weight.mul_(2.0)  # not through optimizer.step(), nor through .data: a change the mode catches
+        gate.open()
+        with pytest.raises(ckpt.CheckpointWriteError, match=r"'weights/0' \(version \d+ -> \d+\)") as e:
+            handle.wait()
+        assert isinstance(e.value.__cause__, ckpt.StateChangedError)
+        assert m.steps() == []
+
+
 def test_a_save_failing_before_its_write_is_reported_only_once_its_deferred_copies_are_made(tmp_path):
     """The next save reuses the arena: copies of a failed save still running would overwrite what it staged."""
     (tmp_path / "run.json").mkdir()  # the first save cannot record its run: it fails before writing any array
