@@ -147,7 +147,10 @@ class Background:
                 err = CheckpointWriteError(step, e)
                 self.fail(err)
                 log.error("checkpoint step %d failed: %s", step, e)
-                failed(err)
+                try:
+                    failed(err)
+                except Exception as reporting:  # an observer's own error: the handle still resolves (else every
+                    log.warning("after checkpoint step %d failed: %s", step, reporting)  # later wait hangs)
                 committed.set_exception(err)
                 return
             committed.set_result(step)

@@ -1,5 +1,6 @@
 """What the manager tells a goodput tracker lands in the ledger: saves, commits, restores, failures."""
 
+import contextlib
 import time
 
 import pytest
@@ -42,6 +43,34 @@ def test_manager_reports_a_failed_background_write(tmp_path):
     tracker.end()
     failed = [r for r in _records(tmp_path) if r.get("k") == "ckpt_failed"]
     assert [r["s"] for r in failed] == [2] and "step 2" in failed[0]["err"]
+
+
+class _FailingObserver:
+    """A tracker whose own ledger cannot be written when a save fails (the same full disk, say)."""
+
+    def span(self, category, **attrs):
+        return contextlib.nullcontext()
+
+    def checkpoint_committed(self, step, background_seconds, nbytes, *, tier=None):
+        pass
+
+    def checkpoint_restored(self, step, *, tier=None):
+        pass
+
+    def checkpoint_failed(self, step, error):
+        raise OSError(28, "No space left on device: the tracker's ledger")
+
+
+def test_a_tracker_that_raises_on_a_failed_save_still_lets_the_save_and_the_next_ones_report(tmp_path):
+    """Before, the failed save's handle never resolved: wait(), the next save and close() hung forever."""
+    (tmp_path / "step_00000002").write_text("a file where the step directory should go")
+    m = ckpt.CheckpointManager(tmp_path, tracker=_FailingObserver())
+    handle = m.save(2, {"w": torch.zeros(3)})
+    with pytest.raises(ckpt.CheckpointWriteError, match="step 2"):
+        handle.wait(timeout=60)  # a guard (the old code never resolved it): no close to hang in, should it fail
+    m.save(3, {"w": torch.ones(3)}).wait()
+    assert m.steps() == [3]
+    m.close()
 
 
 def test_a_tracker_set_to_none_reports_to_nobody(tmp_path):
