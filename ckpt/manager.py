@@ -315,8 +315,16 @@ class CheckpointManager:
             "committed step %d: %.1f MB, stall %.3fs, background %.3fs (%.2f GB/s)", step, mb, stall, seconds, rate
         )
         tier = self._target.commit_tier  # one tier: no tier=, as observers written for one tier expect
-        self.tracker.checkpoint_committed(step, seconds, nbytes, **({"tier": tier} if tier else {}))
+        self._tell_committed(step, seconds, nbytes, **({"tier": tier} if tier else {}))
         return retain_now
+
+    def _tell_committed(self, step: int, seconds: float, nbytes: int, **tier: str) -> None:
+        """Tell the tracker a step is committed; its own failure (a ledger it cannot write) is logged: the step is
+        durable, and a save reported failed after its commit would be retried into `StepExistsError`."""
+        try:
+            self.tracker.checkpoint_committed(step, seconds, nbytes, **tier)
+        except Exception as e:
+            log.warning("step %d is committed, but the tracker could not record it: %s", step, e)
 
     def _persisted(
         self, step: int, error: BaseException | None, seconds: float = 0.0, nbytes: int | None = None
@@ -328,7 +336,7 @@ class CheckpointManager:
             self._background.fail(err, unless_failed=True)
             return
         if nbytes is not None:
-            self.tracker.checkpoint_committed(step, seconds, nbytes, tier=DURABLE)
+            self._tell_committed(step, seconds, nbytes, tier=DURABLE)
         self._retain_after(step)
 
     def _retain_after(self, step: int) -> None:

@@ -73,6 +73,19 @@ def test_a_tracker_that_raises_on_a_failed_save_still_lets_the_save_and_the_next
     m.close()
 
 
+class _ObserverThatCannotRecordCommits(_FailingObserver):
+    def checkpoint_committed(self, step, background_seconds, nbytes, *, tier=None):
+        raise OSError(28, "No space left on device: the tracker's ledger")
+
+
+def test_a_tracker_that_raises_on_a_commit_leaves_the_save_committed_and_reported_so(tmp_path):
+    """Before, the committed step's handle raised CheckpointWriteError ("saving step 1 failed"): a retry of it then
+    met StepExistsError, and the retention after it did not run."""
+    with ckpt.CheckpointManager(tmp_path, tracker=_ObserverThatCannotRecordCommits()) as m:
+        m.save(1, {"w": torch.ones(3)}).wait()
+        assert m.steps() == [1]
+
+
 def test_a_tracker_set_to_none_reports_to_nobody(tmp_path):
     """Lightning hands the manager `tracker=None` between fits: saves and restores then go on, reported to nobody."""
     tracker = ettr.GoodputTracker(str(tmp_path)).start()
