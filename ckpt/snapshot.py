@@ -109,6 +109,16 @@ class Pending:
         try:
             for device, queued in self._queued:
                 torch.cuda.current_stream(device).wait_event(queued)
+            freed = [
+                f"{name!r} (needs {_spanned(t)} bytes of its storage, which now has {t.untyped_storage().nbytes()})"
+                for name, t in self._tensors.items()
+                if name in self._versions and t.untyped_storage().nbytes() < _spanned(t)
+            ]
+            if freed:  # its memory given back (``untyped_storage().resize_(0)``, FSDP's free): a copy would crash
+                raise StateChangedError(
+                    f"the storage of tensors was freed or shrunk after save(step={self.step}) returned, before their "
+                    f"snapshot was copied: {', '.join(freed[:5])}. Call SaveHandle.wait_snapshot() before freeing them"
+                )
             copy(self._copies)
             changed = [
                 f"{name!r} (version {v} -> {t._version})"
@@ -140,6 +150,14 @@ class Pending:
         self.wait()
         if self.error is not None:
             raise self.error
+
+
+def _spanned(t: torch.Tensor) -> int:
+    """Bytes of its storage that tensor `t` reaches, from the storage's start (0 for an empty tensor)."""
+    if t.numel() == 0:
+        return 0
+    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
 
 
 class Fence:

@@ -13,6 +13,7 @@ the loop provably acts while the copy is still to be made.
 import contextlib
 import copy
 import gc
+import subprocess
 import sys
 import threading
 import time
@@ -159,6 +160,32 @@ def test_a_change_through_a_parameter_saved_as_its_data_alias_fails_the_save(tmp
             handle.wait()
         assert isinstance(e.value.__cause__, ckpt.StateChangedError)
         assert m.steps() == []
+
+
+_FREED = """
+import sys, threading, torch, ckpt
+model = torch.nn.Linear(64, 64)
+optim = torch.optim.SGD(model.parameters(), lr=0.1)
+with ckpt.CheckpointManager(sys.argv[1], snapshot="overlap") as m:
+    gate = threading.Event()
+    m._background._snapshotter.submit(gate.wait, 10)  # the deferred copy waits behind it
+    handle = m.save(1, {"model": model, "optim": optim})
+    model.weight.untyped_storage().resize_(0)  # FSDP-style free of a parameter's memory, before the copy
+    gate.set()
+    try:
+        handle.wait()
+    except ckpt.CheckpointWriteError as e:
+        print(type(e.__cause__).__name__, e)
+    print("steps", m.steps())
+"""
+
+
+def test_a_parameter_whose_storage_is_freed_before_its_copy_fails_the_save_instead_of_crashing(tmp_path):
+    """In a child process: the copy read the freed memory and the process died of a segmentation fault."""
+    out = subprocess.run([sys.executable, "-c", _FREED, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "StateChangedError" in out.stdout and "'model/weight'" in out.stdout and "freed" in out.stdout
+    assert "steps []" in out.stdout
 
 
 def test_a_save_failing_before_its_write_is_reported_only_once_its_deferred_copies_are_made(tmp_path):
