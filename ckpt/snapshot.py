@@ -31,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .errors import StateChangedError
 from .staging import Copy, copy
-from .state import is_dtensor
+from .state import is_dtensor, spanned_bytes
 
 MODES = ("overlap", "sync")
 
@@ -110,9 +110,9 @@ class Pending:
             for device, queued in self._queued:
                 torch.cuda.current_stream(device).wait_event(queued)
             freed = [
-                f"{name!r} (needs {_spanned(t)} bytes of its storage, which now has {t.untyped_storage().nbytes()})"
+                f"{name!r} (needs {spanned_bytes(t)} bytes of its storage, which now has {t.untyped_storage().nbytes()})"
                 for name, t in self._tensors.items()
-                if name in self._versions and t.untyped_storage().nbytes() < _spanned(t)
+                if name in self._versions and t.untyped_storage().nbytes() < spanned_bytes(t)
             ]
             if freed:  # its memory given back (``untyped_storage().resize_(0)``, FSDP's free): a copy would crash
                 raise StateChangedError(
@@ -150,14 +150,6 @@ class Pending:
         self.wait()
         if self.error is not None:
             raise self.error
-
-
-def _spanned(t: torch.Tensor) -> int:
-    """Bytes of its storage that tensor `t` reaches, from the storage's start (0 for an empty tensor)."""
-    if t.numel() == 0:
-        return 0
-    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return (last + 1) * t.element_size()
 
 
 class Fence:

@@ -129,6 +129,7 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
             raise TypeError(f"value at key {key!r} is nested deeper than {MAX_DEPTH} levels (does it contain itself?)")
         if isinstance(x, torch.Tensor):
             _check_dense(x, key)
+            _check_storage(x, key)
             _check_rank(x.dim(), key)
             return tensor_ref(x.detach(), path, "$tensor")
         if isinstance(x, np.ndarray):
@@ -238,6 +239,25 @@ def _check_dense(t: torch.Tensor, key: str) -> None:
         raise TypeError(
             f"tensor at key {key!r} is {what}: only dense tensors with data can be saved "
             f"(convert it first, e.g. with .to_dense() or .unbind())"
+        )
+
+
+def spanned_bytes(t: torch.Tensor) -> int:
+    """Bytes of its storage that tensor `t` reaches, from the storage's start (0 for an empty tensor)."""
+    if t.numel() == 0:
+        return 0
+    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
+
+
+def _check_storage(t: torch.Tensor, key: str) -> None:
+    """A tensor whose storage no longer spans it (freed with ``untyped_storage().resize_(0)``, as FSDP frees a
+    parameter between uses) would crash the process in the copy (a segfault): refuse it naming the key. Only plain
+    tensors and parameters: a wrapper subclass (DTensor) has no storage of its own to check."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter) and t.untyped_storage().nbytes() < spanned_bytes(t):
+        raise ValueError(
+            f"tensor at key {key!r} has no data: its storage holds {t.untyped_storage().nbytes()} bytes of the "
+            f"{spanned_bytes(t)} it spans (freed, e.g. by FSDP between uses: save the state_dict FSDP gives)"
         )
 
 

@@ -188,6 +188,31 @@ def test_a_parameter_whose_storage_is_freed_before_its_copy_fails_the_save_inste
     assert "steps []" in out.stdout
 
 
+_FREED_BEFORE = """
+import sys, torch, ckpt
+t = torch.randn(64, 64)
+t.untyped_storage().resize_(0)  # freed before the save (FSDP frees a parameter between uses)
+with ckpt.CheckpointManager(sys.argv[1]) as m:
+    try:
+        m.save(1, {"model": {"w": t}})
+    except ValueError as e:
+        print(type(e).__name__, e)
+    m.save(2, {"model": {"w": torch.ones(2)}, "empty": torch.empty(0)}).wait()
+    print("steps", m.steps())
+"""
+
+
+def test_a_tensor_whose_storage_is_freed_is_refused_at_save_instead_of_crashing(tmp_path):
+    """In a child process: the copy inside save() read the freed memory and the process died of a segmentation
+    fault, in either snapshot mode; the save is refused naming the key, and the next one commits."""
+    out = subprocess.run(
+        [sys.executable, "-c", _FREED_BEFORE, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ValueError tensor at key 'model.w' has no data: its storage holds 0 bytes of the 16384" in out.stdout
+    assert "steps [2]" in out.stdout
+
+
 def test_a_save_failing_before_its_write_is_reported_only_once_its_deferred_copies_are_made(tmp_path):
     """The next save reuses the arena: copies of a failed save still running would overwrite what it staged."""
     (tmp_path / "run.json").mkdir()  # the first save cannot record its run: it fails before writing any array
