@@ -434,6 +434,29 @@ def test_skip_list_removes_windows_for_every_later_resume(dataset):
         ShuffledSampler(3, 1, SEED).skip([0, 1, 2])
 
 
+def test_a_long_skip_list_replaces_a_batchs_skipped_items_in_a_few_vectorized_rounds(monkeypatch):
+    """Half of 20,000 items skipped (a bad shard's windows): each hit was replaced in a Python loop that scanned the
+    whole skip list per position tried and evaluated the permutation one position at a time, in the main process,
+    every step (0.16 s a batch of 512 with a million skips). The replacements are still the scalar walk's."""
+    from ckpt.determinism import permutation
+
+    s = ShuffledSampler(20_000, 512, SEED, world_size=1, rank=0)
+    s.skip(range(0, 20_000, 2))
+    calls = []
+    real = permutation.FeistelPermutation.__call__
+    monkeypatch.setattr(permutation.FeistelPermutation, "__call__", lambda p, i: calls.append(i) or real(p, i))
+    counters, indices = s.global_batch(3)
+    assert len(calls) < 40, f"{len(calls)} permutation calls for one batch of 512"  # was one per position tried
+    monkeypatch.undo()
+    skipped = set(range(0, 20_000, 2))
+    for t, item in zip(counters.tolist(), indices.tolist()):  # the next unskipped item of the epoch's order
+        epoch, position = divmod(t, 20_000)
+        perm = permutation.epoch_permutation(20_000, SEED, epoch)
+        while int(perm(position)) in skipped:
+            position = (position + 1) % 20_000
+        assert item == int(perm(position)), t
+
+
 def test_skip_of_indices_that_are_not_ints_is_a_type_error_naming_the_first():
     """skip("12") skipped items 1 and 2, and skip([12.5]) (an index computed as start / stride) item 12, silently."""
     s = ShuffledSampler(100, 4, SEED, world_size=1, rank=0)

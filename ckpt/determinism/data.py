@@ -26,7 +26,7 @@ from torch.utils.data._utils.collate import default_collate
 from ..distributed import topology
 from ..errors import DataMismatchError  # noqa: F401 (defined with the other errors; importable here too)
 from ..observer import NO_TRACKER, CheckpointObserver
-from .permutation import MAX_SIZE, epoch_permutation, epochs_permuted
+from .permutation import MAX_SIZE, epochs_permuted
 from .seeding import sample_rng, seed_global_rngs, torch_generator
 from .windows import FINGERPRINT_BLOCK, TokenStream, WindowReader, data_fingerprint, resolve_token_files  # noqa: F401
 
@@ -127,7 +127,7 @@ class _CounterSampler(Sampler[list[Any]]):
         self.allow_data_change = allow_data_change
         self._t = 0
         self._step = 0
-        self._skip: list[int] = []
+        self._skip = np.empty(0, dtype=np.int64)  # sorted item indices never yielded
         self._generation = 0
         self._hashes: dict[int, str] = {}  # step -> batch hash of the global batch the loader drew for it
 
@@ -168,29 +168,35 @@ class _CounterSampler(Sampler[list[Any]]):
 
     def skip(self, indices: Iterable[int]) -> None:
         """Never yield these items again (each becomes the next unskipped item of its epoch order); call before iter()."""
-        new = sorted(set(self._skip) | set(_ints(**{f"indices[{k}]": i for k, i in enumerate(indices)})))
+        new = sorted(set(self._skip.tolist()) | set(_ints(**{f"indices[{k}]": i for k, i in enumerate(indices)})))
         if new and (new[0] < 0 or new[-1] >= self.num_items):
             raise ValueError(f"skip indices must be in [0, {self.num_items}), got {new[0]}..{new[-1]}")
         if len(new) >= self.num_items:
             raise ValueError(f"cannot skip all {self.num_items} items")
-        self._skip = new
+        self._skip = np.asarray(new, dtype=np.int64)
         self._new_generation()
 
     # ----- the pure function counter -> item ------------------------------------------------------------
     def indices(self, counters: np.ndarray) -> np.ndarray:
-        """Item index for each global sample counter: perm_epoch(t mod N), skipped items replaced."""
+        """Item index for each global sample counter: perm_epoch(t mod N), each skipped item replaced by the next
+        unskipped one of its epoch's order (all samples at once, one round per position moved: a skip list of a
+        million items costs a batch milliseconds, not a Python loop scanning the list per hit)."""
         counters = np.asarray(counters, dtype=np.int64)
         epochs, positions = np.divmod(counters, self.num_items)
         out = epochs_permuted(self.num_items, self.seed, epochs, positions)
-        if self._skip:
-            skip = np.asarray(self._skip, dtype=np.int64)
-            for k in np.flatnonzero(np.isin(out, skip)):
-                perm = epoch_permutation(self.num_items, self.seed, int(epochs[k]))
-                pos = int(positions[k])
-                while out[k] in skip:
-                    pos = (pos + 1) % self.num_items
-                    out[k] = perm(pos)
+        hits = np.flatnonzero(self._skipped(out))
+        while hits.size:
+            positions[hits] = (positions[hits] + 1) % self.num_items
+            out[hits] = epochs_permuted(self.num_items, self.seed, epochs[hits], positions[hits])
+            hits = hits[self._skipped(out[hits])]
         return out
+
+    def _skipped(self, items: np.ndarray) -> np.ndarray:
+        """Which of `items` are in the skip list (a binary search in the sorted list)."""
+        if not self._skip.size:
+            return np.zeros(items.shape, dtype=bool)
+        at = np.minimum(np.searchsorted(self._skip, items), self._skip.size - 1)
+        return self._skip[at] == items
 
     def global_batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(counters, item indices) of `step`'s global batch, identical on every rank and world size."""
@@ -245,7 +251,7 @@ class _CounterSampler(Sampler[list[Any]]):
 
     def state_dict(self) -> dict[str, Any]:
         """About a hundred bytes of JSON: kind, config, fingerprint, counter t, steps done and skip list."""
-        return {"kind": self.kind, **self._config(), "t": self._t, "step": self._step, "skip": list(self._skip)}
+        return {"kind": self.kind, **self._config(), "t": self._t, "step": self._step, "skip": self._skip.tolist()}
 
     def check_state_dict(self, state: Mapping[str, Any]) -> None:
         """Raise what `load_state_dict(state)` would raise, changing nothing: a restore checks samplers first and
@@ -255,7 +261,8 @@ class _CounterSampler(Sampler[list[Any]]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at the saved position; a different kind, config or data fingerprint raises unless allowed, and a
         position this sampler cannot take (a tampered or foreign state) raises naming its key."""
-        self._t, self._step, self._skip = self._checked(state)
+        self._t, self._step, skip = self._checked(state)
+        self._skip = np.asarray(skip, dtype=np.int64)
         self._new_generation()
 
     def _checked(self, state: Mapping[str, Any]) -> tuple[int, int, list[int]]:
