@@ -134,6 +134,10 @@ def test_window_across_a_shard_boundary_is_the_tail_then_the_head(tmp_path):
     assert ds.__getitems__([(0, 95)])[0]["tokens"].tolist() == want.tolist()
     with pytest.raises(IndexError, match=r"window \[191, 201\) exceeds the 200 tokens of 2 files"):
         ds[(0, 191)]
+    last = (1 << 63) - 3  # start + window overflowed int64 past the bounds check: "not enough values to unpack"
+    for read in (lambda: ds[(0, last)], lambda: ds.__getitems__([(0, last)])):
+        with pytest.raises(IndexError, match=rf"window \[{last}, {last + 10}\) exceeds the 200 tokens of 2 files"):
+            read()
 
 
 def test_an_empty_shard_is_skipped_by_both_paths(tmp_path):

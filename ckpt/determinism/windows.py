@@ -117,7 +117,7 @@ class TokenStream:
         """Each window [start, start + window) as (window, file, byte offset, byte length, token offset) pieces:
         one per window inside a file, one per touched file for a window across a shard boundary."""
         starts = np.asarray(starts, dtype=np.int64)
-        if starts.size and (starts.min() < 0 or starts.max() + window > self.n_tokens):
+        if starts.size and (starts.min() < 0 or starts.max() > self.n_tokens - window):  # no int64 overflow
             bad = int(starts.min()) if starts.min() < 0 else int(starts.max())
             raise IndexError(f"window [{bad}, {bad + window}) exceeds the {self.n_tokens} tokens of {self.describe()}")
         item = self.dtype.itemsize
