@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -478,6 +481,44 @@ def test_elastic_same_global_batches_for_every_world_size(dataset, world_size):
     for step in range(1, 61):  # crosses an epoch boundary (101 windows / 8)
         local = [pair for s in ranks for pair in s.local_batch(step)]
         assert local == reference.local_batch(step)
+
+
+BUILT_BEFORE_INIT = """
+import os, socket, torch.distributed as dist, torch.multiprocessing as mp
+from ckpt import ShuffledSampler
+def run(rank, port):
+    found = ShuffledSampler(100, 4, 0)  # before init_process_group: rank 0 of 1
+    given = ShuffledSampler(100, 4, 0, rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        outcome = f"iterated {next(iter(found))}"
+    except RuntimeError as e:
+        outcome = str(e)
+    after = ShuffledSampler(100, 4, 0)
+    os.write(1, f"{rank} {outcome} | {next(iter(given))} {after.local_batch(1)}\\n".encode())  # one write a rank
+    dist.destroy_process_group()
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+mp.start_processes(run, args=(port,), nprocs=2, start_method="fork")
+"""
+
+
+def test_a_sampler_built_before_init_process_group_refuses_to_iterate_in_another_rank(tmp_path):
+    """Built before `init_process_group` under torchrun, a sampler took rank 0 of 1 on every rank: each rank drew the
+    whole global batch and all trained the same samples, silently. Iterating now raises, naming both places."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    res = subprocess.run(
+        [sys.executable, "-c", BUILT_BEFORE_INIT], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    reference = ShuffledSampler(100, 4, 0, rank=0, world_size=1).local_batch(1)
+    halves = [reference[:2], reference[2:]]  # rank r of 2: its half of the global batch
+    assert sorted(res.stdout.splitlines()) == [
+        f"{rank} sampler built as rank 0 of 1 (torch.distributed's place when it was built), iterated in rank {rank} of"
+        f" 2: build it after init_process_group, or pass rank= and world_size= | {halves[rank]} {halves[rank]}"
+        for rank in (0, 1)
+    ]
 
 
 def test_elastic_resume_at_world_size_2_from_world_size_4(dataset):

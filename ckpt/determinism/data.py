@@ -101,6 +101,7 @@ class _CounterSampler(Sampler[list[Any]]):
         allow_data_change: bool,
     ) -> None:
         found_rank, found_world = topology()
+        self._found_topology = rank is None or world_size is None  # checked again when iterated (`_check_topology`)
         rank = found_rank if rank is None else rank
         world_size = found_world if world_size is None else world_size
         num_items, global_batch_size, seed, rank, world_size = _ints(
@@ -226,6 +227,7 @@ class _CounterSampler(Sampler[list[Any]]):
     def __iter__(self) -> Iterator[list[Any]]:
         """Endless local batches from the next step on; fails loudly if state is loaded while iterating."""
         generation, step = self._generation, self._step + 1
+        self._check_topology()
         while True:
             self._check_generation(generation)
             yield self.local_batch(step)
@@ -236,6 +238,17 @@ class _CounterSampler(Sampler[list[Any]]):
         before, and their hashes, may be other ones now)."""
         self._generation += 1
         self._hashes.clear()
+
+    def _check_topology(self) -> None:
+        """Refuse to iterate as another place than this process's, when the place was taken from `topology()`: a
+        sampler built before `init_process_group` was rank 0 of 1 on every rank, which all trained the same batches."""
+        if self._found_topology and topology() != (self.rank, self.world_size):
+            rank, world_size = topology()
+            raise RuntimeError(
+                f"sampler built as rank {self.rank} of {self.world_size} (torch.distributed's place when it was built),"
+                f" iterated in rank {rank} of {world_size}: build it after init_process_group, or pass rank= and"
+                " world_size="
+            )
 
     def _check_generation(self, generation: int) -> None:
         """Refuse to continue an iterator created before `load_state_dict` (it would silently ignore the state)."""
