@@ -7,6 +7,7 @@ step it has just committed.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -162,5 +163,22 @@ def doomed(
     """The committed `steps` (ascending) that `policy` does not keep; never the newest, whatever it says, nor a step
     of `spare`: the step just committed, which a save below a newer step (a run resumed with `restore(step=)` from
     before the newest) would otherwise see deleted by its own retention right after its handle said it committed."""
-    kept = policy.keep(steps, metadata) if steps else set()
+    kept = _kept(policy, steps, metadata) if steps else set()
     return [s for s in steps[:-1] if s not in kept and s not in spare]
+
+
+def _kept(policy: RetentionPolicy, steps: Sequence[int], metadata: Metadata) -> set[int]:
+    """`policy`'s answer as a set of steps, checked: a generator tested step by step was used up by the first miss
+    (deleting the steps it kept after it), and strings ('100') matched no step (deleting every one)."""
+    answer = policy.keep(steps, metadata)
+    try:
+        kept = set(answer)
+    except TypeError:
+        raise TypeError(f"{policy!r}.keep(steps, metadata) must return the steps to keep, got {answer!r}") from None
+    bad = [s for s in kept if isinstance(s, bool) or not isinstance(s, numbers.Integral)]
+    if bad:
+        raise TypeError(
+            f"{policy!r}.keep(steps, metadata) must return steps (ints) of the steps it is given, got {bad[:3]!r} "
+            f"among {len(kept)}: nothing deleted"
+        )
+    return kept

@@ -9,7 +9,7 @@ import torch
 
 import ckpt
 from ckpt import Keep, KeepBest, KeepEvery, KeepLast, RetentionPolicy
-from ckpt.retention import StepMetadata
+from ckpt.retention import StepMetadata, doomed
 
 STEPS = list(range(1, 11))
 
@@ -98,6 +98,27 @@ def test_a_diverged_loss_is_saved_as_metadata_and_never_ranked_best(tmp_path):
 
 def test_the_newest_committed_step_survives_any_policy(tmp_path):
     assert _save(tmp_path, range(1, 5), retention=_KeepNothing()) == [4]
+
+
+class _KeepEvenLazily:
+    def keep(self, steps, metadata):
+        return (s for s in steps if s % 2 == 0)
+
+
+class _KeepAsText:
+    def keep(self, steps, metadata):
+        return {str(s) for s in steps}
+
+
+def test_a_policy_answering_a_generator_or_strings_deletes_no_step_it_keeps(tmp_path, caplog):
+    """A generator, tested step by step, was used up by the first step it did not keep (steps 2 and 4 deleted too);
+    strings matched no step (every step but the newest deleted). The first is taken as the set it yields, the second
+    refused: nothing deleted, the error logged naming the values."""
+    assert doomed(_KeepEvenLazily(), [1, 2, 3, 4, 5, 6, 7], {}) == [1, 3, 5]
+    with pytest.raises(TypeError, match=r"must return steps \(ints\).*'1'"):
+        doomed(_KeepAsText(), [1, 2, 3], {})
+    assert _save(tmp_path, range(1, 5), retention=_KeepAsText()) == [1, 2, 3, 4]
+    assert "retention after step 4 failed" in caplog.text
 
 
 def test_a_save_below_a_newer_step_is_not_deleted_by_its_own_retention(tmp_path):
