@@ -417,13 +417,17 @@ class Tiers:
 
     def _retain(self, storage: Storage, protected: set[int]) -> None:
         """Delete the committed steps of a local root the local retention does not keep: never the newest, nor a
-        step of `protected` (the one just committed, one being persisted)."""
-        steps = layout.committed_steps(storage)
-        metadata = StepMetadata(steps, functools.partial(layout.saved_metadata, storage), {})
-        for s in doomed(self.retention, steps, metadata, spare=protected):
-            catalog.delete_step(storage, s)
-            if storage is self.local and self.on_local_delete is not None:
-                self.on_local_delete(s)
+        step of `protected` (the one just committed, one being persisted). A failure (a policy that raises) is logged,
+        as the durable root's retention does: the save it follows is committed, a step left behind loses nothing."""
+        try:
+            steps = layout.committed_steps(storage)
+            metadata = StepMetadata(steps, functools.partial(layout.saved_metadata, storage), {})
+            for s in doomed(self.retention, steps, metadata, spare=protected):
+                catalog.delete_step(storage, s)
+                if storage is self.local and self.on_local_delete is not None:
+                    self.on_local_delete(s)
+        except Exception as e:
+            log.warning("local retention in %s failed: %s", storage.url, e)
 
     def wait(self) -> None:
         """Until the persist in flight, if any, has ended."""

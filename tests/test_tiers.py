@@ -186,6 +186,23 @@ def test_a_save_below_a_newer_step_is_kept_by_both_tiers_retention(tmp_path):
     assert same(got, state(4))
 
 
+class _Raises:
+    def keep(self, steps, metadata):
+        raise RuntimeError("no metrics service")
+
+
+def test_a_local_retention_that_fails_is_logged_and_the_save_still_commits(tmp_path, caplog):
+    """A `local_retention` policy that raises failed every save with CheckpointWriteError (the tracker told of a
+    failed checkpoint) although each step was committed in both tiers; as the durable retention does, it is logged."""
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    with ckpt.CheckpointManager(durable, local=local, persist_every=1, local_retention=_Raises()) as m:
+        for step in (1, 2):
+            m.save(step, state(step)).wait()
+        m.wait()
+        assert [(int(s), s.tiers) for s in m.steps()] == [(1, ("local", "durable")), (2, ("local", "durable"))]
+    assert "local retention in" in caplog.text and "no metrics service" in caplog.text
+
+
 def test_damaged_local_step_falls_back_to_its_durable_copy_and_is_quarantined(tmp_path):
     durable, local = saved(tmp_path, [1, 2], persist_every=1)
     flip_byte(chunk(local, 2))
