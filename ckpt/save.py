@@ -171,8 +171,12 @@ def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
             return x.item()
         raise TypeError(f"{type(x).__qualname__} is not JSON")
 
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a dict with str keys, e.g. {{'loss': 0.5}}, got {type(metadata).__name__}")
     out = {}
     for key, value in dict(metadata or {}).items():
+        if not isinstance(key, str):  # JSON writes 1 as "1": it came back under another key, or took "1"'s place
+            raise TypeError(f"metadata keys must be str (JSON object keys), got {key!r} ({type(key).__name__})")
         try:  # NaN and inf are kept (a diverged loss): the manifest writes them as the state tree does
             out |= json.loads(json.dumps({key: value}, default=number))
         except (TypeError, ValueError, RecursionError) as e:

@@ -724,6 +724,17 @@ def test_metadata_that_could_not_be_read_back_is_refused_at_save_and_tag_like_di
     assert math.isnan(meta["nan"])
 
 
+def test_metadata_that_is_no_dict_of_str_keys_is_refused_at_save_naming_what_it_is(tmp_path):
+    """metadata=[...] failed with 'cannot convert dictionary update sequence element #0', metadata={1: 2} with a bare
+    KeyError: 1 (JSON turned the key into '1'); both are refused saying what metadata must be, and nothing commits."""
+    with ckpt.CheckpointManager(tmp_path) as m:
+        with pytest.raises(TypeError, match=r"metadata must be a dict with str keys.*got list"):
+            m.save(1, {"w": torch.zeros(2)}, metadata=[0.5, 0.4])
+        with pytest.raises(TypeError, match=r"metadata keys must be str.*got 1 \(int\)"):
+            m.save(1, {"w": torch.zeros(2)}, metadata={1: 0.5})
+        assert m.steps() == []
+
+
 def test_a_step_directory_that_is_a_symbolic_link_is_never_read_through(tmp_path):
     """A link in place of a step (to a valid step elsewhere) is no step of this root: not listed, and named
     explicitly it is damage. `ckpt inspect --step` and `metadata()` used to read the other place's manifest."""
