@@ -58,7 +58,7 @@ class KeepEvery:
 @dataclass(frozen=True)
 class KeepBest:
     """The `n` steps with the lowest (mode "min") or highest ("max") finite `metric` in their metadata; on a tie the
-    newer step. Steps without a finite value for the metric are never among the best."""
+    newer step. Steps without a finite number (int or float, not bool) for the metric are never among the best."""
 
     n: int
     metric: str
@@ -79,7 +79,8 @@ class KeepBest:
         def score(s: int) -> float:
             v = metadata.get(s, {}).get(self.metric)
             try:  # an int past a float's range (10**400) is no finite value either
-                return sign * float(v) if isinstance(v, (int, float)) and math.isfinite(v) else math.inf
+                number = isinstance(v, (int, float)) and not isinstance(v, bool)  # {"loss": False} is no loss of 0
+                return sign * float(v) if number and math.isfinite(v) else math.inf
             except OverflowError:
                 return math.inf
 

@@ -29,7 +29,9 @@ def test_each_retention_policy_keeps_exactly_its_steps():
 
 def test_keep_best_ranks_only_finite_numbers():
     metadata = {1: {"loss": math.nan}, 2: {"loss": "low"}, 3: {}, 4: {"loss": 2.0}, 5: {"loss": math.inf}}
-    assert KeepBest(3, "loss").keep([1, 2, 3, 4, 5], metadata) == {4}
+    metadata |= {6: {"loss": False}, 7: {"loss": True}}  # a flag logged under the metric's name ranked as 0 and 1
+    assert KeepBest(3, "loss").keep([1, 2, 3, 4, 5, 6, 7], metadata) == {4}
+    assert KeepBest(3, "loss", mode="max").keep([1, 2, 3, 4, 5, 6, 7], metadata) == {4}
 
 
 def test_retention_policies_check_their_arguments():
