@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -302,6 +303,8 @@ def roll_back(roots: Sequence[Storage], step: int) -> list[tuple[Storage, int]]:
 
 
 def delete_step(storage: Storage, step: int) -> None:
-    """Remove a committed step: the manifest first (it vanishes atomically), then its arrays."""
-    storage.delete_file(layout.manifest_path(step))
+    """Remove a committed step: the manifest first (it vanishes atomically), then its arrays. A directory in the
+    manifest's place (a damaged step, which no reader takes) goes with the tree: retention failed on it for good."""
+    with contextlib.suppress(IsADirectoryError):
+        storage.delete_file(layout.manifest_path(step))
     storage.delete_tree(layout.step_dir(step))

@@ -528,6 +528,23 @@ def test_crafted_manifests_and_files_are_damage_and_fall_back(tmp_path, two_step
     assert torch.equal(target["a"], _state(1)["a"]) and torch.equal(target["c"], _state(1)["c"])
 
 
+@pytest.mark.parametrize("case", ["manifest_is_dir", "manifest_is_fifo", "manifest_sparse_2GiB"])
+def test_retention_and_delete_remove_a_step_whatever_stands_in_its_manifest(tmp_path, two_steps, case):
+    """A directory in place of a step's manifest made `delete_step` fail (IsADirectoryError) at every retention
+    ("retention could not delete step 1", after each save) and every `delete(1)`: the step stayed for good."""
+    for how in ("delete", "retention"):
+        root = tmp_path / how / "ck"
+        shutil.copytree(two_steps, root)
+        _FILES[case](_step(root, 1))
+        with ckpt.CheckpointManager(root, keep_last=1) as m:
+            if how == "delete":
+                m.delete(1)
+            else:
+                m.save(3, {"w": torch.zeros(2)}).wait()
+            m.wait()
+            assert 1 not in m.steps() and not os.path.exists(_step(root, 1))
+
+
 def _placed_state(step: int) -> dict:
     """Tensors placed in the rank's pack (the default format): a 2-D one, a 0-d one."""
     return {"w": torch.arange(2048.0).reshape(64, 32) + step, "s": torch.tensor(float(step)), "n": step}
