@@ -226,8 +226,14 @@ class LocalStorage:
             fsync_dir(parent)
 
     def size(self, path: str) -> int:
-        base = self._p(path)
-        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(base) for f in fs)
+        """Bytes of the files under `path`, links not followed; a file deleted meanwhile (a live writer's retention)
+        counts nothing: `ls` beside a writer failed with FileNotFoundError."""
+        total = 0
+        for d, _, fs in os.walk(self._p(path)):
+            for f in fs:
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.lstat(os.path.join(d, f)).st_size
+        return total
 
     def sync_tree(self, path: str) -> None:
         """fsync every directory under `path`, then its parents up to the root: the entries tensorstore created
