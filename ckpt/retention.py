@@ -164,7 +164,8 @@ def doomed(
     """The committed `steps` (ascending) that `policy` does not keep; never the newest, whatever it says, nor a step
     of `spare`: the step just committed, which a save below a newer step (a run resumed with `restore(step=)` from
     before the newest) would otherwise see deleted by its own retention right after its handle said it committed."""
-    kept = _kept(policy, steps, metadata) if steps else set()
+    # the policy gets its own copy: one that sorted it in place (newest first) made steps[:-1] hold the newest
+    kept = _kept(policy, list(steps), metadata) if steps else set()
     return [s for s in steps[:-1] if s not in kept and s not in spare]
 
 

@@ -123,6 +123,19 @@ def test_a_policy_answering_a_generator_or_strings_deletes_no_step_it_keeps(tmp_
     assert "retention after step 4 failed" in caplog.text
 
 
+class _RanksNewestFirstInPlace:
+    def keep(self, steps, metadata):
+        steps.sort(reverse=True)
+        return set()
+
+
+def test_a_policy_that_sorts_the_steps_in_place_cannot_doom_the_newest(tmp_path):
+    """The policy was handed the very list retention then read its doomed steps from: sorted newest first in place,
+    steps[:-1] became [4, 3, 2] and the newest step was deleted. The policy now gets its own copy of the list."""
+    assert doomed(_RanksNewestFirstInPlace(), [1, 2, 3, 4], {}) == [1, 2, 3]
+    assert _save(tmp_path, range(1, 5), retention=_RanksNewestFirstInPlace()) == [4]
+
+
 def test_a_save_below_a_newer_step_is_not_deleted_by_its_own_retention(tmp_path):
     """A run resumed with restore(step=3) from before the root's newest step 5 saves step 4: keep_last=1 keeps the
     newest (5) and must keep step 4 too, the step whose handle just said it committed; step 3 goes."""
