@@ -92,6 +92,8 @@ class Keep:
     """Keeps every step that any of `policies` keeps: ``Keep(KeepLast(3), KeepBest(2, "loss"))``."""
 
     def __init__(self, *policies: RetentionPolicy) -> None:
+        if not policies:  # built from an empty list of settings, it kept nothing: every step but the newest went
+            raise ValueError("Keep needs at least one policy (Keep() would keep only the newest step)")
         bad = [p for p in policies if not isinstance(p, RetentionPolicy)]
         if bad:
             raise TypeError(f"Keep takes retention policies (with a keep(steps, metadata) method), got {bad!r}")

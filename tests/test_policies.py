@@ -42,6 +42,8 @@ def test_retention_policies_check_their_arguments():
         KeepBest(1, "loss", mode="lowest")
     with pytest.raises(TypeError, match="retention policies"):
         Keep(KeepLast(1), 3)
+    with pytest.raises(ValueError, match="at least one policy"):  # it kept nothing: every step but the newest went
+        Keep(*[])
 
 
 def test_step_metadata_is_read_only_for_policies_that_look():
