@@ -10,6 +10,7 @@ import math
 import numbers
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
 Metadata = Mapping[int, Mapping[str, Any]]
@@ -151,7 +152,7 @@ class StepMetadata(Mapping[int, Mapping[str, Any]]):
             raise KeyError(step)
         if step not in self._cache:
             self._cache[step] = self._read(step)
-        return self._cache[step]
+        return MappingProxyType(self._cache[step])  # read-only: a policy's pop() emptied the cache of later saves
 
     def __iter__(self) -> Iterator[int]:
         return iter(sorted(self._steps))

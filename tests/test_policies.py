@@ -138,6 +138,19 @@ def test_a_policy_that_sorts_the_steps_in_place_cannot_doom_the_newest(tmp_path)
     assert _save(tmp_path, range(1, 5), retention=_RanksNewestFirstInPlace()) == [4]
 
 
+class _PopsLoss:
+    def keep(self, steps, metadata):
+        return {s for s in steps if metadata[s].pop("loss", 1.0) < 0}
+
+
+def test_a_policy_cannot_change_the_metadata_other_policies_and_later_saves_rank_by(tmp_path, caplog):
+    """metadata[s] was the manager's cached dict: a policy popping the loss from it left KeepBest nothing to rank, in
+    that save and every later one, and the best step (1) was deleted. It is read-only now: such a policy fails
+    (logged, nothing deleted)."""
+    assert 1 in _save(tmp_path, [1, 2, 3], retention=Keep(_PopsLoss(), KeepBest(1, "loss", mode="max")))
+    assert "retention after step 3 failed" in caplog.text
+
+
 def test_a_save_below_a_newer_step_is_not_deleted_by_its_own_retention(tmp_path):
     """A run resumed with restore(step=3) from before the root's newest step 5 saves step 4: keep_last=1 keeps the
     newest (5) and must keep step 4 too, the step whose handle just said it committed; step 3 goes."""
