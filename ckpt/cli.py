@@ -48,7 +48,12 @@ def _printable(text: str) -> str:
 
 
 def _when(t: float) -> str:
-    return datetime.datetime.fromtimestamp(t).isoformat(" ", "seconds")
+    """`t` as a local date and time; as unix seconds where no calendar has it (a crafted manifest's 2**53 failed
+    the whole `ls`)."""
+    try:
+        return datetime.datetime.fromtimestamp(t).isoformat(" ", "seconds")
+    except (ValueError, OverflowError, OSError):
+        return f"{t:.0f} (unix time)"
 
 
 class _Tier(NamedTuple):

@@ -1,5 +1,7 @@
 """Both command line tools on bad input: one line on stderr, a non-zero exit, never a traceback or a hang."""
 
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -172,6 +174,25 @@ def test_special_files_planted_in_a_root_are_damage_or_ignored_never_a_hang_or_a
     with pytest.raises(OSError, match="not a regular file .*: remove it"):
         with ckpt.CheckpointManager(root) as m:
             m.save(4, {"w": torch.zeros(4)})
+
+
+def test_ls_lists_a_root_whose_manifest_or_quarantine_record_holds_a_time_no_calendar_has(tmp_path, capsys):
+    """A well-signed manifest with time 2**53 (within the bounds the manifest accepts) or a quarantine record with
+    -2**53 failed the whole `ls` with 'year 285428751 is out of range'; such a time is shown as unix seconds."""
+    root = tmp_path / "ck"
+    with ckpt.CheckpointManager(root) as m:
+        for step in (1, 2):
+            m.save(step, {"w": torch.zeros(2)}).wait()
+    path = root / "step_00000001" / "manifest.json"
+    body = json.loads(path.read_bytes())["body"] | {"time": 2**53}
+    text = json.dumps(body, separators=(",", ":"))
+    path.write_text(json.dumps({"sha256": hashlib.sha256(text.encode()).hexdigest(), "body": body}))
+    (root / "_quarantine" / "step_00000009-1").mkdir(parents=True)
+    (root / "_quarantine" / "step_00000009-1" / "_DAMAGED").write_text('{"reason": "x", "time": -9007199254740992}')
+    code, out, err = _run(ckpt.cli.main, ["ls", str(root)], capsys)
+    assert code == 0 and not err, err
+    assert "9007199254740992 (unix time)" in out and "2  committed" in out
+    assert "quarantined -9007199254740992 (unix time)" in out
 
 
 ETTR_ERRORS = [
