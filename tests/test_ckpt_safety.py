@@ -10,14 +10,16 @@ import subprocess
 import sys
 import threading
 import uuid
+from argparse import Namespace
 
 import pytest
 import torch
 
 import ckpt
-from ckpt import catalog, layout, lease
+from ckpt import catalog, cli, layout, lease
 from ckpt.errors import CheckpointWriteError, CorruptCheckpointError
 from ckpt.storage import open_storage
+from fault_storage import FaultStorage
 from step_paths import data_dir
 
 
@@ -476,6 +478,27 @@ def test_memory_root_is_one_store(tmp_path):
         assert m.steps() == [2]
         t = _state(0)
         assert m.restore(t) == 2 and torch.equal(t["w"], _state(2)["w"])
+
+
+def test_cli_verify_beside_a_writer_whose_retention_deletes_a_step_reports_no_damage(tmp_path, capsys):
+    """`ckpt verify ROOT` beside a live writer under keep_last=1 said 'step 1: DAMAGED: zarr.json is missing' (exit 1)
+    for a step retention deleted while it was read (37 of 9,752 runs), or failed with StepNotFoundError. Here the
+    step is deleted (manifest first, as retention does) at the first read of its data."""
+    root = tmp_path / "ck"
+    with ckpt.CheckpointManager(root) as m:
+        for step in (1, 2):
+            m.save(step, {"w": torch.full((64,), float(step))}).wait()
+    inner = open_storage(str(root))
+
+    def retention_deletes_step_1(path: str) -> bool:
+        if path.startswith("step_00000001/w-"):
+            catalog.delete_step(inner, 1)
+        return False
+
+    storage = FaultStorage(inner, hide=retention_deletes_step_1)
+    assert cli.cmd_verify(storage, Namespace(step=None, quiet=True)) == 0
+    out = capsys.readouterr().out
+    assert "step 1: deleted while it was being verified" in out and "DAMAGED" not in out and "step 2: ok" in out
 
 
 def test_cli_ls_inspect_gc(tmp_path):
