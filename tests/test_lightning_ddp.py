@@ -102,17 +102,15 @@ def test_ddp_fit_whose_ranks_samplers_differ_is_refused_at_its_start_and_at_a_sa
     on other batches, every save committed rank 0's state, and a resume put rank 1 on it unseen (its skips lost).
     Every rank now raises, naming what differs, at the fit's start and at a save."""
     root = tmp_path / "root"
-    first = fit(root, 4, "sampled")  # the same sampler on both ranks: saved and resumed as before
-    assert first["end", 0] == first["end", 1] and first["end", 0][0] == 4
-    assert layout.committed_steps(open_storage(str(root))) == [4]
+    # rank 1 counts step 3's batch twice: the save of step 2 (the samplers equal) commits, step 4's is refused
+    advanced = run(root, 8, "sampled", "advance")
+    assert advanced.returncode != 0
+    assert "differ from rank 0's at the save of step 4" in advanced.stdout, advanced.stdout[-6000:]
+    assert "'train' step: rank 0 has 4, rank 1 has 5" in advanced.stdout, advanced.stdout[-6000:]
+    assert layout.committed_steps(open_storage(str(root))) == [2]
 
-    skipped = run(root, 8, "sampled", "skip")
+    skipped = run(root, 8, "sampled", "skip")  # compared before the resume from step 2 loads rank 0's state
     assert skipped.returncode != 0
     assert "samplers of rank(s) [1] differ from rank 0's at the fit's start" in skipped.stdout, skipped.stdout[-6000:]
     assert "'train' skip: rank 0 has [], rank 1 has [3]" in skipped.stdout, skipped.stdout[-6000:]
-
-    advanced = run(root, 8, "sampled", "advance")  # rank 1 counts step 5's batch twice; step 6 is the next save
-    assert advanced.returncode != 0
-    assert "differ from rank 0's at the save of step 6" in advanced.stdout, advanced.stdout[-6000:]
-    assert "'train' step: rank 0 has 6, rank 1 has 7" in advanced.stdout, advanced.stdout[-6000:]
-    assert layout.committed_steps(open_storage(str(root))) == [4]
+    assert layout.committed_steps(open_storage(str(root))) == [2]

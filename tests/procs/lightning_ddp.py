@@ -4,8 +4,8 @@ CkptCheckpointIO + GoodputCallback + ModelCheckpoint(every 2 steps, last), resum
 Usage: lightning_ddp.py ROOT MAX_STEPS [split | decide | sampled [skip | advance]]
 ("split": rank 1 uses ROOT-rank1 as its root and pointer folder, as a node-local disk would; "decide": a
 DecisionCheckpoint into ROOT/decided whose decision asks for a save at step 6 on rank 1 alone; "sampled": the data
-through a ckpt ShuffledSampler given to GoodputCallback, whose rank 1 skips item 3 ("skip") or counts its first batch
-after the start twice ("advance").)
+through a ckpt ShuffledSampler given to GoodputCallback, whose rank 1 skips item 3 ("skip") or counts step 3's batch
+twice ("advance").)
 Every rank prints "start RANK STEP HEX" (its weights as the training starts: after a resume, the restored ones) and
 "end RANK STEP HEX" (after the fit), HEX being the float32 bytes of every parameter in order.
 """
@@ -63,13 +63,13 @@ class Rank1AtStep6:
 
 
 class AdvanceOnce(Callback):
-    """Rank 1 counts its first batch after the start twice: its sampler's position is no longer rank 0's."""
+    """Rank 1 counts step 3's batch twice (after the save of step 2): its sampler's position is no longer rank 0's."""
 
     def __init__(self, sampler: ShuffledSampler) -> None:
         self.sampler, self.done = sampler, False
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_rank == 1 and not self.done:
+        if trainer.global_rank == 1 and trainer.global_step == 3 and not self.done:
             self.sampler.advance()
             self.done = True
 
