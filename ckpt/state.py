@@ -242,27 +242,28 @@ def _check_dense(t: torch.Tensor, key: str) -> None:
         )
 
 
-def spanned_bytes(t: torch.Tensor) -> int:
-    """Bytes of its storage that tensor `t` reaches, from the storage's start (0 for an empty tensor)."""
-    if t.numel() == 0:
-        return 0
-    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return (last + 1) * t.element_size()
+def short_storage(t: torch.Tensor) -> tuple[int, int] | None:
+    """(bytes its storage holds, bytes of it tensor `t` spans) when the storage no longer spans it (freed with
+    ``untyped_storage().resize_(0)``, as FSDP frees a parameter between uses: a copy of it would crash the process,
+    a segfault), else None. Runs inside the stall: a contiguous tensor's span costs no per-dimension sum."""
+    have = t.untyped_storage().nbytes()
+    if t.is_contiguous() and have >= (t.storage_offset() + t.numel()) * t.element_size():
+        return None
+    spans = 0
+    if t.numel():
+        last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        spans = (last + 1) * t.element_size()
+    return (have, spans) if have < spans else None
 
 
 def _check_storage(t: torch.Tensor, key: str) -> None:
-    """A tensor whose storage no longer spans it (freed with ``untyped_storage().resize_(0)``, as FSDP frees a
-    parameter between uses) would crash the process in the copy (a segfault): refuse it naming the key. Only plain
-    tensors and parameters: a wrapper subclass (DTensor) has no storage of its own to check."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        return
-    have = t.untyped_storage().nbytes()
-    if t.is_contiguous() and have >= (t.storage_offset() + t.numel()) * t.element_size():
-        return  # what spanned_bytes gives a contiguous tensor, at less than half its cost (it runs inside the stall)
-    if have < spanned_bytes(t):
+    """A tensor whose storage no longer spans it is refused naming the key (`short_storage`). Only plain tensors and
+    parameters: a wrapper subclass (DTensor) has no storage of its own to check."""
+    short = short_storage(t) if type(t) in (torch.Tensor, torch.nn.Parameter) else None
+    if short is not None:
         raise ValueError(
-            f"tensor at key {key!r} has no data: its storage holds {t.untyped_storage().nbytes()} bytes of the "
-            f"{spanned_bytes(t)} it spans (freed, e.g. by FSDP between uses: save the state_dict FSDP gives)"
+            f"tensor at key {key!r} has no data: its storage holds {short[0]} bytes of the {short[1]} it spans "
+            "(freed, e.g. by FSDP between uses: save the state_dict FSDP gives)"
         )
 
 
