@@ -93,12 +93,7 @@ def walk(
         if outcome == "vanished":
             if step is not None:
                 raise StepNotFoundError(f"step {step} is not committed in {durable.url}")
-            relists += 1
-            if relists > restore_mod.MAX_RELISTS:
-                raise CheckpointError(
-                    f"steps of {durable.url} vanished while being read, {relists} times: "
-                    f"is another process deleting them?"
-                )
+            relists = restore_mod.relisted(durable.url, relists)
             log.info("step %d vanished while being read (retention?); listing the steps again", s)
             todo = candidates(durable, target, ranks, step, found.tried())
             continue

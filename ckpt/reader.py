@@ -21,7 +21,7 @@ import torch
 from . import layout, restore
 from . import state as state_mod
 from .distributed import Ranks
-from .errors import CheckpointError, CorruptCheckpointError, StateKeyError, StepNotFoundError
+from .errors import CorruptCheckpointError, StateKeyError, StepNotFoundError
 from .format import ArrayInfo, torch_dtype
 from .staging import StagingArena
 from .storage import Storage, open_storage
@@ -182,12 +182,8 @@ def load(
                     stacklevel=2,
                 )
             except FileNotFoundError:  # deleted while being read (another process's retention): not damage; the
-                relists += 1  # steps are listed again, as restore does: the one that replaced it is newer
-                if relists > restore.MAX_RELISTS:
-                    raise CheckpointError(
-                        f"steps of {storage.url} vanished while being read, {relists} times: is another process "
-                        f"deleting them?"
-                    ) from None
+                # steps are listed again, as restore does: the one that replaced it is newer
+                relists = restore.relisted(storage.url, relists)
                 todo = [x for x in sorted(layout.committed_steps(storage), reverse=True) if x not in damaged]
     if damaged:
         raise CorruptCheckpointError(

@@ -55,6 +55,17 @@ log = logging.getLogger("ckpt")
 MAX_RELISTS = 100  # steps vanishing under a reader (restore, load), in a row, before it gives up
 
 
+def relisted(url: str, relists: int) -> int:
+    """`relists` + 1: the times a reader of the root `url` listed its steps again after one vanished under it; past
+    MAX_RELISTS a CheckpointError (another process deletes them as fast as they are read)."""
+    relists += 1
+    if relists > MAX_RELISTS:
+        raise CheckpointError(
+            f"steps of {url} vanished while being read, {relists} times: is another process deleting them?"
+        )
+    return relists
+
+
 @dataclass
 class ArrayRead:
     """One region of one array to read, and the caller's tensors it lands in once the whole step verified."""
