@@ -38,9 +38,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _seconds(positive: bool, check: Callable[[str, float], float] | None = None):
-    """An argparse type: a finite (positive or non-negative) number of seconds, or one `check` (name, value) takes."""
-    check = check or functools.partial(check_seconds, positive=positive)
+def _checked(check: Callable[[str, float], float]):
+    """An argparse type: a number `check` (name, value) takes, its refusal a usage error naming the text given."""
 
     def parse(text: str) -> float:
         try:
@@ -49,6 +48,11 @@ def _seconds(positive: bool, check: Callable[[str, float], float] | None = None)
             raise argparse.ArgumentTypeError(str(e).replace("the value", repr(text), 1)) from None
 
     return parse
+
+
+def _seconds(positive: bool):
+    """An argparse type: a finite (positive or non-negative) number of seconds."""
+    return _checked(functools.partial(check_seconds, positive=positive))
 
 
 def _integer(positive: bool):
@@ -82,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--rank", type=int, default=None, help="rank whose ledger to attribute (default: lowest)")
         if name == "report":  # the one output with the windowed ETTR: plot and advise would take it and ignore it
             s.add_argument(
-                "--window", type=_seconds(True, check_window), default=3600.0, help="sliding ETTR window in seconds"
+                "--window", type=_checked(check_window), default=3600.0, help="sliding ETTR window in seconds"
             )
         else:
             s.set_defaults(window=3600.0)
