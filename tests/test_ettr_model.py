@@ -88,6 +88,17 @@ def test_optimal_intervals():
     assert daly_interval(50_000, 20_000) == 20_000
 
 
+def _train(tr: GoodputTracker, clock: FakeClock, steps: range) -> None:
+    """`steps` of 10 s each, a 4 s save committed after every 10th."""
+    for s in steps:
+        with tr.step(s):
+            clock.advance(10.0)
+        if s % 10 == 0:
+            with tr.span("checkpoint_save", step=s):
+                clock.advance(4.0)
+            tr.checkpoint_committed(s, 1.0)
+
+
 def test_advise_fits_costs_from_ledger(tmp_path):
     clock = FakeClock(0.0)
     for k in range(3):  # three attempts, two failures, 40 steps of 10 s, saves of 4 s every 10 steps
@@ -97,13 +108,7 @@ def test_advise_fits_costs_from_ledger(tmp_path):
         with tr.span("checkpoint_restore"):
             clock.advance(6.0)
         tr.checkpoint_restored(10 * k or None)
-        for s in range(10 * k + 1, 10 * k + 41):
-            with tr.step(s):
-                clock.advance(10.0)
-            if s % 10 == 0:
-                with tr.span("checkpoint_save", step=s):
-                    clock.advance(4.0)
-                tr.checkpoint_committed(s, 1.0)
+        _train(tr, clock, range(10 * k + 1, 10 * k + 41))
         if k == 2:
             tr.end()
     adv = advise(attribute_root(str(tmp_path)))
@@ -124,13 +129,7 @@ def test_the_current_interval_is_the_compute_before_each_save_not_the_work_a_fai
         clock.set(1000.0 * k)
         tr = GoodputTracker(str(tmp_path), attempt_id=f"a{k}", rank=0, clock=clock, flush_interval=0).start()
         tr.checkpoint_restored(first - 1 or None)
-        for s in range(first, last + 1):
-            with tr.step(s):
-                clock.advance(10.0)
-            if s % 10 == 0:
-                with tr.span("checkpoint_save", step=s):
-                    clock.advance(4.0)
-                tr.checkpoint_committed(s, 1.0)
+        _train(tr, clock, range(first, last + 1))
     tr.end()
     a = attribute_root(str(tmp_path))
     assert (a.saves, a.micros["lost"], a.micros["productive"]) == (4, 50_000_000, 430_000_000)
