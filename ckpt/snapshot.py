@@ -92,7 +92,9 @@ class Pending:
     def __init__(
         self, step: int, copies: list[Copy], tensors: Mapping[str, torch.Tensor], watched: Mapping[str, Watched]
     ):
-        self.step, self._copies, self._tensors, self._watched = step, copies, tensors, dict(watched)
+        self.step, self._copies, self._tensors = step, copies, tensors
+        self._versions = {name: v for name, (v, _, _) in watched.items()}
+        self._owners = {name: (owner, v) for name, (_, owner, v) in watched.items()}
         # made in `save`, on the training thread: the work it queued so far on each CUDA source's device (its current
         # stream: a loop under ``torch.cuda.stream(s)``, a CUDA graph's replay), which the copies on the snapshot
         # thread's stream must follow; that stream does not wait for another one by itself
@@ -109,7 +111,7 @@ class Pending:
                 torch.cuda.current_stream(device).wait_event(queued)
             freed = [
                 f"{name!r} (needs {short[1]} bytes of its storage, which now has {short[0]})"
-                for name in self._watched
+                for name in self._versions
                 if (short := short_storage(self._tensors[name])) is not None
             ]
             if freed:  # its memory given back (``untyped_storage().resize_(0)``, FSDP's free): a copy would crash
@@ -120,8 +122,8 @@ class Pending:
             copy(self._copies)
             changed = [
                 f"{name!r} (version {v} -> {t._version})"
-                for name, (version, owner, owner_version) in self._watched.items()
-                for t, v in ((self._tensors[name], version), (owner, owner_version))
+                for name in self._versions
+                for t, v in ((self._tensors[name], self._versions[name]), self._owners[name])
                 if t._version != v
             ]
             if changed:
@@ -134,12 +136,7 @@ class Pending:
         except BaseException as e:
             self.error = e
         finally:
-            self._copies, self._tensors, self._watched, self._queued = (
-                [],
-                {},
-                {},
-                [],
-            )  # sources unreferenced once copied
+            self._copies, self._tensors, self._owners, self._queued = [], {}, {}, []  # sources unreferenced once copied
             self._done.set()
 
     def done(self) -> bool:

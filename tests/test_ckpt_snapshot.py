@@ -254,7 +254,7 @@ def test_tensors_outside_an_optimizer_and_sync_mode_are_copied_inside_save(tmp_p
         with ckpt.CheckpointManager(root, snapshot=mode) as m:
             gate = Gate(m)
             handle = m.save(1, {"model": model, "optim": optim, "extra": extra})
-            deferred = set(handle._pending._watched) if handle._pending else set()
+            deferred = set(handle._pending._versions) if handle._pending else set()
             extra.add_(1)  # never deferred: changing it after save is safe in either mode
             if mode == "sync":
                 handle.wait_snapshot()  # nothing left to copy: returns at once, the snapshot thread still held
