@@ -22,14 +22,16 @@ exists: `is_committed` asks, `read_manifest` reads it (validated) or raises `Ste
 
 from __future__ import annotations
 
+import os
 import posixpath
 import re
 import secrets
+import stat
 from dataclasses import dataclass
 from typing import Any
 
 from . import tree as tree_mod
-from .errors import CorruptCheckpointError, StepNotFoundError
+from .errors import CorruptCheckpointError, StepExistsError, StepNotFoundError
 from .format import DATA_RE, Manifest
 from .storage import Storage, UnsafeFileError, local_files, where
 
@@ -190,6 +192,21 @@ def is_committed(storage: Storage, step: int) -> bool:
         return storage.read_range(manifest_path(step), 0, 1) is not None  # one byte: a manifest may be 100 MB
     except UnsafeFileError:
         return True
+
+
+def check_step_free(storage: Storage, step: int) -> None:
+    """StepExistsError when a step's name in a local root is taken by a file or a symbolic link: no save can write
+    there, and the save's own error named something else ("already committed", or a NotADirectoryError)."""
+    path = storage.local_path(step_dir(step))
+    try:
+        mode = os.lstat(path).st_mode if path is not None else stat.S_IFDIR
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(mode):
+        what = "a symbolic link" if stat.S_ISLNK(mode) else "a file"
+        raise StepExistsError(
+            f"step {step} cannot be saved: {path} is {what}, not a step directory; move it out of the root"
+        )
 
 
 def committed_steps(storage: Storage) -> list[int]:

@@ -228,6 +228,7 @@ class CheckpointManager:
                     self._root_lease.take(collective=True)  # rank 0 checks it still holds the lease
                 bg.wait_delete(step)  # a delete of this very step number must finish before it is written again
                 target, lease = self._target.writable(self._root_lease.lease)
+                layout.check_step_free(target, step)
                 taken = self._target.taken(step)
                 if taken is not None:
                     raise StepExistsError(

@@ -487,6 +487,7 @@ def begin_step(storage: Storage, step: int, lease: Lease | None) -> None:
     with lease.preparing() if lease else contextlib.nullcontext():
         if lease:
             lease.check()  # a writer that lost the root clears nothing
+        layout.check_step_free(storage, step)
         if layout.is_committed(storage, step):
             raise StepExistsError(f"step {step} is already committed in {storage.url}")
         if lease is None or lease.exclusive:

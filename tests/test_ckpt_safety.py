@@ -734,3 +734,23 @@ def test_a_close_interrupted_twice_still_releases_the_root_and_a_second_close_fi
     storage = open_storage(str(tmp_path))
     steps = layout.committed_steps(storage)
     assert set(steps) <= {1, 2} and 2 in steps and all(list(catalog.verify(storage, s)) == [] for s in steps)
+
+
+def test_a_step_name_taken_by_a_file_or_link_is_refused_naming_it_and_later_steps_save(tmp_path):
+    """A file or symbolic link named like a step (a user's copy, a link to another root's step) is no step: saving
+    that step is refused naming what is there (it was "already committed", or a NotADirectoryError from inside the
+    write), the link's target is untouched, and the other steps save and restore."""
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / layout.step_dir(2)).write_text("notes")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (root / layout.step_dir(3)).symlink_to(elsewhere)
+    with ckpt.CheckpointManager(str(root)) as m:
+        for step, what in ((2, "a file"), (3, "a symbolic link")):
+            with pytest.raises(ckpt.StepExistsError, match=f"{root / layout.step_dir(step)} is {what}, not a step"):
+                m.save(step, {"w": torch.ones(2)})
+        m.save(4, {"w": torch.full((2,), 4.0)}).wait()
+        out = {"w": torch.zeros(2)}
+        assert m.restore(out) == 4 and out["w"].tolist() == [4.0, 4.0]
+    assert list(elsewhere.iterdir()) == [] and (root / layout.step_dir(2)).read_text() == "notes"
