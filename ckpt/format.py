@@ -33,7 +33,7 @@ _PACKED = (*_OLD_PACKS, FORMAT)  # formats that have packs
 _DATA_DIR = ("ckpt/4", FORMAT)  # formats whose data live in a directory of the step's own
 _READABLE = ("ckpt/1", "ckpt/2", *_PACKED)
 # The directory of one save's data inside its step directory: a token drawn by the save (see `layout.data_dir`)
-DATA_RE = re.compile(r"^w-[0-9a-f]{12}$")
+DATA_RE = re.compile(r"^w-[0-9a-f]{12}\Z")
 PACK_BYTES = 1 << 62  # default `pack_bytes`: every box is placed in its writer's pack, whatever its size
 PACK_FILES = 4  # a rank's pack is cut into at most this many files (chunks) of at most MAX_CHUNK_BYTES each
 PACK_ALIGN_MIN = 1 << 20  # boxes of this size or more start at a multiple of 4096 in the pack (see `pack_layout`)

@@ -37,7 +37,7 @@ from .state import check_top_level_key, flatten
 DEFAULT_KEY = "model"
 IMPORTED = "imported_from"  # step metadata: {"path": ..., "kind": ...}
 _STAGING = 256 << 20  # the import copies through a staging buffer of at most this size
-_SHARD = re.compile(r"^(.+)-(\d+)-of-(\d+)\.safetensors$")  # Transformers' shard names: model-00001-of-00003
+_SHARD = re.compile(r"^(.+)-(\d+)-of-(\d+)\.safetensors\Z")  # Transformers' shard names: model-00001-of-00003
 
 
 def import_checkpoint(

@@ -10,7 +10,7 @@ import re
 
 from .errors import CorruptCheckpointError
 
-_SEGMENT_RE = re.compile(r"^[A-Za-z0-9_%+=@,~-][A-Za-z0-9_.%+=@,~-]*$")
+_SEGMENT_RE = re.compile(r"^[A-Za-z0-9_%+=@,~-][A-Za-z0-9_.%+=@,~-]*\Z")
 
 
 def validate_array_name(name: str) -> str:

@@ -36,7 +36,7 @@ _TAGS = (
 )
 # Tags whose node holds a value under "v" besides the tag; every other tag is the node's only key.
 _WITH_V = ("$np", "$state")
-_NP_SCALAR = re.compile(r"^[<>|=]?([biufcUS])(\d{1,6})$")  # numpy scalar dtypes with an exact JSON form
+_NP_SCALAR = re.compile(r"^[<>|=]?([biufcUS])(\d{1,6})\Z")  # numpy scalar dtypes with an exact JSON form
 
 
 @functools.cache

@@ -17,7 +17,7 @@ LEDGER_DIR = "ettr"
 # 2: a checkpoint_save span may carry a `part` attribute (SAVE_PARTS); 1 had none (overlap waits looked like saves)
 FORMAT_VERSION = 2
 _RANK_DIR = re.compile(r"rank\d+")  # an object store's per-rank prefix
-_NAME = re.compile(r"^ledger-(?P<attempt>.+)-rank(?P<rank>\d+)(?:\.(?P<seg>\d{6}))?\.jsonl$")
+_NAME = re.compile(r"^ledger-(?P<attempt>.+)-rank(?P<rank>\d+)(?:\.(?P<seg>\d{6}))?\.jsonl\Z")
 # Fields every record of a kind must carry; unknown kinds are skipped so newer writers stay readable.
 REQUIRED: dict[str, tuple[str, ...]] = {
     "start": ("t", "job", "attempt", "rank"),
@@ -301,7 +301,7 @@ def _check(rec: Any, source: str, line: int) -> None:
         raise LedgerError(f"{source}:{line}: interval ends before it begins ({rec['b']} > {rec['e']})")
 
 
-_BITS = re.compile(r"^[0-9a-f]{16}$")
+_BITS = re.compile(r"^[0-9a-f]{16}\Z")
 
 
 def _check_digest(rec: dict[str, Any], source: str, line: int) -> None:

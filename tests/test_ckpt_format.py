@@ -1,13 +1,17 @@
 """On-disk layout rules: chunk grids never let two writers share a chunk; names never leave the step."""
 
+import hashlib
+import json
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import ckpt
 from ckpt.errors import CorruptCheckpointError
-from ckpt.format import ArrayInfo, chunk_shape, escape_segment
+from ckpt.format import ArrayInfo, Manifest, chunk_shape, escape_segment
 from ckpt.paths import validate_array_name
 
 
@@ -105,7 +109,7 @@ def test_escaped_segments_are_safe_and_distinct():
     assert clashes == {}
 
 
-@pytest.mark.parametrize("name", ["../x", "/abs", "a//b", "a/./b", "a/../b", "", "a\\b"])
+@pytest.mark.parametrize("name", ["../x", "/abs", "a//b", "a/./b", "a/../b", "", "a\\b", "a\n", "x/b\n"])
 def test_unsafe_manifest_names_are_rejected(name):
     with pytest.raises(CorruptCheckpointError, match="unsafe array path"):
         validate_array_name(name)
@@ -164,3 +168,17 @@ def test_encodable_says_which_leaves_have_an_exact_form():
         assert encodable(leaf), leaf
     for leaf in (object(), np.array([object()]), np.longdouble(1), np.datetime64("2020-01-01"), [1], {"a": 1}):
         assert not encodable(leaf), leaf
+
+
+def test_a_manifest_data_directory_with_a_trailing_newline_is_refused(tmp_path):
+    """The manifest's data directory is exactly w-<12 hex>: a regex's `$` also matched before a final newline, so
+    a planted "w-...\\n" passed the schema check (as did array names and numpy dtypes ending in one)."""
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"w": torch.ones(2)}).wait()
+    path = tmp_path / "step_00000001" / "manifest.json"
+    body = json.loads(path.read_text())["body"]
+    body["data"] += "\n"
+    text = json.dumps(body, allow_nan=False, separators=(",", ":"))
+    planted = {"sha256": hashlib.sha256(text.encode()).hexdigest(), "body": body}
+    with pytest.raises(CorruptCheckpointError, match="bad data directory"):
+        Manifest.from_bytes(json.dumps(planted).encode(), file=str(path))
