@@ -462,6 +462,8 @@ class CheckpointManager:
         if isinstance(keys, str):
             raise TypeError(f"keys must be a list of top-level keys, e.g. [{keys!r}], not a str")
         keys = None if keys is None else list(keys)  # read once: each step tried (and each rank's plan) reads it
+        if keys == []:  # a filter that emptied: resuming at the step with nothing loaded would train from scratch
+            raise ValueError("restore(keys=[]) would restore nothing and return a step; keys=None restores every key")
         self._check_open()
         failure = None  # among ranks, told to every rank by the restore's first message
         try:

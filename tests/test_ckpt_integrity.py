@@ -799,6 +799,12 @@ def test_checkpoint_keys_missing_from_the_target_are_a_key_error_before_anything
         del target["opt"]["new"]
         assert m.restore(target) == 1 and target["opt"]["lr"] == 0.1 and target["w"].all() and target["extra"] == 5
         assert m.restore({"w": torch.zeros(3)}, keys=["w"]) == 1  # a subset, said explicitly
+        empty = {"w": torch.zeros(3)}
+        with pytest.raises(
+            ValueError, match=r"keys=\[\]\) would restore nothing"
+        ):  # it returned 1, having loaded nothing
+            m.restore(empty, keys=[])
+        assert not empty["w"].any()
 
 
 # -- 11. errors name the right file ----------------------------------------------------------------------
