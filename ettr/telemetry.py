@@ -7,6 +7,7 @@ restart instead of a jump; the job's running totals are gauges, which a restarte
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -20,6 +21,8 @@ from .formulas import check_seconds
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource
+
+log = logging.getLogger(__name__)
 
 
 class TrackedProcess(Protocol):
@@ -493,18 +496,20 @@ def configure_metrics(
 
 
 def _serve_metrics(port: int) -> None:
-    """Serve prometheus_client's registry on /metrics at `port`. A port in use was a bare "[Errno 98] Address already
+    """Serve prometheus_client's registry on /metrics at `port`, logging the port served (0 picks a free one, which
+    nothing else tells). A port in use was a bare "[Errno 98] Address already
     in use" from every rank but the first on a host when each was given the same port."""
     from prometheus_client import start_http_server
 
     try:
-        start_http_server(port)
+        server, _ = start_http_server(port)
     except OSError as err:
         raise OSError(
             err.errno,
             f"prometheus_port {port} cannot be served ({err.strerror}): each process on a host needs a port of its "
             f"own, e.g. prometheus_port={port} + int(os.environ['LOCAL_RANK'])",
         ) from err
+    log.info("ettr: serving Prometheus metrics on port %d (/metrics)", server.server_port)  # port 0: the one chosen
 
 
 def metric_totals(reader: Any) -> dict[str, Any]:

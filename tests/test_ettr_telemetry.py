@@ -11,7 +11,9 @@ import contextlib
 import gzip
 import http.server
 import json
+import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -388,6 +390,20 @@ def test_a_prometheus_port_in_use_names_it_and_registers_nothing(tmp_path):
             configure_metrics("prometheus", tracker=tracker, prometheus_port=port, set_global=False)
     assert set(REGISTRY._collector_to_names) == before
     assert not os.listdir(tmp_path)  # nor was the attempt claimed (an empty ledger)
+
+
+def test_prometheus_port_0_logs_the_port_it_serves(tmp_path, caplog):
+    """prometheus_port=0 ("any free port", as the error and the docs' tests say) served /metrics on a port nothing
+    told: the port served is logged, and a scrape there answers."""
+    tracker = GoodputTracker(str(tmp_path), job_id=JOB, attempt_id="a1", rank=0)
+    with caplog.at_level(logging.INFO, logger="ettr.telemetry"):
+        provider, _ = configure_metrics("prometheus", tracker=tracker, prometheus_port=0, set_global=False)
+    try:
+        (port,) = [int(m) for m in re.findall(r"Prometheus metrics on port (\d+)", caplog.text)]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            assert response.status == 200 and b"# TYPE " in response.read()
+    finally:
+        provider.shutdown()
 
 
 def test_a_second_tracker_in_one_process_reports_its_own_checkpoint_and_an_ended_one_none(tmp_path):
