@@ -127,6 +127,7 @@ def export(
     out = os.path.abspath(os.fspath(out))
     _check_out(out, format)
     storage = open_storage(root, storage_options)
+    _check_outside(out, storage)
     keys = key_list(keys) if keys is not None else [DEFAULT_KEY]
     with ThreadPoolExecutor(8, thread_name_prefix="ckpt-export") as pool:
         relists = 0
@@ -180,6 +181,17 @@ def _export_step(
             if hf_config is not None:
                 with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
                     json.dump(hf_config, f, indent=2, sort_keys=True)
+
+
+def _check_outside(out: str, storage: Storage) -> None:
+    """ValueError when `out` is inside the checkpoint root: a root is the writer's (an export named like a step,
+    ``ROOT/step_00000009``, was deleted by the next gc as an abandoned save)."""
+    base = storage.local_path("")
+    if base is None:
+        return
+    base = os.path.realpath(base)
+    if os.path.commonpath([base, os.path.realpath(out)]) == base:
+        raise ValueError(f"the output {out} is inside the checkpoint root {base}: export it outside the root")
 
 
 def _check_out(out: str, format: str) -> None:

@@ -316,6 +316,22 @@ def test_export_to_a_missing_folder_is_an_error_naming_it_and_makes_no_folders(t
     assert cli.main(["export", root, "--format", "torch", "-o", str(tmp_path / "w.pt"), "-q"]) == 0  # a folder there
 
 
+def test_export_into_the_checkpoint_root_is_refused(tmp_path, capsys):
+    """`-o ROOT/step_00000009` exported fine and the next `ckpt gc` deleted it as an abandoned save: an output inside
+    the root (through a symlinked path too) is refused in one line naming both, before anything is written."""
+    model, _ = _trained()
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root) as m:
+        m.save(1, {"model": model})
+    (tmp_path / "link").symlink_to(root)
+    for out in (root / "step_00000009", root / "exports", tmp_path / "link" / "exported"):
+        assert cli.main(["export", str(root), "--format", "safetensors", "-o", str(out), "-q"]) == 1
+        err = capsys.readouterr().err
+        assert err == f"error: the output {out} is inside the checkpoint root {root}: export it outside the root\n"
+        assert not os.path.lexists(out) and not [n for n in os.listdir(root) if n.startswith(".")]
+    assert cli.main(["export", str(root), "--format", "safetensors", "-o", str(tmp_path / "out"), "-q"]) == 0
+
+
 def test_export_beside_what_a_killed_export_with_the_same_pid_left(tmp_path):
     """The temporary output was `.OUT.tmp-<pid>`: a killed export leaves it, and a pid repeats (a container's
     process has the same one every run), so the next export failed 'File exists (writing OUT)' with no OUT there
