@@ -141,12 +141,7 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
 
 
 def _pick_step(storage: Storage, step: int | None) -> int:
-    if step is not None:
-        return step
-    steps = layout.committed_steps(storage)
-    if not steps:
-        raise CheckpointError(f"no committed checkpoint in {storage.url}{layout.step_dir_hint(storage)}")
-    return steps[-1]
+    return step if step is not None else layout.newest_committed(storage)
 
 
 _BRANCHES = (tree_mod.MAPPING, tree_mod.STATE, tree_mod.PER_RANK)  # shown entry by entry; the rest on one line
@@ -209,7 +204,7 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
 def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
     steps = [args.step] if args.step is not None else layout.committed_steps(storage)
     if not steps:
-        print(f"no committed checkpoint in {storage.url}{layout.step_dir_hint(storage)}")
+        print(layout.nothing_committed(storage))
         return 0
     bad = 0
     if args.step is not None and not layout.is_committed(storage, args.step):  # not damage: nothing to check
@@ -268,7 +263,7 @@ def _explaining(storage: Storage, step: int) -> int:
     resume changes the batches from that resume on, and the checkpoints after it carry it), else the newest."""
     steps = layout.committed_steps(storage)
     if not steps:
-        return _pick_step(storage, None)  # the error naming the root
+        return layout.newest_committed(storage)  # the error naming the root
     return next((s for s in steps if s >= step), steps[-1])
 
 

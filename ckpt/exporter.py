@@ -132,7 +132,7 @@ def export(
     with ThreadPoolExecutor(8, thread_name_prefix="ckpt-export") as pool:
         relists = 0
         while True:
-            s = step if step is not None else _newest(storage)
+            s = step if step is not None else layout.newest_committed(storage)
             try:
                 _export_step(StepReader(storage, s, pool), keys, out, format, shard_bytes, config, progress)
                 return s
@@ -145,14 +145,6 @@ def export(
                     f"step {s} is damaged: {e}; nothing was written to {out} (export another step "
                     f"with --step; `python -m ckpt ls` lists them)"
                 ) from None
-
-
-def _newest(storage: Storage) -> int:
-    """The newest committed step of the root; FileNotFoundError when it has none."""
-    steps = layout.committed_steps(storage)
-    if not steps:
-        raise FileNotFoundError(f"no committed checkpoint in {storage.url}{layout.step_dir_hint(storage)}")
-    return steps[-1]
 
 
 def _export_step(

@@ -214,6 +214,19 @@ def committed_steps(storage: Storage) -> list[int]:
     return [s for s in step_dirs(storage) if is_committed(storage, s)]
 
 
+def nothing_committed(storage: Storage) -> str:
+    """The words for a root without a committed step, with its root when it is a step's directory."""
+    return f"no committed checkpoint in {storage.url}{step_dir_hint(storage)}"
+
+
+def newest_committed(storage: Storage) -> int:
+    """The newest committed step of the root; StepNotFoundError (`nothing_committed`) when it has none."""
+    steps = committed_steps(storage)
+    if not steps:
+        raise StepNotFoundError(nothing_committed(storage))
+    return steps[-1]
+
+
 MAX_MANIFEST_BYTES = 1 << 30  # 1,000 ranks of 2,000 tensors write ~110 MB (docs/benchmarks.md)
 
 

@@ -189,7 +189,7 @@ def load(
         raise CorruptCheckpointError(
             f"no intact checkpoint in {storage.url}: {len(damaged)} damaged (newest error: {damaged[max(damaged)]})"
         )
-    raise FileNotFoundError(f"no committed checkpoint in {storage.url}{layout.step_dir_hint(storage)}")
+    raise StepNotFoundError(layout.nothing_committed(storage))
 
 
 def key_list(keys: Iterable[str] | None) -> list[str] | None:
