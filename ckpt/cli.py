@@ -172,7 +172,7 @@ def _entry_lines(label: str, tree: Any, arrays: dict, indent: str) -> list[str]:
     if node.kind in _BRANCHES:
         kind = f" <{_printable(node.name)}>" if node.kind == tree_mod.STATE else ""
         return [f"{indent}{label}:{kind}"] + _tree_lines(tree, arrays, indent + "  ")
-    text = json.dumps(tree)
+    text = tree_mod.shown(tree)
     return [f"{indent}{label}: {text if len(text) < 100 else text[:97] + '...'}"]
 
 

@@ -37,6 +37,7 @@ _TAGS = (
 # Tags whose node holds a value under "v" besides the tag; every other tag is the node's only key.
 _WITH_V = ("$np", "$state")
 _NP_SCALAR = re.compile(r"^[<>|=]?([biufcUS])(\d{1,6})\Z")  # numpy scalar dtypes with an exact JSON form
+_NP_KINDS = {"i": "int", "u": "uint", "f": "float", "c": "complex"}  # numpy's names of the sized scalar kinds
 
 
 @functools.cache
@@ -82,6 +83,39 @@ def node_of(tree: Any) -> Node:
     if tag == "$per_rank":
         return Node(PER_RANK, [(rank, sub) for rank, sub in tree[tag]])
     return Node(VALUE, [])
+
+
+def shown(tree: Any) -> str:
+    """A checked subtree on one line as Python writes its value (``nan``, ``(1, 2)``, ``torch.Size([3])``), without
+    importing torch or numpy: what `inspect` prints of a value (its JSON tags read as noise)."""
+    n = node_of(tree)
+    if n.kind == SEQUENCE:
+        items = [shown(v) for _, v in n.children]
+        if isinstance(tree, list):
+            return f"[{', '.join(items)}]"
+        return f"({', '.join(items)}{',' if len(items) == 1 else ''})"
+    if n.kind == MAPPING:
+        return "{" + ", ".join(f"{k!r}: {shown(v)}" for k, v in n.children) + "}"
+    if n.kind == TENSOR:
+        return f"<array {n.name}>"
+    if n.kind in (STATE, PER_RANK):
+        return f"<{n.name or 'per-rank'} state>"
+    tag = _tag(tree) if isinstance(tree, dict) else None
+    if tag is None:
+        return repr(tree)
+    v = tree[tag]
+    if tag == "$float":
+        return str(v)
+    if tag == "$size":
+        return f"torch.Size({v!r})"
+    if tag == "$dtype":
+        return f"torch.{v}"
+    if tag == "$bytes":
+        raw = _b64(v) or b""
+        return repr(raw) if len(raw) <= 32 else f"<{len(raw)} bytes>"
+    kind, size = _NP_SCALAR.fullmatch(v).groups()  # "$np" (checked)
+    name = {"b": "bool_", "U": "str_", "S": "bytes_"}.get(kind) or f"{_NP_KINDS[kind]}{int(size) * 8}"
+    return f"numpy.{name}({shown(tree['v'])})"
 
 
 def walk(tree: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Node]]:

@@ -513,6 +513,26 @@ def test_cli_ls_inspect_gc(tmp_path):
     assert not (tmp_path / "step_00000009").exists() and (tmp_path / "step_00000004").exists()
 
 
+def test_cli_inspect_shows_values_as_python_writes_them(tmp_path):
+    """inspect printed a value's JSON tags (`lr: {"$float": "nan"}`, `t: {"$tuple": [1, 2]}`): now nan, (1, 2)..."""
+    import numpy as np
+
+    values = {"lr": float("nan"), "t": (1,), "s": torch.Size([3]), "d": torch.float16, "b": b"\x00", "n": np.int64(3)}
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"w": torch.zeros(2), "cfg": {**values, "big": bytes(100), "plain": [None, True, "x"]}})
+    lines = _cli("inspect", str(tmp_path)).stdout.splitlines()
+    assert lines[lines.index("cfg:") + 1 :] == [
+        "  lr: nan",
+        "  t: (1,)",
+        "  s: torch.Size([3])",
+        "  d: torch.float16",
+        "  b: b'\\x00'",
+        "  n: numpy.int64(3)",
+        "  big: <100 bytes>",
+        "  plain: [None, True, 'x']",
+    ], lines
+
+
 def test_cli_explain_prints_the_batch_of_a_step(tmp_path):
     from ckpt import RandomWindowSampler
 
