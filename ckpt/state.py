@@ -354,6 +354,7 @@ def decode(
         value = decode(node["v"] if own else node, load, template, key, strict, state_of)
         if isinstance(obj, torch.optim.Optimizer):
             _check_groups(value, template, key)
+            _check_param_shapes(value, obj, key)
         return value
     in_state = strict and isinstance(template, torch.Tensor)  # not inside an object's own state: its load judges
     if in_state and not (isinstance(node, dict) and _tag(node) in ("$tensor", "$ndarray")):
@@ -442,6 +443,31 @@ def _check_groups(value: Any, current: Mapping[str, Any], key: str) -> None:
             f"restore: key {key!r}: the checkpoint's optimizer has parameter groups of {saved} parameters, the "
             f"optimizer passed to restore {mine}"
         )
+
+
+def _check_param_shapes(value: Any, optimizer: torch.optim.Optimizer, key: str) -> None:
+    """A torch.optim optimizer's saved per-parameter state fits the parameter it goes to (its load_state_dict takes
+    any shape; the next step failed with a broadcast error, or an optimizer built over other same-count parameters
+    trained on with their moments). Its state tensors have the parameter's shape, or 1 along some dims (Adafactor);
+    LBFGS keeps flat buffers and other optimizers their own layouts: not judged."""
+    if type(optimizer).__module__.split(".")[:2] != ["torch", "optim"] or isinstance(optimizer, torch.optim.LBFGS):
+        return
+    saved_ids = [i for g in value["param_groups"] for i in g["params"]]
+    params = dict(zip(saved_ids, (p for g in optimizer.param_groups for p in g["params"])))
+    state = value.get("state")
+    for i, entries in state.items() if isinstance(state, dict) else ():
+        p = params.get(i)
+        if p is None or not isinstance(entries, dict):
+            continue
+        for name, t in entries.items():
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                continue
+            if t.dim() != p.dim() or any(a not in (b, 1) for a, b in zip(t.shape, p.shape)):
+                raise StateMismatchError(
+                    f"restore: key {_join(key, f'state.{i}.{name}')!r} has shape {list(t.shape)} in the checkpoint, "
+                    f"but the optimizer's parameter {i} has shape {list(p.shape)}: was the optimizer built over "
+                    "other parameters, or in another order?"
+                )
 
 
 def _same_keys(saved: list[Any], current: list[Any], key: str) -> None:

@@ -407,6 +407,39 @@ def test_a_failed_restore_leaves_a_samplers_live_iterator_running(tmp_path, wher
     assert next(live) == next(expected)
 
 
+@pytest.mark.parametrize("kind", ["adamw", "adafactor", "sgd"])
+def test_an_optimizer_over_other_shaped_parameters_is_refused_naming_the_key(tmp_path, kind):
+    """An optimizer built over parameters of other shapes (another model of as many parameters, or the same ones in
+    another order) took the checkpoint's moments: the next step failed with a broadcast error naming no key, after a
+    restore that had said nothing. Now the restore refuses, naming the state and both shapes, and changes nothing;
+    the shapes an optimizer keeps of its own (Adafactor's factored [rows, 1] and [1, cols]) still restore."""
+    make = {
+        "adamw": lambda ps: torch.optim.AdamW(ps),
+        "adafactor": lambda ps: torch.optim.Adafactor(ps),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    }[kind]
+    model = torch.nn.Linear(4, 3)
+    opt = make(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"optim": opt}).wait()
+        same = torch.nn.Linear(4, 3)
+        fresh = make(same.parameters())
+        assert m.restore({"optim": fresh}) == 1
+        assert all(torch.equal(a, b) for a, b in zip(_moments(fresh), _moments(opt)))
+        other = torch.nn.Linear(3, 4)  # as many parameters, of other shapes
+        moved = make([other.bias, other.weight])
+        match = r"key 'optim.state.0.\w+' has shape \[3, (4|1)\] in the checkpoint, but the optimizer's parameter 0"
+        with pytest.raises(ckpt.StateMismatchError, match=match + r" has shape \[4\]"):
+            m.restore({"optim": moved})
+        assert moved.state_dict()["state"] == {}
+
+
+def _moments(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for s in opt.state_dict()["state"].values() for t in s.values() if isinstance(t, torch.Tensor)]
+
+
 @pytest.mark.parametrize(
     "case", ["module_for_tensor", "tensor_for_module", "optimizer_groups", "module_for_none", "optimizer_for_list"]
 )
