@@ -228,9 +228,9 @@ class CheckpointManager:
                     self._root_lease.take(collective=True)  # rank 0 checks it still holds the lease
                 bg.wait_delete(step)  # a delete of this very step number must finish before it is written again
                 target, lease = self._target.writable(self._root_lease.lease)
-                layout.check_step_free(target, step)
                 taken = self._target.taken(step)
                 if taken is not None:
+                    layout.check_step_free(taken, step)  # a symbolic link there reads as committed: say it is one
                     raise StepExistsError(
                         f"step {step} is already committed in {taken.url}; a committed checkpoint is never overwritten"
                     )

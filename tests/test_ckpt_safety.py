@@ -758,8 +758,9 @@ def test_a_close_interrupted_twice_still_releases_the_root_and_a_second_close_fi
 
 def test_a_step_name_taken_by_a_file_or_link_is_refused_naming_it_and_later_steps_save(tmp_path):
     """A file or symbolic link named like a step (a user's copy, a link to another root's step) is no step: saving
-    that step is refused naming what is there (it was "already committed", or a NotADirectoryError from inside the
-    write), the link's target is untouched, and the other steps save and restore."""
+    that step is refused naming what is there (the link was "already committed"; the file, whose write fails in the
+    background, a NotADirectoryError from inside the write), the link's target is untouched, and the other steps
+    save and restore."""
     root = tmp_path / "root"
     root.mkdir()
     (root / layout.step_dir(2)).write_text("notes")
@@ -767,9 +768,11 @@ def test_a_step_name_taken_by_a_file_or_link_is_refused_naming_it_and_later_step
     elsewhere.mkdir()
     (root / layout.step_dir(3)).symlink_to(elsewhere)
     with ckpt.CheckpointManager(str(root)) as m:
-        for step, what in ((2, "a file"), (3, "a symbolic link")):
-            with pytest.raises(ckpt.StepExistsError, match=f"{root / layout.step_dir(step)} is {what}, not a step"):
-                m.save(step, {"w": torch.ones(2)})
+        said = "{} is {}, not a step directory; move it out of the root"
+        with pytest.raises(CheckpointWriteError, match=said.format(root / layout.step_dir(2), "a file")):
+            m.save(2, {"w": torch.ones(2)}).wait()
+        with pytest.raises(ckpt.StepExistsError, match=said.format(root / layout.step_dir(3), "a symbolic link")):
+            m.save(3, {"w": torch.ones(2)})
         m.save(4, {"w": torch.full((2,), 4.0)}).wait()
         out = {"w": torch.zeros(2)}
         assert m.restore(out) == 4 and out["w"].tolist() == [4.0, 4.0]
