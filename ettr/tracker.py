@@ -386,7 +386,7 @@ class GoodputTracker:
         self.window_s = window_s
         self.metrics = metrics if metrics is not None else GoodputMetrics()
         self._flush_us = round(flush_interval * 1e6)
-        self._storage_options = storage_options
+        self.storage_options = storage_options  # the ledgers' store's (an object-store root's)
         self._upload_interval = upload_interval
         self._buf: deque[Any] = deque()
         self._stack: list[list[Any]] = []  # open intervals, oldest first: [order, category, step, begin, attrs]
@@ -460,7 +460,7 @@ class GoodputTracker:
         with self._lock:
             if self._writer is None:
                 self._writer = LedgerWriter(
-                    self.root, self.attempt_id, self.rank, self._storage_options, upload_interval=self._upload_interval
+                    self.root, self.attempt_id, self.rank, self.storage_options, upload_interval=self._upload_interval
                 )
                 if self._writer.attempt != self.attempt_id:
                     log.warning(
@@ -794,7 +794,7 @@ class GoodputTracker:
         steps), which the steps of a training thread must not wait for; they go on meanwhile."""
         try:
             try:
-                prior = _earlier_attempts(self.root, self._storage_options, self.rank)
+                prior = _earlier_attempts(self.root, self.storage_options, self.rank)
             except BaseException:
                 with self._lock:  # tried once, as before: telemetry counts this attempt only
                     self._use_prior(_Prior(None, None, {}, {}, None, {}))

@@ -141,9 +141,6 @@ class TrainLoop:
         self._manager_options = typed(manager_options)  # checked now, where the loop is configured
         # one configuration for the root's store
         self._storage_options = self._manager_options["root_options"].storage_options
-        self.decision = (
-            check_decision(decision) if decision is not None else self._interval(every_steps, every_seconds, advise)
-        )
         self.rng = RNGState() if check_rng(rng) is True else (rng or None)
         if sampler is not None and lacks(sampler, "state_dict", "load_state_dict"):
             raise TypeError(f"sampler must be checkpointable (state_dict and load_state_dict), got {sampler!r}")
@@ -157,6 +154,9 @@ class TrainLoop:
         self.preemption = Preemption(signals)
         self.tracker = (
             tracker if tracker is not None else GoodputTracker(self.root, storage_options=self._storage_options)
+        )
+        self.decision = (
+            check_decision(decision) if decision is not None else self._interval(every_steps, every_seconds, advise)
         )
         self._handle: SaveHandle | None = None  # the last save, whose snapshot `wait_for_staging` waits for
         self._open_step: int | None = None
@@ -179,11 +179,10 @@ class TrainLoop:
         tiers = self._manager_options["tiers"]
         if not advise:
             return interval
+        ledgers = (self.tracker.root, self.mttf_s, self.tracker.storage_options)  # where the tracker keeps them
         if tiers is not None:  # the pair (local interval, K), refitted from this run's ledger after each save
-            return AdvisedTiers(
-                advised_two_tier(self.root, self.mttf_s, self._storage_options), interval, tiers.persist_every
-            )
-        return AdvisedInterval(advised_interval(self.root, self.mttf_s, self._storage_options), interval)
+            return AdvisedTiers(advised_two_tier(*ledgers), interval, tiers.persist_every)
+        return AdvisedInterval(advised_interval(*ledgers), interval)
 
     # -- lifetime ------------------------------------------------------------------------------------------
     def __enter__(self) -> TrainLoop:

@@ -416,6 +416,17 @@ def test_advise_replaces_the_interval_after_the_first_save(tmp_path):
         assert isinstance(loop.decision.current, EveryNSeconds) and loop.decision.current.seconds > 0
 
 
+def test_advise_reads_the_ledgers_where_the_given_tracker_keeps_them(tmp_path):
+    """With a tracker on another root, advise=True fitted the loop root's ledgers, where there were none: the
+    interval never moved from every_steps, and nothing said so."""
+    tracker = GoodputTracker(str(tmp_path / "goodput"))
+    root = str(tmp_path / "ckpt")
+    with TrainLoop(root, {"w": torch.zeros(3)}, every_steps=2, advise=True, mttf_s=3600.0, tracker=tracker) as loop:
+        for step in loop.steps(2):
+            loop.on_step_end(step)
+        assert isinstance(loop.decision.current, EveryNSeconds) and loop.decision.current.seconds > 0
+
+
 def test_an_advised_loop_reads_an_ended_attempts_ledger_once_and_advises_as_from_scratch(tmp_path):
     """advise=True refits from the job's ledgers after every save: it re-read and re-attributed every attempt's
     ledger each time, a stall that grew with the job (5.6 s per save at 100 attempts x 3,000 steps). The ledger of
