@@ -198,9 +198,9 @@ def advise_two_tier(a: Attribution, inputs: TwoTierInputs, *, mttf_s: float | No
 
     Restart overhead (downtime + startup) is the mean over all failures; a tier's restore, the mean restore from it
     (local: local or peer; durable: durable, else untiered restores of a one-tier job); a local save, the mean
-    blocking save; a persist costs nothing unless given (it runs in the background). Each class's MTTF: the job's
-    failure rate (1/`mttf_s` if given) split by the classified failures' shares; a class never seen gets the running
-    time (a lower bound).
+    blocking save (none without a save); a persist costs nothing unless given (it runs in the background). Each
+    class's MTTF: the job's failure rate (1/`mttf_s` if given) split by the classified failures' shares; a class never
+    seen gets the running time (a lower bound).
     """
     values: dict[str, float] = {}
     sources: dict[str, str] = {}
@@ -221,7 +221,8 @@ def advise_two_tier(a: Attribution, inputs: TwoTierInputs, *, mttf_s: float | No
     sources["restart_overhead_s"] = (
         f"ledger: downtime + startup, mean of {len(overheads)} failure(s)" if overheads else "ledger: mean startup"
     )
-    put("local_write_s", inputs.local_write_s, a.save_cost_s, "ledger: mean stall per save (+ overlap waits)")
+    fitted_write = a.save_cost_s if a.saves else None  # a run without a save tells no save's cost (not 0 s)
+    put("local_write_s", inputs.local_write_s, fitted_write, "ledger: mean stall per save (+ overlap waits)")
     put("persist_s", inputs.persist_s, 0.0, "default: in the background, free to training")
 
     def restores(tiers: tuple[str | None, ...]) -> tuple[list[float], str]:

@@ -197,7 +197,7 @@ def advised_two_tier(
 
     def advice() -> tuple[float, int] | None:
         attribution = _readable_attribution(job)
-        if attribution is None or not attribution.save_us:
+        if attribution is None:
             return None
         plan = ettr.advise_two_tier(attribution, inputs or ettr.TwoTierInputs(), mttf_s=mttf_s).plan
         return None if plan is None else (plan.interval_s, plan.persist_every)

@@ -8,13 +8,23 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
 import ckpt
 import integrations
-from ettr import FakeClock, GoodputTracker, advise, attribute_root, configure_metrics, daly_interval, read_ledgers
+from ettr import (
+    FakeClock,
+    GoodputTracker,
+    TwoTierInputs,
+    advise,
+    attribute_root,
+    configure_metrics,
+    daly_interval,
+    read_ledgers,
+)
 from ettr.tracker import JOB_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -306,6 +316,17 @@ def test_advise_without_a_save_says_so(tmp_path):
     adv = advise(attribute_root(str(tmp_path)), mttf_s=3600.0)
     assert adv.too_short == "5 step(s) and 0 save(s) in the ledger; a fit needs at least one of each"
     assert "run too short to fit a checkpoint interval: 5 step(s) and 0 save(s)" in adv.text()
+
+
+def test_two_tier_advice_without_a_save_asks_for_the_local_write(tmp_path):
+    """A run without a save tells no local save's cost: the two-tier plan was fitted with a stall of 0 s 'from the
+    ledger' and advised saving every step (0 s without steps), where the one-tier advice said it could not fit."""
+    short_run(str(tmp_path), save=False)
+    given = TwoTierInputs(local_read_s=1.0, durable_read_s=5.0, local_mttf_s=100.0, node_mttf_s=1000.0)
+    two = advise(attribute_root(str(tmp_path)), mttf_s=3600.0, two_tier=given).two_tier
+    assert (two.plan, two.missing, "local_write_s" in two.values) == (None, ("--local-write",), False)
+    assert "no two-tier plan: the ledger does not tell --local-write (pass them)" in two.text()
+    assert advise(attribute_root(str(tmp_path)), two_tier=replace(given, local_write_s=0.5)).two_tier.plan is not None
 
 
 def test_an_attempt_that_left_an_empty_ledger_neither_stops_the_next_one_nor_the_report(tmp_path):
