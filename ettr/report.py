@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from typing import Any
 
 from .advice import Advice
@@ -229,10 +230,30 @@ def plot_timeline(a: Attribution, path: str, *, title: str | None = None) -> str
     ax.set_title(title or f"ETTR {a.ettr:.3f} over {a.wall_us / 1e6 / scale:.2f} {unit}, {a.failures} failure(s)")
     fig.tight_layout()
     try:
-        fig.savefig(path, dpi=110, format=ext.lower() or "png")  # a format given: matplotlib appends no extension
+        _save_whole(fig, path, ext.lower() or "png")  # a format given: matplotlib appends no extension
     finally:
         plt.close(fig)
     return path
+
+
+def _save_whole(fig: Any, path: str, fmt: str) -> None:
+    """Write `fig` to `path` whole or not at all: into a new file beside it, renamed over it once written (a full
+    disk cut the previous plot to what fitted, an image that does not open); an error names `path`. A device or
+    FIFO (`-o /dev/null`) is written as it is: a rename would replace it with a file; a symbolic link stays one."""
+    direct = os.path.exists(path) and not os.path.isfile(path)
+    real = os.path.realpath(path)  # a link's target gets the plot, as writing through the link gave it
+    tmp = os.path.join(os.path.dirname(real), f".{os.path.basename(real)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        if direct:
+            fig.savefig(path, dpi=110, format=fmt)
+        else:
+            with open(tmp, "xb") as f:  # mode 0o666 less the umask, as the plot itself was made
+                fig.savefig(f, dpi=110, format=fmt)
+            os.replace(tmp, real)
+    except OSError as e:
+        if not direct and os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise type(e)(f"{path}: the plot could not be written ({e.strerror or e})") from None
 
 
 MAX_PLOT_ROWS = 40  # rows of the timeline drawn at full height and each labelled; more share that height

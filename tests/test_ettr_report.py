@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
+import signal
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -252,6 +254,40 @@ def test_plot_to_a_missing_folder_is_an_error_naming_it_as_export_says_it(job, t
             f"error: {parent}: {what} (the parent of the output {written}); plot creates no folders: make it first\n"
         )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def _file_size_limit(limit: int):
+    """A child's preexec_fn: files past `limit` bytes fail with EFBIG (SIGXFSZ ignored), as a full disk fails them."""
+
+    def limit_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return limit_files
+
+
+def test_a_plot_that_cannot_be_written_whole_leaves_the_previous_file_and_names_it(job, tmp_path):
+    """A disk that filled up while plot wrote: the previous timeline.png was cut to the bytes that fitted (an image
+    that does not open) and the error named no file ('[Errno 27] File too large'). The plot is written beside it and
+    renamed over it when whole: the previous file stays, no temporary one is left, and the error names the output."""
+    png = tmp_path / "timeline.png"
+    assert cli("plot", job, "-o", str(png)).returncode == 0
+    before = png.read_bytes()
+    res = subprocess.run(
+        [sys.executable, "-m", "ettr", "plot", job, "-o", str(png)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        preexec_fn=_file_size_limit(len(before) // 2),
+    )
+    assert res.returncode == 2 and res.stdout == "", res
+    assert res.stderr.startswith(f"error: {png}: the plot could not be written (") and "File too large" in res.stderr
+    assert png.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["timeline.png"]
+    devnull = cli("plot", job, "-o", os.devnull)  # a device is written as it is, never replaced by a file
+    assert devnull.returncode == 0 and os.path.isfile(os.devnull) is False, devnull
+    (tmp_path / "latest.png").symlink_to(png)  # a link stays a link: its target gets the plot
+    assert cli("plot", job, "-o", str(tmp_path / "latest.png")).returncode == 0
+    assert os.readlink(tmp_path / "latest.png") == str(png) and png.read_bytes() == before
 
 
 def test_rank_selects_whose_ledger_is_reported(tmp_path):
