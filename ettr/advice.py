@@ -27,7 +27,7 @@ class Advice:
     startup_s: float
     restart_s: float
     mttf_s: float
-    mttf_failures: int
+    mttf_failures: int  # failures in the ledger: what a fitted MTTF rests on
     mttf_source: str
     step_s: float | None
     interval_s: float | None
@@ -50,7 +50,7 @@ class Advice:
         lines = [
             f"fitted: T_write {self.write_s:.3f} s (stall + overlap waits per save), T_read {self.read_s:.3f} s, "
             f"startup {self.startup_s:.3f} s, restart cost {self.restart_s:.3f} s per failure",
-            f"MTTF {self.mttf_s / 3600:.3f} h ({self.mttf_source}; rests on {self.mttf_failures} failure(s))",
+            f"MTTF {self.mttf_s / 3600:.3f} h ({self.mttf_source}; {self._failures_said()})",
         ]
         if self.too_short is not None:
             lines.append(f"run too short to fit a checkpoint interval: {self.too_short}")
@@ -66,6 +66,11 @@ class Advice:
         if self.two_tier is not None:
             lines += ["", self.two_tier.text()]
         return "\n".join(lines)
+
+    def _failures_said(self) -> str:
+        """The failures the MTTF rests on; a given one rests on none of the ledger's, which it only shows."""
+        verb = "the ledger shows" if self.mttf_source == "given" else "rests on"
+        return f"{verb} {self.mttf_failures} failure(s)"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, with the gain and the two-tier advice (its plan's derived intervals too)."""

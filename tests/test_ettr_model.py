@@ -119,6 +119,9 @@ def test_advise_fits_costs_from_ledger(tmp_path):
     assert adv.interval_s == pytest.approx(100.0)
     assert adv.recommended_interval_s == pytest.approx(daly_interval(4.0, adv.mttf_s))
     assert adv.gain > 0 and "rests on 2 failure(s)" in adv.text()
+    # a given MTTF rests on none of them: it said "(given; rests on 2 failure(s))"
+    given = advise(attribute_root(str(tmp_path)), mttf_s=7200.0)
+    assert given.mttf_failures == 2 and "MTTF 2.000 h (given; the ledger shows 2 failure(s))" in given.text()
 
 
 def test_the_current_interval_is_the_compute_before_each_save_not_the_work_a_failure_lost(tmp_path):
