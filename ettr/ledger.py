@@ -436,11 +436,17 @@ def ledger_ranks(root: str, storage_options: dict[str, Any] | None = None) -> li
 
 
 def no_ledgers(root: str) -> LedgerError:
-    """The error for a root with no ledger to read: it does not exist, is not a directory, or holds none."""
+    """The error for a root with no ledger to read: it does not exist, is not a directory, holds none, or is the
+    ledgers' own folder (ROOT/ettr given as the root)."""
     local = local_root(root)
     if local is not None and not os.path.isdir(local):
         what = "not a directory" if os.path.exists(local) else "no such directory"
         return LedgerError(f"{root}: {what} (give the checkpoint root the job's GoodputTracker wrote to)")
+    if local is not None and any(_NAME.match(name) for name in os.listdir(local)):
+        return LedgerError(
+            f"no ledgers in {ledger_dir(root)}: {root} holds ledgers itself: give the checkpoint root, the folder "
+            "above it"
+        )
     return LedgerError(f"no ledgers in {ledger_dir(root)}: a job's GoodputTracker on this root writes them there")
 
 

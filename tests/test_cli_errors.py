@@ -205,6 +205,8 @@ ETTR_ERRORS = [
     (["plot", "{goodput}", "--mttf", "3600"], "unrecognized arguments: --mttf 3600"),
     (["report", "{missing}"], "nope: no such directory"),
     (["report", "{empty}"], "no ledgers in"),
+    # the ledgers' own folder given as the root: it said only 'no ledgers in ROOT/ettr/ettr'
+    (["report", "{goodput}/ettr"], "/ettr holds ledgers itself: give the checkpoint root, the folder above it"),
     # was "no ledgers to attribute (is ROOT/ettr/ empty?)", naming no folder, of one that is not empty
     (["report", "{unstarted}"], "unstarted/ettr holds a record: each one is empty (its attempt ended before"),
     # rank 0 died in start(), rank 1 ran: the error named no other rank to report instead
