@@ -278,6 +278,8 @@ class _Attempt:
     save_us: list[int]
     restore_us: list[int]
     digests: dict[int, Digest | None] = field(default_factory=dict)  # step -> its first record's digest
+    # (time, step) of each restore record: one after steps (a rollback in the process) throws the steps above it away
+    rollbacks: list[tuple[int, int | None]] = field(default_factory=list)
     # `_labelled`'s last answer and the placement it was for, (k, end, lost_after): that one is not swept again
     swept: tuple[tuple[int, int, float], Any] | None = field(default=None, init=False, repr=False)
 
@@ -308,6 +310,7 @@ def _gather(ledger: Ledger) -> _Attempt:
     commit_times: dict[int, int] = {}
     events: list[tuple[str, int, str | None]] = []
     digests: dict[int, Digest | None] = {}
+    rollbacks: list[tuple[int, int | None]] = []
     for r in ledger.records:
         k = r["k"]
         last = max(last, r.get("e", r.get("t", last)))
@@ -339,6 +342,7 @@ def _gather(ledger: Ledger) -> _Attempt:
             events.append(("delete", r["s"], r.get("tier")))
         elif k == "restore":
             restored, restored_tier = (True, r["s"]), r.get("tier")
+            rollbacks.append((r["t"], r["s"]))
         elif k == "end":
             status = r["status"]
     intervals = list(closed.values())
@@ -361,6 +365,7 @@ def _gather(ledger: Ledger) -> _Attempt:
         save_us,
         restore_us,
         digests,
+        rollbacks,
     )
 
 
@@ -373,6 +378,7 @@ def _shifted(a: _Attempt, delta: int) -> _Attempt:
         seen=a.seen + delta,
         intervals=[(b + delta, e + delta, o, c, s) for b, e, o, c, s in a.intervals],
         commit_times={s: t + delta for s, t in a.commit_times.items()},
+        rollbacks=[(t + delta, s) for t, s in a.rollbacks],
     )
 
 
@@ -501,13 +507,13 @@ def _sweep(a: _Attempt, end: int, lost_after: float) -> tuple[list[tuple[int, in
     items = []
     lost_steps = 0
     for b, e, o, cat, step in a.intervals:
-        b, e = max(b, a.start), min(e, end)
-        if cat == "step":
-            lost = step > lost_after
+        if cat == "step":  # thrown away by a later attempt's resume, or by a restore of this one after it ended
+            lost = step > lost_after or any(t >= e and (s is None or step > s) for t, s in a.rollbacks)
             lost_steps += lost
             cat = "lost" if lost else "productive"
         elif step is not None:  # a part of a save: labelled apart here, folded into checkpoint_save by attribute()
             cat = _PART_LABEL + step
+        b, e = max(b, a.start), min(e, end)
         if e > b:
             items.append((b, e, o, cat))
     items.sort()

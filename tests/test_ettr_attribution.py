@@ -201,6 +201,28 @@ def test_two_crashes_before_a_new_checkpoint(tmp_path):
     check_sum(a)
 
 
+def test_a_rollback_inside_an_attempt_loses_its_own_steps_above_the_step_restored(tmp_path):
+    """a1 trains 1-6 (checkpoint 3) and dies; a2 restores 3, trains 4-6, then rolls back in the same process
+    (a loss spike: restore(step=3) again) and trains 4-8. Its first runs of 4-6 were thrown away as a1's were: they
+    counted as productive, 3 s more than the 8 steps that survived, and no step of a2 as lost."""
+    clock = FakeClock(1000.0)
+    tr = attempt(tmp_path, clock, "a1")
+    restore(tr, clock, None, 0.5)
+    steps(tr, clock, 1, 3, 1.0)
+    save(tr, clock, 3, 0.5, bg=0.2)
+    steps(tr, clock, 4, 6, 1.0)
+    tr = attempt(tmp_path, clock, "a2", at=1010.0)
+    restore(tr, clock, 3, 1.0)
+    steps(tr, clock, 4, 6, 1.0)
+    restore(tr, clock, 3, 1.0)
+    steps(tr, clock, 4, 8, 1.0)
+    tr.end()
+    a = attribute_root(str(tmp_path))
+    assert a.micros == expected(checkpoint_restore=2.5, checkpoint_save=0.5, productive=8.0, lost=6.0, downtime=3.0)
+    assert [at.lost_steps for at in a.attempts] == [3, 3]
+    check_sum(a)
+
+
 def test_crash_before_first_checkpoint(tmp_path):
     clock = FakeClock(1000.0)
     tr = attempt(tmp_path, clock, "a1")
