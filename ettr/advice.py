@@ -56,7 +56,9 @@ class Advice:
             lines.append(f"run too short to fit a checkpoint interval: {self.too_short}")
         else:
             lines.append(
-                f"current interval {_secs(self.interval_s)} s -> expected ETTR {self.expected_ettr_current:.4f}"
+                "current interval: not measured, no compute came before a save (each one preceded the steps)"
+                if self.interval_s is None
+                else f"current interval {_secs(self.interval_s)} s -> expected ETTR {self.expected_ettr_current:.4f}"
             )
             steps = f" (~{self.recommended_steps} steps)" if self.recommended_steps else ""
             lines.append(

@@ -124,6 +124,26 @@ def test_advise_fits_costs_from_ledger(tmp_path):
     assert given.mttf_failures == 2 and "MTTF 2.000 h (given; the ledger shows 2 failure(s))" in given.text()
 
 
+def test_advise_when_every_save_came_before_any_step_says_the_interval_is_unknown(tmp_path, capsys):
+    """One save of step 0 before training (an initial checkpoint), then 9 steps: no compute ended in a save, so the
+    current interval is not measured (None). advise's text, and report's, failed on it with a TypeError traceback
+    ('>=' between NoneType and int); they now say so and still recommend an interval."""
+    clock = FakeClock(0.0)
+    tr = GoodputTracker(str(tmp_path), attempt_id="a0", rank=0, clock=clock, flush_interval=0).start()
+    with tr.span("checkpoint_save", step=0):
+        clock.advance(4.0)
+    tr.checkpoint_committed(0, 1.0)
+    _train(tr, clock, range(1, 10))
+    tr.end()
+    adv = advise(attribute_root(str(tmp_path)), mttf_s=3600.0)
+    assert (adv.interval_s, adv.expected_ettr_current, adv.gain, adv.too_short) == (None, None, None, None)
+    assert "current interval: not measured, no compute came before a save" in adv.text()
+    assert f"recommended interval {adv.recommended_interval_s:.1f} s" in adv.text()
+    for command in ("advise", "report"):
+        assert ettr.cli.main([command, str(tmp_path), "--mttf", "3600"]) == 0
+        assert "current interval: not measured" in capsys.readouterr().out
+
+
 def test_the_current_interval_is_the_compute_before_each_save_not_the_work_a_failure_lost(tmp_path):
     """Saves every 10 steps of 10 s: attempt 1 dies 5 steps after its save at step 20 (50 s lost), attempt 2
     resumes there, saves at 30 and 40 and runs 3 steps more. The interval is 100 s; compute / saves said 120."""
