@@ -103,8 +103,11 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
 
     def tensor_ref(t: torch.Tensor, path: list[str], tag: str) -> dict[str, str]:
         local = t.to_local() if is_dtensor(t) else t
+        storage = local.untyped_storage()
         ident = (
-            local.untyped_storage().data_ptr(),
+            # an empty storage has no address (0 for all): a DTensor's empty shard is told apart by its storage object,
+            # held by the tensor kept below, so Adam's two empty moments of a rank that holds no row stay two arrays
+            storage.data_ptr() if storage.nbytes() else ("empty", id(storage)),
             local.storage_offset(),
             tuple(t.shape),
             local.stride(),

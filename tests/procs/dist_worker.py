@@ -48,10 +48,11 @@ def redirect(rank: int, world: int, port: int, log: str) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)
 
 
-def build():
+def build(out: int = 8):
+    """The FSDP2 model (plain at world size 1) and its Adam; `out` = 1 gives a head no rank but rank 0 holds a row of."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(32, 96), torch.nn.GELU(), torch.nn.Linear(96, 40), torch.nn.Linear(40, 8)
+        torch.nn.Linear(32, 96), torch.nn.GELU(), torch.nn.Linear(96, 40), torch.nn.Linear(40, out)
     )
     if WORLD > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -142,6 +143,19 @@ def main(mode: str, root: str) -> None:
                     shutil.copytree(root, f"{root}.copy")
             dist.barrier()
             restore_and_compare(m, model, opt, os.path.join(root, "..", "reference1.pt"))
+    elif mode in ("head1_save", "head1_restore"):
+        # a one-row head: at world size 2 rank 1's shards of its weight and bias, and of their Adam moments, are empty
+        model, opt = build(out=1)
+        with ckpt.CheckpointManager(root, collective_timeout=20) as m:
+            if mode == "head1_save":
+                train(model, opt, torch.Generator().manual_seed(1))
+                m.save(1, state_of(model, opt)).wait()
+                reference = flat_reference(model, opt)
+                if rank == 0:
+                    torch.save(reference, os.path.join(root, "..", "reference_head1.pt"))
+                print(f"rank {rank} saved", flush=True)
+            else:
+                restore_and_compare(m, model, opt, os.path.join(root, "..", "reference_head1.pt"))
     elif mode == "replan":
         g = torch.Generator().manual_seed(1)
         agreements, extras = [], {4: torch.arange(10.0), 5: torch.arange(12.0).reshape(3, 4)}
