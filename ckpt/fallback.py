@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from . import layout
 from . import lease as lease_mod
@@ -59,22 +59,28 @@ def walk(
     read: Read,
     lease: lease_mod.Lease | None,
     failure: Exception | None = None,
+    keys: Sequence[str] | None = None,
 ) -> Found:
     """Try the candidates until one is read intact everywhere (`read` verifies, applies nothing); raises when
     `step` was asked for and is not committed or damaged, or when every committed step is damaged.
 
-    First every rank learns the others' `step` and `failure` (this rank cannot restore: an earlier write's error):
-    any failure, or steps that differ, raise on every rank (that rank its own error, the others a CheckpointError
-    naming it), so none waits for another or reads another step's bytes."""
-    told = ranks.all_gather_json([step, None if failure is None else described(failure)])
+    First every rank learns the others' `step`, `keys` and `failure` (this rank cannot restore: an earlier write's
+    error): any failure, or steps or keys that differ, raise on every rank (that rank its own error, the others a
+    CheckpointError naming it), so none waits for another, reads another step's bytes, or restores entries another
+    leaves as they are (an FSDP optimizer with some ranks' shards restored and the others' a step ahead)."""
+    chosen = None if keys is None else sorted(keys)
+    told = ranks.all_gather_json([step, chosen, None if failure is None else described(failure)])
     if failure is not None:
         raise failure
-    failed = [(r, m) for r, (_, m) in enumerate(told) if m]
+    failed = [(r, m) for r, (*_, m) in enumerate(told) if m]
     if failed:
         raise CheckpointError(f"rank {failed[0][0]} cannot restore: {failed[0][1]}")
-    if len({s for s, _ in told}) > 1:
-        steps = ", ".join(f"rank {r}: {s}" for r, (s, _) in enumerate(told))
-        raise CheckpointError(f"the ranks called restore with different steps ({steps}): every rank restores the same")
+    for i, what in enumerate(("steps", "keys")):
+        if any(t[i] != told[0][i] for t in told):
+            each = ", ".join(f"rank {r}: {t[i]}" for r, t in enumerate(told))
+            raise CheckpointError(
+                f"the ranks called restore with different {what} ({each}): every rank restores the same"
+            )
     found = Found()
     todo, relists = candidates(durable, target, ranks, step, found.tried()), 0
     while todo:

@@ -479,7 +479,9 @@ class CheckpointManager:
                 args = (state, keys, self.ranks, rank_map, bg.readers, bg.arena)
                 return restore_mod.read_step(storage, s, *args, shared=storage is self.storage)
 
-            found = fallback.walk(self.storage, self._target, self.ranks, step, read, self._root_lease.lease, failure)
+            found = fallback.walk(
+                self.storage, self._target, self.ranks, step, read, self._root_lease.lease, failure, keys
+            )
             source, plan = found.source, found.plan
             if source is not None and plan is not None:
                 restore_mod.apply(plan, state)

@@ -178,7 +178,7 @@ def test_a_root_that_cannot_be_created_fails_the_first_save_on_every_rank_at_onc
 def test_a_restore_one_ranks_state_does_not_fit_fails_on_every_rank_and_changes_nothing(tmp_path):
     """Rank 1's state has a key the checkpoint lacks, then a sampler over other data: every rank raises (none waits
     for it until the timeout, or pairs its next save with this restore), every tensor is as it was, and the next save
-    commits."""
+    commits. Ranks that pass different steps or keys= raise too, before anything is read."""
     results = run_ranks(2, "restore_refused", str(tmp_path / "ck"), timeout=120)
     _ok(results)
     zero, one = (r.stdout for r in results)
@@ -187,6 +187,9 @@ def test_a_restore_one_ranks_state_does_not_fit_fails_on_every_rank_and_changes_
     assert all("changed []" in r.stdout and "steps [1, 2]" in r.stdout for r in results), results
     assert all("different steps (rank 0: 1, rank 1: 2)" in r.stdout for r in results), results
     assert all("then restored 2" in r.stdout for r in results), results
+    keys = "different keys (rank 0: ['model'], rank 1: ['model', 'opt'])"
+    assert all(f"keys refused: the ranks called restore with {keys}" in r.stdout for r in results), results
+    assert all("keys changed []" in r.stdout for r in results), results
     # a sampler over other data on rank 1 alone: refused on every rank before anything is read
     assert "sampler refused: StateMismatchError: rank 1 cannot restore step 3 into its state: DataMismatchError" in zero
     assert "sampler refused: DataMismatchError: resuming on different data" in one, one
