@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .errors import CollectiveTimeout, StateMismatchError, from_leader, leader_failure
 from .format import ArrayInfo, torch_dtype
-from .state import is_dtensor
+from .state import is_dtensor, is_partial
 
 Box = tuple[tuple[int, int], ...]
 
@@ -303,6 +303,11 @@ def read_region(info: ArrayInfo, template: Any, key: str) -> tuple[Any, Box] | N
         raise StateMismatchError(
             f"restore of key {key!r}: checkpoint has global shape {list(info.shape)}, "
             f"the target DTensor has {list(template.shape)}"
+        )
+    if is_partial(template):  # each rank would take the whole value: their sum (the DTensor's value) N times it
+        raise StateMismatchError(
+            f"restore of key {key!r}: the target DTensor has placements {tuple(template.placements)}, and a Partial "
+            f"placement (a reduction still pending) cannot take a value; redistribute it to Replicate or Shard first"
         )
     return template, local_box(template)[1]
 

@@ -67,6 +67,12 @@ def is_dtensor(t: Any) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
+def is_partial(t: Any) -> bool:
+    """A DTensor with a Partial placement: a reduction still pending, each rank's local part one term of it, so no
+    rank holds the value a save would write or a restore could place."""
+    return is_dtensor(t) and any(p.is_partial() for p in t.placements)
+
+
 def is_per_rank(x: Any) -> bool:
     """Stateful objects whose state differs per rank (RNG streams) declare `per_rank = True`."""
     return is_stateful(x) and bool(getattr(x, "per_rank", False))
@@ -132,6 +138,12 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
             raise TypeError(f"value at key {key!r} is nested deeper than {MAX_DEPTH} levels (does it contain itself?)")
         if isinstance(x, torch.Tensor):
             _check_dense(x, key)
+            if is_partial(x):
+                raise TypeError(
+                    f"DTensor at key {key!r} has placements {tuple(x.placements)}: a Partial placement is a reduction "
+                    f"still pending (each rank holds one term); reduce it first, e.g. .redistribute(placements="
+                    f"[Replicate()]) or .full_tensor()"
+                )
             _check_storage(x, key)
             _check_rank(x.dim(), key)
             return tensor_ref(x.detach(), path, "$tensor")

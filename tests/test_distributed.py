@@ -90,6 +90,17 @@ def test_adam_over_a_head_of_one_row_saves_at_2_ranks_and_restores_at_3(tmp_path
     _restored(run_ranks(3, "head1_restore", root, timeout=120), 1)
 
 
+def test_a_dtensor_with_a_partial_placement_is_refused_by_save_and_restore_naming_the_key(tmp_path):
+    """A Partial DTensor (a sum still to be reduced: ranks hold 1 and 2 of a 3) was saved as one rank's term (read
+    back as 2) and restored into as if replicated (the sum became 6); both now refuse it, naming the key."""
+    results = run_ranks(2, "partial", str(tmp_path / "ck"), timeout=120)
+    _ok(results)
+    for rank, r in enumerate(results):
+        assert "save refused: DTensor at key 'p' has placements (Partial(sum),)" in r.stdout, r.stdout[-3000:]
+        assert "restore refused: restore of key 'p': the target DTensor has placements (Partial(sum),)" in r.stdout
+        assert f"local part {[rank + 1.0] * 3}" in r.stdout, r.stdout[-3000:]
+
+
 def test_a_plan_is_agreed_once_and_again_only_when_the_states_structure_changes(tmp_path):
     """Saves of an unchanged state reuse the first save's plan (no gather of every tensor's description); a new
     tensor or a new shape on any rank is planned again, and the checkpoint holds it."""

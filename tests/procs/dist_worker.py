@@ -156,6 +156,25 @@ def main(mode: str, root: str) -> None:
                 print(f"rank {rank} saved", flush=True)
             else:
                 restore_and_compare(m, model, opt, os.path.join(root, "..", "reference_head1.pt"))
+    elif mode == "partial":
+        # a Partial DTensor is a pending sum: each rank's local part is one term of it, never the value to save
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        pending = DTensor.from_local(torch.full((3,), rank + 1.0), mesh, [Partial()])
+        with ckpt.CheckpointManager(root, collective_timeout=20) as m:
+            try:
+                m.save(1, {"p": pending}).wait()
+                print(f"saved, reads back {ckpt.load(root)['p'].tolist()} of {pending.full_tensor().tolist()}")
+            except TypeError as e:
+                print(f"save refused: {e}", flush=True)
+            m.save(2, {"p": DTensor.from_local(torch.full((3,), 3.0), mesh, [Replicate()])}).wait()
+            try:
+                m.restore({"p": pending})
+                print(f"restored into a sum of {pending.full_tensor().tolist()}", flush=True)
+            except ckpt.StateMismatchError as e:
+                print(f"restore refused: {e}; local part {pending.to_local().tolist()}", flush=True)
     elif mode == "replan":
         g = torch.Generator().manual_seed(1)
         agreements, extras = [], {4: torch.arange(10.0), 5: torch.arange(12.0).reshape(3, 4)}
