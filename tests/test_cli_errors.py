@@ -71,6 +71,9 @@ CKPT_ERRORS = [  # argv (ROOT names a fixture root), exit status, text of the on
     (["explain", "{good}", "--step", str(1 << 64)], 2, "a step is at most 2**63 - 1"),
     (["inspect", "{empty}"], 1, "no committed checkpoint"),
     (["gc", "{good}", "--bogus"], 2, "unrecognized arguments"),
+    # a typo was taken as false: requests signed with whatever credentials the default chain found
+    (["ls", "{good}", "--storage-option", "anonymous=ture"], 1, "storage option anonymous is true or false"),
+    (["ls", "{good}", "--storage-option", "requester_pays="], 1, "(1, true, yes, on; 0, false, no, off), got ''"),
 ]
 
 

@@ -90,7 +90,7 @@ STORAGE_OPTIONS = {
     "timeout": f"seconds one storage operation may take, retries included, before it fails (default {DEFAULT_TIMEOUT_S:g})",
 }
 _S3_ONLY = set(STORAGE_OPTIONS) - {"timeout"}
-_TRUE = ("1", "true", "yes", "on")
+_FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 def validated_options(storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -109,8 +109,13 @@ def validated_options(storage_options: Mapping[str, Any] | None) -> dict[str, An
         if not 0 < options["timeout"] < 1e6:
             raise ValueError(f"storage option timeout must be positive seconds, got {options['timeout']!r}")
     for flag in ("anonymous", "requester_pays"):
-        if isinstance(options.get(flag), str):
-            options[flag] = options[flag].lower() in _TRUE
+        if isinstance(options.get(flag), str):  # a typo ('ture') is refused: as false it signs with other credentials
+            value = _FLAGS.get(options[flag].strip().lower())
+            if value is None:
+                raise ValueError(
+                    f"storage option {flag} is true or false (1, true, yes, on; 0, false, no, off), got {options[flag]!r}"
+                )
+            options[flag] = value
     if ("access_key_id" in options) != ("secret_access_key" in options):
         raise ValueError("storage options access_key_id and secret_access_key go together")
     return options
