@@ -62,6 +62,9 @@ CKPT_ERRORS = [  # argv (ROOT names a fixture root), exit status, text of the on
     (["explain", "{missing}", "--step", "1"], 1, "no such directory"),
     (["ls", "{file}"], 1, "not a directory"),
     (["ls", "foo://bucket/run"], 1, 'unsupported URL scheme "foo"'),
+    # the root's trailing '/' was stripped with the scheme's: tensorstore's 'Parsing spec from url: "s3:/"'
+    (["ls", "s3://"], 1, "s3://: an s3:// root names a bucket"),
+    (["inspect", "gs:///"], 1, "gs://: a gs:// root names a bucket"),
     (["inspect", "{good}", "--step", "-1"], 2, "a step is never negative"),
     (["verify", "{good}", "--step", "-1"], 2, "a step is never negative"),
     (["explain", "{good}", "--step", "x"], 2, "not a step number"),
@@ -151,6 +154,8 @@ def test_ckpt_cli_reads_crafted_markers_without_a_traceback(roots, capsys):
     assert code == 0 and not err and all(f"would remove incomplete step {s}" in out for s in (7, 8, 9))
     code, out, _ = _run(ckpt.cli.main, ["ls", roots["empty"]], capsys)
     assert code == 0 and "no checkpoints" in out  # an existing empty root is not an error
+    code, out, err = _run(ckpt.cli.main, ["ls", "memory://"], capsys)  # the whole store: was a parse error
+    assert code == 0 and out == "no checkpoints in memory://\n", (out, err)
 
 
 def test_special_files_planted_in_a_root_are_damage_or_ignored_never_a_hang_or_an_abort(tmp_path, capsys):

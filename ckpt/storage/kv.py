@@ -17,7 +17,7 @@ import tensorstore as ts
 from ..errors import StorageError
 from .local import too_big
 from .protocol import Storage, checked
-from .spec import DEFAULT_TIMEOUT_S, curl_timeouts, kvstore_spec, plain_key, validated_options
+from .spec import DEFAULT_TIMEOUT_S, curl_timeouts, kvstore_spec, plain_key, root_url, validated_options
 
 log = logging.getLogger(__name__)
 _REMOTE = ("s3", "gcs")  # drivers probed when a root is opened
@@ -35,7 +35,7 @@ class KvStorage:
     lease_kind = "conditional"
 
     def __init__(self, url: str, context: ts.Context, storage_options: Mapping[str, Any] | None = None):
-        self.url = url.rstrip("/") + "/"
+        self.url = root_url(url)
         options = validated_options(storage_options)
         self.timeout = float(options.get("timeout", DEFAULT_TIMEOUT_S))
         self._base = kvstore_spec(self.url, options)

@@ -164,7 +164,16 @@ def kvstore_spec(url: str, storage_options: Mapping[str, Any] | None = None) -> 
         return {"driver": "gcs", "bucket": bucket, "path": path, "gcs_request_retries": retries(timeout)}
     import tensorstore as ts
 
-    return ts.KvStore.Spec(url.rstrip("/") + "/").to_json()
+    return ts.KvStore.Spec(root_url(url)).to_json()
+
+
+def root_url(url: str) -> str:
+    """`url` ending in one '/', the scheme's '//' kept: a bare ``rstrip`` made ``s3://`` ``s3:/``, which tensorstore
+    failed to parse ("Scheme "s3://" not present"), so a missing bucket went unnamed and ``memory://`` did not open."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url.rstrip("/") + "/"
+    return scheme + sep + (rest.rstrip("/") + "/" if rest.strip("/") else "")
 
 
 _UNPLAIN = ("", ".", "..")  # the key segments that stores and HTTP clients resolve as a path's
