@@ -253,7 +253,7 @@ def _sampler_states(tree: Any, path: str = "") -> list[tuple[str, Any]]:
         from .state import decode
 
         decoded = decode(tree, lambda *_: None)
-        if data.is_sampler_state(decoded):
+        if data.names_a_sampler(decoded):  # a newer version's too: explain says it cannot read it
             return [(path, decoded)]
     return [found for k, sub in node.children for found in _sampler_states(sub, f"{path}.{k}" if path else str(k))]
 

@@ -98,6 +98,24 @@ def test_explain_of_a_step_it_cannot_explain_prints_nothing_on_stdout(tmp_path, 
     assert code == 1 and out == "" and "is past 2**62" in err and err.count("\n") == 1, (out, err)
 
 
+def test_explain_of_a_sampler_state_saved_by_a_newer_version_says_so(tmp_path, capsys):
+    """A sampler state whose kind is a later version of a known sampler ('ckpt.ShuffledSampler/2') read as
+    'no sampler state in step 3', as if the checkpoint held none; now the error names the kind and the ones read."""
+    from ckpt import ShuffledSampler
+
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(3, {"sampler": ShuffledSampler(100, 4, seed=1)})
+    path = tmp_path / "step_00000003" / "manifest.json"
+    body = json.loads(path.read_bytes())["body"]
+    body["tree"]["sampler"]["v"]["kind"] = "ckpt.ShuffledSampler/2"
+    text = json.dumps(body, separators=(",", ":"))
+    path.write_text(json.dumps({"sha256": hashlib.sha256(text.encode()).hexdigest(), "body": body}))
+    code, out, err = _run(ckpt.cli.main, ["explain", str(tmp_path), "--step", "2"], capsys)
+    assert code == 1 and out == "" and err.count("\n") == 1, (out, err)
+    assert "sampler state of kind 'ckpt.ShuffledSampler/2', which this version of ckpt does not read" in err, err
+    assert "(it reads ckpt.RandomWindowSampler/1, ckpt.ShuffledSampler/1)" in err, err
+
+
 def test_a_step_directory_given_as_the_root_is_named_with_its_root(tmp_path, capsys):
     """`ckpt ls ROOT/step_00000100` said only "no checkpoints in ROOT/step_00000100"; ls, inspect and verify now name
     the directory's step and the root holding it."""

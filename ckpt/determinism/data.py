@@ -478,13 +478,28 @@ class ShuffledSampler(_CounterSampler):
 SAMPLER_KINDS: dict[str, type[_CounterSampler]] = {cls.kind: cls for cls in (RandomWindowSampler, ShuffledSampler)}
 
 
+_SAMPLER_NAMES = {kind.partition("/")[0] for kind in SAMPLER_KINDS}
+
+
 def is_sampler_state(tree: Any) -> bool:
     """True for a dict saved by one of these samplers (its 'kind' tag), so a CLI can find it in a checkpoint tree."""
     return isinstance(tree, Mapping) and tree.get("kind") in SAMPLER_KINDS
 
 
+def names_a_sampler(tree: Any) -> bool:
+    """True for a dict whose 'kind' names one of these samplers in any version ('ckpt.ShuffledSampler/2' of a newer
+    ckpt too): a CLI finds a state it cannot read, and `explain` says why, instead of finding none."""
+    kind = tree.get("kind") if isinstance(tree, Mapping) else None
+    return isinstance(kind, str) and kind.partition("/")[0] in _SAMPLER_NAMES
+
+
 def explain(state: Mapping[str, Any], step: int) -> Explanation:
     """The global batch of step `step` (from 1, as in logs and checkpoint names) from a saved sampler state."""
+    if names_a_sampler(state) and not is_sampler_state(state):
+        raise ValueError(
+            f"sampler state of kind {state['kind']!r}, which this version of ckpt does not read (it reads "
+            f"{', '.join(sorted(SAMPLER_KINDS))}): was it saved by a newer version?"
+        )
     if not is_sampler_state(state):
         found = f"key 'kind' is {state.get('kind')!r}" if isinstance(state, Mapping) else f"got {type(state).__name__}"
         raise ValueError(f"not a sampler state: {found}, expected a dict whose 'kind' is one of {list(SAMPLER_KINDS)}")
