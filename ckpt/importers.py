@@ -28,11 +28,14 @@ from typing import Any, Mapping
 import torch
 
 from . import layout
+from . import run as run_mod
+from .errors import CorruptCheckpointError
 from .exporter import HF_CONFIG, INDEX, TIES_MARK
 from .format import overlapping
 from .manager import CheckpointManager
 from .safetensors_file import number, open_regular, open_tensors
 from .state import check_top_level_key, flatten
+from .storage import Storage, open_storage
 
 DEFAULT_KEY = "model"
 IMPORTED = "imported_from"  # step metadata: {"path": ..., "kind": ...}
@@ -72,9 +75,20 @@ def import_checkpoint(
         flatten(state)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{src} cannot be imported: {e}") from None
-    with CheckpointManager(root, max_staging_bytes=_STAGING, storage_options=storage_options) as manager:
+    storage = open_storage(root, storage_options)
+    with CheckpointManager(storage, max_staging_bytes=_STAGING, run_id=_recorded_run_id(storage)) as manager:
         manager.save(step, state, metadata=metadata).wait()
     return kind
+
+
+def _recorded_run_id(storage: Storage) -> str | None:
+    """The id of the run the root records (None: none, or a malformed record): the import adds a step to that run.
+    A new id recorded there made the restart of the root's own run (its SLURM_JOB_ID) a RunMismatchError."""
+    try:
+        recorded = run_mod.recorded_run(storage)
+    except CorruptCheckpointError:
+        return None
+    return recorded.id if recorded is not None else None
 
 
 def read_source(src: str) -> tuple[str, Any, dict[str, Any]]:

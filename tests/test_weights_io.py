@@ -417,6 +417,26 @@ def test_import_of_values_a_checkpoint_cannot_hold_names_the_source_and_leaves_t
         assert not (tmp_path / name).exists()
 
 
+def test_import_into_a_run_s_root_keeps_its_run_record(tmp_path, monkeypatch):
+    """`python -m ckpt import SRC ROOT` recorded a new run in ROOT (a generated id, or the importing shell's
+    SLURM_JOB_ID), so the requeue of the run that owns ROOT, with its own id, was refused at start with
+    RunMismatchError. The import now adds its step to the run ROOT records."""
+    from ckpt import run as run_mod
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, run_id="job-1") as m:
+        m.save(1, {"model": {"w": torch.zeros(2)}}).wait()
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
+    monkeypatch.setenv("SLURM_JOB_ID", "shell-2")  # the shell the import runs in
+    assert cli.main(["import", str(tmp_path / "w.pt"), str(root), "--step", "5"]) == 0
+    storage = open_storage(str(root))
+    assert run_mod.recorded_run(storage).id == "job-1" and run_mod.lineage(storage) == ["job-1"]
+    restart = run_mod.Run.current("job-1")
+    assert run_mod.check_start(storage, restart, resume=False, how_to_resume="-", how_to_start_over="-")
+    assert ckpt.import_checkpoint(tmp_path / "w.pt", tmp_path / "new", step=1) == "torch"  # a new root: the import's
+    assert run_mod.recorded_run(open_storage(str(tmp_path / "new"))).id == "shell-2"
+
+
 def test_import_dcp_then_restore_is_bitwise(tmp_path):
     import torch.distributed.checkpoint as dcp
 
