@@ -209,6 +209,9 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
     bad = 0
     if args.step is not None and not layout.is_committed(storage, args.step):  # not damage: nothing to check
         committed = layout.committed_steps(storage)
+        if args.local:  # `_verify_tiers` found it in another tier (a local-only step of persist_every)
+            print(f"step {args.step}: not committed in this tier (committed: {committed})")
+            return 0
         raise StepNotFoundError(f"step {args.step} is not committed in {storage.url} (committed: {committed})")
     from tqdm import tqdm
 
@@ -239,6 +242,17 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
         else:
             print(f"step {step}: ok ({_human(total)} of tensors checked)")
     return 1 if bad else 0
+
+
+def _verify_tiers(storage: Storage, args: argparse.Namespace) -> int:
+    """`verify` on every tier. With ``--step`` and ``--local``, a tier without the step says so and the others are
+    verified (with persist_every=2 an odd step is in the local tier only); a step no tier holds is the error."""
+    if args.step is not None and args.local:
+        held = [(tier.root.url, layout.committed_steps(tier.root)) for tier in _tiers(storage, args)]
+        if not any(args.step in steps for _, steps in held):
+            where = "; ".join(f"{url}: {steps}" for url, steps in held)
+            raise StepNotFoundError(f"step {args.step} is not committed in any tier: {where}")
+    return _each_tier(cmd_verify)(storage, args)
 
 
 def _sampler_states(tree: Any, path: str = "") -> list[tuple[str, Any]]:
@@ -505,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = {
         "ls": _each_tier(cmd_ls),
         "inspect": cmd_inspect,
-        "verify": _each_tier(cmd_verify),
+        "verify": _verify_tiers,
         "gc": _each_tier(cmd_gc, with_writer=True),
         "rollback": cmd_rollback,
         "explain": cmd_explain,

@@ -405,6 +405,25 @@ def test_cli_ls_verify_gc_cover_both_tiers(tmp_path, capsys):
     assert layout.step_dirs(open_storage(local)) == [2, 3]
 
 
+def test_cli_verify_of_a_step_only_a_local_tier_holds_verifies_it_there(tmp_path, capsys):
+    """`verify --step 3 ROOT --local DIR` with persist_every=2 (step 3 in the local tier only) failed 'step 3 is not
+    committed in ROOT' at the durable root, and the local tier that holds it was never checked; a tier without the
+    step now says so and the others are verified; a step no tier holds is still the one-line error."""
+    from ckpt import cli
+
+    durable, local = saved(tmp_path, [1, 2, 3], persist_every=2)
+    assert cli.main(["verify", "-q", "--step", "3", durable, "--local", local]) == 0
+    durable_part, local_part = capsys.readouterr().out.split(f"== local tier {local}")
+    assert "step 3: not committed in this tier (committed: [2])" in durable_part
+    assert "step 3: ok" in local_part
+    flip_byte(chunk(local, 3))
+    assert cli.main(["verify", "-q", "--step", "3", durable, "--local", local]) == 1
+    assert "step 3: DAMAGED" in capsys.readouterr().out
+    assert cli.main(["verify", "-q", "--step", "7", durable, "--local", local]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"error: step 7 is not committed in any tier: {durable}: [2]; {local}: [2, 3]\n", err
+
+
 def test_cli_gc_spares_a_replica_the_live_writer_of_its_local_tier_receives(tmp_path, capsys):
     """A peer's replica being received into the local tier (`_replica/rank_1/step_2`, marked in progress by the
     transfer's `begin_step`, which names no lease) is a live save of the local tier's writer: gc beside it removes
