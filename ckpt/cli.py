@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--step", type=_step, help="default: the newest committed step")
     s.add_argument("--format", required=True, help=f"one of {', '.join(EXPORT_FORMATS)}")
     s.add_argument("--keys", help="comma list of dotted keys to export (default: model)")
-    s.add_argument("--max-shard-size", default="5GB", help="safetensors/hf: largest shard (default 5GB)")
+    s.add_argument("--max-shard-size", help="safetensors/hf: largest shard (default 5GB)")
     s.add_argument("--config", help="hf: the model's config.json (default: the one the HF integration stored)")
     s.add_argument("-o", "--output", required=True, help="file (torch) or folder (safetensors, hf) to create")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

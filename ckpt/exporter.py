@@ -34,6 +34,8 @@ from .safetensors_file import Entry, Writer, dtype_name
 from .storage import Storage, open_storage
 
 FORMATS = ("safetensors", "torch", "hf")
+SHARD_FORMATS = ("safetensors", "hf")  # what max_shard_size applies to (torch writes one file)
+DEFAULT_SHARD_SIZE = "5GB"
 DEFAULT_KEY = "model"
 HF_CONFIG = "hf_config"  # step metadata: the model's Transformers config (a dict), written by integrations.hf
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"  # Transformers' file names
@@ -103,7 +105,7 @@ def export(
     format: str,
     step: int | None = None,
     keys: Sequence[str] | None = None,
-    max_shard_size: str | int = "5GB",
+    max_shard_size: str | int | None = None,
     config: str | os.PathLike | Mapping[str, Any] | None = None,
     progress: bool | None = None,
     storage_options: Mapping[str, Any] | None = None,
@@ -113,17 +115,25 @@ def export(
 
     Names are the dotted paths below the one selected key (``model.embed.weight`` -> ``embed.weight``, what
     ``load_state_dict`` and ``from_pretrained`` expect), or full paths when several keys are selected.
-    ``safetensors``: a folder with ``model.safetensors``, or shards of at most `max_shard_size` and
+    ``safetensors``: a folder with ``model.safetensors``, or shards of at most `max_shard_size` (default 5GB) and
     ``model.safetensors.index.json``. Tied weights are written once under their first name; the other names
     are dropped and recorded in the file's metadata (as ``safetensors.torch.save_model`` does), and
     ``from_pretrained`` ties them again. ``torch``: one file for ``torch.load(weights_only=True)`` (numpy
     values become tensors and numbers). ``hf``: the safetensors folder plus ``config.json``, from `config` (a
     dict or a JSON file) or the config the HF integration stored with the step. `out` must not exist, or be an
-    empty folder, and its parent folder must exist; nothing appears there unless the export completes.
+    empty folder, and its parent folder must exist; nothing appears there unless the export completes. A
+    `max_shard_size` or `config` the format does not use is a ValueError (it was ignored in silence).
     """
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r} (choose from {', '.join(FORMATS)})")
-    shard_bytes = parse_size(max_shard_size)
+    if max_shard_size is not None and format not in SHARD_FORMATS:
+        raise ValueError(
+            f"max_shard_size applies to formats {' and '.join(SHARD_FORMATS)}, not {format!r} (one file), "
+            f"got {max_shard_size!r}"
+        )
+    if config is not None and format != "hf":
+        raise ValueError(f"config applies to format hf (its config.json), not {format!r}, got {config!r}")
+    shard_bytes = parse_size(DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size)
     out = os.path.abspath(os.fspath(out))
     _check_out(out, format)
     storage = open_storage(root, storage_options)

@@ -275,6 +275,9 @@ def test_cli_errors_are_one_line_and_leave_nothing(tmp_path, capsys):
         (["--format", "safetensors", "--max-shard-size", "1.5"], "not a whole number of bytes: '1.5'"),
         (["--format", "safetensors", "--keys", "model,"], "hold an empty key"),  # exported the whole state
         (["--format", "safetensors", "--keys", "epoch"], "no tensor is under ['epoch'] in step 1"),  # an empty file
+        # taken and ignored: one unsharded file, a folder without config.json
+        (["--format", "torch", "--max-shard-size", "1GB"], "max_shard_size applies to formats safetensors and hf"),
+        (["--format", "safetensors", "--config", root], "config applies to format hf (its config.json), not"),
     ]
     for extra, message in cases:
         assert cli.main(["export", root, "-o", str(out), *extra]) == 1
@@ -808,7 +811,7 @@ def test_export_safetensors_refuses_a_name_the_file_format_takes_and_writes_noth
         m.save(1, {"model": tied})
     (tmp_path / "config.json").write_text("{}")
     for fmt in ("safetensors", "hf"):
-        out = ["--config", str(tmp_path / "config.json"), "-o", str(tmp_path / "out")]
+        out = [*(["--config", str(tmp_path / "config.json")] if fmt == "hf" else []), "-o", str(tmp_path / "out")]
         assert cli.main(["export", str(tmp_path / "root"), "--format", fmt, *out]) == 1
         err = capsys.readouterr().err
         assert message in err and "--format torch" in err and err.count("\n") == 1, err
