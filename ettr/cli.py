@@ -218,7 +218,9 @@ def _simulate_two_tier(args: argparse.Namespace) -> str:
         args.write, args.persist_cost or 0.0, local_restart, args.restart, args.local_mttf, args.node_mttf
     )
     k = args.persist_every or 1
-    sim = simulate_two_tier(args.interval, k, costs, cycles=max(1, args.segments // k), seed=args.seed)
+    if args.segments < 2 * k:  # cycles of K segments: fewer than two gives no standard error
+        raise ValueError(f"--segments must be at least twice --persist-every ({2 * k}), got {args.segments}")
+    sim = simulate_two_tier(args.interval, k, costs, cycles=args.segments // k, seed=args.seed)
     plan = optimal_two_tier(costs)
     out = {
         "simulated": sim.ettr,

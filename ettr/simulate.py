@@ -41,8 +41,8 @@ def simulate(
     check_seconds("write", write_s)
     check_seconds("restart", restart_s)
     check_seconds("mttf", mttf_s, positive=True)
-    if segments < 1:
-        raise ValueError(f"segments must be at least 1, got {segments}")
+    if segments < 2:  # one segment's wall time has no spread to measure: its standard error read 0
+        raise ValueError(f"segments must be at least 2 (one gives no standard error), got {segments}")
     cycle = interval_s + write_s
     log_tries, log_restart_tries = cycle / mttf_s, restart_s / mttf_s  # expected tries: e^(x / MTTF)
     if (
@@ -90,8 +90,8 @@ def simulate_two_tier(
 
     A ValueError instead of a run that would not finish (see `simulate`)."""
     check_plan(interval_s, persist_every)
-    if cycles < 1:
-        raise ValueError(f"cycles must be at least 1, got {cycles}")
+    if cycles < 2:
+        raise ValueError(f"cycles must be at least 2 (one gives no standard error), got {cycles}")
     c, k = costs, persist_every
     lam_l, lam_n = c.rates
     lam = lam_l + lam_n

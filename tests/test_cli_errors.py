@@ -267,7 +267,7 @@ def test_a_warning_of_the_ettr_cli_is_one_line_said_once(roots, tmp_path, capsys
     )
 
 
-SIMULATIONS = [  # each of these ran for hours or forever
+SIMULATIONS = [  # each of these ran for hours or forever, or claimed a certainty it had not measured
     (["--interval", "600", "--mttf", "60"], "not simulated: with 600 s per segment"),
     (["--interval", "1", "--restart", "2000", "--mttf", "100"], "not simulated"),
     (["--interval", "3000", "--mttf", "600", "--segments", "1000000"], "not simulated"),
@@ -277,6 +277,12 @@ SIMULATIONS = [  # each of these ran for hours or forever
     (["--interval", "-1", "--mttf", "60"], "--interval: '-1' must be a finite positive"),
     (["--interval", "inf", "--mttf", "60"], "must be a finite positive"),
     (["--interval", "60", "--mttf", "600", "--segments", "0"], "must be a positive integer"),
+    # one segment (or one two-tier cycle) has no spread: its standard error read 0.0
+    (["--interval", "60", "--mttf", "600", "--segments", "1"], "segments must be at least 2 (one gives no standard"),
+    (
+        ["--interval", "60", "--local-mttf", "600", "--node-mttf", "6000", "--persist-every", "5", "--segments", "9"],
+        "--segments must be at least twice --persist-every (10), got 9",
+    ),
 ]
 
 
