@@ -188,7 +188,7 @@ def _export_step(
 def _check_outside(out: str, storage: Storage) -> None:
     """ValueError when `out` is inside the checkpoint root: a root is the writer's (an export named like a step,
     ``ROOT/step_00000009``, was deleted by the next gc as an abandoned save)."""
-    base = storage.local_path("")
+    base = storage.direct_path("")  # a root of this machine's files
     if base is None:
         return
     base = os.path.realpath(base)

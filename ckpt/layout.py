@@ -198,7 +198,7 @@ def check_step_free(storage: Storage, step: int) -> None:
     """StepExistsError when a step's name in a local root is taken by a file or a symbolic link: no save can write
     there, and the save's own error named something else (the link "already committed", the file a
     NotADirectoryError from inside the write)."""
-    path = storage.local_path(step_dir(step))
+    path = storage.direct_path(step_dir(step))  # where a step is a directory of this machine's
     try:
         mode = os.lstat(path).st_mode if path is not None else stat.S_IFDIR
     except FileNotFoundError:
