@@ -273,8 +273,9 @@ class CheckpointManager:
     def persist(self, step: int) -> bool:
         """With a local tier, persist `step`, this manager's newest save, to the durable root now unless it was (a save
         that turned out to be the job's last, or the one before a preemption: the node may not come back); True if a
-        persist started. Waits for that save's local commit, then returns; `wait()` waits for the persist. Among
-        ranks call it on every rank. With one root a committed step is durable already: False."""
+        persist started. Waits for that save's local commit, then returns; `wait()` waits for the persist. A persist
+        of it that failed (its error raised already) is started again. Among ranks call it on every rank. With one
+        root a committed step is durable already: False."""
         self._check_open()
         layout.step_dir(step)  # a ValueError for a step that is not a non-negative int
         bg = self._background

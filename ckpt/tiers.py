@@ -366,15 +366,17 @@ class Tiers:
         return False
 
     def persist(self, step: int, durable_lease: lease_mod.Lease | None, done: Persisted) -> bool:
-        """Persist `step`, the newest local commit, unless its persist was queued already (False then); a
-        ValueError for another step: only the newest one's plan is kept."""
+        """Persist `step`, the newest local commit, unless its persist was queued already and did not fail (False
+        then); a ValueError for another step: only the newest one's plan is kept. A failed persist is started again:
+        its error was raised already, and a retry is the only way left to make the step durable."""
         newest = None if self._newest is None else self._newest[0]
         if newest != step:
             raise ValueError(
                 f"persist({step}): only this manager's newest save can be persisted, and that is step {newest} "
                 f"(a step saved before it, or restored, is not in its plan)"
             )
-        if self._persisting is not None and self._persisting[0] == step:
+        queued = self._persisting
+        if queued is not None and queued[0] == step and not (queued[1].done() and queued[1].result() is False):
             return False
         self._queue_persist(durable_lease, done)
         return True
@@ -400,20 +402,23 @@ class Tiers:
         shared: ArrayPlan,
         lease: lease_mod.Lease | None,
         done: Persisted,
-    ) -> None:
+    ) -> bool:
+        """Copy `step` to the durable root and tell `done`; returns whether it is durable (False: it failed, alike on
+        every rank)."""
         t0 = time.perf_counter()
         try:
             copied = PersistJob(self.local, self.durable, step, regions, shared, self._persist_ranks, lease).run()
         except BaseException as e:
             log.error("persisting step %d to %s failed: %s", step, self.durable.url, e)
             done(step, e, time.perf_counter() - t0, None)
-            return
+            return False
         seconds = time.perf_counter() - t0
         if copied is None:
             log.warning("step %d is already in the durable tier %s: not persisted again", step, self.durable.url)
         else:
             log.info("persisted step %d to %s: %.1f MB in %.2fs", step, self.durable.url, copied / 1e6, seconds)
         done(step, None, seconds, copied)
+        return True
 
     def _retain(self, storage: Storage, protected: set[int]) -> None:
         """Delete the committed steps of a local root the local retention does not keep: never the newest, nor a

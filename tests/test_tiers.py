@@ -769,3 +769,21 @@ def test_a_durable_root_removed_under_the_writer_is_named_as_gone_and_the_local_
     with contextlib.suppress(ckpt.LeaseHeldError):
         m.close()
     assert layout.committed_steps(open_storage(local)) == [2, 3]  # keep_local=2
+
+
+def test_persist_after_a_failed_persist_of_that_step_retries_it(tmp_path):
+    """The persist of step 1 failed (its durable root refused a write once) and wait() raised it; persist(1) then
+    returned False, as for a step persisted already, and step 1 stayed in the local tier only: now it persists it."""
+    durable = FaultStorage(open_storage(str(tmp_path / "durable")), fail_path=lambda p: p.startswith("step_"))
+    with ckpt.CheckpointManager(durable, local=tmp_path / "local", persist_every=5) as m:
+        m.save(1, state(1), persist=True)
+        with pytest.raises(ckpt.CheckpointWriteError, match="saving step 1 failed: .*persisting to .*injected fault"):
+            m.wait()
+        assert [(int(s), s.tiers) for s in m.steps()] == [(1, ("local",))]
+        assert m.persist(1) is True
+        m.wait()
+        assert m.persist(1) is False  # persisted now
+        assert [(int(s), s.tiers) for s in m.steps()] == [(1, ("local", "durable"))]
+    with ckpt.CheckpointManager(tmp_path / "durable") as m:  # the durable copy by itself, bitwise
+        got = blank()
+        assert m.restore(got) == 1 and same(got, state(1))
