@@ -23,6 +23,7 @@ from .distributed import Ranks, local_box
 from .errors import (
     CheckpointWriteError,
     CollectiveTimeout,
+    CorruptCheckpointError,
     StepExistsError,
     StepNotFoundError,
 )
@@ -550,8 +551,19 @@ class CheckpointManager:
             self._queue_delete(step, report=True)
 
     def metadata(self, step: int) -> dict[str, Any]:
-        """The user metadata saved with a committed step (from the local tier when it holds the step)."""
-        return layout.read_manifest(self._target.metadata_root(step), step).metadata
+        """The user metadata saved with a committed step (from the local tier when it holds the step, from the durable
+        copy when the local manifest is damaged)."""
+        damaged: CorruptCheckpointError | None = None
+        for root in self._target.metadata_roots(step):
+            try:
+                return layout.read_manifest(root, step).metadata
+            except CorruptCheckpointError as e:
+                damaged = damaged or e
+            except StepNotFoundError:
+                if damaged is None:
+                    raise
+        assert damaged is not None
+        raise damaged
 
     def close(self) -> None:
         """Drain writes (raising a background error, if any), release threads and the root's lease. Each release is

@@ -104,8 +104,8 @@ class Target(Protocol):
     ) -> str:
         """Quarantine a damaged step; say where it went or why it stayed."""
 
-    def metadata_root(self, step: int) -> Storage:
-        """The root whose manifest of `step` a metadata read takes."""
+    def metadata_roots(self, step: int) -> list[Storage]:
+        """The roots whose manifest of `step` a metadata read tries, in order (the next when one is damaged)."""
 
     def replicas(self) -> list[Storage]:
         """The roots kept inside the root a save commits to, under its lease: a local tier's peer replicas."""
@@ -209,8 +209,8 @@ class SingleRoot:
     ) -> str:
         return set_aside_durable(self.storage, self.ranks, source.step, error, lease)
 
-    def metadata_root(self, step: int) -> Storage:
-        return self.storage
+    def metadata_roots(self, step: int) -> list[Storage]:
+        return [self.storage]
 
     def wait(self) -> None:
         pass

@@ -219,10 +219,11 @@ class Tiers:
     def where(self, source: Source) -> str:
         return f" in the {source.tier} tier"
 
-    def metadata_root(self, step: int) -> Storage:
-        """The local tier when it holds `step` (and is this run's), else the durable root."""
+    def metadata_roots(self, step: int) -> list[Storage]:
+        """The local tier first when it holds `step` (and is this run's), then the durable root: a damaged local
+        manifest does not hide an intact durable copy."""
         mine = layout.is_committed(self.local, step) and self.other_run() is None
-        return self.local if mine else self.durable
+        return [self.local, self.durable] if mine else [self.durable]
 
     @property
     def persist_every(self) -> int:

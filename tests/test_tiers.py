@@ -787,3 +787,23 @@ def test_persist_after_a_failed_persist_of_that_step_retries_it(tmp_path):
     with ckpt.CheckpointManager(tmp_path / "durable") as m:  # the durable copy by itself, bitwise
         got = blank()
         assert m.restore(got) == 1 and same(got, state(1))
+
+
+def test_metadata_of_a_step_whose_local_manifest_is_damaged_is_read_from_its_durable_copy(tmp_path):
+    """metadata(2) raised CorruptCheckpointError for the damaged local manifest while the durable copy was intact (a
+    restore falls back to it); a step only in the local tier still names its damage."""
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    with ckpt.CheckpointManager(durable, local=local, persist_every=2, keep_local=3) as m:
+        for s in (1, 2, 3):
+            m.save(s, state(s), metadata={"loss": s / 10}).wait()
+    for s in (2, 3):
+        with open(os.path.join(local, layout.manifest_path(s)), "w") as f:
+            f.write("{damaged")
+    with ckpt.CheckpointManager(durable, local=local, persist_every=2) as m:
+        assert [(int(s), s.tiers) for s in m.steps()][1:] == [(2, ("local", "durable")), (3, ("local",))]
+        assert m.metadata(2) == {"loss": 0.2}
+        assert m.metadata(1) == {"loss": 0.1}
+        with pytest.raises(CorruptCheckpointError, match=f"manifest is not valid JSON.*{local}/step_00000003"):
+            m.metadata(3)
+        with pytest.raises(ckpt.StepNotFoundError):
+            m.metadata(4)
