@@ -44,7 +44,9 @@ def restore_order(durable: Iterable[int], inventories: list[dict]) -> list[Sourc
 
     A step is in the local tier when every rank holds it in its own local tier or a peer holds a replica of it;
     `inventories` are the ranks' `Tiers.inventory()`, in rank order. A rank whose local tier is another run's
-    (`"other_run"`) has no local copy and none is brought back into it: only the durable tier is read.
+    (`"other_run"`) has no local copy and none is brought back into it: only the durable tier is read. A step some
+    ranks hold locally that cannot be read there is logged with the rank that lacks it: the restore takes an older
+    step or the durable copy, and says why.
     """
     own = [set(inv["local"]) for inv in inventories]
     other = [bool(inv.get("other_run")) for inv in inventories]
@@ -62,6 +64,15 @@ def restore_order(durable: Iterable[int], inventories: list[dict]) -> list[Sourc
             holder = next((h for h in range(len(inventories)) if h != r and s in held[h].get(r, ())), None)
             if holder is None:
                 heal = None
+                if any(s in mine for mine in own):
+                    log.warning(
+                        "step %d is not restored from the local tiers: rank %d holds no copy of it and no peer keeps "
+                        "a replica of it (a lost local tier, or an attempt killed before every rank committed it); "
+                        "trying %s",
+                        s,
+                        r,
+                        "its durable copy" if s in durable else "an older step",
+                    )
                 break
             heal[r] = holder
         if heal is not None:

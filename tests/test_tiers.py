@@ -807,3 +807,25 @@ def test_metadata_of_a_step_whose_local_manifest_is_damaged_is_read_from_its_dur
             m.metadata(3)
         with pytest.raises(ckpt.StepNotFoundError):
             m.metadata(4)
+
+
+def test_a_local_step_a_rank_lacks_without_a_replica_is_passed_over_saying_why(caplog):
+    """Rank 1 lost step 3 and no peer kept its replica: the restore took step 2 and logged only that it deleted the
+    other ranks' step 3, never why it had not restored it; now it names the rank and what it tries instead."""
+    from ckpt.target import DURABLE, LOCAL, Source
+    from ckpt.tiers import restore_order
+
+    inventories = [{"local": [2, 3], "replica": {"1": [2]}}, {"local": [2], "replica": {"0": [2, 3]}}]
+    with caplog.at_level("WARNING", logger="ckpt"):
+        assert restore_order([2], inventories) == [Source(2, LOCAL, {}), Source(2, DURABLE)]
+    assert caplog.messages == [
+        "step 3 is not restored from the local tiers: rank 1 holds no copy of it and no peer keeps a replica of it "
+        "(a lost local tier, or an attempt killed before every rank committed it); trying an older step"
+    ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ckpt"):
+        assert restore_order([2, 3], inventories)[:1] == [Source(3, DURABLE)]
+    assert caplog.messages[0].endswith(
+        "rank 1 holds no copy of it and no peer keeps a replica of it (a lost local "
+        "tier, or an attempt killed before every rank committed it); trying its durable copy"
+    )
