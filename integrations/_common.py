@@ -62,12 +62,16 @@ KEYS = "keys"  # metadata entry listing a checkpoint's top-level keys, so it can
 
 
 class TrackerLease:
-    """The GoodputTracker of one training call: the caller's (they start/end it) or one made here for `root`."""
+    """The GoodputTracker of one training call: the caller's (they start/end it) or one made here for `root`, reached
+    with the manager's `storage_options` (an object store's endpoint: the ledger goes where the checkpoints go)."""
 
-    def __init__(self, root: str | None, tracker: GoodputTracker | None) -> None:
+    def __init__(
+        self, root: str | None, tracker: GoodputTracker | None, storage_options: Mapping[str, Any] | None = None
+    ) -> None:
         if tracker is not None and not isinstance(tracker, GoodputTracker):
             raise TypeError(f"tracker must be an ettr.GoodputTracker, got {tracker!r}")
         self.root, self.given = root, tracker
+        self.storage_options = dict(storage_options) if storage_options is not None else None
         self.tracker: GoodputTracker | None = tracker
         self._open = False
 
@@ -80,7 +84,7 @@ class TrackerLease:
         if root is None:
             raise ValueError("no root for the goodput ledger: pass root= or tracker=")
         if not self._open:
-            self.tracker = GoodputTracker(root, rank=rank).start()
+            self.tracker = GoodputTracker(root, rank=rank, storage_options=self.storage_options).start()
             self._open = True
         return self.tracker
 

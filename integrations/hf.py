@@ -27,7 +27,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any, Callable, ContextManager
 
-import fsspec
 import safetensors.torch
 import torch
 import torch.distributed as dist
@@ -40,10 +39,10 @@ from ckpt import CheckpointManager, RNGState, RunMismatchError, SaveDecision, Sa
 from ckpt import run as ckpt_run
 from ckpt.distributed import leader_reads
 from ckpt.exporter import model_config_metadata
-from ckpt.options import RETENTION_KEYWORDS, TierOptions, typed
+from ckpt.options import RETENTION_KEYWORDS, RootOptions, TierOptions, typed
 from ckpt.storage import open_storage
 from ettr import GoodputTracker
-from ettr.ledger import ledger_dir
+from ettr.ledger import LEDGER_DIR
 
 from ._common import (
     TrackerLease,
@@ -210,11 +209,17 @@ class _FolderFiles:
     """
 
     def __init__(
-        self, root: str, tiers: TierOptions | None, write: Callable[[str, dict[str, Any]], None], lock: threading.Lock
+        self,
+        root: str,
+        tiers: TierOptions | None,
+        root_options: RootOptions,
+        write: Callable[[str, dict[str, Any]], None],
+        lock: threading.Lock,
     ) -> None:
-        # with the local tier, where most steps commit; alone: among several processes only the writer of the
-        # folders (HF's `should_save`) reads them, the replicated weights, whole
-        self._reader = CheckpointManager(root, tiers=tiers, alone=True)
+        # with the local tier, where most steps commit, and the root's storage_options (an object store's endpoint);
+        # alone: among several processes only the writer of the folders (HF's `should_save`) reads them, the
+        # replicated weights, whole
+        self._reader = CheckpointManager(root, tiers=tiers, root_options=root_options, alone=True)
         self._write, self._lock = write, lock
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf-folder-files")
         self._pending: dict[int, Future] = {}
@@ -353,7 +358,7 @@ class CkptTrainerMixin:
                 "tier holds a part of before it is persisted; pass folder_files=False (restore the weights from the "
                 "root, or `python -m ckpt export --format hf`), or leave out the local tier"
             )
-        self._lease = TrackerLease(self.ckpt_root, tracker)
+        self._lease = TrackerLease(self.ckpt_root, tracker, self._ckpt_options["root_options"].storage_options)
         self._goodput = GoodputCallback()
         trainer.add_callback(self._goodput)
         if save_decision is not None:
@@ -393,8 +398,9 @@ class CkptTrainerMixin:
         self._goodput.tracker = manager.tracker = tracker
         self.ckpt_manager = manager
         if self.folder_files and self.args.should_save:
+            options = self._ckpt_options
             self._files = _FolderFiles(
-                self.ckpt_root, self._ckpt_options["tiers"], self._write_folder_files, self._folder_lock
+                self.ckpt_root, options["tiers"], options["root_options"], self._write_folder_files, self._folder_lock
             )
         try:
             path = self._resolve_resume(resume, trial)
@@ -453,11 +459,10 @@ class CkptTrainerMixin:
         this process holds the root's lease (a live writer's run is never deleted: `LeaseHeldError` names it)."""
         manager.hold_lease(collective=False)  # rank 0's alone: the other ranks wait for its decision
         steps = ckpt_run.discard(manager.storage)
-        fs, ledgers = fsspec.core.url_to_fs(ledger_dir(self.ckpt_root))
         mine = self._lease.given.attempt_id if self._lease.given is not None else None  # a tracker you started
-        for path in fs.glob(f"{ledgers}/*") if fs.exists(ledgers) else []:
-            if mine is None or mine not in os.path.basename(path):
-                fs.rm(path)
+        for name in manager.storage.list_files(LEDGER_DIR):  # through the root's storage, with its storage_options
+            if mine is None or mine not in os.path.basename(name):
+                manager.storage.delete_file(f"{LEDGER_DIR}/{name}")
         folders = _checkpoint_folders(run_dir)
         for folder in folders.values():
             shutil.rmtree(folder)

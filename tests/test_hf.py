@@ -243,6 +243,30 @@ def test_checkpoint_folders_load_with_from_pretrained(tmp_path):
     assert sorted(p.name for p in (bare / "checkpoint-2").iterdir()) == ["trainer_state.json"]
 
 
+def test_an_object_store_root_is_reached_with_the_managers_storage_options(
+    tmp_path, s3_bucket, s3_server, monkeypatch, no_launcher_ids
+):
+    """manager_options={"storage_options": {"endpoint": ...}} without AWS_ENDPOINT_URL: the goodput ledger, the
+    folder files' read-back and overwrite=True's deletion of the old ledgers went to the provider's default endpoint
+    (train() failed at its start: "Could not resolve host: BUCKET.s3.us-east-1.amazonaws.com")."""
+    from transformers import GPT2LMHeadModel
+
+    import ckpt
+    from ettr import attribute_root
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    out, root, options = tmp_path / "out", f"s3://{s3_bucket}/hf", {"endpoint": s3_server.endpoint, "timeout": 10}
+    mine = {"ckpt_root": root, "manager_options": {"storage_options": options}}
+    _trainer(out, 4, **mine).train()
+    GPT2LMHeadModel.from_pretrained(out / "checkpoint-4")  # its files were read back from the store
+    assert attribute_root(root, storage_options=options).committed_steps == (2, 4)
+
+    with pytest.warns(UserWarning, match=r"overwrite=True: deleted the earlier run .*steps \[2, 4\]"):
+        _trainer(out, 2, overwrite=True, **mine).train()
+    assert ckpt.CheckpointManager(root, storage_options=options).steps() == [2]
+    assert len(attribute_root(root, storage_options=options).attempts) == 1, "the old run's ledger was deleted"
+
+
 def test_the_end_of_train_waiting_for_the_last_checkpoint_is_checkpoint_time(tmp_path):
     """train() ends by waiting for the last commit and its folder files: the ledger has that wait in a
     checkpoint_save span (ending after the last commit record), not in 'other'."""
