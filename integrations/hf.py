@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any, Callable, ContextManager
@@ -334,6 +335,14 @@ class CkptTrainerMixin:
             raise NotImplementedError(
                 f"CkptTrainerMixin supports one process or DDP, without {unsupported}; those paths save through HF's "
                 f"own files"
+            )
+        # refused here, naming the argument: os.fspath(123) and {**"x"} named neither, and '' failed only in train()
+        if ckpt_root is not None and not (isinstance(ckpt_root, (str, os.PathLike)) and os.fspath(ckpt_root)):
+            raise TypeError(f"ckpt_root must be a path or URL, got {ckpt_root!r}")
+        if manager_options is not None and not isinstance(manager_options, Mapping):
+            raise TypeError(
+                f"manager_options must be a dict of CheckpointManager keywords (e.g. {{'snapshot': 'overlap'}}), got "
+                f"{manager_options!r}"
             )
         default_root = os.path.join(trainer.args.output_dir, "ckpt")
         self.ckpt_root = os.fspath(ckpt_root) if ckpt_root is not None else default_root

@@ -572,13 +572,20 @@ def test_resume_true_passes_over_a_folder_whose_step_never_committed_to_a_stock_
         ({"folder_files": "no"}, "folder_files must be True or False, got 'no'"),
         ({"tracker": "x"}, "tracker must be an ettr.GoodputTracker, got 'x'"),
         ({"save_decision": "x"}, r"decision must be a ckpt.SaveDecision .* got 'x'"),
+        ({"ckpt_root": 123}, "ckpt_root must be a path or URL, got 123"),
+        ({"ckpt_root": ""}, "ckpt_root must be a path or URL, got ''"),
+        (
+            {"manager_options": "snapshot"},
+            "manager_options must be a dict of CheckpointManager keywords .* got 'snapshot'",
+        ),
         ({"manager_options": {"keep_lst": 3}}, r"unknown CheckpointManager option\(s\) \['keep_lst'\]"),
         ({"manager_options": {"keep_last": -1}}, "keep_last must be a positive int, got -1"),
         ({"manager_options": {"keep_last": 1}}, r"manager_options \['keep_last'\]: .* save_total_limit"),
     ],
 )
 def test_bad_arguments_are_refused_when_the_trainer_is_built(tmp_path, option, message):
-    """They used to fail at train() (AttributeError: 'str' object has no attribute 'saved'), or not at all."""
+    """They used to fail at train() (AttributeError: 'str' object has no attribute 'saved'; an empty ckpt_root), or
+    not at all, or with a TypeError naming no argument (ckpt_root=123, manager_options='snapshot')."""
     with pytest.raises((TypeError, ValueError), match=message):
         _trainer(tmp_path / "out", 2, **option)
 
