@@ -239,14 +239,24 @@ def refuse_rollback(manager: CheckpointManager, step: int, newest_named_by: Call
     """Training on from `step` while later steps of the root are committed would fail at the first save that repeats
     one (a committed step is never overwritten), after its compute was spent: refuse it before training, saying how
     to roll back (or resume the newest: `newest_named_by(step)` says how, where the trainer has a way to name it)."""
-    newer = [int(s) for s in manager.steps() if s > step]
+    committed = manager.steps()
+    newer = [int(s) for s in committed if s > step]
     if newer:
         local = f" --local {manager.local_root}" if manager.local_root is not None else ""
+        url = manager.storage.url
+        # `ckpt rollback` keeps a step at or before `step` to resume; where none is (a stock HF folder older than the
+        # root's first step), deleting them is deleting the root
+        roll_back = (
+            f"To roll back (deletes them): python -m ckpt rollback {url} --to {step}{local}"
+            if len(newer) < len(committed)
+            else f"Every committed step is after step {step}: to roll back, delete or move the root {url}"
+            f"{f' and its local tier {manager.local_root}' if local else ''}"
+        )
         raise StepExistsError(
-            f"resuming from step {step}, but steps {newer} of {manager.storage.url}"
-            f"{' (and its local tier)' if local else ''} are committed after it: training on would save them again, "
-            f"and a committed step is never overwritten. No step was written. To roll back (deletes them): python -m ckpt rollback {manager.storage.url} --to "
-            f"{step}{local}; to go on, resume the newest step{newest_named_by(newer[-1]) if newest_named_by else ''}"
+            f"resuming from step {step}, but steps {newer} of {url}{' (and its local tier)' if local else ''} are "
+            f"committed after it: training on would save them again, and a committed step is never overwritten. No "
+            f"step was written. {roll_back}; to go on, resume the newest step"
+            f"{newest_named_by(newer[-1]) if newest_named_by else ''}"
         )
 
 

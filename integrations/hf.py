@@ -542,15 +542,19 @@ class CkptTrainerMixin:
             step = manager.latest_step()
             if step is None:
                 return self._without_steps(run_dir, None)
+            found: dict[str, Any] = {"step": int(step)}
         elif is_stock_checkpoint(resume):
-            return {"stock": os.fspath(resume)}
+            # HF resumes it at its trainer_state.json's step: a roll-back when the root committed later steps
+            step = TrainerState.load_from_json(os.path.join(resume, TRAINER_STATE)).global_step
+            found = {"stock": os.fspath(resume)}
         else:
             self._check_folder(os.fspath(resume), run_dir)
             step = resolve_step(manager, checkpoint_step(resume))
             if step is None:
                 return self._without_steps(run_dir, os.fspath(resume))
-            refuse_rollback(manager, step, lambda _newest: ": train(resume_from_checkpoint=True)")
-        return {"step": int(step)}
+            found = {"step": int(step)}
+        refuse_rollback(manager, step, lambda _newest: ": train(resume_from_checkpoint=True)")
+        return found
 
     def _check_folder(self, named: str, run_dir: str) -> None:
         """A named ``checkpoint-N`` folder must be one of this trainer's (a bare name is): another run's folder

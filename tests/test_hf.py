@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -357,6 +358,31 @@ def test_resume_from_a_folder_whose_step_never_committed_falls_back_with_a_warni
         resumed.train(resume_from_checkpoint=str(out / "checkpoint-6"))
     assert resumed.step_log.steps == [5, 6, 7, 8]
     assert json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())["global_step"] == 8
+
+
+def test_a_roll_back_to_an_older_stock_trainer_folder_is_refused_before_training(tmp_path, no_launcher_ids):
+    """Switched from the stock Trainer at its checkpoint-4, the root then committed steps 6 and 8; a resume named the
+    stock checkpoint-4 trained steps 5 and 6 and failed at the save of step 6 ("already committed"), its compute
+    spent. It is refused before training, naming the steps and the way back (every committed step is newer: `ckpt
+    rollback --to 4` would refuse, so deleting the root), after which the stock folder resumes."""
+    import shutil
+
+    import ckpt
+
+    out, limit = tmp_path / "out", {"save_total_limit": None}
+    _trainer(out, 4, stock=True, args=limit).train()
+    _trainer(out, 8, args=limit).train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    assert ckpt.CheckpointManager(out / "ckpt").steps() == [6, 8]
+    again = _trainer(out, 8, args=limit)
+    with pytest.raises(
+        ckpt.StepExistsError,
+        match=rf"from step 4, but steps \[6, 8\] .* after step 4: to roll back, delete or move the root {re.escape(str(out / 'ckpt'))};",
+    ):
+        again.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    assert again.step_log.steps == [] and ckpt.CheckpointManager(out / "ckpt").steps() == [6, 8]
+    shutil.rmtree(out / "ckpt")
+    again.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    assert again.step_log.steps == [5, 6, 7, 8] and ckpt.CheckpointManager(out / "ckpt").steps() == [6, 8]
 
 
 def test_a_roll_back_to_an_older_step_is_refused_before_training_until_the_newer_steps_are_removed(tmp_path):
