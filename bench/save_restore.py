@@ -302,8 +302,11 @@ def run_floors(args) -> dict:
 
 
 def chunk_spec(text: str) -> tuple[str, int]:
+    """A `--chunk-mb` value as (label, chunk_bytes); "tensor": the largest chunk the manager takes, one per tensor."""
+    from ckpt.format import MAX_CHUNK_BYTES
+
     if text in ("tensor", "0"):
-        return "tensor", 1 << 62
+        return "tensor", MAX_CHUNK_BYTES
     mb = float(text)
     return f"{text}MiB", int(mb * (1 << 20))
 
