@@ -42,7 +42,7 @@ def chunk_bytes(root: str, key: str, region: tuple[slice, ...] | None) -> int:
 
     reader = StepReader(open_storage(root), 1, None)  # the manifest only: no pool needed
     info = next(leaf.array for leaf in reader.leaves([key]) if leaf.array is not None)
-    box = region_box(info, region) if region is not None else tuple((0, n) for n in info.shape)
+    box = region_box(info, region, key) if region is not None else tuple((0, n) for n in info.shape)
     if info.places is None:
         return len(info.chunks(box)) * (info.chunk_nbytes + 4)
     total = 0
