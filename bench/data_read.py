@@ -25,6 +25,8 @@ import tempfile
 import time
 from typing import Any
 
+from kit import positive, positives
+
 ROWS = {  # name -> (kind, workers, reader backend, O_DIRECT)
     "mmap (today), 0 workers": ("mmap", 0, None, True),
     "mmap (today), 4 workers": ("mmap", 4, None, True),
@@ -156,11 +158,13 @@ def make_file(path: str, size_gb: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-gb", type=float, default=4.0)
-    parser.add_argument("--windows", default="4096,32768", help="window sizes in bytes (uint16 tokens)")
+    parser.add_argument("--size-gb", type=positive(float), default=4.0)
+    parser.add_argument(
+        "--windows", type=positives(int), default="4096,32768", help="window sizes in bytes (uint16 tokens)"
+    )
     parser.add_argument("--batch", default=BATCHES, help="WINDOW_BYTES:WINDOWS_PER_BATCH,... (child: a number)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--fio-seconds", type=float, default=4.0)
+    parser.add_argument("--repeats", type=positive(int), default=3)
+    parser.add_argument("--fio-seconds", type=positive(float), default=4.0)
     parser.add_argument("--dir", default=None, help="where the token file goes (default: a temp dir, deleted)")
     parser.add_argument("--keep", action="store_true", help="keep the token file (reused by the next run)")
     parser.add_argument("--json", default=None, help="write the raw per-run figures here")
@@ -173,7 +177,13 @@ def main() -> None:
     if args.row:
         args.batch = int(args.batch)
         return child(args)
-    batch_of = {int(w): int(b) for w, b in (item.split(":") for item in args.batch.split(","))}
+    try:
+        batch_of = {int(w): int(b) for w, b in (item.split(":") for item in args.batch.split(","))}
+    except ValueError:
+        parser.error(f"argument --batch: expected WINDOW_BYTES:WINDOWS_PER_BATCH,..., got {args.batch!r}")
+    windows = [int(w) for w in args.windows.split(",")]
+    if missing := [w for w in windows if w not in batch_of]:
+        parser.error(f"argument --batch: no batch for window(s) {missing}, it has {sorted(batch_of)}")
     folder = args.dir or tempfile.mkdtemp(prefix="ckpt-data-bench-", dir="/tmp")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "tokens.bin")
@@ -181,7 +191,7 @@ def main() -> None:
     has_fio = shutil.which("fio") is not None
     raw: dict[str, dict[str, list[dict[str, Any]]]] = {}
     try:
-        for window in (int(w) for w in args.windows.split(",")):
+        for window in windows:
             runs = raw.setdefault(str(window), {})
             for repeat in range(args.repeats):
                 for row, (kind, workers, _, _) in ROWS.items():

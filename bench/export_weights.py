@@ -28,7 +28,17 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kit import GIB, ROOT, PeakRSS, build_state, drop_caches, fsync_path, proc_status, state_bytes  # noqa: E402
+from kit import (  # noqa: E402
+    GIB,
+    ROOT,
+    PeakRSS,
+    build_state,
+    drop_caches,
+    fsync_path,
+    positive,
+    proc_status,
+    state_bytes,
+)
 
 METHODS = {
     "ckpt_safetensors": "ckpt export --format safetensors",
@@ -73,8 +83,8 @@ def run_child(method: str, work: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size-gb", type=float, default=2.0)
-    ap.add_argument("--repeats", type=int, default=1, help="runs per method (the median is reported)")
+    ap.add_argument("--size-gb", type=positive(float), default=2.0)
+    ap.add_argument("--repeats", type=positive(int), default=1, help="runs per method (the median is reported)")
     ap.add_argument("--only", default=",".join(METHODS), help=f"comma list from {','.join(METHODS)}")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir, deleted after)")
     ap.add_argument("--seed", type=int, default=0)

@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from kit import positive
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("stock", "ckpt", "ckpt-bare")
 
@@ -102,8 +104,8 @@ def timed(kind: str, steps: int) -> tuple[float, float, list[tuple[float, float]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--runs", type=positive(int), default=5)
+    parser.add_argument("--steps", type=positive(int), default=60)
     parser.add_argument("--child", nargs=2, metavar=("KIND", "OUTPUT_DIR"), help=argparse.SUPPRESS)
     parser.add_argument("--profile", choices=KINDS, help="one cProfiled train() of that kind (HF_BENCH_SORT=tottime)")
     a = parser.parse_args()

@@ -417,16 +417,25 @@ def report(size: float, results: dict[str, list[dict]], args) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default=None, help="state sizes in GiB, comma separated (default 1,2; quick 0.125)")
+    ap.add_argument(
+        "--sizes",
+        type=kit.positives(float),
+        default=None,
+        help="state sizes in GiB, comma separated (default 1,2; quick 0.125)",
+    )
     ap.add_argument(
         "--variants",
         default="dcp_async,ckpt",
         help="dcp_async, ckpt (the manager's defaults: snapshot=sync), ckpt:cores=X:files=N:nice=N:snapshot=overlap"
         " (or snapshot=sync), raw (no library: the floor)",
     )
-    ap.add_argument("--repeats", type=int, default=3, help="measured saves per mode per child")
-    ap.add_argument("--rounds", type=int, default=1, help="children per variant, interleaved across variants")
-    ap.add_argument("--idle-s", type=float, default=1.0, help="seconds of idle rate measured before each save")
+    ap.add_argument("--repeats", type=kit.positive(int), default=3, help="measured saves per mode per child")
+    ap.add_argument(
+        "--rounds", type=kit.positive(int), default=1, help="children per variant, interleaved across variants"
+    )
+    ap.add_argument(
+        "--idle-s", type=kit.positive(float), default=1.0, help="seconds of idle rate measured before each save"
+    )
     ap.add_argument("--first-after", type=float, default=10.0, help="the first save comes this long after start")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp, deleted after)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 0.125 GiB, 3 saves, 0.5 s idle, first at 2 s")

@@ -10,6 +10,7 @@ returns a `Handle`: the time `save` takes is the training stall, `Handle.wait()`
 
 from __future__ import annotations
 
+import argparse
 import errno
 import gc
 import json
@@ -197,6 +198,38 @@ def timed_save(adapter: Adapter, step: int) -> tuple[float, float]:
     stall = time.perf_counter() - t0
     handle.wait()
     return stall, time.perf_counter() - t0
+
+
+# -- command-line values --------------------------------------------------------------------------------
+
+
+def positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type: `kind(text)` (int or float) that must be > 0, so that a size, a count of repeats or of ranks
+    that cannot work is refused with one line of usage instead of a traceback deep in a child process."""
+
+    def parse(text: str) -> Any:
+        expected = f"expected {'an integer' if kind is int else 'a number'} > 0, got {text!r}"
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(expected) from None
+        if not value > 0:  # NaN too
+            raise argparse.ArgumentTypeError(expected)
+        return value
+
+    return parse
+
+
+def positives(kind: Callable[[str], Any]) -> Callable[[str], str]:
+    """An argparse type: a comma list of `positive(kind)` values, kept as its text ('' is the empty list)."""
+    one = positive(kind)
+
+    def parse(text: str) -> str:
+        for item in filter(None, text.split(",")):
+            one(item)
+        return text
+
+    return parse
 
 
 # -- the adapter protocol -------------------------------------------------------------------------------

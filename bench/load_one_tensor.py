@@ -26,7 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kit import GIB, build_state, drop_caches  # noqa: E402
+from kit import GIB, build_state, drop_caches, positive  # noqa: E402
 
 
 def io_counters() -> dict[str, int]:
@@ -80,9 +80,9 @@ def measure(root: str, key: str, region: tuple[slice, ...] | None) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size-gb", type=float, default=2.0)
+    ap.add_argument("--size-gb", type=positive(float), default=2.0)
     ap.add_argument("--key", default="model.embed.weight", help="dotted key of the tensor to read")
-    ap.add_argument("--repeats", type=int, default=3, help="reads per figure (the median is reported)")
+    ap.add_argument("--repeats", type=positive(int), default=3, help="reads per figure (the median is reported)")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir, deleted after)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the figures to this file")

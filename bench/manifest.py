@@ -22,6 +22,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from kit import positive  # noqa: E402
+
 COLS = 256
 
 
@@ -88,10 +90,19 @@ def _median(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
+def shape_list(text: str) -> str:
+    """The argparse type of `--shapes`: comma-separated RxT pairs of integers > 0."""
+    for shape in text.split(","):
+        r, _, t = shape.lower().partition("x")
+        if not (r.isdigit() and t.isdigit() and int(r) > 0 and int(t) > 0):
+            raise argparse.ArgumentTypeError(f"expected RxT with integers > 0 (8x1000), got {shape!r}")
+    return text
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default="8x1000,64x1000,256x1000", help="RxT pairs, comma-separated")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--shapes", type=shape_list, default="8x1000,64x1000,256x1000", help="RxT pairs, comma-separated")
+    p.add_argument("--repeats", type=positive(int), default=3)
     args = p.parse_args()
     from ckpt.format import Manifest
 

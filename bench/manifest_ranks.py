@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kit import bytes_read, run_ranks  # noqa: E402
+from kit import bytes_read, positive, run_ranks  # noqa: E402
 
 COLS = 16
 
@@ -92,9 +92,9 @@ def run(args) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--tensors", type=int, default=20_000)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--ranks", type=positive(int), default=4)
+    p.add_argument("--tensors", type=positive(int), default=20_000)
+    p.add_argument("--repeats", type=positive(int), default=3)
     p.add_argument("--dir", default=None, help="where to save (default: a temporary directory, removed after)")
     p.add_argument("--_rank", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

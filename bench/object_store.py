@@ -40,6 +40,7 @@ from kit import (  # noqa: E402
     build_state,
     drop_caches,
     fingerprint,
+    positive,
     scramble,
     state_bytes,
     state_tensors,
@@ -236,19 +237,19 @@ def _counts(by_type: dict) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size-gb", type=float, default=1.0, help="state size in GiB (params + Adam moments)")
-    ap.add_argument("--repeats", type=int, default=3, help="runs per figure (the median is reported)")
+    ap.add_argument("--size-gb", type=positive(float), default=1.0, help="state size in GiB (params + Adam moments)")
+    ap.add_argument("--repeats", type=positive(int), default=3, help="runs per figure (the median is reported)")
     ap.add_argument("--only", default=None, help=f"comma list from {','.join(METHODS)},floor")
-    ap.add_argument("--chunk-mb", type=float, default=64, help="ckpt chunk size in MiB")
-    ap.add_argument("--dcp-threads", type=int, default=1, help="FsspecWriter thread_count (DCP's default: 1)")
+    ap.add_argument("--chunk-mb", type=positive(float), default=64, help="ckpt chunk size in MiB")
+    ap.add_argument("--dcp-threads", type=positive(int), default=1, help="FsspecWriter thread_count (DCP's default: 1)")
     ap.add_argument(
         "--dcp-sync-files",
         action=argparse.BooleanOptionalAction,
         default=False,
         help="FsspecWriter sync_files (DCP's default True: an os.sync() per file on s3fs streams; see kit.DcpS3fs)",
     )
-    ap.add_argument("--part-mb", type=float, default=16, help="floor: multipart part size in MiB")
-    ap.add_argument("--concurrency", type=int, default=8, help="floor: parts in flight")
+    ap.add_argument("--part-mb", type=positive(float), default=16, help="floor: multipart part size in MiB")
+    ap.add_argument("--concurrency", type=positive(int), default=8, help="floor: parts in flight")
     ap.add_argument(
         "--drop-caches",
         action=argparse.BooleanOptionalAction,

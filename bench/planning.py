@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kit import free_port  # noqa: E402
+from kit import free_port, positive, positives  # noqa: E402
 
 
 def _rank(rank: int, world: int, port: int, tensors: int, repeats: int, workdir: str, out: str) -> None:
@@ -117,9 +117,9 @@ def run(world: int, tensors: int, repeats: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--worlds", default="1,2,4,8")
-    ap.add_argument("--tensors", default="100,1000,10000")
-    ap.add_argument("--repeats", type=int, default=3, help="saves after the first, per method (medians)")
+    ap.add_argument("--worlds", type=positives(int), default="1,2,4,8")
+    ap.add_argument("--tensors", type=positives(int), default="100,1000,10000")
+    ap.add_argument("--repeats", type=positive(int), default=3, help="saves after the first, per method (medians)")
     args = ap.parse_args(argv)
     print(
         f"{'world':>5} {'tensors':>7}  {'ckpt 1st s':>10} {'ckpt next s':>11} {'dcp.async s':>11} "

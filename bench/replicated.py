@@ -34,6 +34,7 @@ from kit import (  # noqa: E402
     bytes_read,
     drop_caches,
     fingerprint,
+    positive,
     run_ranks,
     scramble,
     state_bytes,
@@ -121,9 +122,11 @@ def report(rows: list[dict], args) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--size-gb", type=float, default=0.25, help="state size in GiB (params + Adam moments)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ranks", type=positive(int), default=4)
+    parser.add_argument(
+        "--size-gb", type=positive(float), default=0.25, help="state size in GiB (params + Adam moments)"
+    )
+    parser.add_argument("--repeats", type=positive(int), default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", default=",".join(METHODS), help=f"comma list from {','.join(METHODS)}")
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")

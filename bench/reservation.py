@@ -35,7 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from interference import Trainer, interleaved, parse_or_run_child, spawn  # noqa: E402  (the interference benchmark's)
-from kit import build_state  # noqa: E402
+from kit import build_state, positive, positives  # noqa: E402
 
 VARIANTS = ("touch", "populate")
 ACTIVATIONS = 32 << 20
@@ -114,9 +114,14 @@ def report(size: float, results: dict[str, list[dict]]) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default=None, help="state sizes in GiB, comma separated (default 2; quick 0.25)")
+    ap.add_argument(
+        "--sizes",
+        type=positives(float),
+        default=None,
+        help="state sizes in GiB, comma separated (default 2; quick 0.25)",
+    )
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
-    ap.add_argument("--rounds", type=int, default=3, help="children per variant, interleaved across variants")
+    ap.add_argument("--rounds", type=positive(int), default=3, help="children per variant, interleaved across variants")
     ap.add_argument("--dir", default=None, help="where the roots go (default: a temp dir, deleted after)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 0.25 GiB, one child per variant")
     ap.add_argument("--seed", type=int, default=0)

@@ -7,6 +7,7 @@ import statistics
 import time
 
 import numpy as np
+from kit import positive
 
 from ckpt import RandomWindowSampler
 
@@ -14,9 +15,9 @@ from ckpt import RandomWindowSampler
 def main() -> None:
     """Time sampler.indices over a million consecutive global counters, mid-stream and across an epoch boundary."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--windows", type=float, default=1e12)
-    parser.add_argument("--count", type=int, default=1_000_000)
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--windows", type=positive(float), default=1e12)
+    parser.add_argument("--count", type=positive(int), default=1_000_000)
+    parser.add_argument("--runs", type=positive(int), default=5)
     args = parser.parse_args()
     windows, window, stride = int(args.windows), 2048, 1
     sampler = RandomWindowSampler(windows - 1 + window, window, stride, global_batch_size=1024, seed=1)

@@ -53,6 +53,7 @@ from kit import (  # noqa: E402
     drop_caches,
     fingerprint,
     fsync_path,
+    positive,
     proc_status,
     run_ranks,
     scramble,
@@ -311,6 +312,20 @@ def chunk_spec(text: str) -> tuple[str, int]:
     return f"{text}MiB", int(mb * (1 << 20))
 
 
+def chunk_list(text: str) -> str:
+    """The argparse type of `--chunk-mb`: every value one that `chunk_spec` reads and the manager takes."""
+    from ckpt.format import MAX_CHUNK_BYTES
+
+    for item in text.split(","):
+        try:
+            ok = 1 <= chunk_spec(item)[1] <= MAX_CHUNK_BYTES
+        except ValueError:
+            ok = False
+        if not ok:
+            raise argparse.ArgumentTypeError(f"expected MiB in (0, {MAX_CHUNK_BYTES >> 20}] or 'tensor', got {item!r}")
+    return text
+
+
 def child(args, kind: str, extra: list[str]) -> dict:
     """Run `kind` (a method or "floors") in fresh process(es): one, or one per rank; the JSON row of rank 0."""
     argv = [os.path.abspath(__file__), "--_child", kind, "--size-gb", str(args.size_gb), "--repeats", str(args.repeats)]
@@ -400,18 +415,18 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--size-gb",
-        type=float,
+        type=positive(float),
         default=None,
         help="state size in GiB (params + Adam moments); default 2, or 1 with --ranks > 1",
     )
     ap.add_argument(
         "--ranks",
-        type=int,
+        type=positive(int),
         default=1,
         help="distributed mode: this many ranks (gloo on 127.0.0.1, FSDP2), methods dcp_save, "
         "dcp_async, ckpt (floors: single process)",
     )
-    ap.add_argument("--repeats", type=int, default=3, help="runs per figure (the median is reported)")
+    ap.add_argument("--repeats", type=positive(int), default=3, help="runs per figure (the median is reported)")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp, deleted after)")
     ap.add_argument(
         "--only",
@@ -420,6 +435,7 @@ def main(argv=None) -> None:
     )
     ap.add_argument(
         "--chunk-mb",
+        type=chunk_list,
         default="64",
         help="ckpt chunk size(s), comma list of MiB or 'tensor' (one chunk per tensor); one ckpt row per value",
     )

@@ -34,6 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import planning  # noqa: E402
+from kit import positive, positives  # noqa: E402
 
 METHODS = ("dcp_save", "dcp_async", "ckpt")
 
@@ -140,10 +141,20 @@ def report(sizes: list[dict], tensors: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--worlds", default="1,2,4,8")
-    ap.add_argument("--sizes", default="0.125,1", help="state sizes in GiB for the ranks sweep ('' to skip it)")
-    ap.add_argument("--tensors", default="100,1000,10000", help="tensor counts for the planning sweep ('' to skip)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--worlds", type=positives(int), default="1,2,4,8")
+    ap.add_argument(
+        "--sizes",
+        type=positives(float),
+        default="0.125,1",
+        help="state sizes in GiB for the ranks sweep ('' to skip it)",
+    )
+    ap.add_argument(
+        "--tensors",
+        type=positives(int),
+        default="100,1000,10000",
+        help="tensor counts for the planning sweep ('' to skip)",
+    )
+    ap.add_argument("--repeats", type=positive(int), default=3)
     ap.add_argument("--json", default=None, help="also write the raw rows to this file")
     args = ap.parse_args(argv)
     worlds = [int(w) for w in args.worlds.split(",")]

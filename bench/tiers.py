@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kit import GIB, build_state, drop_caches, state_bytes  # noqa: E402
+from kit import GIB, build_state, drop_caches, positive, state_bytes  # noqa: E402
 
 
 def saves(state, durable: str, local: str | None, repeats: int) -> dict[str, list[float]]:
@@ -66,8 +66,10 @@ def restore(state, durable: str, local: str) -> tuple[float, bool]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size-gb", type=float, default=1.0, help="state size (model + Adam)")
-    ap.add_argument("--repeats", type=int, default=3, help="saves and restores per figure (the median is reported)")
+    ap.add_argument("--size-gb", type=positive(float), default=1.0, help="state size (model + Adam)")
+    ap.add_argument(
+        "--repeats", type=positive(int), default=3, help="saves and restores per figure (the median is reported)"
+    )
     ap.add_argument("--dir", default=None, help="the durable root's parent (default: a temp dir under /tmp)")
     ap.add_argument("--local", default=None, help="the local tier's parent (default: /dev/shm when there)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 0.1 GiB, 1 repeat")

@@ -16,6 +16,8 @@ import statistics
 import tempfile
 import time
 
+from kit import positive
+
 from ettr import GoodputTracker
 
 STEPS = 200_000  # steps per run; --steps sets it before the inputs below are made
@@ -82,8 +84,10 @@ def main(argv: list[str] | None = None) -> None:
     """Print the median over --runs runs of each variant named (default: all)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("variants", nargs="*", metavar="VARIANT", help=f"any of {', '.join(LABELS)} (default: all)")
-    ap.add_argument("--runs", type=int, default=5, help="fresh jobs per variant (default 5; the median is reported)")
-    ap.add_argument("--steps", type=int, default=STEPS, help=f"steps per run (default {STEPS:,})")
+    ap.add_argument(
+        "--runs", type=positive(int), default=5, help="fresh jobs per variant (default 5; the median is reported)"
+    )
+    ap.add_argument("--steps", type=positive(int), default=STEPS, help=f"steps per run (default {STEPS:,})")
     args = ap.parse_args(argv)
     unknown = [v for v in args.variants if v not in LABELS]
     if unknown:
