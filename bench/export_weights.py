@@ -35,6 +35,7 @@ from kit import (  # noqa: E402
     build_state,
     drop_caches,
     fsync_path,
+    names,
     positive,
     proc_status,
     state_bytes,
@@ -85,7 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size-gb", type=positive(float), default=2.0)
     ap.add_argument("--repeats", type=positive(int), default=1, help="runs per method (the median is reported)")
-    ap.add_argument("--only", default=",".join(METHODS), help=f"comma list from {','.join(METHODS)}")
+    ap.add_argument(
+        "--only", type=names(tuple(METHODS)), default=",".join(METHODS), help=f"comma list from {','.join(METHODS)}"
+    )
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir, deleted after)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the figures to this file")

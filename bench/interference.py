@@ -216,18 +216,21 @@ def adapter(variant: str, work: str, model, optim) -> kit.Adapter:
 
 def options_of(spec: str):
     """`cores=0.5:files=4:nice=0:snapshot=overlap` -> (WriteBudget(cores=0.5, file_ops_per_core=4, nice=0),
-    "overlap"); "" -> the defaults (snapshot None: the manager's own, "sync")."""
+    "overlap"); "" -> the defaults (snapshot None: the manager's own, "sync"). A bad spec raises ValueError."""
     from ckpt import WriteBudget
+    from ckpt.snapshot import MODES
 
     names = {"cores": ("cores", float), "files": ("file_ops_per_core", int), "nice": ("nice", int)}
     kw, snapshot = {}, None
     for part in filter(None, spec.split(":")):
-        key, value = part.split("=")
-        if key == "snapshot":
+        key, _, value = part.partition("=")
+        if key == "snapshot" and value in MODES:
             snapshot = value
-            continue
-        name, kind = names[key]
-        kw[name] = kind(value)
+        elif key in names:
+            name, kind = names[key]
+            kw[name] = kind(value)
+        else:
+            raise ValueError(f"{part!r}: expected cores=X, files=N, nice=N or snapshot={'|'.join(MODES)}")
     return WriteBudget(**kw), snapshot
 
 
@@ -457,6 +460,14 @@ def main(argv=None) -> None:
     unknown = [v for v in variants if v.partition(":")[0] not in METHODS]
     if unknown:
         raise SystemExit(f"unknown variant(s) {', '.join(unknown)}: the methods are {', '.join(METHODS)}")
+    for v in variants:  # a bad spec is refused here, not as a traceback in its child
+        method, _, spec = v.partition(":")
+        try:
+            if spec and method != "ckpt":
+                raise ValueError("only ckpt takes options")
+            options_of(spec)
+        except ValueError as e:
+            ap.error(f"variant {v!r}: {e}")
     raw = {}
     for size, results in interleaved(args, variants, child, "ckpt-interference-"):
         raw[size] = results

@@ -232,6 +232,18 @@ def positives(kind: Callable[[str], Any]) -> Callable[[str], str]:
     return parse
 
 
+def names(allowed: tuple[str, ...]) -> Callable[[str], str]:
+    """An argparse type: a comma list of names from `allowed` (an --only list), kept as its text."""
+
+    def parse(text: str) -> str:
+        unknown = [n for n in text.split(",") if n not in allowed]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}: choose from {', '.join(allowed)}")
+        return text
+
+    return parse
+
+
 # -- the adapter protocol -------------------------------------------------------------------------------
 
 

@@ -34,6 +34,7 @@ from kit import (  # noqa: E402
     bytes_read,
     drop_caches,
     fingerprint,
+    names,
     positive,
     run_ranks,
     scramble,
@@ -128,7 +129,9 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--repeats", type=positive(int), default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", default=",".join(METHODS), help=f"comma list from {','.join(METHODS)}")
+    parser.add_argument(
+        "--only", type=names(METHODS), default=",".join(METHODS), help=f"comma list from {','.join(METHODS)}"
+    )
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
     parser.add_argument("--_rank", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
