@@ -100,7 +100,13 @@ def main(argv: list[str] | None = None) -> None:
         del model, optim
         gc.collect()
         ckpt.load(root, keys=["model.ln_f.bias"])  # imports and first-call costs out of the figures
-        rows = next(_leaves(ckpt.load(root, keys=[args.key]))).shape[0]  # and warms the path for non-root runs
+        try:
+            shape = next(_leaves(ckpt.load(root, keys=[args.key]))).shape  # and warms the path for non-root runs
+        except ckpt.StateKeyError as e:
+            raise SystemExit(f"--key {args.key!r}: {e}") from None
+        if not shape:
+            raise SystemExit(f"--key {args.key!r}: a 0-d tensor has no rows to read a region of")
+        rows = shape[0]
         rows_part = (slice(0, max(1, rows // 16)),)
         results = {}
         for label, region in (("whole tensor", None), (f"rows 0:{rows_part[0].stop} (region=)", rows_part)):
