@@ -113,7 +113,7 @@ def report(size: float, results: dict[str, list[dict]]) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--sizes",
         type=positives(float),

@@ -140,7 +140,7 @@ def report(sizes: list[dict], tensors: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worlds", type=positives(int), default="1,2,4,8")
     ap.add_argument(
         "--sizes",
