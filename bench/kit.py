@@ -16,6 +16,7 @@ import gc
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -606,6 +607,12 @@ ADAPTERS: dict[str, type[Adapter]] = {
 }
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (a `timeout`, a scheduler's kill) exit through SystemExit, as Ctrl-C does, so that the driver's
+    `finally` removes its temporary directory and `run_ranks` ends the ranks it started."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now (for the ranks' rendezvous)."""
     with socket.socket() as s:
@@ -630,11 +637,13 @@ def run_ranks(args: list[str], ranks: int, what: str) -> dict:
         )
         for r in range(ranks)
     ]
-    while None in (codes := [p.poll() for p in procs]) and not any(codes):
-        time.sleep(0.2)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
+    try:
+        while None in (codes := [p.poll() for p in procs]) and not any(codes):
+            time.sleep(0.2)
+    finally:  # also when this process is leaving (SystemExit, KeyboardInterrupt): no rank outlives it
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
     codes = [p.wait() for p in procs]
     out = procs[0].stdout.read()  # one short JSON line: it fits the pipe's buffer
     if any(codes):

@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kit import bytes_read, positive, run_ranks  # noqa: E402
+from kit import bytes_read, exit_on_sigterm, positive, run_ranks  # noqa: E402
 
 COLS = 16
 
@@ -100,6 +100,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args._rank:
         return run_rank(args)
+    exit_on_sigterm()
     temporary = args.dir is None
     args.dir = args.dir or tempfile.mkdtemp(prefix="ckpt-manifest-ranks-")
     try:

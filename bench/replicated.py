@@ -33,6 +33,7 @@ from kit import (  # noqa: E402
     build_state,
     bytes_read,
     drop_caches,
+    exit_on_sigterm,
     fingerprint,
     names,
     positive,
@@ -139,6 +140,7 @@ def main(argv=None) -> None:
         args.method = args._rank
         run_rank(args)
         return
+    exit_on_sigterm()
     own = args.dir is None
     args.dir = args.dir or tempfile.mkdtemp(prefix="bench-replicated-", dir=ROOT)
     try:

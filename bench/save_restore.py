@@ -51,6 +51,7 @@ from kit import (  # noqa: E402
     build_model,
     build_state,
     drop_caches,
+    exit_on_sigterm,
     fingerprint,
     fsync_path,
     positive,
@@ -459,6 +460,7 @@ def main(argv=None) -> None:
             if row is not None:  # rank 0
                 print(json.dumps(row))
         return
+    exit_on_sigterm()
     if args.quick:
         args.size_gb, args.repeats = min(args.size_gb, 0.25), 1
     methods = METHODS if args.ranks == 1 else DIST_METHODS
