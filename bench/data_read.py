@@ -25,7 +25,7 @@ import tempfile
 import time
 from typing import Any
 
-from kit import positive, positives
+from kit import exit_on_sigterm, positive, positives
 
 ROWS = {  # name -> (kind, workers, reader backend, O_DIRECT)
     "mmap (today), 0 workers": ("mmap", 0, None, True),
@@ -184,6 +184,7 @@ def main() -> None:
     windows = [int(w) for w in args.windows.split(",")]
     if missing := [w for w in windows if w not in batch_of]:
         parser.error(f"argument --batch: no batch for window(s) {missing}, it has {sorted(batch_of)}")
+    exit_on_sigterm()
     folder = args.dir or tempfile.mkdtemp(prefix="ckpt-data-bench-", dir="/tmp")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "tokens.bin")

@@ -34,6 +34,7 @@ from kit import (  # noqa: E402
     PeakRSS,
     build_state,
     drop_caches,
+    exit_on_sigterm,
     fsync_path,
     names,
     positive,
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import ckpt
 
+    exit_on_sigterm()
     work = args.dir or tempfile.mkdtemp(prefix="ckpt-export-bench-")
     os.makedirs(work, exist_ok=True)
     try:

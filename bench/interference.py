@@ -332,6 +332,7 @@ def parse_or_run_child(ap: argparse.ArgumentParser, argv, run_child) -> argparse
 def interleaved(args, variants: list[str], child, prefix: str) -> Iterator[tuple[float, dict[str, list[dict]]]]:
     """Per size of `args.sizes`: each variant's `args.rounds` children, interleaved round by round, in `args.dir`
     (a temp dir with `prefix` unless given, deleted after)."""
+    kit.exit_on_sigterm()  # its children are ended by subprocess.run, the dir by the `finally` below
     own_dir = args.dir is None
     args.dir = args.dir or tempfile.mkdtemp(prefix=prefix)
     try:

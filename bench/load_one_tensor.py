@@ -26,7 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kit import GIB, build_state, drop_caches, positive  # noqa: E402
+from kit import GIB, build_state, drop_caches, exit_on_sigterm, positive  # noqa: E402
 
 
 def io_counters() -> dict[str, int]:
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import ckpt
 
+    exit_on_sigterm()
     work = args.dir or tempfile.mkdtemp(prefix="ckpt-load-bench-")
     root = os.path.join(work, "root")
     try:

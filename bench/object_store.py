@@ -39,6 +39,7 @@ from kit import (  # noqa: E402
     Adapter,
     build_state,
     drop_caches,
+    exit_on_sigterm,
     fingerprint,
     positive,
     scramble,
@@ -280,6 +281,7 @@ def main(argv=None) -> None:
         ap.error(f"unknown --only entries {sorted(only - {*METHODS, 'floor'})}")
     from seaweed import SeaweedServer, _free_ports
 
+    exit_on_sigterm()  # the server runs in a session of its own: only close() ends it
     port = _free_ports(1)[0]  # the gateway's request counters (Prometheus), read before and after each save/restore
     server = SeaweedServer(extra_args=(f"-metricsPort={port}", "-metricsIp=127.0.0.1"))  # removed by close()
     server.start()

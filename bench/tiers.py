@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kit import GIB, build_state, drop_caches, positive, state_bytes  # noqa: E402
+from kit import GIB, build_state, drop_caches, exit_on_sigterm, positive, state_bytes  # noqa: E402
 
 
 def saves(state, durable: str, local: str | None, repeats: int) -> dict[str, list[float]]:
@@ -80,6 +80,7 @@ def main(argv=None) -> None:
     model, optim = build_state(args.size_gb, 0)
     state = {"model": model, "optim": optim}
     nbytes = state_bytes(model, optim)
+    exit_on_sigterm()
     durable_parent = tempfile.mkdtemp(prefix="ckpt-tiers-", dir=args.dir)
     local_parent = tempfile.mkdtemp(
         prefix="ckpt-tiers-local-", dir=args.local or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
