@@ -75,16 +75,21 @@ class TrackerLease:
         self.tracker: GoodputTracker | None = tracker
         self._open = False
 
-    def start(self, root: str | None = None, rank: int | None = None) -> GoodputTracker:
+    def start(
+        self, root: str | None = None, rank: int | None = None, storage_options: Mapping[str, Any] | None = None
+    ) -> GoodputTracker:
         """Return the tracker to report to; an owned one is new per call (one ledger per attempt) and started, as
-        `rank` (None: the launcher's RANK)."""
+        `rank` (None: the launcher's RANK), in `root` reached with `storage_options` (those of the checkpoint root it
+        defaults to) or else in the lease's own root and options."""
         if self.given is not None:
             return self.given
-        root = root or self.root
+        if self.root is not None or root is None:
+            root, storage_options = self.root, self.storage_options
         if root is None:
             raise ValueError("no root for the goodput ledger: pass root= or tracker=")
         if not self._open:
-            self.tracker = GoodputTracker(root, rank=rank, storage_options=self.storage_options).start()
+            options = dict(storage_options) if storage_options is not None else None
+            self.tracker = GoodputTracker(root, rank=rank, storage_options=options).start()
             self._open = True
         return self.tracker
 

@@ -980,7 +980,10 @@ class GoodputCallback(Callback):
             io.before_load = None
             if resume:
                 io.start_fit(resume=True)
-        tracker = self._lease.start(io.root if io is not None else None, rank=self._rank)
+        if io is None:
+            tracker = self._lease.start(rank=self._rank)
+        else:  # the ledger beside the checkpoints, reached as they are (an object store's endpoint)
+            tracker = self._lease.start(io.root, self._rank, io._options["root_options"].storage_options)
         if io is not None:
             io.use_tracker(tracker)
 

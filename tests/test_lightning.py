@@ -293,6 +293,46 @@ def _fit(
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def test_an_object_store_root_takes_its_goodput_ledger_with_the_ios_storage_options(
+    tmp_path, s3_bucket, s3_server, monkeypatch
+):
+    """CkptCheckpointIO("s3://...", storage_options={"endpoint": ...}) without AWS_ENDPOINT_URL: the checkpoints went
+    to the endpoint given, but GoodputCallback's ledger beside them was made without the options, so the fit failed
+    at its start resolving the provider's default host. Now the ledger goes where the checkpoints go."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import ckpt
+    from ettr import attribute_root
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    root, options = f"s3://{s3_bucket}/pl", {"endpoint": s3_server.endpoint, "timeout": 10}
+    pointers = ModelCheckpoint(dirpath=tmp_path / "pointers", every_n_train_steps=4)
+    _fit(tmp_path, 8, io=CkptCheckpointIO(root, storage_options=options), callbacks=(pointers,))
+    assert ckpt.CheckpointManager(root, storage_options=options).steps() == [8]  # ModelCheckpoint keeps its last
+    assert attribute_root(root, storage_options=options).committed_steps == (4, 8)
+
+
+def test_a_goodput_callback_given_a_root_keeps_its_ledger_there(tmp_path):
+    """GoodputCallback(root=...) is the ledger's root (its docstring: default, the CkptCheckpointIO's root), but the
+    IO's root took precedence over it: the ledger went beside the checkpoints, and the root given stayed empty."""
+    from lightning.pytorch import Trainer
+
+    from ckpt import ShuffledSampler, make_loader
+    from ettr import attribute_root
+    from integrations.lightning import GoodputCallback
+    from lightning_train import Net, Points
+
+    ledgers, root = tmp_path / "ledgers", tmp_path / "ckpt"
+    sampler = ShuffledSampler(64, 8, seed=1)
+    trainer = Trainer(
+        max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        default_root_dir=tmp_path,
+        plugins=[CkptCheckpointIO(root)], callbacks=[GoodputCallback(str(ledgers), samplers={"train": sampler})],
+    )  # fmt: skip
+    trainer.fit(Net(), make_loader(Points(), sampler))
+    assert [a.steps for a in attribute_root(str(ledgers)).attempts] == [2] and not (root / "ettr").exists()
+
+
 def test_decision_checkpoint_saves_on_the_decision_and_on_a_preemption_signal(tmp_path):
     import signal
 
