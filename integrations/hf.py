@@ -538,6 +538,8 @@ class CkptTrainerMixin:
         """What a resume reads: ``{"step": N}`` of the root, ``{"stock": folder}`` (a stock Trainer folder), or None
         (a fresh start); a JSON value, as rank 0 tells it to the other ranks."""
         manager = self.ckpt_manager
+        if resume is not True and not os.path.dirname(os.path.normpath(resume)):  # a bare name: one of ours
+            resume = os.path.join(run_dir, resume)
         if resume is True:
             step = manager.latest_step()
             if step is None:

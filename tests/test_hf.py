@@ -329,6 +329,7 @@ def test_resume_from_a_stock_trainer_checkpoint(tmp_path, no_launcher_ids):
     _trainer(out, 4, stock=True).train()  # the stock Trainer: model.safetensors, optimizer.pt, rng_state.pth...
     assert (out / "checkpoint-4" / "rng_state.pth").exists()
     shutil.copytree(out, tmp_path / "copy")
+    shutil.copytree(out, tmp_path / "bare")
     before = _tree(out)
     with pytest.raises(ckpt.RunMismatchError, match=r"checkpoint folders \['checkpoint-2', 'checkpoint-4'\]"):
         _trainer(out, 6).train()  # a fresh start would rotate the stock run's folders away
@@ -341,6 +342,11 @@ def test_resume_from_a_stock_trainer_checkpoint(tmp_path, no_launcher_ids):
     assert ours.step_log.steps == stock.step_log.steps == [5, 6]
     assert _weights(ours.model) == _weights(stock.model)
     assert ckpt.CheckpointManager(out / "ckpt").steps() == [6]  # from here on the root holds the run
+    # a bare folder name is the trainer's own folder, a stock one too (it was looked up in the working directory:
+    # FileNotFoundError, while a bare name of a committed step was found in output_dir)
+    bare = _trainer(tmp_path / "bare", 6)
+    bare.train(resume_from_checkpoint="checkpoint-4")
+    assert bare.step_log.steps == [5, 6] and _weights(bare.model) == _weights(stock.model)
 
 
 def test_resume_from_a_folder_whose_step_never_committed_falls_back_with_a_warning(tmp_path):
