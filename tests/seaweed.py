@@ -94,6 +94,7 @@ class SeaweedServer:
         self.proc = subprocess.Popen(
             [
                 weed_binary(),
+                f"-logdir={self.workdir}",  # its glog files, which went to /tmp (three per start) and stayed
                 "server",
                 f"-dir={self.data}",
                 "-ip=127.0.0.1",
