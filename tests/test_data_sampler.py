@@ -325,6 +325,16 @@ def test_a_shuffled_sampler_over_more_items_than_the_dataset_has_is_refused_by_m
     make_loader(list(range(500)), ShuffledSampler(400, 4, SEED, world_size=1, rank=0))  # a prefix: fine
 
 
+def test_a_window_sampler_fingerprinted_on_other_data_is_refused_by_make_loader(tmp_path, dataset):
+    """A sampler whose fingerprint names other tokens (as many of them) was served the dataset's: its resume was
+    checked against data the loader does not read. make_loader now refuses it, naming both fingerprints."""
+    other = TokenWindowDataset(write_tokens(tmp_path / "other.bin", 5000, vocab=7), np.uint16, 16, SEED)
+    with pytest.raises(DataMismatchError, match=f"fingerprint '{other.fingerprint()}' is not the dataset's "
+                       f"'{dataset.fingerprint()}' \\({dataset.path}\\)"):  # fmt: skip
+        make_loader(dataset, _sampler(other))
+    make_loader(dataset, RandomWindowSampler(dataset.n_tokens, 16, 7, 8, SEED))  # no fingerprint: nothing to check
+
+
 def test_a_shuffled_sampler_of_a_count_that_is_not_an_int_is_a_type_error_naming_it():
     """`num_items < 1` ran before the type check: None or "100" gave "'<' not supported between instances"."""
     for num_items, kind in ((None, "NoneType"), ("100", "str"), (100.0, "float")):

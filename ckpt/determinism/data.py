@@ -834,6 +834,11 @@ def make_loader(
                 f"the sampler (window {sampler.window}, {sampler.n_tokens} tokens) does not fit the dataset (window "
                 f"{dataset.window}, {dataset.n_tokens} tokens): build both from one stream"
             )
+        if sampler.fingerprint is not None and sampler.fingerprint != dataset.fingerprint():
+            raise DataMismatchError(  # its load_state_dict checked the resume against other data than is read
+                f"the sampler's fingerprint {sampler.fingerprint!r} is not the dataset's {dataset.fingerprint()!r} "
+                f"({dataset.stream.describe()}): build the sampler with fingerprint=dataset.fingerprint()"
+            )
         collate = "collate_fn" not in kwargs
         dataset = WindowBatches(
             dataset, sampler, prefetch_batches=prefetch_batches, max_prefetch_bytes=max_prefetch_bytes, collate=collate
