@@ -9,6 +9,7 @@ import random
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -142,6 +143,29 @@ class Vocabulary(GlobalDraws):
 
     def __len__(self) -> int:
         return 40
+
+
+class OwnDraws(Vocabulary):
+    """Items drawn from a generator the dataset holds (the PyTorch FAQ's recipe reseeds it in worker_init_fn)."""
+
+    def __init__(self) -> None:
+        self.rng = np.random.default_rng(3)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i, int(self.rng.integers(10**6))])
+
+
+def test_a_generator_the_dataset_holds_is_named_in_a_warning_when_workers_copy_it():
+    """Each worker holds a copy of it that starts over at every iter(), so after a resume (or with another worker
+    count) its draws differ from the run that never stopped: a kill at step 3 and a resume at 2 workers gave other
+    items from step 4 on, in silence. make_loader now warns, naming the attribute and what to draw from instead."""
+    sampler = functools.partial(ShuffledSampler, 40, 4, SEED, world_size=1, rank=0)
+    with pytest.warns(RuntimeWarning, match=r"'rng' is a Generator: each DataLoader worker \(2\) holds a copy"):
+        make_loader(OwnDraws(), sampler(), num_workers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_loader(OwnDraws(), sampler())  # in the main process: RNGState({"rng": dataset.rng}) resumes it
+        make_loader(GlobalDraws(), sampler(), num_workers=2)
 
 
 def test_the_loaders_dataset_still_answers_for_the_callers(dataset):

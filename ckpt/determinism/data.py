@@ -11,8 +11,10 @@ import contextlib
 import functools
 import hashlib
 import os
+import random
 import signal
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass
@@ -807,6 +809,26 @@ def _worker_init(user_init: Callable[[int], Any] | None, worker_id: int) -> None
         user_init(worker_id)
 
 
+_GENERATORS = (random.Random, np.random.Generator, np.random.RandomState, torch.Generator)
+
+
+def _warn_of_held_generators(dataset: Any, workers: int) -> None:
+    """Warn of each generator `dataset` holds as an attribute when workers will copy it: a copy starts over at
+    every iter() (so at a resume) and draws for the batches its worker gets, so its draws are not resumed."""
+    if not workers:
+        return
+    for name, value in getattr(dataset, "__dict__", {}).items():
+        if isinstance(value, _GENERATORS):
+            warnings.warn(
+                f"dataset attribute {name!r} is a {type(value).__name__}: each DataLoader worker ({workers}) holds a "
+                "copy that starts over at every iter(), so what the dataset draws from it differs after a resume (or "
+                "with another worker count); draw from random, np.random or torch instead (make_loader seeds them per "
+                "batch)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+
 def make_loader(
     dataset: Dataset[Any],
     sampler: _CounterSampler,
@@ -851,6 +873,7 @@ def make_loader(
             raise ValueError(  # an IndexError at whichever batch first held an item past the end
                 f"the sampler ({sampler.num_items} items) does not fit the dataset ({len(dataset)} items)"
             )
+        _warn_of_held_generators(dataset, kwargs.get("num_workers", 0))
         dataset = _SeededFetch(dataset, sampler.seed)
     loader = _Loader(dataset, batch_sampler=sampler, **kwargs)
     if tracker is not None:
