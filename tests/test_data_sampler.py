@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -184,6 +185,17 @@ def test_trap_iter_dataloader_does_not_touch_global_torch_rng(dataset):
     assert torch.equal(torch.get_rng_state(), before)
     iter(DataLoader(dataset, batch_sampler=s))  # without a generator, torch draws a base seed globally
     assert not torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("generator", [torch.Generator().manual_seed(7), None])
+def test_a_generator_given_to_make_loader_is_refused_as_iter_would_draw_from_it(dataset, generator):
+    """make_loader(..., generator=g) took g for the DataLoader's base seed, drawn at every iter(): with g also drawn
+    by training (registered with RNGState), the resumed run's iter() drew once more than the straight run's, and
+    every loss from the first resumed step on differed (generator=None drew from the global torch RNG)."""
+    with pytest.raises(
+        ValueError, match=re.escape(f"generator={generator!r}: the DataLoader draws from it at every iter()")
+    ):
+        make_loader(dataset, _sampler(dataset), generator=generator)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -838,7 +838,8 @@ def make_loader(
     max_prefetch_bytes: int = MAX_PREFETCH_BYTES,
     **kwargs: Any,
 ) -> DataLoader[Any]:
-    """A DataLoader over the sampler's batches whose iter() does not draw from the global torch RNG.
+    """A DataLoader over the sampler's batches whose iter() does not draw from the global torch RNG, nor from any
+    generator training uses: `generator=` is refused (iter() draws from it, once more at each resume).
 
     A `TokenWindowDataset` under a `RandomWindowSampler` is served through `WindowBatches` (batch reads at the
     disk's random-read rate, the next batches read ahead within `prefetch_batches` / `max_prefetch_bytes` per
@@ -848,7 +849,13 @@ def make_loader(
     A worker seeds its global python, numpy and torch RNGs from each batch's first sample counter before fetching
     it (`_SeededFetch`): what the dataset draws from them there is the same after a resume.
     """
-    kwargs.setdefault("generator", torch_generator(sampler.seed, "loader"))
+    if "generator" in kwargs:  # training's own generator, or None (the global torch RNG): a resume shifts its stream
+        raise ValueError(
+            f"generator={kwargs['generator']!r}: the DataLoader draws from it at every iter(), which a resume repeats, "
+            "so the numbers training draws from it after the resume differ; make_loader uses a generator of its own "
+            "(from the sampler's seed; the order is the sampler's and workers' RNGs are seeded per batch): drop it"
+        )
+    kwargs["generator"] = torch_generator(sampler.seed, "loader")
     kwargs["worker_init_fn"] = functools.partial(_worker_init, kwargs.get("worker_init_fn"))
     if isinstance(dataset, TokenWindowDataset) and isinstance(sampler, RandomWindowSampler):
         if sampler.window != dataset.window or sampler.n_tokens > dataset.n_tokens:
