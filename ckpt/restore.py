@@ -253,19 +253,23 @@ def plan_restore(
                 f"checkpoint step {step} has keys {extra} that the state passed to restore lacks: add "
                 f"them, or restore only some keys with keys=[...]"
             )
-    for obj, v in checked(target, values):  # here, before any read: among ranks `agree` tells every rank a refusal
-        obj.check_state_dict(v)
+    # here, before any read: among ranks `agree` tells every rank a refusal
+    for path, obj, v in checked(target, values):
+        try:
+            obj.check_state_dict(v)
+        except DataMismatchError as e:  # which of several samplers, of which step
+            raise DataMismatchError(f"restore of key {path!r} (step {step}): {e}") from None
     return ReadPlan(manifest, reads, values)
 
 
-def checked(target: Mapping[str, Any], values: Mapping[str, Any]) -> list[tuple[Any, Any]]:
-    """(object, its restored state) of every object at any depth of `target` that can check a state without taking
-    it (`check_state_dict`: the samplers). `plan_restore` checks them, so that a sampler over other data on one rank
-    fails the restore on every rank before anything is read; `apply` loads them last of all."""
+def checked(target: Mapping[str, Any], values: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key path, object, its restored state) of every object at any depth of `target` that can check a state
+    without taking it (`check_state_dict`: the samplers). `plan_restore` checks them, so that a sampler over other
+    data on one rank fails the restore on every rank before anything is read; `apply` loads them last of all."""
     return [
-        (obj, v)
+        (path, obj, v)
         for k in values
-        for obj, v in state_mod.stateful_in(target, k, values[k])
+        for path, obj, v in state_mod.stateful_in(target, k, values[k])
         if callable(getattr(obj, "check_state_dict", None))
     ]
 
@@ -809,7 +813,7 @@ def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
     copied = [(r, t) for r in plan.reads.values() for t in (r.targets[1:] if r.saved is not None else r.targets)]
     into = {(t.device, t.untyped_storage().data_ptr()) for _, t in copied}
     checks = checked(target, plan.values)  # at any depth: a sampler in a dict loads after its siblings
-    deferred = {id(obj) for obj, _ in checks}
+    deferred = {id(obj) for _, obj, _ in checks}
     stateful = [k for k in plan.values if state_mod.is_stateful(target.get(k)) and id(target[k]) not in deferred]
     first = [k for k in stateful if not _holds(plan.values[k], into)]
     loaded: list[tuple[Any, Any]] = []
@@ -833,7 +837,7 @@ def apply(plan: ReadPlan, target: dict[str, Any]) -> None:
         for k, v in plan.values.items():
             if k not in stateful:
                 state_mod.apply(target, k, v, skip=deferred)
-        for obj, v in checks:  # last: a load its check passed takes the state whole or, raising, changes nothing
+        for _, obj, v in checks:  # last: a load its check passed takes the state whole or, raising, changes nothing
             obj.load_state_dict(v)
     except BaseException:
         if not (copied_yet and copied):  # else bytes that cannot be given back: every object keeps the step's values

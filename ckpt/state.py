@@ -529,15 +529,19 @@ def apply(target: dict[str, Any] | list[Any], key: Any, value: Any, *, skip: Con
         target[key] = value
 
 
-def stateful_in(target: dict[str, Any] | list[Any], key: Any, value: Any) -> Iterator[tuple[Any, Any]]:
-    """(object, its state) of every Stateful object `apply(target, key, value)` would load, at any depth."""
+def stateful_in(
+    target: dict[str, Any] | list[Any], key: Any, value: Any, path: str = ""
+) -> Iterator[tuple[str, Any, Any]]:
+    """(its key path, as 'samplers.val', object, its state) of every Stateful object `apply(target, key, value)` would
+    load, at any depth."""
+    path = f"{path}.{key}" if path else str(key)
     current = _at(target, key)
     entered = _entered(current, value)
     if entered is not None:
         for container, k, v in entered:
-            yield from stateful_in(container, k, v)
+            yield from stateful_in(container, k, v, path)
     elif is_stateful(current):
-        yield current, value
+        yield path, current, value
 
 
 def _at(target: dict[str, Any] | list[Any], key: Any) -> Any:

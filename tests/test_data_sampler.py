@@ -321,6 +321,21 @@ def test_a_sampler_state_it_cannot_take_is_refused_at_load_naming_its_key(datase
         s.load_state_dict([1])
 
 
+def test_a_restore_refusing_one_of_several_samplers_names_its_key_and_step(tmp_path):
+    """With a train and a validation sampler, a restore refused one with "batch: checkpoint has 4, this run has 8"
+    and no word of which: the error now names its key path and the step."""
+    from ckpt import CheckpointManager
+
+    def samplers(val_batch: int) -> dict:
+        return {"train": ShuffledSampler(40, 4, SEED, world_size=1, rank=0),
+                "val": ShuffledSampler(40, val_batch, SEED, world_size=1, rank=0)}  # fmt: skip
+
+    with CheckpointManager(str(tmp_path / "ck")) as manager:
+        manager.save(3, {"samplers": samplers(4)})
+        with pytest.raises(DataMismatchError, match=r"restore of key 'samplers.val' \(step 3\): resuming .*batch: che"):
+            manager.restore({"samplers": samplers(8)})
+
+
 def test_a_resume_onto_data_so_small_that_the_skips_cover_it_is_refused(tmp_path, dataset):
     """allow_data_change onto a 2-window stream, with both windows skipped before: iteration used to loop forever."""
     s = _sampler(dataset, global_batch_size=2)
