@@ -312,7 +312,8 @@ class CheckpointManager:
         retain_now = self._target.committed(job.plan, self._root_lease.lease, self._persisted, persist)
         self._budget.lower_pool_threads()  # workers tensorstore started during this write
         seconds, nbytes = time.perf_counter() - t0, sum(t.nbytes for t in job.plan.tensors.values())  # this rank's
-        self._metadata[step] = job.plan.metadata
+        if self.retention is not None and self.ranks.leader:  # the durable retention's cache (`_retain_after`)
+            self._metadata[step] = job.plan.metadata
         mb, rate = nbytes / 1e6, nbytes / max(seconds, 1e-9) / 1e9
         log.info(
             "committed step %d: %.1f MB, stall %.3fs, background %.3fs (%.2f GB/s)", step, mb, stall, seconds, rate
@@ -344,13 +345,15 @@ class CheckpointManager:
 
     def _retain_after(self, step: int) -> None:
         """Queue the deletion of the committed steps the policy does not keep; never the newest, whatever it says, nor
-        `step`, the one just committed (or persisted).
-        A checkpoint left behind is no data loss: a failure is reported, not raised."""
+        `step`, the one just committed (or persisted). Forgets the cached metadata of older local steps never persisted:
+        a long run's cache holds the durable root's steps, not every save. A checkpoint left behind is no data loss: a failure is reported, not raised."""
         if self.retention is None or not self.ranks.leader:
             return
         try:
             self._check_lease()  # a writer that lost the root lists nothing: the steps are its successor's now
             steps = layout.committed_steps(self.storage)
+            for s in [s for s in list(self._metadata) if s < step and s not in steps]:  # a local step never persisted
+                self._metadata.pop(s, None)
             read = functools.partial(layout.saved_metadata, self.storage)
             for s in doomed(self.retention, steps, StepMetadata(steps, read, self._metadata), spare={step}):
                 self._queue_delete(s, report=False)

@@ -829,3 +829,18 @@ def test_a_local_step_a_rank_lacks_without_a_replica_is_passed_over_saying_why(c
         "rank 1 holds no copy of it and no peer keeps a replica of it (a lost local "
         "tier, or an attempt killed before every rank committed it); trying its durable copy"
     )
+
+
+def test_a_long_run_with_a_local_tier_caches_the_metadata_of_the_durable_steps_only(tmp_path):
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    with ckpt.CheckpointManager(durable, local=local, persist_every=4, keep_local=2, keep_last=2) as m:
+        for s in range(1, 41):
+            m.save(s, state(s), metadata={"loss": float(s)})
+        m.wait()
+        # 40 saves, 10 persisted, 2 kept there: the retention's cache is not one entry per save
+        assert set(m._metadata) <= {36, 37, 38, 39, 40}, sorted(m._metadata)
+    with ckpt.CheckpointManager(str(tmp_path / "all")) as m:  # no retention: nothing reads a cache
+        for s in range(1, 6):
+            m.save(s, state(s), metadata={"loss": float(s)})
+        m.wait()
+        assert m._metadata == {}
