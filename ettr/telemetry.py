@@ -93,75 +93,14 @@ class GoodputMetrics:
         # provider yet: the API drops it), per series: [instrument, attributes, sum (a counter) or last value]
         self._held: dict[tuple[int, frozenset], list[Any]] = {}
         self._held_lock = threading.Lock()
-        self._attempt_time = meter.create_counter(
-            "ettr.attempt.time",
-            unit="s",
-            description="Wall time of this process attempt per goodput category, from 0 at its start",
-        )
-        self._job_time = meter.create_gauge(
-            "ettr.job.time",
-            unit="s",
-            description="Wall time of the whole job per goodput category, earlier attempts included",
-        )
-        self._ratio = meter.create_gauge(
-            "ettr.ratio", unit="1", description="Effective training time ratio, cumulative and over a sliding window"
-        )
-        self._checkpoint_time = meter.create_gauge(
-            "ettr.job.checkpoint_time",
-            unit="s",
-            description="Checkpoint time of the whole job by part: the badput of saves (stall, previous_wait, "
-            "overlap_wait) and the background write beside it",
-        )
-        self._failures = meter.create_gauge(
-            "ettr.job.failures", unit="{failure}", description="Attempts of the job that ended in a failure so far"
-        )
-        self._replayed = meter.create_counter(
-            "ettr.replay.steps",
-            unit="{step}",
-            description="Steps this attempt trained a second time after its resume, compared with their first pass",
-        )
-        self._diverged = meter.create_counter(
-            "ettr.replay.divergences",
-            unit="{step}",
-            description="Steps trained a second time whose loss, batch hash or scalars differ from their first pass",
-        )
-        self._first_divergence = meter.create_gauge(
-            "ettr.replay.first_divergence",
-            unit="{step}",
-            description="The first step of this attempt whose second pass differs from its first",
-        )
-        self._window_time = meter.create_gauge(
-            "ettr.step_window.time",
-            unit="s",
-            description="This rank's time in its last complete window of steps by part: busy (its steps less its "
-            "collective waits; the slowest rank has the most) and collective_wait (waiting for the other ranks)",
-        )
-        self._window_first = meter.create_gauge(
-            "ettr.step_window.first_step", unit="{step}", description="First step of that window"
-        )
-        self._window_steps = meter.create_gauge(
-            "ettr.step_window.steps", unit="{step}", description="Steps this rank ran in that window"
-        )
-        self._durations = {
-            cat: meter.create_histogram(
-                f"ettr.{cat}.duration", unit="s", description=text, explicit_bucket_boundaries_advisory=DURATION_BUCKETS
-            )
-            for cat, text in DURATIONS.items()
-        }
-        self._size = meter.create_histogram(
-            "ettr.checkpoint.size",
-            unit="By",
-            description="Bytes of tensor data in each committed checkpoint",
-            explicit_bucket_boundaries_advisory=SIZE_BUCKETS,
-        )
-        self._observed = _observed_by(meter)  # reported from `bind` until `end`
+        self._in = _instruments_of(meter)  # its checkpoint gauges report this object from `bind` until `end`
 
     def bind(self, *, job: str, attempt: str, rank: int, now_us: Callable[[], int]) -> None:
         """Label every point with the job, rank (and attempt) and read the checkpoint age from `now_us`."""
         self._job = {**self._points, "ettr.job": job, "ettr.rank": rank}
         self._attempt = {**self._job, "ettr.attempt": attempt}
         self._now_us = now_us
-        self._observed.add(self)
+        self._in.live.add(self)
 
     @property
     def recorded(self) -> bool:
@@ -204,53 +143,55 @@ class GoodputMetrics:
 
     def add_attempt_seconds(self, category: str, seconds: float) -> None:
         """Count `seconds` more of this attempt's wall time in `category`."""
-        self._record(self._attempt_time, seconds, {**self._attempt, "ettr.category": category})
+        self._record(self._in.attempt_time, seconds, {**self._attempt, "ettr.category": category})
 
     def set_job_seconds(self, seconds: dict[str, float]) -> None:
         """Set the job's total seconds per category."""
         for category, value in seconds.items():
-            self._record(self._job_time, value, {**self._job, "ettr.category": category})
+            self._record(self._in.job_time, value, {**self._job, "ettr.category": category})
 
     def set_checkpoint_seconds(self, seconds: dict[str, float]) -> None:
         """Set the job's checkpoint seconds per part (attribute ettr.part): "stall", "previous_wait" and
         "overlap_wait" sum to checkpoint_save's badput; "background_write" overlaps training."""
         for part, value in seconds.items():
-            self._record(self._checkpoint_time, value, {**self._job, "ettr.part": part})
+            self._record(self._in.checkpoint_time, value, {**self._job, "ettr.part": part})
 
     def set_ettr(self, cumulative: float, windowed: float, window_s: float) -> None:
         """Set the ETTR gauges (attribute ettr.window = "cumulative" or "<seconds>s", the seconds exact: "3600s",
         "2592000s"; `:g` made a 30-day window "2.592e+06s" and 1000001 s "1e+06s", another window's label)."""
-        self._record(self._ratio, cumulative, {**self._job, "ettr.window": "cumulative"})
-        self._record(self._ratio, windowed, {**self._job, "ettr.window": f"{str(float(window_s)).removesuffix('.0')}s"})
+        self._record(self._in.ratio, cumulative, {**self._job, "ettr.window": "cumulative"})
+        self._record(
+            self._in.ratio, windowed, {**self._job, "ettr.window": f"{str(float(window_s)).removesuffix('.0')}s"}
+        )
 
     def set_failures(self, count: int) -> None:
         """Set the number of failed attempts of the job (each is one restart)."""
-        self._record(self._failures, count, self._job)
+        self._record(self._in.failures, count, self._job)
 
     def replayed(self, steps: int, diverged: int, first_divergence: int | None = None) -> None:
         """Count `steps` more steps trained again after the resume, `diverged` of them unlike their first pass, the
         first of those `first_divergence` (ettr.replay; the tracker gives it once per attempt)."""
         self._recorded = True
         if steps:
-            self._record(self._replayed, steps, self._attempt)
+            self._record(self._in.replayed, steps, self._attempt)
         if diverged:
-            self._record(self._diverged, diverged, self._attempt)
+            self._record(self._in.diverged, diverged, self._attempt)
         if first_divergence is not None:
-            self._record(self._first_divergence, first_divergence, self._attempt)
+            self._record(self._in.first_divergence, first_divergence, self._attempt)
 
     def set_step_window(self, first_step: int, steps: int, busy_us: int, wait_us: int) -> None:
         """Set this rank's last complete window of steps (`first_step` on, `steps` of them run): its busy and
         collective-wait seconds (attribute ettr.part = "busy", "collective_wait")."""
-        self._record(self._window_time, busy_us / 1e6, {**self._job, "ettr.part": "busy"})
-        self._record(self._window_time, wait_us / 1e6, {**self._job, "ettr.part": "collective_wait"})
-        self._record(self._window_first, first_step, self._job)
-        self._record(self._window_steps, steps, self._job)
+        self._record(self._in.window_time, busy_us / 1e6, {**self._job, "ettr.part": "busy"})
+        self._record(self._in.window_time, wait_us / 1e6, {**self._job, "ettr.part": "collective_wait"})
+        self._record(self._in.window_first, first_step, self._job)
+        self._record(self._in.window_steps, steps, self._job)
 
     def record_duration(self, category: str, seconds: float) -> None:
         """Record one duration of `category` (DURATIONS): a save() call, a part of a save (its wait for the previous
         one, an optimizer step's wait for an overlapped snapshot), a restore, or a background write."""
         self._recorded = True
-        self._durations[category].record(seconds, self._attempt)
+        self._in.durations[category].record(seconds, self._attempt)
 
     def committed(
         self,
@@ -268,9 +209,9 @@ class GoodputMetrics:
         attrs = {**self._attempt, "ettr.tier": tier} if tier else self._attempt
         self._recorded = self._recorded or background_seconds is not None or nbytes is not None
         if background_seconds is not None:
-            self._durations["checkpoint_write"].record(background_seconds, attrs)
+            self._in.durations["checkpoint_write"].record(background_seconds, attrs)
         if nbytes is not None:
-            self._size.record(nbytes, attrs)
+            self._in.size.record(nbytes, attrs)
 
     @property
     def last_commit(self) -> tuple[int, int] | None:
@@ -279,7 +220,7 @@ class GoodputMetrics:
 
     def end(self) -> None:
         """Stop reporting the checkpoint gauges (the tracker ended: an age that grows on would page someone)."""
-        self._observed.discard(self)
+        self._in.live.discard(self)
 
     def _last_step(self) -> list[metrics.Observation]:
         last = self._last_commit
@@ -314,17 +255,17 @@ class _Live:
             return [o for m in self._metrics for o in read(m)]
 
 
-# id(meter) -> (the meter, its live metrics); weakly: a strong reference kept every provider ever made (its
-# instruments, storage and readers, 50 KB each) after its shutdown, for the life of the process
-_OBSERVED: dict[int, tuple[weakref.ref[metrics.Meter], _Live]] = {}
+# meter -> its instruments, weakly: a strong reference kept every provider ever made (its instruments, storage and
+# readers, 50 KB each) after its shutdown, for the life of the process
+_OBSERVED: weakref.WeakKeyDictionary[metrics.Meter, _Instruments] = weakref.WeakKeyDictionary()
 _OBSERVED_LOCK = threading.Lock()
 
 
 def _after_fork_in_child() -> None:
     """New locks for the live metrics in a forked child: a collection under way in the parent at the fork holds one in
     the child's copy for good, and the tracker's own fork hook (which ends its metrics there) would wait on it."""
-    for _, live in _OBSERVED.values():
-        live._lock = threading.Lock()
+    for instruments in _OBSERVED.values():
+        instruments.live._lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -355,35 +296,101 @@ def _backing(meter: metrics.Meter) -> metrics.Meter:
     return getattr(meter, "_real_meter", None) or meter
 
 
-def _observed_by(meter: metrics.Meter) -> _Live:
-    """The live metrics whose checkpoint gauges `meter` reports. Its observable gauges are made once per meter
-    that records (a proxy of the global provider and the SDK meter behind it are one): the SDK keeps a name's first
-    registration and drops later callbacks, so a second tracker in one process (an integration's next train())
-    exported the first one's step and age, and kept it alive; now each collection reads every live (not ended, not
-    collected) metrics object of the meter."""
+class _Instruments:
+    """The instruments of one meter, made once for every GoodputMetrics of it: a proxy meter (no SDK provider set yet,
+    as in a process that never configures one) keeps each instrument made on it for the life of the process, so a
+    set per GoodputMetrics grew it by 17 instruments per tracker. Its checkpoint gauges report `live`."""
+
+    def __init__(self, meter: metrics.Meter) -> None:
+        self.attempt_time = meter.create_counter(
+            "ettr.attempt.time",
+            unit="s",
+            description="Wall time of this process attempt per goodput category, from 0 at its start",
+        )
+        self.job_time = meter.create_gauge(
+            "ettr.job.time",
+            unit="s",
+            description="Wall time of the whole job per goodput category, earlier attempts included",
+        )
+        self.ratio = meter.create_gauge(
+            "ettr.ratio", unit="1", description="Effective training time ratio, cumulative and over a sliding window"
+        )
+        self.checkpoint_time = meter.create_gauge(
+            "ettr.job.checkpoint_time",
+            unit="s",
+            description="Checkpoint time of the whole job by part: the badput of saves (stall, previous_wait, "
+            "overlap_wait) and the background write beside it",
+        )
+        self.failures = meter.create_gauge(
+            "ettr.job.failures", unit="{failure}", description="Attempts of the job that ended in a failure so far"
+        )
+        self.replayed = meter.create_counter(
+            "ettr.replay.steps",
+            unit="{step}",
+            description="Steps this attempt trained a second time after its resume, compared with their first pass",
+        )
+        self.diverged = meter.create_counter(
+            "ettr.replay.divergences",
+            unit="{step}",
+            description="Steps trained a second time whose loss, batch hash or scalars differ from their first pass",
+        )
+        self.first_divergence = meter.create_gauge(
+            "ettr.replay.first_divergence",
+            unit="{step}",
+            description="The first step of this attempt whose second pass differs from its first",
+        )
+        self.window_time = meter.create_gauge(
+            "ettr.step_window.time",
+            unit="s",
+            description="This rank's time in its last complete window of steps by part: busy (its steps less its "
+            "collective waits; the slowest rank has the most) and collective_wait (waiting for the other ranks)",
+        )
+        self.window_first = meter.create_gauge(
+            "ettr.step_window.first_step", unit="{step}", description="First step of that window"
+        )
+        self.window_steps = meter.create_gauge(
+            "ettr.step_window.steps", unit="{step}", description="Steps this rank ran in that window"
+        )
+        self.durations = {
+            cat: meter.create_histogram(
+                f"ettr.{cat}.duration", unit="s", description=text, explicit_bucket_boundaries_advisory=DURATION_BUCKETS
+            )
+            for cat, text in DURATIONS.items()
+        }
+        self.size = meter.create_histogram(
+            "ettr.checkpoint.size",
+            unit="By",
+            description="Bytes of tensor data in each committed checkpoint",
+            explicit_bucket_boundaries_advisory=SIZE_BUCKETS,
+        )
+        self.live = _Live()
+        meter.create_observable_gauge(
+            "ettr.checkpoint.last_step",
+            unit="{step}",
+            callbacks=[lambda options: self.live.observe(GoodputMetrics._last_step)],
+            description="Newest committed checkpoint step of the job",
+        )
+        meter.create_observable_gauge(
+            "ettr.checkpoint.age",
+            unit="s",
+            callbacks=[lambda options: self.live.observe(GoodputMetrics._age)],
+            description="Seconds since the newest committed checkpoint was committed, as of the collection",
+        )
+
+
+def _instruments_of(meter: metrics.Meter) -> _Instruments:
+    """The instruments of `meter`, made once per meter that records (a proxy of the global provider and the SDK meter
+    behind it are one): the SDK keeps a name's first registration and drops later callbacks, so a second tracker in
+    one process (an integration's next train()) exported the first one's step and age, and kept it alive; now each
+    collection reads every live (not ended, not collected) metrics object of the meter."""
     with _OBSERVED_LOCK:
-        for key in [key for key, (ref, _) in _OBSERVED.items() if ref() is None]:
-            del _OBSERVED[key]  # a meter gone with its provider: its id may be a new meter's now
-        found = _OBSERVED.get(id(meter))
+        found = _OBSERVED.get(meter)
         if found is None:
             backing = _backing(meter)
-            found = next((f for f in _OBSERVED.values() if (m := f[0]()) is not None and _backing(m) is backing), None)
+            found = next((f for m, f in _OBSERVED.items() if _backing(m) is backing), None)
         if found is None:
-            live = _Live()
-            meter.create_observable_gauge(
-                "ettr.checkpoint.last_step",
-                unit="{step}",
-                callbacks=[lambda options: live.observe(GoodputMetrics._last_step)],
-                description="Newest committed checkpoint step of the job",
-            )
-            meter.create_observable_gauge(
-                "ettr.checkpoint.age",
-                unit="s",
-                callbacks=[lambda options: live.observe(GoodputMetrics._age)],
-                description="Seconds since the newest committed checkpoint was committed, as of the collection",
-            )
-            found = _OBSERVED[id(meter)] = (weakref.ref(meter), live)
-        return found[1]
+            found = _OBSERVED[meter] = _Instruments(meter)
+        return found
 
 
 def identity_attributes(resource: Resource) -> dict[str, Any]:

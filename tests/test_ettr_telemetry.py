@@ -901,7 +901,7 @@ def test_a_fork_during_a_collection_does_not_hang_the_child(tmp_path):
     tr = GoodputTracker(str(tmp_path), job_id=JOB, attempt_id="a1", rank=0, clock=FakeClock(1000.0))
     provider, _ = configure_metrics("memory", tracker=tr, set_global=False)
     tr.start()
-    live = tr.metrics._observed
+    live = tr.metrics._in.live
     with live._lock:  # as a collection holds it
         pid = os.fork()
         if pid == 0:  # the child: the fork hooks ran; its metrics report nothing now
@@ -935,3 +935,37 @@ def test_a_provider_and_its_reader_are_freed_once_dropped(tmp_path):
         del tr, provider, reader
     gc.collect()
     assert [r() for r in readers] == [None, None, None]
+
+
+_MANY_TRACKERS_CHILD = r"""
+import gc, sys
+from opentelemetry import metrics
+from ettr import FakeClock, GoodputTracker
+
+def instruments():
+    gc.collect()
+    return sum(isinstance(o, metrics.Instrument) for o in gc.get_objects())
+
+counts = []
+for i in range(12):  # no metrics=, no provider set: the global proxy meter's, as in a process that configures none
+    GoodputTracker(sys.argv[1], job_id="job-7", attempt_id=f"a{i}", clock=FakeClock(1000.0)).start().end()
+    counts.append(instruments())
+print(counts[1], counts[-1])
+"""
+
+
+def test_trackers_made_one_after_another_without_a_provider_add_no_instruments(tmp_path):
+    """The global proxy meter keeps every instrument made on it for the life of the process (to hand each the SDK's
+    once a provider is set), and each tracker made its 17 again: a process making trackers one after another (an
+    integration's next train(), a sweep) grew by 17 instruments per tracker. They are made once per meter."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__))])}
+    out = subprocess.run(
+        [sys.executable, "-c", _MANY_TRACKERS_CHILD, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    second, last = map(int, out.stdout.split())
+    assert last == second, f"{last - second} instruments more after 10 more trackers"
