@@ -186,7 +186,25 @@ def _json_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
             ) from None
         if deeper_than(out[key], MAX_DEPTH - 1):
             raise TypeError(f"metadata[{key!r}] is nested deeper than {MAX_DEPTH} levels")
+        _check_keys(value, f"metadata[{key!r}]")
     return out
+
+
+def _check_keys(value: Any, where: str) -> None:
+    """TypeError naming its path unless every dict in metadata `value` (JSON-able, so no cycles) has str keys: JSON
+    writes 1, True or None as "1", "true", "null", so the key came back as another and a twin's value was lost."""
+    stack = [(value, where)]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, Mapping):
+            for k, x in v.items():
+                if not isinstance(k, str):
+                    raise TypeError(
+                        f"{path} has a key {k!r} ({type(k).__name__}): metadata keys must be str (JSON object keys)"
+                    )
+                stack.append((x, f"{path}[{k!r}]"))
+        elif isinstance(v, (list, tuple)):
+            stack.extend((x, f"{path}[{i}]") for i, x in enumerate(v))
 
 
 class SaveJob:

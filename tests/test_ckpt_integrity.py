@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -749,6 +750,16 @@ def test_metadata_that_is_no_dict_of_str_keys_is_refused_at_save_naming_what_it_
             m.save(1, {"w": torch.zeros(2)}, metadata=[0.5, 0.4])
         with pytest.raises(TypeError, match=r"metadata keys must be str.*got 1 \(int\)"):
             m.save(1, {"w": torch.zeros(2)}, metadata={1: 0.5})
+        assert m.steps() == []
+
+
+def test_metadata_with_a_nested_key_that_is_no_str_is_refused_at_save_naming_its_path(tmp_path):
+    """metadata={"per_class": {1: 0.9, "1": 0.8}} committed as {"per_class": {"1": 0.8}}: JSON writes a nested int,
+    bool, None or float key as a str, so the key came back as another one and a twin's value was silently lost."""
+    with ckpt.CheckpointManager(tmp_path) as m:
+        for value, shown in (({1: 0.9, "1": 0.8}, "1 (int)"), ([{"a": {None: 1}}], "None (NoneType)")):
+            with pytest.raises(TypeError, match=rf"metadata\['acc'\].* has a key {re.escape(shown)}"):
+                m.save(1, {"w": torch.zeros(2)}, metadata={"acc": value})
         assert m.steps() == []
 
 
