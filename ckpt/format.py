@@ -106,10 +106,14 @@ def numpy_dtype(name: str) -> np.dtype:
 
 @functools.lru_cache(maxsize=1 << 16)  # the same keys come back every save; this is on the stall path
 def escape_segment(key: str | int) -> str:
-    """A dict key as one path segment: percent-escapes anything unsafe, never '.', '..' or empty."""
+    """A dict key as one path segment: percent-escapes anything unsafe, never '.', '..' or empty. A lone surrogate
+    (os.fsdecode's of a file name's non-UTF-8 bytes) escapes as its own 3 bytes, which no other character encodes to."""
     s = str(key)
     out = "".join(
-        c if (c.isascii() and (c.isalnum() or c in "_.+=@,~-")) else "".join(f"%{b:02X}" for b in c.encode()) for c in s
+        c
+        if (c.isascii() and (c.isalnum() or c in "_.+=@,~-"))
+        else "".join(f"%{b:02X}" for b in c.encode("utf-8", "surrogatepass"))
+        for c in s
     )
     if not out or out.startswith("."):
         out = "%2E" + out[1:] if out else "%00"

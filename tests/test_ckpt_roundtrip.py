@@ -669,6 +669,8 @@ def _key_state():
         "str_int": {"1": {"c": {"0": t(2, 2, v=8)}}, 1: t(2, 2, v=9)},
         "nul": {"": t(3, 1, v=10), "\x00": {"c": {"0": {"0": t(4, v=11)}}}},
         "case": {"W": t(2, v=12), "w": t(3, v=13), "Layer": {"x": t(1, v=14)}, "layer": {"x": t(1, v=15)}},
+        # file names os.fsdecode gives for bytes that are not UTF-8: the save failed with a UnicodeEncodeError
+        "undecodable": {os.fsdecode(b"\xff"): t(2, v=16), os.fsdecode(b"a\xed\xa0\x80"): t(1, v=17), "\ud800": t(1)},
     }
 
 
