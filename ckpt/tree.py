@@ -200,7 +200,7 @@ def check_tree(tree: dict[str, Any], arrays: Mapping[str, ArrayInfo], *, file: s
             "$ndarray": lambda: isinstance(v, str) and v in arrays,
             "$float": lambda: v in ("nan", "inf", "-inf"),
             "$tuple": lambda: isinstance(v, list),
-            "$size": lambda: isinstance(v, list) and all(type(n) is int and n >= 0 for n in v),
+            "$size": lambda: isinstance(v, list) and all(type(n) is int and 0 <= n < 1 << 63 for n in v),  # int64
             "$dict": lambda: _pairs(v),
             "$odict": lambda: _pairs(v),
             "$bytes": lambda: isinstance(v, str) and _b64(v) is not None,

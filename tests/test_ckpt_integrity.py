@@ -423,6 +423,7 @@ _CRAFTED = {
     "unknown_tag": _set(["tree", "n"], {"$pickle": "x"}),
     "bad_float": _set(["tree", "n"], {"$float": "1e999"}),
     "bad_bytes": _set(["tree", "n"], {"$bytes": "%%%"}),
+    "size_past_int64": _set(["tree", "n"], {"$size": [1 << 64]}),  # was a bare "Overflow when unpacking long long"
     "bad_np": _set(["tree", "n"], {"$np": "O", "v": 1}),
     "np_void": _set(["tree", "n"], {"$np": "V1000000000", "v": 1}),
     "np_no_such_dtype": _set(["tree", "n"], {"$np": "<f3", "v": 1.0}),
