@@ -240,7 +240,8 @@ def check_top_level_key(k: Any) -> None:
 
 
 def _check_dense(t: torch.Tensor, key: str) -> None:
-    """Only dense tensors with data have an on-disk form; say which key holds one that has not."""
+    """Only dense tensors with data have an on-disk form; say which key holds one that has not. A subclass that wraps
+    other tensors (``__tensor_flatten__``: torchao's NF4 or float8 weights) has none of its own; DTensor is saved."""
     what = (
         "a nested tensor"
         if t.is_nested
@@ -248,12 +249,14 @@ def _check_dense(t: torch.Tensor, key: str) -> None:
         if t.layout != torch.strided
         else "a meta tensor (it has no data)"
         if t.is_meta
+        else f"a {type(t).__qualname__}, a tensor subclass that wraps other tensors (no data of its own)"
+        if hasattr(t, "__tensor_flatten__") and not is_dtensor(t)
         else None
     )
     if what:
         raise TypeError(
             f"tensor at key {key!r} is {what}: only dense tensors with data can be saved "
-            f"(convert it first, e.g. with .to_dense() or .unbind())"
+            f"(convert it first, e.g. with .to_dense(), .unbind() or .dequantize(), or save the tensors it wraps)"
         )
 
 
