@@ -150,6 +150,11 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
         if isinstance(x, np.ndarray):
             if x.dtype == object:
                 raise TypeError(f"numpy array at key {key!r} has dtype object, which cannot be saved without pickle")
+            if isinstance(x, np.ma.MaskedArray):  # else saved as its data: the masked-out values would read as real
+                raise TypeError(
+                    f"numpy array at key {key!r} is a masked array: its mask would be lost; save its .data and "
+                    f"np.ma.getmaskarray() as two arrays"
+                )
             try:  # np.require keeps a 0-d array 0-d (np.ascontiguousarray makes it 1-d)
                 as_tensor = torch.from_numpy(np.require(x, requirements="C"))
             except (TypeError, ValueError) as e:  # big-endian, strings, datetimes: torch's message names no key
@@ -308,7 +313,7 @@ def _np_exact(dtype: np.dtype) -> bool:
 
 def encodable(x: Any) -> bool:
     """True for a leaf value the tree has an exact form for: None, bool, int, float, str, bytes, a torch dtype or
-    Size, a tensor, a numpy array (not of objects), a numpy scalar of a portable dtype.
+    Size, a tensor, a numpy array (not of objects, not masked), a numpy scalar of a portable dtype.
 
     Containers (list, tuple, dict) and Stateful objects are encoded through what they hold; `flatten` still checks a
     tensor's content (dense, with data, a dtype with an on-disk form) and raises naming the key.
@@ -316,7 +321,7 @@ def encodable(x: Any) -> bool:
     if isinstance(x, np.generic):
         return _np_exact(x.dtype)
     if isinstance(x, np.ndarray):
-        return x.dtype != object
+        return x.dtype != object and not isinstance(x, np.ma.MaskedArray)
     return x is None or isinstance(x, (bool, int, float, str, bytes, torch.dtype, torch.Size, torch.Tensor))
 
 

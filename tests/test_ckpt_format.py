@@ -166,7 +166,8 @@ def test_encodable_says_which_leaves_have_an_exact_form():
         np.str_("x"),
     ):
         assert encodable(leaf), leaf
-    for leaf in (object(), np.array([object()]), np.longdouble(1), np.datetime64("2020-01-01"), [1], {"a": 1}):
+    masked = np.ma.masked_array([1.0], mask=[True])
+    for leaf in (object(), np.array([object()]), masked, np.longdouble(1), np.datetime64("2020-01-01"), [1], {"a": 1}):
         assert not encodable(leaf), leaf
 
 

@@ -701,6 +701,8 @@ def test_exact_types_round_trip(tmp_path):
         (torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]), "nested"),
         # a tensor subclass wrapping others (torchao's NF4 and float8 weights): a bare RuntimeError naming no key
         (TwoTensor(torch.zeros(2), torch.ones(2)), "a TwoTensor, .*wraps other tensors"),
+        # saved as its data alone: it came back an ndarray, its mask lost and the masked-out values as real ones
+        (np.ma.masked_array([1.0, -1.0], mask=[False, True]), "masked array.*mask would be lost"),
         (torch.zeros([2] + [1] * 32), "33 dimensions: a checkpoint holds at most 32"),
         (np.zeros([1] * 40), "40 dimensions"),
     ],
