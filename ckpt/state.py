@@ -79,8 +79,9 @@ def is_per_rank(x: Any) -> bool:
 
 
 def is_stateful(x: Any) -> bool:
-    """True for objects to be saved through their state_dict (not for plain dicts)."""
-    return not isinstance(x, (dict, torch.Tensor)) and isinstance(x, Stateful)
+    """True for objects to be saved through their state_dict (not for plain dicts, nor for a class, whose
+    state_dict is a function wanting an object)."""
+    return not isinstance(x, (dict, torch.Tensor, type)) and isinstance(x, Stateful)
 
 
 @dataclass
@@ -207,8 +208,9 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
             if getattr(x, "same_on_every_rank", False):
                 flat.agreed[key] = node
             return node
+        what = f"is the class {_name(x)}" if isinstance(x, type) else f"has type {_name(type(x))}"
         raise TypeError(
-            f"value at key {key!r} has type {type(x).__module__}.{type(x).__qualname__}, which cannot be "
+            f"value at key {key!r} {what}, which cannot be "
             f"saved: use tensors, JSON values (None/bool/int/float/str/list/tuple/dict), numpy arrays, "
             f"or an object with state_dict()/load_state_dict()"
         )
@@ -223,6 +225,11 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
             tree[k] = enc(v, [seg], k)
     flat.tree = tree
     return flat
+
+
+def _name(cls: type) -> str:
+    """A class's full name, as an error names it (``torch.nn.modules.linear.Linear``)."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def save_skeleton(flat: Flat) -> list[str]:

@@ -703,6 +703,8 @@ def test_exact_types_round_trip(tmp_path):
         (TwoTensor(torch.zeros(2), torch.ones(2)), "a TwoTensor, .*wraps other tensors"),
         # saved as its data alone: it came back an ndarray, its mask lost and the masked-out values as real ones
         (np.ma.masked_array([1.0, -1.0], mask=[False, True]), "masked array.*mask would be lost"),
+        # a class where its object was meant: "Module.state_dict() missing 1 required positional argument: 'self'"
+        (torch.nn.Linear, "is the class torch.nn.modules.linear.Linear"),
         (torch.zeros([2] + [1] * 32), "33 dimensions: a checkpoint holds at most 32"),
         (np.zeros([1] * 40), "40 dimensions"),
     ],
