@@ -93,7 +93,9 @@ class Planner:
         }
         params = [chunk_bytes, pack_bytes, every_holder, ranks.world_size, ranks.rank]
         key = hashlib.blake2b(json.dumps([params, described]).encode(), digest_size=16).hexdigest()
-        shape = None if skeleton is None else hashlib.blake2b("\n".join(skeleton).encode(), digest_size=16).hexdigest()
+        # a key may hold a lone surrogate (os.fsdecode's of non-UTF-8 bytes), which plain UTF-8 cannot encode
+        text = None if skeleton is None else "\n".join(skeleton).encode("utf-8", "surrogatepass")
+        shape = None if text is None else hashlib.blake2b(text, digest_size=16).hexdigest()
         told = ranks.all_gather_json([[step, persist, shape], failure, failure is None and key == self._key])
         _check_opening(step, told)
         if len({opening[2] for opening, _, _ in told}) > 1:  # every rank sees it: each takes part in naming the keys

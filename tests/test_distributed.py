@@ -111,6 +111,14 @@ def test_a_plan_is_agreed_once_and_again_only_when_the_states_structure_changes(
     assert all(f"restored 5: mismatched [], extra {list(map(float, range(12)))}" in r.stdout for r in results), results
 
 
+def test_a_key_that_is_no_utf8_saves_and_restores_at_2_ranks(tmp_path):
+    """A key holding a lone surrogate (os.fsdecode's of a file name's bytes that are not UTF-8): the digest of the
+    state's structure the ranks compare failed with a UnicodeEncodeError on every rank."""
+    results = run_ranks(2, "odd_keys", str(tmp_path / "ck"))
+    _ok(results)
+    assert all("restored 1: [1.0, 1.0] 3" in r.stdout for r in results), [r.stdout[-2000:] for r in results]
+
+
 def test_a_closed_manager_gives_its_process_groups_back(tmp_path):
     """Each manager talks through gloo groups of its own (a second one for a local tier's persists): `close`
     destroys them, so an evaluation sweep that opens a manager per checkpoint does not run out of file descriptors

@@ -414,6 +414,14 @@ def main(mode: str, root: str) -> None:
             after = flat_reference(model, opt)
             print(f"rank {rank} failed step 2, changed {[k for k in before if not torch.equal(before[k], after[k])]}")
             restore_and_compare(m, model, opt, os.path.join(root, "..", "reference1.pt"))
+    elif mode == "odd_keys":
+        # a key os.fsdecode gives for a file name's non-UTF-8 bytes, as a data loader's per-file state may hold
+        name = os.fsdecode(b"\xff")
+        with ckpt.CheckpointManager(root, collective_timeout=20) as m:
+            m.save(1, {"files": {name: torch.ones(2), "n": 3}}).wait()
+            target = {"files": {name: torch.zeros(2), "n": 0}}
+            step = m.restore(target)
+        print(f"restored {step}: {target['files'][name].tolist()} {target['files']['n']}", flush=True)
     elif mode in ("save", "kill"):
         g = torch.Generator().manual_seed(1)
         for _ in range(2):
