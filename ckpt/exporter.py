@@ -354,8 +354,17 @@ def bands(info: ArrayInfo) -> Iterator[tuple[tuple[int, int], ...]]:
 
 
 def _check_names(t: ExportTensor, step: int) -> None:
-    """ValueError for a name a safetensors file cannot give `t`: its header's own ``__metadata__``, or, for a tie
-    (recorded in that metadata), the entries ``format`` and `TIES_MARK`, which hold the file's own values."""
+    """ValueError for a name a safetensors file cannot give `t`: its header's own ``__metadata__``, a name with a lone
+    surrogate (the header is UTF-8 JSON), or, for a tie (recorded in that metadata), the entries ``format`` and
+    `TIES_MARK`, which hold the file's own values."""
+    for name in (t.name, *t.aliases):
+        try:
+            name.encode()
+        except UnicodeEncodeError:
+            raise ValueError(
+                f"tensor {name!r} of step {step}: its name holds a lone surrogate (os.fsdecode's of bytes that are "
+                f"not UTF-8), which a safetensors header (UTF-8 JSON) cannot hold; export it with --format torch"
+            ) from None
     if t.name == "__metadata__":
         raise ValueError(
             f"tensor '__metadata__' of step {step}: safetensors names its header's metadata so, and no tensor can "

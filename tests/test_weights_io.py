@@ -799,8 +799,11 @@ def test_import_of_shards_without_their_index_refuses_a_missing_shard(tmp_path):
         ({"__metadata__": torch.ones(2)}, "tensor '__metadata__' of step 1: safetensors names its header's metadata"),
         ({"a": torch.ones(2), "format": "a"}, "'format' of step 1 is tied to 'a'"),
         ({"a": torch.ones(2), "ckpt.ties": "a"}, "'ckpt.ties' of step 1 is tied to 'a'"),
+        # os.fsdecode's name for non-UTF-8 bytes: written into a header that safetensors refused to open
+        ({os.fsdecode(b"\xff"): torch.ones(2)}, "tensor '\\udcff' of step 1: its name holds a lone surrogate"),
+        ({"a": torch.ones(2), os.fsdecode(b"\xff"): "a"}, "tensor '\\udcff' of step 1: its name holds a lone"),
     ],
-    ids=["__metadata__", "format", "ckpt.ties"],
+    ids=["__metadata__", "format", "ckpt.ties", "surrogate", "surrogate_tie"],
 )
 def test_export_safetensors_refuses_a_name_the_file_format_takes_and_writes_nothing(tmp_path, capsys, model, message):
     """A tensor named __metadata__ was written as the header entry of that name (a file no reader opens, exit 0); a
