@@ -204,7 +204,12 @@ def flatten(state: Mapping[str, Any], *, rank: int = 0) -> Flat:
                 return dict(items)
             return {"$dict": [[k, v] for k, v in items]}
         if is_stateful(x):
-            node = {"$state": type(x).__qualname__, "v": enc(x.state_dict(), path, key, depth + 1)}
+            try:
+                own = x.state_dict()
+            except Exception as e:  # the object's own error, kept; with a note of where it is in the state
+                e.add_note(f"raised by state_dict() of the {type(x).__name__} at key {key!r} of the state")
+                raise
+            node = {"$state": type(x).__qualname__, "v": enc(own, path, key, depth + 1)}
             if getattr(x, "same_on_every_rank", False):
                 flat.agreed[key] = node
             return node

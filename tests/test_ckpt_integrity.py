@@ -716,6 +716,23 @@ def test_unsupported_values_fail_at_save_naming_the_key(tmp_path, value, what):
     assert ckpt.CheckpointManager(tmp_path).steps() == []
 
 
+def test_an_error_raised_by_a_state_dict_names_the_key_of_its_object(tmp_path):
+    """An object whose state_dict() raised (a sampler without its dataset) failed the save with its own error alone
+    (ZeroDivisionError: division by zero), naming no key: with several such objects the user could not tell which."""
+
+    class Broken:
+        def state_dict(self):
+            return {"n": 1 / 0}
+
+        def load_state_dict(self, state):
+            pass
+
+    with ckpt.CheckpointManager(tmp_path) as m, pytest.raises(ZeroDivisionError) as info:
+        m.save(1, {"data": {"train": Broken()}})
+    assert "state_dict() of the Broken at key 'data.train'" in "".join(getattr(info.value, "__notes__", [])), info
+    assert ckpt.CheckpointManager(tmp_path).steps() == []
+
+
 def test_metadata_takes_scalar_tensors_and_numpy_scalars(tmp_path):
     loss = torch.tensor(0.25)
     with ckpt.CheckpointManager(tmp_path, keep_best=1, best_metric="loss") as m:
