@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +67,38 @@ def test_quick_demo_with_two_tiers_restores_locally_then_from_durable_after_a_no
     assert "the same chaos at the same durable interval (10 steps):" in out
     assert re.search(r"one tier, every 10 steps +ETTR [\d.]+ +lost", out)
     assert out.rstrip().endswith("deterministic: yes")
+
+
+def processes_naming(text: str) -> list[int]:
+    """The ids of the live processes whose command line contains `text`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text.encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:  # it ended meanwhile
+            pass
+    return pids
+
+
+def test_a_demo_stopped_by_sigterm_stops_its_torchrun_and_worker_first(tmp_path):
+    """SIGTERM to the demo while a run trains (a scheduler, `kill`, `timeout`): torchrun and its worker end before the
+    demo exits, rather than train on, orphaned, into the run directory."""
+    run_dir = tmp_path / "demo"
+    argv = ["--quick", f"--run-dir={run_dir}", "--steps=1000000", "--log-every=1000000"]
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "examples.lm_demo", *argv], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        for line in demo.stdout:
+            if "[reference attempt 1] fresh start" in line:  # the worker trains
+                break
+        demo.send_signal(signal.SIGTERM)
+        code = demo.wait(timeout=120)
+        survivors = processes_naming(str(run_dir))
+        assert not survivors, f"still running after the demo exited: {survivors}"
+        assert code == 128 + signal.SIGTERM  # the status of a shell's command that SIGTERM ended
+    finally:
+        demo.kill()
+        for pid in processes_naming(str(run_dir)):
+            os.kill(pid, signal.SIGKILL)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -51,6 +52,23 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         )
 
 
+def _call(cmd: list[str]) -> int:
+    """Run `cmd` to its end; if this process is stopped meanwhile (Ctrl-C, SIGTERM), stop it first (torchrun then
+    stops its workers), so no run trains on, orphaned, into the run directory."""
+    with subprocess.Popen(cmd) as child:
+        try:
+            return child.wait()
+        except BaseException:
+            child.terminate()
+            child.wait()
+            raise
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM ends the demo as an exception (status 143), so a run in progress is stopped on the way out."""
+    sys.exit(128 + signum)
+
+
 def torchrun(
     args: argparse.Namespace, name: str, corpus: Path, kills: int, *, every: int | None = None, tiers: bool = False
 ) -> Path:
@@ -82,7 +100,7 @@ def torchrun(
     ]
     print(f"\n$ torchrun {' '.join(cmd[3:])}", flush=True)
     t0 = time.monotonic()
-    code = subprocess.call(cmd)
+    code = _call(cmd)
     if code:
         sys.exit(f"{name} run failed: torchrun exited with status {code}")
     print(f"{name} run finished in {time.monotonic() - t0:.1f} s", flush=True)
@@ -100,6 +118,7 @@ def _summary(label: str, attribution: ettr.Attribution) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Corpus, reference run, chaos run(s), report, timeline PNG, determinism verdict."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parser = _parser()
     if "--quick" in (argv if argv is not None else sys.argv[1:]):
         parser.set_defaults(**QUICK, chaos=1, corpus_mb=0.25)
