@@ -12,18 +12,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_demo(*argv: str) -> str:
-    """`python -m examples.lm_demo ARGV`; its stdout, once it exited 0."""
+def run_demo(*argv: str, tmpdir: Path | None = None) -> str:
+    """`python -m examples.lm_demo ARGV` (with TMPDIR=`tmpdir` if given); its stdout, once it exited 0."""
+    env = {**os.environ, "TMPDIR": str(tmpdir)} if tmpdir else None
     proc = subprocess.run(
-        [sys.executable, "-m", "examples.lm_demo", *argv], cwd=REPO, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "examples.lm_demo", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
 
 def test_quick_demo_crashes_resumes_and_proves_determinism(tmp_path):
-    run_dir = tmp_path / "demo"
-    out = run_demo("--quick", f"--run-dir={run_dir}")
+    run_dir, tmp = tmp_path / "demo", tmp_path / "tmp"
+    tmp.mkdir()
+    out = run_demo("--quick", f"--run-dir={run_dir}", tmpdir=tmp)
+    left = [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")]  # but torch's shared cache
+    assert not left, f"the demo left {left} in its TMPDIR"
     assert "chaos: SIGKILL during the background write" in out
     assert "[chaos attempt 2] resumed from step" in out
     # the resume trained the steps after its checkpoint again, each bitwise equal to its first pass; the report agrees

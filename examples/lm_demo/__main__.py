@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -89,6 +90,7 @@ def torchrun(
         "--nproc-per-node=1",
         f"--max-restarts={kills}",
         "--monitor-interval=0.2",
+        f"--log-dir={os.devnull}",  # no per-run log folder: torchrun's default is a new temp dir it never removes
         "-m",
         "examples.lm_demo.worker",
         f"--root={root}",
