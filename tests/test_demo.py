@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from examples.lm_demo.__main__ import _check, _parser
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -111,3 +115,25 @@ def test_a_demo_stopped_by_sigterm_stops_its_torchrun_and_worker_first(tmp_path)
         demo.kill()
         for pid in processes_naming(str(run_dir)):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    "flag, said",
+    [
+        ("--chaos=-1", "argument --chaos: must be >= 0, got -1"),
+        ("--steps=0", "argument --steps: must be >= 1, got 0"),
+        ("--every=0", "argument --every: must be >= 1, got 0"),
+        ("--threads=0", "argument --threads: must be >= 1, got 0"),
+        ("--context=1", "argument --context: must be >= 2, got 1"),
+        ("--persist-every=0", "argument --persist-every: must be >= 1, got 0"),
+        ("--batch=x", "argument --batch: invalid int value: 'x'"),
+        ("--d-model=30", "--d-model must be a multiple of 4 (the attention heads), got 30"),
+        ("--corpus-mb=0", "--corpus-mb 0.0 holds fewer bytes than one window (--context + 1 = 65)"),
+    ],
+)
+def test_a_demo_flag_out_of_range_is_refused_naming_it_before_any_run(flag, said, capsys):
+    """Not seconds later as a worker's traceback under torchrun's, nor (--chaos=-1) as a complaint about --node-loss."""
+    parser = _parser()
+    with pytest.raises(SystemExit) as refused:
+        _check(parser, parser.parse_args([flag]))
+    assert refused.value.code == 2 and said in capsys.readouterr().err

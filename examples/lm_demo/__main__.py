@@ -18,15 +18,16 @@ from pathlib import Path
 
 import ettr
 
-from .config import QUICK, add_tier_args, add_training_args, training_argv
+from .config import QUICK, add_tier_args, add_training_args, at_least, training_argv
 from .corpus import write_corpus
+from .model import HEADS
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m examples.lm_demo", description=__doc__)
     parser.add_argument("--run-dir", type=Path, default=Path("runs/demo"), help="where corpus, checkpoints and PNG go")
     parser.add_argument(
-        "--chaos", type=int, default=3, help="SIGKILLs of the chaos run (torchrun restarts it each time)"
+        "--chaos", type=at_least(0), default=3, help="SIGKILLs of the chaos run (torchrun restarts it each time)"
     )
     parser.add_argument("--corpus-mb", type=float, default=4.0, help="megabytes of standard-library source to train on")
     parser.add_argument("--quick", action="store_true", help=f"a tiny run for tests: {QUICK}, 1 kill")
@@ -45,8 +46,12 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse flag combinations that would not do what they say."""
     if args.local is None and (args.compare or args.node_loss):
         parser.error("--compare and --node-loss need --local DIR (two tiers)")
-    if args.persist_every < 1:
-        parser.error(f"--persist-every must be >= 1, got {args.persist_every}")
+    if args.d_model % HEADS:
+        parser.error(f"--d-model must be a multiple of {HEADS} (the attention heads), got {args.d_model}")
+    if args.corpus_mb * 1e6 < args.context + 1:
+        parser.error(
+            f"--corpus-mb {args.corpus_mb} holds fewer bytes than one window (--context + 1 = {args.context + 1})"
+        )
     if not 0 <= args.node_loss <= args.chaos:
         parser.error(
             f"--node-loss must name one of the {args.chaos} SIGKILL(s) (1..{args.chaos}), got {args.node_loss}"

@@ -6,12 +6,13 @@ import torch
 from torch import nn
 
 VOCAB = 256
+HEADS = 4  # attention heads: the model width must be a multiple of it
 
 
 class TinyCausalLM(nn.Module):
     """Token + position embeddings, `layers` pre-norm transformer blocks with a causal mask, a byte head."""
 
-    def __init__(self, context: int, d_model: int, layers: int, heads: int = 4, dropout: float = 0.1) -> None:
+    def __init__(self, context: int, d_model: int, layers: int, heads: int = HEADS, dropout: float = 0.1) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, d_model)
         self.position = nn.Parameter(torch.zeros(context, d_model))
