@@ -75,7 +75,9 @@ if __name__ == "__main__":
     if cli.ranks > 1:
         launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cli.ranks}"]
     for fail_at in (10, 0):  # the first attempt fails after step 10 (checkpoint at 8), the restart finishes
-        subprocess.run([*launch, __file__, "--attempt", output_dir, str(fail_at)], capture_output=True, env=job)
+        done = subprocess.run([*launch, __file__, "--attempt", output_dir, str(fail_at)], capture_output=True, env=job)
+        if done.returncode and b"simulated failure after step" not in done.stderr:  # any other failure is real
+            sys.exit(f"attempt failed (exit status {done.returncode}):\n{done.stderr.decode()[-4000:]}")
     print(sorted(d for d in os.listdir(output_dir) if d.startswith("checkpoint-")))
     final = GPT2LMHeadModel.from_pretrained(os.path.join(output_dir, "checkpoint-16"))  # HF-native folders
     print(f"checkpoint-16 loads with from_pretrained: {type(final).__name__}")

@@ -73,5 +73,7 @@ if __name__ == "__main__":
     p.add_argument("run_dir", nargs="?", default=None, help="the checkpoint root (default: a new temp dir)")
     root = p.parse_args().run_dir or tempfile.mkdtemp(prefix="lightning-example-")
     for fail_at in (10, 0):  # the first attempt fails after step 10 (checkpoint at 8), the restart finishes
-        subprocess.run([sys.executable, __file__, "--attempt", root, str(fail_at)], capture_output=True)
+        done = subprocess.run([sys.executable, __file__, "--attempt", root, str(fail_at)], capture_output=True)
+        if done.returncode and b"simulated failure after step" not in done.stderr:  # any other failure is real
+            sys.exit(f"attempt failed (exit status {done.returncode}):\n{done.stderr.decode()[-4000:]}")
     print(ettr.report_text(ettr.attribute_root(root)))
