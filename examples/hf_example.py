@@ -5,7 +5,8 @@ Both attempts run the same command, `trainer.train()`, under one run id (CKPT_RU
 TORCHELASTIC_RUN_ID under a scheduler), so the restart resumes by itself; another run would be refused.
 
 Run: python examples/hf_example.py [OUTPUT_DIR] [--ranks N]   (offline, nothing downloaded, seconds on a CPU; a
-process per attempt, or with --ranks N each attempt is N CPU ranks under torchrun: HF's DDP, gloo)
+process per attempt, or with --ranks N each attempt is N CPU ranks under torchrun: HF's DDP, gloo; without
+OUTPUT_DIR the run goes to a temp dir, removed at the end; a second run into one OUTPUT_DIR is refused)
 """
 
 import argparse
@@ -61,20 +62,20 @@ def train(output_dir: str, max_steps: int, fail_at: int | None) -> None:
     trainer.train()
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--attempt"]:
-        train(sys.argv[2], 16, int(sys.argv[3]) or None)
-        sys.exit()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("output_dir", nargs="?", default=None)
-    p.add_argument("--ranks", type=int, default=1, help="processes per attempt (torchrun, DDP on CPU); default 1")
-    cli = p.parse_args()
-    output_dir = cli.output_dir or tempfile.mkdtemp(prefix="hf-example-")
+def run(output_dir: str, ranks: int) -> None:
+    """Two attempts of one job into `output_dir` (the first fails after step 10, the restart finishes), each a process
+    or `ranks` ranks under torchrun; then from_pretrained on the last checkpoint folder and the report."""
     job = {**os.environ, "CKPT_RUN_ID": f"hf-example-{uuid.uuid4().hex[:8]}"}  # what a scheduler's job id does
     launch = [sys.executable]
-    if cli.ranks > 1:
-        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cli.ranks}"]
-    for fail_at in (10, 0):  # the first attempt fails after step 10 (checkpoint at 8), the restart finishes
+    if ranks > 1:  # torchrun's logs to /dev/null: by default it leaves an empty temp folder per run in /tmp
+        launch += [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={ranks}",
+            f"--log-dir={os.devnull}",
+        ]
+    for fail_at in (10, 0):
         done = subprocess.run([*launch, __file__, "--attempt", output_dir, str(fail_at)], capture_output=True, env=job)
         if done.returncode and b"simulated failure after step" not in done.stderr:  # any other failure is real
             sys.exit(f"attempt failed (exit status {done.returncode}):\n{done.stderr.decode()[-4000:]}")
@@ -82,3 +83,20 @@ if __name__ == "__main__":
     final = GPT2LMHeadModel.from_pretrained(os.path.join(output_dir, "checkpoint-16"))  # HF-native folders
     print(f"checkpoint-16 loads with from_pretrained: {type(final).__name__}")
     print(ettr.report_text(ettr.attribute_root(os.path.join(output_dir, "ckpt"))))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--attempt"]:
+        train(sys.argv[2], 16, int(sys.argv[3]) or None)
+        sys.exit()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "output_dir", nargs="?", default=None, help="where the run goes (default: a temp dir, removed after)"
+    )
+    p.add_argument("--ranks", type=int, default=1, help="processes per attempt (torchrun, DDP on CPU); default 1")
+    cli = p.parse_args()
+    if cli.output_dir is not None:
+        run(cli.output_dir, cli.ranks)
+    else:
+        with tempfile.TemporaryDirectory(prefix="hf-example-") as output_dir:
+            run(output_dir, cli.ranks)

@@ -1,6 +1,7 @@
 """Lightning with ckpt + ettr: a fit that fails at step 10, a restarted process that resumes from step 8, the report.
 
-Run: python examples/lightning_example.py [RUN_DIR]   (offline, seconds on a CPU; each attempt is its own process)
+Run: python examples/lightning_example.py [RUN_DIR]   (offline, seconds on a CPU; each attempt is its own process;
+without RUN_DIR the run goes to a temp dir, removed at the end)
 """
 
 import argparse
@@ -65,15 +66,24 @@ def fit(root: str, max_steps: int, fail_at: int | None) -> None:
     trainer.fit(Regressor(), make_loader(data, sampler), ckpt_path="last")
 
 
+def run(root: str) -> None:
+    """Two process attempts into `root` (the first fails after step 10, the restart finishes), then the report."""
+    for fail_at in (10, 0):
+        done = subprocess.run([sys.executable, __file__, "--attempt", root, str(fail_at)], capture_output=True)
+        if done.returncode and b"simulated failure after step" not in done.stderr:  # any other failure is real
+            sys.exit(f"attempt failed (exit status {done.returncode}):\n{done.stderr.decode()[-4000:]}")
+    print(ettr.report_text(ettr.attribute_root(root)))
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--attempt"]:
         fit(sys.argv[2], 16, int(sys.argv[3]) or None)
         sys.exit()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", nargs="?", default=None, help="the checkpoint root (default: a new temp dir)")
-    root = p.parse_args().run_dir or tempfile.mkdtemp(prefix="lightning-example-")
-    for fail_at in (10, 0):  # the first attempt fails after step 10 (checkpoint at 8), the restart finishes
-        done = subprocess.run([sys.executable, __file__, "--attempt", root, str(fail_at)], capture_output=True)
-        if done.returncode and b"simulated failure after step" not in done.stderr:  # any other failure is real
-            sys.exit(f"attempt failed (exit status {done.returncode}):\n{done.stderr.decode()[-4000:]}")
-    print(ettr.report_text(ettr.attribute_root(root)))
+    p.add_argument("run_dir", nargs="?", default=None, help="the checkpoint root (default: a temp dir, removed after)")
+    run_dir = p.parse_args().run_dir
+    if run_dir is not None:
+        run(run_dir)
+    else:
+        with tempfile.TemporaryDirectory(prefix="lightning-example-") as root:
+            run(root)
