@@ -129,10 +129,12 @@ def test_a_demo_stopped_by_sigterm_stops_its_torchrun_and_worker_first(tmp_path)
         ("--batch=x", "argument --batch: invalid int value: 'x'"),
         ("--d-model=30", "--d-model must be a multiple of 4 (the attention heads), got 30"),
         ("--corpus-mb=0", "--corpus-mb 0.0 holds fewer bytes than one window (--context + 1 = 65)"),
+        ("--local=runs/demo/", "--local runs/demo is --run-dir: each run's local tier would be its durable root"),
     ],
 )
 def test_a_demo_flag_out_of_range_is_refused_naming_it_before_any_run(flag, said, capsys):
-    """Not seconds later as a worker's traceback under torchrun's, nor (--chaos=-1) as a complaint about --node-loss."""
+    """Not seconds later as a worker's traceback under torchrun's (after the whole reference run, for --local), nor
+    (--chaos=-1) as a complaint about --node-loss."""
     parser = _parser()
     with pytest.raises(SystemExit) as refused:
         _check(parser, parser.parse_args([flag]))

@@ -46,6 +46,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse flag combinations that would not do what they say."""
     if args.local is None and (args.compare or args.node_loss):
         parser.error("--compare and --node-loss need --local DIR (two tiers)")
+    if args.local is not None and args.local.resolve() == args.run_dir.resolve():
+        parser.error(f"--local {args.local} is --run-dir: each run's local tier would be its durable root")
     if args.d_model % HEADS:
         parser.error(f"--d-model must be a multiple of {HEADS} (the attention heads), got {args.d_model}")
     if args.corpus_mb * 1e6 < args.context + 1:
