@@ -337,6 +337,7 @@ class Cluster:
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),  # examples/
             "GLOO_SOCKET_IFNAME": "eth0",
             "OMP_NUM_THREADS": "1",
+            "TMPDIR": str(log.parent),  # torchrun's torchelastic_* folders, which it leaves, beside the log
         }
         return node.run(["bash", "-c", torchrun_line(), "torchrun", script, *args], log, env)
 

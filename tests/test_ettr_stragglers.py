@@ -262,6 +262,7 @@ def test_under_torchrun_the_rank_slowed_by_a_sleep_is_named_in_the_report_and_th
     root = tmp_path / "run"
     worker = os.path.join(REPO, "tests", "procs", "straggler_worker.py")
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0"]
+    launch += [f"--log-dir={os.devnull}"]  # else an empty torchelastic_* folder in /tmp per run
     proc = subprocess.run(
         [*launch, worker, str(root), "1", str(SLEEP), str(STEPS), str(WINDOW)],
         cwd=REPO,

@@ -38,6 +38,7 @@ def start(
     """Start one training attempt as a child process, without the launcher variables of this one (plus `env`);
     `ranks` > 1: as that many CPU ranks under torchrun (standalone: its rendezvous on this machine's loopback)."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    launcher += [f"--log-dir={os.devnull}"]  # else an empty torchelastic_* folder in /tmp per attempt
     args = [*(launcher if ranks > 1 else [sys.executable]), str(child), str(root), str(out), str(steps)]
     args += [str(hang_at)] if hang_at else []
     environ = {k: v for k, v in os.environ.items() if k not in LAUNCHER}
