@@ -277,7 +277,7 @@ def _explaining(storage: Storage, step: int) -> int:
     resume changes the batches from that resume on, and the checkpoints after it carry it), else the newest."""
     steps = layout.committed_steps(storage)
     if not steps:
-        return layout.newest_committed(storage)  # the error naming the root
+        raise StepNotFoundError(layout.nothing_committed(storage))
     return next((s for s in steps if s >= step), steps[-1])
 
 

@@ -199,8 +199,10 @@ def check_step_free(storage: Storage, step: int) -> None:
     there, and the save's own error named something else (the link "already committed", the file a
     NotADirectoryError from inside the write)."""
     path = storage.direct_path(step_dir(step))  # where a step is a directory of this machine's
+    if path is None:
+        return
     try:
-        mode = os.lstat(path).st_mode if path is not None else stat.S_IFDIR
+        mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return
     if not stat.S_ISDIR(mode):

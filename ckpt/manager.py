@@ -346,14 +346,15 @@ class CheckpointManager:
     def _retain_after(self, step: int) -> None:
         """Queue the deletion of the committed steps the policy does not keep; never the newest, whatever it says, nor
         `step`, the one just committed (or persisted). Forgets the cached metadata of older local steps never persisted:
-        a long run's cache holds the durable root's steps, not every save. A checkpoint left behind is no data loss: a failure is reported, not raised."""
+        a long run's cache holds the durable root's steps, not every save. A checkpoint left behind is no data loss: a
+        failure is reported, not raised."""
         if self.retention is None or not self.ranks.leader:
             return
         try:
             self._check_lease()  # a writer that lost the root lists nothing: the steps are its successor's now
             steps = layout.committed_steps(self.storage)
-            for s in [s for s in list(self._metadata) if s < step and s not in steps]:  # a local step never persisted
-                self._metadata.pop(s, None)
+            for s in [s for s in self._metadata if s < step and s not in steps]:  # a local step never persisted
+                del self._metadata[s]
             read = functools.partial(layout.saved_metadata, self.storage)
             for s in doomed(self.retention, steps, StepMetadata(steps, read, self._metadata), spare={step}):
                 self._queue_delete(s, report=False)

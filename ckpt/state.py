@@ -554,7 +554,7 @@ def stateful_in(
 ) -> Iterator[tuple[str, Any, Any]]:
     """(its key path, as 'samplers.val', object, its state) of every Stateful object `apply(target, key, value)` would
     load, at any depth."""
-    path = f"{path}.{key}" if path else str(key)
+    path = _join(path, key)
     current = _at(target, key)
     entered = _entered(current, value)
     if entered is not None:

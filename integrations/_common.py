@@ -71,7 +71,7 @@ class TrackerLease:
         if tracker is not None and not isinstance(tracker, GoodputTracker):
             raise TypeError(f"tracker must be an ettr.GoodputTracker, got {tracker!r}")
         self.root, self.given = root, tracker
-        self.storage_options = dict(storage_options) if storage_options is not None else None
+        self.storage_options = storage_options
         self.tracker: GoodputTracker | None = tracker
         self._open = False
 
@@ -83,7 +83,7 @@ class TrackerLease:
         defaults to) or else in the lease's own root and options."""
         if self.given is not None:
             return self.given
-        if self.root is not None or root is None:
+        if self.root is not None:
             root, storage_options = self.root, self.storage_options
         if root is None:
             raise ValueError("no root for the goodput ledger: pass root= or tracker=")

@@ -113,7 +113,8 @@ def validated_options(storage_options: Mapping[str, Any] | None) -> dict[str, An
             value = _FLAGS.get(options[flag].strip().lower())
             if value is None:
                 raise ValueError(
-                    f"storage option {flag} is true or false (1, true, yes, on; 0, false, no, off), got {options[flag]!r}"
+                    f"storage option {flag} is true or false (1, true, yes, on; 0, false, no, off), "
+                    f"got {options[flag]!r}"
                 )
             options[flag] = value
     if ("access_key_id" in options) != ("secret_access_key" in options):

@@ -49,7 +49,8 @@ def redirect(rank: int, world: int, port: int, log: str) -> None:
 
 
 def build(out: int = 8):
-    """The FSDP2 model (plain at world size 1) and its Adam; `out` = 1 gives a head no rank but rank 0 holds a row of."""
+    """The FSDP2 model (plain at world size 1) and its Adam; `out` = 1 gives a head no rank but rank 0 holds a row
+    of."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(32, 96), torch.nn.GELU(), torch.nn.Linear(96, 40), torch.nn.Linear(40, out)
