@@ -116,3 +116,33 @@ def test_a_local_write_that_fails_leaves_no_temporary_file(tmp_path):
     out = subprocess.run([sys.executable, "-c", _FULL_WRITE, str(root)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["27", "27", "[]"], out.stdout
+
+
+def test_a_marker_removed_while_a_step_is_listed_is_not_damage(tmp_path, monkeypatch):
+    """A writer removes its `_IN_PROGRESS` marker right after its commit: a restore beside it that listed the step in
+    between met the marker gone at its stat and called the step it had just committed damaged ("step directory
+    changed while being read"), falling back to an older one. The entry is simply not there now."""
+    import os
+
+    with ckpt.CheckpointManager(tmp_path) as m:
+        m.save(1, {"w": torch.ones(2)}).wait()
+    marker = tmp_path / layout.in_progress_path(1)
+    marker.write_text("{}")  # as a writer's, an instant before its removal
+    real = os.scandir
+
+    class Listed:  # the listing read before the marker went, its entries not yet stat'ed
+        def __init__(self, path):
+            with real(path) as it:
+                self.entries = list(it)
+            marker.unlink(missing_ok=True)
+
+        def __enter__(self):
+            return iter(self.entries)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(os, "scandir", Listed)
+    files = layout.step_files(open_storage(str(tmp_path)), 1)
+    monkeypatch.undo()
+    assert files is not None and layout.IN_PROGRESS not in files.sizes and "manifest.json" in files.sizes

@@ -58,7 +58,9 @@ def _kind(mode: int) -> str:
 
 def local_files(path: str) -> dict[str, int]:
     """Size of every file under a local directory, by relative path; UnsafeFileError on the first entry
-    (the directory itself included) that is neither a regular file nor a directory."""
+    (the directory itself included) that is neither a regular file nor a directory. An entry deleted between the
+    listing and its stat is not there (a writer's `_IN_PROGRESS` marker, removed right after its commit, made a
+    restore beside it call the step it had just committed damaged); the directory itself missing is an error."""
     sizes: dict[str, int] = {}
     mode = os.lstat(path).st_mode
     if not stat.S_ISDIR(mode):
@@ -67,7 +69,10 @@ def local_files(path: str) -> dict[str, int]:
     while stack:
         with os.scandir(stack.pop()) as it:
             for e in it:
-                st = e.stat(follow_symlinks=False)
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
                 if stat.S_ISDIR(st.st_mode):
                     stack.append(e.path)
                 elif stat.S_ISREG(st.st_mode):
